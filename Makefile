@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/phoenixft demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py $(if $(QUICK),--quick,)
+
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff mypy
+	$(PY) -m ruff check src tests bench
+	$(PY) -m mypy src
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,95 @@
+"""The node agent: one per node (failure domain), supervising the node's G workers.
+
+It imports torch once and forks its workers from that warm image (so a node of G workers
+pays one `import torch`), heartbeats to the control plane, and reports worker exits.
+A spare node is the same agent started with `--spare`: its workers build the model and wait,
+warm, for promotion. The agent and its workers share one process group (the agent is a
+session leader), so a node is killed, or fenced, as one unit.
+
+Run as `phoenixft agent --store HOST:PORT --node ID` (the launcher does this for local runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import traceback
+
+__all__ = ["main"]
+
+
+def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int) -> int:
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            from phoenixft.worker import worker_main
+
+            code = worker_main(store, node, local_rank, run_id, threads)
+        except BaseException:  # noqa: BLE001 - report and exit non-zero
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="phoenixft agent")
+    ap.add_argument("--store", required=True, help="control-plane store HOST:PORT")
+    ap.add_argument("--node", required=True, help="node id (n<i> active, s<i> spare)")
+    ap.add_argument("--workers", type=int, required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--run-id", required=True)
+    a = ap.parse_args(argv)
+
+    import torch  # noqa: F401 - warm the image the workers are forked from
+
+    import phoenixft.worker  # noqa: F401
+
+    children = {_fork_worker(a.store, a.node, i, a.run_id, a.threads): i for i in range(a.workers)}
+
+    def stop(signum: int, frame: object) -> None:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+
+    store = connect_store(a.store)
+    worst = 0
+    while children:
+        try:
+            store.set(keys.heartbeat(a.node), str(time.time()))
+        except Exception:  # noqa: BLE001 - control plane gone: keep supervising, the launcher decides
+            pass
+        deadline = time.monotonic() + 0.25
+        while children and time.monotonic() < deadline:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.02)
+                continue
+            lr = children.pop(pid, None)
+            code = os.waitstatus_to_exitcode(status)
+            worst = max(worst, abs(code))
+            if code != 0 and lr is not None:
+                try:
+                    store.set(f"wexit/{a.node}.{lr}", str(code))
+                except Exception:  # noqa: BLE001
+                    pass
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())

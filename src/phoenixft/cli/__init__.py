@@ -1,0 +1,1 @@
+"""The `phoenixft` command line: one module per subcommand (`cmd_*.py`)."""

@@ -1,0 +1,24 @@
+"""`phoenixft agent`: a node agent joining a coordinator (multi-host, or a spare started by hand)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("agent", help="run a node agent that joins a running job's coordinator")
+    p.add_argument("--store", required=True, help="coordinator store HOST:PORT")
+    p.add_argument("--node", required=True, help="node id: n<i> for an active slot, s<i> for a spare")
+    p.add_argument("--workers", type=int, default=1, help="workers on this node (must match the job)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--run-id", default="manual", help="tag for shared-memory names")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from phoenixft.agent import main
+
+    return main(["--store", args.store, "--node", args.node, "--workers", str(args.workers), "--threads",
+                 str(args.threads), "--run-id", args.run_id])

@@ -1,0 +1,24 @@
+"""`phoenixft run`: train a job locally under protection, with optional fault injection."""
+
+from __future__ import annotations
+
+import argparse
+
+from phoenixft.config import add_run_arguments, config_from_args
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("run", help="train N nodes x G workers with S warm spares; inject faults; write a report",
+                       description="Train a job as local processes: coordinator, one agent per node, workers, spares.")
+    add_run_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from phoenixft.launcher import run_job
+
+    cfg = config_from_args(args)
+    report = run_job(cfg)
+    return 0 if report.get("state") == "done" else 1

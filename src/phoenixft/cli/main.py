@@ -1,0 +1,43 @@
+"""Entry point of the `phoenixft` command: dispatches to the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from phoenixft.errors import UserError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from phoenixft.cli import cmd_agent, cmd_demo, cmd_run
+
+    ap = argparse.ArgumentParser(prog="phoenixft", description="Keep PyTorch training alive through node failures.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    cmd_run.add_parser(sub)
+    cmd_demo.add_parser(sub)
+    cmd_agent.add_parser(sub)
+    try:
+        from phoenixft.sim.cli import add_parser as add_sim
+    except ImportError:
+        pass
+    else:
+        add_sim(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UserError as e:
+        print(f"phoenixft {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

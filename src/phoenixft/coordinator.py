@@ -1,0 +1,239 @@
+"""The coordinator: control plane, out of process.
+
+It hosts torch's own TCPStore (the c10d store every process meets at) and owns membership,
+failure detection on the node level (agent exits reported by the launcher, missed heartbeats),
+recovery epochs and the spare pool. On a failure in epoch e (Algorithm 2 of the paper):
+
+1. set the epoch's failure flag so every member stops at its next wait;
+2. collect a *descriptor* from every surviving worker (which steps its ping-pong halves hold,
+   which replicas it keeps) and decide which nodes are dead: reported exits, stale heartbeats,
+   or workers that did not answer within `--failure-timeout` (those nodes are fenced);
+3. pick the recovery step r: the newest step for which every logical shard still has a
+   committed copy somewhere (its owner, or a verified replica);
+4. acquire one spare per dead node, put it in the dead node's slot and publish topology e+1
+   with the transfers (parameters from a healthy DP peer, optimizer shard from a replica
+   holder, matched by logical shard id).
+
+Run as `python -m phoenixft.coordinator --port-file F`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from phoenixft import keys
+from phoenixft.config import RunConfig
+from phoenixft.topology import Topology, shard_name
+
+__all__ = ["Coordinator", "main"]
+
+POLL_S = 0.003
+
+
+class Coordinator:
+    def __init__(self, store: dist.TCPStore) -> None:
+        self.store = store
+        self.cfg = RunConfig.from_json(self._wait(keys.CONFIG, 120.0))
+        self.g = self.cfg.workers_per_node
+        self.spare_pool = [f"s{i}" for i in range(self.cfg.spares)]
+        self.topo: Topology | None = None
+        self.dead: set[str] = set()
+        self._last_hb_check = 0.0
+        self._exits_seen = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _wait(self, key: str, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"coordinator: no {key!r} after {timeout_s:.0f}s")
+            time.sleep(0.01)
+        return self.store.get(key)
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        rec = {"t": time.time(), "kind": kind, "by": "coordinator", **fields}
+        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+
+    def _wids(self, node: str) -> list[str]:
+        return [f"{node}.{i}" for i in range(self.g)]
+
+    def _node_ready(self, node: str) -> bool:
+        return all(self.store.check([keys.ready(w)]) for w in self._wids(node))
+
+    def _exited(self, node: str) -> bool:
+        return self.store.check([keys.node_exit(node)])
+
+    def _stale(self, node: str, now: float) -> bool:
+        if not self.store.check([keys.heartbeat(node)]):
+            return False
+        return now - float(self.store.get(keys.heartbeat(node))) > self.cfg.failure_timeout
+
+    def _fail_run(self, why: str) -> None:
+        self.store.set(keys.RUN_ERROR, why)
+        self._event("run_failed", error=why)
+        self.store.set(keys.RUN_STATE, "failed")
+
+    def publish(self, topo: Topology) -> None:
+        self.topo = topo
+        self.store.set(keys.topo(topo.epoch), topo.to_json())
+        self.store.set(keys.EPOCH, str(topo.epoch))
+        self._event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world, resume_step=topo.resume_step)
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> None:
+        active = [f"n{i}" for i in range(self.cfg.nodes)]
+        deadline = time.monotonic() + 600.0
+        while not all(self._node_ready(n) for n in active):
+            if self.store.check([keys.RUN_STATE]) or time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        self._event("run_start", nodes=active, spares=self.spare_pool)
+        self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
+                              resume_step=0))
+        while not self.store.check([keys.RUN_STATE]):
+            if self._failure_pending():
+                self.recover()
+            else:
+                time.sleep(POLL_S)
+
+    def _failure_pending(self) -> bool:
+        assert self.topo is not None
+        if self.store.check([keys.failflag(self.topo.epoch)]):
+            return True
+        exits = self.store.add("exits", 0)
+        if exits != self._exits_seen:
+            self._exits_seen = exits
+            if any(self._exited(n) for n in self.topo.nodes):
+                return True
+        now = time.time()
+        if now - self._last_hb_check > 0.25:
+            self._last_hb_check = now
+            if any(self._stale(n, now) for n in self.topo.nodes):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ recovery
+    def recover(self) -> None:
+        assert self.topo is not None
+        old = self.topo
+        e = old.epoch
+        t_start = time.time()
+        self.store.set(keys.failflag(e), "1")
+        wids = [w for n in old.nodes for w in self._wids(n)]
+        dead: set[str] = set()
+        fenced: set[str] = set()
+        deadline = time.monotonic() + self.cfg.failure_timeout
+        while True:
+            now = time.time()
+            for n in old.nodes:
+                if n not in dead and (self._exited(n) or self._stale(n, now)):
+                    dead.add(n)
+            missing = [w for w in wids if w.split(".")[0] not in dead and not self.store.check([keys.desc(e, w)])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                fenced = {w.split(".")[0] for w in missing}
+                dead |= fenced
+                break
+            time.sleep(POLL_S)
+        for n in dead:
+            self.store.set(keys.fence(n), "1")
+        self.dead |= dead
+        descs = {w: json.loads(self.store.get(keys.desc(e, w))) for w in wids if w.split(".")[0] not in dead}
+        t_first = min([d["t"] for d in descs.values()] + [t_start])
+        klass, action = ("permanent", "hotswap") if dead else ("transient", "reconfigure")
+        self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), **{"class": klass},
+                    action=action)
+        # spares
+        pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
+        dead_slots = [i for i, n in enumerate(old.nodes) if n in dead]
+        if len(pool) < len(dead_slots):
+            self._fail_run(f"{len(dead_slots)} node(s) lost ({', '.join(sorted(dead))}) but only {len(pool)} "
+                           f"spare(s) ready; shrinking is not implemented yet")
+            return
+        nodes = list(old.nodes)
+        promoted = []
+        for i in dead_slots:
+            spare = pool.pop(0)
+            self.spare_pool.remove(spare)
+            nodes[i] = spare
+            promoted.append(spare)
+        # recovery point: newest step every logical shard still has
+        avail: dict[int, set[int]] = {}
+        sources: dict[int, dict[int, int]] = {}  # shard -> step -> holder rank
+        for shard in range(old.world):
+            owner = old.node_of_rank(shard)
+            if owner not in dead:
+                avail[shard] = set(descs[f"{owner}.{shard % self.g}"]["steps"])
+                continue
+            avail[shard] = set()
+            sources[shard] = {}
+            for h in old.holders(shard):
+                hn = old.node_of_rank(h)
+                if hn in dead:
+                    continue
+                for s in descs[f"{hn}.{h % self.g}"]["holdings"].get(str(shard), []):
+                    avail[shard].add(s)
+                    sources[shard].setdefault(s, h)
+        lost = [shard_name(s, old.world) for s, a in avail.items() if not a]
+        common = set.intersection(*avail.values()) if avail else set()
+        if lost or not common:
+            what = f"lost shards: {', '.join(lost)}" if lost else "no step is held by every shard"
+            self._fail_run(f"in-memory state lost in epoch {e} ({what}); the persistent tier is not implemented yet")
+            return
+        r = max(common)
+        max_committed = max((max(d["steps"]) for d in descs.values() if d["steps"]), default=r)
+        progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
+        alive_ranks = [rk for rk in range(old.world) if old.node_of_rank(rk) not in dead]
+        transfers = []
+        for k, i in enumerate(dead_slots):
+            for lr in range(self.g):
+                rank = i * self.g + lr
+                transfers.append({"dst": rank, "shard": rank, "param_src": alive_ranks[(k * self.g + lr) %
+                                                                                        len(alive_ranks)],
+                                  "opt_src": sources[rank][r]})
+        topo = Topology(epoch=e + 1, nodes=nodes, workers_per_node=self.g, replicas=self.cfg.replicas,
+                        resume_step=r, transfers=transfers,
+                        meta={"dead": sorted(dead), "promoted": promoted, "class": klass, "action": action})
+        rec = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
+               "t_decided": time.time(), "dead": sorted(dead), "fenced": sorted(fenced), "promoted": promoted,
+               "resume_step": r, "max_committed": max(max_committed, progress), "class": klass, "action": action,
+               "errors": sorted({d["error"] for d in descs.values()})[:5]}
+        self.store.set(keys.recovery(e + 1), json.dumps(rec))
+        self.publish(topo)
+        for s in promoted:
+            self.store.set(keys.assign(s), str(e + 1))
+        self._event("recovery_planned", epoch=e + 1, resume_step=r, promoted=promoted,
+                    decide_s=rec["t_decided"] - t_start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="phoenixft coordinator")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--port-file", required=True)
+    a = ap.parse_args(argv)
+    store = dist.TCPStore(a.host, a.port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    tmp = a.port_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(store.port))
+    os.replace(tmp, a.port_file)
+    try:
+        Coordinator(store).run()
+    except TimeoutError as e:
+        print(str(e), file=sys.stderr)
+    # keep serving the store until the launcher has read the results and stops us
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

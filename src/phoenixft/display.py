@@ -1,0 +1,75 @@
+"""What a person sees during `phoenixft run`: a progress line, fault and recovery lines.
+
+On a terminal the progress line redraws in place; in a log (not a TTY, or `--quiet`) a line is
+printed every tenth of the run. `--json-events` prints each event as one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+__all__ = ["Display"]
+
+
+class Display:
+    def __init__(self, *, quiet: bool = False, json_events: bool = False, steps: int = 0) -> None:
+        self.quiet, self.json_events, self.steps = quiet, json_events, steps
+        self.tty = sys.stderr.isatty() and not quiet
+        self._t0 = time.time()
+        self._last_line = 0
+        self._tokens = 0
+
+    def _err(self, text: str) -> None:
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def info(self, text: str) -> None:
+        self._err(text)
+
+    def progress(self, rec: dict[str, Any]) -> None:
+        s, n = rec["step"], self.steps
+        el = time.time() - self._t0
+        eta = el / max(1, s) * (n - s)
+        line = (f"step {s}/{n}  loss {rec['loss']:.4f}  {rec['dt'] * 1e3:.0f} ms/step  "
+                f"epoch {rec['epoch']}  world {rec['world']}  ETA {eta:.0f}s")
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line)
+            sys.stderr.flush()
+        elif not self.quiet and (s == n or s - self._last_line >= max(1, n // 10)):
+            self._last_line = s
+            self._err(line)
+
+    def event(self, ev: dict[str, Any]) -> None:
+        if self.json_events:
+            print(json.dumps(ev), flush=True)
+        k = ev.get("kind")
+        if k == "fault":
+            self._err(f"!! fault injected: {ev['spec']} (node {ev['node']}, step {ev['step']}, phase {ev['phase']})")
+        elif k == "classified":
+            self._err(f"!! failure in epoch {ev['epoch']}: dead {ev['dead'] or 'none'} -> class {ev['class']}, "
+                      f"action {ev['action']}")
+        elif k == "recovery_planned":
+            self._err(f"   epoch {ev['epoch']}: resume from step {ev['resume_step']}, promoted {ev['promoted']} "
+                      f"(decided in {ev['decide_s'] * 1e3:.0f} ms)")
+        elif k == "run_failed":
+            self._err(f"!! run failed: {ev['error']}")
+
+    def done(self, report: dict[str, Any]) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+        for r in report.get("recoveries", []):
+            st = r["stages"]
+            fmt = lambda x: "-" if x is None else f"{x * 1e3:.0f}ms"  # noqa: E731
+            self._err(f"   recovered {r['fault'] or 'failure'}: {r['action']} in {fmt(r['recovery_s'])} "
+                      f"(detect {fmt(st['detect_s'])}, reconfigure {fmt(st['reconfigure_s'])}, "
+                      f"params {fmt(st['restore_params_s'])}, optimizer {fmt(st['restore_optimizer_s'])}, "
+                      f"first step {fmt(st['first_step_s'])}), lost {r['lost_steps']} step(s), "
+                      f"invariants {'ok' if all(r['invariants'].values()) else r['invariants']}")
+        state = report.get("state")
+        self._err(f"{state}: {report.get('steps_completed', 0)} steps, final state sha256 "
+                  f"{(report.get('final_state_sha256') or '-')[:16]}, report in {report.get('run_dir', '-')}")

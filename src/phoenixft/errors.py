@@ -1,0 +1,24 @@
+"""Exceptions shared by every part of phoenixft."""
+
+from __future__ import annotations
+
+__all__ = ["UserError", "PeerFailure", "RunAborted", "ShardLoss"]
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit code 2, no traceback."""
+
+
+class PeerFailure(Exception):
+    """A collective, a replication transfer or the control plane reported that a peer is gone.
+
+    Raised inside a training step; the worker answers it by entering the recovery protocol.
+    """
+
+
+class RunAborted(Exception):
+    """The control plane ended the run (finished elsewhere, failed, or this process was fenced)."""
+
+
+class ShardLoss(Exception):
+    """Every in-memory copy of at least one logical shard is gone (owner and all replica holders)."""

@@ -1,0 +1,67 @@
+"""Names of the control-plane store keys: one place, so every process agrees on them."""
+
+from __future__ import annotations
+
+CONFIG = "config"
+RUN_STATE = "run/state"  # "done" | "failed"
+RUN_ERROR = "run/error"
+EVENTS = "events"  # newline-separated JSON records, appended
+PROGRESS = "progress"
+FINAL = "final"
+EPOCH = "epoch"
+
+
+def ready(wid: str) -> str:
+    return f"ready/{wid}"
+
+
+def heartbeat(node: str) -> str:
+    return f"hb/{node}"
+
+
+def node_exit(node: str) -> str:
+    return f"exit/{node}"
+
+
+def fence(node: str) -> str:
+    return f"fence/{node}"
+
+
+def topo(epoch: int) -> str:
+    return f"topo/{epoch}"
+
+
+def assign(node: str) -> str:
+    return f"assign/{node}"
+
+
+def failflag(epoch: int) -> str:
+    return f"failflag/{epoch}"
+
+
+def desc(epoch: int, wid: str) -> str:
+    return f"desc/{epoch}/{wid}"
+
+
+def join(epoch: int, wid: str) -> str:
+    return f"join/{epoch}/{wid}"
+
+
+def first_step(epoch: int) -> str:
+    return f"first_step/{epoch}"
+
+
+def recovery(epoch: int) -> str:
+    return f"recovery/{epoch}"
+
+
+def step(s: int) -> str:
+    return f"step/{s}"
+
+
+def fault(index: int) -> str:
+    return f"fault/{index}"
+
+
+def fault_claim(index: int) -> str:
+    return f"fault/{index}/claim"

@@ -1,0 +1,195 @@
+"""The local launcher behind `phoenixft run`: the whole job as local processes.
+
+It starts the coordinator (which hosts the store), publishes the config, starts one agent per
+node and per spare node (each in its own session, so a node is one process group), then
+watches: agent exits are reported to the control plane at once, fence requests are carried
+out (SIGKILL to the node's process group), progress and events are shown. At the end it reads
+the results from the store, writes the run directory and the report, and tears everything
+down; teardown is idempotent and runs on every exit path, so no process outlives a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from phoenixft import keys
+from phoenixft.config import RunConfig
+from phoenixft.display import Display
+from phoenixft.report import build_report
+
+__all__ = ["LocalJob", "run_job"]
+
+
+class LocalJob:
+    def __init__(self, cfg: RunConfig, display: Display | None = None) -> None:
+        self.cfg = cfg
+        self.run_id = uuid.uuid4().hex[:10]
+        self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{self.run_id}"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.display = display or Display(quiet=cfg.quiet, json_events=cfg.json_events, steps=cfg.steps)
+        self.coord: subprocess.Popen[bytes] | None = None
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.exited: set[str] = set()
+        self.fenced: set[str] = set()
+        self.store: Any = None
+        self.addr = ""
+        self._events_off = 0
+        self._torn_down = False
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
+        out = open(self.run_dir / "logs" / log, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+
+    def _threads(self) -> int:
+        if self.cfg.threads:
+            return self.cfg.threads
+        return max(1, (os.cpu_count() or 1) // max(1, self.cfg.world))
+
+    def start(self) -> None:
+        from phoenixft.comm import connect_store
+        from phoenixft.workload import WorkloadContext, load_workload
+
+        wl = load_workload(self.cfg.workload, WorkloadContext(seed=self.cfg.seed, micro_batch=self.cfg.micro_batch,
+                                                              model=self.cfg.model))
+        if wl.prepare is not None:
+            wl.prepare()  # e.g. build the corpus cache once, before the workers map it
+        port_file = self.run_dir / "coordinator.port"
+        port_file.unlink(missing_ok=True)
+        self.coord = self._spawn(["phoenixft.coordinator", "--port-file", str(port_file)], "coordinator.log")
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if self.coord.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"coordinator did not start; see {self.run_dir / 'logs' / 'coordinator.log'}")
+            time.sleep(0.02)
+        self.addr = f"127.0.0.1:{port_file.read_text().strip()}"
+        self.store = connect_store(self.addr)
+        self.store.set(keys.CONFIG, self.cfg.to_json())
+        (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
+        nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
+        for n in nodes:
+            self.agents[n] = self._spawn(
+                ["phoenixft.agent", "--store", self.addr, "--node", n, "--workers", str(self.cfg.workers_per_node),
+                 "--threads", str(self._threads()), "--run-id", self.run_id], f"{n}.log")
+        self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
+                          f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}, "
+                          f"dir {self.run_dir}")
+
+    def _kill_group(self, node: str, sig: int = signal.SIGKILL) -> None:
+        p = self.agents.get(node)
+        if p is None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ------------------------------------------------------------------ monitoring
+    def _poll_events(self) -> None:
+        if not self.store.check([keys.EVENTS]):
+            return
+        raw = self.store.get(keys.EVENTS).decode()
+        new, self._events_off = raw[self._events_off :], len(raw)
+        for line in new.splitlines():
+            if line.strip():
+                self.display.event(json.loads(line))
+
+    def monitor(self) -> str:
+        deadline = time.monotonic() + self.cfg.timeout
+        last_progress = -1
+        while True:
+            for n, p in self.agents.items():
+                if n not in self.exited and p.poll() is not None:
+                    self.exited.add(n)
+                    self.store.set(keys.node_exit(n), str(time.time()))
+                    self.store.add("exits", 1)
+                if n not in self.fenced and self.store.check([keys.fence(n)]):
+                    self.fenced.add(n)
+                    self._kill_group(n)
+            if self.coord is not None and self.coord.poll() is not None:
+                return "failed: coordinator exited"
+            if self.store.check([keys.PROGRESS]):
+                prog = int(self.store.get(keys.PROGRESS))
+                if prog != last_progress and self.store.check([keys.step(prog)]):
+                    last_progress = prog
+                    self.display.progress(json.loads(self.store.get(keys.step(prog))))
+            self._poll_events()
+            if self.store.check([keys.RUN_STATE]):
+                return self.store.get(keys.RUN_STATE).decode()
+            if time.monotonic() > deadline:
+                return f"failed: timeout after {self.cfg.timeout:.0f}s"
+            if all(n in self.exited for n in self.agents):
+                return "failed: every node exited"
+            time.sleep(0.01)
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        """Stop every process this job started; safe to call more than once."""
+        if self._torn_down:
+            return
+        self._torn_down = True
+        try:
+            if self.store is not None and not self.store.check([keys.RUN_STATE]):
+                self.store.set(keys.RUN_STATE, "aborted")
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            pass
+        deadline = time.monotonic() + 5.0
+        for p in self.agents.values():
+            try:
+                p.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for n in self.agents:
+            self._kill_group(n)
+        for p in self.agents.values():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.coord is not None:
+            try:
+                os.killpg(self.coord.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.coord.wait(timeout=5)
+        for f in Path("/dev/shm").glob(f"phoenixft-{self.run_id}-*"):
+            f.unlink(missing_ok=True)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.agents.values()] + ([self.coord.pid] if self.coord else [])
+
+
+def run_job(cfg: RunConfig, display: Display | None = None) -> dict[str, Any]:
+    """Run a job end to end; returns the report (also written to the run dir and --report)."""
+    job = LocalJob(cfg, display)
+    state = "failed: did not start"
+    report: dict[str, Any] = {}
+    try:
+        job.start()
+        state = job.monitor()
+        job._poll_events()
+        report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
+    except KeyboardInterrupt:
+        state = "failed: interrupted"
+        report = {"config": json.loads(cfg.to_json()), "state": state}
+    finally:
+        job.teardown()
+    if not report:
+        report = {"config": json.loads(cfg.to_json()), "state": state}
+    (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
+    if cfg.report:
+        Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.report).write_text(json.dumps(report, indent=2))
+    job.display.done(report)
+    return report

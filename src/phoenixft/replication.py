@@ -1,0 +1,201 @@
+"""Background replication of the committed optimizer shard to k peers on other nodes.
+
+After step s commits, `start(s)` hands the job to a background thread that sends the committed
+half's payload (exp_avg, exp_avg_sq; never the parameters) to each holder, in chunks, over the
+epoch's dedicated replication process group, and receives the peers' payloads into the staging
+half of the matching `Holding`. A received replica is committed only after its CRC32 matches the
+sender's, so a torn or corrupted transfer is never used. Before the gradient reduce-scatter of
+step s+1 the training loop calls `wait(s)`: a rank that entered the reduce-scatter has therefore
+always committed its replicas on both sides (see DESIGN: this is what makes a consistent
+recovery point exist for every combination of survivors).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from phoenixft.comm import EpochComm, alltoallv, wait_work
+from phoenixft.errors import PeerFailure
+from phoenixft.snapshot import Holding, ShardState, checksum
+
+__all__ = ["Replicator", "ReplicaPlan"]
+
+
+@dataclass(kw_only=True)
+class ReplicaPlan:
+    shard: int
+    send_to: list[int]  # ranks holding my shard, one per ring round
+    recv_from: list[tuple[int, int]]  # (rank, shard) whose replica I keep, same rounds
+
+
+@dataclass
+class _Stats:
+    jobs: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    checksum_failures: int = 0
+    per_job_s: list[float] = field(default_factory=list)
+
+
+class Replicator:
+    def __init__(
+        self,
+        state: ShardState,
+        holding_factory: Callable[[int], Holding],
+        chunk_numel: int,
+        abort_check: Callable[[], str | None],
+        timeout_s: float,
+        on_in_flight: Callable[[int], None] | None = None,
+        after_commit: Callable[[int, dict[int, Holding]], None] | None = None,
+    ) -> None:
+        self.state = state
+        self.holdings: dict[int, Holding] = {}
+        self._holding_factory = holding_factory
+        self.chunk = max(1, chunk_numel)
+        self._abort_check = abort_check
+        self.timeout_s = timeout_s
+        self._on_in_flight = on_in_flight
+        self._after_commit = after_commit
+        self._cv = threading.Condition()
+        self._job: int | None = None
+        self._done = -1
+        self._error: str | None = None
+        self._abort = threading.Event()
+        self._stop = False
+        self.comm: EpochComm | None = None
+        self.plan: ReplicaPlan | None = None
+        self.stats = _Stats()
+        self._thread = threading.Thread(target=self._run, name="phoenixft-replicator", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- main-thread API
+    def configure(self, comm: EpochComm, plan: ReplicaPlan) -> None:
+        with self._cv:
+            assert self._job is None, "reconfigure while a job runs"
+            self.comm, self.plan = comm, plan
+            self._error = None
+            self._done = -1
+            self._abort.clear()
+
+    def holding(self, shard: int) -> Holding:
+        if shard not in self.holdings:
+            self.holdings[shard] = self._holding_factory(shard)
+        return self.holdings[shard]
+
+    def start(self, step: int) -> None:
+        with self._cv:
+            self._job = step
+            self._cv.notify_all()
+
+    def wait(self, step: int) -> float:
+        """Block until the replication of `step` committed on both sides; returns seconds waited."""
+        import time
+
+        t0 = time.perf_counter()
+        with self._cv:
+            while self._done < step and self._error is None:
+                if not self._cv.wait(timeout=self.timeout_s):
+                    raise PeerFailure(f"replication of step {step}: timed out after {self.timeout_s:.1f}s")
+            if self._error is not None:
+                raise PeerFailure(self._error)
+        return time.perf_counter() - t0
+
+    def abort(self, timeout_s: float = 5.0) -> None:
+        """Make an in-flight job give up and wait until the thread is idle."""
+        self._abort.set()
+        with self._cv:
+            self._cv.wait_for(lambda: self._job is None, timeout=timeout_s)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._abort.set()
+            self._cv.notify_all()
+
+    # ---------------------------------------------------------------- background thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._job is not None or self._stop)
+                if self._stop:
+                    return
+                step = self._job
+            assert step is not None
+            err: str | None = None
+            try:
+                self._replicate(step)
+            except PeerFailure as e:
+                err = str(e)
+            except Exception as e:  # noqa: BLE001 - surfaced to the training loop
+                err = f"replication of step {step}: {type(e).__name__}: {e}"
+            with self._cv:
+                if err is None:
+                    self._done = step
+                else:
+                    self._error = err
+                self._job = None
+                self._cv.notify_all()
+
+    def _abort_reason(self) -> str | None:
+        if self._abort.is_set():
+            return "recovery started"
+        return self._abort_check()
+
+    def _replicate(self, step: int) -> None:
+        import time
+
+        assert self.comm is not None and self.plan is not None
+        t0 = time.perf_counter()
+        comm, plan = self.comm, self.plan
+        pg, world = comm.repl, comm.world
+        half = self.state.half_with(step)
+        if half is None:
+            raise PeerFailure(f"replication of step {step}: no committed half holds it")
+        payload = self.state.payload(half).reshape(-1)
+        n = payload.numel()
+        crc = checksum(payload)
+        self.state.header[half, 1] = crc
+        hdr = torch.tensor([plan.shard, step, crc, n], dtype=torch.int64)
+        works: list[object] = []
+        incoming: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (shard, header, payload buffer)
+        for dst, (src, shard) in zip(plan.send_to, plan.recv_from, strict=True):
+            w, rhdr, _ = alltoallv(pg, world, {dst: hdr}, {src: 4}, dtype=torch.int64)
+            works.append(w)
+            buf = torch.empty(n)  # private: an abandoned transfer can never write into a holding
+            for i, off in enumerate(range(0, n, self.chunk)):
+                m = min(self.chunk, n - off)
+                w, _, _ = alltoallv(pg, world, {dst: payload[off : off + m]}, {src: m}, out=buf[off : off + m])
+                works.append(w)
+                if i == 0 and self._on_in_flight is not None:
+                    self._on_in_flight(step)
+            incoming.append((shard, rhdr, buf))
+        deadline = time.monotonic() + self.timeout_s
+        for w in works:
+            wait_work(w, f"replication of step {step}", self._abort_reason, max(0.1, deadline - time.monotonic()),
+                      poll=True)
+        committed: dict[int, Holding] = {}
+        with self._cv:
+            if self._abort.is_set() or self.comm is not comm:
+                raise PeerFailure(f"replication of step {step}: superseded by a recovery")
+            for shard, rhdr, buf in incoming:
+                r_shard, r_step, r_crc, r_numel = (int(x) for x in rhdr.tolist())
+                if r_shard != shard or r_numel != n or checksum(buf) != r_crc:
+                    self.stats.checksum_failures += 1
+                    continue  # never committed: the other half stays the recovery point
+                h = self.holding(shard)
+                dst_half = h.staging()
+                h.begin_write(dst_half)
+                h.payload(dst_half).view(-1).copy_(buf)
+                h.commit(dst_half, r_step, r_crc)
+                committed[shard] = h
+        if self._after_commit is not None:
+            self._after_commit(step, committed)
+        dt = time.perf_counter() - t0
+        self.stats.jobs += 1
+        self.stats.bytes_sent += n * 4 * len(plan.send_to)
+        self.stats.seconds += dt
+        self.stats.per_job_s.append(dt)

@@ -1,0 +1,105 @@
+"""Assemble the JSON report of a run from the control-plane store; write the run directory.
+
+Report fields: `config`, `state`, `steps_completed`, `loss` (one value per step),
+`step_time_s` (median, p90; the first two steps are warm-up and left out), `final_state_sha256`,
+`recoveries` (one entry per recovery epoch: fault, class, action, epoch, detect_s, recovery_s,
+lost_steps, resumed_step, stage timings, invariants), `error` when the run failed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from phoenixft import keys
+from phoenixft.config import RunConfig
+
+__all__ = ["build_report", "percentile"]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[k]
+
+
+def _get(store: Any, key: str) -> Any:
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
+    steps = []
+    for s in range(1, cfg.steps + 1):
+        rec = _get(store, keys.step(s))
+        if rec is None:
+            break
+        steps.append(rec)
+    dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
+    final = _get(store, keys.FINAL)
+    faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
+    recoveries = []
+    e = 1
+    used: set[int] = set()
+    while store.check([keys.recovery(e)]):
+        rec = _get(store, keys.recovery(e))
+        topo = _get(store, keys.topo(e))
+        joins = [j for j in (_get(store, keys.join(e, f"{n}.{i}")) for n in topo["nodes"]
+                             for i in range(cfg.workers_per_node)) if j]
+        first = _get(store, keys.first_step(e))
+        cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used]
+        fault = max(cands, key=lambda f: f["t"]) if cands else None
+        if fault:
+            used.add(fault["index"])
+        t0 = fault["t"] if fault else rec["t_first_report"]
+        joined_at = max((j["t"] for j in joins), default=rec["t_decided"])
+        inv = {k: all(j["invariants"].get(k, False) for j in joins) and bool(joins) for k in ("I1", "I2", "I3", "I4")}
+        recoveries.append({
+            "fault": fault["spec"] if fault else None,
+            "fault_step": fault["step"] if fault else None,
+            "class": rec["class"],
+            "action": rec["action"],
+            "epoch": e,
+            "dead": rec["dead"],
+            "promoted": rec["promoted"],
+            "detect_s": rec["t_first_report"] - t0,
+            "recovery_s": (first["t"] - t0) if first else None,
+            "lost_steps": rec["max_committed"] - rec["resume_step"],
+            "resumed_step": rec["resume_step"],
+            "stages": {
+                "detect_s": rec["t_first_report"] - t0,
+                "decide_s": rec["t_decided"] - rec["t_first_report"],
+                "reconfigure_s": max((j["reconfigure_s"] for j in joins), default=None),
+                "restore_params_s": max((j.get("restore_params_s", 0.0) for j in joins), default=None),
+                "restore_optimizer_s": max((j.get("restore_opt_s", 0.0) for j in joins), default=None),
+                "join_s": joined_at - rec["t_decided"],
+                "first_step_s": (first["t"] - joined_at) if first else None,
+            },
+            "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) for j in joins),
+            "invariants": inv,
+            "errors": rec.get("errors", []),
+        })
+        e += 1
+    report: dict[str, Any] = {
+        "run_id": run_id,
+        "state": state,
+        "config": json.loads(cfg.to_json()),
+        "steps_completed": final["step"] if final else (steps[-1]["step"] if steps else 0),
+        "loss": [r["loss"] for r in steps],
+        "step_time_s": {"median": statistics.median(dts) if dts else None, "p90": percentile(dts, 0.9) if dts else None},
+        "final_state_sha256": final["sha256"] if final else None,
+        "faults": faults,
+        "recoveries": recoveries,
+        "run_dir": str(run_dir),
+    }
+    if store.check([keys.RUN_ERROR]):
+        report["error"] = store.get(keys.RUN_ERROR).decode()
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for r in steps:
+            f.write(json.dumps(r) + "\n")
+    if store.check([keys.EVENTS]):
+        (run_dir / "events.jsonl").write_text(store.get(keys.EVENTS).decode())
+    return report

@@ -1,0 +1,124 @@
+"""Ping-pong snapshot buffers in host shared memory.
+
+`PingPong` holds two halves of a fixed-size float32 payload plus a header per half
+(step, checksum, valid). At any moment one half is *committed* (a complete, verified recovery
+point) and the other is *staging*: a failure in the middle of writing the staging half can never
+damage the committed one.
+
+- `ShardState` is a worker's own optimizer shard: payload rows [param, exp_avg, exp_avg_sq].
+  On CPU the optimizer step reads the committed half and writes its result straight into the
+  staging half, so the local snapshot costs no copy at all.
+- `Holding` is a replica of a peer's shard that this worker keeps: rows [exp_avg, exp_avg_sq]
+  (parameters are already redundant across data-parallel peers, so they are never replicated).
+
+With `path` set the buffers are files under /dev/shm mapped MAP_SHARED, so they outlive the
+worker process (the node agent can restart a crashed worker in place from them).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import torch
+
+__all__ = ["PingPong", "ShardState", "Holding", "checksum"]
+
+INVALID = -1
+
+
+def checksum(t: torch.Tensor) -> int:
+    """CRC32 of a contiguous tensor's bytes (zlib releases the GIL on large buffers)."""
+    return zlib.crc32(memoryview(t.contiguous().numpy()).cast("B"))
+
+
+def _alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
+    if path is None:
+        return torch.zeros(numel, dtype=dtype)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    fresh = not os.path.exists(path) or os.path.getsize(path) != nbytes
+    if fresh:
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+
+class PingPong:
+    """Two halves of `rows x numel` float32 plus a header (step, checksum, valid) per half."""
+
+    def __init__(self, rows: int, numel: int, path: str | None = None) -> None:
+        self.rows, self.numel = rows, numel
+        self.data = _alloc(2 * rows * numel, torch.float32, path and path + ".data").view(2, rows, numel)
+        self.header = _alloc(2 * 3, torch.int64, path and path + ".hdr").view(2, 3)
+        if path is None or int(self.header[:, 2].sum()) == 0 and int(self.header[:, 0].sum()) == 0:
+            self.header[:, 0] = INVALID
+            self.header[:, 1] = 0
+            self.header[:, 2] = 0
+
+    # -- header helpers
+    def step_of(self, half: int) -> int:
+        return int(self.header[half, 0]) if int(self.header[half, 2]) else INVALID
+
+    def steps(self) -> list[int]:
+        """Steps held by valid halves, newest first."""
+        return sorted((s for s in (self.step_of(0), self.step_of(1)) if s != INVALID), reverse=True)
+
+    def half_with(self, step: int) -> int | None:
+        for h in (0, 1):
+            if self.step_of(h) == step:
+                return h
+        return None
+
+    def newest(self) -> int | None:
+        s = self.steps()
+        return self.half_with(s[0]) if s else None
+
+    def staging(self) -> int:
+        """The half to write next: never the newest valid one."""
+        n = self.newest()
+        return 0 if n is None else 1 - n
+
+    def begin_write(self, half: int) -> None:
+        self.header[half, 2] = 0  # torn until commit
+
+    def commit(self, half: int, step: int, crc: int) -> None:
+        self.header[half, 0] = step
+        self.header[half, 1] = crc
+        self.header[half, 2] = 1
+
+    def invalidate_after(self, step: int) -> None:
+        for h in (0, 1):
+            if self.step_of(h) > step:
+                self.header[h, 2] = 0
+
+    def verify(self, half: int) -> bool:
+        return bool(int(self.header[half, 2])) and checksum(self.payload(half)) == int(self.header[half, 1])
+
+    def payload(self, half: int) -> torch.Tensor:
+        """What the checksum covers (and what is replicated)."""
+        return self.data[half]
+
+    def crc_of(self, half: int) -> int:
+        return int(self.header[half, 1])
+
+
+class ShardState(PingPong):
+    """Own optimizer shard: rows [param, exp_avg, exp_avg_sq]; replicated payload is rows 1..2."""
+
+    def __init__(self, numel: int, path: str | None = None) -> None:
+        super().__init__(3, numel, path)
+
+    def payload(self, half: int) -> torch.Tensor:
+        return self.data[half, 1:]
+
+
+class Holding(PingPong):
+    """A replica of a peer's shard: rows [exp_avg, exp_avg_sq]."""
+
+    def __init__(self, numel: int, path: str | None = None) -> None:
+        super().__init__(2, numel, path)
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.numpy()

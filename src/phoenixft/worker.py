@@ -1,0 +1,360 @@
+"""A training worker: one per accelerator (CPU + gloo here).
+
+Life of a worker: connect to the control-plane store, build the workload and its flat
+parameters, announce itself, then wait for membership (an active node gets epoch 0; a spare
+waits, warm, until the coordinator promotes it). Each step it trains, waits for the replication
+of the previous step, reduce-scatters gradients, runs AdamW on its shard into the staging half,
+all-gathers parameters and commits. Any `PeerFailure` sends it into the recovery protocol
+(`recover` -> coordinator plan -> `join` of the next epoch) and training resumes at the last
+completed step. Run as `python -m phoenixft.worker` by the node agent (or forked by it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+from phoenixft import keys
+from phoenixft.comm import EpochComm, alltoallv, connect_store, wait_work
+from phoenixft.config import RunConfig
+from phoenixft.data import _mix
+from phoenixft.errors import PeerFailure, RunAborted
+from phoenixft.faults import FaultSpec
+from phoenixft.invariants import check_invariants
+from phoenixft.replication import ReplicaPlan, Replicator
+from phoenixft.snapshot import INVALID, Holding, ShardState, checksum
+from phoenixft.topology import Topology
+from phoenixft.workload import WorkloadContext, load_workload
+from phoenixft.zero import AdamWHyper, FlatModel, adamw_step
+
+__all__ = ["Worker", "worker_main"]
+
+
+class Worker:
+    def __init__(self, store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int) -> None:
+        self.node_id, self.local_rank, self.run_id = node_id, local_rank, run_id
+        self.wid = f"{node_id}.{local_rank}"
+        self.store = connect_store(store_addr)
+        self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
+        cfg = self.cfg
+        torch.set_num_threads(threads)
+        self.wl = load_workload(cfg.workload, WorkloadContext(seed=cfg.seed, micro_batch=cfg.micro_batch,
+                                                              model=cfg.model))
+        torch.manual_seed(cfg.seed)
+        self.model = self.wl.build_model()
+        self.flat = FlatModel(self.model, shards=cfg.world)
+        self.hyper = AdamWHyper(cfg.lr, cfg.weight_decay)
+        self.protect = cfg.protect == "phoenix"
+        shm = f"/dev/shm/phoenixft-{run_id}-{self.wid}" if self.protect else None
+        self.state = ShardState(self.flat.shard_numel, shm and shm + "-state")
+        self.gshard = torch.zeros(self.flat.shard_numel)
+        self.faults: list[FaultSpec] = cfg.faults
+        self.repl: Replicator | None = None
+        if self.protect:
+            self.repl = Replicator(
+                self.state,
+                holding_factory=lambda s: Holding(self.flat.shard_numel, f"{shm}-hold{s}"),
+                chunk_numel=int(cfg.chunk_mb * (1 << 20) / 4),
+                abort_check=self._flag_check_factory(store_addr),
+                timeout_s=self._coll_timeout,
+                on_in_flight=lambda s: self._fault(s + 1, "replicate"),
+                after_commit=self._maybe_corrupt,
+            )
+        self.comm: EpochComm | None = None
+        self.topo: Topology | None = None
+        self.epoch = -1
+        self.rank = -1
+        self._first_after_join: int | None = None
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _coll_timeout(self) -> float:
+        return max(60.0, 6 * self.cfg.failure_timeout)
+
+    def _flag_check_factory(self, store_addr: str) -> Any:
+        store = connect_store(store_addr)  # the replication thread's own client
+
+        def check() -> str | None:
+            return "recovery requested" if store.check([keys.failflag(self.epoch)]) else None
+
+        return check
+
+    def _abort_reason(self) -> str | None:
+        if self.store.check([keys.failflag(self.epoch)]):
+            return "recovery requested by the control plane"
+        return None
+
+    def _wait(self, work: Any, what: str, poll: bool = False) -> None:
+        wait_work(work, what, self._abort_reason, self._coll_timeout, poll=poll)
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        rec = {"t": time.time(), "kind": kind, "wid": self.wid, **fields}
+        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+
+    # ------------------------------------------------------------------ fault injection
+    def _fault(self, step: int, phase: str) -> None:
+        if self.topo is None:
+            return
+        for f in self.faults:
+            if f.kind == "kill" and f.step == step and f.phase == phase and f.node == self.topo.slot_of(self.node_id):
+                if self.store.add(keys.fault_claim(f.index), 1) != 1:
+                    continue
+                rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "node": self.node_id,
+                       "slot": f.node, "step": step, "phase": phase, "epoch": self.epoch}
+                self.store.set(keys.fault(f.index), json.dumps(rec))
+                self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def _maybe_corrupt(self, step: int, received: dict[int, Holding]) -> None:
+        if self.topo is None:
+            return
+        for f in self.faults:
+            if f.kind == "corrupt" and f.step == step + 1 and f.node == self.topo.slot_of(self.node_id):
+                for shard, h in received.items():
+                    half = h.half_with(step)
+                    if half is not None:
+                        h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
+                        self._event("corrupted_replica", shard=shard, step=step, spec=f.text)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, s: int) -> None:
+        assert self.comm is not None and self.topo is not None
+        t0 = time.perf_counter()
+        cfg, flat, pg = self.cfg, self.flat, self.comm.train
+        flat.zero_grad()
+        m_total = cfg.total_microbatches
+        lo, hi = self.topo.microbatches(self.rank, m_total)
+        loss_sum = 0.0
+        for j, mb in enumerate(range(lo, hi)):
+            torch.manual_seed(_mix(cfg.seed, s, mb))
+            batch = self.wl.batch(s, mb)
+            if j == 0:
+                self._fault(s, "forward")
+            loss = self.wl.loss(self.model, batch)
+            if j == 0:
+                self._fault(s, "backward")
+            (loss / m_total).backward()
+            loss_sum += float(loss.detach())
+        t_compute = time.perf_counter() - t0
+        waited = self.repl.wait(s - 1) if self.repl is not None else 0.0
+        w_rs = pg._reduce_scatter_base(self.gshard, flat.grad)
+        lt = torch.tensor([loss_sum], dtype=torch.float64)
+        w_loss = pg.allreduce([lt])
+        self._wait(w_rs, f"reduce-scatter of step {s}")
+        self._wait(w_loss, f"loss all-reduce of step {s}")
+        src = self.state.half_with(s - 1)
+        if src is None:
+            raise RuntimeError(f"no committed optimizer state for step {s - 1}")
+        dst = 1 - src
+        adamw_step(self.state, src, dst, self.gshard, s, self.hyper, hook=lambda: self._fault(s, "optimizer"))
+        w_ag = pg._allgather_base(flat.spare_buf, self.state.data[dst, 0])
+        self._wait(w_ag, f"all-gather of step {s}")
+        self.state.commit(dst, s, 0)
+        flat.flip(s)
+        if self.repl is not None:
+            self.repl.start(s)
+        if self.rank == 0:
+            now = time.time()
+            rec = {"step": s, "loss": float(lt) / m_total, "dt": time.perf_counter() - t0, "t_end": now,
+                   "epoch": self.epoch, "world": self.topo.world, "compute_s": t_compute, "repl_wait_s": waited}
+            self.store.set(keys.step(s), json.dumps(rec))
+            self.store.set(keys.PROGRESS, str(s))
+            if self._first_after_join is not None:
+                self.store.set(keys.first_step(self._first_after_join), json.dumps({"t": now, "step": s}))
+                self._first_after_join = None
+
+    def finish(self) -> None:
+        """Gather the optimizer state in logical order and hash it with the parameters."""
+        assert self.comm is not None and self.topo is not None
+        pg, flat = self.comm.train, self.flat
+        half = self.state.half_with(self.cfg.steps)
+        assert half is not None
+        m_all = torch.empty(flat.padded)
+        v_all = torch.empty(flat.padded)
+        w1 = pg._allgather_base(m_all, self.state.data[half, 1].contiguous())
+        w2 = pg._allgather_base(v_all, self.state.data[half, 2].contiguous())
+        self._wait(w1, "final gather")
+        self._wait(w2, "final gather")
+        if self.rank == 0:
+            n = flat.numel
+            h = hashlib.sha256()
+            for t in (flat.flat[:n], m_all[:n], v_all[:n]):
+                h.update(t.numpy().tobytes())
+            h.update(str(self.cfg.steps).encode())
+            self.store.set(keys.FINAL, json.dumps({"sha256": h.hexdigest(), "step": self.cfg.steps,
+                                                   "epoch": self.epoch}))
+            self.store.set(keys.RUN_STATE, "done")
+            return
+        deadline = time.monotonic() + self._coll_timeout
+        while time.monotonic() < deadline:
+            if self.store.check([keys.RUN_STATE]):
+                return
+            if self._abort_reason():
+                raise PeerFailure("failure during the final gather")
+            time.sleep(0.02)
+        raise PeerFailure("rank 0 did not publish the final state")
+
+    # ------------------------------------------------------------------ membership and recovery
+    def _wait_key(self, key: str, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.store.check([key]):
+                return self.store.get(key)
+            if self.store.check([keys.RUN_STATE]):
+                raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
+            if time.monotonic() > deadline:
+                raise RunAborted(f"no answer from the control plane for {key!r} after {timeout_s:.0f}s")
+            time.sleep(0.005)
+
+    def await_membership(self) -> Topology:
+        if self.node_id.startswith("s"):  # spare: wait, warm, to be promoted
+            e = int(self._wait_key(keys.assign(self.node_id), 10 * 24 * 3600.0))
+        else:
+            e = 0
+        return Topology.from_json(self._wait_key(keys.topo(e), 600.0))
+
+    def recover(self, err: str) -> int:
+        e = self.epoch
+        t_err = time.time()
+        self.store.set(keys.failflag(e), "1")
+        self._event("failure_detected", epoch=e, error=err[:300], rank=self.rank)
+        if self.repl is not None:
+            self.repl.abort()
+        if self.comm is not None:
+            self.comm.retire()
+        steps = [s for s in self.state.steps() if s in self.flat.buf_step]
+        holdings = {}
+        if self.repl is not None:
+            for shard, h in self.repl.holdings.items():
+                holdings[str(shard)] = [h.step_of(x) for x in (0, 1) if h.step_of(x) != INVALID and h.verify(x)]
+        desc = {"wid": self.wid, "node": self.node_id, "rank": self.rank, "t": t_err, "error": err[:300],
+                "steps": steps, "holdings": holdings}
+        self.store.set(keys.desc(e, self.wid), json.dumps(desc))
+        topo = Topology.from_json(self._wait_key(keys.topo(e + 1), 3 * self.cfg.failure_timeout + 60.0))
+        if self.node_id not in topo.nodes:
+            raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
+        return self.join(topo)
+
+    def join(self, topo: Topology) -> int:
+        t0 = time.time()
+        self.topo, self.epoch = topo, topo.epoch
+        self.rank = topo.rank_of(self.node_id, self.local_rank)
+        self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout)
+        t_pg = time.time()
+        r = topo.resume_step
+        if self.repl is not None:
+            self.repl.configure(self.comm, ReplicaPlan(shard=self.rank, send_to=topo.holders(self.rank),
+                                                       recv_from=[(x, x) for x in topo.sources(self.rank)]))
+        timings: dict[str, float] = {"reconfigure_s": t_pg - t0}
+        if topo.epoch == 0:
+            sl = self.flat.shard_slice(self.rank)
+            self.state.data[0, 0].copy_(self.flat.flat[sl])
+            self.state.data[0, 1:].zero_()
+            self.state.commit(0, 0, 0)
+            self.state.header[1, 2] = 0
+            opt_ok = True
+        else:
+            opt_ok = self._restore(topo, r, timings)
+        if self.repl is not None:
+            for h in self.repl.holdings.values():
+                h.invalidate_after(r)
+        inv = check_invariants(self.comm.train, topo, self.rank, r, self.flat.step, self.state.steps(), opt_ok,
+                               lambda w, what: self._wait(w, what))
+        timings["join_s"] = time.time() - t0
+        self.store.set(keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.rank,
+                                                                     "invariants": inv, **timings}))
+        if not all(inv.values()):
+            raise RunAborted(f"invariant check failed after recovery to epoch {topo.epoch}: {inv}")
+        if self.repl is not None:
+            self.repl.start(r)
+        if topo.epoch > 0:
+            self._first_after_join = topo.epoch
+        return r
+
+    def _restore(self, topo: Topology, r: int, timings: dict[str, float]) -> bool:
+        """Roll survivors back to step r and move state to promoted spares. Returns I3 for this rank.
+
+        Both transfers are targeted collectives (all-to-all with only the involved pairs
+        non-empty): parameters from a healthy data-parallel peer, the optimizer shard from the
+        rank that keeps its committed replica, matched by logical shard id.
+        """
+        assert self.comm is not None
+        pg, me, w = self.comm.train, self.rank, topo.world
+        mine = [t for t in topo.transfers if t["dst"] == me]
+        if not mine:  # survivor: both ping-pong sides must hold r
+            if not self.flat.select(r):
+                raise RunAborted(f"rank {me} has no parameters for step {r}")
+            self.state.invalidate_after(r)
+            if self.state.half_with(r) is None:
+                raise RunAborted(f"rank {me} has no optimizer state for step {r}")
+        # 1. parameters
+        t1 = time.time()
+        sends = {t["dst"]: self.flat.flat for t in topo.transfers if t["param_src"] == me}
+        recv = {t["param_src"]: self.flat.padded for t in mine}
+        work, _, got = alltoallv(pg, w, sends, recv)
+        self._wait(work, "parameter transfer", poll=True)
+        for t in mine:
+            self.flat.install(got[t["param_src"]], r)
+        t2 = time.time()
+        # 2. optimizer shard from a committed replica
+        sends = {}
+        for t in topo.transfers:
+            if t["opt_src"] == me:
+                assert self.repl is not None
+                h = self.repl.holding(t["shard"])
+                hh = h.half_with(r)
+                if hh is None:
+                    raise RunAborted(f"rank {me} holds no replica of shard {t['shard']} at step {r}")
+                self.store.set(f"xfer/{topo.epoch}/{t['shard']}", str(h.crc_of(hh)))
+                sends[t["dst"]] = h.payload(hh)
+        recv = {t["opt_src"]: 2 * self.flat.shard_numel for t in mine}
+        work, _, got = alltoallv(pg, w, sends, recv)
+        self._wait(work, "optimizer-state transfer", poll=True)
+        for t in mine:
+            buf = got[t["opt_src"]]
+            crc = int(self.store.get(f"xfer/{topo.epoch}/{t['shard']}"))
+            if checksum(buf) != crc:
+                raise PeerFailure(f"replica of shard {t['shard']} failed verification (crc mismatch)")
+            half = self.state.staging()
+            self.state.begin_write(half)
+            self.state.data[half, 1:].copy_(buf.view(2, -1))
+            self.state.data[half, 0].copy_(self.flat.flat[self.flat.shard_slice(me)])
+            self.state.commit(half, r, crc)
+            self.state.header[1 - half, 2] = 0
+            timings.update(bytes_params=self.flat.padded * 4, bytes_opt=buf.numel() * 4)
+        timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
+        return True
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        self.store.set(keys.ready(self.wid), str(time.time()))
+        try:
+            topo = self.await_membership()
+            step = self.join(topo) + 1
+            while True:
+                try:
+                    while step <= self.cfg.steps:
+                        self.train_step(step)
+                        step += 1
+                    self.finish()
+                    return 0
+                except PeerFailure as e:
+                    step = self.recover(str(e)) + 1
+        except RunAborted as e:
+            if "done" in str(e):
+                return 0
+            print(f"phoenixft worker {self.wid}: {e}", flush=True)
+            return 3
+        finally:
+            if self.repl is not None:
+                self.repl.close()
+
+
+def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int) -> int:
+    return Worker(store_addr, node_id, local_rank, run_id, threads).run()

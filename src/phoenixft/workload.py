@@ -1,0 +1,67 @@
+"""The workload interface: how users train *their own* model under phoenixft.
+
+A workload factory is a function `f(ctx: WorkloadContext) -> Workload`, named on the command
+line as `--workload pkg.module:function`. The three callables it returns must be deterministic:
+
+- `build_model()` builds the model (called under `torch.manual_seed(ctx.seed)` on every rank);
+- `loss(model, batch)` returns the scalar loss of one microbatch;
+- `batch(step, index)` returns microbatch `index` of step `step`: a *pure function* of
+  (seed, step, index), so that any rank can produce any microbatch and recovery or shrinking
+  needs no data-loader state beyond the step number.
+
+Any randomness inside `loss` (dropout) is seeded by phoenixft per (seed, step, microbatch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from phoenixft.errors import UserError
+
+__all__ = ["Workload", "WorkloadContext", "load_workload", "check_workload_path"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadContext:
+    seed: int
+    micro_batch: int
+    model: str  # the --model preset name; user workloads may ignore it
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    build_model: Callable[[], torch.nn.Module]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    batch: Callable[[int, int], Any]
+    tokens_per_microbatch: int = 0  # for tokens/s; 0 = unknown
+    prepare: Callable[[], None] | None = None  # one-off work done by the launcher (e.g. corpus cache)
+
+
+def _resolve(path: str) -> Callable[[WorkloadContext], Workload]:
+    if ":" not in path:
+        raise UserError(f"--workload={path!r} is invalid: expected 'pkg.module:function'")
+    mod_name, fn_name = path.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+        raise UserError(f"--workload={path!r} does not import: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise UserError(f"--workload={path!r} is invalid: module {mod_name!r} has no function {fn_name!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def check_workload_path(path: str) -> None:
+    _resolve(path)
+
+
+def load_workload(path: str, ctx: WorkloadContext) -> Workload:
+    wl = _resolve(path)(ctx)
+    if not isinstance(wl, Workload):
+        raise UserError(f"--workload={path!r} is invalid: it returned {type(wl).__name__}, expected phoenixft.Workload")
+    return wl
