@@ -175,8 +175,7 @@ class Replicator:
             incoming.append((shard, rhdr, buf))
         deadline = time.monotonic() + self.timeout_s
         for w in works:
-            wait_work(w, f"replication of step {step}", self._abort_reason, max(0.1, deadline - time.monotonic()),
-                      poll=True)
+            wait_work(w, f"replication of step {step}", self._abort_reason, max(0.1, deadline - time.monotonic()))
         committed: dict[int, Holding] = {}
         with self._cv:
             if self._abort.is_set() or self.comm is not comm:

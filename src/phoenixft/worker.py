@@ -53,7 +53,6 @@ class Worker:
         self.protect = cfg.protect == "phoenix"
         shm = f"/dev/shm/phoenixft-{run_id}-{self.wid}" if self.protect else None
         self.state = ShardState(self.flat.shard_numel, shm and shm + "-state")
-        self.gshard = torch.zeros(self.flat.shard_numel)
         self.faults: list[FaultSpec] = cfg.faults
         self.repl: Replicator | None = None
         if self.protect:
@@ -90,8 +89,8 @@ class Worker:
             return "recovery requested by the control plane"
         return None
 
-    def _wait(self, work: Any, what: str, poll: bool = False) -> None:
-        wait_work(work, what, self._abort_reason, self._coll_timeout, poll=poll)
+    def _wait(self, work: Any, what: str) -> None:
+        wait_work(work, what, self._abort_reason, self._coll_timeout)
 
     def _event(self, kind: str, **fields: Any) -> None:
         rec = {"t": time.time(), "kind": kind, "wid": self.wid, **fields}
@@ -143,16 +142,17 @@ class Worker:
             loss_sum += float(loss.detach())
         t_compute = time.perf_counter() - t0
         waited = self.repl.wait(s - 1) if self.repl is not None else 0.0
-        w_rs = pg._reduce_scatter_base(self.gshard, flat.grad)
+        w_rs = self.comm.reduce_scatter(flat.grad)
         lt = torch.tensor([loss_sum], dtype=torch.float64)
         w_loss = pg.allreduce([lt])
-        self._wait(w_rs, f"reduce-scatter of step {s}")
+        self._wait(w_rs, f"gradient reduce-scatter of step {s}")
         self._wait(w_loss, f"loss all-reduce of step {s}")
+        gshard = flat.grad[flat.shard_slice(self.rank)]
         src = self.state.half_with(s - 1)
         if src is None:
             raise RuntimeError(f"no committed optimizer state for step {s - 1}")
         dst = 1 - src
-        adamw_step(self.state, src, dst, self.gshard, s, self.hyper, hook=lambda: self._fault(s, "optimizer"))
+        adamw_step(self.state, src, dst, gshard, s, self.hyper, hook=lambda: self._fault(s, "optimizer"))
         w_ag = pg._allgather_base(flat.spare_buf, self.state.data[dst, 0])
         self._wait(w_ag, f"all-gather of step {s}")
         self.state.commit(dst, s, 0)
@@ -298,7 +298,7 @@ class Worker:
         sends = {t["dst"]: self.flat.flat for t in topo.transfers if t["param_src"] == me}
         recv = {t["param_src"]: self.flat.padded for t in mine}
         work, _, got = alltoallv(pg, w, sends, recv)
-        self._wait(work, "parameter transfer", poll=True)
+        self._wait(work, "parameter transfer")
         for t in mine:
             self.flat.install(got[t["param_src"]], r)
         t2 = time.time()
@@ -315,7 +315,7 @@ class Worker:
                 sends[t["dst"]] = h.payload(hh)
         recv = {t["opt_src"]: 2 * self.flat.shard_numel for t in mine}
         work, _, got = alltoallv(pg, w, sends, recv)
-        self._wait(work, "optimizer-state transfer", poll=True)
+        self._wait(work, "optimizer-state transfer")
         for t in mine:
             buf = got[t["opt_src"]]
             crc = int(self.store.get(f"xfer/{topo.epoch}/{t['shard']}"))

@@ -338,7 +338,16 @@ def run_policies(
     ckpt_every: int | None = None,
 ) -> dict[str, Any]:
     """Simulate ``sc`` under each policy (same failure streams) and collect their summaries."""
-    out: dict[str, Any] = {"scenario": sc.as_dict(), "policies": {}}
+    out: dict[str, Any] = {"scenario": sc.as_dict(), "policies": {}, "warnings": []}
+    waiting = [p for p in map(canonical_policy, policies) if p in ("checkpoint-restart", "inplace")]
+    if sc.no_spare == "wait" and "phoenix" in map(canonical_policy, policies):
+        waiting.append("phoenix")
+    if waiting and sc.spares < sc.spares_needed:
+        out["warnings"].append(
+            f"{sc.gpus} GPUs: the spare pool ({sc.spares}) is below the {sc.spares_needed:.1f} nodes that are"
+            f" on average waiting for replacement (node-loss rate x {sc.provision_s:g} s); "
+            f"{', '.join(waiting)} will stall waiting for spares"
+        )
     for pol in policies:
         pol = canonical_policy(pol)
         k = ckpt_every if (ckpt_every is not None and pol in ("checkpoint-restart", "inplace")) else None
@@ -373,9 +382,11 @@ def scale_sweep(
     cal = cal or default_calibration()
     t0 = time.perf_counter()
     rows = []
+    warnings: list[str] = []
     for w in gpus_list:
         sc = scenario_at_scale(base, w, cal, overrides or {})
         res = run_policies(sc, policies, trajectories=trajectories, seed=seed)
+        warnings.extend(res["warnings"])
         rows.append(
             {
                 "gpus": w,
@@ -404,6 +415,7 @@ def scale_sweep(
         "base": base.as_dict(),
         "calibration": cal.as_dict(),
         "notes": notes,
+        "warnings": warnings,
         "trajectories": trajectories,
         "seed": seed,
         "rows": rows,

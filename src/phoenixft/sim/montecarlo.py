@@ -200,11 +200,20 @@ class _LossTable:
         m, d = np.meshgrid(np.arange(mm + 1), np.arange(dd + 1), indexing="ij")
         return _expected_dead_chains(m.ravel(), d.ravel(), self.sc).reshape(mm + 1, dd + 1)
 
+    CAP = (512, 64)
+
     def __call__(self, m: np.ndarray, d: np.ndarray) -> np.ndarray:
+        rows, cols = self.table.shape
         mm, dd = int(m.max(initial=0)), int(d.max(initial=0))
-        if mm >= self.table.shape[0] or dd >= self.table.shape[1]:
-            self.table = self._build(max(2 * mm, self.table.shape[0]), max(2 * dd, self.table.shape[1]))
-        return self.table[m, d]
+        if (mm >= rows and rows <= self.CAP[0]) or (dd >= cols and cols <= self.CAP[1]):
+            rows = min(max(2 * mm, rows), self.CAP[0] + 1)
+            cols = min(max(2 * dd, cols), self.CAP[1] + 1)
+            self.table = self._build(rows - 1, cols - 1)
+        out = self.table[np.minimum(m, rows - 1), np.minimum(d, cols - 1)]
+        big = (m >= rows) | (d >= cols)
+        if big.any():
+            out[big] = _expected_dead_chains(m[big], d[big], self.sc)
+        return out
 
 
 class _Pool:
@@ -272,7 +281,7 @@ def simulate(
     trajectories: int = 1000,
     seed: int = 0,
     record_episodes: bool = False,
-    horizon_factor: float = 20.0,
+    horizon_factor: float = 10.0,
 ) -> MCResult:
     """Simulate ``trajectories`` independent runs of ``sc`` under ``policy``.
 
@@ -458,8 +467,8 @@ def simulate(
             loss = np.zeros(T, dtype=bool)
             if policy in ("phoenix", "shrink"):
                 before = loss_table(win_m, win_d)
-                win_m += np.where(perm & ~dom, 1, 0)
-                win_d += np.where(dom, 1, 0)
+                win_m += np.where(perm & ~dom & ~rec_fb, 1, 0)
+                win_d += np.where(dom & ~rec_fb, 1, 0)
                 after = loss_table(win_m, win_d)
                 p_loss = np.clip(np.nan_to_num(after - before, nan=1.0, posinf=1.0), 0.0, 1.0)
                 loss = perm & ~rec_fb & (u_loss < p_loss)

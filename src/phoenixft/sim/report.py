@@ -220,11 +220,12 @@ def run_text(res: dict[str, Any]) -> str:
     out.append("lost per failure by cause (s):")
     for name, p in res["policies"].items():
         out.append(f"  {name}: {_causes_line(p)}")
+    out.extend(f"warning: {w}" for w in res.get("warnings", []))
     for name, p in res["policies"].items():
         if p["unfinished"]:
             out.append(
                 f"warning: {name}: {p['unfinished']} of {p['trajectories']} runs did not finish within"
-                " 20x the failure-free time (demand for spares or recovery exceeds what failures allow);"
+                " 10x the failure-free time (demand for spares or recovery exceeds what failures allow);"
                 " their ETTR is progress / elapsed time"
             )
     return "\n".join(out)
@@ -255,6 +256,7 @@ def sweep_text(res: dict[str, Any]) -> str:
         f" k={b['replicas']}, {res['trajectories']} runs per point; K* = exact-optimal checkpoint interval"
     )
     notes = "".join(f"\nnote: {n}" for n in res.get("notes", []))
+    notes += "".join(f"\nwarning: {w}" for w in res.get("warnings", []))
     return head + "\n" + table(headers, rows) + notes + f"\n(simulated in {res['runtime_s']:.1f} s)"
 
 

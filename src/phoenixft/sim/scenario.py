@@ -136,6 +136,16 @@ class Scenario:
         return math.inf if rate == 0 else 1.0 / rate
 
     @property
+    def spares_needed(self) -> float:
+        """Mean number of lost nodes waiting for a replacement: node-loss rate x provision time.
+
+        A pool smaller than this cannot keep up: policies that wait for spares stall.
+        """
+        rate = (1.0 - self.transient_frac) * self.nodes / self.node_mttf_s
+        rate += self.domains * min(self.domain_size, self.nodes) / self.domain_mttf_s
+        return rate * self.provision_s
+
+    @property
     def failure_free_s(self) -> float:
         """Wall time of the run with no failure and no protection cost: ``steps * step_s``."""
         return self.steps * self.step_s
