@@ -185,8 +185,12 @@ class Coordinator:
                     sources[shard].setdefault(s, h)
         lost = [shard_name(s, old.world) for s, a in avail.items() if not a]
         common = set.intersection(*avail.values()) if avail else set()
+        rejected = sorted({tuple(x) for d in descs.values() for x in d.get("rejected", [])})
         if lost or not common:
-            what = f"lost shards: {', '.join(lost)}" if lost else "no step is held by every shard"
+            held = "; ".join(f"dp{s}: {sorted(a)}" for s, a in avail.items())
+            what = f"lost shards: {', '.join(lost)}" if lost else f"no step is held by every shard ({held})"
+            if rejected:
+                what += f"; replicas rejected by checksum (shard, step): {[list(x) for x in rejected]}"
             self._fail_run(f"in-memory state lost in epoch {e} ({what}); the persistent tier is not implemented yet")
             return
         r = max(common)
@@ -206,7 +210,8 @@ class Coordinator:
         rec = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
                "t_decided": time.time(), "dead": sorted(dead), "fenced": sorted(fenced), "promoted": promoted,
                "resume_step": r, "max_committed": max(max_committed, progress), "class": klass, "action": action,
-               "errors": sorted({d["error"] for d in descs.values()})[:5]}
+               "errors": sorted({d["error"] for d in descs.values()})[:5],
+               "replicas_rejected": [list(x) for x in rejected]}
         self.store.set(keys.recovery(e + 1), json.dumps(rec))
         self.publish(topo)
         for s in promoted:

@@ -183,8 +183,10 @@ class Replicator:
             for shard, rhdr, buf in incoming:
                 r_shard, r_step, r_crc, r_numel = (int(x) for x in rhdr.tolist())
                 if r_shard != shard or r_numel != n or checksum(buf) != r_crc:
+                    # never committed (the other half stays the recovery point), and never silent:
+                    # a recovery epoch re-forms the groups and the next step replicates afresh
                     self.stats.checksum_failures += 1
-                    continue  # never committed: the other half stays the recovery point
+                    raise PeerFailure(f"replica of shard {shard} (step {r_step}) failed its checksum on receipt")
                 h = self.holding(shard)
                 dst_half = h.staging()
                 h.begin_write(dst_half)

@@ -81,6 +81,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) for j in joins),
             "invariants": inv,
             "errors": rec.get("errors", []),
+            "replicas_rejected": rec.get("replicas_rejected", []),
         })
         e += 1
     report: dict[str, Any] = {

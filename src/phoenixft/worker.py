@@ -229,12 +229,20 @@ class Worker:
         if self.comm is not None:
             self.comm.retire()
         steps = [s for s in self.state.steps() if s in self.flat.buf_step]
-        holdings = {}
+        holdings: dict[str, list[int]] = {}
+        rejected: list[list[int]] = []  # replicas whose checksum no longer matches: never offered
         if self.repl is not None:
             for shard, h in self.repl.holdings.items():
-                holdings[str(shard)] = [h.step_of(x) for x in (0, 1) if h.step_of(x) != INVALID and h.verify(x)]
+                holdings[str(shard)] = []
+                for x in (0, 1):
+                    if h.step_of(x) == INVALID:
+                        continue
+                    if h.verify(x):
+                        holdings[str(shard)].append(h.step_of(x))
+                    else:
+                        rejected.append([shard, h.step_of(x)])
         desc = {"wid": self.wid, "node": self.node_id, "rank": self.rank, "t": t_err, "error": err[:300],
-                "steps": steps, "holdings": holdings}
+                "steps": steps, "holdings": holdings, "rejected": rejected}
         self.store.set(keys.desc(e, self.wid), json.dumps(desc))
         topo = Topology.from_json(self._wait_key(keys.topo(e + 1), 3 * self.cfg.failure_timeout + 60.0))
         if self.node_id not in topo.nodes:

@@ -157,3 +157,27 @@ def test_add_parser_into_a_host_cli(capsys: pytest.CaptureFixture[str]) -> None:
 def test_module_entry_accepts_simulate_prefix(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "shard-loss", "--k-max", "1"]) == 0
     assert "correlated" in capsys.readouterr().out
+
+
+def test_warns_when_the_spare_pool_cannot_keep_up(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "run",
+            "--gpus",
+            "131072",
+            "--policies",
+            "cr",
+            "--spares",
+            "1",
+            "--provision-s",
+            "36000",
+            "--trajectories",
+            "5",
+            "--steps",
+            "300",
+            "--no-plot",
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "warning: 131072 GPUs: the spare pool (1) is below" in out

@@ -203,3 +203,23 @@ def test_bad_arguments() -> None:
         simulate(EXACT, "nope", trajectories=10)
     with pytest.raises(ValueError):
         Scenario(gpus=8, transient_frac=1.5)
+
+
+def test_stalled_runs_stop_at_the_horizon_quickly() -> None:
+    # demand for spares far above supply, bursty arrivals, unaware placement: every run stalls
+    sc = Scenario(
+        gpus=4096,
+        steps=2000,
+        gpu_mttf_s=4096 * 600.0,
+        spares=1,
+        provision_s=36_000.0,
+        no_spare="wait",
+        placement="unaware",
+        domain_mttf_s=1e6,
+        arrival="weibull",
+        weibull_shape=0.6,
+    )
+    assert sc.spares_needed > 10
+    r = simulate(sc, "phoenix", trajectories=20, seed=0, horizon_factor=5.0)
+    assert r.unfinished == 20
+    assert r.runtime_s < 20.0

@@ -160,7 +160,6 @@ def _run(plt: Any, res: dict[str, Any]) -> Any:
         if vals.any():
             ax2.bar(pols, vals, bottom=bottom, label=c)
             bottom += vals
-    ax2.set_yscale("symlog", linthresh=10)
     ax2.set_ylabel("seconds lost per failure, by cause")
     ax2.legend(fontsize=7)
     return fig

@@ -1,0 +1,52 @@
+"""`phoenixft status --coordinator HOST:PORT`: membership, epoch, spares, progress and events of a live run.
+
+Read-only; connects to the coordinator's store with a timeout (`--timeout`, default 5 s) and
+prints the status (or `--json`). A wrong or unreachable address is a one-line error, exit 2.
+The work is done by `phoenixft.status`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from phoenixft.errors import UserError
+
+__all__ = ["add_parser", "status"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("status", help="show membership, epoch, spares, progress and last events of a running job",
+                       description="Connect to a running job's coordinator (read-only) and show its current "
+                                   "epoch and membership, the spare pool, progress, run state and last events. "
+                                   "For a local run the port is in RUN_DIR/coordinator.port.")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator's store")
+    p.add_argument("--events", type=int, default=10, metavar="N", help="how many of the last events to show (10)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="seconds to wait for the coordinator, per call (5)")
+    p.add_argument("--json", action="store_true", help="print the status as one JSON object")
+    p.set_defaults(func=status)
+
+
+def status(args: argparse.Namespace) -> int:
+    from phoenixft.status import collect_status, connect, format_status, parse_address
+
+    parse_address(args.coordinator)
+    if not args.timeout > 0:
+        raise UserError(f"--timeout={args.timeout} must be > 0")
+    if args.events < 0:
+        raise UserError(f"--events={args.events} must be >= 0")
+    store = connect(args.coordinator, args.timeout)
+    try:
+        st = collect_status(store, events=args.events)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the coordinator went away or timed out mid-read
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"lost the coordinator at --coordinator={args.coordinator} while reading its state "
+                        f"({why})") from None
+    if args.json:
+        print(json.dumps({"coordinator": args.coordinator, **st}))
+    else:
+        print(format_status(st, args.coordinator))
+    return 0

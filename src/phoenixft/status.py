@@ -1,0 +1,196 @@
+"""What a running job looks like from its control plane: membership, epoch, spares, progress, events.
+
+    phoenixft status --coordinator HOST:PORT [--events N] [--timeout S] [--json]
+
+(for a local run, HOST:PORT is 127.0.0.1 and the port in RUN_DIR/coordinator.port). It connects
+to the coordinator's TCPStore as one more client and only reads: `epoch` and `topo/<epoch>`
+(membership), `config` (spare pool: s0..s{S-1}; a spare is used once it appears in any
+topology, ready once its workers set `ready/<node>.<i>`), `hb/<node>` and `exit/<node>` (node
+health), `progress` and `step/<n>`, `run/state`, `run/error`, and the tail of `events`.
+Every read is `check` before `get` (a TCPStore `get` blocks until the key exists) and every
+call runs under the store's timeout, so a wrong or dead address is a one-line error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from phoenixft import keys
+from phoenixft.errors import UserError
+
+__all__ = ["parse_address", "connect", "collect_status", "format_status", "describe_event"]
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--coordinator={addr!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:29500")
+    return host.strip("[]"), int(port)
+
+
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """Silence fd 2 for a moment: c10d prints multi-line C++ traces while it retries a connect."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def connect(addr: str, timeout_s: float) -> Any:
+    """A client of the coordinator's store; UserError (naming --coordinator) when it cannot be reached."""
+    host, port = parse_address(addr)
+    from phoenixft.comm import connect_store
+
+    try:
+        with _quiet_fd2():
+            store = connect_store(f"{host}:{port}", timeout_s)
+            store.check([keys.CONFIG])  # a round trip: something that is not a TCPStore fails here
+    except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, OSError, ...
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot reach a phoenixft coordinator at --coordinator={addr} within {timeout_s:g}s "
+                        f"({why})") from None
+    return store
+
+
+def _get(store: Any, key: str) -> bytes | None:
+    return store.get(key) if store.check([key]) else None
+
+
+def _json(store: Any, key: str) -> Any:
+    raw = _get(store, key)
+    return None if raw is None else json.loads(raw)
+
+
+def collect_status(store: Any, events: int = 10, now: float | None = None) -> dict[str, Any]:
+    """Read the job's state from the store (read-only) into a plain dict."""
+    now = time.time() if now is None else now
+    cfg = _json(store, keys.CONFIG)
+    st: dict[str, Any] = {"config": cfg, "epoch": None, "topology": None, "history": [], "members": [],
+                          "spares": [], "progress": None, "run_state": None, "run_error": None, "events": [],
+                          "events_total": 0}
+    raw = _get(store, keys.RUN_STATE)
+    st["run_state"] = raw.decode() if raw is not None else None
+    raw = _get(store, keys.RUN_ERROR)
+    st["run_error"] = raw.decode() if raw is not None else None
+    raw = _get(store, keys.EPOCH)
+    g = int((cfg or {}).get("workers_per_node", 1))
+    if raw is not None:
+        e = int(raw)
+        st["epoch"] = e
+        topos = [t for t in (_json(store, keys.topo(i)) for i in range(e + 1)) if t is not None]
+        st["history"] = [{"epoch": t["epoch"], "nodes": t["nodes"], "resume_step": t.get("resume_step"),
+                          "meta": t.get("meta", {})} for t in topos]
+        topo = topos[-1] if topos and topos[-1]["epoch"] == e else None
+        st["topology"] = topo
+        if topo is not None:
+            g = int(topo.get("workers_per_node", g))
+            for slot, node in enumerate(topo["nodes"]):
+                hb = _get(store, keys.heartbeat(node))
+                st["members"].append({
+                    "slot": slot, "node": node, "ranks": list(range(slot * g, (slot + 1) * g)),
+                    "heartbeat_age_s": None if hb is None else max(0.0, now - float(hb)),
+                    "exited": store.check([keys.node_exit(node)]),
+                })
+    used = {n: h["epoch"] for h in reversed(st["history"]) for n in h["nodes"]}  # first epoch it appeared in
+    current = set(st["topology"]["nodes"]) if st["topology"] else set()
+    for i in range(int((cfg or {}).get("spares", 0))):
+        sid = f"s{i}"
+        ready = all(store.check([keys.ready(f"{sid}.{j}")]) for j in range(g))
+        if sid in current:
+            state = f"in use (slot {st['topology']['nodes'].index(sid)}, since epoch {used[sid]})"
+        elif sid in used:
+            state = f"used in epoch {used[sid]}, since lost"
+        else:
+            state = "ready" if ready else "starting (not ready yet)"
+        st["spares"].append({"id": sid, "used": sid in used, "ready": ready, "state": state})
+    raw = _get(store, keys.PROGRESS)
+    if raw is not None:
+        n = int(raw)
+        st["progress"] = {"step": n, "steps": (cfg or {}).get("steps"), "record": _json(store, keys.step(n))}
+    raw = _get(store, keys.EVENTS)
+    if raw is not None:
+        lines = [ln for ln in raw.decode().splitlines() if ln.strip()]
+        st["events_total"] = len(lines)
+        st["events"] = [json.loads(ln) for ln in lines[-events:]] if events > 0 else []
+    return st
+
+
+def describe_event(ev: dict[str, Any], width: int = 160) -> str:
+    """One line for an event: local time, kind, source, the other fields as key=value."""
+    t = ev.get("t")
+    stamp = (time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}") if t else "--:--:--"
+    src = ev.get("by") or ev.get("wid") or ev.get("node") or "-"
+    rest = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in ev.items()
+                     if k not in ("t", "kind", "by", "wid"))
+    line = f"{stamp}  {ev.get('kind', '?'):<17} {src:<12} {rest}"
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _age(x: float | None) -> str:
+    return "no heartbeat yet" if x is None else f"heartbeat {x:.1f}s ago"
+
+
+def format_status(st: dict[str, Any], addr: str = "") -> str:
+    """The human-readable status, several lines."""
+    out: list[str] = []
+    cfg = st.get("config")
+    state = st.get("run_state") or ("running" if st.get("epoch") is not None else "starting")
+    out.append(f"coordinator {addr}   run state: {state}" + (f" ({st['run_error']})" if st.get("run_error") else ""))
+    if cfg is None:
+        out.append("no phoenixft run has published its config on this store yet")
+        return "\n".join(out)
+    out.append(f"job: {cfg.get('nodes')} node(s) x {cfg.get('workers_per_node')} worker(s), {cfg.get('spares')} "
+               f"spare(s), {cfg.get('steps')} steps, protect={cfg.get('protect')}, model={cfg.get('model')}")
+    topo = st.get("topology")
+    if st.get("epoch") is None or topo is None:
+        out.append("epoch: none yet (waiting for every node to be ready)")
+    else:
+        g = topo.get("workers_per_node", 1)
+        meta = topo.get("meta") or {}
+        line = (f"epoch {st['epoch']}: world {len(topo['nodes']) * g} ({len(topo['nodes'])} node(s) x {g} worker(s)), "
+                f"resume step {topo.get('resume_step')}")
+        if meta:
+            line += (f"; after a {meta.get('class', '?')} failure -> {meta.get('action', '?')}, dead "
+                     f"{', '.join(meta.get('dead') or []) or '-'}, promoted {', '.join(meta.get('promoted') or []) or '-'}")
+        out.append(line)
+        out.append("membership:")
+        for m in st["members"]:
+            ranks = ",".join(str(r) for r in m["ranks"])
+            health = "EXITED" if m["exited"] else _age(m["heartbeat_age_s"])
+            out.append(f"  slot {m['slot']}  {m['node']:<6} rank(s) {ranks:<8} {health}")
+        if len(st.get("history", [])) > 1:
+            out.append("epochs: " + "; ".join(f"{h['epoch']}: {' '.join(h['nodes'])}" for h in st["history"]))
+    sp = st.get("spares") or []
+    free = sum(1 for s in sp if not s["used"] and s["ready"])
+    out.append(f"spares: {len(sp)} in the pool, {free} ready and unused" +
+               (": " + "; ".join(f"{s['id']} {s['state']}" for s in sp) if sp else ""))
+    prog = st.get("progress")
+    if prog is None:
+        out.append("progress: no step completed yet")
+    else:
+        rec = prog.get("record") or {}
+        total = prog.get("steps")
+        pct = f" ({100 * prog['step'] / total:.0f}%)" if total else ""
+        line = f"progress: step {prog['step']}/{total or '?'}{pct}"
+        if rec:
+            line += (f", loss {rec.get('loss', float('nan')):.4f}, {rec.get('dt', 0) * 1e3:.0f} ms/step, "
+                     f"epoch {rec.get('epoch')}, world {rec.get('world')}")
+        out.append(line)
+    evs = st.get("events") or []
+    out.append(f"last events ({len(evs)} of {st.get('events_total', 0)}):" if evs else "events: none yet")
+    out += ["  " + describe_event(ev) for ev in evs]
+    return "\n".join(out)

@@ -1,0 +1,58 @@
+"""Shared helpers: run a real phoenixft job (real processes, real signals) and check cleanup."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phoenixft.config import RunConfig
+from phoenixft.display import Display
+from phoenixft.launcher import run_job
+
+
+def processes_with(tag: str) -> list[int]:
+    """PIDs whose command line mentions `tag` (a run id), excluding this test process."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if tag in cmd:
+            found.append(int(d.name))
+    return found
+
+
+def run(tmp: Path, **kw: Any) -> dict[str, Any]:
+    """Run a job to completion; assert that no process and no shared memory outlives it."""
+    kw.setdefault("timeout", 240.0)
+    cfg = RunConfig(**kw, run_dir=str(tmp), quiet=True)
+    cfg.validate()
+    report = run_job(cfg, Display(quiet=True, steps=cfg.steps))
+    run_id = report.get("run_id") or ""
+    if run_id:
+        assert processes_with(run_id) == [], "processes outlived the run"
+        assert list(Path("/dev/shm").glob(f"phoenixft-{run_id}-*")) == [], "shared memory outlived the run"
+    return report
+
+
+_refs: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Failure-free, unprotected reference runs, cached per configuration for the session."""
+
+    def get(**kw: Any) -> dict[str, Any]:
+        key = tuple(sorted(kw.items()))
+        if key not in _refs:
+            _refs[key] = run(tmp_path_factory.mktemp("ref"), protect="none", spares=0, **kw)
+            assert _refs[key]["state"] == "done", _refs[key]
+        return _refs[key]
+
+    return get

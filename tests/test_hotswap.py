@@ -1,0 +1,75 @@
+"""Hot-swap: real SIGKILLs of whole nodes, recovery inside the running job, bitwise-equal results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import processes_with, run
+
+
+@pytest.mark.parametrize(
+    "phase,node",
+    [("forward", 0), ("backward", 1), ("replicate", 2), ("optimizer", 1), ("forward", 1), ("optimizer", 0)],
+)
+def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, phase: str, node: int) -> None:  # type: ignore[no-untyped-def]
+    ref = reference(nodes=3, steps=12)
+    rep = run(tmp_path, nodes=3, spares=1, steps=12, inject=[f"kill:node={node}@step=6,phase={phase}"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["steps_completed"] == 12
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert rep["loss"] == ref["loss"]
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["class"] == "permanent"
+    assert rec["dead"] == [f"n{node}"] and rec["promoted"] == ["s0"]
+    assert rec["lost_steps"] <= 1
+    assert rec["resumed_step"] in (4, 5, 6)
+    assert all(rec["invariants"].values()), rec["invariants"]
+    assert rec["detect_s"] >= 0 and rec["recovery_s"] > rec["detect_s"]
+
+
+def test_four_node_hotswap_under_two_seconds(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    ref = reference(nodes=4, steps=10)
+    rep = run(tmp_path, nodes=4, spares=1, steps=10, inject=["kill:node=2@step=5,phase=backward"])
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["recovery_s"] < 2.0, rec
+
+
+def test_two_faults_two_spares(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    ref = reference(nodes=3, steps=12)
+    rep = run(tmp_path, nodes=3, spares=2, steps=12,
+              inject=["kill:node=1@step=4,phase=backward", "kill:node=1@step=9,phase=optimizer"])
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert [r["promoted"] for r in rep["recoveries"]] == [["s0"], ["s1"]]
+    assert [r["fault"] for r in rep["recoveries"]] == [f["spec"] for f in rep["faults"]]
+
+
+def test_corrupt_replica_is_never_loaded(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    ref = reference(nodes=2, steps=10)
+    # node 1 keeps node 0's replica; the copy it received during step 4 (state after step 3) is corrupted
+    # at rest. Node 0 then dies inside its optimizer step 5: the checksum rejects the corrupt half and
+    # recovery uses the other one (state after step 4).
+    rep = run(tmp_path, nodes=2, spares=1, steps=10,
+              inject=["corrupt:node=1@step=4", "kill:node=0@step=5,phase=optimizer"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["replicas_rejected"] == [[0, 3]], rec
+    assert rec["resumed_step"] == 4, rec
+    assert all(rec["invariants"].values())
+
+
+def test_both_halves_corrupt_fails_clearly(tmp_path: Path) -> None:
+    rep = run(tmp_path, nodes=2, spares=1, steps=10,
+              inject=["corrupt:node=1@step=4", "corrupt:node=1@step=5", "kill:node=0@step=5,phase=optimizer"])
+    assert rep["state"] == "failed"
+    assert "lost shards: pp0.tp0.dp0of2" in rep["error"], rep["error"]
+    assert "rejected by checksum" in rep["error"]
+
+
+def test_no_process_left_after_fault(tmp_path: Path) -> None:
+    rep = run(tmp_path, nodes=2, workers_per_node=2, spares=1, steps=6, inject=["kill:node=0@step=3,phase=forward"])
+    assert rep["state"] == "done"
+    assert processes_with(rep["run_id"]) == []

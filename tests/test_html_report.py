@@ -1,0 +1,239 @@
+"""Tests of `phoenixft report` / phoenixft.html_report on a real run with two faults.
+
+    .venv/bin/python -m pytest tests/test_html_report.py
+
+One 30-step run (3 nodes, 2 spares, two nodes SIGKILLed) is made once per module (~20 s); the
+report is written from it and checked: the numbers in its tables equal those in report.json,
+it is self-contained, and it renders in headless Chromium (skipped where Chromium is absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phoenixft.errors import UserError
+from phoenixft.html_report import write_report
+
+FAULTS = ["kill:node=1@step=10,phase=backward", "kill:node=0@step=20,phase=optimizer"]
+STEPS = 30
+TIME_KEYS = ["detect_s", "decide_s", "reconfigure_s", "restore_params_s", "restore_optimizer_s", "join_s",
+             "first_step_s"]
+
+
+class Page(HTMLParser):
+    """Collects the tables (rows of data-key -> cell text, by table id), images, scripts and links."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[dict[str, str]]] = {}
+        self.kv: dict[str, str] = {}  # summary table: header -> value
+        self.imgs: list[str] = []
+        self.tags: list[str] = []
+        self.urls: list[str] = []
+        self._table: str | None = None
+        self._row: dict[str, str] | None = None
+        self._key: str | None = None
+        self._th: str | None = None
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        self.tags.append(tag)
+        for k in ("src", "href"):
+            if a.get(k):
+                self.urls.append(a[k] or "")
+        if tag == "img":
+            self.imgs.append(a.get("src") or "")
+        elif tag == "table":
+            self._table = a.get("id") or ""
+            self.tables.setdefault(self._table, [])
+        elif tag == "tr" and self._table is not None:
+            self._row = {}
+        elif tag in ("td", "th"):
+            self._key = a.get("data-key") if tag == "td" else None
+            self._text = []
+
+    def handle_data(self, data: str) -> None:
+        self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        text = "".join(self._text).strip()
+        if tag == "th" and self._table == "summary":
+            self._th = text
+        elif tag == "td":
+            if self._table == "summary" and self._th:
+                self.kv[self._th] = text
+            elif self._row is not None and self._key:
+                self._row[self._key] = text
+            self._key = None
+        elif tag == "tr" and self._table is not None and self._row:
+            self.tables[self._table].append(self._row)
+            self._row = None
+        elif tag == "table":
+            self._table = None
+
+
+def parse(path: Path) -> Page:
+    p = Page()
+    p.feed(path.read_text(encoding="utf-8"))
+    return p
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("rep") / "run"
+    cmd = [sys.executable, "-m", "phoenixft", "run", "--nodes", "3", "--spares", "2", "--steps", str(STEPS),
+           "--run-dir", str(d), "--quiet"]
+    for f in FAULTS:
+        cmd += ["--inject", f]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return d
+
+
+@pytest.fixture(scope="module")
+def html(run2: Path) -> Path:
+    return write_report(run2)
+
+
+@pytest.fixture(scope="module")
+def report(run2: Path) -> dict[str, Any]:
+    return json.loads((run2 / "report.json").read_text())
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def test_default_path_and_self_contained(run2: Path, html: Path) -> None:
+    assert html == run2 / "report.html" and html.stat().st_size > 10_000
+    text = html.read_text(encoding="utf-8")
+    page = parse(html)
+    assert "script" not in page.tags and "link" not in page.tags and "iframe" not in page.tags
+    assert not [u for u in page.urls if not u.startswith("data:")], "every resource must be embedded"
+    assert "http://" not in text and "https://" not in text and "url(" not in text
+    assert len(page.imgs) == 3  # throughput, loss, recovery breakdown
+    for src in page.imgs:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_recoveries_table_equals_report_json(html: Path, report: dict[str, Any]) -> None:
+    page = parse(html)
+    recs = report["recoveries"]
+    assert [r["fault"] for r in recs] == FAULTS  # both faults were recovered
+    what, timings = page.tables["recoveries"], page.tables["recovery-timings"]
+    assert len(what) == len(timings) == 2
+    for row, trow, r in zip(what, timings, recs, strict=True):
+        assert row["fault"] == trow["fault"] == r["fault"]
+        assert row["fault_step"] == str(r["fault_step"])
+        assert row["class"] == r["class"] and row["action"] == r["action"]
+        assert row["epoch"] == str(r["epoch"])
+        assert row["dead"] == ", ".join(r["dead"]) and row["promoted"] == ", ".join(r["promoted"])
+        assert row["lost_steps"] == str(r["lost_steps"]) and row["resumed_step"] == str(r["resumed_step"])
+        assert row["bytes_moved"] == f"{r['bytes_moved']:,}"
+        for k in ("I1", "I2", "I3", "I4"):
+            assert row[k] == ("ok" if r["invariants"][k] else "FAILED")
+        assert row["errors"].startswith(str(len(r["errors"])))
+        for k in TIME_KEYS:
+            assert r["stages"][k] is not None
+            assert trow[k] == ms(r["stages"][k]), k
+        assert trow["recovery_s"] == ms(r["recovery_s"])
+
+
+def test_summary_faults_and_events(run2: Path, html: Path, report: dict[str, Any]) -> None:
+    page = parse(html)
+    kv = page.kv
+    assert kv["state"] == "done"
+    assert kv["steps completed"] == f"{STEPS} of {STEPS}"
+    assert kv["final state sha256"] == report["final_state_sha256"]
+    assert kv["median step time"].startswith(f"{ms(report['step_time_s']['median'])} ms")
+    assert kv["median throughput"].endswith("tokens/s")
+    faults = page.tables["faults"]
+    assert [f["spec"] for f in faults] == FAULTS
+    assert [f["node"] for f in faults] == ["n1", "n0"]
+    events = [json.loads(x) for x in (run2 / "events.jsonl").read_text().splitlines() if x.strip()]
+    shown = page.tables["events"]
+    assert len(shown) == len(events)
+    assert sorted(e["kind"] for e in shown) == sorted(e["kind"] for e in events)
+    assert sum(e["kind"] == "fault" for e in shown) == 2
+
+
+def test_reference_overlay(run2: Path, report: dict[str, Any], tmp_path: Path) -> None:
+    # a failure-free reference of the same job (same loss, same final state): the faulty run's
+    # report without its faults stands in for it, which keeps this test free of another 20 s run
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    clean = {**report, "faults": [], "recoveries": [], "run_dir": str(ref)}
+    (ref / "report.json").write_text(json.dumps(clean))
+    shutil.copy(run2 / "metrics.jsonl", ref / "metrics.jsonl")
+    out = write_report(run2, reference=ref, out=tmp_path / "sub" / "with_ref.html")
+    assert out == tmp_path / "sub" / "with_ref.html"
+    kv = parse(out).kv
+    assert kv["final state vs reference"] == "bitwise identical"
+    assert kv["loss vs reference"] == f"max |difference| over {STEPS} steps: 0"
+    assert kv["reference run"] == str(ref)
+
+
+def test_cli_and_errors(run2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from phoenixft.cli import cmd_report
+
+    ap = argparse.ArgumentParser(prog="phoenixft")
+    cmd_report.add_parser(ap.add_subparsers(dest="command"))
+    out = tmp_path / "r.html"
+    args = ap.parse_args(["report", str(run2), "--out", str(out)])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.strip() == str(out) and out.exists()
+    with pytest.raises(UserError, match="does not exist"):
+        write_report(tmp_path / "missing")
+    with pytest.raises(UserError, match="no report.json"):
+        write_report(tmp_path)
+    with pytest.raises(UserError, match="reference run directory .* does not exist"):
+        write_report(run2, reference=tmp_path / "nope", out=tmp_path / "x.html")
+    # a run that failed before its first step still gets a report
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "report.json").write_text(json.dumps({"state": "failed: did not start", "config": {"steps": 5}}))
+    text = write_report(failed).read_text()
+    assert "failed: did not start" in text and "No step metrics" in text and "No recoveries" in text
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get install chromium)")
+def test_renders_in_headless_chromium(html: Path, tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    png = tmp_path / "shot.png"
+    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--enable-logging=stderr", "--v=0"]
+    with tempfile.TemporaryDirectory() as prof:
+        p = subprocess.run([*base, f"--user-data-dir={prof}", f"--screenshot={png}", "--window-size=1200,2000",
+                            f"file://{html}"], capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stderr[-2000:]
+    bad = [ln for ln in p.stderr.splitlines() if ":CONSOLE" in ln or "Uncaught" in ln or "net::ERR_" in ln]
+    assert not bad, bad
+    img = imread(str(png))
+    assert img.shape[0] >= 1000 and img.shape[1] >= 1000
+    colours = {tuple(px) for px in (img[::2, ::2, :3] * 255).astype("uint8").reshape(-1, 3).tolist()}
+    assert len(colours) > 200, f"screenshot looks blank: {len(colours)} distinct colours"
+    with tempfile.TemporaryDirectory() as prof:
+        p = subprocess.run([*base, f"--user-data-dir={prof}", "--dump-dom", f"file://{html}"],
+                           capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stderr[-2000:]
+    dom = Page()
+    dom.feed(p.stdout)
+    assert len(dom.imgs) == 3 and len(dom.tables["recovery-timings"]) == 2

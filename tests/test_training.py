@@ -1,0 +1,89 @@
+"""Failure-free training: the distributed optimizer is AdamW, runs are deterministic, user workloads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run
+from phoenixft.data import _mix
+from phoenixft.workload import WorkloadContext, load_workload
+
+
+def single_process_losses(steps: int, microbatches: int, micro_batch: int = 8, seed: int = 1234) -> list[float]:
+    """The same batches, one process, torch.optim.AdamW (the ground truth)."""
+    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=seed, micro_batch=micro_batch, model="tiny"))
+    torch.manual_seed(seed)
+    model = wl.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    losses = []
+    for s in range(1, steps + 1):
+        opt.zero_grad()
+        total = 0.0
+        for mb in range(microbatches):
+            torch.manual_seed(_mix(seed, s, mb))
+            loss = wl.loss(model, wl.batch(s, mb))
+            (loss / microbatches).backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total / microbatches)
+    return losses
+
+
+@pytest.mark.parametrize("nodes,workers", [(2, 1), (2, 2)], ids=["dp2", "dp4"])
+def test_distributed_optimizer_matches_torch_adamw(tmp_path: Path, nodes: int, workers: int) -> None:
+    rep = run(tmp_path, nodes=nodes, workers_per_node=workers, spares=0, steps=20, protect="none")
+    assert rep["state"] == "done"
+    ref = single_process_losses(20, nodes * workers)
+    assert len(rep["loss"]) == 20
+    for s, (a, b) in enumerate(zip(rep["loss"], ref, strict=True), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {s}: distributed {a} vs torch.optim.AdamW {b}"
+
+
+def test_two_runs_same_hash_and_loss_falls(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    a = reference(nodes=2, steps=20)
+    b = run(tmp_path, nodes=2, steps=20, protect="none", spares=0)
+    assert a["final_state_sha256"] and a["final_state_sha256"] == b["final_state_sha256"]
+    assert a["loss"] == b["loss"]
+    assert sum(a["loss"][-3:]) / 3 < sum(a["loss"][:3]) / 3 - 0.5
+    assert a["step_time_s"]["median"] > 0
+
+
+def test_user_workload_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rep = run(tmp_path, nodes=2, spares=1, steps=15, workload="user_workload:workload", micro_batch=16,
+              lr=1e-2, inject=["kill:node=1@step=8,phase=backward"])
+    assert rep["state"] == "done", rep
+    assert sum(rep["loss"][-3:]) < 0.75 * sum(rep["loss"][:3])
+    assert rep["recoveries"] and rep["recoveries"][0]["action"] == "hotswap"
+    clean = run(tmp_path / "clean", nodes=2, spares=0, steps=15, workload="user_workload:workload", micro_batch=16,
+                lr=1e-2, protect="none")
+    assert clean["final_state_sha256"] == rep["final_state_sha256"]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "huge"], "--model='huge' is invalid: valid presets: tiny, small, medium"),
+        (["--nodes", "0"], "--nodes=0 is invalid"),
+        (["--nodes", "2", "--microbatches", "3"], "--microbatches=3 is invalid: must be a multiple"),
+        (["--workload", "no_such_module:fn"], "--workload='no_such_module:fn' does not import"),
+        (["--inject", "kill:node=7@step=2"], "node must be in 0..1"),
+        (["--inject", "kill:node=0@step=2,phase=lunch"], "valid phases: forward, backward, replicate, optimizer"),
+        (["--protect", "magic"], "--protect='magic' is invalid: one of phoenix, none"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "run", "--nodes", "2", *args[:0], *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
