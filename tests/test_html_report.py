@@ -27,8 +27,15 @@ from phoenixft.html_report import write_report
 
 FAULTS = ["kill:node=1@step=10,phase=backward", "kill:node=0@step=20,phase=optimizer"]
 STEPS = 30
-TIME_KEYS = ["detect_s", "decide_s", "reconfigure_s", "restore_params_s", "restore_optimizer_s", "join_s",
-             "first_step_s"]
+TIME_KEYS = [
+    "detect_s",
+    "decide_s",
+    "reconfigure_s",
+    "restore_params_s",
+    "restore_optimizer_s",
+    "join_s",
+    "first_step_s",
+]
 
 
 class Page(HTMLParser):
@@ -93,8 +100,21 @@ def parse(path: Path) -> Page:
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("rep") / "run"
-    cmd = [sys.executable, "-m", "phoenixft", "run", "--nodes", "3", "--spares", "2", "--steps", str(STEPS),
-           "--run-dir", str(d), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "phoenixft",
+        "run",
+        "--nodes",
+        "3",
+        "--spares",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--run-dir",
+        str(d),
+        "--quiet",
+    ]
     for f in FAULTS:
         cmd += ["--inject", f]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -204,7 +224,9 @@ def test_cli_and_errors(run2: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
     # a run that failed before its first step still gets a report
     failed = tmp_path / "failed"
     failed.mkdir()
-    (failed / "report.json").write_text(json.dumps({"state": "failed: did not start", "config": {"steps": 5}}))
+    (failed / "report.json").write_text(
+        json.dumps({"state": "failed: did not start", "config": {"steps": 5}})
+    )
     text = write_report(failed).read_text()
     assert "failed: did not start" in text and "No step metrics" in text and "No recoveries" in text
 
@@ -212,17 +234,40 @@ def test_cli_and_errors(run2: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get install chromium)")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get install chromium)"
+)
 def test_renders_in_headless_chromium(html: Path, tmp_path: Path) -> None:
     from matplotlib.image import imread
 
+    assert CHROMIUM is not None
     png = tmp_path / "shot.png"
-    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--enable-logging=stderr", "--v=0"]
+    base: list[str] = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--enable-logging=stderr",
+        "--v=0",
+    ]
     with tempfile.TemporaryDirectory() as prof:
-        p = subprocess.run([*base, f"--user-data-dir={prof}", f"--screenshot={png}", "--window-size=1200,2000",
-                            f"file://{html}"], capture_output=True, text=True, timeout=90)
+        p = subprocess.run(
+            [
+                *base,
+                f"--user-data-dir={prof}",
+                f"--screenshot={png}",
+                "--window-size=1200,2000",
+                f"file://{html}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
     assert p.returncode == 0, p.stderr[-2000:]
     bad = [ln for ln in p.stderr.splitlines() if ":CONSOLE" in ln or "Uncaught" in ln or "net::ERR_" in ln]
     assert not bad, bad
@@ -231,8 +276,12 @@ def test_renders_in_headless_chromium(html: Path, tmp_path: Path) -> None:
     colours = {tuple(px) for px in (img[::2, ::2, :3] * 255).astype("uint8").reshape(-1, 3).tolist()}
     assert len(colours) > 200, f"screenshot looks blank: {len(colours)} distinct colours"
     with tempfile.TemporaryDirectory() as prof:
-        p = subprocess.run([*base, f"--user-data-dir={prof}", "--dump-dom", f"file://{html}"],
-                           capture_output=True, text=True, timeout=90)
+        p = subprocess.run(
+            [*base, f"--user-data-dir={prof}", "--dump-dom", f"file://{html}"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
     assert p.returncode == 0, p.stderr[-2000:]
     dom = Page()
     dom.feed(p.stdout)

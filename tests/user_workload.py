@@ -27,3 +27,22 @@ def workload(ctx: WorkloadContext) -> Workload:
         return torch.nn.functional.mse_loss(model(x), y)
 
     return Workload(build_model=build_model, loss=loss, batch=batch)
+
+
+def broken_workload(ctx: WorkloadContext) -> Workload:
+    """The same workload with a bug that fires at step 4 (a software error: not ours to heal)."""
+    wl = workload(ctx)
+
+    def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if b[0].shape[0] and torch.is_grad_enabled() and _step[0] >= 4:
+            raise ValueError("shapes do not line up (deliberate bug)")
+        return wl.loss(model, b)
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _step[0] = step
+        return wl.batch(step, index)
+
+    return Workload(build_model=wl.build_model, loss=loss, batch=batch)
+
+
+_step = [0]

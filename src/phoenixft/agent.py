@@ -12,6 +12,7 @@ Run as `phoenixft agent --store HOST:PORT --node ID` (the launcher does this for
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -21,7 +22,10 @@ import traceback
 __all__ = ["main"]
 
 
-def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int) -> int:
+MAX_RESTARTS = 3
+
+
+def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0) -> int:
     pid = os.fork()
     if pid == 0:  # child
         code = 1
@@ -29,7 +33,7 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             from phoenixft.worker import worker_main
 
-            code = worker_main(store, node, local_rank, run_id, threads)
+            code = worker_main(store, node, local_rank, run_id, threads, incarnation)
         except BaseException:  # noqa: BLE001 - report and exit non-zero
             traceback.print_exc()
             code = 1
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from phoenixft.comm import connect_store
 
     store = connect_store(a.store)
+    restarts = {i: 0 for i in range(a.workers)}
     worst = 0
     while children:
         try:
@@ -82,12 +87,24 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             lr = children.pop(pid, None)
             code = os.waitstatus_to_exitcode(status)
+            if code == 0 or lr is None:
+                continue
+            wid = f"{a.node}.{lr}"
+            try:
+                over = store.check([keys.RUN_STATE])
+                if not over and restarts[lr] < MAX_RESTARTS:
+                    # the node is healthy and one worker died: restart it in place from the snapshot it
+                    # left in shared memory (transient failure; no spare needed)
+                    restarts[lr] += 1
+                    store.set(keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
+                                                                 "incarnation": restarts[lr]}))
+                    children[_fork_worker(a.store, a.node, lr, a.run_id, a.threads, restarts[lr])] = lr
+                    continue
+            except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin
+                pass
             worst = max(worst, abs(code))
-            if code != 0 and lr is not None:
-                try:
-                    store.set(f"wexit/{a.node}.{lr}", str(code))
-                except Exception:  # noqa: BLE001
-                    pass
+            if restarts[lr] >= MAX_RESTARTS:  # crash loop: give up the whole node (permanent)
+                stop(signal.SIGTERM, None)
     return worst
 
 

@@ -47,10 +47,13 @@ class RunConfig:
     seed: int = _f(1234, "Seed of the model init and of the (pure) batch function.")
     protect: str = _f("phoenix", "Per-step protection: phoenix (in-memory snapshot + peer replicas) or none.")
     replicas: int = _f(1, "Peer replicas of each optimizer shard, placed on other nodes (k).")
+    racks: int = _f(1, "Failure domains above nodes: nodes spread evenly (in contiguous blocks) over R racks; "
+                       "replicas go to other racks first.")
     inject: list[str] = _f(
         None,
-        "Fault to inject, repeatable: kill:node=I@step=S[,phase=forward|backward|replicate|optimizer], "
-        "corrupt:node=I@step=S (corrupt the replicas node I holds).",
+        "Fault to inject, repeatable: kill:node=I[,J]@step=S[,phase=forward|backward|replicate|optimizer], "
+        "kill:rack=A@step=S, kill:node=I@recovery=N, hang:node=I@step=S, crash:rank=R@step=S, "
+        "corrupt:node=I@step=S, nan:step=S.",
         action="append",
     )
     failure_timeout: float = _f(10.0, "Seconds without a heartbeat or answer before a node is declared failed.",
@@ -116,12 +119,21 @@ class RunConfig:
         need(self.threads >= 0, "--threads", self.threads, "must be >= 0")
         need(self.chunk_mb > 0, "--chunk-mb", self.chunk_mb, "must be > 0")
         need(self.timeout > 0, "--timeout", self.timeout, "must be > 0 seconds")
+        need(1 <= self.racks <= self.nodes and self.nodes % self.racks == 0, "--racks", self.racks,
+             f"must divide --nodes={self.nodes} (racks are equal blocks of nodes)")
         for f in self.faults:  # parse errors raise UserError themselves
-            if f.node is not None:
-                need(0 <= f.node < self.nodes, "--inject", f.text, f"node must be in 0..{self.nodes - 1}")
-            need(1 <= f.step <= self.steps, "--inject", f.text, f"step must be in 1..{self.steps}")
-            if f.kind == "kill":
-                need(self.protect == "phoenix", "--inject", f.text, "a node kill needs --protect phoenix")
+            for n in f.nodes:
+                need(0 <= n < self.nodes, "--inject", f.text, f"node must be in 0..{self.nodes - 1}")
+            if f.rack is not None:
+                need(0 <= f.rack < self.racks, "--inject", f.text, f"rack must be in 0..{self.racks - 1} (--racks)")
+            if f.rank is not None:
+                need(0 <= f.rank < self.world, "--inject", f.text, f"rank must be in 0..{self.world - 1}")
+            if f.step is not None:
+                need(1 <= f.step <= self.steps, "--inject", f.text, f"step must be in 1..{self.steps}")
+            if f.recovery is not None:
+                need(f.recovery >= 1, "--inject", f.text, "recovery must be >= 1 (the first recovery is 1)")
+            if f.kind in ("kill", "hang", "crash", "corrupt"):
+                need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
         check_workload_path(self.workload)
 
     # ------------------------------------------------------------------ (de)serialise

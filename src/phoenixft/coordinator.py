@@ -97,7 +97,7 @@ class Coordinator:
             time.sleep(0.01)
         self._event("run_start", nodes=active, spares=self.spare_pool)
         self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
-                              resume_step=0))
+                              racks=self.cfg.racks, resume_step=0))
         while not self.store.check([keys.RUN_STATE]):
             if self._failure_pending():
                 self.recover()
@@ -131,27 +131,40 @@ class Coordinator:
         dead: set[str] = set()
         fenced: set[str] = set()
         deadline = time.monotonic() + self.cfg.failure_timeout
+        restarted: set[str] = set()
         while True:
             now = time.time()
             for n in old.nodes:
                 if n not in dead and (self._exited(n) or self._stale(n, now)):
                     dead.add(n)
             missing = [w for w in wids if w.split(".")[0] not in dead and not self.store.check([keys.desc(e, w)])]
+            for w in missing:
+                if w not in restarted and self.store.check([keys.worker_exit(w)]):
+                    restarted.add(w)  # its agent restarts it in place: give it the full timeout again
+                    deadline = time.monotonic() + self.cfg.failure_timeout
             if not missing:
                 break
             if time.monotonic() > deadline:
-                fenced = {w.split(".")[0] for w in missing}
+                fenced = {w.split(".")[0] for w in missing}  # unresponsive: fence the whole node
                 dead |= fenced
                 break
             time.sleep(POLL_S)
+        for w in restarted:
+            self.store.delete_key(keys.worker_exit(w))
+        restarted = {w for w in restarted if w.split(".")[0] not in dead}
         for n in dead:
             self.store.set(keys.fence(n), "1")
         self.dead |= dead
         descs = {w: json.loads(self.store.get(keys.desc(e, w))) for w in wids if w.split(".")[0] not in dead}
         t_first = min([d["t"] for d in descs.values()] + [t_start])
-        klass, action = ("permanent", "hotswap") if dead else ("transient", "reconfigure")
-        self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), **{"class": klass},
-                    action=action)
+        if dead:
+            klass, action = "permanent", "hotswap"
+        elif restarted:
+            klass, action = "transient", "inplace"
+        else:
+            klass, action = "transient", "reconfigure"
+        self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
+                    **{"class": klass}, action=action)
         # spares
         pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
         dead_slots = [i for i, n in enumerate(old.nodes) if n in dead]
@@ -169,12 +182,13 @@ class Coordinator:
         # recovery point: newest step every logical shard still has
         avail: dict[int, set[int]] = {}
         sources: dict[int, dict[int, int]] = {}  # shard -> step -> holder rank
+        local: dict[int, set[int]] = {}  # what the owner itself still holds (survivor or restarted in place)
         for shard in range(old.world):
             owner = old.node_of_rank(shard)
-            if owner not in dead:
-                avail[shard] = set(descs[f"{owner}.{shard % self.g}"]["steps"])
-                continue
-            avail[shard] = set()
+            local[shard] = set() if owner in dead else set(descs[f"{owner}.{shard % self.g}"]["steps"])
+            avail[shard] = set(local[shard])
+            if owner not in dead and f"{owner}.{shard % self.g}" not in restarted:
+                continue  # a survivor restores from its own ping-pong halves
             sources[shard] = {}
             for h in old.holders(shard):
                 hn = old.node_of_rank(h)
@@ -197,19 +211,21 @@ class Coordinator:
         max_committed = max((max(d["steps"]) for d in descs.values() if d["steps"]), default=r)
         progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
         alive_ranks = [rk for rk in range(old.world) if old.node_of_rank(rk) not in dead]
-        transfers = []
-        for k, i in enumerate(dead_slots):
-            for lr in range(self.g):
-                rank = i * self.g + lr
-                transfers.append({"dst": rank, "shard": rank, "param_src": alive_ranks[(k * self.g + lr) %
-                                                                                        len(alive_ranks)],
-                                  "opt_src": sources[rank][r]})
+        # a promoted spare gets everything; a worker restarted in place only what it did not retain
+        needy = [rk for rk in range(old.world) if r not in local[rk]]
+        healthy = [rk for rk in alive_ranks if r in local[rk]]
+        if needy and not healthy:
+            self._fail_run(f"no healthy data-parallel peer holds the parameters of step {r}")
+            return
+        transfers = [{"dst": rk, "shard": rk, "param_src": healthy[k % len(healthy)], "opt_src": sources[rk][r]}
+                     for k, rk in enumerate(needy)]
         topo = Topology(epoch=e + 1, nodes=nodes, workers_per_node=self.g, replicas=self.cfg.replicas,
-                        resume_step=r, transfers=transfers,
+                        racks=self.cfg.racks, resume_step=r, transfers=transfers,
                         meta={"dead": sorted(dead), "promoted": promoted, "class": klass, "action": action})
         rec = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
                "t_decided": time.time(), "dead": sorted(dead), "fenced": sorted(fenced), "promoted": promoted,
                "resume_step": r, "max_committed": max(max_committed, progress), "class": klass, "action": action,
+               "restarted": sorted(restarted),
                "errors": sorted({d["error"] for d in descs.values()})[:5],
                "replicas_rejected": [list(x) for x in rejected]}
         self.store.set(keys.recovery(e + 1), json.dumps(rec))

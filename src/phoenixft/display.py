@@ -49,9 +49,12 @@ class Display:
             print(json.dumps(ev), flush=True)
         k = ev.get("kind")
         if k == "fault":
-            self._err(f"!! fault injected: {ev['spec']} (node {ev['node']}, step {ev['step']}, phase {ev['phase']})")
+            where = (f"step {ev['step']}, phase {ev['phase']}" if "step" in ev
+                     else f"during recovery epoch {ev.get('recovery')}")
+            self._err(f"!! fault injected: {ev['spec']} (node {ev['node']}, {where})")
         elif k == "classified":
-            self._err(f"!! failure in epoch {ev['epoch']}: dead {ev['dead'] or 'none'} -> class {ev['class']}, "
+            extra = f", restarted in place {ev['restarted']}" if ev.get("restarted") else ""
+            self._err(f"!! failure in epoch {ev['epoch']}: dead {ev['dead'] or 'none'}{extra} -> class {ev['class']}, "
                       f"action {ev['action']}")
         elif k == "recovery_planned":
             self._err(f"   epoch {ev['epoch']}: resume from step {ev['resume_step']}, promoted {ev['promoted']} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UserError", "PeerFailure", "RunAborted", "ShardLoss"]
+__all__ = ["UserError", "PeerFailure", "RunAborted", "ShardLoss", "Unhealable"]
 
 
 class UserError(Exception):
@@ -22,3 +22,7 @@ class RunAborted(Exception):
 
 class ShardLoss(Exception):
     """Every in-memory copy of at least one logical shard is gone (owner and all replica holders)."""
+
+
+class Unhealable(Exception):
+    """NaN/Inf loss or an exception in user code: not a node failure; stop cleanly, say why."""

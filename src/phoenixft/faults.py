@@ -1,8 +1,17 @@
-"""Fault-injection specs: `kill:node=I@step=S[,phase=P]`, `corrupt:node=I@step=S`.
+"""Fault-injection specs, parsed from `--inject` (repeatable).
 
-A fault fires at most once per run: the first process that reaches it claims it atomically in
-the control-plane store (`store.add`), records the fault time, and only then acts, so a replayed
-step after recovery never fires the same fault again.
+    kill:node=I[,J...]@step=S[,phase=P]   SIGKILL every process of the nodes in slots I, J
+    kill:rack=A@step=S[,phase=P]          SIGKILL every node of rack A
+    kill:node=I@recovery=N                SIGKILL slot I during the N-th recovery (its state transfer;
+                                          the node in slot I may be the promoted spare itself)
+    hang:node=I@step=S[,phase=P]          SIGSTOP every process of node I (only a timeout finds it)
+    crash:rank=R@step=S[,phase=P]         worker R exits with an error; its node stays healthy
+    corrupt:node=I@step=S                 flip bytes in the replicas node I received during step S
+    nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
+
+P is one of forward, backward, replicate, optimizer (default forward). A fault fires at most once
+per (fault, node): the first process that reaches it claims it atomically in the store
+(`store.add`), records the time, and only then acts, so a replayed step never fires it again.
 """
 
 from __future__ import annotations
@@ -12,49 +21,79 @@ from dataclasses import dataclass
 
 from phoenixft.errors import UserError
 
-__all__ = ["FaultSpec", "parse_fault", "KILL_PHASES"]
+__all__ = ["FaultSpec", "parse_fault", "KILL_PHASES", "FAULT_KINDS"]
 
 KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
-_SPEC = re.compile(r"^(?P<kind>kill|corrupt):(?P<target>[^@]+)@(?P<when>.+)$")
+FAULT_KINDS = ("kill", "hang", "crash", "corrupt", "nan")
+_SPEC = re.compile(r"^(?P<kind>[a-z]+):(?:(?P<target>[^@]+)@)?(?P<when>.+)$")
+_VALID = ("expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, kill:node=I@recovery=N, "
+          "hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S or nan:step=S")
 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultSpec:
     text: str
     index: int
-    kind: str  # kill | corrupt
-    node: int | None
-    step: int
-    phase: str  # for kill: one of KILL_PHASES
+    kind: str
+    nodes: tuple[int, ...] = ()
+    rack: int | None = None
+    rank: int | None = None
+    step: int | None = None
+    recovery: int | None = None
+    phase: str = "forward"
+
+    @property
+    def node(self) -> int | None:
+        return self.nodes[0] if self.nodes else None
 
 
-def _kv(part: str, text: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in part.split(","):
-        if "=" not in item:
-            raise UserError(f"--inject={text!r} is invalid: expected key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
+def _bad(text: str, why: str) -> UserError:
+    return UserError(f"--inject={text!r} is invalid: {why}")
+
+
+def _ints(text: str, value: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise _bad(text, f"{what} must be integers, got {value!r}") from None
 
 
 def parse_fault(text: str, index: int = 0) -> FaultSpec:
     m = _SPEC.match(text.strip())
-    valid = "expected kill:node=I@step=S[,phase=forward|backward|replicate|optimizer] or corrupt:node=I@step=S"
-    if not m:
-        raise UserError(f"--inject={text!r} is invalid: {valid}")
-    target = _kv(m["target"], text)
-    when = _kv(m["when"], text)
-    if set(target) != {"node"}:
-        raise UserError(f"--inject={text!r} is invalid: target must be node=I; {valid}")
-    if "step" not in when or set(when) - {"step", "phase"}:
-        raise UserError(f"--inject={text!r} is invalid: {valid}")
-    try:
-        node = int(target["node"])
-        step = int(when["step"])
-    except ValueError:
-        raise UserError(f"--inject={text!r} is invalid: node and step must be integers") from None
+    if not m or m["kind"] not in FAULT_KINDS:
+        raise _bad(text, _VALID)
+    kind = m["kind"]
+    # target: one key whose value may hold commas (node=1,2)
+    nodes: tuple[int, ...] = ()
+    rack = rank = None
+    if m["target"]:
+        key, _, value = m["target"].partition("=")
+        if key == "node":
+            nodes = _ints(text, value, "node")
+        elif key == "rack" and kind == "kill":
+            rack = _ints(text, value, "rack")[0]
+        elif key == "rank" and kind == "crash":
+            rank = _ints(text, value, "rank")[0]
+        else:
+            raise _bad(text, f"target {m['target']!r}; {_VALID}")
+    when: dict[str, str] = {}
+    for item in m["when"].split(","):
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise _bad(text, f"expected key=value, got {item!r}")
+        when[k.strip()] = v.strip()
+    if set(when) - {"step", "phase", "recovery"} or ("step" in when) == ("recovery" in when):
+        raise _bad(text, _VALID)
+    step = _ints(text, when["step"], "step")[0] if "step" in when else None
+    recovery = _ints(text, when["recovery"], "recovery")[0] if "recovery" in when else None
     phase = when.get("phase", "forward")
-    if m["kind"] == "kill" and phase not in KILL_PHASES:
-        raise UserError(f"--inject={text!r} is invalid: phase={phase!r}, valid phases: {', '.join(KILL_PHASES)}")
-    return FaultSpec(text=text, index=index, kind=m["kind"], node=node, step=step, phase=phase)
+    if phase not in KILL_PHASES:
+        raise _bad(text, f"phase={phase!r}, valid phases: {', '.join(KILL_PHASES)}")
+    need_target = {"kill": nodes or rack is not None, "hang": len(nodes) == 1, "crash": rank is not None,
+                   "corrupt": len(nodes) == 1, "nan": not m["target"]}
+    if not need_target[kind]:
+        raise _bad(text, _VALID)
+    if recovery is not None and kind != "kill":
+        raise _bad(text, "only kill faults can fire during a recovery (@recovery=N)")
+    return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
+                     recovery=recovery, phase=phase)

@@ -48,9 +48,14 @@ STAGES: list[tuple[str, str, str]] = [
 ]
 # the columns of the recoveries table that hold times: (key, header)
 TIME_COLUMNS: list[tuple[str, str]] = [
-    ("detect_s", "detect"), ("decide_s", "decide"), ("reconfigure_s", "reconfigure"),
-    ("restore_params_s", "restore params"), ("restore_optimizer_s", "restore optimizer"),
-    ("join_s", "join"), ("first_step_s", "first step"), ("recovery_s", "recovery total"),
+    ("detect_s", "detect"),
+    ("decide_s", "decide"),
+    ("reconfigure_s", "reconfigure"),
+    ("restore_params_s", "restore params"),
+    ("restore_optimizer_s", "restore optimizer"),
+    ("join_s", "join"),
+    ("first_step_s", "first step"),
+    ("recovery_s", "recovery total"),
 ]
 
 
@@ -99,8 +104,10 @@ def load_run(run_dir: Path, what: str = "run directory") -> RunData:
         raise UserError(f"{what} {str(run_dir)!r} does not exist or is not a directory")
     rp = run_dir / "report.json"
     if not rp.is_file():
-        raise UserError(f"{what} {str(run_dir)!r} has no report.json (is it a phoenixft run directory? "
-                        "the report is written when the run ends)")
+        raise UserError(
+            f"{what} {str(run_dir)!r} has no report.json (is it a phoenixft run directory? "
+            "the report is written when the run ends)"
+        )
     try:
         report = json.loads(rp.read_text())
     except json.JSONDecodeError as e:
@@ -119,7 +126,9 @@ def tokens_per_step(config: dict[str, Any]) -> int | None:
         from phoenixft.workload import WorkloadContext, load_workload
 
         cfg = RunConfig.from_json(json.dumps(config))
-        wl = load_workload(cfg.workload, WorkloadContext(seed=cfg.seed, micro_batch=cfg.micro_batch, model=cfg.model))
+        wl = load_workload(
+            cfg.workload, WorkloadContext(seed=cfg.seed, micro_batch=cfg.micro_batch, model=cfg.model)
+        )
         return wl.tokens_per_microbatch * cfg.total_microbatches or None
     except Exception:  # noqa: BLE001 - a workload that no longer imports only costs us the unit
         return None
@@ -131,7 +140,7 @@ def _png(fig: Any) -> str:
 
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", pad_inches=0.15)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -166,7 +175,13 @@ def _recovery_spans(run: RunData) -> list[tuple[float, float, str]]:
         else:
             after = [m["t_end"] for m in run.metrics if m["t_end"] > t]
             end = after[0] if after else (run.metrics[-1]["t_end"] if run.metrics else t)
-        spans.append((t - t0, end - t0, f"fault {f.get('index', '?')}: {f.get('node', '?')} @ step {f.get('step', '?')}"))
+        spans.append(
+            (
+                t - t0,
+                end - t0,
+                f"fault {f.get('index', '?')}: {f.get('node', '?')} @ step {f.get('step', '?')}",
+            )
+        )
     return spans
 
 
@@ -184,15 +199,30 @@ def plot_throughput(run: RunData, ref: RunData | None, tokens: int | None) -> st
         ax.plot(rx, ry, drawstyle="steps-pre", color="#999999", lw=1.2, label="reference (no failure)")
     ax.plot(xs, ys, drawstyle="steps-pre", color="#1f77b4", lw=1.6, label="this run")
     for i, (a, b, label) in enumerate(_recovery_spans(run)):
-        ax.axvspan(a, b, color="#ff7f0e", alpha=0.25, lw=0, label="recovery (fault to first step after it)"
-                   if i == 0 else None)
+        ax.axvspan(
+            a,
+            b,
+            color="#ff7f0e",
+            alpha=0.25,
+            lw=0,
+            label="recovery (fault to first step after it)" if i == 0 else None,
+        )
         ax.axvline(a, color="#d62728", ls="--", lw=1.2, label="fault" if i == 0 else None)
-        ax.annotate(label, (a, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
-                    textcoords="offset points", fontsize=8, color="#d62728")
+        ax.annotate(
+            label,
+            (a, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12),
+            textcoords="offset points",
+            fontsize=8,
+            color="#d62728",
+        )
     ax.set_xlabel("seconds since start")
     ax.set_ylabel(unit)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Throughput ({unit}, per completed step, over the wall time since the previous one)", fontsize=10)
+    ax.set_title(
+        f"Throughput ({unit}, per completed step, over the wall time since the previous one)", fontsize=10
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
     fig.tight_layout()
@@ -212,7 +242,9 @@ def plot_loss(run: RunData, ref: RunData | None) -> str | None:
         ax.plot(range(1, len(rl) + 1), rl, color="#999999", lw=4, alpha=0.6, label="reference (no failure)")
     ax.plot(range(1, len(loss) + 1), loss, color="#1f77b4", lw=1.4, marker=".", ms=4, label="this run")
     for i, f in enumerate(run.report.get("faults", [])):
-        ax.axvline(f.get("step", 0), color="#d62728", ls="--", lw=1.2, label="fault (step)" if i == 0 else None)
+        ax.axvline(
+            f.get("step", 0), color="#d62728", ls="--", lw=1.2, label="fault (step)" if i == 0 else None
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Training loss per step", fontsize=10)
@@ -225,7 +257,9 @@ def plot_loss(run: RunData, ref: RunData | None) -> str | None:
 def stage_values(rec: dict[str, Any]) -> dict[str, float]:
     """The stacked stages of one recovery in seconds (unknown = 0); they add up to recovery_s."""
     st = {k: (v or 0.0) for k, v in (rec.get("stages") or {}).items()}
-    inner = st.get("reconfigure_s", 0.0) + st.get("restore_params_s", 0.0) + st.get("restore_optimizer_s", 0.0)
+    inner = (
+        st.get("reconfigure_s", 0.0) + st.get("restore_params_s", 0.0) + st.get("restore_optimizer_s", 0.0)
+    )
     st["join_other_s"] = max(0.0, st.get("join_s", 0.0) - inner)
     return {k: st.get(k, 0.0) for k, _, _ in STAGES}
 
@@ -236,7 +270,7 @@ def plot_breakdown(run: RunData) -> str | None:
     recs = run.report.get("recoveries") or []
     if not recs:
         return None
-    fig = Figure(figsize=(11, 1.6 + 0.55 * len(recs)))
+    fig = Figure(figsize=(11, 1.0 + 0.5 * len(recs)))
     ax = fig.add_subplot()
     labels = [f"#{i + 1} {r.get('fault') or 'failure'} ({r.get('action')})" for i, r in enumerate(recs)]
     left = [0.0] * len(recs)
@@ -250,10 +284,16 @@ def plot_breakdown(run: RunData) -> str | None:
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds from the fault")
     ax.set_xlim(0, max(left) * 1.18 or 1)
-    ax.set_title("Recovery time by stage", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.05 * (len(recs) < 3)))
-    fig.tight_layout()
+    ax.legend(
+        fontsize=8,
+        ncol=len(STAGES),
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        frameon=False,
+        handlelength=1.2,
+        columnspacing=1.0,
+    )
     return _png(fig)
 
 
@@ -261,9 +301,11 @@ def plot_breakdown(run: RunData) -> str | None:
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:24px;color:#222;
 background:#fff;max-width:1180px}
-h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:3px}
+h1{font-size:22px;margin:0 0 4px}
+h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:3px}
 table{border-collapse:collapse;font-size:13px;margin:6px 0} td,th{border:1px solid #ddd;padding:3px 7px;
-vertical-align:top} th{background:#f3f3f3;text-align:left} td.num{text-align:right;font-variant-numeric:tabular-nums}
+vertical-align:top} th{background:#f3f3f3;text-align:left}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
 table.kv th{width:210px} .ok{color:#1a7f37;font-weight:600} .bad{color:#c62828;font-weight:600}
 img{max-width:100%;border:1px solid #eee} code,.mono{font-family:ui-monospace,"DejaVu Sans Mono",monospace;
 font-size:12px} .muted{color:#777;font-size:13px} details summary{cursor:pointer} .wide{overflow-x:auto}
@@ -304,13 +346,20 @@ def _summary(run: RunData, ref: RunData | None, tokens: int | None) -> str:
         unit = "tokens/s" if tokens else "steps/s"
         rows.append(("median throughput", f"{statistics.median(ys):,.1f} {unit}", None))
     rows += [
-        ("job", f"{cfg.get('nodes', '?')} node(s) x {cfg.get('workers_per_node', '?')} worker(s), "
-                f"{cfg.get('spares', '?')} spare(s), protect={cfg.get('protect', '?')}, model={cfg.get('model', '?')}, "
-                f"replicas={cfg.get('replicas', '?')}", None),
+        (
+            "job",
+            f"{cfg.get('nodes', '?')} node(s) x {cfg.get('workers_per_node', '?')} worker(s), "
+            f"{cfg.get('spares', '?')} spare(s), protect={cfg.get('protect', '?')}, "
+            f"model={cfg.get('model', '?')}, replicas={cfg.get('replicas', '?')}",
+            None,
+        ),
         ("faults injected", ", ".join(cfg.get("inject") or []) or "none", None),
-        ("recoveries", f"{len(recs)}; lost steps in all: {sum(x.get('lost_steps') or 0 for x in recs)}; invariants "
-                       + ("all true" if all(all((x.get('invariants') or {}).values()) for x in recs) else "VIOLATED"),
-         "ok" if all(all((x.get("invariants") or {}).values()) for x in recs) else "bad"),
+        (
+            "recoveries",
+            f"{len(recs)}; lost steps in all: {sum(x.get('lost_steps') or 0 for x in recs)}; invariants "
+            + ("all true" if all(all((x.get("invariants") or {}).values()) for x in recs) else "VIOLATED"),
+            "ok" if all(all((x.get("invariants") or {}).values()) for x in recs) else "bad",
+        ),
     ]
     if r.get("error"):
         rows.append(("error", str(r["error"]), "bad"))
@@ -318,18 +367,31 @@ def _summary(run: RunData, ref: RunData | None, tokens: int | None) -> str:
         a, b = r.get("final_state_sha256"), ref.report.get("final_state_sha256")
         same = a is not None and a == b
         rows.append(("reference run", str(ref.run_dir), None))
-        rows.append(("final state vs reference", "bitwise identical" if same else f"DIFFERENT (reference {b or '-'})",
-                     "ok" if same else "bad"))
+        rows.append(
+            (
+                "final state vs reference",
+                "bitwise identical" if same else f"DIFFERENT (reference {b or '-'})",
+                "ok" if same else "bad",
+            )
+        )
         rl, ll = ref.report.get("loss") or [], r.get("loss") or []
         if rl and ll:
             n = min(len(rl), len(ll))
             diff = max(abs(x - y) for x, y in zip(ll[:n], rl[:n], strict=True))
-            rows.append(("loss vs reference", f"max |difference| over {n} steps: {diff:.3g}", "ok" if diff == 0 else None))
+            rows.append(
+                (
+                    "loss vs reference",
+                    f"max |difference| over {n} steps: {diff:.3g}",
+                    "ok" if diff == 0 else None,
+                )
+            )
         rst = (ref.report.get("step_time_s") or {}).get("median")
         if rst and st.get("median"):
             rows.append(("median step time vs reference", f"{st['median'] / rst:.3f}x", None))
-    body = "".join(f'<tr><th>{_e(k)}</th><td{f" class={chr(34)}{c}{chr(34)}" if c else ""}>{_e(v)}</td></tr>'
-                   for k, v, c in rows)
+    body = "".join(
+        f"<tr><th>{_e(k)}</th><td{f' class={chr(34)}{c}{chr(34)}' if c else ''}>{_e(v)}</td></tr>"
+        for k, v, c in rows
+    )
     return f'<table class="kv" id="summary">{body}</table>'
 
 
@@ -338,39 +400,71 @@ def _recoveries_table(run: RunData) -> str:
     recs = run.report.get("recoveries") or []
     if not recs:
         return '<p class="muted">No recoveries.</p>'
-    head = ["#", "fault", "fault step", "class", "action", "epoch", "dead", "promoted", "lost steps",
-            "resumed step", "bytes moved", "I1", "I2", "I3", "I4", "errors"]
+    head = [
+        "#",
+        "fault",
+        "fault step",
+        "class",
+        "action",
+        "epoch",
+        "dead",
+        "promoted",
+        "lost steps",
+        "resumed step",
+        "bytes moved",
+        "I1",
+        "I2",
+        "I3",
+        "I4",
+        "errors",
+    ]
     rows = []
     for i, r in enumerate(recs, 1):
-        cells = [_td(i, "index", "num"), _td(r.get("fault") or "-", "fault"), _td(r.get("fault_step"), "fault_step", "num"),
-                 _td(r.get("class"), "class"), _td(r.get("action"), "action"), _td(r.get("epoch"), "epoch", "num"),
-                 _td(", ".join(r.get("dead") or []) or "-", "dead"),
-                 _td(", ".join(r.get("promoted") or []) or "-", "promoted"),
-                 _td(r.get("lost_steps"), "lost_steps", "num"), _td(r.get("resumed_step"), "resumed_step", "num"),
-                 _td(f"{r.get('bytes_moved', 0):,}", "bytes_moved", "num")]
+        cells = [
+            _td(i, "index", "num"),
+            _td(r.get("fault") or "-", "fault"),
+            _td(r.get("fault_step"), "fault_step", "num"),
+            _td(r.get("class"), "class"),
+            _td(r.get("action"), "action"),
+            _td(r.get("epoch"), "epoch", "num"),
+            _td(", ".join(r.get("dead") or []) or "-", "dead"),
+            _td(", ".join(r.get("promoted") or []) or "-", "promoted"),
+            _td(r.get("lost_steps"), "lost_steps", "num"),
+            _td(r.get("resumed_step"), "resumed_step", "num"),
+            _td(f"{r.get('bytes_moved', 0):,}", "bytes_moved", "num"),
+        ]
         for k in ("I1", "I2", "I3", "I4"):
             ok = (r.get("invariants") or {}).get(k)
             cells.append(_td("ok" if ok else "FAILED", k, "ok" if ok else "bad"))
         errs = r.get("errors") or []
         detail = "".join(f"<li><code>{_e(x)}</code></li>" for x in errs)
-        cells.append(f'<td data-key="errors">{len(errs)}' +
-                     (f"<details><summary>show</summary><ul>{detail}</ul></details>" if errs else "") + "</td>")
+        cells.append(
+            f'<td data-key="errors">{len(errs)}'
+            + (f"<details><summary>show</summary><ul>{detail}</ul></details>" if errs else "")
+            + "</td>"
+        )
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    what = (f'<div class="wide"><table id="recoveries"><tr>{"".join(f"<th>{_e(h)}</th>" for h in head)}</tr>'
-            f'{"".join(rows)}</table></div>')
+    what = (
+        f'<div class="wide"><table id="recoveries"><tr>{"".join(f"<th>{_e(h)}</th>" for h in head)}</tr>'
+        f"{''.join(rows)}</table></div>"
+    )
     head = ["#", "fault"] + [f"{h} (ms)" for _, h in TIME_COLUMNS]
     rows = []
     for i, r in enumerate(recs, 1):
         st = r.get("stages") or {}
         cells = [_td(i, "index", "num"), _td(r.get("fault") or "-", "fault")]
-        cells += [_td(fmt_ms(r.get(k) if k == "recovery_s" else st.get(k)), k, "num") for k, _ in TIME_COLUMNS]
+        cells += [
+            _td(fmt_ms(r.get(k) if k == "recovery_s" else st.get(k)), k, "num") for k, _ in TIME_COLUMNS
+        ]
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    timings = (f'<div class="wide"><table id="recovery-timings"><tr>{"".join(f"<th>{_e(h)}</th>" for h in head)}'
-               f'</tr>{"".join(rows)}</table></div>'
-               '<p class="muted">detect: fault to the first failure report; decide: to the new topology; join: to '
-               "every worker joined (includes reconfigure, restore params and restore optimizer, each the maximum "
-               "over workers); first step: to the end of the first step after the join; recovery total = detect + "
-               "decide + join + first step.</p>")
+    timings = (
+        f'<div class="wide"><table id="recovery-timings"><tr>{"".join(f"<th>{_e(h)}</th>" for h in head)}'
+        f"</tr>{''.join(rows)}</table></div>"
+        '<p class="muted">detect: fault to the first failure report; decide: to the new topology; join: to '
+        "every worker joined (includes reconfigure, restore params and restore optimizer, each the maximum "
+        "over workers); first step: to the end of the first step after the join; recovery total = detect + "
+        "decide + join + first step.</p>"
+    )
     return what + "<h3>Stage timings</h3>" + timings
 
 
@@ -379,11 +473,22 @@ def _faults_table(run: RunData) -> str:
     if not faults:
         return '<p class="muted">No faults.</p>'
     t0 = run.t0 or 0.0
-    rows = "".join("<tr>" + _td(f.get("index"), "index", "num") + _td(f"{f['t'] - t0:.3f}", "t", "num")
-                   + _td(f.get("spec"), "spec") + _td(f.get("node"), "node") + _td(f.get("step"), "step", "num")
-                   + _td(f.get("phase"), "phase") + _td(f.get("epoch"), "epoch", "num") + "</tr>" for f in faults)
-    return ('<table id="faults"><tr><th>#</th><th>t (s)</th><th>spec</th><th>node</th><th>step</th><th>phase</th>'
-            f"<th>epoch</th></tr>{rows}</table>")
+    rows = "".join(
+        "<tr>"
+        + _td(f.get("index"), "index", "num")
+        + _td(f"{f['t'] - t0:.3f}", "t", "num")
+        + _td(f.get("spec"), "spec")
+        + _td(f.get("node"), "node")
+        + _td(f.get("step"), "step", "num")
+        + _td(f.get("phase"), "phase")
+        + _td(f.get("epoch"), "epoch", "num")
+        + "</tr>"
+        for f in faults
+    )
+    return (
+        '<table id="faults"><tr><th>#</th><th>t (s)</th><th>spec</th><th>node</th><th>step</th><th>phase</th>'
+        f"<th>epoch</th></tr>{rows}</table>"
+    )
 
 
 def _events_table(run: RunData) -> str:
@@ -396,10 +501,18 @@ def _events_table(run: RunData) -> str:
         rest = {k: v for k, v in ev.items() if k not in ("t", "kind", "by", "wid")}
         detail = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in rest.items())
         cls = "bad" if ev.get("kind") in ("fault", "run_failed", "corrupted_replica") else None
-        rows.append("<tr>" + _td(f"{ev.get('t', t0) - t0:.3f}", "t", "num") + _td(ev.get("kind"), "kind", cls)
-                    + _td(src, "source") + f'<td data-key="detail"><code>{_e(detail)}</code></td></tr>')
-    return ('<table id="events"><tr><th>t (s)</th><th>kind</th><th>source</th><th>details</th></tr>'
-            + "".join(rows) + "</table>")
+        rows.append(
+            "<tr>"
+            + _td(f"{ev.get('t', t0) - t0:.3f}", "t", "num")
+            + _td(ev.get("kind"), "kind", cls)
+            + _td(src, "source")
+            + f'<td data-key="detail"><code>{_e(detail)}</code></td></tr>'
+        )
+    return (
+        '<table id="events"><tr><th>t (s)</th><th>kind</th><th>source</th><th>details</th></tr>'
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def render_html(run: RunData, ref: RunData | None = None) -> str:
@@ -407,20 +520,30 @@ def render_html(run: RunData, ref: RunData | None = None) -> str:
     tokens = tokens_per_step(run.report.get("config") or {})
     title = f"phoenixft run {run.report.get('run_id', run.run_dir.name)}"
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
         f'<p class="muted">{_e(run.run_dir)}</p>',
-        "<h2>Summary</h2>", _summary(run, ref, tokens),
+        "<h2>Summary</h2>",
+        _summary(run, ref, tokens),
         "<h2>Throughput over time</h2>",
-        _img(plot_throughput(run, ref, tokens), "throughput over time", "No step metrics (metrics.jsonl) recorded."),
-        "<h2>Loss</h2>", _img(plot_loss(run, ref), "loss per step", "No loss recorded."),
+        _img(
+            plot_throughput(run, ref, tokens),
+            "throughput over time",
+            "No step metrics (metrics.jsonl) recorded.",
+        ),
+        "<h2>Loss</h2>",
+        _img(plot_loss(run, ref), "loss per step", "No loss recorded."),
         "<h2>Recovery time by stage</h2>",
         _img(plot_breakdown(run), "recovery time breakdown", "No recoveries: nothing to break down."),
-        "<h2>Recoveries</h2>", _recoveries_table(run),
-        "<h2>Faults</h2>", _faults_table(run),
-        "<h2>Events</h2>", _events_table(run),
+        "<h2>Recoveries</h2>",
+        _recoveries_table(run),
+        "<h2>Faults</h2>",
+        _faults_table(run),
+        "<h2>Events</h2>",
+        _events_table(run),
         "</body></html>",
     ]
     return "\n".join(parts)

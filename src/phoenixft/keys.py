@@ -63,5 +63,9 @@ def fault(index: int) -> str:
     return f"fault/{index}"
 
 
-def fault_claim(index: int) -> str:
-    return f"fault/{index}/claim"
+def fault_claim(index: int, slot: int) -> str:
+    return f"fault/{index}/claim/{slot}"
+
+
+def worker_exit(wid: str) -> str:
+    return f"wexit/{wid}"

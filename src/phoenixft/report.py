@@ -50,6 +50,14 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         joins = [j for j in (_get(store, keys.join(e, f"{n}.{i}")) for n in topo["nodes"]
                              for i in range(cfg.workers_per_node)) if j]
         first = _get(store, keys.first_step(e))
+        done_epoch = e  # a recovery interrupted by another failure is completed by a later epoch
+        while first is None and store.check([keys.recovery(done_epoch + 1)]):
+            done_epoch += 1
+            first = _get(store, keys.first_step(done_epoch))
+        if done_epoch != e:
+            topo_done = _get(store, keys.topo(done_epoch))
+            joins = [j for j in (_get(store, keys.join(done_epoch, f"{n}.{i}")) for n in topo_done["nodes"]
+                                 for i in range(cfg.workers_per_node)) if j]
         cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used]
         fault = max(cands, key=lambda f: f["t"]) if cands else None
         if fault:
@@ -59,12 +67,14 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         inv = {k: all(j["invariants"].get(k, False) for j in joins) and bool(joins) for k in ("I1", "I2", "I3", "I4")}
         recoveries.append({
             "fault": fault["spec"] if fault else None,
-            "fault_step": fault["step"] if fault else None,
+            "fault_step": fault.get("step") if fault else None,
             "class": rec["class"],
             "action": rec["action"],
             "epoch": e,
+            "completed_in_epoch": done_epoch,
             "dead": rec["dead"],
             "promoted": rec["promoted"],
+            "restarted": rec.get("restarted", []),
             "detect_s": rec["t_first_report"] - t0,
             "recovery_s": (first["t"] - t0) if first else None,
             "lost_steps": rec["max_committed"] - rec["resume_step"],

@@ -20,10 +20,9 @@ from __future__ import annotations
 import os
 import zlib
 
-import numpy as np
 import torch
 
-__all__ = ["PingPong", "ShardState", "Holding", "checksum"]
+__all__ = ["PingPong", "ShardState", "Holding", "checksum", "alloc", "INVALID"]
 
 INVALID = -1
 
@@ -33,7 +32,7 @@ def checksum(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(t.contiguous().numpy()).cast("B"))
 
 
-def _alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
+def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
     if path is None:
         return torch.zeros(numel, dtype=dtype)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -49,8 +48,8 @@ class PingPong:
 
     def __init__(self, rows: int, numel: int, path: str | None = None) -> None:
         self.rows, self.numel = rows, numel
-        self.data = _alloc(2 * rows * numel, torch.float32, path and path + ".data").view(2, rows, numel)
-        self.header = _alloc(2 * 3, torch.int64, path and path + ".hdr").view(2, 3)
+        self.data = alloc(2 * rows * numel, torch.float32, path and path + ".data").view(2, rows, numel)
+        self.header = alloc(2 * 3, torch.int64, path and path + ".hdr").view(2, 3)
         if path is None or int(self.header[:, 2].sum()) == 0 and int(self.header[:, 0].sum()) == 0:
             self.header[:, 0] = INVALID
             self.header[:, 1] = 0
@@ -118,7 +117,3 @@ class Holding(PingPong):
 
     def __init__(self, numel: int, path: str | None = None) -> None:
         super().__init__(2, numel, path)
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.numpy()

@@ -8,7 +8,10 @@ to the coordinator's TCPStore as one more client and only reads: `epoch` and `to
 topology, ready once its workers set `ready/<node>.<i>`), `hb/<node>` and `exit/<node>` (node
 health), `progress` and `step/<n>`, `run/state`, `run/error`, and the tail of `events`.
 Every read is `check` before `get` (a TCPStore `get` blocks until the key exists) and every
-call runs under the store's timeout, so a wrong or dead address is a one-line error.
+call runs under the store's timeout. The c10d client's own timeout does not cover everything
+(against a port that accepts connections but never answers, its handshake waits forever), so
+`connect` and `read_status` also run under a hard deadline in a daemon thread: a wrong, dead or
+stopped address is a one-line error, never a hang.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from phoenixft import keys
 from phoenixft.errors import UserError
 
-__all__ = ["parse_address", "connect", "collect_status", "format_status", "describe_event"]
+__all__ = ["parse_address", "connect", "read_status", "collect_status", "format_status", "describe_event"]
+
+T = TypeVar("T")
 
 
 def parse_address(addr: str) -> tuple[str, int]:
@@ -50,20 +56,63 @@ def _quiet_fd2() -> Iterator[None]:
         os.close(saved)
 
 
+def _bounded(fn: Callable[[], T], deadline_s: float) -> T:
+    """Run fn in a daemon thread; TimeoutError if it has not returned after deadline_s.
+
+    A call stuck inside the c10d client cannot be cancelled; its daemon thread is left behind
+    and does not keep the process from exiting."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=target, name="phoenixft-status", daemon=True)
+    th.start()
+    th.join(deadline_s)
+    if th.is_alive():
+        raise TimeoutError(f"no answer after {deadline_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else type(e).__name__
+
+
 def connect(addr: str, timeout_s: float) -> Any:
     """A client of the coordinator's store; UserError (naming --coordinator) when it cannot be reached."""
     host, port = parse_address(addr)
     from phoenixft.comm import connect_store
 
+    def attempt() -> Any:
+        store = connect_store(f"{host}:{port}", timeout_s)
+        store.check([keys.CONFIG])  # a round trip: something that is not a TCPStore fails here
+        return store
+
     try:
         with _quiet_fd2():
-            store = connect_store(f"{host}:{port}", timeout_s)
-            store.check([keys.CONFIG])  # a round trip: something that is not a TCPStore fails here
-    except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, OSError, ...
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot reach a phoenixft coordinator at --coordinator={addr} within {timeout_s:g}s "
-                        f"({why})") from None
-    return store
+            # c10d retries a refused connect for up to about 2x its timeout; allow that, no more
+            return _bounded(attempt, 2 * timeout_s + 2.0)
+    except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, OSError, TimeoutError...
+        raise UserError(
+            f"cannot reach a phoenixft coordinator at --coordinator={addr} (--timeout {timeout_s:g}s: "
+            f"{_why(e)})"
+        ) from None
+
+
+def read_status(store: Any, addr: str, timeout_s: float, events: int = 10) -> dict[str, Any]:
+    """`collect_status` under a hard deadline; UserError (naming --coordinator) if the store fails."""
+    try:
+        return _bounded(lambda: collect_status(store, events=events), 4 * timeout_s + 2.0)
+    except Exception as e:  # noqa: BLE001 - the coordinator went away, stopped, or timed out mid-read
+        raise UserError(
+            f"lost the coordinator at --coordinator={addr} while reading its state ({_why(e)})"
+        ) from None
 
 
 def _get(store: Any, key: str) -> bytes | None:
@@ -79,9 +128,19 @@ def collect_status(store: Any, events: int = 10, now: float | None = None) -> di
     """Read the job's state from the store (read-only) into a plain dict."""
     now = time.time() if now is None else now
     cfg = _json(store, keys.CONFIG)
-    st: dict[str, Any] = {"config": cfg, "epoch": None, "topology": None, "history": [], "members": [],
-                          "spares": [], "progress": None, "run_state": None, "run_error": None, "events": [],
-                          "events_total": 0}
+    st: dict[str, Any] = {
+        "config": cfg,
+        "epoch": None,
+        "topology": None,
+        "history": [],
+        "members": [],
+        "spares": [],
+        "progress": None,
+        "run_state": None,
+        "run_error": None,
+        "events": [],
+        "events_total": 0,
+    }
     raw = _get(store, keys.RUN_STATE)
     st["run_state"] = raw.decode() if raw is not None else None
     raw = _get(store, keys.RUN_ERROR)
@@ -92,19 +151,30 @@ def collect_status(store: Any, events: int = 10, now: float | None = None) -> di
         e = int(raw)
         st["epoch"] = e
         topos = [t for t in (_json(store, keys.topo(i)) for i in range(e + 1)) if t is not None]
-        st["history"] = [{"epoch": t["epoch"], "nodes": t["nodes"], "resume_step": t.get("resume_step"),
-                          "meta": t.get("meta", {})} for t in topos]
+        st["history"] = [
+            {
+                "epoch": t["epoch"],
+                "nodes": t["nodes"],
+                "resume_step": t.get("resume_step"),
+                "meta": t.get("meta", {}),
+            }
+            for t in topos
+        ]
         topo = topos[-1] if topos and topos[-1]["epoch"] == e else None
         st["topology"] = topo
         if topo is not None:
             g = int(topo.get("workers_per_node", g))
             for slot, node in enumerate(topo["nodes"]):
                 hb = _get(store, keys.heartbeat(node))
-                st["members"].append({
-                    "slot": slot, "node": node, "ranks": list(range(slot * g, (slot + 1) * g)),
-                    "heartbeat_age_s": None if hb is None else max(0.0, now - float(hb)),
-                    "exited": store.check([keys.node_exit(node)]),
-                })
+                st["members"].append(
+                    {
+                        "slot": slot,
+                        "node": node,
+                        "ranks": list(range(slot * g, (slot + 1) * g)),
+                        "heartbeat_age_s": None if hb is None else max(0.0, now - float(hb)),
+                        "exited": store.check([keys.node_exit(node)]),
+                    }
+                )
     used = {n: h["epoch"] for h in reversed(st["history"]) for n in h["nodes"]}  # first epoch it appeared in
     current = set(st["topology"]["nodes"]) if st["topology"] else set()
     for i in range(int((cfg or {}).get("spares", 0))):
@@ -132,10 +202,15 @@ def collect_status(store: Any, events: int = 10, now: float | None = None) -> di
 def describe_event(ev: dict[str, Any], width: int = 160) -> str:
     """One line for an event: local time, kind, source, the other fields as key=value."""
     t = ev.get("t")
-    stamp = (time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}") if t else "--:--:--"
+    stamp = (
+        (time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}") if t else "--:--:--"
+    )
     src = ev.get("by") or ev.get("wid") or ev.get("node") or "-"
-    rest = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in ev.items()
-                     if k not in ("t", "kind", "by", "wid"))
+    rest = ", ".join(
+        f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+        for k, v in ev.items()
+        if k not in ("t", "kind", "by", "wid")
+    )
     line = f"{stamp}  {ev.get('kind', '?'):<17} {src:<12} {rest}"
     return line if len(line) <= width else line[: width - 3] + "..."
 
@@ -149,23 +224,30 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
     out: list[str] = []
     cfg = st.get("config")
     state = st.get("run_state") or ("running" if st.get("epoch") is not None else "starting")
-    out.append(f"coordinator {addr}   run state: {state}" + (f" ({st['run_error']})" if st.get("run_error") else ""))
+    out.append(
+        f"coordinator {addr}   run state: {state}" + (f" ({st['run_error']})" if st.get("run_error") else "")
+    )
     if cfg is None:
         out.append("no phoenixft run has published its config on this store yet")
         return "\n".join(out)
-    out.append(f"job: {cfg.get('nodes')} node(s) x {cfg.get('workers_per_node')} worker(s), {cfg.get('spares')} "
-               f"spare(s), {cfg.get('steps')} steps, protect={cfg.get('protect')}, model={cfg.get('model')}")
+    out.append(
+        f"job: {cfg.get('nodes')} node(s) x {cfg.get('workers_per_node')} worker(s), {cfg.get('spares')} "
+        f"spare(s), {cfg.get('steps')} steps, protect={cfg.get('protect')}, model={cfg.get('model')}"
+    )
     topo = st.get("topology")
     if st.get("epoch") is None or topo is None:
         out.append("epoch: none yet (waiting for every node to be ready)")
     else:
         g = topo.get("workers_per_node", 1)
+        n = len(topo["nodes"])
         meta = topo.get("meta") or {}
-        line = (f"epoch {st['epoch']}: world {len(topo['nodes']) * g} ({len(topo['nodes'])} node(s) x {g} worker(s)), "
-                f"resume step {topo.get('resume_step')}")
+        line = f"epoch {st['epoch']}: world {n * g} ({n} node(s) x {g} worker(s)), "
+        line += f"resume step {topo.get('resume_step')}"
         if meta:
-            line += (f"; after a {meta.get('class', '?')} failure -> {meta.get('action', '?')}, dead "
-                     f"{', '.join(meta.get('dead') or []) or '-'}, promoted {', '.join(meta.get('promoted') or []) or '-'}")
+            dead = ", ".join(meta.get("dead") or []) or "-"
+            promoted = ", ".join(meta.get("promoted") or []) or "-"
+            line += f"; after a {meta.get('class', '?')} failure -> {meta.get('action', '?')}, "
+            line += f"dead {dead}, promoted {promoted}"
         out.append(line)
         out.append("membership:")
         for m in st["members"]:
@@ -176,8 +258,10 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
             out.append("epochs: " + "; ".join(f"{h['epoch']}: {' '.join(h['nodes'])}" for h in st["history"]))
     sp = st.get("spares") or []
     free = sum(1 for s in sp if not s["used"] and s["ready"])
-    out.append(f"spares: {len(sp)} in the pool, {free} ready and unused" +
-               (": " + "; ".join(f"{s['id']} {s['state']}" for s in sp) if sp else ""))
+    out.append(
+        f"spares: {len(sp)} in the pool, {free} ready and unused"
+        + (": " + "; ".join(f"{s['id']} {s['state']}" for s in sp) if sp else "")
+    )
     prog = st.get("progress")
     if prog is None:
         out.append("progress: no step completed yet")
@@ -187,8 +271,10 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
         pct = f" ({100 * prog['step'] / total:.0f}%)" if total else ""
         line = f"progress: step {prog['step']}/{total or '?'}{pct}"
         if rec:
-            line += (f", loss {rec.get('loss', float('nan')):.4f}, {rec.get('dt', 0) * 1e3:.0f} ms/step, "
-                     f"epoch {rec.get('epoch')}, world {rec.get('world')}")
+            line += (
+                f", loss {rec.get('loss', float('nan')):.4f}, {rec.get('dt', 0) * 1e3:.0f} ms/step, "
+                f"epoch {rec.get('epoch')}, world {rec.get('world')}"
+            )
         out.append(line)
     evs = st.get("events") or []
     out.append(f"last events ({len(evs)} of {st.get('events_total', 0)}):" if evs else "events: none yet")

@@ -1,8 +1,8 @@
 """The topology of one epoch: which node sits in which slot, who holds whose replicas.
 
 Ranks are `slot * workers_per_node + local_rank`; rank i owns the logical shard `dp{i}`.
-The replicas of shard i live on the same local rank of the next k nodes around the ring, so
-they are always on other nodes (other failure domains) than the owner and than each other.
+The replicas of shard i live on the same local rank of k other nodes: whole racks away first
+(distinct racks from the owner and from each other while racks last), then the nearest nodes.
 The coordinator publishes a `Topology` per epoch; its digest is what invariant I1 compares.
 """
 
@@ -27,6 +27,7 @@ class Topology:
     workers_per_node: int
     replicas: int
     resume_step: int
+    racks: int = 1
     transfers: list[dict[str, int]] = field(default_factory=list)  # dst, shard, param_src, opt_src
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -43,15 +44,31 @@ class Topology:
     def node_of_rank(self, rank: int) -> str:
         return self.nodes[rank // self.workers_per_node]
 
+    def rack_of(self, slot: int) -> int:
+        """Racks are contiguous, equal blocks of slots."""
+        return slot * self.racks // len(self.nodes)
+
+    def _offsets(self) -> list[int]:
+        """Ring offsets of the replica rounds: whole racks away first (other failure domains), then
+        the nearest other nodes. Each round is a rotation of the ring, so every node sends one
+        replica and keeps one per round."""
+        n = len(self.nodes)
+        block = n // self.racks
+        far = [block * j for j in range(1, self.racks)]
+        near = [o for o in range(1, n) if o not in far]
+        return (far + near)[: self.replicas]
+
     def holders(self, shard: int) -> list[int]:
-        """Ranks that keep replicas of `shard`, on the next `replicas` nodes of the ring."""
-        g, w = self.workers_per_node, self.world
-        return [(shard + g * j) % w for j in range(1, self.replicas + 1) if len(self.nodes) > j]
+        """Ranks that keep replicas of `shard`, one per round, all on other nodes."""
+        g, n = self.workers_per_node, len(self.nodes)
+        slot, lr = divmod(shard, g)
+        return [((slot + o) % n) * g + lr for o in self._offsets()]
 
     def sources(self, rank: int) -> list[int]:
-        """Shards whose replicas `rank` keeps, in the same ring rounds as `holders(rank)`."""
-        g, w = self.workers_per_node, self.world
-        return [(rank - g * j) % w for j in range(1, self.replicas + 1) if len(self.nodes) > j]
+        """Shards whose replicas `rank` keeps, in the same rounds as `holders(rank)`."""
+        g, n = self.workers_per_node, len(self.nodes)
+        slot, lr = divmod(rank, g)
+        return [((slot - o) % n) * g + lr for o in self._offsets()]
 
     def microbatches(self, rank: int, total: int) -> tuple[int, int]:
         per = total // self.world

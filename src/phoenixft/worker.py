@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from phoenixft import keys
 from phoenixft.comm import EpochComm, alltoallv, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
-from phoenixft.errors import PeerFailure, RunAborted
+from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.faults import FaultSpec
 from phoenixft.invariants import check_invariants
 from phoenixft.replication import ReplicaPlan, Replicator
@@ -37,8 +39,10 @@ __all__ = ["Worker", "worker_main"]
 
 
 class Worker:
-    def __init__(self, store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int) -> None:
+    def __init__(self, store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
+                 incarnation: int = 0) -> None:
         self.node_id, self.local_rank, self.run_id = node_id, local_rank, run_id
+        self.incarnation = incarnation
         self.wid = f"{node_id}.{local_rank}"
         self.store = connect_store(store_addr)
         self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
@@ -48,10 +52,10 @@ class Worker:
                                                               model=cfg.model))
         torch.manual_seed(cfg.seed)
         self.model = self.wl.build_model()
-        self.flat = FlatModel(self.model, shards=cfg.world)
-        self.hyper = AdamWHyper(cfg.lr, cfg.weight_decay)
         self.protect = cfg.protect == "phoenix"
         shm = f"/dev/shm/phoenixft-{run_id}-{self.wid}" if self.protect else None
+        self.flat = FlatModel(self.model, shards=cfg.world, path=shm and shm + "-params")
+        self.hyper = AdamWHyper(cfg.lr, cfg.weight_decay)
         self.state = ShardState(self.flat.shard_numel, shm and shm + "-state")
         self.faults: list[FaultSpec] = cfg.faults
         self.repl: Replicator | None = None
@@ -65,6 +69,10 @@ class Worker:
                 on_in_flight=lambda s: self._fault(s + 1, "replicate"),
                 after_commit=self._maybe_corrupt,
             )
+        if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
+            for f in Path("/dev/shm").glob(f"phoenixft-{run_id}-{self.wid}-hold*.data"):
+                shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
+                self.repl.holding(shard)
         self.comm: EpochComm | None = None
         self.topo: Topology | None = None
         self.epoch = -1
@@ -87,6 +95,8 @@ class Worker:
     def _abort_reason(self) -> str | None:
         if self.store.check([keys.failflag(self.epoch)]):
             return "recovery requested by the control plane"
+        if self.store.check([keys.RUN_STATE]):
+            raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
         return None
 
     def _wait(self, work: Any, what: str) -> None:
@@ -100,15 +110,39 @@ class Worker:
     def _fault(self, step: int, phase: str) -> None:
         if self.topo is None:
             return
+        slot = self.topo.slot_of(self.node_id)
         for f in self.faults:
-            if f.kind == "kill" and f.step == step and f.phase == phase and f.node == self.topo.slot_of(self.node_id):
-                if self.store.add(keys.fault_claim(f.index), 1) != 1:
-                    continue
-                rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "node": self.node_id,
-                       "slot": f.node, "step": step, "phase": phase, "epoch": self.epoch}
-                self.store.set(keys.fault(f.index), json.dumps(rec))
-                self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
-                os.killpg(os.getpgid(0), signal.SIGKILL)
+            if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
+                continue
+            if f.kind == "crash":
+                hit = self.rank == f.rank
+            elif f.rack is not None:
+                hit = self.topo.rack_of(slot) == f.rack
+            else:
+                hit = slot in f.nodes
+            if hit:
+                self._fire(f, step=step, phase=phase)
+
+    def _fire(self, f: FaultSpec, **where: Any) -> None:
+        """Claim fault f for this node (once per run), record it, then act with a real signal."""
+        assert self.topo is not None
+        slot = self.topo.slot_of(self.node_id)
+        if self.store.add(keys.fault_claim(f.index, slot), 1) != 1:
+            return
+        rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
+               "node": self.node_id, "slot": slot, "rank": self.rank, "epoch": self.epoch, **where}
+        if self.store.add(keys.fault(f.index) + "/fired", 1) == 1:
+            self.store.set(keys.fault(f.index), json.dumps(rec))
+        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+        if f.kind == "kill":
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif f.kind == "hang":
+            os.killpg(os.getpgid(0), signal.SIGSTOP)
+        elif f.kind == "crash":
+            os._exit(17)
+
+    def _nan_fault(self, step: int) -> bool:
+        return self.rank == 0 and any(f.kind == "nan" and f.step == step for f in self.faults)
 
     def _maybe_corrupt(self, step: int, received: dict[int, Holding]) -> None:
         if self.topo is None:
@@ -132,14 +166,19 @@ class Worker:
         loss_sum = 0.0
         for j, mb in enumerate(range(lo, hi)):
             torch.manual_seed(_mix(cfg.seed, s, mb))
-            batch = self.wl.batch(s, mb)
             if j == 0:
                 self._fault(s, "forward")
-            loss = self.wl.loss(self.model, batch)
-            if j == 0:
-                self._fault(s, "backward")
-            (loss / m_total).backward()
+            try:
+                loss = self.wl.loss(self.model, self.wl.batch(s, mb))
+                if j == 0:
+                    self._fault(s, "backward")
+                (loss / m_total).backward()
+            except Exception as e:  # noqa: BLE001 - a bug in user code is not ours to heal
+                raise Unhealable(f"exception in the workload at step {s} on rank {self.rank}: "
+                                 f"{type(e).__name__}: {e}") from e
             loss_sum += float(loss.detach())
+        if self._nan_fault(s):
+            loss_sum = math.nan
         t_compute = time.perf_counter() - t0
         waited = self.repl.wait(s - 1) if self.repl is not None else 0.0
         w_rs = self.comm.reduce_scatter(flat.grad)
@@ -147,13 +186,16 @@ class Worker:
         w_loss = pg.allreduce([lt])
         self._wait(w_rs, f"gradient reduce-scatter of step {s}")
         self._wait(w_loss, f"loss all-reduce of step {s}")
+        if not math.isfinite(float(lt)):
+            raise Unhealable(f"the loss of step {s} is {float(lt) / m_total} (numerical error in the training "
+                             "itself)")
         gshard = flat.grad[flat.shard_slice(self.rank)]
         src = self.state.half_with(s - 1)
         if src is None:
             raise RuntimeError(f"no committed optimizer state for step {s - 1}")
         dst = 1 - src
         adamw_step(self.state, src, dst, gshard, s, self.hyper, hook=lambda: self._fault(s, "optimizer"))
-        w_ag = pg._allgather_base(flat.spare_buf, self.state.data[dst, 0])
+        w_ag = pg._allgather_base(flat.begin_gather(), self.state.data[dst, 0])
         self._wait(w_ag, f"all-gather of step {s}")
         self.state.commit(dst, s, 0)
         flat.flip(s)
@@ -249,6 +291,14 @@ class Worker:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
         return self.join(topo)
 
+    def _recover_until_joined(self, err: str) -> int:
+        """A failure during a recovery (cascading) restarts the recovery in the next epoch."""
+        while True:
+            try:
+                return self.recover(err)
+            except PeerFailure as e:
+                err = str(e)
+
     def join(self, topo: Topology) -> int:
         t0 = time.time()
         self.topo, self.epoch = topo, topo.epoch
@@ -310,6 +360,9 @@ class Worker:
         for t in mine:
             self.flat.install(got[t["param_src"]], r)
         t2 = time.time()
+        for f in self.faults:  # kill:node=I@recovery=N fires here, mid state transfer
+            if f.kind == "kill" and f.recovery == topo.epoch and topo.slot_of(self.node_id) in f.nodes:
+                self._fire(f, recovery=topo.epoch)
         # 2. optimizer shard from a committed replica
         sends = {}
         for t in topo.transfers:
@@ -340,11 +393,27 @@ class Worker:
         return True
 
     # ------------------------------------------------------------------ main loop
+    def _stop_run(self, why: str) -> None:
+        """Not ours to heal: stop the whole run at the last committed step, with one clear reason."""
+        if self.store.add("run/stop_claim", 1) == 1:
+            last = max(self.state.steps(), default=0)
+            self.store.set(keys.RUN_ERROR, f"{why}; not ours to heal, stopped at the last committed step {last}")
+            self._event("run_failed", error=why, last_committed=last)
+            self.store.set(keys.RUN_STATE, "failed")
+
     def run(self) -> int:
         self.store.set(keys.ready(self.wid), str(time.time()))
         try:
-            topo = self.await_membership()
-            step = self.join(topo) + 1
+            if self.incarnation > 0:  # restarted in place by the agent: rejoin from retained memory
+                e = int(self.store.get(keys.EPOCH))
+                self.topo = Topology.from_json(self.store.get(keys.topo(e)))
+                self.epoch, self.rank = e, self.topo.rank_of(self.node_id, self.local_rank)
+                step = self.recover(f"restarted in place (incarnation {self.incarnation})") + 1
+            else:
+                try:
+                    step = self.join(self.await_membership()) + 1
+                except PeerFailure as e:
+                    step = self._recover_until_joined(str(e)) + 1
             while True:
                 try:
                     while step <= self.cfg.steps:
@@ -353,7 +422,11 @@ class Worker:
                     self.finish()
                     return 0
                 except PeerFailure as e:
-                    step = self.recover(str(e)) + 1
+                    step = self._recover_until_joined(str(e)) + 1
+        except Unhealable as e:
+            self._stop_run(str(e))
+            print(f"phoenixft worker {self.wid}: {e}", flush=True)
+            return 4
         except RunAborted as e:
             if "done" in str(e):
                 return 0
@@ -364,5 +437,6 @@ class Worker:
                 self.repl.close()
 
 
-def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int) -> int:
-    return Worker(store_addr, node_id, local_rank, run_id, threads).run()
+def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
+                incarnation: int = 0) -> int:
+    return Worker(store_addr, node_id, local_rank, run_id, threads, incarnation).run()

@@ -14,11 +14,12 @@ all-gather leaves the live parameters untouched. Each buffer is tagged with the 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
 
-from phoenixft.snapshot import INVALID, ShardState
+from phoenixft.snapshot import INVALID, ShardState, alloc
 
 __all__ = ["FlatModel", "adamw_step", "AdamWHyper"]
 
@@ -32,28 +33,43 @@ class AdamWHyper:
 class FlatModel:
     """A module whose parameters and gradients are views into flat buffers."""
 
-    def __init__(self, model: torch.nn.Module, shards: int) -> None:
+    def __init__(self, model: torch.nn.Module, shards: int, path: str | None = None) -> None:
+        """With `path`, both parameter buffers and their step tags live in shared memory; if they
+        already exist (a worker restarted in place) they are adopted instead of overwritten."""
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.shards = shards
         self.shard_numel = math.ceil(self.numel / shards)
         self.padded = self.shard_numel * shards
-        self.bufs = [torch.zeros(self.padded), torch.zeros(self.padded)]
-        self.buf_step = [0, INVALID]
-        self.live = 0
-        off = 0
-        for p in self.params:
-            self.bufs[0][off : off + p.numel()].copy_(p.detach().reshape(-1))
-            off += p.numel()
+        retained = path is not None and os.path.exists(path + ".tags")
+        self.bufs = [alloc(self.padded, torch.float32, path and f"{path}.{i}") for i in (0, 1)]
+        self.tags = alloc(3, torch.int64, path and path + ".tags")  # step of buffer 0, 1; live index
+        if retained:
+            self.live = int(self.tags[2])
+        else:
+            self.tags[0], self.tags[1], self.tags[2] = 0, INVALID, 0
+            self.live = 0
+            off = 0
+            for p in self.params:
+                self.bufs[0][off : off + p.numel()].copy_(p.detach().reshape(-1))
+                off += p.numel()
         self.grad = torch.zeros(self.padded)
-        self._bind(0)
+        self._bind(self.live)
         off = 0
         for p in self.params:
             p.grad = self.grad[off : off + p.numel()].view_as(p)
             off += p.numel()
 
+    @property
+    def buf_step(self) -> list[int]:
+        return [int(self.tags[0]), int(self.tags[1])]
+
+    def _tag(self, which: int, step: int) -> None:
+        self.tags[which] = step
+
     def _bind(self, which: int) -> None:
+        self.tags[2] = which
         off = 0
         buf = self.bufs[which]
         for p in self.params:
@@ -77,9 +93,14 @@ class FlatModel:
     def step(self) -> int:
         return self.buf_step[self.live]
 
+    def begin_gather(self) -> torch.Tensor:
+        """The non-live buffer, untagged: it is about to be overwritten by the all-gather."""
+        self._tag(1 - self.live, INVALID)
+        return self.spare_buf
+
     def flip(self, step: int) -> None:
         """Make the non-live buffer (just filled by the all-gather) live for `step`."""
-        self.buf_step[1 - self.live] = step
+        self._tag(1 - self.live, step)
         self._bind(1 - self.live)
 
     def select(self, step: int) -> bool:
@@ -87,15 +108,15 @@ class FlatModel:
         for b in (self.live, 1 - self.live):
             if self.buf_step[b] == step:
                 self._bind(b)
-                self.buf_step[1 - b] = INVALID
+                self._tag(1 - b, INVALID)
                 return True
         return False
 
     def install(self, flat: torch.Tensor, step: int) -> None:
         """Adopt full parameters received from a peer (hot-swap)."""
-        self.spare_buf.copy_(flat)
+        self.begin_gather().copy_(flat)
         self.flip(step)
-        self.buf_step[1 - self.live] = INVALID
+        self._tag(1 - self.live, INVALID)
 
     def zero_grad(self) -> None:
         self.grad.zero_()

@@ -15,21 +15,33 @@ from phoenixft.errors import UserError
 __all__ = ["add_parser", "status"]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("status", help="show membership, epoch, spares, progress and last events of a running job",
-                       description="Connect to a running job's coordinator (read-only) and show its current "
-                                   "epoch and membership, the spare pool, progress, run state and last events. "
-                                   "For a local run the port is in RUN_DIR/coordinator.port.")
-    p.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator's store")
-    p.add_argument("--events", type=int, default=10, metavar="N", help="how many of the last events to show (10)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                   help="seconds to wait for the coordinator, per call (5)")
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "status",
+        help="show membership, epoch, spares, progress and last events of a running job",
+        description="Connect to a running job's coordinator (read-only) and show its current "
+        "epoch and membership, the spare pool, progress, run state and last events. "
+        "For a local run the port is in RUN_DIR/coordinator.port.",
+    )
+    p.add_argument(
+        "--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator's store"
+    )
+    p.add_argument(
+        "--events", type=int, default=10, metavar="N", help="how many of the last events to show (10)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds to wait for the coordinator, per call (5)",
+    )
     p.add_argument("--json", action="store_true", help="print the status as one JSON object")
     p.set_defaults(func=status)
 
 
 def status(args: argparse.Namespace) -> int:
-    from phoenixft.status import collect_status, connect, format_status, parse_address
+    from phoenixft.status import connect, format_status, parse_address, read_status
 
     parse_address(args.coordinator)
     if not args.timeout > 0:
@@ -37,14 +49,7 @@ def status(args: argparse.Namespace) -> int:
     if args.events < 0:
         raise UserError(f"--events={args.events} must be >= 0")
     store = connect(args.coordinator, args.timeout)
-    try:
-        st = collect_status(store, events=args.events)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the coordinator went away or timed out mid-read
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"lost the coordinator at --coordinator={args.coordinator} while reading its state "
-                        f"({why})") from None
+    st = read_status(store, args.coordinator, args.timeout, events=args.events)
     if args.json:
         print(json.dumps({"coordinator": args.coordinator, **st}))
     else:
