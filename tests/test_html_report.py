@@ -159,7 +159,9 @@ def test_recoveries_table_equals_report_json(html: Path, report: dict[str, Any])
         assert row["fault"] == trow["fault"] == r["fault"]
         assert row["fault_step"] == str(r["fault_step"])
         assert row["class"] == r["class"] and row["action"] == r["action"]
-        assert row["epoch"] == str(r["epoch"])
+        done = r.get("completed_in_epoch", r["epoch"])
+        assert row["epoch"] == str(r["epoch"]) + ("" if done == r["epoch"] else f" (completed in {done})")
+        assert row["restarted"] == (", ".join(r.get("restarted") or []) or "-")
         assert row["dead"] == ", ".join(r["dead"]) and row["promoted"] == ", ".join(r["promoted"])
         assert row["lost_steps"] == str(r["lost_steps"]) and row["resumed_step"] == str(r["resumed_step"])
         assert row["bytes_moved"] == f"{r['bytes_moved']:,}"
@@ -286,3 +288,27 @@ def test_renders_in_headless_chromium(html: Path, tmp_path: Path) -> None:
     dom = Page()
     dom.feed(p.stdout)
     assert len(dom.imgs) == 3 and len(dom.tables["recovery-timings"]) == 2
+
+
+def test_faults_matched_to_recoveries(run2: Path, report: dict[str, Any], tmp_path: Path) -> None:
+    """Each fault names the recovery that answered it; a fault nothing recovered from has none."""
+    d = tmp_path / "extra"
+    d.mkdir()
+    t = report["faults"][0]["t"] + 0.5
+    extra = {
+        "t": t,
+        "kind": "fault",
+        "spec": "corrupt:node=2@step=12",
+        "index": 2,
+        "fault": "corrupt",
+        "node": "n2",
+        "slot": 2,
+        "step": 12,
+        "epoch": 1,
+    }
+    (d / "report.json").write_text(json.dumps({**report, "faults": [*report["faults"], extra]}))
+    shutil.copy(run2 / "metrics.jsonl", d / "metrics.jsonl")
+    shutil.copy(run2 / "events.jsonl", d / "events.jsonl")
+    rows = parse(write_report(d)).tables["faults"]
+    assert [r["recovery"] for r in rows] == ["#1 (hotswap)", "#2 (hotswap)", "-"]
+    assert [r["kind"] for r in rows] == ["kill", "kill", "corrupt"]

@@ -122,6 +122,7 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
     }
     topo2 = {
         "epoch": 2,
+        "racks": 2,
         "nodes": ["s1", "n1"],
         "workers_per_node": 2,
         "resume_step": 19,
@@ -158,7 +159,8 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
     text = format_status(st, addr)
     assert "epoch 2: world 4 (2 node(s) x 2 worker(s)), resume step 19" in text
     assert "dead s0, promoted s1" in text
-    assert re.search(r"slot 0\s+s1\s+rank\(s\) 0,1\s+heartbeat 0\.5s ago", text)
+    assert re.search(r"slot 0\s+s1\s+rack 0\s+rank\(s\) 0,1\s+heartbeat 0\.5s ago", text), text
+    assert re.search(r"slot 1\s+n1\s+rack 1\s+rank\(s\) 2,3\s+heartbeat", text), text
     assert "epochs: 0: n0 n1; 1: s0 n1; 2: s1 n1" in text
     assert "spares: 4 in the pool, 1 ready and unused" in text
     assert "progress: step 23/50 (46%), loss 3.2500" in text

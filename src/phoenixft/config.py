@@ -56,6 +56,11 @@ class RunConfig:
         "corrupt:node=I@step=S, nan:step=S.",
         action="append",
     )
+    persist_every: int = _f(0, "Write a persistent DCP checkpoint every K steps, off the critical path (0 = never).",
+                            flag="--persist-every")
+    persist_dir: str = _f("", "Directory of the persistent checkpoints (needed with --persist-every).",
+                          flag="--persist-dir")
+    resume: str = _f("", "Start from the newest complete checkpoint in this directory (any node count).")
     failure_timeout: float = _f(10.0, "Seconds without a heartbeat or answer before a node is declared failed.",
                                 flag="--failure-timeout")
     threads: int = _f(0, "torch intra-op threads per worker (0 = cores / active workers, at least 1).")
@@ -134,6 +139,18 @@ class RunConfig:
                 need(f.recovery >= 1, "--inject", f.text, "recovery must be >= 1 (the first recovery is 1)")
             if f.kind in ("kill", "hang", "crash", "corrupt"):
                 need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
+        need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
+        if self.persist_every:
+            need(bool(self.persist_dir), "--persist-dir", self.persist_dir, "needed with --persist-every")
+            need(self.protect == "phoenix", "--persist-every", self.persist_every, "needs --protect phoenix")
+        if self.resume:
+            from phoenixft.persist import latest_manifest
+
+            man = latest_manifest(self.resume)
+            need(man is not None, "--resume", self.resume, "no complete checkpoint (step_*/MANIFEST.json) there")
+            assert man is not None
+            need(man["step"] < self.steps, "--resume", self.resume,
+                 f"its checkpoint is at step {man['step']}; --steps must be larger")
         check_workload_path(self.workload)
 
     # ------------------------------------------------------------------ (de)serialise

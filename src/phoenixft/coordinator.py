@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from phoenixft import keys
 from phoenixft.config import RunConfig
+from phoenixft.persist import latest_manifest
 from phoenixft.topology import Topology, shard_name
 
 __all__ = ["Coordinator", "main"]
@@ -96,8 +97,15 @@ class Coordinator:
                 return
             time.sleep(0.01)
         self._event("run_start", nodes=active, spares=self.spare_pool)
+        start, meta = 0, {}
+        if self.cfg.resume:
+            man = latest_manifest(self.cfg.resume)
+            if man is None:
+                self._fail_run(f"--resume {self.cfg.resume}: no complete checkpoint")
+                return
+            start, meta = man["step"], {"restore": "persistent", "manifest": man}
         self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
-                              racks=self.cfg.racks, resume_step=0))
+                              racks=self.cfg.racks, resume_step=start, meta=meta))
         while not self.store.check([keys.RUN_STATE]):
             if self._failure_pending():
                 self.recover()
@@ -200,19 +208,30 @@ class Coordinator:
         lost = [shard_name(s, old.world) for s, a in avail.items() if not a]
         common = set.intersection(*avail.values()) if avail else set()
         rejected = sorted({tuple(x) for d in descs.values() for x in d.get("rejected", [])})
+        meta: dict[str, Any] = {}
         if lost or not common:
             held = "; ".join(f"dp{s}: {sorted(a)}" for s, a in avail.items())
             what = f"lost shards: {', '.join(lost)}" if lost else f"no step is held by every shard ({held})"
             if rejected:
                 what += f"; replicas rejected by checksum (shard, step): {[list(x) for x in rejected]}"
-            self._fail_run(f"in-memory state lost in epoch {e} ({what}); the persistent tier is not implemented yet")
-            return
+            man = latest_manifest(self.cfg.persist_dir) if self.cfg.persist_dir else None
+            if man is None:
+                hint = "no complete persistent checkpoint" if self.cfg.persist_dir else "no persistent tier (--persist-every)"
+                self._fail_run(f"in-memory state lost in epoch {e} ({what}) and {hint}")
+                return
+            self._event("fallback_persistent", epoch=e, reason=what, step=man["step"], path=man["path"])
+            action = "persistent"
+            meta = {"restore": "persistent", "manifest": man}
+            common = {man["step"]}
+            dead_only = True
+        else:
+            dead_only = False
         r = max(common)
         max_committed = max((max(d["steps"]) for d in descs.values() if d["steps"]), default=r)
         progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
         alive_ranks = [rk for rk in range(old.world) if old.node_of_rank(rk) not in dead]
         # a promoted spare gets everything; a worker restarted in place only what it did not retain
-        needy = [rk for rk in range(old.world) if r not in local[rk]]
+        needy = [] if dead_only else [rk for rk in range(old.world) if r not in local[rk]]
         healthy = [rk for rk in alive_ranks if r in local[rk]]
         if needy and not healthy:
             self._fail_run(f"no healthy data-parallel peer holds the parameters of step {r}")
@@ -221,7 +240,7 @@ class Coordinator:
                      for k, rk in enumerate(needy)]
         topo = Topology(epoch=e + 1, nodes=nodes, workers_per_node=self.g, replicas=self.cfg.replicas,
                         racks=self.cfg.racks, resume_step=r, transfers=transfers,
-                        meta={"dead": sorted(dead), "promoted": promoted, "class": klass, "action": action})
+                        meta={"dead": sorted(dead), "promoted": promoted, "class": klass, "action": action, **meta})
         rec = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
                "t_decided": time.time(), "dead": sorted(dead), "fenced": sorted(fenced), "promoted": promoted,
                "resume_step": r, "max_committed": max(max_committed, progress), "class": klass, "action": action,

@@ -162,26 +162,39 @@ def throughput_series(run: RunData, tokens: int | None) -> tuple[list[float], li
     return xs, ys
 
 
-def _recovery_spans(run: RunData) -> list[tuple[float, float, str]]:
-    """(start, end, label) in seconds since start: each fault to the end of the first step after it."""
+def fault_recoveries(run: RunData) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Each fault with the recovery that answered it (matched by spec, in order), or None."""
+    recs = [r for r in run.report.get("recoveries") or [] if r.get("fault")]
+    used: set[int] = set()
+    out: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    for f in run.report.get("faults") or []:
+        k = next((i for i, r in enumerate(recs) if i not in used and r["fault"] == f.get("spec")), None)
+        if k is not None:
+            used.add(k)
+        out.append((f, recs[k] if k is not None else None))
+    return out
+
+
+def _fault_label(f: dict[str, Any]) -> str:
+    where = f"step {f['step']}" if f.get("step") is not None else f"epoch {f.get('epoch', '?')}"
+    return f"fault {f.get('index', '?')}: {f.get('fault') or 'fault'} {f.get('node', '?')} @ {where}"
+
+
+def _recovery_spans(run: RunData) -> list[tuple[float, float | None, str]]:
+    """(fault, end of recovery or None, label) in seconds since start. A recovery runs from the
+    fault to the end of the first step after it; a fault nothing recovered from (a corrupted
+    replica that was never needed, a NaN that stopped the run) has no span."""
     t0 = run.t0 or 0.0
-    spans = []
-    recs = {r.get("fault"): r for r in run.report.get("recoveries", []) if r.get("fault")}
-    for f in run.report.get("faults", []):
+    spans: list[tuple[float, float | None, str]] = []
+    for f, rec in fault_recoveries(run):
         t = float(f["t"])
-        rec = recs.get(f.get("spec"))
-        if rec and rec.get("recovery_s") is not None:
+        end: float | None = None
+        if rec is not None and rec.get("recovery_s") is not None:
             end = t + rec["recovery_s"]
-        else:
+        elif rec is not None:  # recovery never finished a step (the run failed): up to the last step, if any
             after = [m["t_end"] for m in run.metrics if m["t_end"] > t]
-            end = after[0] if after else (run.metrics[-1]["t_end"] if run.metrics else t)
-        spans.append(
-            (
-                t - t0,
-                end - t0,
-                f"fault {f.get('index', '?')}: {f.get('node', '?')} @ step {f.get('step', '?')}",
-            )
-        )
+            end = after[0] if after else None
+        spans.append((t - t0, None if end is None else end - t0, _fault_label(f)))
     return spans
 
 
@@ -198,21 +211,25 @@ def plot_throughput(run: RunData, ref: RunData | None, tokens: int | None) -> st
         rx, ry = throughput_series(ref, tokens)
         ax.plot(rx, ry, drawstyle="steps-pre", color="#999999", lw=1.2, label="reference (no failure)")
     ax.plot(xs, ys, drawstyle="steps-pre", color="#1f77b4", lw=1.6, label="this run")
+    shaded = False
     for i, (a, b, label) in enumerate(_recovery_spans(run)):
-        ax.axvspan(
-            a,
-            b,
-            color="#ff7f0e",
-            alpha=0.25,
-            lw=0,
-            label="recovery (fault to first step after it)" if i == 0 else None,
-        )
+        if b is not None:
+            ax.axvspan(
+                a,
+                b,
+                color="#ff7f0e",
+                alpha=0.25,
+                lw=0,
+                label=None if shaded else "recovery (fault to first step after it)",
+            )
+            shaded = True
         ax.axvline(a, color="#d62728", ls="--", lw=1.2, label="fault" if i == 0 else None)
+        # stagger the labels of faults close together
         ax.annotate(
             label,
             (a, 1.0),
             xycoords=("data", "axes fraction"),
-            xytext=(3, -12),
+            xytext=(3, -12 - 11 * (i % 3)),
             textcoords="offset points",
             fontsize=8,
             color="#d62728",
@@ -241,10 +258,9 @@ def plot_loss(run: RunData, ref: RunData | None) -> str | None:
         rl = ref.report["loss"]
         ax.plot(range(1, len(rl) + 1), rl, color="#999999", lw=4, alpha=0.6, label="reference (no failure)")
     ax.plot(range(1, len(loss) + 1), loss, color="#1f77b4", lw=1.4, marker=".", ms=4, label="this run")
-    for i, f in enumerate(run.report.get("faults", [])):
-        ax.axvline(
-            f.get("step", 0), color="#d62728", ls="--", lw=1.2, label="fault (step)" if i == 0 else None
-        )
+    stepped = [f for f in run.report.get("faults") or [] if f.get("step") is not None]
+    for i, f in enumerate(stepped):
+        ax.axvline(f["step"], color="#d62728", ls="--", lw=1.2, label="fault (step)" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Training loss per step", fontsize=10)
@@ -318,6 +334,7 @@ def _e(x: Any) -> str:
 
 
 def _td(text: Any, key: str | None = None, cls: str | None = None) -> str:
+    text = "-" if text is None else text
     attrs = (f' data-key="{_e(key)}"' if key else "") + (f' class="{cls}"' if cls else "")
     return f"<td{attrs}>{_e(text)}</td>"
 
@@ -409,9 +426,11 @@ def _recoveries_table(run: RunData) -> str:
         "epoch",
         "dead",
         "promoted",
+        "restarted in place",
         "lost steps",
         "resumed step",
         "bytes moved",
+        "replicas rejected",
         "I1",
         "I2",
         "I3",
@@ -420,18 +439,24 @@ def _recoveries_table(run: RunData) -> str:
     ]
     rows = []
     for i, r in enumerate(recs, 1):
+        epoch = str(r.get("epoch", "-"))
+        if r.get("completed_in_epoch") not in (None, r.get("epoch")):
+            epoch += f" (completed in {r['completed_in_epoch']})"  # interrupted by another failure
+        rejected = r.get("replicas_rejected") or []
         cells = [
             _td(i, "index", "num"),
-            _td(r.get("fault") or "-", "fault"),
+            _td(r.get("fault"), "fault"),
             _td(r.get("fault_step"), "fault_step", "num"),
             _td(r.get("class"), "class"),
             _td(r.get("action"), "action"),
-            _td(r.get("epoch"), "epoch", "num"),
+            _td(epoch, "epoch", "num"),
             _td(", ".join(r.get("dead") or []) or "-", "dead"),
             _td(", ".join(r.get("promoted") or []) or "-", "promoted"),
+            _td(", ".join(r.get("restarted") or []) or "-", "restarted"),
             _td(r.get("lost_steps"), "lost_steps", "num"),
             _td(r.get("resumed_step"), "resumed_step", "num"),
             _td(f"{r.get('bytes_moved', 0):,}", "bytes_moved", "num"),
+            _td("; ".join(f"dp{x[0]} step {x[1]}" for x in rejected) or "-", "replicas_rejected"),
         ]
         for k in ("I1", "I2", "I3", "I4"):
             ok = (r.get("invariants") or {}).get(k)
@@ -469,26 +494,29 @@ def _recoveries_table(run: RunData) -> str:
 
 
 def _faults_table(run: RunData) -> str:
-    faults = run.report.get("faults") or []
-    if not faults:
+    pairs = fault_recoveries(run)
+    if not pairs:
         return '<p class="muted">No faults.</p>'
     t0 = run.t0 or 0.0
-    rows = "".join(
-        "<tr>"
-        + _td(f.get("index"), "index", "num")
-        + _td(f"{f['t'] - t0:.3f}", "t", "num")
-        + _td(f.get("spec"), "spec")
-        + _td(f.get("node"), "node")
-        + _td(f.get("step"), "step", "num")
-        + _td(f.get("phase"), "phase")
-        + _td(f.get("epoch"), "epoch", "num")
-        + "</tr>"
-        for f in faults
-    )
-    return (
-        '<table id="faults"><tr><th>#</th><th>t (s)</th><th>spec</th><th>node</th><th>step</th><th>phase</th>'
-        f"<th>epoch</th></tr>{rows}</table>"
-    )
+    recs = run.report.get("recoveries") or []
+    rows = []
+    for f, rec in pairs:
+        by = f"#{recs.index(rec) + 1} ({rec.get('action')})" if rec is not None else "-"
+        rows.append(
+            "<tr>"
+            + _td(f.get("index"), "index", "num")
+            + _td(f"{f['t'] - t0:.3f}", "t", "num")
+            + _td(f.get("spec"), "spec")
+            + _td(f.get("fault"), "kind")
+            + _td(f.get("node"), "node")
+            + _td(f.get("step"), "step", "num")
+            + _td(f.get("phase"), "phase")
+            + _td(f.get("epoch"), "epoch", "num")
+            + _td(by, "recovery")
+            + "</tr>"
+        )
+    head = ["#", "t (s)", "spec", "kind", "node", "step", "phase", "epoch", "recovered by"]
+    return f'<table id="faults"><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>{"".join(rows)}</table>'
 
 
 def _events_table(run: RunData) -> str:

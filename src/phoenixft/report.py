@@ -33,11 +33,10 @@ def _get(store: Any, key: str) -> Any:
 
 def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
     steps = []
-    for s in range(1, cfg.steps + 1):
+    for s in range(1, cfg.steps + 1):  # a resumed run starts after its checkpoint's step
         rec = _get(store, keys.step(s))
-        if rec is None:
-            break
-        steps.append(rec)
+        if rec is not None:
+            steps.append(rec)
     dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
     final = _get(store, keys.FINAL)
     faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
@@ -78,6 +77,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             "detect_s": rec["t_first_report"] - t0,
             "recovery_s": (first["t"] - t0) if first else None,
             "lost_steps": rec["max_committed"] - rec["resume_step"],
+            "replayed_steps": rec["max_committed"] - rec["resume_step"],
             "resumed_step": rec["resume_step"],
             "stages": {
                 "detect_s": rec["t_first_report"] - t0,
@@ -100,6 +100,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         "config": json.loads(cfg.to_json()),
         "steps_completed": final["step"] if final else (steps[-1]["step"] if steps else 0),
         "loss": [r["loss"] for r in steps],
+        "first_step": steps[0]["step"] if steps else None,
         "step_time_s": {"median": statistics.median(dts) if dts else None, "p90": percentile(dts, 0.9) if dts else None},
         "final_state_sha256": final["sha256"] if final else None,
         "faults": faults,

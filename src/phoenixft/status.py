@@ -164,6 +164,7 @@ def collect_status(store: Any, events: int = 10, now: float | None = None) -> di
         st["topology"] = topo
         if topo is not None:
             g = int(topo.get("workers_per_node", g))
+            racks = max(1, int(topo.get("racks", 1)))
             for slot, node in enumerate(topo["nodes"]):
                 hb = _get(store, keys.heartbeat(node))
                 st["members"].append(
@@ -171,8 +172,10 @@ def collect_status(store: Any, events: int = 10, now: float | None = None) -> di
                         "slot": slot,
                         "node": node,
                         "ranks": list(range(slot * g, (slot + 1) * g)),
+                        "rack": slot * racks // len(topo["nodes"]),
                         "heartbeat_age_s": None if hb is None else max(0.0, now - float(hb)),
                         "exited": store.check([keys.node_exit(node)]),
+                        "fenced": store.check([keys.fence(node)]),
                     }
                 )
     used = {n: h["epoch"] for h in reversed(st["history"]) for n in h["nodes"]}  # first epoch it appeared in
@@ -252,8 +255,9 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
         out.append("membership:")
         for m in st["members"]:
             ranks = ",".join(str(r) for r in m["ranks"])
-            health = "EXITED" if m["exited"] else _age(m["heartbeat_age_s"])
-            out.append(f"  slot {m['slot']}  {m['node']:<6} rank(s) {ranks:<8} {health}")
+            health = "FENCED" if m.get("fenced") else "EXITED" if m["exited"] else _age(m["heartbeat_age_s"])
+            rack = f"rack {m['rack']}  " if int(topo.get("racks", 1)) > 1 else ""
+            out.append(f"  slot {m['slot']}  {m['node']:<6} {rack}rank(s) {ranks:<8} {health}")
         if len(st.get("history", [])) > 1:
             out.append("epochs: " + "; ".join(f"{h['epoch']}: {' '.join(h['nodes'])}" for h in st["history"]))
     sp = st.get("spares") or []

@@ -29,6 +29,7 @@ from phoenixft.data import _mix
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.faults import FaultSpec
 from phoenixft.invariants import check_invariants
+from phoenixft.persist import Persister, load_full
 from phoenixft.replication import ReplicaPlan, Replicator
 from phoenixft.snapshot import INVALID, Holding, ShardState, checksum
 from phoenixft.topology import Topology
@@ -67,12 +68,14 @@ class Worker:
                 abort_check=self._flag_check_factory(store_addr),
                 timeout_s=self._coll_timeout,
                 on_in_flight=lambda s: self._fault(s + 1, "replicate"),
-                after_commit=self._maybe_corrupt,
+                after_commit=self._after_replication,
             )
         if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
             for f in Path("/dev/shm").glob(f"phoenixft-{run_id}-{self.wid}-hold*.data"):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
                 self.repl.holding(shard)
+        self.persister = Persister(cfg.persist_dir, cfg.persist_every, self._own_store(store_addr)) \
+            if cfg.persist_every and self.protect else None
         self.comm: EpochComm | None = None
         self.topo: Topology | None = None
         self.epoch = -1
@@ -83,6 +86,9 @@ class Worker:
     @property
     def _coll_timeout(self) -> float:
         return max(60.0, 6 * self.cfg.failure_timeout)
+
+    def _own_store(self, store_addr: str) -> Any:
+        return connect_store(store_addr)
 
     def _flag_check_factory(self, store_addr: str) -> Any:
         store = connect_store(store_addr)  # the replication thread's own client
@@ -143,6 +149,19 @@ class Worker:
 
     def _nan_fault(self, step: int) -> bool:
         return self.rank == 0 and any(f.kind == "nan" and f.step == step for f in self.faults)
+
+    def _after_replication(self, step: int, received: dict[int, Holding]) -> None:
+        """Runs on the replication thread once step's replicas committed; the committed half of
+        `step` cannot change before this returns, so the persistent tier stages it here."""
+        if self.topo is None:
+            return
+        if self.persister is not None and self.persister.due(step):
+            half = self.state.half_with(step)
+            if half is not None:
+                self.persister.stage(step, self.state.data[half], {
+                    "rank": self.rank, "shards": self.topo.world, "numel": self.flat.numel,
+                    "shard_numel": self.flat.shard_numel, "epoch": self.epoch, "seed": self.cfg.seed})
+        self._maybe_corrupt(step, received)
 
     def _maybe_corrupt(self, step: int, received: dict[int, Holding]) -> None:
         if self.topo is None:
@@ -215,6 +234,8 @@ class Worker:
         """Gather the optimizer state in logical order and hash it with the parameters."""
         assert self.comm is not None and self.topo is not None
         pg, flat = self.comm.train, self.flat
+        if self.repl is not None:
+            self.repl.wait(self.cfg.steps)  # the final state is protected (and persisted) like any other
         half = self.state.half_with(self.cfg.steps)
         assert half is not None
         m_all = torch.empty(flat.padded)
@@ -310,7 +331,9 @@ class Worker:
             self.repl.configure(self.comm, ReplicaPlan(shard=self.rank, send_to=topo.holders(self.rank),
                                                        recv_from=[(x, x) for x in topo.sources(self.rank)]))
         timings: dict[str, float] = {"reconfigure_s": t_pg - t0}
-        if topo.epoch == 0:
+        if topo.meta.get("restore") == "persistent":
+            opt_ok = self._restore_persistent(topo.meta["manifest"], r, timings)
+        elif topo.epoch == 0:
             sl = self.flat.shard_slice(self.rank)
             self.state.data[0, 0].copy_(self.flat.flat[sl])
             self.state.data[0, 1:].zero_()
@@ -334,6 +357,24 @@ class Worker:
         if topo.epoch > 0:
             self._first_after_join = topo.epoch
         return r
+
+    def _restore_persistent(self, man: dict[str, Any], r: int, timings: dict[str, float]) -> bool:
+        """Every member reloads step r from the persistent tier (resharded to this world size)."""
+        t0 = time.time()
+        full = load_full(man)  # (3, numel)
+        padded = torch.zeros(3, self.flat.padded)
+        padded[:, : self.flat.numel] = full
+        self.flat.install(padded[0], r)
+        half = self.state.staging()
+        self.state.begin_write(half)
+        self.state.data[half].copy_(padded[:, self.flat.shard_slice(self.rank)])
+        self.state.commit(half, r, 0)
+        self.state.header[1 - half, 2] = 0
+        if self.repl is not None:
+            for h in self.repl.holdings.values():
+                h.invalidate_after(-1)
+        timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0, bytes_params=full.numel() * 4)
+        return True
 
     def _restore(self, topo: Topology, r: int, timings: dict[str, float]) -> bool:
         """Roll survivors back to step r and move state to promoted spares. Returns I3 for this rank.
@@ -435,6 +476,8 @@ class Worker:
         finally:
             if self.repl is not None:
                 self.repl.close()
+            if self.persister is not None:
+                self.persister.close()
 
 
 def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
