@@ -26,8 +26,20 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.fixture(scope="module")
 def overhead(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, str(BENCH / "overhead.py"), "--model", "tiny", "--dp", "2", "--rounds", "1",
-           "--steps", "6", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(BENCH / "overhead.py"),
+        "--model",
+        "tiny",
+        "--dp",
+        "2",
+        "--rounds",
+        "1",
+        "--steps",
+        "6",
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, start_new_session=True)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "Failure-free step time" in p.stdout  # the table was printed
@@ -60,8 +72,9 @@ def test_overhead_json_has_sane_numbers(overhead: dict[str, Any]) -> None:
     assert overhead["machine"]["cpu_count"] >= 1 and overhead["machine"]["torch"]
 
 
-def test_run_all_merge_keeps_the_top_level_keys(overhead: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
-                                                tmp_path: Path) -> None:
+def test_run_all_merge_keeps_the_top_level_keys(
+    overhead: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.syspath_prepend(str(BENCH))
     import run_all
     import torchft_peer
@@ -70,8 +83,17 @@ def test_run_all_merge_keeps_the_top_level_keys(overhead: dict[str, Any], monkey
     tf = torchft_peer.run(True, out=tmp_path)
     assert tf["torchft_heal_s"] is None and "not installed" in tf["torchft_note"]
     res = run_all.merge({"overhead": overhead, "torchft": tf}, True, time.time(), overhead["machine"])
-    for key in ("overhead_ratio_dp2", "baseline_vs_ddp_dp2", "resume_speedup_k50", "torchft_heal_s", "torchft_note",
-                "recovery", "checkpoint_restart", "machine", "targets"):
+    for key in (
+        "overhead_ratio_dp2",
+        "baseline_vs_ddp_dp2",
+        "resume_speedup_k50",
+        "torchft_heal_s",
+        "torchft_note",
+        "recovery",
+        "checkpoint_restart",
+        "machine",
+        "targets",
+    ):
         assert key in res, key
     assert res["overhead_ratio_dp2"] == overhead["overhead_ratio_dp2"]
     assert res["torchft_heal_s"] is None and res["torchft_note"]

@@ -141,10 +141,13 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
         ev = {"t": now + i, "kind": "epoch", "by": "coordinator", "epoch": i}
         master.append(keys.EVENTS, json.dumps(ev) + "\n")  # type: ignore[attr-defined]
 
+    # a TCPStore `set` is not acknowledged: a request that is answered (check) flushes them
+    assert master.check([keys.EVENTS])
     st = collect_status(store, events=3, now=now)
     assert st["epoch"] == 2 and st["topology"]["nodes"] == ["s1", "n1"]
     assert [m["ranks"] for m in st["members"]] == [[0, 1], [2, 3]]
     assert st["members"][0]["heartbeat_age_s"] == pytest.approx(0.5, abs=0.01)
+    assert st["config"]["spares"] == 4, st["config"]
     assert {s["id"]: s["state"] for s in st["spares"]} == {
         "s0": "used in epoch 1, since lost",
         "s1": "in use (slot 0, since epoch 2)",
@@ -168,6 +171,7 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
 
     master.set(keys.RUN_STATE, "failed")
     master.set(keys.RUN_ERROR, "2 node(s) lost")
+    assert master.check([keys.RUN_ERROR])
     out = _status_cmd(["--coordinator", addr, "--json", "--events", "0"], capsys)
     js = json.loads(out)
     assert js["run_state"] == "failed" and js["run_error"] == "2 node(s) lost" and js["events"] == []

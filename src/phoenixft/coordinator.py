@@ -40,8 +40,9 @@ POLL_S = 0.003
 
 
 class Coordinator:
-    def __init__(self, store: dist.TCPStore) -> None:
+    def __init__(self, store: dist.TCPStore, journal: str | None = None) -> None:
         self.store = store
+        self.journal = journal
         self.cfg = RunConfig.from_json(self._wait(keys.CONFIG, 120.0))
         self.g = self.cfg.workers_per_node
         self.spare_pool = [f"s{i}" for i in range(self.cfg.spares)]
@@ -82,14 +83,51 @@ class Coordinator:
         self._event("run_failed", error=why)
         self.store.set(keys.RUN_STATE, "failed")
 
-    def publish(self, topo: Topology) -> None:
+    def publish(self, topo: Topology, replay: bool = False) -> None:
+        """Journal first (write-ahead, fsynced), then publish: a restarted coordinator finishes
+        publishing whatever it had decided, and never decides the same epoch twice."""
+        if self.journal and not replay:
+            with open(self.journal, "a") as f:
+                f.write(json.dumps({"topo": json.loads(topo.to_json()), "spare_pool": self.spare_pool,
+                                    "dead": sorted(self.dead)}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
         self.topo = topo
         self.store.set(keys.topo(topo.epoch), topo.to_json())
         self.store.set(keys.EPOCH, str(topo.epoch))
-        self._event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world, resume_step=topo.resume_step)
+        for s in topo.meta.get("promoted", []):
+            self.store.set(keys.assign(s), str(topo.epoch))
+        if not replay:
+            self._event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world, resume_step=topo.resume_step)
+
+    def _reload(self) -> bool:
+        """Restore membership, epoch and spare pool from the journal; True if there was one."""
+        if not self.journal or not os.path.exists(self.journal):
+            return False
+        last = None
+        with open(self.journal) as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        last = json.loads(line)
+                    except ValueError:
+                        break  # a torn last line: the decision before it stands
+        if last is None:
+            return False
+        self.spare_pool = list(last["spare_pool"])
+        self.dead = set(last["dead"])
+        self.publish(Topology(**last["topo"]), replay=True)
+        return True
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
+        self.store.set("coordinator/pid", str(os.getpid()))
+        if self._reload():
+            assert self.topo is not None
+            self._event("coordinator_restarted", epoch=self.topo.epoch, spare_pool=self.spare_pool)
+            self.store.set("coordinator/ready", str(time.time()))
+            self._loop()
+            return
         active = [f"n{i}" for i in range(self.cfg.nodes)]
         deadline = time.monotonic() + 600.0
         while not all(self._node_ready(n) for n in active):
@@ -106,6 +144,10 @@ class Coordinator:
             start, meta = man["step"], {"restore": "persistent", "manifest": man}
         self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
                               racks=self.cfg.racks, resume_step=start, meta=meta))
+        self.store.set("coordinator/ready", str(time.time()))
+        self._loop()
+
+    def _loop(self) -> None:
         while not self.store.check([keys.RUN_STATE]):
             if self._failure_pending():
                 self.recover()
@@ -249,30 +291,37 @@ class Coordinator:
                "replicas_rejected": [list(x) for x in rejected]}
         self.store.set(keys.recovery(e + 1), json.dumps(rec))
         self.publish(topo)
-        for s in promoted:
-            self.store.set(keys.assign(s), str(e + 1))
         self._event("recovery_planned", epoch=e + 1, resume_step=r, promoted=promoted,
                     decide_s=rec["t_decided"] - t_start)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="phoenixft coordinator")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--store", default="", help="connect to this store HOST:PORT (the launcher hosts it)")
+    ap.add_argument("--host", default="127.0.0.1", help="host the store here when --store is not given")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--port-file", required=True)
+    ap.add_argument("--port-file", default="", help="where to write the port of the store it hosts")
+    ap.add_argument("--journal", default="", help="write-ahead journal of membership, epochs and spare pool")
     a = ap.parse_args(argv)
-    store = dist.TCPStore(a.host, a.port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
-    tmp = a.port_file + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(str(store.port))
-    os.replace(tmp, a.port_file)
+    if a.store:
+        from phoenixft.comm import connect_store
+
+        store = connect_store(a.store)
+    else:
+        store = dist.TCPStore(a.host, a.port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        if a.port_file:
+            tmp = a.port_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(str(store.port))
+            os.replace(tmp, a.port_file)
     try:
-        Coordinator(store).run()
+        Coordinator(store, a.journal or None).run()
     except TimeoutError as e:
         print(str(e), file=sys.stderr)
-    # keep serving the store until the launcher has read the results and stops us
-    while True:
-        time.sleep(3600)
+    if not a.store:  # keep serving the store until the launcher has read the results and stops us
+        while True:
+            time.sleep(3600)
+    return 0
 
 
 if __name__ == "__main__":

@@ -59,6 +59,13 @@ class Display:
         elif k == "recovery_planned":
             self._err(f"   epoch {ev['epoch']}: resume from step {ev['resume_step']}, promoted {ev['promoted']} "
                       f"(decided in {ev['decide_s'] * 1e3:.0f} ms)")
+        elif k == "coordinator_exited":
+            self._err("!! coordinator exited: restarting it from its journal (training continues)")
+        elif k == "coordinator_restarted":
+            self._err(f"   coordinator back at epoch {ev['epoch']}, spare pool {ev['spare_pool']}")
+        elif k == "fallback_persistent":
+            self._err(f"!! in-memory state lost ({ev['reason']}): falling back to the persistent checkpoint of "
+                      f"step {ev['step']}")
         elif k == "run_failed":
             self._err(f"!! run failed: {ev['error']}")
 

@@ -4,6 +4,7 @@
     kill:rack=A@step=S[,phase=P]          SIGKILL every node of rack A
     kill:node=I@recovery=N                SIGKILL slot I during the N-th recovery (its state transfer;
                                           the node in slot I may be the promoted spare itself)
+    kill:coordinator@step=S               SIGKILL the coordinator process (the launcher restarts it)
     hang:node=I@step=S[,phase=P]          SIGSTOP every process of node I (only a timeout finds it)
     crash:rank=R@step=S[,phase=P]         worker R exits with an error; its node stays healthy
     corrupt:node=I@step=S                 flip bytes in the replicas node I received during step S
@@ -27,6 +28,7 @@ KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
 FAULT_KINDS = ("kill", "hang", "crash", "corrupt", "nan")
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):(?:(?P<target>[^@]+)@)?(?P<when>.+)$")
 _VALID = ("expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, kill:node=I@recovery=N, "
+          "kill:coordinator@step=S, "
           "hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S or nan:step=S")
 
 
@@ -41,6 +43,7 @@ class FaultSpec:
     step: int | None = None
     recovery: int | None = None
     phase: str = "forward"
+    coordinator: bool = False
 
     @property
     def node(self) -> int | None:
@@ -66,7 +69,10 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     # target: one key whose value may hold commas (node=1,2)
     nodes: tuple[int, ...] = ()
     rack = rank = None
-    if m["target"]:
+    coordinator = False
+    if m["target"] == "coordinator" and kind == "kill":
+        coordinator = True
+    elif m["target"]:
         key, _, value = m["target"].partition("=")
         if key == "node":
             nodes = _ints(text, value, "node")
@@ -89,11 +95,13 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     phase = when.get("phase", "forward")
     if phase not in KILL_PHASES:
         raise _bad(text, f"phase={phase!r}, valid phases: {', '.join(KILL_PHASES)}")
-    need_target = {"kill": nodes or rack is not None, "hang": len(nodes) == 1, "crash": rank is not None,
+    need_target = {"kill": nodes or rack is not None or coordinator, "hang": len(nodes) == 1, "crash": rank is not None,
                    "corrupt": len(nodes) == 1, "nan": not m["target"]}
     if not need_target[kind]:
         raise _bad(text, _VALID)
     if recovery is not None and kind != "kill":
         raise _bad(text, "only kill faults can fire during a recovery (@recovery=N)")
+    if coordinator and step is None:
+        raise _bad(text, "kill:coordinator needs @step=S")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
-                     recovery=recovery, phase=phase)
+                     recovery=recovery, phase=phase, coordinator=coordinator)

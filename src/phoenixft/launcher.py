@@ -1,6 +1,7 @@
 """The local launcher behind `phoenixft run`: the whole job as local processes.
 
-It starts the coordinator (which hosts the store), publishes the config, starts one agent per
+It serves the control-plane store, starts the coordinator (restarting it if it dies: it
+reloads its journal), publishes the config, starts one agent per
 node and per spare node (each in its own session, so a node is one process group), then
 watches: agent exits are reported to the control plane at once, fence requests are carried
 out (SIGKILL to the node's process group), progress and events are shown. At the end it reads
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,9 @@ class LocalJob:
         self.addr = ""
         self._events_off = 0
         self._torn_down = False
+        self._server: Any = None
+        self._coord_pids: list[int] = []
+        self.coord_restarts = 0
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
@@ -65,17 +70,17 @@ class LocalJob:
                                                               model=self.cfg.model))
         if wl.prepare is not None:
             wl.prepare()  # e.g. build the corpus cache once, before the workers map it
-        port_file = self.run_dir / "coordinator.port"
-        port_file.unlink(missing_ok=True)
-        self.coord = self._spawn(["phoenixft.coordinator", "--port-file", str(port_file)], "coordinator.log")
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if self.coord.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"coordinator did not start; see {self.run_dir / 'logs' / 'coordinator.log'}")
-            time.sleep(0.02)
-        self.addr = f"127.0.0.1:{port_file.read_text().strip()}"
+        # The store is served from this process (its server thread needs no GIL), so that the
+        # coordinator's logic can crash and be restarted without taking the store with it.
+        import torch.distributed as dist
+
+        self._server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60),
+                                     wait_for_workers=False)
+        self.addr = f"127.0.0.1:{self._server.port}"
+        (self.run_dir / "coordinator.port").write_text(str(self._server.port))
         self.store = connect_store(self.addr)
         self.store.set(keys.CONFIG, self.cfg.to_json())
+        self._start_coordinator()
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
         nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
         for n in nodes:
@@ -85,6 +90,11 @@ class LocalJob:
         self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
                           f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}, "
                           f"dir {self.run_dir}")
+
+    def _start_coordinator(self) -> None:
+        self.coord = self._spawn(["phoenixft.coordinator", "--store", self.addr, "--journal",
+                                  str(self.run_dir / "coordinator.journal")], "coordinator.log")
+        self._coord_pids.append(self.coord.pid)
 
     def _kill_group(self, node: str, sig: int = signal.SIGKILL) -> None:
         p = self.agents.get(node)
@@ -117,8 +127,14 @@ class LocalJob:
                 if n not in self.fenced and self.store.check([keys.fence(n)]):
                     self.fenced.add(n)
                     self._kill_group(n)
-            if self.coord is not None and self.coord.poll() is not None:
-                return "failed: coordinator exited"
+            if self.coord is not None and self.coord.poll() is not None and not self.store.check([keys.RUN_STATE]):
+                if self.coord_restarts >= 5:
+                    return "failed: the coordinator keeps exiting"
+                self.coord_restarts += 1  # control-plane failure: restart it; it reloads its journal
+                t = time.time()
+                self._start_coordinator()
+                self.store.append(keys.EVENTS, json.dumps({"t": t, "kind": "coordinator_exited", "by": "launcher",
+                                                           "code": self.coord.returncode}) + "\n")
             if self.store.check([keys.PROGRESS]):
                 prog = int(self.store.get(keys.PROGRESS))
                 if prog != last_progress and self.store.check([keys.step(prog)]):
@@ -157,11 +173,12 @@ class LocalJob:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        if self.coord is not None:
+        for pid in self._coord_pids:
             try:
-                os.killpg(self.coord.pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        if self.coord is not None:
             self.coord.wait(timeout=5)
         for f in Path("/dev/shm").glob(f"phoenixft-{self.run_id}-*"):
             f.unlink(missing_ok=True)

@@ -94,6 +94,13 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             "replicas_rejected": rec.get("replicas_rejected", []),
         })
         e += 1
+    events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines() if x.strip()] \
+        if store.check([keys.EVENTS]) else []
+    control_plane = []
+    for f in faults:
+        if f["spec"].startswith("kill:coordinator"):
+            back = [ev["t"] for ev in events if ev["kind"] == "coordinator_restarted" and ev["t"] >= f["t"]]
+            control_plane.append({"fault": f["spec"], "t": f["t"], "downtime_s": (min(back) - f["t"]) if back else None})
     report: dict[str, Any] = {
         "run_id": run_id,
         "state": state,
@@ -105,6 +112,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         "final_state_sha256": final["sha256"] if final else None,
         "faults": faults,
         "recoveries": recoveries,
+        "control_plane": control_plane,
         "run_dir": str(run_dir),
     }
     if store.check([keys.RUN_ERROR]):

@@ -120,7 +120,9 @@ class Worker:
         for f in self.faults:
             if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
                 continue
-            if f.kind == "crash":
+            if f.coordinator:
+                hit = self.rank == 0
+            elif f.kind == "crash":
                 hit = self.rank == f.rank
             elif f.rack is not None:
                 hit = self.topo.rack_of(slot) == f.rack
@@ -140,7 +142,9 @@ class Worker:
         if self.store.add(keys.fault(f.index) + "/fired", 1) == 1:
             self.store.set(keys.fault(f.index), json.dumps(rec))
         self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
-        if f.kind == "kill":
+        if f.coordinator:
+            os.kill(int(self.store.get("coordinator/pid")), signal.SIGKILL)
+        elif f.kind == "kill":
             os.killpg(os.getpgid(0), signal.SIGKILL)
         elif f.kind == "hang":
             os.killpg(os.getpgid(0), signal.SIGSTOP)
