@@ -211,7 +211,7 @@ def test_unreachable_coordinator_is_one_line() -> None:
         assert lines[0].startswith(
             "phoenixft status: error: cannot reach a phoenixft coordinator at --coordinator=127.0.0.1:"
         ), lines[0]
-    assert took < 60  # python + torch import, then at most 2 x timeout + 2 s
+    assert took < 90  # python + torch import (slow on a loaded machine), then at most 2 x timeout + 2 s
 
 
 # ------------------------------------------------------------------------------------- live run

@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from phoenixft.comm import connect_store
 
     store = connect_store(a.store)
+    if a.node.startswith("s"):
+        store.append("spares", a.node + "\n")  # join the spare pool (also when started late, by hand)
     restarts = {i: 0 for i in range(a.workers)}
     worst = 0
     while children:

@@ -61,6 +61,8 @@ class RunConfig:
     persist_dir: str = _f("", "Directory of the persistent checkpoints (needed with --persist-every).",
                           flag="--persist-dir")
     resume: str = _f("", "Start from the newest complete checkpoint in this directory (any node count).")
+    spare_arrives_at_step: int = _f(0, "Start one more spare node when the run reaches this step (tests of "
+                                    "growing back after a shrink; 0 = never).", flag="--spare-arrives-at-step")
     failure_timeout: float = _f(10.0, "Seconds without a heartbeat or answer before a node is declared failed.",
                                 flag="--failure-timeout")
     threads: int = _f(0, "torch intra-op threads per worker (0 = cores / active workers, at least 1).")

@@ -49,6 +49,7 @@ class Coordinator:
         self.topo: Topology | None = None
         self.dead: set[str] = set()
         self._last_hb_check = 0.0
+        self._last_grow_check = 0.0
         self._exits_seen = 0
 
     # ------------------------------------------------------------------ helpers
@@ -154,10 +155,27 @@ class Coordinator:
             else:
                 time.sleep(POLL_S)
 
+    def _refresh_pool(self) -> None:
+        """Spares registered after the start (`phoenixft agent --node s<k>`) join the pool."""
+        if self.store.check(["spares"]):
+            for s in self.store.get("spares").decode().split():
+                if s not in self.spare_pool and s not in self.dead and not self._in_use(s):
+                    self.spare_pool.append(s)
+
+    def _in_use(self, node: str) -> bool:
+        return self.topo is not None and node in self.topo.nodes
+
     def _failure_pending(self) -> bool:
         assert self.topo is not None
         if self.store.check([keys.failflag(self.topo.epoch)]):
             return True
+        now = time.time()
+        if len(self.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
+            self._last_grow_check = now
+            self._refresh_pool()
+            if any(self._node_ready(s) for s in self.spare_pool if s not in self.dead):
+                self._event("grow_requested", epoch=self.topo.epoch)
+                return True  # recover() repartitions over the grown world at this step boundary
         exits = self.store.add("exits", 0)
         if exits != self._exits_seen:
             self._exits_seen = exits
@@ -209,26 +227,42 @@ class Coordinator:
         t_first = min([d["t"] for d in descs.values()] + [t_start])
         if dead:
             klass, action = "permanent", "hotswap"
+        elif not self.store.check([keys.failflag(e) + "/by-worker"]) and not restarted and len(old.nodes) < self.cfg.nodes:
+            klass, action = "planned", "grow"
         elif restarted:
             klass, action = "transient", "inplace"
         else:
             klass, action = "transient", "reconfigure"
-        self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
-                    **{"class": klass}, action=action)
-        # spares
+        # spares: one per dead node, into the dead node's slot; with too few, the job shrinks
+        self._refresh_pool()
         pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
-        dead_slots = [i for i, n in enumerate(old.nodes) if n in dead]
-        if len(pool) < len(dead_slots):
-            self._fail_run(f"{len(dead_slots)} node(s) lost ({', '.join(sorted(dead))}) but only {len(pool)} "
-                           f"spare(s) ready; shrinking is not implemented yet")
+        nodes: list[str] = []
+        promoted: list[str] = []
+        dropped: list[str] = []
+        for n in old.nodes:
+            if n not in dead:
+                nodes.append(n)
+            elif pool:
+                spare = pool.pop(0)
+                self.spare_pool.remove(spare)
+                nodes.append(spare)
+                promoted.append(spare)
+            else:
+                dropped.append(n)
+        if not nodes:
+            self._fail_run(f"every node is lost ({', '.join(sorted(dead))}) and no spare is ready")
             return
-        nodes = list(old.nodes)
-        promoted = []
-        for i in dead_slots:
-            spare = pool.pop(0)
-            self.spare_pool.remove(spare)
-            nodes[i] = spare
-            promoted.append(spare)
+        if dropped:
+            action = "shrink"
+            self._event("shrink", epoch=e, dropped=dropped, world=len(nodes) * self.g)
+        elif len(nodes) < self.cfg.nodes and pool:  # a spare arrived after a shrink: grow back
+            while len(nodes) < self.cfg.nodes and pool:
+                spare = pool.pop(0)
+                self.spare_pool.remove(spare)
+                nodes.append(spare)
+                promoted.append(spare)
+            klass, action = "planned", "grow"
+            self._event("grow", epoch=e, added=promoted, world=len(nodes) * self.g)
         # recovery point: newest step every logical shard still has
         avail: dict[int, set[int]] = {}
         sources: dict[int, dict[int, int]] = {}  # shard -> step -> holder rank
@@ -261,6 +295,10 @@ class Coordinator:
                 hint = "no complete persistent checkpoint" if self.cfg.persist_dir else "no persistent tier (--persist-every)"
                 self._fail_run(f"in-memory state lost in epoch {e} ({what}) and {hint}")
                 return
+            if dropped:
+                self._fail_run(f"in-memory state lost in epoch {e} ({what}); the persistent fallback needs a spare "
+                               f"for each lost node and {len(dropped)} are missing")
+                return
             self._event("fallback_persistent", epoch=e, reason=what, step=man["step"], path=man["path"])
             action = "persistent"
             meta = {"restore": "persistent", "manifest": man}
@@ -280,13 +318,37 @@ class Coordinator:
             return
         transfers = [{"dst": rk, "shard": rk, "param_src": healthy[k % len(healthy)], "opt_src": sources[rk][r]}
                      for k, rk in enumerate(needy)]
-        topo = Topology(epoch=e + 1, nodes=nodes, workers_per_node=self.g, replicas=self.cfg.replicas,
-                        racks=self.cfg.racks, resume_step=r, transfers=transfers,
+        gen = int(old.meta.get("generation", 0))
+        if len(nodes) != len(old.nodes):  # repartition over the new world: every old shard gets one provider
+            new = Topology(epoch=e + 1, nodes=nodes, workers_per_node=self.g, replicas=self.cfg.replicas,
+                           racks=1, resume_step=r)
+            providers: dict[str, list[Any]] = {}
+            for shard in range(old.world):
+                owner, lr = old.node_of_rank(shard), shard % self.g
+                if owner not in dead and r in local[shard]:
+                    providers[str(shard)] = [new.rank_of(owner, lr), "own"]
+                else:
+                    h = sources[shard][r]
+                    providers[str(shard)] = [new.rank_of(old.node_of_rank(h), h % self.g), "replica"]
+            fresh = [new.rank_of(sp, lr) for sp in promoted for lr in range(self.g)]
+            keep = [new.rank_of(n, lr) for n in nodes if n not in promoted for lr in range(self.g)]
+            meta["reshard"] = {"old_world": old.world, "providers": providers,
+                               "params_to": {str(d): keep[k % len(keep)] for k, d in enumerate(fresh)}}
+            meta["generation"] = gen + 1
+            transfers = []
+        else:
+            meta["generation"] = gen
+        replicas = min(self.cfg.replicas, len(nodes) - 1)
+        racks = self.cfg.racks if len(nodes) % self.cfg.racks == 0 else 1
+        topo = Topology(epoch=e + 1, nodes=nodes, workers_per_node=self.g, replicas=replicas,
+                        racks=racks, resume_step=r, transfers=transfers,
                         meta={"dead": sorted(dead), "promoted": promoted, "class": klass, "action": action, **meta})
+        self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
+                    **{"class": klass}, action=action)
         rec = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
                "t_decided": time.time(), "dead": sorted(dead), "fenced": sorted(fenced), "promoted": promoted,
                "resume_step": r, "max_committed": max(max_committed, progress), "class": klass, "action": action,
-               "restarted": sorted(restarted),
+               "restarted": sorted(restarted), "dropped": dropped, "world": len(nodes) * self.g,
                "errors": sorted({d["error"] for d in descs.values()})[:5],
                "replicas_rejected": [list(x) for x in rejected]}
         self.store.set(keys.recovery(e + 1), json.dumps(rec))

@@ -325,6 +325,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 table.kv th{width:210px} .ok{color:#1a7f37;font-weight:600} .bad{color:#c62828;font-weight:600}
 img{max-width:100%;border:1px solid #eee} code,.mono{font-family:ui-monospace,"DejaVu Sans Mono",monospace;
 font-size:12px} .muted{color:#777;font-size:13px} details summary{cursor:pointer} .wide{overflow-x:auto}
+#recoveries td[data-key=fault]{overflow-wrap:anywhere;min-width:120px;max-width:190px}
 h3{font-size:15px;margin:16px 0 6px}
 """
 

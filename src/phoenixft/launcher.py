@@ -84,12 +84,15 @@ class LocalJob:
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
         nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
         for n in nodes:
-            self.agents[n] = self._spawn(
-                ["phoenixft.agent", "--store", self.addr, "--node", n, "--workers", str(self.cfg.workers_per_node),
-                 "--threads", str(self._threads()), "--run-id", self.run_id], f"{n}.log")
+            self._start_agent(n)
         self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
                           f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}, "
                           f"dir {self.run_dir}")
+
+    def _start_agent(self, node: str) -> None:
+        self.agents[node] = self._spawn(
+            ["phoenixft.agent", "--store", self.addr, "--node", node, "--workers", str(self.cfg.workers_per_node),
+             "--threads", str(self._threads()), "--run-id", self.run_id], f"{node}.log")
 
     def _start_coordinator(self) -> None:
         self.coord = self._spawn(["phoenixft.coordinator", "--store", self.addr, "--journal",
@@ -137,6 +140,9 @@ class LocalJob:
                                                            "code": self.coord.returncode}) + "\n")
             if self.store.check([keys.PROGRESS]):
                 prog = int(self.store.get(keys.PROGRESS))
+                late = self.cfg.spare_arrives_at_step
+                if late and prog >= late and f"s{self.cfg.spares}" not in self.agents:
+                    self._start_agent(f"s{self.cfg.spares}")
                 if prog != last_progress and self.store.check([keys.step(prog)]):
                     last_progress = prog
                     self.display.progress(json.loads(self.store.get(keys.step(prog))))

@@ -71,8 +71,8 @@ class Topology:
         return [((slot - o) % n) * g + lr for o in self._offsets()]
 
     def microbatches(self, rank: int, total: int) -> tuple[int, int]:
-        per = total // self.world
-        return rank * per, (rank + 1) * per
+        """This rank's microbatches of a step: the global batch is fixed, the split may be uneven."""
+        return rank * total // self.world, (rank + 1) * total // self.world
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -31,6 +31,7 @@ from phoenixft.faults import FaultSpec
 from phoenixft.invariants import check_invariants
 from phoenixft.persist import Persister, load_full
 from phoenixft.replication import ReplicaPlan, Replicator
+from phoenixft.reshard import gather_full_optimizer, old_shard_numel
 from phoenixft.snapshot import INVALID, Holding, ShardState, checksum
 from phoenixft.topology import Topology
 from phoenixft.workload import WorkloadContext, load_workload
@@ -54,16 +55,18 @@ class Worker:
         torch.manual_seed(cfg.seed)
         self.model = self.wl.build_model()
         self.protect = cfg.protect == "phoenix"
-        shm = f"/dev/shm/phoenixft-{run_id}-{self.wid}" if self.protect else None
-        self.flat = FlatModel(self.model, shards=cfg.world, path=shm and shm + "-params")
+        world, gen = cfg.world, 0
+        if incarnation > 0:  # restarted in place: the partition is the current epoch's, not the initial one
+            cur = Topology.from_json(self.store.get(keys.topo(int(self.store.get(keys.EPOCH)))))
+            world, gen = cur.world, int(cur.meta.get("generation", 0))
         self.hyper = AdamWHyper(cfg.lr, cfg.weight_decay)
-        self.state = ShardState(self.flat.shard_numel, shm and shm + "-state")
+        self._partition(world, gen)
         self.faults: list[FaultSpec] = cfg.faults
         self.repl: Replicator | None = None
         if self.protect:
             self.repl = Replicator(
                 self.state,
-                holding_factory=lambda s: Holding(self.flat.shard_numel, f"{shm}-hold{s}"),
+                holding_factory=lambda s: Holding(self.flat.shard_numel, self.shm and f"{self.shm}-hold{s}"),
                 chunk_numel=int(cfg.chunk_mb * (1 << 20) / 4),
                 abort_check=self._flag_check_factory(store_addr),
                 timeout_s=self._coll_timeout,
@@ -71,7 +74,7 @@ class Worker:
                 after_commit=self._after_replication,
             )
         if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
-            for f in Path("/dev/shm").glob(f"phoenixft-{run_id}-{self.wid}-hold*.data"):
+            for f in Path("/dev/shm").glob(f"phoenixft-{run_id}-{self.wid}-g{gen}-hold*.data"):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
                 self.repl.holding(shard)
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, self._own_store(store_addr)) \
@@ -81,6 +84,12 @@ class Worker:
         self.epoch = -1
         self.rank = -1
         self._first_after_join: int | None = None
+
+    def _partition(self, world: int, gen: int, step: int = 0) -> None:
+        """Flat parameters and the own optimizer shard for a `world`-way partition (generation `gen`)."""
+        self.shm = f"/dev/shm/phoenixft-{self.run_id}-{self.wid}-g{gen}" if self.protect else None
+        self.flat = FlatModel(self.model, shards=world, path=self.shm and self.shm + "-params", step=step)
+        self.state = ShardState(self.flat.shard_numel, self.shm and self.shm + "-state")
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -290,6 +299,8 @@ class Worker:
         e = self.epoch
         t_err = time.time()
         self.store.set(keys.failflag(e), "1")
+        if "requested by the control plane" not in err:
+            self.store.set(keys.failflag(e) + "/by-worker", "1")
         self._event("failure_detected", epoch=e, error=err[:300], rank=self.rank)
         if self.repl is not None:
             self.repl.abort()
@@ -326,6 +337,7 @@ class Worker:
 
     def join(self, topo: Topology) -> int:
         t0 = time.time()
+        old_rank = self.rank
         self.topo, self.epoch = topo, topo.epoch
         self.rank = topo.rank_of(self.node_id, self.local_rank)
         self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout)
@@ -335,7 +347,9 @@ class Worker:
             self.repl.configure(self.comm, ReplicaPlan(shard=self.rank, send_to=topo.holders(self.rank),
                                                        recv_from=[(x, x) for x in topo.sources(self.rank)]))
         timings: dict[str, float] = {"reconfigure_s": t_pg - t0}
-        if topo.meta.get("restore") == "persistent":
+        if "reshard" in topo.meta:
+            opt_ok = self._reshard(topo, r, old_rank, timings)
+        elif topo.meta.get("restore") == "persistent":
             opt_ok = self._restore_persistent(topo.meta["manifest"], r, timings)
         elif topo.epoch == 0:
             sl = self.flat.shard_slice(self.rank)
@@ -361,6 +375,53 @@ class Worker:
         if topo.epoch > 0:
             self._first_after_join = topo.epoch
         return r
+
+    def _reshard(self, topo: Topology, r: int, old_rank: int, timings: dict[str, float]) -> bool:
+        """Shrink or grow: repartition the state of step r over the new world (see reshard.py)."""
+        assert self.comm is not None
+        meta, pg, me, w = topo.meta["reshard"], self.comm.train, self.rank, topo.world
+        numel = self.flat.numel
+        t1 = time.time()
+        if old_rank >= 0:  # a survivor rolls back to r from its own halves
+            if not self.flat.select(r) or self.state.half_with(r) is None:
+                raise RunAborted(f"rank {me} has no state for step {r}")
+        params_to = {int(k): v for k, v in meta["params_to"].items()}
+        sends = {dst: self.flat.flat[:numel] for dst, src in params_to.items() if src == me}
+        recv = {params_to[me]: numel} if me in params_to else {}
+        work, _, got = alltoallv(pg, w, sends, recv)
+        self._wait(work, "parameter transfer")
+        if me in params_to:
+            self.flat.flat[:numel].copy_(got[params_to[me]])
+        t2 = time.time()
+        providers = {int(k): v[0] for k, v in meta["providers"].items()}
+        n_old = old_shard_numel(numel, meta["old_world"])
+        mine: dict[int, torch.Tensor] = {}
+        for k, (prov, kind) in meta["providers"].items():
+            if prov != me:
+                continue
+            if kind == "own":
+                mine[int(k)] = self.state.payload(self.state.half_with(r))  # type: ignore[arg-type]
+            else:
+                assert self.repl is not None
+                h = self.repl.holding(int(k))
+                hh = h.half_with(r)
+                if hh is None or not h.verify(hh):
+                    raise RunAborted(f"rank {me} has no verified replica of shard {k} at step {r}")
+                mine[int(k)] = h.payload(hh)
+        full = gather_full_optimizer(pg, w, me, providers, mine, n_old, self._wait)
+        self._partition(w, int(topo.meta["generation"]), step=r)
+        sl = self.flat.shard_slice(me)
+        opt = torch.zeros(2, self.flat.padded)
+        opt[:, :numel] = full[:, :numel]
+        self.state.data[0, 0].copy_(self.flat.flat[sl])
+        self.state.data[0, 1:].copy_(opt[:, sl])
+        self.state.commit(0, r, 0)
+        self.state.header[1, 2] = 0
+        if self.repl is not None:
+            self.repl.state = self.state
+            self.repl.holdings = {}
+        timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2, bytes_opt=full.numel() * 4)
+        return True
 
     def _restore_persistent(self, man: dict[str, Any], r: int, timings: dict[str, float]) -> bool:
         """Every member reloads step r from the persistent tier (resharded to this world size)."""

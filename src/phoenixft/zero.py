@@ -33,7 +33,7 @@ class AdamWHyper:
 class FlatModel:
     """A module whose parameters and gradients are views into flat buffers."""
 
-    def __init__(self, model: torch.nn.Module, shards: int, path: str | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, shards: int, path: str | None = None, step: int = 0) -> None:
         """With `path`, both parameter buffers and their step tags live in shared memory; if they
         already exist (a worker restarted in place) they are adopted instead of overwritten."""
         self.model = model
@@ -48,7 +48,7 @@ class FlatModel:
         if retained:
             self.live = int(self.tags[2])
         else:
-            self.tags[0], self.tags[1], self.tags[2] = 0, INVALID, 0
+            self.tags[0], self.tags[1], self.tags[2] = step, INVALID, 0
             self.live = 0
             off = 0
             for p in self.params:
