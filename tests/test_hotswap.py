@@ -11,7 +11,7 @@ from conftest import processes_with, run
 
 @pytest.mark.parametrize(
     "phase,node",
-    [("forward", 0), ("backward", 1), ("replicate", 2), ("optimizer", 1), ("forward", 1), ("optimizer", 0)],
+    [("forward", 0), ("backward", 1), ("replicate", 1), ("optimizer", 0), ("optimizer", 1)],
 )
 def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, phase: str, node: int) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=12)

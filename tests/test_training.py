@@ -80,10 +80,17 @@ def test_user_workload_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         (["--protect", "magic"], "--protect='magic' is invalid: one of phoenix, none"),
     ],
 )
-def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
-    p = subprocess.run([sys.executable, "-m", "phoenixft", "run", "--nodes", "2", *args[:0], *args],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], p.stderr
-    assert "Traceback" not in p.stderr
+def test_bad_input_is_one_clear_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from phoenixft.cli.main import main
+
+    assert main(["run", "--nodes", "2", *args]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_bad_input_from_the_shell_exits_2() -> None:
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "run", "--model", "huge"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr

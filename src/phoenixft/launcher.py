@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -198,6 +199,9 @@ def run_job(cfg: RunConfig, display: Display | None = None) -> dict[str, Any]:
     job = LocalJob(cfg, display)
     state = "failed: did not start"
     report: dict[str, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (a scheduler, `kill`) must tear the job down like Ctrl-C does, never orphan it
+        signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         job.start()
         state = job.monitor()
