@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import processes_with, run
 
 
@@ -30,8 +29,8 @@ def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, pha
 
 
 def test_four_node_hotswap_under_two_seconds(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    ref = reference(nodes=4, steps=10)
-    rep = run(tmp_path, nodes=4, spares=1, steps=10, inject=["kill:node=2@step=5,phase=backward"])
+    ref = reference(nodes=4, steps=12)
+    rep = run(tmp_path, nodes=4, spares=1, steps=12, inject=["kill:node=2@step=6,phase=backward"])
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
     assert rec["recovery_s"] < 2.0, rec

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from conftest import run
+
 from phoenixft.persist import latest_manifest
 
 

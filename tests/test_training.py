@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run
+
 from phoenixft.data import _mix
 from phoenixft.workload import WorkloadContext, load_workload
 
@@ -36,8 +36,8 @@ def single_process_losses(steps: int, microbatches: int, micro_batch: int = 8, s
 
 
 @pytest.mark.parametrize("nodes,workers", [(2, 1), (2, 2)], ids=["dp2", "dp4"])
-def test_distributed_optimizer_matches_torch_adamw(tmp_path: Path, nodes: int, workers: int) -> None:
-    rep = run(tmp_path, nodes=nodes, workers_per_node=workers, spares=0, steps=20, protect="none")
+def test_distributed_optimizer_matches_torch_adamw(tmp_path: Path, reference, nodes: int, workers: int) -> None:  # type: ignore[no-untyped-def]
+    rep = reference(nodes=nodes, workers_per_node=workers, steps=20)
     assert rep["state"] == "done"
     ref = single_process_losses(20, nodes * workers)
     assert len(rep["loss"]) == 20
@@ -46,7 +46,7 @@ def test_distributed_optimizer_matches_torch_adamw(tmp_path: Path, nodes: int, w
 
 
 def test_two_runs_same_hash_and_loss_falls(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    a = reference(nodes=2, steps=20)
+    a = reference(nodes=2, workers_per_node=1, steps=20)
     b = run(tmp_path, nodes=2, steps=20, protect="none", spares=0)
     assert a["final_state_sha256"] and a["final_state_sha256"] == b["final_state_sha256"]
     assert a["loss"] == b["loss"]

@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import Any
 
 __all__ = ["main"]
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from phoenixft import keys
     from phoenixft.comm import connect_store
 
-    store = connect_store(a.store)
+    store: Any = connect_store(a.store)
     if a.node.startswith("s"):
         store.append("spares", a.node + "\n")  # join the spare pool (also when started late, by hand)
     restarts = {i: 0 for i in range(a.workers)}

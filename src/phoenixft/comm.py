@@ -29,7 +29,7 @@ POLL_S = 0.02
 _graveyard: list[Any] = []
 
 
-def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
+def connect_store(addr: str, timeout_s: float = 30.0) -> Any:
     host, port = addr.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
@@ -66,8 +66,14 @@ def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: 
         raise PeerFailure(f"{what}: {str(e).splitlines()[0][:200]}") from None
 
 
-def alltoallv(pg: Any, world: int, sends: dict[int, torch.Tensor], recv_numel: dict[int, int],
-              out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> tuple[Any, torch.Tensor, dict[int, torch.Tensor]]:
+def alltoallv(
+    pg: Any,
+    world: int,
+    sends: dict[int, torch.Tensor],
+    recv_numel: dict[int, int],
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, torch.Tensor, dict[int, torch.Tensor]]:
     """Targeted transfers as one collective: rank-to-tensor `sends`, and `recv_numel` floats from
     each source. Every rank of the group must call it (with empty dicts if it takes no part).
     Returns (work, output buffer, views of the output per source)."""
@@ -97,8 +103,8 @@ class EpochComm:
         to = timedelta(seconds=timeout_s)
         if backend != "gloo":
             raise NotImplementedError(f"backend {backend!r}")
-        self.train = dist.ProcessGroupGloo(dist.PrefixStore(f"e{epoch}/train", store), rank, world, to)
-        self.repl = dist.ProcessGroupGloo(dist.PrefixStore(f"e{epoch}/repl", store), rank, world, to)
+        self.train: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"e{epoch}/train", store), rank, world, to)
+        self.repl: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"e{epoch}/repl", store), rank, world, to)
 
     def reduce_scatter(self, flat: torch.Tensor) -> Any:
         """Sum `flat` across ranks so that at least this rank's shard slice holds the sum.

@@ -40,7 +40,9 @@ class RunConfig:
     )
     micro_batch: int = _f(8, "Sequences per microbatch.", flag="--micro-batch")
     microbatches: int = _f(
-        0, "Microbatches per step across all data-parallel ranks (0 = one per worker). Global batch = micro-batch x microbatches."
+        0,
+        "Microbatches per step across all data-parallel ranks (0 = one per worker). "
+        "Global batch = micro-batch x microbatches.",
     )
     lr: float = _f(1e-3, "AdamW learning rate.")
     weight_decay: float = _f(0.1, "AdamW weight decay.", flag="--weight-decay")
@@ -160,7 +162,7 @@ class RunConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> RunConfig:
+    def from_json(cls, text: str | bytes) -> RunConfig:
         data = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -40,7 +40,7 @@ POLL_S = 0.003
 
 
 class Coordinator:
-    def __init__(self, store: dist.TCPStore, journal: str | None = None) -> None:
+    def __init__(self, store: Any, journal: str | None = None) -> None:
         self.store = store
         self.journal = journal
         self.cfg = RunConfig.from_json(self._wait(keys.CONFIG, 120.0))
@@ -227,7 +227,8 @@ class Coordinator:
         t_first = min([d["t"] for d in descs.values()] + [t_start])
         if dead:
             klass, action = "permanent", "hotswap"
-        elif not self.store.check([keys.failflag(e) + "/by-worker"]) and not restarted and len(old.nodes) < self.cfg.nodes:
+        elif (not self.store.check([keys.failflag(e) + "/by-worker"]) and not restarted
+              and len(old.nodes) < self.cfg.nodes):
             klass, action = "planned", "grow"
         elif restarted:
             klass, action = "transient", "inplace"
@@ -292,7 +293,8 @@ class Coordinator:
                 what += f"; replicas rejected by checksum (shard, step): {[list(x) for x in rejected]}"
             man = latest_manifest(self.cfg.persist_dir) if self.cfg.persist_dir else None
             if man is None:
-                hint = "no complete persistent checkpoint" if self.cfg.persist_dir else "no persistent tier (--persist-every)"
+                hint = ("no complete persistent checkpoint" if self.cfg.persist_dir
+                        else "no persistent tier (--persist-every)")
                 self._fail_run(f"in-memory state lost in epoch {e} ({what}) and {hint}")
                 return
             if dropped:

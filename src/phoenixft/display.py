@@ -15,8 +15,10 @@ __all__ = ["Display"]
 
 
 class Display:
-    def __init__(self, *, quiet: bool = False, json_events: bool = False, steps: int = 0) -> None:
+    def __init__(self, *, quiet: bool = False, json_events: bool = False, steps: int = 0,
+                 tokens_per_step: int = 0) -> None:
         self.quiet, self.json_events, self.steps = quiet, json_events, steps
+        self.tokens_per_step = tokens_per_step
         self.tty = sys.stderr.isatty() and not quiet
         self._t0 = time.time()
         self._last_line = 0
@@ -35,7 +37,8 @@ class Display:
         s, n = rec["step"], self.steps
         el = time.time() - self._t0
         eta = el / max(1, s) * (n - s)
-        line = (f"step {s}/{n}  loss {rec['loss']:.4f}  {rec['dt'] * 1e3:.0f} ms/step  "
+        tput = f"{self.tokens_per_step / rec['dt']:,.0f} tok/s  " if self.tokens_per_step and rec["dt"] > 0 else ""
+        line = (f"step {s}/{n}  loss {rec['loss']:.4f}  {rec['dt'] * 1e3:.0f} ms/step  {tput}"
                 f"epoch {rec['epoch']}  world {rec['world']}  ETA {eta:.0f}s")
         if self.tty:
             sys.stderr.write("\r\033[K" + line)

@@ -71,6 +71,7 @@ class LocalJob:
                                                               model=self.cfg.model))
         if wl.prepare is not None:
             wl.prepare()  # e.g. build the corpus cache once, before the workers map it
+        self.display.tokens_per_step = wl.tokens_per_microbatch * self.cfg.total_microbatches
         # The store is served from this process (its server thread needs no GIL), so that the
         # coordinator's logic can crash and be restarted without taking the store with it.
         import torch.distributed as dist

@@ -63,7 +63,8 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             used.add(fault["index"])
         t0 = fault["t"] if fault else rec["t_first_report"]
         joined_at = max((j["t"] for j in joins), default=rec["t_decided"])
-        inv = {k: all(j["invariants"].get(k, False) for j in joins) and bool(joins) for k in ("I1", "I2", "I3", "I4")}
+        inv = {k: all(j["invariants"].get(k, False) for j in joins) and bool(joins)
+               for k in ("I1", "I2", "I3", "I4")}
         recoveries.append({
             "fault": fault["spec"] if fault else None,
             "fault_step": fault.get("step") if fault else None,
@@ -100,7 +101,8 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
     for f in faults:
         if f["spec"].startswith("kill:coordinator"):
             back = [ev["t"] for ev in events if ev["kind"] == "coordinator_restarted" and ev["t"] >= f["t"]]
-            control_plane.append({"fault": f["spec"], "t": f["t"], "downtime_s": (min(back) - f["t"]) if back else None})
+            down = (min(back) - f["t"]) if back else None
+            control_plane.append({"fault": f["spec"], "t": f["t"], "downtime_s": down})
     report: dict[str, Any] = {
         "run_id": run_id,
         "state": state,
@@ -108,7 +110,8 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         "steps_completed": final["step"] if final else (steps[-1]["step"] if steps else 0),
         "loss": [r["loss"] for r in steps],
         "first_step": steps[0]["step"] if steps else None,
-        "step_time_s": {"median": statistics.median(dts) if dts else None, "p90": percentile(dts, 0.9) if dts else None},
+        "step_time_s": {"median": statistics.median(dts) if dts else None,
+                        "p90": percentile(dts, 0.9) if dts else None},
         "final_state_sha256": final["sha256"] if final else None,
         "faults": faults,
         "recoveries": recoveries,

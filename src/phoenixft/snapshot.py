@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from typing import Any
 
 import torch
 
@@ -29,7 +30,8 @@ INVALID = -1
 
 def checksum(t: torch.Tensor) -> int:
     """CRC32 of a contiguous tensor's bytes (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(memoryview(t.contiguous().numpy()).cast("B"))
+    arr: Any = t.contiguous().numpy()
+    return zlib.crc32(memoryview(arr).cast("B"))
 
 
 def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:

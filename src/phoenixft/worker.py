@@ -46,7 +46,7 @@ class Worker:
         self.node_id, self.local_rank, self.run_id = node_id, local_rank, run_id
         self.incarnation = incarnation
         self.wid = f"{node_id}.{local_rank}"
-        self.store = connect_store(store_addr)
+        self.store: Any = connect_store(store_addr)
         self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
         cfg = self.cfg
         torch.set_num_threads(threads)

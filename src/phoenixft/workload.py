@@ -53,7 +53,7 @@ def _resolve(path: str) -> Callable[[WorkloadContext], Workload]:
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise UserError(f"--workload={path!r} is invalid: module {mod_name!r} has no function {fn_name!r}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def check_workload_path(path: str) -> None:

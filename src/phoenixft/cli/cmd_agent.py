@@ -7,7 +7,7 @@ import argparse
 __all__ = ["add_parser"]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("agent", help="run a node agent that joins a running job's coordinator")
     p.add_argument("--store", required=True, help="coordinator store HOST:PORT")
     p.add_argument("--node", required=True, help="node id: n<i> for an active slot, s<i> for a spare")

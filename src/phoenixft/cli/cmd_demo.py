@@ -7,7 +7,7 @@ import argparse
 __all__ = ["add_parser"]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="failure-free run vs the same run with a node killed: same final state?")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--nodes", type=int, default=3)

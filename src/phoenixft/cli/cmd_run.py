@@ -9,7 +9,7 @@ from phoenixft.config import add_run_arguments, config_from_args
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train N nodes x G workers with S warm spares; inject faults; write a report",
                        description="Train a job as local processes: coordinator, one agent per node, workers, spares.")
     add_run_arguments(p)
