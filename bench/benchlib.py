@@ -77,8 +77,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
-          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: Sequence[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     """Start `cmd` in its own session (so its whole process group can be killed), output to `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     out = open(log, "ab")  # noqa: SIM115 - closed with the process by the OS
@@ -86,8 +87,15 @@ def spawn(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
     full_env["PYTHONPATH"] = os.pathsep.join([str(BENCH_DIR), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if env:
         full_env.update(env)
-    return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env=full_env, cwd=str(cwd or REPO))
+    return subprocess.Popen(
+        list(cmd),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=full_env,
+        cwd=str(cwd or REPO),
+    )
 
 
 def kill_group(p: subprocess.Popen[bytes] | None) -> None:
@@ -127,9 +135,21 @@ def tail(path: Path, n: int = 15) -> str:
 
 def torchrun_cmd(nproc: int, script: Path, args: Sequence[str], max_restarts: int = 0) -> list[str]:
     """torchrun exactly as a user would launch the job on one node (rendezvous on a free port)."""
-    return [str(VENV_BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-            "--max-restarts", str(max_restarts), str(script), *args]
+    return [
+        str(VENV_BIN / "torchrun"),
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--max-restarts",
+        str(max_restarts),
+        str(script),
+        *args,
+    ]
 
 
 #: torch 2.13 + gloo: torchrun's shared rendezvous store made restarts fail or hang (see DESIGN.md).
@@ -179,8 +199,11 @@ def fmt(x: Any, nd: int = 3) -> str:
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[fmt(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
+    lines = [
+        title,
+        "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
+        "  ".join("-" * w for w in widths),
+    ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     text = "\n".join(lines)
     print(text, flush=True)

@@ -37,12 +37,18 @@ def _patch() -> None:
         p0 = time.perf_counter()
         bytes0 = self.stats.bytes_sent
         orig(self, step)
-        rec = {"pid": os.getpid(), "step": step, "t0": t0, "t1": time.time(),
-               "seconds": time.perf_counter() - p0, "bytes": self.stats.bytes_sent - bytes0}
+        rec = {
+            "pid": os.getpid(),
+            "step": step,
+            "t0": t0,
+            "t1": time.time(),
+            "seconds": time.perf_counter() - p0,
+            "bytes": self.stats.bytes_sent - bytes0,
+        }
         with open(os.path.join(out_dir, f"repl-{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    replication.Replicator._replicate = timed  # type: ignore[method-assign]
+    replication.Replicator._replicate = timed
     _PATCHED = True
 
 

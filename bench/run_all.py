@@ -1,0 +1,319 @@
+"""Run every benchmark, one after the other, and merge the results into bench/results/latest.json.
+
+    make bench            # = python bench/run_all.py          (full, about 15-20 min on 2 cores)
+    make bench QUICK=1    # = python bench/run_all.py --quick  (within 3 minutes)
+    python bench/run_all.py --only overhead,recovery
+
+Parts (each also runnable alone, each printing a table and writing its JSON and PNG into
+bench/results/): overhead.py (failure-free overhead vs none, DDP, DCP save / async_save),
+recovery.py (time-to-resume vs torchrun + DCP checkpoint-restart), torchft_peer.py (torchft
+replica groups: survivor stall and heal), scaling.py (recovery stages vs world and model size).
+
+latest.json holds the machine, every part's full result under `parts`, and the figures the
+README and the simulator read at the top level: overhead_ratio_dp2, baseline_vs_ddp_dp2,
+dcp_sync_ratio_dp2, dcp_async_ratio_dp2, resume_speedup_k10, resume_speedup_k50,
+torchft_heal_s (or null, with torchft_note), recovery (list of {world_size, recovery_s, ...}),
+checkpoint_restart (list of {world_size, time_to_resume_s, restart_s, k, ...}) and `targets`
+(each of the issue's numbers, hit or miss). Also writes bench/results/summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from benchlib import RESULTS, log, machine_info, write_json
+
+PARTS = ("overhead", "recovery", "torchft", "scaling")
+QUICK_BUDGET_S = 180.0
+
+
+def _g(d: dict[str, Any] | None, *path: Any) -> Any:
+    for k in path:
+        if d is None:
+            return None
+        d = (
+            d.get(k)
+            if isinstance(d, dict)
+            else (d[k] if isinstance(d, list) and isinstance(k, int) and k < len(d) else None)
+        )
+    return d
+
+
+def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str, Any]) -> dict[str, Any]:
+    ov, rc, tf, sc = (parts.get(k) or {} for k in PARTS)
+    c2 = next((c for c in ov.get("configs", []) if c["dp"] == 2), None)
+    c4 = next((c for c in ov.get("configs", []) if c["dp"] == 4), None)
+    calib_model = "tiny"
+    out: dict[str, Any] = {
+        "mode": "quick" if quick else "full",
+        "machine": machine,
+        "overhead_ratio_dp2": ov.get("overhead_ratio_dp2"),
+        "overhead_model": ov.get("model"),
+        "overhead_ratio_dp2_ci95": _g(c2, "ci95", "phoenix_r1"),
+        "overhead_ratio_dp4_r1": _g(c4, "ratios", "phoenix_r1"),
+        "overhead_ratio_dp4_r2": _g(c4, "ratios", "phoenix_r2"),
+        "baseline_vs_ddp_dp2": ov.get("baseline_vs_ddp_dp2"),
+        "dcp_sync_ratio_dp2": _g(ov, "ddp", "ratios_vs_plain_ddp", "dcp_sync_every_step"),
+        "dcp_async_ratio_dp2": _g(ov, "ddp", "ratios_vs_plain_ddp", "dcp_async_every_step"),
+        "replicated_mb_per_worker_step_dp2": (_g(c2, "bytes_per_step", "phoenix_r1", "replicated_per_worker") or 0)
+        / 1e6
+        or None,
+        "replication_hidden_fraction_dp2": _g(c2, "breakdown", "phoenix_r1", "hidden_fraction"),
+        "headline_model": _g(rc, "headline", "model"),
+        "phoenix_time_to_resume_s": _g(rc, "headline", "phoenix_time_to_resume_s"),
+        "ckpt_restart_k10_time_to_resume_s": _g(rc, "headline", "ckpt_restart_k10_time_to_resume_s"),
+        "ckpt_restart_k50_time_to_resume_s": _g(rc, "headline", "ckpt_restart_k50_time_to_resume_s"),
+        "resume_speedup_k10": rc.get("resume_speedup_k10"),
+        "resume_speedup_k50": rc.get("resume_speedup_k50"),
+        "torchft_heal_s": tf.get("torchft_heal_s"),
+        "torchft_first_commit_s": _g(tf, "runs", "tuned", "first_commit_s"),
+        "phoenix_first_new_step_s": _g(rc, "headline", "phoenix_first_new_step_s"),
+        "torchft_note": tf.get("torchft_note", "torchft part did not run"),
+        "torchft_model": tf.get("model"),
+        "torchft_survivor_stall_s": {k: v.get("survivor_stall_s") for k, v in (tf.get("runs") or {}).items()},
+        "recovery_fit": _g(sc, "fits"),
+        "recovery": [
+            {
+                "world_size": e["world_size"],
+                "recovery_s": e["recovery_s"],
+                "hotswap_s": e["hotswap_s"],
+                "model": e["model"],
+                "micro_batch": e["micro_batch"],
+                "stages": e["stages"],
+                "bytes_moved": e["bytes_moved"],
+            }
+            for e in sc.get("by_world", [])
+        ],
+        "checkpoint_restart": [
+            {
+                "world_size": e["world_size"],
+                "time_to_resume_s": e["time_to_resume_s"],
+                "restart_s": e["restart_s"],
+                "k": e["k"],
+                "model": e["model"],
+                "steps_replayed": e["steps_replayed"],
+                "step_time_s": e["step_time_s"],
+            }
+            for e in rc.get("checkpoint_restart", [])
+            if e["model"] == calib_model
+        ],
+        "calibration_note": (
+            f"`recovery` and `checkpoint_restart` hold only `{calib_model}` runs so that the "
+            "simulator compares like with like; the headline model's numbers are under "
+            "parts.recovery"
+        ),
+    }
+    heal = out["torchft_heal_s"]
+    ph = out["phoenix_time_to_resume_s"]
+    same_model = out["torchft_model"] == out["headline_model"]
+    out["targets"] = {
+        "overhead_dp2_le_1.02": (out["overhead_ratio_dp2"] <= 1.02) if out["overhead_ratio_dp2"] else None,
+        "resume_ge_10x_ckpt_restart_k50": (out["resume_speedup_k50"] >= 10) if out["resume_speedup_k50"] else None,
+        "resume_faster_than_torchft_heal": (ph < heal) if (ph and heal and same_model) else None,
+        "first_step_faster_than_torchft": (
+            (out["phoenix_first_new_step_s"] < out["torchft_first_commit_s"])
+            if (out["phoenix_first_new_step_s"] and out["torchft_first_commit_s"] and same_model)
+            else None
+        ),
+        "recovery_sublinear_in_world": sc.get("recovery_sublinear"),
+        "hotswap_sublinear_in_world": sc.get("hotswap_sublinear"),
+    }
+    out["errors"] = {k: v["error"] for k, v in parts.items() if isinstance(v, dict) and "error" in v and k != "torchft"}
+    out["elapsed_s"] = {k: (v or {}).get("elapsed_s") for k, v in parts.items()}
+    out["elapsed_s"]["total"] = round(time.time() - started, 1)
+    out["parts"] = parts
+    return out
+
+
+def summary_md(res: dict[str, Any]) -> str:
+    def f(x: Any, nd: int = 2, unit: str = "") -> str:
+        return "-" if x is None else (f"{x:.{nd}f}{unit}" if isinstance(x, float) else f"{x}{unit}")
+
+    flag = "" if res["mode"] == "full" else " --quick"
+    ov = res["parts"].get("overhead") or {}
+    rc = res["parts"].get("recovery") or {}
+    tf = res["parts"].get("torchft") or {}
+    sc = res["parts"].get("scaling") or {}
+    t = res["targets"]
+    worlds = ", ".join(str(e["world_size"]) for e in sc.get("by_world", []))
+    hm = lambda ok: "-" if ok is None else ("hit" if ok else "miss")  # noqa: E731
+    rows = [
+        (
+            "Failure-free overhead, phoenix/none median step, DP=2, k=1",
+            f(res["overhead_ratio_dp2"], 3),
+            "<= 1.02",
+            hm(t["overhead_dp2_le_1.02"]),
+            f"`python bench/overhead.py{flag}` (model {ov.get('model')})",
+        ),
+        (
+            "Failure-free overhead, DP=4, k=1 / k=2",
+            f"{f(res['overhead_ratio_dp4_r1'], 3)} / {f(res['overhead_ratio_dp4_r2'], 3)}",
+            "",
+            "",
+            f"`python bench/overhead.py{flag}`",
+        ),
+        (
+            "`--protect none` vs plain DDP + AdamW, DP=2",
+            f(res["baseline_vs_ddp_dp2"], 3),
+            "",
+            "",
+            f"`python bench/overhead.py{flag}`",
+        ),
+        (
+            "DCP `save` every step / plain DDP, DP=2",
+            f(res["dcp_sync_ratio_dp2"], 2),
+            "",
+            "",
+            f"`python bench/overhead.py{flag}`",
+        ),
+        (
+            "DCP `async_save` every step / plain DDP, DP=2",
+            f(res["dcp_async_ratio_dp2"], 2),
+            "",
+            "",
+            f"`python bench/overhead.py{flag}`",
+        ),
+        (
+            "Time-to-resume, phoenix hot-swap (s)",
+            f(res["phoenix_time_to_resume_s"], 2),
+            "",
+            "",
+            f"`python bench/recovery.py{flag}` (model {res['headline_model']}, DP=2)",
+        ),
+        (
+            "Time-to-resume, torchrun + DCP, K=10 (s) / speed-up",
+            f"{f(res['ckpt_restart_k10_time_to_resume_s'])} / {f(res['resume_speedup_k10'], 1, 'x')}",
+            "",
+            "",
+            f"`python bench/recovery.py{flag}`",
+        ),
+        (
+            "Time-to-resume, torchrun + DCP, K=50 (s) / speed-up",
+            f"{f(res['ckpt_restart_k50_time_to_resume_s'])} / {f(res['resume_speedup_k50'], 1, 'x')}",
+            ">= 10x",
+            hm(t["resume_ge_10x_ckpt_restart_k50"]),
+            f"`python bench/recovery.py{flag}`",
+        ),
+        (
+            "torchft heal, tuned timeouts: fault -> relaunched replica healed, ready (s)",
+            f(res["torchft_heal_s"]),
+            "> phoenix time-to-resume",
+            hm(t["resume_faster_than_torchft_heal"]),
+            f"`python bench/torchft_peer.py{flag}` (model {tf.get('model')})",
+        ),
+        (
+            "First step at full strength after the fault (s): phoenix / torchft relaunched replica",
+            f"{f(res['phoenix_first_new_step_s'])} / {f(res['torchft_first_commit_s'])}",
+            "phoenix faster",
+            hm(t["first_step_faster_than_torchft"]),
+            f"`python bench/recovery.py{flag}`, `python bench/torchft_peer.py{flag}`",
+        ),
+        (
+            "torchft survivor stall (s), tuned / default timeouts",
+            " / ".join(f(v) for v in res["torchft_survivor_stall_s"].values()) or "-",
+            "",
+            "",
+            f"`python bench/torchft_peer.py{flag}`",
+        ),
+        (
+            "Recovery vs world size, power-law exponent b (y = a W^b)",
+            f(_g(sc, "fits", "recovery_s", "power", "b"), 2),
+            "< 1",
+            hm(t["recovery_sublinear_in_world"]),
+            f"`python bench/scaling.py{flag}` (W = {worlds})",
+        ),
+        (
+            "Hot-swap (ready to train) vs world size, exponent b",
+            f(_g(sc, "fits", "hotswap_s", "power", "b"), 2),
+            "< 1",
+            hm(t["hotswap_sublinear_in_world"]),
+            f"`python bench/scaling.py{flag}`",
+        ),
+    ]
+    lines = [
+        f"Measured {res['machine'].get('date')} on {res['machine'].get('cpu_count')} x "
+        f"{res['machine'].get('cpu_model')}, torch {res['machine'].get('torch')} "
+        f"(`{'make bench' if res['mode'] == 'full' else 'make bench QUICK=1'}`, "
+        f"{res['elapsed_s'].get('total')} s in all).",
+        "",
+        "| Figure | Measured | Target | Hit? | Command |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
+    if rc.get("phoenix"):
+        lines += [
+            "",
+            "Recovery runs:",
+            "",
+            "| system | model | world | time-to-resume s | replayed steps | command |",
+            "|---|---|---|---|---|---|",
+        ]
+        for e in rc["phoenix"] + rc.get("checkpoint_restart", []):
+            name = e["system"] + (f" K={e['k']}" if "k" in e else "")
+            lines.append(
+                f"| {name} | {e['model']} | {e['world_size']} | {f(e['time_to_resume_s'])} | "
+                f"{e['steps_replayed']} | `{e['command']}` |"
+            )
+    if tf.get("runs"):
+        lines += ["", f"torchft ({res['torchft_note']}):", ""]
+        for n, r in tf["runs"].items():
+            lines.append(
+                f"- {n} timeouts: survivor stall {f(r.get('survivor_stall_s'))} s; relaunched replica healed "
+                f"(ready) {f(r.get('heal_s'))} s and committed its first step {f(r.get('first_commit_s'))} s "
+                f"after the fault ({f(r.get('heal_after_relaunch_s'))} s after its relaunch); the survivor "
+                f"committed {r.get('survivor_steps_with_fewer_participants')} steps with half the global batch "
+                f"meanwhile; max |loss - failure-free loss| = "
+                f"{f(r.get('trajectory_max_abs_loss_diff_vs_failure_free'), 4)}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the 3-minute version")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(PARTS)}")
+    ap.add_argument("--out", default=str(RESULTS))
+    a = ap.parse_args()
+    out = Path(a.out)
+    started = time.time()
+    machine = machine_info()
+    wanted = [p for p in PARTS if not a.only or p in a.only.split(",")]
+    parts: dict[str, Any] = {}
+    for name in wanted:
+        log(f"run_all: part {name} ({'quick' if a.quick else 'full'}), {time.time() - started:.0f}s elapsed")
+        try:
+            if name == "overhead":
+                import overhead
+
+                parts[name] = overhead.run(a.quick, out=out)
+            elif name == "recovery":
+                import recovery
+
+                parts[name] = recovery.run(a.quick, out=out)
+            elif name == "torchft":
+                import torchft_peer
+
+                parts[name] = torchft_peer.run(a.quick, out=out)
+            elif name == "scaling":
+                import scaling
+
+                deadline = started + QUICK_BUDGET_S - 8 if a.quick else None
+                parts[name] = scaling.run(a.quick, deadline=deadline, out=out)
+        except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
+            traceback.print_exc()
+            parts[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    machine["loadavg_at_end"] = machine_info()["loadavg_at_start"]
+    res = merge(parts, a.quick, started, machine)
+    write_json(out / "latest.json", res)
+    (out / "summary.md").write_text(summary_md(res))
+    print("\n" + (out / "summary.md").read_text(), flush=True)
+    log(f"run_all: done in {res['elapsed_s']['total']:.0f}s; wrote {out / 'latest.json'}")
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
