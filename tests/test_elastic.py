@@ -25,9 +25,9 @@ def test_shrink_keeps_the_trajectory(tmp_path: Path, reference) -> None:  # type
 
 
 def test_shrink_then_grow_back(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    ref = reference(nodes=3, steps=40, microbatches=6)
-    rep = run(tmp_path, nodes=3, spares=0, steps=40, microbatches=6, spare_arrives_at_step=8,
-              inject=["kill:node=1@step=5,phase=backward"])
+    ref = reference(nodes=3, steps=30, microbatches=6)
+    rep = run(tmp_path, nodes=3, spares=0, steps=30, microbatches=6, spare_arrives_at_step=4,
+              inject=["kill:node=1@step=3,phase=backward"])
     assert rep["state"] == "done", rep.get("error")
     shrink, grow = rep["recoveries"]
     assert shrink["action"] == "shrink" and grow["action"] == "grow" and grow["promoted"] == ["s0"]
