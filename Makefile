@@ -19,6 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]' || echo "bench: torchft did not install; its part will say why"
 	$(PY) bench/run_all.py $(if $(QUICK),--quick,)
 
 lint: $(STAMP)
