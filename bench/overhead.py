@@ -106,6 +106,7 @@ def run(
     out: Path = RESULTS,
 ) -> dict[str, Any]:
     t_start = time.time()
+    machine = machine_info()
     model = model or ("tiny" if quick else "small")
     dps = dps or ([2] if quick else [2, 4])
     rounds = rounds or (2 if quick else 3)
@@ -213,7 +214,7 @@ def run(
         "part": "overhead",
         "quick": quick,
         "model": model,
-        "machine": machine_info(),
+        "machine": machine,
         "configs": configs,
         "method": (
             "interleaved runs in one invocation, order reversed every other round; per-step dt of rank 0 "
@@ -255,6 +256,7 @@ def run(
         f"--schedule plain:{seg},sync:{seg},async:{seg} --ckpt-dir DIR --step-log FILE",
     }
     result["elapsed_s"] = round(time.time() - t_start, 1)
+    result["loadavg_at_end"] = machine_info()["loadavg_at_start"]
     shutil.rmtree(work, ignore_errors=True)
     report(result, out)
     return result

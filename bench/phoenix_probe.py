@@ -30,12 +30,15 @@ def _patch() -> None:
         return
     from phoenixft import replication
 
-    orig = replication.Replicator._replicate
+    orig = getattr(replication.Replicator, "_replicate", None)
+    if orig is None:  # phoenixft changed: no breakdown, but the workload itself is untouched
+        return
 
     def timed(self: Any, step: int) -> None:
         t0 = time.time()
         p0 = time.perf_counter()
-        bytes0 = self.stats.bytes_sent
+        stats = getattr(self, "stats", None)
+        bytes0 = getattr(stats, "bytes_sent", 0)
         orig(self, step)
         rec = {
             "pid": os.getpid(),
@@ -43,7 +46,7 @@ def _patch() -> None:
             "t0": t0,
             "t1": time.time(),
             "seconds": time.perf_counter() - p0,
-            "bytes": self.stats.bytes_sent - bytes0,
+            "bytes": getattr(stats, "bytes_sent", 0) - bytes0,
         }
         with open(os.path.join(out_dir, f"repl-{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")

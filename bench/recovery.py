@@ -206,6 +206,7 @@ def ckpt_restart(work: Path, *, model: str, world: int, k: int, timeout_s: float
 
 def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS) -> dict[str, Any]:
     t_start = time.time()
+    machine = machine_info()
     model = model or ("tiny" if quick else "small")
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     cases: list[tuple[str, int]] = [(model, 2)]
@@ -251,7 +252,7 @@ def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS) -
         "part": "recovery",
         "quick": quick,
         "model": model,
-        "machine": machine_info(),
+        "machine": machine,
         "headline": headline,
         "phoenix": phoenix,
         "checkpoint_restart": cr,
@@ -259,6 +260,7 @@ def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS) -
         "resume_speedup_k50": headline["resume_speedup_k50"],
         "commands": {"harness": "python bench/recovery.py" + (" --quick" if quick else "")},
         "elapsed_s": round(time.time() - t_start, 1),
+        "loadavg_at_end": machine_info()["loadavg_at_start"],
     }
     shutil.rmtree(work, ignore_errors=True)
     report(res, out)

@@ -88,6 +88,7 @@ def run(
     """`deadline` (time.time()) makes the sweeps stop early rather than overrun (quick mode); the world
     sweep always measures at least two world sizes so that a fit exists."""
     t_start = time.time()
+    machine = machine_info()
     worlds = worlds or ([2, 4, 8] if quick else [2, 4, 8, 16])
     models = models or (["tiny", "small"] if quick else ["tiny", "small", "medium"])
     work = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
@@ -135,7 +136,7 @@ def run(
     res: dict[str, Any] = {
         "part": "scaling",
         "quick": quick,
-        "machine": machine_info(),
+        "machine": machine,
         "by_world": by_world,
         "by_model": by_model,
         "fits": fits,
@@ -148,6 +149,7 @@ def run(
             f"--micro-batch 1 --inject kill:node=1@step={KILL_STEP},phase=backward",
         },
         "elapsed_s": round(time.time() - t_start, 1),
+        "loadavg_at_end": machine_info()["loadavg_at_start"],
     }
     shutil.rmtree(work, ignore_errors=True)
     report(res, out)

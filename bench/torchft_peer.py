@@ -83,7 +83,10 @@ def availability() -> tuple[bool, str]:
         return False, "torchft is installed but its torchft_lighthouse binary was not found"
     from importlib.metadata import version
 
-    return True, f"torchft {version('torchft')}"
+    return True, (
+        f"torchft {version('torchft')} from PyPI; gradients averaged with manager.allreduce because "
+        "torchft.DistributedDataParallel crashes the survivors on gloo (assert fut._fut in ddp.py _comm_hook)"
+    )
 
 
 def _wait_port(port: int, deadline: float) -> None:
