@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UserError", "PeerFailure", "RunAborted", "ShardLoss", "Unhealable"]
+__all__ = ["UserError", "PeerFailure", "RunAborted", "Unhealable"]
 
 
 class UserError(Exception):
@@ -18,10 +18,6 @@ class PeerFailure(Exception):
 
 class RunAborted(Exception):
     """The control plane ended the run (finished elsewhere, failed, or this process was fenced)."""
-
-
-class ShardLoss(Exception):
-    """Every in-memory copy of at least one logical shard is gone (owner and all replica holders)."""
 
 
 class Unhealable(Exception):
