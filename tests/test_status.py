@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import processes_with
 
 from phoenixft import keys
 from phoenixft.errors import UserError
@@ -222,18 +223,8 @@ LAUNCH = (
 
 
 def _pids_of(needles: list[str]) -> list[int]:
-    """Live processes whose command line contains any of `needles` (zombies have none)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(n in cmd for n in needles):
-            out.append(int(d.name))
-    return out
+    """Live processes whose command line contains any of `needles`."""
+    return sorted({pid for n in needles for pid in processes_with(n)})
 
 
 def _wait_for(what: str, fn: Any, proc: subprocess.Popen[bytes], timeout_s: float) -> Any:

@@ -237,11 +237,12 @@ class Worker:
             now = time.time()
             rec = {"step": s, "loss": float(lt) / m_total, "dt": time.perf_counter() - t0, "t_end": now,
                    "epoch": self.epoch, "world": self.topo.world, "compute_s": t_compute, "repl_wait_s": waited}
-            self.store.set(keys.step(s), json.dumps(rec))
-            self.store.set(keys.PROGRESS, str(s))
+            names, values = [keys.step(s), keys.PROGRESS], [json.dumps(rec), str(s)]
             if self._first_after_join is not None:
-                self.store.set(keys.first_step(self._first_after_join), json.dumps({"t": now, "step": s}))
+                names.append(keys.first_step(self._first_after_join))
+                values.append(json.dumps({"t": now, "step": s}))
                 self._first_after_join = None
+            self.store.multi_set(names, values)  # one round trip on rank 0's critical path
 
     def finish(self) -> None:
         """Gather the optimizer state in logical order and hash it with the parameters."""
