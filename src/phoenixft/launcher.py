@@ -131,7 +131,8 @@ class LocalJob:
                     self.store.add("exits", 1)
                 if n not in self.fenced and self.store.check([keys.fence(n)]):
                     self.fenced.add(n)
-                    self._kill_group(n)
+                    if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
+                        self._kill_group(n)
             if self.coord is not None and self.coord.poll() is not None and not self.store.check([keys.RUN_STATE]):
                 if self.coord_restarts >= 5:
                     return "failed: the coordinator keeps exiting"
