@@ -53,7 +53,7 @@ def test_lost_replicas_with_too_few_spares_fall_back_and_shrink(tmp_path: Path, 
     assert all(fall["invariants"].values())
     k = fall["persistent_step"]
     assert rep["loss"][:k] == ref["loss"][:k]  # before the fallback: the same run
-    _close(rep["loss"][k:], ref["loss"][k:], 1e-4)  # three ranks reduce in another order: close, not bitwise  # three ranks reduce in another order: close, not bitwise
+    _close(rep["loss"][k:], ref["loss"][k:], 1e-4)  # three ranks: another reduction order, close
 
 
 def test_corrupted_transfer_is_caught_and_the_other_replica_used(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -120,7 +120,7 @@ def test_fenced_node_resumed_after_its_fence_writes_nothing(tmp_path: Path, refe
         assert rec["fenced"] == ["n2"] and rec["unresponsive"] == ["n2"]
         hb = store.get("hb/n2")
         port = (tmp_path / "coordinator.port").read_text()
-        pids = [p for p in processes_with(f"--node n2 ") if any(port in x for x in [open(f"/proc/{p}/cmdline").read()])]
+        pids = [p for p in processes_with("--node n2 ") if any(port in x for x in [open(f"/proc/{p}/cmdline").read()])]
         assert pids, "the stopped node's processes should still exist (not killed by the fence)"
         events_before = store.get("events").decode().count("\n")
         for p in pids:

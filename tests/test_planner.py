@@ -86,8 +86,8 @@ def make_case(rng: random.Random) -> PlanInput:
     pool = [f"s{i}" for i in range(rng.randint(0, 3))]
     man = {"step": max(0, s - rng.randint(2, 8)), "shards": old.world, "numel": 100, "shard_numel": 10,
            "path": "/x"} if rng.random() < 0.4 else None
-    return PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool, target_nodes=n + rng.randint(0, 1),
-                     replicas=k, racks=racks, manifest=man)
+    return PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
+                     target_nodes=n + rng.randint(0, 1), replicas=k, racks=racks, manifest=man)
 
 
 def oracle(pi: PlanInput) -> tuple[set[int], dict[str, dict[int, dict[str, int]]]]:

@@ -44,8 +44,29 @@ class RunConfig:
         "Microbatches per step across all data-parallel ranks (0 = one per worker). "
         "Global batch = micro-batch x microbatches.",
     )
-    lr: float = _f(1e-3, "AdamW learning rate.")
-    weight_decay: float = _f(0.1, "AdamW weight decay.", flag="--weight-decay")
+    optimizer: str = _f("adamw", "Optimizer of the flat ZeRO shard: adamw, adam, sgd or lion (a workload may bring "
+                                 "its own elementwise one).")
+    lr: float = _f(1e-3, "Peak learning rate.")
+    weight_decay: float = _f(0.1, "Weight decay (decoupled for adamw and lion, L2 for adam and sgd).",
+                             flag="--weight-decay")
+    beta1: float = _f(0.9, "adamw/adam/lion: first-moment coefficient.")
+    beta2: float = _f(0.95, "adamw/adam: second-moment coefficient; lion: momentum update coefficient.")
+    eps: float = _f(1e-8, "adamw/adam: denominator epsilon.")
+    momentum: float = _f(0.9, "sgd: momentum.")
+    nesterov: bool = _f(False, "sgd: Nesterov momentum.", action="store_true")
+    lr_schedule: str = _f("constant", "Learning-rate schedule: constant, cosine, linear or wsd (warmup-stable-decay); "
+                                      "a pure function of the step.", flag="--lr-schedule")
+    warmup_steps: int = _f(0, "Linear warm-up steps (the rate reaches --lr at this step).", flag="--warmup-steps")
+    min_lr: float = _f(0.0, "Final learning rate of cosine, linear and wsd.", flag="--min-lr")
+    decay_steps: int = _f(0, "Decay length: cosine/linear after the warm-up (0 = to the end of the run); wsd: the "
+                             "last N steps (0 = the last 20%).", flag="--decay-steps")
+    clip_grad_norm: float = _f(0.0, "Clip gradients to this global norm over the whole model (0 = off).",
+                               flag="--clip-grad-norm")
+    precision: str = _f("fp32", "fp32, or bf16: bf16 parameters and compute, fp32 master weights and optimizer "
+                                "state in the shard (then the master weights are protected and replicated too).")
+    eval_every: int = _f(0, "Validation loss every N steps on held-out batches (0 = never).", flag="--eval-every")
+    eval_batches: int = _f(4, "Held-out microbatches per evaluation, spread over the data-parallel ranks.",
+                           flag="--eval-batches")
     seed: int = _f(1234, "Seed of the model init and of the (pure) batch function.")
     protect: str = _f("phoenix", "Per-step protection: phoenix (in-memory snapshot + peer replicas) or none.")
     replicas: int = _f(1, "Peer replicas of each optimizer shard, placed on other nodes (k).")
@@ -118,6 +139,22 @@ class RunConfig:
         )
         need(self.lr > 0, "--lr", self.lr, "must be > 0")
         need(self.weight_decay >= 0, "--weight-decay", self.weight_decay, "must be >= 0")
+        from phoenixft.optim import OPTIMIZERS, SCHEDULES
+
+        need(self.optimizer in OPTIMIZERS, "--optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+        need(0 <= self.beta1 < 1, "--beta1", self.beta1, "must be in [0, 1)")
+        need(0 <= self.beta2 < 1, "--beta2", self.beta2, "must be in [0, 1)")
+        need(self.eps > 0, "--eps", self.eps, "must be > 0")
+        need(0 <= self.momentum < 1, "--momentum", self.momentum, "must be in [0, 1)")
+        need(self.lr_schedule in SCHEDULES, "--lr-schedule", self.lr_schedule, f"one of {', '.join(SCHEDULES)}")
+        need(0 <= self.warmup_steps <= self.steps, "--warmup-steps", self.warmup_steps,
+             f"must be in 0..--steps ({self.steps})")
+        need(0 <= self.min_lr <= self.lr, "--min-lr", self.min_lr, f"must be in 0..--lr ({self.lr})")
+        need(self.decay_steps >= 0, "--decay-steps", self.decay_steps, "must be >= 0")
+        need(self.clip_grad_norm >= 0, "--clip-grad-norm", self.clip_grad_norm, "must be >= 0 (0 = off)")
+        need(self.precision in ("fp32", "bf16"), "--precision", self.precision, "one of fp32, bf16")
+        need(self.eval_every >= 0, "--eval-every", self.eval_every, "must be >= 0 (0 = never)")
+        need(self.eval_batches >= 1, "--eval-batches", self.eval_batches, "must be >= 1")
         need(self.protect in PROTECT_MODES, "--protect", self.protect, f"one of {', '.join(PROTECT_MODES)}")
         need(self.replicas >= 1, "--replicas", self.replicas, "must be >= 1")
         if self.protect == "phoenix":

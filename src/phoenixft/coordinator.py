@@ -262,8 +262,9 @@ class Coordinator:
         progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
         self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
                     **{"class": plan.klass}, action=plan.action)
-        rec = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
-               "t_decided": time.time(), "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
+        t_decided = time.time()
+        rec: dict[str, Any] = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
+               "t_decided": t_decided, "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
                "promoted": plan.promoted,
                "resume_step": plan.resume_step, "max_committed": max(max_committed, progress), "class": plan.klass,
                "action": plan.action, "restarted": sorted(restarted), "dropped": plan.dropped, "world": topo.world,
@@ -274,7 +275,7 @@ class Coordinator:
         self.store.set(keys.recovery(e + 1), json.dumps(rec))
         self.publish(topo)
         self._event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,
-                    decide_s=rec["t_decided"] - t_start)
+                    decide_s=t_decided - t_start)
 
 
 def main(argv: list[str] | None = None) -> int:

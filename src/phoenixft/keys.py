@@ -9,6 +9,7 @@ EVENTS = "events"  # newline-separated JSON records, appended
 PROGRESS = "progress"
 FINAL = "final"
 EPOCH = "epoch"
+RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)
 
 
 def ready(wid: str) -> str:

@@ -82,6 +82,7 @@ class LocalJob:
         (self.run_dir / "coordinator.port").write_text(str(self._server.port))
         self.store = connect_store(self.addr)
         self.store.set(keys.CONFIG, self.cfg.to_json())
+        self.store.set(keys.RUN_DIR, str(self.run_dir.resolve()))
         self._start_coordinator()
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
         nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]

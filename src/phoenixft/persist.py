@@ -55,23 +55,30 @@ def latest_manifest(root: str | os.PathLike[str], max_step: int | None = None) -
     return best
 
 
-def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
-    """Rows (param, exp_avg, exp_avg_sq) x numel, in logical order, from every shard file, and the
-    shards whose data does not match the checksum their writer committed in the manifest."""
+def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """The full state in logical order: rows (master weights, optimizer state...) x numel from
+    every shard file, the model's buffers (bytes, written by rank 0; None if the model has none),
+    and the shards whose data does not match the checksum their writer committed in the manifest."""
     rows = []
     bad = []
     crcs = man.get("crc", {})
+    nrows = int(man.get("rows", 3))
+    buffers = None
     cm = _quiet()
     try:
         for r in range(man["shards"]):
-            t = torch.empty(3, man["shard_numel"])
-            dcp.load({"shard": t}, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
-            if str(r) in crcs and checksum(t) != int(crcs[str(r)]):
+            sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, man["shard_numel"])}
+            if r == 0 and man.get("buffer_bytes"):
+                sd["buffers"] = torch.empty(int(man["buffer_bytes"]), dtype=torch.uint8)
+            dcp.load(sd, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
+            if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
                 bad.append(r)
-            rows.append(t)
+            rows.append(sd["shard"])
+            if "buffers" in sd:
+                buffers = sd["buffers"]
     finally:
         cm.__exit__(None, None, None)
-    return torch.cat(rows, dim=1)[:, : man["numel"]].contiguous(), bad
+    return torch.cat(rows, dim=1)[:, : man["numel"]].contiguous(), buffers, bad
 
 
 class Persister:
@@ -89,8 +96,12 @@ class Persister:
     def due(self, step: int) -> bool:
         return step > 0 and step % self.every == 0
 
-    def stage(self, step: int, committed_half: torch.Tensor, meta: dict[str, Any]) -> None:
-        """Copy the committed snapshot now (caller guarantees it is stable), write it later."""
+    def stage(self, step: int, committed_half: torch.Tensor, meta: dict[str, Any],
+              buffers: torch.Tensor | None = None) -> None:
+        """Copy the committed snapshot now (caller guarantees it is stable), write it later. Rank 0
+        also passes the model's buffers of that step (every rank holds the same)."""
+        if buffers is not None and buffers.numel():
+            meta = {**meta, "buffers": buffers.clone()}
         try:
             self._q.put_nowait((step, committed_half.clone(), meta))
         except queue.Full:  # the disk is slower than K steps: skip this one rather than stall training
@@ -115,7 +126,8 @@ class Persister:
             d = self.root / f"step_{step:08d}"
             cm = _quiet()
             try:
-                dcp.save({"shard": data}, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
+                sd = {"shard": data, **({"buffers": meta["buffers"]} if "buffers" in meta else {})}
+                dcp.save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
             except Exception:  # noqa: BLE001 - a failed write only means this checkpoint never completes
                 continue
             finally:
@@ -127,7 +139,8 @@ class Persister:
                 crcs = {str(r): int(self.store.get(f"{key}/crc/{r}")) for r in range(meta["shards"])}
                 man = {"step": step, "shards": meta["shards"], "numel": meta["numel"],
                        "shard_numel": meta["shard_numel"], "epoch": meta["epoch"], "seed": meta["seed"],
-                       "crc": crcs}
+                       "rows": int(data.shape[0]), "buffer_bytes": meta.get("buffer_bytes", 0), "crc": crcs,
+                       "config": meta.get("config")}
                 tmp = d / "MANIFEST.json.tmp"
                 tmp.write_text(json.dumps(man))
                 os.replace(tmp, d / "MANIFEST.json")

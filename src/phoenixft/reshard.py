@@ -35,26 +35,28 @@ def gather_full_optimizer(
     mine: dict[int, torch.Tensor],
     n_old: int,
     wait: Callable[[Any, str], None],
+    rows: int = 2,
 ) -> torch.Tensor:
-    """Return (2, n_old * old_shards): exp_avg and exp_avg_sq of every old shard, in logical order.
+    """Return (rows, n_old * old_shards): the payload rows (e.g. exp_avg, exp_avg_sq) of every old
+    shard, in logical order.
 
-    `providers[shard]` is the new rank providing old `shard`; `mine[shard]` holds a (2, n_old)
+    `providers[shard]` is the new rank providing old `shard`; `mine[shard]` holds a (rows, n_old)
     payload for each shard this rank provides.
     """
     shards = sorted(providers)
     my_shards = [s for s in shards if providers[s] == rank]
-    payload = torch.cat([mine[s].reshape(2, n_old) for s in my_shards], dim=1).reshape(-1) if my_shards \
+    payload = torch.cat([mine[s].reshape(rows, n_old) for s in my_shards], dim=1).reshape(-1) if my_shards \
         else torch.empty(0)
     sends = {dst: payload for dst in range(world)} if my_shards else {}
     count: dict[int, int] = {}
     for s in shards:
         count[providers[s]] = count.get(providers[s], 0) + 1
-    recv = {p: c * 2 * n_old for p, c in count.items()}
+    recv = {p: c * rows * n_old for p, c in count.items()}
     work, _, got = alltoallv(pg, world, sends, recv)
     wait(work, "optimizer repartition")
-    full = torch.empty(2, n_old * len(shards))
+    full = torch.empty(rows, n_old * len(shards))
     for p, buf in got.items():
-        block = buf.view(2, -1)
+        block = buf.view(rows, -1)
         for j, s in enumerate(s for s in shards if providers[s] == p):
             full[:, s * n_old : (s + 1) * n_old] = block[:, j * n_old : (j + 1) * n_old]
     return full

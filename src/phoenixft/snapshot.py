@@ -5,11 +5,12 @@
 point) and the other is *staging*: a failure in the middle of writing the staging half can never
 damage the committed one.
 
-- `ShardState` is a worker's own optimizer shard: payload rows [param, exp_avg, exp_avg_sq].
+- `ShardState` is a worker's own optimizer shard: rows [master, optimizer state...].
   On CPU the optimizer step reads the committed half and writes its result straight into the
   staging half, so the local snapshot costs no copy at all.
-- `Holding` is a replica of a peer's shard that this worker keeps: rows [exp_avg, exp_avg_sq]
-  (parameters are already redundant across data-parallel peers, so they are never replicated).
+- `Holding` is a replica of a peer's shard that this worker keeps: the shard's payload rows
+  (with fp32 parameters only the optimizer state: the parameters are already redundant across
+  data-parallel peers; with bf16 parameters the fp32 master weights too).
 
 With `path` set the buffers are files under /dev/shm mapped MAP_SHARED, so they outlive the
 worker process (the node agent can restart a crashed worker in place from them).
@@ -126,17 +127,22 @@ class PingPong:
 
 
 class ShardState(PingPong):
-    """Own optimizer shard: rows [param, exp_avg, exp_avg_sq]; replicated payload is rows 1..2."""
+    """Own optimizer shard: rows [fp32 master weights, optimizer state...] (AdamW: exp_avg, exp_avg_sq).
 
-    def __init__(self, numel: int, path: str | None = None) -> None:
-        super().__init__(3, numel, path)
+    The replicated payload is the optimizer state, rows `payload_from`.. : from row 1 when the
+    parameters are fp32 (every data-parallel peer already holds the master weights), from row 0
+    with bf16 parameters (the fp32 master weights exist only in the shard, so they are protected)."""
+
+    def __init__(self, numel: int, path: str | None = None, rows: int = 3, payload_from: int = 1) -> None:
+        super().__init__(rows, numel, path)
+        self.payload_from = payload_from
 
     def payload(self, half: int) -> torch.Tensor:
-        return self.data[half, 1:]
+        return self.data[half, self.payload_from :]
 
 
 class Holding(PingPong):
-    """A replica of a peer's shard: rows [exp_avg, exp_avg_sq]."""
+    """A replica of a peer's shard: its payload rows (e.g. [exp_avg, exp_avg_sq])."""
 
-    def __init__(self, numel: int, path: str | None = None) -> None:
-        super().__init__(2, numel, path)
+    def __init__(self, numel: int, path: str | None = None, rows: int = 2) -> None:
+        super().__init__(rows, numel, path)

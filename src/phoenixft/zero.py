@@ -1,61 +1,78 @@
-"""ZeRO-1 style distributed optimizer over one flat parameter buffer.
+"""ZeRO-1 flat model: parameters (and buffers) in flat ping-pong buffers, gradients in a flat buffer.
 
-Parameters live as views into one flat float32 buffer; gradients as views into one flat grad
-buffer, so gradient accumulation over microbatches lands in place. Each step:
-gradients are reduce-scattered (each data-parallel rank gets the summed gradient of its own
-contiguous slice), each rank runs AdamW on its slice (fp32 master, exp_avg, exp_avg_sq; the
-*logical shard* `dp{i}`), and the updated slices are all-gathered back into full parameters.
+Parameters live as views into one flat buffer (fp32, or bf16 with `--precision bf16`); gradients
+as views into one flat grad buffer of the same dtype, so gradient accumulation over microbatches
+lands in place (with bf16 each microbatch's gradients are added into an fp32 accumulator, as
+Megatron's main_grad does). Each step the summed gradient's own slice feeds the shard optimizer
+(fp32 master weights and state in the shard: `phoenixft.optim`), and the updated master slices
+are all-gathered (cast to the parameter dtype) into the *other* flat buffer.
 
-Two flat parameter buffers alternate (ping-pong): the all-gather writes into the one that is not
-live and the parameter views are re-pointed only after it completed, so a failure during the
-all-gather leaves the live parameters untouched. Each buffer is tagged with the step it holds.
+Two flat buffers alternate (ping-pong): the all-gather writes into the one that is not live and
+the parameter views are re-pointed only after it completed, so a failure during the all-gather
+leaves the live parameters untouched. Each buffer is tagged with the step it holds.
+
+Model buffers (running statistics, counters: the persistent entries of `state_dict` that are not
+parameters) are state too. The model keeps its own buffer tensors; at each flip their bytes are
+copied into the tail of the new live flat buffer, so every flat buffer is a complete recovery
+point: a rollback or an installed peer copy restores them with the parameters.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 
 import torch
 
-from phoenixft.snapshot import INVALID, ShardState, alloc
+from phoenixft.snapshot import INVALID, alloc
 
-__all__ = ["FlatModel", "adamw_step", "AdamWHyper"]
+__all__ = ["FlatModel", "DTYPES"]
 
-
-class AdamWHyper:
-    def __init__(self, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8) -> None:
-        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class FlatModel:
     """A module whose parameters and gradients are views into flat buffers."""
 
-    def __init__(self, model: torch.nn.Module, shards: int, path: str | None = None, step: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, shards: int, path: str | None = None, step: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         """With `path`, both parameter buffers and their step tags live in shared memory; if they
         already exist (a worker restarted in place) they are adopted instead of overwritten."""
         self.model = model
+        self.dtype = dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.shards = shards
         self.shard_numel = math.ceil(self.numel / shards)
         self.padded = self.shard_numel * shards
+        pnames = {id(p) for p in model.parameters()}
+        sd = model.state_dict(keep_vars=True)
+        self.buffers = [(k, t) for k, t in sd.items() if id(t) not in pnames]
+        if dtype != torch.float32:  # as model.to(dtype) would: floating buffers follow the parameters
+            for _, t in self.buffers:
+                if t.is_floating_point():
+                    t.data = t.data.to(dtype)
+        self.buffer_bytes = sum(t.numel() * t.element_size() for _, t in self.buffers)
+        esize = torch.empty((), dtype=dtype).element_size()
+        self.total = self.padded + math.ceil(self.buffer_bytes / esize)
         retained = path is not None and os.path.exists(path + ".tags")
-        self.bufs = [alloc(self.padded, torch.float32, path and f"{path}.{i}") for i in (0, 1)]
+        self.bufs = [alloc(self.total, dtype, path and f"{path}.{i}") for i in (0, 1)]
         self.tags = alloc(3, torch.int64, path and path + ".tags")  # step of buffer 0, 1; live index
+        # the fp32 values the model was built with: the master weights of step 0 (and of a fresh spare)
+        self.init_master = torch.cat([p.detach().reshape(-1).float() for p in self.params]) if self.params \
+            else torch.empty(0)
         if retained:
             self.live = int(self.tags[2])
         else:
             self.tags[0], self.tags[1], self.tags[2] = step, INVALID, 0
             self.live = 0
-            off = 0
-            for p in self.params:
-                self.bufs[0][off : off + p.numel()].copy_(p.detach().reshape(-1))
-                off += p.numel()
-        self.grad = torch.zeros(self.padded)
+            self.bufs[0][: self.numel].copy_(self.init_master)
+            self._save_buffers(0)
+        self.grad = torch.zeros(self.padded, dtype=dtype)
+        self.grad32 = torch.zeros(self.padded) if dtype != torch.float32 else self.grad
         self._bind(self.live)
+        if retained:
+            self._load_buffers(self.live)
         off = 0
         for p in self.params:
             p.grad = self.grad[off : off + p.numel()].view_as(p)
@@ -77,29 +94,96 @@ class FlatModel:
             off += p.numel()
         self.live = which
 
+    # -- buffers: bytes in the tail of a flat buffer
+    def _tail(self, which: int) -> torch.Tensor:
+        return self.bufs[which][self.padded :].view(torch.uint8)[: self.buffer_bytes]
+
+    def _save_buffers(self, which: int) -> None:
+        if not self.buffers:
+            return
+        tail, off = self._tail(which), 0
+        for _, t in self.buffers:
+            n = t.numel() * t.element_size()
+            tail[off : off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+            off += n
+
+    def _load_buffers(self, which: int) -> None:
+        if not self.buffers:
+            return
+        tail, off = self._tail(which), 0
+        for _, t in self.buffers:
+            n = t.numel() * t.element_size()
+            t.data.view(-1).view(torch.uint8).copy_(tail[off : off + n])
+            off += n
+
+    def buffers_at(self, step: int) -> torch.Tensor | None:
+        """The buffers' bytes as committed with `step` (a copy), or None if no flat buffer holds it."""
+        for b in (0, 1):
+            if self.buf_step[b] == step:
+                return self._tail(b).clone()
+        return None
+
+    def buffer_bytes_now(self) -> torch.Tensor:
+        """The model's buffers as one uint8 tensor (a copy), e.g. to broadcast or hash."""
+        out = torch.empty(self.buffer_bytes, dtype=torch.uint8)
+        off = 0
+        for _, t in self.buffers:
+            n = t.numel() * t.element_size()
+            out[off : off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+            off += n
+        return out
+
+    def set_buffers(self, raw: torch.Tensor, save: bool = False) -> None:
+        """Load the model's buffers from bytes; with `save`, also into the live flat buffer's tail."""
+        off = 0
+        for _, t in self.buffers:
+            n = t.numel() * t.element_size()
+            t.data.view(-1).view(torch.uint8).copy_(raw[off : off + n])
+            off += n
+        if save:
+            self._save_buffers(self.live)
+
     # -- views
     def shard_slice(self, shard: int) -> slice:
         return slice(shard * self.shard_numel, (shard + 1) * self.shard_numel)
 
     @property
     def flat(self) -> torch.Tensor:
+        """The live parameters (padded; without the buffer tail)."""
+        return self.bufs[self.live][: self.padded]
+
+    @property
+    def whole(self) -> torch.Tensor:
+        """The live flat buffer with its buffer tail: what a peer needs to install this step."""
         return self.bufs[self.live]
 
     @property
-    def spare_buf(self) -> torch.Tensor:
-        return self.bufs[1 - self.live]
+    def packed_numel(self) -> int:
+        return self.numel + (self.total - self.padded)
+
+    def packed(self) -> torch.Tensor:
+        """Parameters and buffer tail without the partition's padding: the same on any world size."""
+        return torch.cat([self.bufs[self.live][: self.numel], self.bufs[self.live][self.padded :]])
+
+    def install_packed(self, packed: torch.Tensor, step: int) -> None:
+        whole = torch.zeros(self.total, dtype=self.dtype)
+        whole[: self.numel] = packed[: self.numel]
+        whole[self.padded :] = packed[self.numel :]
+        self.install(whole, step)
 
     @property
     def step(self) -> int:
         return self.buf_step[self.live]
 
     def begin_gather(self) -> torch.Tensor:
-        """The non-live buffer, untagged: it is about to be overwritten by the all-gather."""
+        """The non-live buffer's parameter part, untagged: it is about to be overwritten by the all-gather."""
         self._tag(1 - self.live, INVALID)
-        return self.spare_buf
+        return self.bufs[1 - self.live][: self.padded]
 
     def flip(self, step: int) -> None:
-        """Make the non-live buffer (just filled by the all-gather) live for `step`."""
+        """Make the non-live buffer (just filled by the all-gather) live for `step`, with the model's
+        buffers as they are now."""
+        self._save_buffers(1 - self.live)
         self._tag(1 - self.live, step)
         self._bind(1 - self.live)
 
@@ -108,44 +192,29 @@ class FlatModel:
         for b in (self.live, 1 - self.live):
             if self.buf_step[b] == step:
                 self._bind(b)
+                self._load_buffers(b)
                 self._tag(1 - b, INVALID)
                 return True
         return False
 
-    def install(self, flat: torch.Tensor, step: int) -> None:
-        """Adopt full parameters received from a peer (hot-swap)."""
-        self.begin_gather().copy_(flat)
-        self.flip(step)
+    def install(self, whole: torch.Tensor, step: int) -> None:
+        """Adopt full parameters (and buffers, when `whole` has the tail) received from a peer."""
+        self._tag(1 - self.live, INVALID)
+        self.bufs[1 - self.live][: whole.numel()].copy_(whole)
+        if whole.numel() < self.total:  # parameters only: keep our own buffers
+            self._save_buffers(1 - self.live)
+        self._tag(1 - self.live, step)
+        self._bind(1 - self.live)
+        self._load_buffers(self.live)
         self._tag(1 - self.live, INVALID)
 
     def zero_grad(self) -> None:
         self.grad.zero_()
+        if self.grad32 is not self.grad:
+            self.grad32.zero_()
 
-
-def adamw_step(
-    state: ShardState,
-    src: int,
-    dst: int,
-    grad: torch.Tensor,
-    step: int,
-    h: AdamWHyper,
-    hook: Callable[[], None] | None = None,
-) -> None:
-    """AdamW on one shard, reading half `src` (state after step-1) and writing half `dst`.
-
-    Same arithmetic as torch.optim.AdamW (single-tensor path), out of place.
-    """
-    p0, m0, v0 = state.data[src]
-    p1, m1, v1 = state.data[dst]
-    b1, b2 = h.betas
-    state.begin_write(dst)
-    torch.lerp(m0, grad, 1 - b1, out=m1)
-    torch.mul(v0, b2, out=v1)
-    v1.addcmul_(grad, grad, value=1 - b2)
-    if hook is not None:
-        hook()  # fault injection "inside the optimizer step": dst is half written
-    torch.mul(p0, 1 - h.lr * h.weight_decay, out=p1)
-    bc1 = 1 - b1**step
-    bc2 = 1 - b2**step
-    denom = (v1.sqrt() / math.sqrt(bc2)).add_(h.eps)
-    p1.addcdiv_(m1, denom, value=-h.lr / bc1)
+    def accumulate(self) -> None:
+        """bf16: add this microbatch's gradients into the fp32 accumulator (fp32: they already are)."""
+        if self.grad32 is not self.grad:
+            self.grad32.add_(self.grad)
+            self.grad.zero_()

@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_report.add_parser(sub)
     cmd_status.add_parser(sub)
     cmd_agent.add_parser(sub)
+    from phoenixft import export
+
+    export.add_parser(sub)
     try:
         from phoenixft.sim.cli import add_parser as add_sim
     except ImportError:

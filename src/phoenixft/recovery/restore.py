@@ -1,0 +1,193 @@
+"""The restore paths: small functions that carry out one epoch's plan on one rank.
+
+Each takes the rank (`Member`: the worker's trainer, protection and communicators), the new
+topology and the resume step r, moves what the plan says, and appends to `bad` every copy that
+failed verification against the checksum its source committed (invariant I3):
+
+- `restore_in_place`: the same node count (hot-swap, in-place restart, cascade): survivors roll
+  back to r from their own ping-pong halves; members that lack their shard or the parameters get
+  them from the members the plan names (targeted all-to-all transfers);
+- `reshard`: the world changes size (shrink, grow): every old shard's provider sends it to all,
+  each member cuts its new slice;
+- `restore_persistent`: every member reloads r from the persistent tier, cut for this world.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phoenixft.comm import alltoallv
+from phoenixft.errors import RunAborted
+from phoenixft.persist import load_full
+from phoenixft.reshard import gather_full_optimizer, old_shard_numel
+from phoenixft.snapshot import H_CRC, H_VALID, checksum
+from phoenixft.topology import Topology, shard_name
+
+if TYPE_CHECKING:
+    from phoenixft.worker import Worker
+
+__all__ = ["restore_in_place", "reshard", "restore_persistent", "copy_of"]
+
+
+def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:
+    """This rank's verified copy of (shard, step r): its own committed half, or a replica it keeps."""
+    st = m.trainer.state
+    half = st.half_with(r)
+    if half is not None and st.shard_of(half) == (shard, shards):
+        return st.payload(half)
+    if m.repl is not None and shard in m.repl.holdings:
+        h = m.repl.holdings[shard]
+        hh = h.half_with(r)
+        if hh is not None and h.verify(hh):
+            return h.payload(hh)
+    raise RunAborted(f"rank {m.rank} holds no verified copy of {shard_name(shard, shards)} at step {r}")
+
+
+def _commit_received(m: Worker, payload: torch.Tensor, r: int, crc: int, shard: int, world: int) -> None:
+    """Install a verified payload as this rank's shard at step r (the master row from the
+    parameters when the payload does not carry it)."""
+    tr = m.trainer
+    st, flat = tr.state, tr.flat
+    half = st.staging()
+    st.begin_write(half)
+    st.payload(half).copy_(payload.view(tr.payload_rows, -1))
+    if tr.payload_from == 1:
+        st.data[half, 0].copy_(flat.flat[flat.shard_slice(shard)])
+    st.commit(half, r, crc, (shard, world))
+    st.header[1 - half, H_VALID] = 0
+
+
+def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
+    """Roll survivors back to step r and move what the plan says to the members that lack it.
+
+    Both transfers are targeted collectives (all-to-all with only the involved pairs non-empty):
+    parameters (with the buffers) from a member that holds them at r, the optimizer shard from a
+    member that holds a verified copy (its own committed state or a replica), matched by logical
+    shard id and verified against the checksum its owner committed (I3).
+    """
+    assert m.comm is not None
+    tr = m.trainer
+    pg, me, w = m.comm.train, m.rank, topo.world
+    mine = [t for t in topo.transfers if t["dst"] == me]
+    need_params = any(t["param_src"] >= 0 for t in mine)
+    if not need_params and not tr.flat.select(r):
+        raise RunAborted(f"rank {me} has no parameters for step {r}")
+    if not mine:  # a survivor: its own committed half must hold r, as its checksum says
+        tr.state.invalidate_after(r)
+        half = tr.state.half_with(r)
+        if half is None:
+            raise RunAborted(f"rank {me} has no optimizer state for step {r}")
+        if int(tr.state.header[half, H_CRC]) and not tr.state.verify(half):
+            bad.append(f"own {shard_name(me, w)} at step {r} does not match its committed checksum")
+    # 1. parameters
+    t1 = time.time()
+    sends = {t["dst"]: tr.flat.whole for t in topo.transfers if t["param_src"] == me}
+    recv = {t["param_src"]: tr.flat.total for t in mine if t["param_src"] >= 0}
+    work, _, got = alltoallv(pg, w, sends, recv, dtype=tr.flat.dtype)
+    m.wait(work, "parameter transfer")
+    for t in mine:
+        if t["param_src"] >= 0:
+            tr.flat.install(got[t["param_src"]], r)
+    t2 = time.time()
+    m.recovery_faults(topo)
+    # 2. optimizer shard from a verified copy
+    sends = {}
+    for t in topo.transfers:
+        if t["opt_src"] == me:
+            payload = copy_of(m, t["shard"], w, r)
+            if m.corrupts_transfers(topo):  # fault injection: corruption in flight
+                payload = payload.clone()
+                payload.view(-1)[:: max(1, payload.numel() // 7)] += 1.0
+            sends[t["dst"]] = payload
+    recv = {t["opt_src"]: tr.payload_rows * tr.flat.shard_numel for t in mine}
+    work, _, got = alltoallv(pg, w, sends, recv)
+    m.wait(work, "optimizer-state transfer")
+    for t in mine:
+        buf = got[t["opt_src"]]
+        name = shard_name(t["shard"], w)
+        if checksum(buf) != t["crc"]:
+            src = f"{topo.node_of_rank(t['opt_src'])}.{t['opt_src'] % topo.workers_per_node}"
+            bad.append(f"{name} from {src} does not match the checksum committed for step {r}")
+            m.bad_sources.append((name, r, src))
+            continue
+        _commit_received(m, buf, r, t["crc"], t["shard"], w)
+        elem = torch.empty((), dtype=tr.flat.dtype).element_size()
+        timings.update(bytes_params=tr.flat.total * elem if t["param_src"] >= 0 else 0, bytes_opt=buf.numel() * 4)
+    timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
+
+
+def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str, Any], bad: list[str]) -> None:
+    """Shrink or grow: repartition the state of step r over the new world (see reshard.py)."""
+    assert m.comm is not None
+    tr = m.trainer
+    meta, pg, me, w = topo.meta["reshard"], m.comm.train, m.rank, topo.world
+    t1 = time.time()
+    has_params = tr.flat.select(r) if old_rank >= 0 else False
+    params_to = {int(k): v for k, v in meta["params_to"].items()}
+    if me not in params_to and not has_params:
+        raise RunAborted(f"rank {me} has no parameters for step {r}")
+    # parameters and buffers do not depend on the partition: whoever lacks them gets a peer's
+    packed = tr.flat.packed() if any(src == me for src in params_to.values()) else None
+    sends = {dst: packed for dst, src in params_to.items() if src == me and packed is not None}
+    recv = {params_to[me]: tr.flat.packed_numel} if me in params_to else {}
+    work, _, got = alltoallv(pg, w, sends, recv, dtype=tr.flat.dtype)
+    m.wait(work, "parameter transfer")
+    if me in params_to:
+        tr.flat.install_packed(got[params_to[me]], r)
+    t2 = time.time()
+    old_world = meta["old_world"]
+    providers = {int(k): v[0] for k, v in meta["providers"].items()}
+    n_old = old_shard_numel(tr.flat.numel, old_world)
+    mine = {int(k): copy_of(m, int(k), old_world, r) for k, (prov, _kind, _crc) in meta["providers"].items()
+            if prov == me}
+    full = gather_full_optimizer(pg, w, me, providers, mine, n_old, m.wait, rows=tr.payload_rows)
+    for k, (prov, _kind, crc) in meta["providers"].items():  # I3: every old shard as its owner committed it
+        i = int(k)
+        if checksum(full[:, i * n_old : (i + 1) * n_old].contiguous()) != crc:
+            bad.append(f"{shard_name(i, old_world)} from rank {prov} does not match the checksum committed for "
+                       f"step {r}")
+    m.repartition(w, int(topo.meta["generation"]), r)  # the new flat buffers start from the model as it is (r)
+    flat, st = tr.flat, tr.state
+    numel = flat.numel
+    sl = flat.shard_slice(me)
+    rows = torch.zeros(tr.payload_rows, flat.padded)
+    rows[:, :numel] = full[:, :numel]
+    st.begin_write(0)
+    st.data[0, tr.payload_from :].copy_(rows[:, sl])
+    if tr.payload_from == 1:
+        st.data[0, 0].copy_(flat.flat[sl])
+    st.commit(0, r, 0, (me, w))
+    st.header[1, H_VALID] = 0
+    timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2, bytes_opt=full.numel() * 4)
+
+
+def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
+    """Every member reloads step r from the persistent tier (resharded to this world size)."""
+    t0 = time.time()
+    tr = m.trainer
+    man = topo.meta["manifest"]
+    if topo.world != tr.flat.shards:
+        m.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
+    full, buffers, mismatched = load_full(man)  # (rows, numel), shards whose checksum does not match
+    bad.extend(f"persistent shard {x} of step {r} does not match its checksum" for x in mismatched)
+    flat, st = tr.flat, tr.state
+    if full.shape[0] != tr.rows:
+        raise RunAborted(f"the checkpoint of step {r} has {full.shape[0]} state rows, this run's optimizer "
+                         f"needs {tr.rows}")
+    padded = torch.zeros(tr.rows, flat.padded)
+    padded[:, : flat.numel] = full
+    flat.install(padded[0].to(flat.dtype), r)
+    if buffers is not None:
+        flat.set_buffers(buffers, save=True)
+    half = st.staging()
+    st.begin_write(half)
+    st.data[half].copy_(padded[:, flat.shard_slice(m.rank)])
+    st.commit(half, r, 0, (m.rank, topo.world))
+    st.header[1 - half, H_VALID] = 0
+    if m.repl is not None:
+        for h in m.repl.holdings.values():
+            h.invalidate_after(-1)
+    timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0, bytes_params=full.numel() * 4)
