@@ -14,6 +14,8 @@ from phoenixft.sim.experiments import paper_accountings, shard_loss_table, worke
 
 
 def test_worked_example_eta_matches_review() -> None:
+    # expected: the review's worked example (MTTF 1080 s, 20 s steps, K = 100, restart 600 s,
+    # overhead 5 s, hot-swap 30 s, phi 0.5): 49.5 steps, 990 s, 1595 s, 40 s, eta 0.404 / 0.964
     res = worked_example(trajectories=0)
     a = res["analytic"]
     assert a["expected_replay_steps"] == 49.5
@@ -38,6 +40,7 @@ def test_equations_directly() -> None:
 
 
 def test_shard_loss_matches_review() -> None:
+    # expected: the review's Eq. (6) numbers (D = 128, p = 1e-6, q = 1e-4, 1e5 steps)
     per_step, cum = model.shard_loss_independent(128, 1e-6, 1, 100_000)
     assert per_step == pytest.approx(1.28e-10, rel=1e-12)
     assert cum == pytest.approx(1.28e-5, rel=1e-12)
@@ -53,7 +56,8 @@ def test_shard_loss_table_rows() -> None:
     rows = {(r["case"], r["k"]): r for r in shard_loss_table()["rows"]}
     assert rows[("independent", 1)]["per_step"] == pytest.approx(1.28e-10)
     assert rows[("correlated", 1)]["cumulative_union_bound"] == pytest.approx(0.128)
-    # the exact 1-(1-P)^n is below the union bound, visibly so only when the bound is large
+    # the exact 1-(1-P)^n is below the union bound, visibly so only when the bound is large; the
+    # expected values are the Poisson limit 1 - exp(-n P), with n P = 0.128 and 1.28e-5
     assert rows[("correlated", 1)]["cumulative_exact"] == pytest.approx(1 - math.exp(-0.128), rel=1e-3)
     assert rows[("correlated", 2)]["cumulative_exact"] == pytest.approx(1.28e-5, rel=1e-4)
 

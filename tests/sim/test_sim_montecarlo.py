@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from closed_forms import Z95, ettr, pooled_ratio_ci
 
-from phoenixft.sim.montecarlo import CAUSES, _expected_dead_chains, simulate
+from phoenixft.sim.montecarlo import CAUSES, MCResult, _expected_dead_chains, simulate
 from phoenixft.sim.scenario import Scenario
 
 # A cluster where the analytic segment model is exact: exponential failures, all permanent,
@@ -37,7 +37,7 @@ EXACT = Scenario(
 )
 
 
-def _closure(r) -> float:
+def _closure(r: MCResult) -> float:
     total = r.useful_s + sum(r.lost[c] for c in CAUSES)
     return float(np.max(np.abs(total - r.wall_s)))
 
@@ -45,7 +45,7 @@ def _closure(r) -> float:
 @pytest.mark.parametrize("k", [100, 5])
 def test_checkpoint_restart_converges_to_exact_ettr(k: int) -> None:
     # expected: Daly's segment model (closed_forms.ettr) with the inputs of EXACT written here:
-    # K steps of 20 s, a 5 s checkpoint write, a 600 s restart, system MTTF 64 nodes x 1080 s / 64
+    # K steps of 20 s, a 5 s checkpoint write, a 600 s restart, system MTTF (64 x 1080 s) / 64 nodes
     exact = ettr(k * 20.0, 5.0, 600.0, 1080.0)
     r = simulate(EXACT, "checkpoint-restart", ckpt_every=k, trajectories=1000, seed=11)
     mean, half = pooled_ratio_ci(r.useful_s, r.wall_s)
@@ -125,17 +125,38 @@ def test_ring_shard_loss_matches_enumeration() -> None:
             assert got == pytest.approx(expected, rel=1e-12, abs=1e-12), (replicas, m)
 
 
-def test_aware_placement_domain_loss_is_hypergeometric() -> None:
-    """Aware placement puts a shard's k+1 holders in k+1 distinct domains, uniformly; with d of the
-    D domains down (and no other failure) a shard is lost iff all k+1 of its domains are among the
-    d: probability C(d, k+1) / C(D, k+1), written out here for 48 nodes in 6 domains of 8."""
+def test_aware_placement_shard_loss_matches_enumeration() -> None:
+    """Aware placement puts a shard's k+1 holders in k+1 distinct domains (each holder any node of
+    its domain); d whole domains fail together and m further nodes fail among the nodes of the
+    other domains. The expected number of shards with every holder failed is counted here by
+    enumerating every placement, every set of d domains and every set of m nodes, on 8 nodes in 4
+    domains of 2. (With m = 0 it is the hypergeometric 8 C(d, k+1) / C(4, k+1), checked too.)"""
+    n, g = 8, 2
+    domains = [list(range(i * g, (i + 1) * g)) for i in range(n // g)]
     for replicas in (1, 2):
-        sc = Scenario(gpus=48, gpus_per_node=1, domain_size=8, replicas=replicas, placement="aware")
-        assert sc.domains == 6
-        for d in range(7):
-            expected = 48 * math.comb(d, replicas + 1) / math.comb(6, replicas + 1)
-            got = float(_expected_dead_chains(np.array([0]), np.array([d]), sc)[0])
-            assert got == pytest.approx(expected, rel=1e-12, abs=1e-12), (replicas, d)
+        r = replicas + 1
+        sc = Scenario(gpus=n, gpus_per_node=1, domain_size=g, replicas=replicas, placement="aware")
+        assert sc.domains == len(domains) == 4
+        placements = [
+            holders
+            for doms in itertools.combinations(range(len(domains)), r)
+            for holders in itertools.product(*(domains[i] for i in doms))
+        ]
+        for d in range(len(domains) + 1):
+            for m in range(n - d * g + 1):
+                lost, cases = 0, 0
+                for down in itertools.combinations(range(len(domains)), d):
+                    dead_nodes = {x for i in down for x in domains[i]}
+                    rest = [x for x in range(n) if x not in dead_nodes]
+                    for failed in itertools.combinations(rest, m):
+                        dead = dead_nodes | set(failed)
+                        lost += sum(all(h in dead for h in hs) for hs in placements)
+                        cases += len(placements)
+                expected = n * lost / cases
+                if m == 0:
+                    assert expected == pytest.approx(n * math.comb(d, r) / math.comb(4, r), rel=1e-12)
+                got = float(_expected_dead_chains(np.array([m]), np.array([d]), sc)[0])
+                assert got == pytest.approx(expected, rel=1e-12, abs=1e-12), (replicas, d, m)
 
 
 def test_shard_loss_rate_on_a_three_node_ring() -> None:
