@@ -2,9 +2,14 @@
 
     .venv/bin/python -m pytest tests/test_html_report.py
 
-One 30-step run (3 nodes, 2 spares, two nodes SIGKILLed) is made once per module (~20 s); the
-report is written from it and checked: the numbers in its tables equal those in report.json,
-it is self-contained, and it renders in headless Chromium (skipped where Chromium is absent).
+One 30-step run (3 nodes, 2 spares, two nodes SIGKILLed) is made once per module; the report is
+written from it and checked: the numbers in its tables equal those in report.json, it is
+self-contained, and it renders in headless Chromium (skipped where Chromium is absent). Two
+failure-free reference runs are made once per session (conftest's `reference`): the same job
+unprotected (`--protect none --spares 0`), whose losses and final state the faulted run must
+match bit for bit while its timings differ, and a different job (seed 4321), whose difference the
+report must show. The reference curves and numbers are checked against the reference's own
+report.json / metrics.jsonl / events.jsonl, read here, never against the faulted run's.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from phoenixft import html_report
 from phoenixft.errors import UserError
 from phoenixft.html_report import write_report
 
@@ -192,20 +199,132 @@ def test_summary_faults_and_events(run2: Path, html: Path, report: dict[str, Any
     assert sum(e["kind"] == "fault" for e in shown) == 2
 
 
-def test_reference_overlay(run2: Path, report: dict[str, Any], tmp_path: Path) -> None:
-    # a failure-free reference of the same job (same loss, same final state): the faulty run's
-    # report without its faults stands in for it, which keeps this test free of another 20 s run
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    clean = {**report, "faults": [], "recoveries": [], "run_dir": str(ref)}
-    (ref / "report.json").write_text(json.dumps(clean))
-    shutil.copy(run2 / "metrics.jsonl", ref / "metrics.jsonl")
-    out = write_report(run2, reference=ref, out=tmp_path / "sub" / "with_ref.html")
-    assert out == tmp_path / "sub" / "with_ref.html"
-    kv = parse(out).kv
+@dataclass
+class Rendered:
+    """A report rendered with a reference: its page, and the matplotlib figures behind its images."""
+
+    page: Page
+    figures: dict[str, Any]  # "throughput" / "loss" -> matplotlib Figure
+
+
+def render_with_reference(run: Path, ref: Path, out: Path, monkeypatch: pytest.MonkeyPatch) -> Rendered:
+    """write_report(run, reference=ref), keeping each figure it embeds (and checking it is embedded)."""
+    figs: list[tuple[Any, str]] = []
+    real_png = html_report._png
+
+    def keep(fig: Any) -> str:
+        b64 = real_png(fig)
+        figs.append((fig, b64))
+        return b64
+
+    monkeypatch.setattr(html_report, "_png", keep)
+    assert write_report(run, reference=ref, out=out) == out
+    monkeypatch.undo()
+    page = parse(out)
+    # the images in the page are exactly these figures, in order
+    assert page.imgs == [f"data:image/png;base64,{b64}" for _, b64 in figs]
+    by_title = {}
+    for fig, _ in figs:
+        title = fig.axes[0].get_title()
+        by_title["throughput" if title.startswith("Throughput") else "loss" if "loss" in title else title] = fig
+    return Rendered(page, by_title)
+
+
+def line(fig: Any, label: str) -> tuple[list[float], list[float]]:
+    """(x, y) of the curve labelled `label` in the figure's first axes."""
+    found = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == label]
+    assert len(found) == 1, [ln.get_label() for ln in fig.axes[0].get_lines()]
+    return [float(v) for v in found[0].get_xdata()], [float(v) for v in found[0].get_ydata()]
+
+
+def own_step_timeline(run_dir: Path) -> tuple[list[float], list[float]]:
+    """From a run directory's own files, independently of html_report: the end of each step in
+    seconds since its run_start event, and the wall time since the previous step's end (the
+    step's own dt for the first)."""
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    t0 = next(e["t"] for e in events if e["kind"] == "run_start")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics.sort(key=lambda m: m["t_end"])
+    ends = [m["t_end"] - t0 for m in metrics]
+    spans = [metrics[0]["dt"]] + [b["t_end"] - a["t_end"] for a, b in zip(metrics, metrics[1:], strict=False)]
+    return ends, spans
+
+
+def check_throughput_overlay(fig: Any, run_dir: Path, ref_dir: Path) -> None:
+    """The grey reference curve is the reference run's timeline, the blue one this run's."""
+    for label, d in (("reference (no failure)", ref_dir), ("this run", run_dir)):
+        xs, ys = line(fig, label)
+        ends, spans = own_step_timeline(d)
+        assert len(xs) == STEPS and xs == pytest.approx(ends, abs=1e-9), label
+        # rate = tokens per step / span: the product is the same constant for every step of both runs
+        tokens = [y * s for y, s in zip(ys, spans, strict=True)]
+        assert tokens == pytest.approx([tokens[0]] * STEPS, rel=1e-9), label
+
+
+@pytest.fixture(scope="module")
+def ref_clean(reference: Any) -> Path:
+    """Independent reference: a failure-free, unprotected run of the same job (3 nodes, same seed)."""
+    return Path(reference(nodes=3, steps=STEPS)["run_dir"])
+
+
+@pytest.fixture(scope="module")
+def ref_other(reference: Any) -> Path:
+    """A different job: seed 4321 (on one node with the same global batch of 3 microbatches, which
+    keeps it cheap: one worker process instead of three)."""
+    return Path(reference(nodes=1, microbatches=3, steps=STEPS, seed=4321)["run_dir"])
+
+
+def test_reference_overlay_from_independent_failure_free_run(
+    run2: Path, report: dict[str, Any], ref_clean: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = json.loads((ref_clean / "report.json").read_text())
+    # the reference really is another run: no faults, no protection, its own timings
+    assert ref["faults"] == [] and ref["recoveries"] == [] and ref["config"]["protect"] == "none"
+    assert ref["run_id"] != report["run_id"]
+    assert ref["step_time_s"]["median"] != report["step_time_s"]["median"]
+    # the feature's promise: two recoveries later, the same losses and the same final state, bit for bit
+    assert len(report["recoveries"]) == 2
+    assert report["loss"] == ref["loss"] and len(ref["loss"]) == STEPS
+    assert report["final_state_sha256"] == ref["final_state_sha256"]
+
+    out = tmp_path / "sub" / "with_ref.html"
+    r = render_with_reference(run2, ref_clean, out, monkeypatch)
+    kv = r.page.kv
+    assert kv["reference run"] == str(ref_clean)
     assert kv["final state vs reference"] == "bitwise identical"
     assert kv["loss vs reference"] == f"max |difference| over {STEPS} steps: 0"
-    assert kv["reference run"] == str(ref)
+    ratio = report["step_time_s"]["median"] / ref["step_time_s"]["median"]
+    assert kv["median step time vs reference"] == f"{ratio:.3f}x"
+    # loss overlay: the reference's losses (read from its report.json) under this run's
+    rx, ry = line(r.figures["loss"], "reference (no failure)")
+    assert rx == list(range(1, STEPS + 1)) and ry == ref["loss"]
+    assert line(r.figures["loss"], "this run")[1] == report["loss"]
+    check_throughput_overlay(r.figures["throughput"], run2, ref_clean)
+    # the two timelines differ (the faulted run has two recoveries in it)
+    assert line(r.figures["throughput"], "reference (no failure)")[0] != line(r.figures["throughput"], "this run")[0]
+
+
+def test_reference_from_a_different_seed_shows_the_difference(
+    run2: Path, report: dict[str, Any], ref_other: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = json.loads((ref_other / "report.json").read_text())
+    assert other["config"]["seed"] != report["config"]["seed"]
+    assert other["final_state_sha256"] != report["final_state_sha256"]
+    n = min(len(other["loss"]), len(report["loss"]))
+    diff = max(abs(a - b) for a, b in zip(report["loss"][:n], other["loss"][:n], strict=True))
+    assert n == STEPS and diff > 0
+
+    r = render_with_reference(run2, ref_other, tmp_path / "other.html", monkeypatch)
+    kv = r.page.kv
+    assert kv["reference run"] == str(ref_other)
+    assert kv["final state vs reference"] == f"DIFFERENT (reference {other['final_state_sha256']})"
+    assert kv["loss vs reference"] == f"max |difference| over {n} steps: {diff:.3g}"
+    ratio = report["step_time_s"]["median"] / other["step_time_s"]["median"]
+    assert kv["median step time vs reference"] == f"{ratio:.3f}x"
+    _, ry = line(r.figures["loss"], "reference (no failure)")
+    assert ry == other["loss"] and ry != report["loss"]
+    assert line(r.figures["loss"], "this run")[1] == report["loss"]
+    check_throughput_overlay(r.figures["throughput"], run2, ref_other)
 
 
 def test_cli_and_errors(run2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

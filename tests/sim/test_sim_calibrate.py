@@ -42,11 +42,19 @@ def test_single_world_size_is_a_constant() -> None:
     assert fit_power([4], [2.0])(10) == pytest.approx(2.0)
 
 
-def test_default_anchors() -> None:
-    assert DEFAULT_HOTSWAP(32) == pytest.approx(17.1)
-    assert DEFAULT_HOTSWAP(512) == pytest.approx(29.8)
-    assert DEFAULT_RESTART(256) == pytest.approx(150.0)
-    assert DEFAULT_RESTART(100_000) == pytest.approx(600.0)
+def test_default_fits_between_and_beyond_the_published_anchors() -> None:
+    # A fit evaluated at its own two anchors only returns them; check it elsewhere instead, against
+    # the straight line in log2(W) through the review's published points, worked by hand:
+    # hot-swap 17.1 s @ 32 GPUs, 29.8 s @ 512 GPUs (paper Fig. 11): slope (29.8 - 17.1) / (9 - 5)
+    # = 3.175 s per doubling, intercept 17.1 - 5 * 3.175 = 1.225 s
+    assert DEFAULT_HOTSWAP(128) == pytest.approx(1.225 + 3.175 * 7, abs=1e-9)  # 23.45 s
+    assert DEFAULT_HOTSWAP(131_072) == pytest.approx(55.2, abs=1e-9)  # 1.225 + 3.175 * 17
+    # restart 150 s @ 64 x 4 GPUs (paper), 600 s @ 100,000 GPUs (FT-HSDP, "about 10 minutes"):
+    # slope 450 / (log2(100000) - 8) = 52.26699 s per doubling
+    slope = 450.0 / (math.log2(100_000) - 8.0)
+    assert slope == pytest.approx(52.26699, abs=1e-5)
+    assert DEFAULT_RESTART(4096) == pytest.approx(150.0 + 4 * slope, abs=1e-9)  # 359.07 s
+    assert DEFAULT_RESTART(131_072) == pytest.approx(620.4029, abs=1e-4)  # 150 + 9 * slope
     assert np.all(np.diff(DEFAULT_HOTSWAP(np.array([512, 8192, 131072]))) > 0)
 
 

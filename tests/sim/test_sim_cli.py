@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from closed_forms import best_k
 
 from phoenixft.sim.cli import add_parser, main
 
@@ -75,7 +76,10 @@ def test_scale_sweep_with_calibration(tmp_path: Path, capsys: pytest.CaptureFixt
     assert png.exists()
     for r in res["rows"]:
         cr = r["policies"]["checkpoint-restart"]
-        assert cr["ckpt_every"] == cr["interval_choice"]["exact"]
+        # the interval checkpoint-restart ran at is the exhaustive argmax of Daly's segment model
+        # (closed_forms.best_k) for the row's MTTF and restart cost, 20 s steps, 8.9 s writes
+        expected = best_k(20.0, 8.9, r["restart_s"], r["system_mttf_s"], 2000)
+        assert cr["ckpt_every"] == cr["interval_choice"]["exact"] == expected
 
 
 def test_run_all_policies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
