@@ -17,12 +17,11 @@ import math
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from phoenixft import keys
+from phoenixft import keys, shm
 from phoenixft.comm import EpochComm, alltoallv, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
@@ -74,7 +73,7 @@ class Worker:
                 after_commit=self._after_replication,
             )
         if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
-            for f in Path("/dev/shm").glob(f"phoenixft-{run_id}-{self.wid}-g{gen}-hold*.data"):
+            for f in shm.SHM_DIR.glob(shm.holding_glob(run_id, self.wid, gen)):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
                 self.repl.holding(shard)
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, self._own_store(store_addr)) \
@@ -87,7 +86,7 @@ class Worker:
 
     def _partition(self, world: int, gen: int, step: int = 0) -> None:
         """Flat parameters and the own optimizer shard for a `world`-way partition (generation `gen`)."""
-        self.shm = f"/dev/shm/phoenixft-{self.run_id}-{self.wid}-g{gen}" if self.protect else None
+        self.shm = shm.worker_base(self.run_id, self.wid, gen) if self.protect else None
         self.flat = FlatModel(self.model, shards=world, path=self.shm and self.shm + "-params", step=step)
         self.state = ShardState(self.flat.shard_numel, self.shm and self.shm + "-state")
 
