@@ -190,11 +190,12 @@ def test_gc_frees_orphans_only(tmp_path: Path) -> None:
     sleeper.wait(timeout=10)
     tag = uuid.uuid4().hex[:8]
     orphan, reused, live = f"gcorphan{tag}", f"gcreused{tag}", f"gclive{tag}"
-    me = {"pid": os.getpid(), "start": start_time(os.getpid()), "role": "launcher"}
+    my_start = start_time(os.getpid()) or 0
+    me: dict[str, Any] = {"pid": os.getpid(), "start": my_start, "role": "launcher"}
     files: dict[str, list[Path]] = {}
     try:
         files[orphan] = _fake_run(orphan, [dead])
-        files[reused] = _fake_run(reused, [{**me, "start": (me["start"] or 0) - 1}])  # same PID, other process
+        files[reused] = _fake_run(reused, [{**me, "start": my_start - 1}])  # same PID, other process
         files[live] = _fake_run(live, [me])
         d = subprocess.run([PY, "-m", "phoenixft", "gc", "--dry-run"], capture_output=True, text=True, timeout=60)
         assert d.returncode == 0, d.stderr

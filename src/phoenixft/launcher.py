@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 import uuid
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
