@@ -6,8 +6,9 @@
   field 22); a (pid, start time) pair names one process, never a later one that reuses the PID.
 - `group_members(pgid)`: live (not zombie) processes of a process group.
 
-`python -m phoenixft.procs --parent PID --signal N -- MODULE ARGS...` runs `python -m MODULE
-ARGS...` in this process after `die_with_parent(N, PID)` (the launcher starts the coordinator so).
+`python -m phoenixft.procs --parent PID --signal N MODULE ARGS...` runs `python -m MODULE
+ARGS...` in this process after `die_with_parent(N, PID)`, and exits with `exit_now` (the launcher
+starts the coordinator so).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-__all__ = ["die_with_parent", "start_time", "alive", "group_members", "cmdlines"]
+__all__ = ["die_with_parent", "start_time", "alive", "group_members", "cmdlines", "exit_now"]
 
 PR_SET_PDEATHSIG = 1
 
@@ -97,7 +98,27 @@ def _main(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     die_with_parent(a.signal, a.parent)
     sys.argv = [a.module, *a.args]
-    runpy.run_module(a.module, run_name="__main__", alter_sys=True)
+    code: object = 0
+    try:
+        runpy.run_module(a.module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    exit_now(code)
+
+
+def exit_now(code: object = 0) -> None:
+    """Exit like `sys.exit(code)` but skip the interpreter's finalization: with torch imported it
+    takes seconds on a busy machine, and a run's launcher waits for its processes to be gone.
+    Only for processes whose files are closed by then (stdout and stderr are flushed here)."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
