@@ -29,15 +29,22 @@ def processes_with(tag: str) -> list[int]:
 
 
 def run(tmp: Path, **kw: Any) -> dict[str, Any]:
-    """Run a job to completion; assert that no process and no shared memory outlives it."""
+    """Run a job to completion; assert that no process and no shared memory outlives it.
+
+    Two checks: the launcher's teardown record must be empty (it had to kill nothing and remove no
+    segment that the run's own processes should have cleaned up: see `phoenixft.launcher`), and,
+    independently of the launcher, /proc holds no process naming the run id and /dev/shm no file
+    of the run."""
     kw.setdefault("timeout", 240.0)
     cfg = RunConfig(**kw, run_dir=str(tmp), quiet=True)
     cfg.validate()
     report = run_job(cfg, Display(quiet=True, steps=cfg.steps))
+    assert report.get("teardown") == {"killed": [], "removed_segments": []}, \
+        f"teardown had to clean up after the run: {report.get('teardown')}"
     run_id = report.get("run_id") or ""
-    if run_id:
-        assert processes_with(run_id) == [], "processes outlived the run"
-        assert list(Path("/dev/shm").glob(f"phoenixft-{run_id}-*")) == [], "shared memory outlived the run"
+    assert run_id, report
+    assert processes_with(run_id) == [], "processes outlived the run"
+    assert sorted(Path("/dev/shm").glob(f"phoenixft-{run_id}[-.]*")) == [], "shared memory outlived the run"
     return report
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,52 @@ def test_bad_input_from_the_shell_exits_2() -> None:
     p = subprocess.run([sys.executable, "-m", "phoenixft", "run", "--model", "huge"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def _one_clear_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from phoenixft.cli.main import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_unwritable_persist_dir_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    _one_clear_line(["run", "--nodes", "2", "--persist-every", "2", "--persist-dir", "/proc/x"],
+                    "--persist-dir='/proc/x' is invalid: cannot create or write a file there", capsys)
+
+
+def test_full_persist_dir_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount a small tmpfs here: {e}")
+    try:
+        _one_clear_line(["run", "--nodes", "2", "--persist-every", "2", "--persist-dir", str(full)],
+                        "free there, one checkpoint of --model tiny", capsys)
+    finally:
+        subprocess.run(["umount", str(full)], capture_output=True, timeout=30)
+
+
+def test_resume_of_another_model_names_both_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ck = tmp_path / "ckpt" / "step_00000004"
+    ck.mkdir(parents=True)
+    (ck / "MANIFEST.json").write_text(json.dumps({"step": 4, "shards": 2, "numel": 812_288, "shard_numel": 406_144,
+                                                  "epoch": 0, "seed": 1234}))
+    _one_clear_line(["run", "--nodes", "2", "--model", "small", "--resume", str(tmp_path / "ckpt")],
+                    f"--resume={tmp_path / 'ckpt'}: checkpoint has 812,288 parameters, --model small has ", capsys)
+
+
+def test_agent_without_a_store_fails_in_bounded_time() -> None:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "agent", "--store", "127.0.0.1:1", "--node", "n9",
+                        "--connect-timeout", "2"], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "--store=127.0.0.1:1" in p.stderr and "--connect-timeout" in p.stderr and "Traceback" not in p.stderr
+    assert took < 2 + 8, took  # the wait is bounded by the flag (plus interpreter start-up)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixft.errors import UserError
 from phoenixft.faults import FaultSpec, parse_fault
 
-__all__ = ["RunConfig", "add_run_arguments", "config_from_args", "PROTECT_MODES"]
+__all__ = ["RunConfig", "add_run_arguments", "config_from_args", "checkpoint_bytes", "PROTECT_MODES"]
 
 PROTECT_MODES = ("phoenix", "none")
 
@@ -184,9 +186,19 @@ class RunConfig:
             if f.kind in ("kill", "hang", "crash", "corrupt"):
                 need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
+        check_workload_path(self.workload)
         if self.persist_every:
             need(bool(self.persist_dir), "--persist-dir", self.persist_dir, "needed with --persist-every")
             need(self.protect == "phoenix", "--persist-every", self.persist_every, "needs --protect phoenix")
+            why = _unwritable(self.persist_dir)
+            need(why is None, "--persist-dir", self.persist_dir, f"cannot create or write a file there ({why})")
+            numel = self.model_numel()
+            if numel is not None:
+                st = os.statvfs(self.persist_dir)
+                free, need_b = st.f_bavail * st.f_frsize, checkpoint_bytes(numel)
+                need(free >= need_b, "--persist-dir", self.persist_dir,
+                     f"only {_mib(free)} free there, one checkpoint of {self._model_name()} "
+                     f"({numel:,} parameters) needs about {_mib(need_b)}")
         if self.resume:
             from phoenixft.persist import latest_manifest
 
@@ -195,7 +207,29 @@ class RunConfig:
             assert man is not None
             need(man["step"] < self.steps, "--resume", self.resume,
                  f"its checkpoint is at step {man['step']}; --steps must be larger")
-        check_workload_path(self.workload)
+            numel = self.model_numel()
+            if numel is not None and int(man.get("numel", numel)) != numel:
+                raise UserError(f"--resume={self.resume}: checkpoint has {int(man['numel']):,} parameters, "
+                                f"{self._model_name()} has {numel:,}")
+
+    def _model_name(self) -> str:
+        return f"--model {self.model}" if self.workload == "phoenixft.gpt:workload" else f"--workload {self.workload}"
+
+    def model_numel(self) -> int | None:
+        """Trainable parameters of the configured model, built on torch's meta device (no memory,
+        no init cost); None if the workload's model cannot be built that way."""
+        try:
+            import torch
+
+            from phoenixft.workload import WorkloadContext, load_workload
+
+            wl = load_workload(self.workload, WorkloadContext(seed=self.seed, micro_batch=self.micro_batch,
+                                                              model=self.model))
+            with torch.device("meta"):
+                model = wl.build_model()
+            return sum(p.numel() for p in model.parameters() if p.requires_grad)
+        except Exception:  # noqa: BLE001 - user code: the workers will report its errors properly
+            return None
 
     # ------------------------------------------------------------------ (de)serialise
     def to_json(self) -> str:
@@ -206,6 +240,27 @@ class RunConfig:
         data = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def checkpoint_bytes(numel: int) -> int:
+    """Estimated size of one persistent checkpoint: param, exp_avg and exp_avg_sq in float32, plus
+    DCP metadata (5%)."""
+    return int(3 * 4 * numel * 1.05)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _unwritable(d: str) -> str | None:
+    """None if a file can be created in directory `d` (created if missing), else why not."""
+    try:
+        os.makedirs(d, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".phoenixft-probe-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:

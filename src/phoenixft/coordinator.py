@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--port-file", default="", help="where to write the port of the store it hosts")
     ap.add_argument("--journal", default="", help="write-ahead journal of membership, epochs and spare pool")
+    ap.add_argument("--run-id", default="", help="the run's id (unused here; makes the process findable by it)")
     a = ap.parse_args(argv)
     if a.store:
         from phoenixft.comm import connect_store

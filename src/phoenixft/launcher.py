@@ -11,6 +11,7 @@ down; teardown is idempotent and runs on every exit path, so no process outlives
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,16 +20,20 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from phoenixft import keys
+from phoenixft import keys, shm
 from phoenixft.config import RunConfig
 from phoenixft.display import Display
+from phoenixft.procs import group_members
 from phoenixft.report import build_report
 
-__all__ = ["LocalJob", "run_job"]
+__all__ = ["LocalJob", "run_job", "STOP_GRACE_S"]
+
+STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
 
 
 class LocalJob:
@@ -50,6 +55,10 @@ class LocalJob:
         self._server: Any = None
         self._coord_pids: list[int] = []
         self.coord_restarts = 0
+        self._reapers: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
+        self._owner = False
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
@@ -65,6 +74,13 @@ class LocalJob:
 
     def start(self) -> None:
         from phoenixft.comm import connect_store
+
+        swept = shm.sweep(exclude=(self.run_id,))
+        if swept.segments:
+            self.display.info(f"removed {swept.segments} orphaned shared-memory segment(s), "
+                              f"{swept.bytes / 2**20:.1f} MiB, of dead run(s) {', '.join(swept.runs)}")
+        shm.register_owner(self.run_id, "launcher")
+        self._owner = True
         from phoenixft.workload import WorkloadContext, load_workload
 
         wl = load_workload(self.cfg.workload, WorkloadContext(seed=self.cfg.seed, micro_batch=self.cfg.micro_batch,
@@ -95,11 +111,15 @@ class LocalJob:
     def _start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
             ["phoenixft.agent", "--store", self.addr, "--node", node, "--workers", str(self.cfg.workers_per_node),
-             "--threads", str(self._threads()), "--run-id", self.run_id], f"{node}.log")
+             "--threads", str(self._threads()), "--run-id", self.run_id, "--parent-pid", str(os.getpid())],
+            f"{node}.log")
 
     def _start_coordinator(self) -> None:
-        self.coord = self._spawn(["phoenixft.coordinator", "--store", self.addr, "--journal",
-                                  str(self.run_dir / "coordinator.journal")], "coordinator.log")
+        # it dies with the launcher (which serves the store it needs); --run-id makes it findable
+        self.coord = self._spawn(["phoenixft.procs", "--parent", str(os.getpid()), "--signal",
+                                  str(int(signal.SIGKILL)), "phoenixft.coordinator", "--store", self.addr,
+                                  "--journal", str(self.run_dir / "coordinator.journal"), "--run-id", self.run_id],
+                                 "coordinator.log")
         self._coord_pids.append(self.coord.pid)
 
     def _kill_group(self, node: str, sig: int = signal.SIGKILL) -> None:
@@ -130,6 +150,7 @@ class LocalJob:
                     self.exited.add(n)
                     self.store.set(keys.node_exit(n), str(time.time()))
                     self.store.add("exits", 1)
+                    self._reap_async(n)
                 if n not in self.fenced and self.store.check([keys.fence(n)]):
                     self.fenced.add(n)
                     if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
@@ -159,9 +180,47 @@ class LocalJob:
                 return "failed: every node exited"
             time.sleep(0.01)
 
+    # ------------------------------------------------------------------ node cleanup
+    def _reap_async(self, node: str) -> None:
+        with self._lock:
+            if node not in self._reapers:
+                t = threading.Thread(target=self._reap, args=(node,), name=f"phoenixft-reap-{node}", daemon=True)
+                self._reapers[node] = t
+                t.start()
+
+    def _reap(self, node: str) -> None:
+        """A node's agent has exited: make sure nothing of the node is left.
+
+        Its workers die with it (parent-death signal) and an agent that exits by itself frees its
+        node's memory; so processes still there after a moment, and segments left by an agent that
+        was not killed, are recorded as leaks. An agent killed by a signal (a failed or fenced node)
+        could not clean up: removing its segments is the launcher's job, not a leak."""
+        p = self.agents[node]
+        killed_by_signal = (p.returncode or 0) < 0
+        deadline = time.monotonic() + 3.0
+        left = group_members(p.pid)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.02)
+            left = group_members(p.pid)
+        if left:
+            self._kill_group(node)
+            with self._lock:
+                self.leaks["killed"].append({"node": node, "pids": left, "why": "outlived its agent"})
+            deadline = time.monotonic() + 5.0
+            while group_members(p.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        removed = shm.unlink_segments(self.run_id, node)
+        if removed and not killed_by_signal:
+            with self._lock:
+                self.leaks["removed_segments"].extend(name for name, _ in removed)
+
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
-        """Stop every process this job started; safe to call more than once."""
+        """Stop every process this job started and free its memory; safe to call more than once.
+
+        The run state is made final first (`aborted` if it is not), which every process of the run
+        obeys by itself within STOP_GRACE_S; what has to be killed or removed after that is recorded
+        in `self.leaks` (see the module docstring)."""
         if self._torn_down:
             return
         self._torn_down = True
@@ -170,31 +229,62 @@ class LocalJob:
                 self.store.set(keys.RUN_STATE, "aborted")
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
-        deadline = time.monotonic() + 5.0
-        for p in self.agents.values():
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in [*self.agents.values(), *([self.coord] if self.coord else [])]:
             try:
                 p.wait(timeout=max(0.05, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for n in self.agents:
-            self._kill_group(n)
+        for n, p in self.agents.items():
+            if p.poll() is None:
+                members = group_members(p.pid)
+                self._kill_group(n)
+                self.leaks["killed"].append({"node": n, "pids": members, "why": "still running after the run ended"})
         for p in self.agents.values():
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
         for pid in self._coord_pids:
+            left = group_members(pid)
+            if left:
+                self.leaks["killed"].append({"node": "coordinator", "pids": left,
+                                             "why": "still running after the run ended"})
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         if self.coord is not None:
-            self.coord.wait(timeout=5)
-        for f in Path("/dev/shm").glob(f"phoenixft-{self.run_id}-*"):
-            f.unlink(missing_ok=True)
+            try:
+                self.coord.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for n in self.agents:
+            self._reap_async(n)
+        for t in list(self._reapers.values()):
+            t.join(timeout=15)
+        for name, _ in shm.unlink_segments(self.run_id):  # not of any node's agent: nobody owned these
+            self.leaks["removed_segments"].append(name)
+        if self._owner:
+            shm.unregister_owner(self.run_id)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.agents.values()] + ([self.coord.pid] if self.coord else [])
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ignore SIGINT, SIGTERM and SIGHUP for the duration (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 def run_job(cfg: RunConfig, display: Display | None = None) -> dict[str, Any]:
@@ -204,7 +294,9 @@ def run_job(cfg: RunConfig, display: Display | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {}
     if threading.current_thread() is threading.main_thread():
         # SIGTERM (a scheduler, `kill`) must tear the job down like Ctrl-C does, never orphan it
-        signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+        # and so must SIGHUP (the terminal closed)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         job.start()
         state = job.monitor()
@@ -212,11 +304,13 @@ def run_job(cfg: RunConfig, display: Display | None = None) -> dict[str, Any]:
         report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
     except KeyboardInterrupt:
         state = "failed: interrupted"
-        report = {"config": json.loads(cfg.to_json()), "state": state}
+        report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}
     finally:
-        job.teardown()
+        with _signals_held():  # a second Ctrl-C / SIGHUP must not cut the teardown short
+            job.teardown()
     if not report:
-        report = {"config": json.loads(cfg.to_json()), "state": state}
+        report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}
+    report["teardown"] = job.leaks
     (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
     if cfg.report:
         Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from phoenixft import keys
+from phoenixft import keys, shm
 from phoenixft.comm import EpochComm, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
@@ -75,7 +75,7 @@ class Worker:
                 after_commit=self._after_replication,
             )
         if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
-            for f in Path("/dev/shm").glob(f"phoenixft-{run_id}-{self.wid}-g{gen}-hold*.data"):
+            for f in shm.SHM_DIR.glob(shm.holding_glob(run_id, self.wid, gen)):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
                 self.repl.holding(shard)
         pstore = connect_store(store_addr) if cfg.persist_every and self.protect else None
@@ -90,7 +90,7 @@ class Worker:
 
     def _partition(self, world: int, gen: int, step: int = 0) -> None:
         """Flat parameters and the own optimizer shard for a `world`-way partition (generation `gen`)."""
-        self.shm = f"/dev/shm/phoenixft-{self.run_id}-{self.wid}-g{gen}" if self.protect else None
+        self.shm = shm.worker_base(self.run_id, self.wid, gen) if self.protect else None
         self.trainer.partition(world, self.shm, step)
 
     def repartition(self, world: int, gen: int, r: int) -> None:
@@ -101,7 +101,7 @@ class Worker:
             self.repl.state = self.trainer.state
             self.repl.holdings = {}
         if old_shm and old_shm != self.shm:  # the old generation's segments are never used again
-            for f in Path("/dev/shm").glob(Path(old_shm).name + "-*"):
+            for f in shm.SHM_DIR.glob(Path(old_shm).name + "-*"):
                 f.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ helpers

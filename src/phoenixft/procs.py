@@ -1,0 +1,125 @@
+"""Process lifetime helpers: parent-death signals, process identity that survives PID reuse.
+
+- `die_with_parent(sig, parent)`: ask the kernel to send `sig` to this process when its parent
+  dies (`PR_SET_PDEATHSIG`), and act at once if the parent is already gone.
+- `start_time(pid)`: the process's start time in clock ticks since boot (`/proc/PID/stat`
+  field 22); a (pid, start time) pair names one process, never a later one that reuses the PID.
+- `group_members(pgid)`: live (not zombie) processes of a process group.
+
+`python -m phoenixft.procs --parent PID --signal N MODULE ARGS...` runs `python -m MODULE
+ARGS...` in this process after `die_with_parent(N, PID)`, and exits with `exit_now` (the launcher
+starts the coordinator so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["die_with_parent", "start_time", "alive", "group_members", "cmdlines", "exit_now"]
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int, parent: int) -> None:
+    """Receive `sig` when the parent (the thread that forked us) dies; if `parent` is already
+    gone (we were reparented before this call), send it to ourselves now."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # field 2 (comm) may contain spaces and parentheses: split after the last ')'
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot, or None if there is no such process."""
+    f = _stat_fields(pid)
+    return int(f[19]) if f else None  # field 22 overall; f[0] is field 3
+
+
+def alive(pid: int, start: int | None) -> bool:
+    """True if the process `pid` that started at `start` still runs (and is not a zombie)."""
+    f = _stat_fields(pid)
+    if not f or f[0] in ("Z", "X"):
+        return False
+    return start is None or int(f[19]) == start
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes whose process group is `pgid` (zombies excluded)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        f = _stat_fields(int(d.name))
+        if f and f[0] not in ("Z", "X") and int(f[2]) == pgid:
+            out.append(int(d.name))
+    return out
+
+
+def cmdlines() -> dict[int, list[str]]:
+    """argv of every readable process except this one."""
+    out: dict[int, list[str]] = {}
+    me = os.getpid()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        try:
+            raw = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if raw:
+            out[int(d.name)] = raw.rstrip(b"\0").decode(errors="replace").split("\0")
+    return out
+
+
+def _main(argv: list[str]) -> None:
+    import argparse
+    import runpy
+
+    ap = argparse.ArgumentParser(prog="python -m phoenixft.procs")
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--signal", type=int, default=int(signal.SIGKILL))
+    ap.add_argument("module")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    die_with_parent(a.signal, a.parent)
+    sys.argv = [a.module, *a.args]
+    code: object = 0
+    try:
+        runpy.run_module(a.module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    exit_now(code)
+
+
+def exit_now(code: object = 0) -> None:
+    """Exit like `sys.exit(code)` but skip the interpreter's finalization: with torch imported it
+    takes seconds on a busy machine, and a run's launcher waits for its processes to be gone.
+    Only for processes whose files are closed by then (stdout and stderr are flushed here)."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code or 0)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
