@@ -26,6 +26,7 @@ from typing import Any
 from phoenixft import keys
 from phoenixft.config import RunConfig
 from phoenixft.display import Display
+from phoenixft.repair import RepairQueue
 from phoenixft.report import build_report
 
 __all__ = ["LocalJob", "run_job"]
@@ -50,6 +51,8 @@ class LocalJob:
         self._server: Any = None
         self._coord_pids: list[int] = []
         self.coord_restarts = 0
+        # --repair-after: a lost node comes back as a fresh spare (ids past the configured ones)
+        self.repair = RepairQueue(cfg.repair_after, cfg.spares + (1 if cfg.spare_arrives_at_step else 0))
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
@@ -129,9 +132,12 @@ class LocalJob:
                     self.exited.add(n)
                     self.store.set(keys.node_exit(n), str(time.time()))
                     self.store.add("exits", 1)
+                    self.repair.lost(n)
                 if n not in self.fenced and self.store.check([keys.fence(n)]):
                     self.fenced.add(n)
                     self._kill_group(n)
+                    self.repair.lost(n)
+            self._start_repaired()
             if self.coord is not None and self.coord.poll() is not None and not self.store.check([keys.RUN_STATE]):
                 if self.coord_restarts >= 5:
                     return "failed: the coordinator keeps exiting"
@@ -156,6 +162,13 @@ class LocalJob:
             if all(n in self.exited for n in self.agents):
                 return "failed: every node exited"
             time.sleep(0.01)
+
+    def _start_repaired(self) -> None:
+        """--repair-after: start the spares whose repair is due; the coordinator admits them."""
+        for spare, lost in self.repair.due(self.agents):
+            self._start_agent(spare)
+            self.store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "spare_repaired", "by": "launcher",
+                                                       "node": spare, "replaces": lost}) + "\n")
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:

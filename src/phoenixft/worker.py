@@ -27,7 +27,7 @@ from phoenixft.comm import EpochComm, alltoallv, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
-from phoenixft.faults import FaultSpec
+from phoenixft.faults import RECOVERY_PHASE, FaultSpec
 from phoenixft.invariants import check_invariants
 from phoenixft.persist import Persister, load_full
 from phoenixft.replication import ReplicaPlan, Replicator
@@ -128,6 +128,8 @@ class Worker:
         slot = self.topo.slot_of(self.node_id)
         for f in self.faults:
             if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
+                continue
+            if f.phase == RECOVERY_PHASE:  # fires only in _restore, mid state transfer
                 continue
             if f.coordinator:
                 hit = self.rank == 0
@@ -467,8 +469,10 @@ class Worker:
         for t in mine:
             self.flat.install(got[t["param_src"]], r)
         t2 = time.time()
-        for f in self.faults:  # kill:node=I@recovery=N fires here, mid state transfer
-            if f.kind == "kill" and f.recovery == topo.epoch and topo.slot_of(self.node_id) in f.nodes:
+        for f in self.faults:  # kill:node=I@recovery=N (or @step=S,phase=recovery) fires here, mid state transfer
+            in_recovery = f.recovery == topo.epoch or (
+                f.phase == RECOVERY_PHASE and f.step is not None and topo.resume_step >= f.step - 1)
+            if f.kind == "kill" and in_recovery and topo.slot_of(self.node_id) in f.nodes:
                 self._fire(f, recovery=topo.epoch)
         # 2. optimizer shard from a committed replica
         sends = {}
