@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import processes_with
 
-from phoenixft.chaos import KINDS, MAX_COORDINATOR_KILLS, MIN_GAP, make_schedule, unsurvivable_reason
+from phoenixft.chaos import KINDS, MAX_COORDINATOR_KILLS, MIN_GAP, judge, make_schedule, unsurvivable_reason
 from phoenixft.cli.main import main
 from phoenixft.config import RunConfig
 from phoenixft.errors import UserError
@@ -125,6 +125,31 @@ def test_repair_queue_hands_out_new_spare_ids_once_per_lost_node() -> None:
     assert off.due(set()) == []
 
 
+def test_verdicts_from_reports() -> None:
+    cfg = _cfg(nodes=4, spares=2, steps=20)
+    sched = make_schedule(cfg, 2, 3)
+    ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
+    done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a", "recoveries": []}
+    assert judge(sched, cfg, ref, done, [], [])["verdict"] == "pass"
+    assert judge(sched, cfg, ref, {**done, "final_state_sha256": "b"}, [], [])["verdict"] == "fail"
+    shrunk = {**done, "final_state_sha256": "b", "loss": [3.0, 2.0001],
+              "recoveries": [{"action": "shrink", "invariants": {"I1": True}, "lost_steps": 1}]}
+    v = judge(sched, cfg, ref, shrunk, [], [])
+    assert v["verdict"] == "pass" and v["shrank"] and v["max_loss_rel_dev"] == pytest.approx(5e-5)
+    assert judge(sched, cfg, ref, {**shrunk, "loss": [3.0, 2.01]}, [], [])["verdict"] == "fail"
+    # the job had shrunk to 3 nodes (n0, n2, n3) when n0 and n2 died together: on that ring n2 held n0's
+    # only replica, so the failure is by design even though the pair was survivable on 4 nodes
+    events = [{"kind": "epoch", "epoch": 2, "nodes": ["n0", "n2", "n3"], "t": 10.0},
+              {"kind": "fault", "fault": "kill", "spec": "kill:node=0,1@step=9", "index": 0, "node": "n0", "t": 11.0},
+              {"kind": "fault", "fault": "kill", "spec": "kill:node=0,1@step=9", "index": 0, "node": "n2", "t": 11.0}]
+    failed = {"state": "failed", "error": "in-memory state lost in epoch 2 (lost shards: pp0.tp0.dp0of3) and no "
+              "persistent tier (--persist-every)", "loss": [3.0], "recoveries": []}
+    v = judge(sched, cfg, ref, failed, events, [{"step": 8, "epoch": 2}])
+    assert v["verdict"] == "unsurvivable-by-design" and "after a shrink" in v["reason"], v["reason"]
+    events[0]["nodes"] = ["n0", "s1", "n2", "n3"]  # on 4 nodes s1 keeps n0's replica, n3 keeps n2's: a fail
+    assert judge(sched, cfg, ref, failed, events, [{"step": 8, "epoch": 2}])["verdict"] == "fail"
+
+
 def _chaos(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
     report = tmp / "chaos.json"
     src = str(Path(__file__).parents[1] / "src")
@@ -166,3 +191,4 @@ def test_unsurvivable_schedule_is_reported_as_such(tmp_path: Path) -> None:
     assert rep["schedule"][0]["inject"] == ["kill:node=0,1@step=3,phase=optimizer"]
     assert "UNSURVIVABLE BY DESIGN" in p.stdout and "chaos verdict: UNSURVIVABLE-BY-DESIGN" in p.stdout
     assert rep["run"]["state"] == "failed" and "lost shards: pp0.tp0.dp0of3" in rep["run"]["error"]
+    assert rep["reference"]["state"] == "skipped"  # nothing to compare: it can never be a pass

@@ -331,7 +331,7 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
                    and run.get("final_state_sha256") == ref.get("final_state_sha256"))
     invariants_ok = all(all(r.get("invariants", {}).values()) for r in recs)
     static = [f"fault {f.index} ({' + '.join(f.specs)}): {f.unsurvivable}" for f in sched.unsurvivable]
-    if ref.get("state") != "done":
+    if ref.get("state") not in ("done", "skipped"):
         verdict = "fail"
         reason = f"the failure-free reference run did not finish: {ref.get('error') or ref.get('state')}"
     elif static:
@@ -368,16 +368,21 @@ def format_verdict(v: dict[str, Any], ref: dict[str, Any], run: dict[str, Any], 
     missed = [f"#{p['index']}" for p in v["per_fault"] if not p["injected"]]
     not_rec = [f"#{p['index']}" for p in v["per_fault"] if p["injected"] and not p["recovered"]]
     sha = (run.get("final_state_sha256") or "-")[:16]
-    if v["bitwise_equal"]:
+    if run.get("state") != "done":
+        state = f"none: the run stopped ({run.get('state')})"
+    elif v["bitwise_equal"]:
         state = f"bitwise equal to the reference (sha256 {sha})"
+    elif ref.get("state") == "skipped":
+        state = f"sha256 {sha} (no reference run: the schedule is unsurvivable by design)"
     else:
         state = f"differs from the reference ({sha} vs {(ref.get('final_state_sha256') or '-')[:16]})"
     dev = "-" if v["max_loss_rel_dev"] is None else f"{v['max_loss_rel_dev']:.2e}"
     lines = [
         f"chaos verdict: {v['verdict'].upper()}: {v['reason']}",
         f"  faults injected   {v['injected']} of {v['faults']}"
-        + (f" (never fired: {', '.join(missed)}; their node or rank was not in the job when the step came)"
-           if missed else ""),
+        + (f" (never fired: {', '.join(missed)}; "
+           + ("their node or rank was not in the job when their step came)" if run.get("state") == "done"
+              else "the run stopped before their step)") if missed else ""),
         f"  recovered         {v['recovered']} of {v['injected']}"
         + (f" (not: {', '.join(not_rec)})" if not_rec else "")
         + f"; {v['recoveries']} recovery epochs, {v['replicas_rejected']} corrupt replica(s) rejected",
@@ -411,14 +416,20 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
                                   json_events=False)
     ref_cfg.validate()
     print(format_schedule(sched, camp), file=out, flush=True)
-    print(f"[1/2] failure-free reference (--protect none --spares 0) in {ref_cfg.run_dir} ...", file=out, flush=True)
-    ref = run_job(ref_cfg, Display(quiet=True, steps=ref_cfg.steps))
+    if sched.unsurvivable:  # the verdict is fixed: show how the system stops, no reference needed
+        print("[1/2] reference skipped: the schedule is unsurvivable by design, so this cannot be a pass",
+              file=out, flush=True)
+        ref: dict[str, Any] = {"state": "skipped"}
+    else:
+        print(f"[1/2] failure-free reference (--protect none --spares 0) in {ref_cfg.run_dir} ...", file=out,
+              flush=True)
+        ref = run_job(ref_cfg, Display(quiet=True, steps=ref_cfg.steps))
+        print(f"      {ref.get('state')}: {ref.get('steps_completed', 0)} steps in {time.monotonic() - t0:.1f}s, "
+              f"final state sha256 {(ref.get('final_state_sha256') or '-')[:16]}", file=out, flush=True)
     t_ref = time.monotonic() - t0
-    print(f"      {ref.get('state')}: {ref.get('steps_completed', 0)} steps in {t_ref:.1f}s, final state sha256 "
-          f"{(ref.get('final_state_sha256') or '-')[:16]}", file=out, flush=True)
     run: dict[str, Any] = {"state": "not run", "config": json.loads(camp.to_json())}
     t1 = time.monotonic()
-    if ref.get("state") == "done":
+    if ref.get("state") in ("done", "skipped"):
         print(f"[2/2] campaign: {len(sched.inject)} fault specs in {camp.run_dir} ...", file=out, flush=True)
         run = run_job(camp, Display(quiet=camp.quiet, json_events=camp.json_events, steps=camp.steps))
     t_camp = time.monotonic() - t1
