@@ -251,7 +251,8 @@ def format_schedule(sched: Schedule, cfg: RunConfig) -> str:
     persist = f", --persist-every {cfg.persist_every}" if cfg.persist_every else ""
     lines = [f"chaos campaign: seed {sched.seed}, {len(sched.faults)} faults over {cfg.steps} steps; "
              f"{cfg.nodes} nodes x {cfg.workers_per_node} worker(s), {cfg.spares} spare(s), --replicas "
-             f"{cfg.replicas}{persist}, lost nodes back as spares after {cfg.repair_after:g}s, "
+             f"{cfg.replicas}{persist}, lost nodes back as spares "
+             f"{f'after {cfg.repair_after:g}s' if cfg.repair_after else 'never (--repair-after 0)'}, "
              f"--failure-timeout {cfg.failure_timeout:g}s",
              f"  {'#':>3} {'step':>4}  {'fault':<21} inject"]
     for f in sched.faults:
@@ -405,7 +406,7 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
 
     out = out or sys.stdout
     t0 = time.monotonic()
-    cfg = dataclasses.replace(cfg, seed=seed, inject=None, report="")
+    cfg = dataclasses.replace(cfg, seed=seed, inject=[], report="")
     sched = make_schedule(cfg, faults, seed, allow_unsurvivable)
     root = Path(cfg.run_dir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S"))
     persist_dir = str(Path(cfg.persist_dir) / f"chaos-{uuid.uuid4().hex[:8]}") if cfg.persist_every else ""
