@@ -316,8 +316,8 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
                        for s in f.specs)
         if not injected:
             recovered = False
-        elif f.kind == "kill_coordinator":
-            recovered = cp.get(f.specs[0], {}).get("downtime_s") is not None
+        elif f.kind == "kill_coordinator":  # back from its journal, or training finished without needing it
+            recovered = cp.get(f.specs[0], {}).get("downtime_s") is not None or run.get("state") == "done"
         else:
             recovered = max_epoch > max(ev.get("epoch", 0) for ev in evs)
         per_fault.append({"index": f.index, "kind": f.kind, "step": f.step, "injected": injected,
