@@ -26,7 +26,7 @@ def test_hung_node_is_detected_fenced_and_swapped(tmp_path: Path, reference) -> 
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
     assert rec["action"] == "hotswap" and rec["dead"] == ["n2"] and rec["promoted"] == ["s0"]
-    assert rec["detect_s"] <= 2.0 + 2.0, rec
+    assert rec["fenced"] == ["n2"] and rec["unresponsive"] == ["n2"], rec
     assert processes_with(rep["run_id"]) == []  # the stopped node was fenced (killed), not left behind
 
 

@@ -46,17 +46,18 @@ def test_two_faults_two_spares(tmp_path: Path, reference) -> None:  # type: igno
 
 
 def test_corrupt_replica_is_never_loaded(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    ref = reference(nodes=2, steps=10)
-    # node 1 keeps node 0's replica; the copy it received during step 4 (state after step 3) is corrupted
-    # at rest. Node 0 then dies inside its optimizer step 5: the checksum rejects the corrupt half and
-    # recovery uses the other one (state after step 4).
-    rep = run(tmp_path, nodes=2, spares=1, steps=10,
-              inject=["corrupt:node=1@step=4", "kill:node=0@step=5,phase=optimizer"])
+    ref = reference(nodes=4, steps=10)
+    # with --replicas 2, nodes 1 and 2 keep node 0's replicas. The copy node 1 received during step 5
+    # (the state after step 4: the newest, the one recovery would use) is corrupted at rest. Node 0
+    # then dies inside its optimizer step 5, after every rank committed step 4. Loading node 1's copy
+    # would change the final hash; its checksum rejects it and node 2's copy of the same step is used.
+    rep = run(tmp_path, nodes=4, spares=1, replicas=2, steps=10,
+              inject=["corrupt:node=1@step=5", "kill:node=0@step=5,phase=optimizer"])
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
-    assert rec["replicas_rejected"] == [[0, 3]], rec
-    assert rec["resumed_step"] == 4, rec
+    assert ["pp0.tp0.dp0of4", 4] in rec["replicas_rejected"], rec
+    assert rec["resumed_step"] == 4 and rec["lost_steps"] == 0, rec
     assert all(rec["invariants"].values())
 
 

@@ -76,7 +76,7 @@ def test_user_workload_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         (["--nodes", "2", "--microbatches", "3"], "--microbatches=3 is invalid: must be a multiple"),
         (["--workload", "no_such_module:fn"], "--workload='no_such_module:fn' does not import"),
         (["--inject", "kill:node=7@step=2"], "node must be in 0..1"),
-        (["--inject", "kill:node=0@step=2,phase=lunch"], "valid phases: forward, backward, replicate, optimizer"),
+        (["--inject", "kill:node=0@step=2,phase=lunch"], "valid phases: forward, backward, replicate, optimizer, recovery"),
         (["--protect", "magic"], "--protect='magic' is invalid: one of phoenix, none"),
     ],
 )

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0
     while children:
         try:
+            if store.check([keys.fence(a.node)]):  # declared dead while stopped or cut off: never write again
+                print(f"phoenixft agent {a.node}: fenced by the control plane; stopping the node", flush=True)
+                stop(signal.SIGTERM, None)
             store.set(keys.heartbeat(a.node), str(time.time()))
         except Exception:  # noqa: BLE001 - control plane gone: keep supervising, the launcher decides
             pass

@@ -39,7 +39,7 @@ from typing import Any, TextIO
 
 from phoenixft.config import RunConfig
 from phoenixft.errors import UserError
-from phoenixft.faults import KILL_PHASES, RECOVERY_PHASE
+from phoenixft.faults import KILL_PHASES
 from phoenixft.topology import Topology, shard_name
 
 __all__ = [
@@ -230,7 +230,7 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
             other = rng.choice(mates) if mates else j
             who = f"node {other}" if other != j else f"the spare promoted into slot {j}"
             f = ChaosFault(i, kind, s, (f"kill:node={j}@step={s},phase=optimizer",
-                                        f"kill:node={other}@step={s},phase={RECOVERY_PHASE}"),
+                                        f"kill:node={other}@step={s},phase=recovery"),
                            f"SIGKILL node {j} in its optimizer phase, then {who} during that recovery's state "
                            "transfer", tuple(sorted({j, other})))
         elif kind == "kill_coordinator":

@@ -72,6 +72,9 @@ class RunConfig:
                              flag="--repair-after")
     failure_timeout: float = _f(10.0, "Seconds without a heartbeat or answer before a node is declared failed.",
                                 flag="--failure-timeout")
+    fence_kill: bool = _f(True, "Fence a failed node by SIGKILL of its process group in local runs, besides the "
+                          "logical fence every process obeys; off (--no-fence-kill) = logical fence only, as for a "
+                          "host that cannot be reached.", flag="--no-fence-kill", action="store_false")
     threads: int = _f(0, "torch intra-op threads per worker (0 = cores / active workers, at least 1).")
     chunk_mb: float = _f(4.0, "Replication chunk size in MiB.", flag="--chunk-mb")
     report: str = _f("", "Write the JSON report to this path.")
@@ -185,7 +188,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] 
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         default = defaults.get(f.name, f.default)
         action = meta.get("action")
-        if action == "store_true":
+        if action == "store_false":
+            parser.add_argument(flag, dest=f.name, action="store_false", default=default, help=meta["help"])
+        elif action == "store_true":
             parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=meta["help"])
         elif action == "append":
             parser.add_argument(flag, dest=f.name, action="append", default=None, metavar="SPEC",

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from phoenixft import keys
 from phoenixft.config import RunConfig
 from phoenixft.persist import latest_manifest
-from phoenixft.topology import Topology, shard_name
+from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
+from phoenixft.topology import Topology
 
 __all__ = ["Coordinator", "main"]
 
@@ -200,12 +201,22 @@ class Coordinator:
         fenced: set[str] = set()
         deadline = time.monotonic() + self.cfg.failure_timeout
         restarted: set[str] = set()
+        stale_since: dict[str, float] = {}
+        grace = min(1.0, self.cfg.failure_timeout / 2)
         while True:
             now = time.time()
             for n in old.nodes:
-                if n not in dead and (self._exited(n) or self._stale(n, now)):
+                if n not in dead and self._exited(n):
                     dead.add(n)
             missing = [w for w in wids if w.split(".")[0] not in dead and not self.store.check([keys.desc(e, w)])]
+            # a stale heartbeat alone is not death (a starved agent): the node is dead when it is stale
+            # and its workers have not answered within a short grace either
+            for n in {w.split(".")[0] for w in missing}:
+                if self._stale(n, now):
+                    if now - stale_since.setdefault(n, now) >= grace:
+                        dead.add(n)
+                        fenced.add(n)
+            missing = [w for w in missing if w.split(".")[0] not in dead]
             for w in missing:
                 if w not in restarted and self.store.check([keys.worker_exit(w)]):
                     restarted.add(w)  # its agent restarts it in place: give it the full timeout again
@@ -213,7 +224,7 @@ class Coordinator:
             if not missing:
                 break
             if time.monotonic() > deadline:
-                fenced = {w.split(".")[0] for w in missing}  # unresponsive: fence the whole node
+                fenced |= {w.split(".")[0] for w in missing}  # unresponsive: fence the whole node
                 dead |= fenced
                 break
             time.sleep(POLL_S)
@@ -223,139 +234,46 @@ class Coordinator:
         for n in dead:
             self.store.set(keys.fence(n), "1")
         self.dead |= dead
-        descs = {w: json.loads(self.store.get(keys.desc(e, w))) for w in wids if w.split(".")[0] not in dead}
-        t_first = min([d["t"] for d in descs.values()] + [t_start])
-        if dead:
-            klass, action = "permanent", "hotswap"
-        elif (not self.store.check([keys.failflag(e) + "/by-worker"]) and not restarted
-              and len(old.nodes) < self.cfg.nodes):
-            klass, action = "planned", "grow"
-        elif restarted:
-            klass, action = "transient", "inplace"
-        else:
-            klass, action = "transient", "reconfigure"
-        # spares: one per dead node, into the dead node's slot; with too few, the job shrinks
+        descs = {w: Descriptor.from_json(json.loads(self.store.get(keys.desc(e, w))))
+                 for w in wids if w.split(".")[0] not in dead}
+        t_first = min([d.t for d in descs.values()] + [t_start])
         self._refresh_pool()
         pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
-        nodes: list[str] = []
-        promoted: list[str] = []
-        dropped: list[str] = []
-        for n in old.nodes:
-            if n not in dead:
-                nodes.append(n)
-            elif pool:
-                spare = pool.pop(0)
-                self.spare_pool.remove(spare)
-                nodes.append(spare)
-                promoted.append(spare)
-            else:
-                dropped.append(n)
-        if not nodes:
-            self._fail_run(f"every node is lost ({', '.join(sorted(dead))}) and no spare is ready")
+        grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
+                     and not self.store.check([keys.failflag(e) + "/by-worker"]))
+        man = latest_manifest(self.cfg.persist_dir) if self.cfg.persist_dir else None
+        plan = plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
+                                       target_nodes=self.cfg.nodes, replicas=self.cfg.replicas, racks=self.cfg.racks,
+                                       manifest=man, grow_only=grow_only))
+        if not plan.ok or plan.topo is None:
+            self._fail_run(f"{plan.error} (epoch {e})")
             return
-        if dropped:
-            action = "shrink"
-            self._event("shrink", epoch=e, dropped=dropped, world=len(nodes) * self.g)
-        elif len(nodes) < self.cfg.nodes and pool:  # a spare arrived after a shrink: grow back
-            while len(nodes) < self.cfg.nodes and pool:
-                spare = pool.pop(0)
-                self.spare_pool.remove(spare)
-                nodes.append(spare)
-                promoted.append(spare)
-            klass, action = "planned", "grow"
-            self._event("grow", epoch=e, added=promoted, world=len(nodes) * self.g)
-        # recovery point: newest step every logical shard still has
-        avail: dict[int, set[int]] = {}
-        sources: dict[int, dict[int, int]] = {}  # shard -> step -> holder rank
-        local: dict[int, set[int]] = {}  # what the owner itself still holds (survivor or restarted in place)
-        for shard in range(old.world):
-            owner = old.node_of_rank(shard)
-            local[shard] = set() if owner in dead else set(descs[f"{owner}.{shard % self.g}"]["steps"])
-            avail[shard] = set(local[shard])
-            if owner not in dead and f"{owner}.{shard % self.g}" not in restarted:
-                continue  # a survivor restores from its own ping-pong halves
-            sources[shard] = {}
-            for h in old.holders(shard):
-                hn = old.node_of_rank(h)
-                if hn in dead:
-                    continue
-                for s in descs[f"{hn}.{h % self.g}"]["holdings"].get(str(shard), []):
-                    avail[shard].add(s)
-                    sources[shard].setdefault(s, h)
-        lost = [shard_name(s, old.world) for s, a in avail.items() if not a]
-        common = set.intersection(*avail.values()) if avail else set()
-        rejected = sorted({tuple(x) for d in descs.values() for x in d.get("rejected", [])})
-        meta: dict[str, Any] = {}
-        if lost or not common:
-            held = "; ".join(f"dp{s}: {sorted(a)}" for s, a in avail.items())
-            what = f"lost shards: {', '.join(lost)}" if lost else f"no step is held by every shard ({held})"
-            if rejected:
-                what += f"; replicas rejected by checksum (shard, step): {[list(x) for x in rejected]}"
-            man = latest_manifest(self.cfg.persist_dir) if self.cfg.persist_dir else None
-            if man is None:
-                hint = ("no complete persistent checkpoint" if self.cfg.persist_dir
-                        else "no persistent tier (--persist-every)")
-                self._fail_run(f"in-memory state lost in epoch {e} ({what}) and {hint}")
-                return
-            if dropped:
-                self._fail_run(f"in-memory state lost in epoch {e} ({what}); the persistent fallback needs a spare "
-                               f"for each lost node and {len(dropped)} are missing")
-                return
-            self._event("fallback_persistent", epoch=e, reason=what, step=man["step"], path=man["path"])
-            action = "persistent"
-            meta = {"restore": "persistent", "manifest": man}
-            common = {man["step"]}
-            dead_only = True
-        else:
-            dead_only = False
-        r = max(common)
-        max_committed = max((max(d["steps"]) for d in descs.values() if d["steps"]), default=r)
+        topo = plan.topo
+        for s in plan.promoted:
+            self.spare_pool.remove(s)
+        if plan.dropped:
+            self._event("shrink", epoch=e, dropped=plan.dropped, world=topo.world)
+        elif plan.action == "grow":
+            self._event("grow", epoch=e, added=plan.promoted, world=topo.world)
+        if plan.persistent_step is not None:
+            self._event("fallback_persistent", epoch=e, reason=topo.meta["reason"], step=plan.persistent_step,
+                        path=topo.meta["manifest"]["path"])
+        max_committed = max((max(d.params) for d in descs.values() if d.params), default=plan.resume_step)
         progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
-        alive_ranks = [rk for rk in range(old.world) if old.node_of_rank(rk) not in dead]
-        # a promoted spare gets everything; a worker restarted in place only what it did not retain
-        needy = [] if dead_only else [rk for rk in range(old.world) if r not in local[rk]]
-        healthy = [rk for rk in alive_ranks if r in local[rk]]
-        if needy and not healthy:
-            self._fail_run(f"no healthy data-parallel peer holds the parameters of step {r}")
-            return
-        transfers = [{"dst": rk, "shard": rk, "param_src": healthy[k % len(healthy)], "opt_src": sources[rk][r]}
-                     for k, rk in enumerate(needy)]
-        gen = int(old.meta.get("generation", 0))
-        if len(nodes) != len(old.nodes):  # repartition over the new world: every old shard gets one provider
-            new = Topology(epoch=e + 1, nodes=nodes, workers_per_node=self.g, replicas=self.cfg.replicas,
-                           racks=1, resume_step=r)
-            providers: dict[str, list[Any]] = {}
-            for shard in range(old.world):
-                owner, lr = old.node_of_rank(shard), shard % self.g
-                if owner not in dead and r in local[shard]:
-                    providers[str(shard)] = [new.rank_of(owner, lr), "own"]
-                else:
-                    h = sources[shard][r]
-                    providers[str(shard)] = [new.rank_of(old.node_of_rank(h), h % self.g), "replica"]
-            fresh = [new.rank_of(sp, lr) for sp in promoted for lr in range(self.g)]
-            keep = [new.rank_of(n, lr) for n in nodes if n not in promoted for lr in range(self.g)]
-            meta["reshard"] = {"old_world": old.world, "providers": providers,
-                               "params_to": {str(d): keep[k % len(keep)] for k, d in enumerate(fresh)}}
-            meta["generation"] = gen + 1
-            transfers = []
-        else:
-            meta["generation"] = gen
-        replicas = min(self.cfg.replicas, len(nodes) - 1)
-        racks = self.cfg.racks if len(nodes) % self.cfg.racks == 0 else 1
-        topo = Topology(epoch=e + 1, nodes=nodes, workers_per_node=self.g, replicas=replicas,
-                        racks=racks, resume_step=r, transfers=transfers,
-                        meta={"dead": sorted(dead), "promoted": promoted, "class": klass, "action": action, **meta})
         self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
-                    **{"class": klass}, action=action)
+                    **{"class": plan.klass}, action=plan.action)
         rec = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
-               "t_decided": time.time(), "dead": sorted(dead), "fenced": sorted(fenced), "promoted": promoted,
-               "resume_step": r, "max_committed": max(max_committed, progress), "class": klass, "action": action,
-               "restarted": sorted(restarted), "dropped": dropped, "world": len(nodes) * self.g,
-               "errors": sorted({d["error"] for d in descs.values()})[:5],
-               "replicas_rejected": [list(x) for x in rejected]}
+               "t_decided": time.time(), "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
+               "promoted": plan.promoted,
+               "resume_step": plan.resume_step, "max_committed": max(max_committed, progress), "class": plan.klass,
+               "action": plan.action, "restarted": sorted(restarted), "dropped": plan.dropped, "world": topo.world,
+               "errors": sorted({d.error for d in descs.values()})[:5],
+               "replicas_rejected": [list(x) for x in plan.rejected],
+               "bad_sources": sorted({x for d in descs.values() for x in d.bad_sources}),
+               "persistent_step": plan.persistent_step}
         self.store.set(keys.recovery(e + 1), json.dumps(rec))
         self.publish(topo)
-        self._event("recovery_planned", epoch=e + 1, resume_step=r, promoted=promoted,
+        self._event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,
                     decide_s=rec["t_decided"] - t_start)
 
 

@@ -74,6 +74,17 @@ class Display:
         elif k == "run_failed":
             self._err(f"!! run failed: {ev['error']}")
 
+    @staticmethod
+    def _inv(r: dict[str, Any]) -> str:
+        if all(r["invariants"].values()):
+            return "ok"
+        bad = ", ".join(k for k, v in r["invariants"].items() if not v)
+        why = f" ({'; '.join(r.get('i3_failures', [])[:2])})" if r.get("i3_failures") else ""
+        if r.get("completed_in_epoch", r["epoch"]) != r["epoch"]:
+            return f"{bad} not established in epoch {r['epoch']}{why}; recovery completed in epoch " \
+                   f"{r['completed_in_epoch']}"
+        return f"FAILED: {bad}{why}"
+
     def done(self, report: dict[str, Any]) -> None:
         if self.tty:
             sys.stderr.write("\n")
@@ -84,7 +95,7 @@ class Display:
                       f"(detect {fmt(st['detect_s'])}, reconfigure {fmt(st['reconfigure_s'])}, "
                       f"params {fmt(st['restore_params_s'])}, optimizer {fmt(st['restore_optimizer_s'])}, "
                       f"first step {fmt(st['first_step_s'])}), lost {r['lost_steps']} step(s), "
-                      f"invariants {'ok' if all(r['invariants'].values()) else r['invariants']}")
+                      f"invariants {self._inv(r)}")
         state = report.get("state")
         self._err(f"{state}: {report.get('steps_completed', 0)} steps, final state sha256 "
                   f"{(report.get('final_state_sha256') or '-')[:16]}, report in {report.get('run_dir', '-')}")

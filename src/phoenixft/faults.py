@@ -5,16 +5,17 @@
     kill:node=I@recovery=N                SIGKILL slot I during the N-th recovery (its state transfer;
                                           the node in slot I may be the promoted spare itself)
     kill:node=I@step=S,phase=recovery     SIGKILL slot I during the state transfer of the first recovery
-                                          that resumes from step S-1 or later (the recovery of a failure
-                                          at step S, whose epoch number is not known in advance)
+                                          whose resume step is >= S-1 (no epoch number needed)
     kill:coordinator@step=S               SIGKILL the coordinator process (the launcher restarts it)
     hang:node=I@step=S[,phase=P]          SIGSTOP every process of node I (only a timeout finds it)
     crash:rank=R@step=S[,phase=P]         worker R exits with an error; its node stays healthy
     corrupt:node=I@step=S                 flip bytes in the replicas node I received during step S
+    corrupt:node=I@step=S,phase=transfer  flip bytes in every optimizer-state transfer node I sends in
+                                          recoveries whose resume step is >= S-1 (corruption in flight)
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
 
-P is one of forward, backward, replicate, optimizer (default forward); `recovery` only for kill of
-nodes (it never fires in a training step). A fault fires at most once
+P is one of forward, backward, replicate, optimizer (default forward); recovery for kill, transfer
+for corrupt. A fault fires at most once
 per (fault, node): the first process that reaches it claims it atomically in the store
 (`store.add`), records the time, and only then acts, so a replayed step never fires it again.
 """
@@ -26,10 +27,10 @@ from dataclasses import dataclass
 
 from phoenixft.errors import UserError
 
-__all__ = ["FaultSpec", "parse_fault", "KILL_PHASES", "RECOVERY_PHASE", "FAULT_KINDS"]
+__all__ = ["FaultSpec", "parse_fault", "KILL_PHASES", "FAULT_KINDS"]
 
 KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
-RECOVERY_PHASE = "recovery"  # kill:node=I@step=S,phase=recovery: fires in the first recovery resuming >= S-1
+SPECIAL_PHASES = {"kill": ("recovery",), "corrupt": ("transfer",)}
 FAULT_KINDS = ("kill", "hang", "crash", "corrupt", "nan")
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):(?:(?P<target>[^@]+)@)?(?P<when>.+)$")
 _VALID = ("expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, kill:node=I@recovery=N, "
@@ -98,12 +99,11 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     step = _ints(text, when["step"], "step")[0] if "step" in when else None
     recovery = _ints(text, when["recovery"], "recovery")[0] if "recovery" in when else None
     phase = when.get("phase", "forward")
-    if phase == RECOVERY_PHASE:
-        if kind != "kill" or not nodes or step is None:
-            raise _bad(text, "phase=recovery is only for kill:node=I@step=S,phase=recovery")
-    elif phase not in KILL_PHASES:
-        raise _bad(text, f"phase={phase!r}, valid phases: {', '.join(KILL_PHASES)}"
-                   + (", recovery (kill:node only)" if kind == "kill" else ""))
+    valid = KILL_PHASES + SPECIAL_PHASES.get(kind, ())
+    if phase not in valid:
+        raise _bad(text, f"phase={phase!r}, valid phases: {', '.join(valid)}")
+    if phase == "recovery" and (not nodes or "step" not in when):  # it fires only for node slots, by step
+        raise _bad(text, "phase=recovery is only for kill:node=I@step=S,phase=recovery")
     need_target = {"kill": nodes or rack is not None or coordinator, "hang": len(nodes) == 1, "crash": rank is not None,
                    "corrupt": len(nodes) == 1, "nan": not m["target"]}
     if not need_target[kind]:

@@ -135,7 +135,8 @@ class LocalJob:
                     self.repair.lost(n)
                 if n not in self.fenced and self.store.check([keys.fence(n)]):
                     self.fenced.add(n)
-                    self._kill_group(n)
+                    if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
+                        self._kill_group(n)
                     self.repair.lost(n)
             self._start_repaired()
             if self.coord is not None and self.coord.poll() is not None and not self.store.check([keys.RUN_STATE]):

@@ -18,11 +18,14 @@ import queue
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+from phoenixft.snapshot import checksum
 
 __all__ = ["Persister", "latest_manifest", "load_full"]
 
@@ -52,25 +55,31 @@ def latest_manifest(root: str | os.PathLike[str], max_step: int | None = None) -
     return best
 
 
-def load_full(man: dict[str, Any]) -> torch.Tensor:
-    """Rows (param, exp_avg, exp_avg_sq) x numel, in logical order, from every shard file."""
+def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, list[int]]:
+    """Rows (param, exp_avg, exp_avg_sq) x numel, in logical order, from every shard file, and the
+    shards whose data does not match the checksum their writer committed in the manifest."""
     rows = []
+    bad = []
+    crcs = man.get("crc", {})
     cm = _quiet()
     try:
         for r in range(man["shards"]):
             t = torch.empty(3, man["shard_numel"])
             dcp.load({"shard": t}, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
+            if str(r) in crcs and checksum(t) != int(crcs[str(r)]):
+                bad.append(r)
             rows.append(t)
     finally:
         cm.__exit__(None, None, None)
-    return torch.cat(rows, dim=1)[:, : man["numel"]].contiguous()
+    return torch.cat(rows, dim=1)[:, : man["numel"]].contiguous(), bad
 
 
 class Persister:
     """Background DCP writer for one rank."""
 
-    def __init__(self, root: str, every: int, store: Any) -> None:
+    def __init__(self, root: str, every: int, store: Any, fenced: Callable[[], bool] = lambda: False) -> None:
         self.root, self.every, self.store = Path(root), every, store
+        self._fenced = fenced
         self.root.mkdir(parents=True, exist_ok=True)
         self._q: queue.Queue[tuple[int, torch.Tensor, dict[str, Any]] | None] = queue.Queue(maxsize=2)
         self.saved: list[float] = []
@@ -100,6 +109,8 @@ class Persister:
             if job is None:
                 return
             step, data, meta = job
+            if self._fenced():  # a fenced node never writes into the job's checkpoints again
+                continue
             t0 = time.perf_counter()
             d = self.root / f"step_{step:08d}"
             cm = _quiet()
@@ -111,9 +122,12 @@ class Persister:
                 cm.__exit__(None, None, None)
             self.saved.append(time.perf_counter() - t0)
             key = f"persist/{meta['epoch']}/{step}"
-            if self.store.add(key, 1) == meta["shards"]:  # last one in writes the manifest, last
+            self.store.set(f"{key}/crc/{meta['rank']}", str(checksum(data)))
+            if self.store.add(key, 1) == meta["shards"] and not self._fenced():  # last one in writes the manifest
+                crcs = {str(r): int(self.store.get(f"{key}/crc/{r}")) for r in range(meta["shards"])}
                 man = {"step": step, "shards": meta["shards"], "numel": meta["numel"],
-                       "shard_numel": meta["shard_numel"], "epoch": meta["epoch"], "seed": meta["seed"]}
+                       "shard_numel": meta["shard_numel"], "epoch": meta["epoch"], "seed": meta["seed"],
+                       "crc": crcs}
                 tmp = d / "MANIFEST.json.tmp"
                 tmp.write_text(json.dumps(man))
                 os.replace(tmp, d / "MANIFEST.json")

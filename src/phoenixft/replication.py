@@ -191,7 +191,7 @@ class Replicator:
                 dst_half = h.staging()
                 h.begin_write(dst_half)
                 h.payload(dst_half).view(-1).copy_(buf)
-                h.commit(dst_half, r_step, r_crc)
+                h.commit(dst_half, r_step, r_crc, (shard, world))
                 committed[shard] = h
         if self._after_commit is not None:
             self._after_commit(step, committed)

@@ -48,6 +48,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         topo = _get(store, keys.topo(e))
         joins = [j for j in (_get(store, keys.join(e, f"{n}.{i}")) for n in topo["nodes"]
                              for i in range(cfg.workers_per_node)) if j]
+        own_joins = joins  # this epoch's own join records: its invariants, even if a later epoch finished it
         first = _get(store, keys.first_step(e))
         done_epoch = e  # a recovery interrupted by another failure is completed by a later epoch
         while first is None and store.check([keys.recovery(done_epoch + 1)]):
@@ -63,8 +64,8 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             used.add(fault["index"])
         t0 = fault["t"] if fault else rec["t_first_report"]
         joined_at = max((j["t"] for j in joins), default=rec["t_decided"])
-        inv = {k: all(j["invariants"].get(k, False) for j in joins) and bool(joins)
-               for k in ("I1", "I2", "I3", "I4")}
+        inv = {k: all(j["invariants"].get(k, False) for j in own_joins) and len(own_joins) == len(topo["nodes"])
+               * cfg.workers_per_node for k in ("I1", "I2", "I3", "I4")}
         recoveries.append({
             "fault": fault["spec"] if fault else None,
             "fault_step": fault.get("step") if fault else None,
@@ -93,6 +94,12 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             "invariants": inv,
             "errors": rec.get("errors", []),
             "replicas_rejected": rec.get("replicas_rejected", []),
+            "fenced": rec.get("fenced", []),
+            "unresponsive": rec.get("unresponsive", []),
+            "bad_sources": rec.get("bad_sources", []),
+            "i3_failures": [x for j in own_joins for x in j.get("i3_failures", [])],
+            "persistent_step": rec.get("persistent_step"),
+            "dropped": rec.get("dropped", []),
         })
         e += 1
     events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines() if x.strip()] \

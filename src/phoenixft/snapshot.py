@@ -45,17 +45,23 @@ def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
 
+H_STEP, H_CRC, H_VALID, H_SHARD, H_SHARDS = range(5)
+
+
 class PingPong:
-    """Two halves of `rows x numel` float32 plus a header (step, checksum, valid) per half."""
+    """Two halves of `rows x numel` float32 plus a header per half: step, checksum, valid, and the
+    logical shard the half holds (index, count), so that what a half holds is data, not inference."""
 
     def __init__(self, rows: int, numel: int, path: str | None = None) -> None:
         self.rows, self.numel = rows, numel
         self.data = alloc(2 * rows * numel, torch.float32, path and path + ".data").view(2, rows, numel)
-        self.header = alloc(2 * 3, torch.int64, path and path + ".hdr").view(2, 3)
-        if path is None or int(self.header[:, 2].sum()) == 0 and int(self.header[:, 0].sum()) == 0:
-            self.header[:, 0] = INVALID
-            self.header[:, 1] = 0
-            self.header[:, 2] = 0
+        self.header = alloc(2 * 5, torch.int64, path and path + ".hdr").view(2, 5)
+        if path is None or int(self.header[:, H_VALID].sum()) == 0 and int(self.header[:, H_STEP].sum()) == 0:
+            self.header[:, H_STEP] = INVALID
+            self.header[:, H_CRC] = 0
+            self.header[:, H_VALID] = 0
+            self.header[:, H_SHARD] = INVALID
+            self.header[:, H_SHARDS] = 0
 
     # -- header helpers
     def step_of(self, half: int) -> int:
@@ -83,10 +89,25 @@ class PingPong:
     def begin_write(self, half: int) -> None:
         self.header[half, 2] = 0  # torn until commit
 
-    def commit(self, half: int, step: int, crc: int) -> None:
-        self.header[half, 0] = step
-        self.header[half, 1] = crc
-        self.header[half, 2] = 1
+    def commit(self, half: int, step: int, crc: int, shard: tuple[int, int] | None = None) -> None:
+        """Mark `half` complete for `step` (crc 0 = not computed yet); `shard` = (index, count)."""
+        self.header[half, H_STEP] = step
+        self.header[half, H_CRC] = crc
+        if shard is not None:
+            self.header[half, H_SHARD], self.header[half, H_SHARDS] = shard
+        self.header[half, H_VALID] = 1
+
+    def shard_of(self, half: int) -> tuple[int, int]:
+        """(index, count) of the logical shard this half holds; (-1, 0) if unknown."""
+        return int(self.header[half, H_SHARD]), int(self.header[half, H_SHARDS])
+
+    def known_crc(self, half: int) -> int:
+        """The committed checksum of `half`, computed now (and recorded) if it was not yet."""
+        crc = int(self.header[half, H_CRC])
+        if crc == 0:
+            crc = checksum(self.payload(half))
+            self.header[half, H_CRC] = crc
+        return crc
 
     def invalidate_after(self, step: int) -> None:
         for h in (0, 1):

@@ -27,13 +27,14 @@ from phoenixft.comm import EpochComm, alltoallv, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
-from phoenixft.faults import RECOVERY_PHASE, FaultSpec
+from phoenixft.faults import FaultSpec
 from phoenixft.invariants import check_invariants
 from phoenixft.persist import Persister, load_full
 from phoenixft.replication import ReplicaPlan, Replicator
 from phoenixft.reshard import gather_full_optimizer, old_shard_numel
-from phoenixft.snapshot import INVALID, Holding, ShardState, checksum
-from phoenixft.topology import Topology
+from phoenixft.recovery.planner import Descriptor
+from phoenixft.snapshot import H_CRC, H_VALID, INVALID, Holding, ShardState, checksum
+from phoenixft.topology import Topology, shard_name
 from phoenixft.workload import WorkloadContext, load_workload
 from phoenixft.zero import AdamWHyper, FlatModel, adamw_step
 
@@ -77,13 +78,15 @@ class Worker:
             for f in Path("/dev/shm").glob(f"phoenixft-{run_id}-{self.wid}-g{gen}-hold*.data"):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
                 self.repl.holding(shard)
-        self.persister = Persister(cfg.persist_dir, cfg.persist_every, self._own_store(store_addr)) \
-            if cfg.persist_every and self.protect else None
+        pstore = self._own_store(store_addr) if cfg.persist_every and self.protect else None
+        self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
+                                   fenced=lambda: bool(pstore.check([keys.fence(node_id)]))) if pstore else None
         self.comm: EpochComm | None = None
         self.topo: Topology | None = None
         self.epoch = -1
         self.rank = -1
         self._first_after_join: int | None = None
+        self._bad_sources: list[tuple[str, int, str]] = []  # (shard, step, wid) whose transfer failed I3
 
     def _partition(self, world: int, gen: int, step: int = 0) -> None:
         """Flat parameters and the own optimizer shard for a `world`-way partition (generation `gen`)."""
@@ -128,8 +131,6 @@ class Worker:
         slot = self.topo.slot_of(self.node_id)
         for f in self.faults:
             if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
-                continue
-            if f.phase == RECOVERY_PHASE:  # fires only in _restore, mid state transfer
                 continue
             if f.coordinator:
                 hit = self.rank == 0
@@ -182,7 +183,8 @@ class Worker:
         if self.topo is None:
             return
         for f in self.faults:
-            if f.kind == "corrupt" and f.step == step + 1 and f.node == self.topo.slot_of(self.node_id):
+            if (f.kind == "corrupt" and f.phase != "transfer" and f.step == step + 1
+                    and f.node == self.topo.slot_of(self.node_id)):
                 for shard, h in received.items():
                     half = h.half_with(step)
                     if half is not None:
@@ -244,7 +246,8 @@ class Worker:
                 names.append(keys.first_step(self._first_after_join))
                 values.append(json.dumps({"t": now, "step": s}))
                 self._first_after_join = None
-            self.store.multi_set(names, values)  # one round trip on rank 0's critical path
+            self._check_fence()  # a rank 0 resumed after its fence must not write a stale record
+            self.store.multi_set(names, values)
 
     def finish(self) -> None:
         """Gather the optimizer state in logical order and hash it with the parameters."""
@@ -261,6 +264,7 @@ class Worker:
         self._wait(w1, "final gather")
         self._wait(w2, "final gather")
         if self.rank == 0:
+            self._check_fence()
             n = flat.numel
             h = hashlib.sha256()
             for t in (flat.flat[:n], m_all[:n], v_all[:n]):
@@ -298,9 +302,41 @@ class Worker:
             e = 0
         return Topology.from_json(self._wait_key(keys.topo(e), 600.0))
 
+    def _fenced(self) -> bool:
+        return bool(self.store.check([keys.fence(self.node_id)]))
+
+    def _check_fence(self) -> None:
+        """A fenced node (declared dead while it was stopped or cut off) must never write again."""
+        if self._fenced():
+            raise RunAborted(f"{self.node_id} was fenced: it is not a member any more and writes nothing")
+
+    def _descriptor(self, err: str, t_err: float) -> Descriptor:
+        """What this worker holds, for the planner: parameter steps, own shard and replicas with checksums."""
+        d = Descriptor(wid=self.wid, t=t_err, error=err[:300], bad_sources=list(self._bad_sources))
+        d.params = [st for st in self.flat.buf_step if st != INVALID]
+        for x in (0, 1):
+            st = self.state.step_of(x)
+            idx, count = self.state.shard_of(x)
+            if st != INVALID and count > 0:
+                d.own.setdefault(shard_name(idx, count), {})[st] = self.state.known_crc(x)
+        if self.repl is not None:
+            for shard, h in self.repl.holdings.items():
+                for x in (0, 1):
+                    st = h.step_of(x)
+                    if st == INVALID:
+                        continue
+                    idx, count = h.shard_of(x)
+                    name = shard_name(idx if count else shard, count or self.flat.shards)
+                    if h.verify(x):
+                        d.holdings.setdefault(name, {})[st] = h.crc_of(x)
+                    else:
+                        d.rejected.append((name, st))
+        return d
+
     def recover(self, err: str) -> int:
         e = self.epoch
         t_err = time.time()
+        self._check_fence()
         self.store.set(keys.failflag(e), "1")
         if "requested by the control plane" not in err:
             self.store.set(keys.failflag(e) + "/by-worker", "1")
@@ -309,23 +345,10 @@ class Worker:
             self.repl.abort()
         if self.comm is not None:
             self.comm.retire()
-        steps = [s for s in self.state.steps() if s in self.flat.buf_step]
-        holdings: dict[str, list[int]] = {}
-        rejected: list[list[int]] = []  # replicas whose checksum no longer matches: never offered
-        if self.repl is not None:
-            for shard, h in self.repl.holdings.items():
-                holdings[str(shard)] = []
-                for x in (0, 1):
-                    if h.step_of(x) == INVALID:
-                        continue
-                    if h.verify(x):
-                        holdings[str(shard)].append(h.step_of(x))
-                    else:
-                        rejected.append([shard, h.step_of(x)])
-        desc = {"wid": self.wid, "node": self.node_id, "rank": self.rank, "t": t_err, "error": err[:300],
-                "steps": steps, "holdings": holdings, "rejected": rejected}
-        self.store.set(keys.desc(e, self.wid), json.dumps(desc))
+        desc = self._descriptor(err, t_err)
+        self.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         topo = Topology.from_json(self._wait_key(keys.topo(e + 1), 3 * self.cfg.failure_timeout + 60.0))
+        self._check_fence()
         if self.node_id not in topo.nodes:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
         return self.join(topo)
@@ -346,49 +369,67 @@ class Worker:
         self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout)
         t_pg = time.time()
         r = topo.resume_step
-        if self.repl is not None:
-            self.repl.configure(self.comm, ReplicaPlan(shard=self.rank, send_to=topo.holders(self.rank),
-                                                       recv_from=[(x, x) for x in topo.sources(self.rank)]))
-        timings: dict[str, float] = {"reconfigure_s": t_pg - t0}
+        timings: dict[str, Any] = {"reconfigure_s": t_pg - t0}
+        bad: list[str] = []  # I3: what failed verification on this rank
         if "reshard" in topo.meta:
-            opt_ok = self._reshard(topo, r, old_rank, timings)
+            self._reshard(topo, r, old_rank, timings, bad)
         elif topo.meta.get("restore") == "persistent":
-            opt_ok = self._restore_persistent(topo.meta["manifest"], r, timings)
+            self._restore_persistent(topo, r, timings, bad)
         elif topo.epoch == 0:
             sl = self.flat.shard_slice(self.rank)
             self.state.data[0, 0].copy_(self.flat.flat[sl])
             self.state.data[0, 1:].zero_()
-            self.state.commit(0, 0, 0)
-            self.state.header[1, 2] = 0
-            opt_ok = True
+            self.state.commit(0, 0, 0, (self.rank, topo.world))
+            self.state.header[1, H_VALID] = 0
         else:
-            opt_ok = self._restore(topo, r, timings)
+            self._restore(topo, r, timings, bad)
         if self.repl is not None:
+            self.repl.configure(self.comm, ReplicaPlan(shard=self.rank, send_to=topo.holders(self.rank),
+                                                       recv_from=[(x, x) for x in topo.sources(self.rank)]))
             for h in self.repl.holdings.values():
                 h.invalidate_after(r)
-        inv = check_invariants(self.comm.train, topo, self.rank, r, self.flat.step, self.state.steps(), opt_ok,
-                               lambda w, what: self._wait(w, what))
+        half = self.state.half_with(r)
+        held = self.state.shard_of(half) if half is not None else (-1, 0)
+        inv = check_invariants(self.comm.train, topo, self.rank, r, self.flat.step, self.state.steps(), held,
+                               not bad, lambda w, what: self._wait(w, what))
         timings["join_s"] = time.time() - t0
         self.store.set(keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.rank,
-                                                                     "invariants": inv, **timings}))
+                                                                     "invariants": inv, "i3_failures": bad,
+                                                                     **timings}))
+        if not inv["I3"]:
+            # a copy failed verification: recover again without that source (or stop, if none is left)
+            raise PeerFailure(f"invariant I3 failed after recovery to epoch {topo.epoch}: "
+                              f"{'; '.join(bad) or 'on another rank'}")
         if not all(inv.values()):
             raise RunAborted(f"invariant check failed after recovery to epoch {topo.epoch}: {inv}")
+        self._bad_sources = []
         if self.repl is not None:
             self.repl.start(r)
         if topo.epoch > 0:
             self._first_after_join = topo.epoch
         return r
 
-    def _reshard(self, topo: Topology, r: int, old_rank: int, timings: dict[str, float]) -> bool:
+    def _repartition(self, world: int, gen: int, r: int) -> None:
+        """Cut the flat state anew for a `world`-way partition (shrink, grow, persistent reload)."""
+        old_shm = self.shm
+        self._partition(world, gen, step=r)
+        if self.repl is not None:
+            self.repl.state = self.state
+            self.repl.holdings = {}
+        if old_shm and old_shm != self.shm:  # the old generation's segments are never used again
+            for f in Path("/dev/shm").glob(Path(old_shm).name + "-*"):
+                f.unlink(missing_ok=True)
+
+    def _reshard(self, topo: Topology, r: int, old_rank: int, timings: dict[str, Any], bad: list[str]) -> None:
         """Shrink or grow: repartition the state of step r over the new world (see reshard.py)."""
         assert self.comm is not None
         meta, pg, me, w = topo.meta["reshard"], self.comm.train, self.rank, topo.world
         numel = self.flat.numel
         t1 = time.time()
-        if old_rank >= 0:  # a survivor rolls back to r from its own halves
-            if not self.flat.select(r) or self.state.half_with(r) is None:
-                raise RunAborted(f"rank {me} has no state for step {r}")
+        has_params = self.flat.select(r) if old_rank >= 0 else False
         params_to = {int(k): v for k, v in meta["params_to"].items()}
+        if me not in params_to and not has_params:
+            raise RunAborted(f"rank {me} has no parameters for step {r}")
         sends = {dst: self.flat.flat[:numel] for dst, src in params_to.items() if src == me}
         recv = {params_to[me]: numel} if me in params_to else {}
         work, _, got = alltoallv(pg, w, sends, recv)
@@ -399,109 +440,134 @@ class Worker:
         providers = {int(k): v[0] for k, v in meta["providers"].items()}
         n_old = old_shard_numel(numel, meta["old_world"])
         mine: dict[int, torch.Tensor] = {}
-        for k, (prov, kind) in meta["providers"].items():
-            if prov != me:
-                continue
-            if kind == "own":
-                mine[int(k)] = self.state.payload(self.state.half_with(r))  # type: ignore[arg-type]
-            else:
-                assert self.repl is not None
-                h = self.repl.holding(int(k))
-                hh = h.half_with(r)
-                if hh is None or not h.verify(hh):
-                    raise RunAborted(f"rank {me} has no verified replica of shard {k} at step {r}")
-                mine[int(k)] = h.payload(hh)
+        for k, (prov, _kind, _crc) in meta["providers"].items():
+            if prov == me:
+                mine[int(k)] = self._copy_of(int(k), meta["old_world"], r)
         full = gather_full_optimizer(pg, w, me, providers, mine, n_old, self._wait)
-        self._partition(w, int(topo.meta["generation"]), step=r)
+        for k, (prov, _kind, crc) in meta["providers"].items():  # I3: every old shard as its owner committed it
+            i = int(k)
+            if checksum(full[:, i * n_old : (i + 1) * n_old].contiguous()) != crc:
+                bad.append(f"{shard_name(i, meta['old_world'])} from rank {prov} does not match the checksum "
+                           f"committed for step {r}")
+        self._repartition(w, int(topo.meta["generation"]), r)
         sl = self.flat.shard_slice(me)
         opt = torch.zeros(2, self.flat.padded)
         opt[:, :numel] = full[:, :numel]
         self.state.data[0, 0].copy_(self.flat.flat[sl])
         self.state.data[0, 1:].copy_(opt[:, sl])
-        self.state.commit(0, r, 0)
-        self.state.header[1, 2] = 0
-        if self.repl is not None:
-            self.repl.state = self.state
-            self.repl.holdings = {}
+        self.state.commit(0, r, 0, (me, w))
+        self.state.header[1, H_VALID] = 0
         timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2, bytes_opt=full.numel() * 4)
-        return True
 
-    def _restore_persistent(self, man: dict[str, Any], r: int, timings: dict[str, float]) -> bool:
+    def _copy_of(self, shard: int, shards: int, r: int) -> torch.Tensor:
+        """This rank's verified copy of (shard, step r): its own committed half, or a replica it keeps."""
+        half = self.state.half_with(r)
+        if half is not None and self.state.shard_of(half) == (shard, shards):
+            return self.state.payload(half)
+        if self.repl is not None and shard in self.repl.holdings:
+            h = self.repl.holdings[shard]
+            hh = h.half_with(r)
+            if hh is not None and h.verify(hh):
+                return h.payload(hh)
+        raise RunAborted(f"rank {self.rank} holds no verified copy of {shard_name(shard, shards)} at step {r}")
+
+    def _restore_persistent(self, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
         """Every member reloads step r from the persistent tier (resharded to this world size)."""
         t0 = time.time()
-        full = load_full(man)  # (3, numel)
+        man = topo.meta["manifest"]
+        if topo.world != self.flat.shards:
+            self._repartition(topo.world, int(topo.meta.get("generation", 0)), r)
+        full, mismatched = load_full(man)  # (3, numel), shards whose checksum does not match the manifest
+        bad.extend(f"persistent shard {x} of step {r} does not match its checksum" for x in mismatched)
         padded = torch.zeros(3, self.flat.padded)
         padded[:, : self.flat.numel] = full
         self.flat.install(padded[0], r)
         half = self.state.staging()
         self.state.begin_write(half)
         self.state.data[half].copy_(padded[:, self.flat.shard_slice(self.rank)])
-        self.state.commit(half, r, 0)
-        self.state.header[1 - half, 2] = 0
+        self.state.commit(half, r, 0, (self.rank, topo.world))
+        self.state.header[1 - half, H_VALID] = 0
         if self.repl is not None:
             for h in self.repl.holdings.values():
                 h.invalidate_after(-1)
         timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0, bytes_params=full.numel() * 4)
-        return True
 
-    def _restore(self, topo: Topology, r: int, timings: dict[str, float]) -> bool:
-        """Roll survivors back to step r and move state to promoted spares. Returns I3 for this rank.
+    def _recovery_faults(self, topo: Topology) -> None:
+        """kill:node=I@recovery=N and kill:...,phase=recovery fire here, mid state transfer."""
+        slot = topo.slot_of(self.node_id)
+        for f in self.faults:
+            if f.kind != "kill" or slot not in f.nodes:
+                continue
+            if f.recovery == topo.epoch or (f.phase == "recovery" and f.step is not None
+                                            and topo.resume_step >= f.step - 1):
+                self._fire(f, recovery=topo.epoch)
+
+    def _corrupts_transfers(self, topo: Topology) -> bool:
+        slot = topo.slot_of(self.node_id)
+        return any(f.kind == "corrupt" and f.phase == "transfer" and slot in f.nodes and f.step is not None
+                   and topo.resume_step >= f.step - 1 for f in self.faults)
+
+    def _restore(self, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
+        """Roll survivors back to step r and move what the plan says to the members that lack it.
 
         Both transfers are targeted collectives (all-to-all with only the involved pairs
-        non-empty): parameters from a healthy data-parallel peer, the optimizer shard from the
-        rank that keeps its committed replica, matched by logical shard id.
+        non-empty): parameters from a member that holds them at r, the optimizer shard from a
+        member that holds a verified copy (its own committed state or a replica), matched by
+        logical shard id and verified against the checksum its owner committed (I3).
         """
         assert self.comm is not None
         pg, me, w = self.comm.train, self.rank, topo.world
         mine = [t for t in topo.transfers if t["dst"] == me]
-        if not mine:  # survivor: both ping-pong sides must hold r
-            if not self.flat.select(r):
-                raise RunAborted(f"rank {me} has no parameters for step {r}")
+        need_params = any(t["param_src"] >= 0 for t in mine)
+        if not need_params and not self.flat.select(r):
+            raise RunAborted(f"rank {me} has no parameters for step {r}")
+        if not mine:  # both ping-pong sides must hold r
             self.state.invalidate_after(r)
-            if self.state.half_with(r) is None:
+            half = self.state.half_with(r)
+            if half is None:
                 raise RunAborted(f"rank {me} has no optimizer state for step {r}")
+            crc = int(self.state.header[half, H_CRC])
+            if crc and not self.state.verify(half):
+                bad.append(f"own {shard_name(me, w)} at step {r} does not match its committed checksum")
         # 1. parameters
         t1 = time.time()
         sends = {t["dst"]: self.flat.flat for t in topo.transfers if t["param_src"] == me}
-        recv = {t["param_src"]: self.flat.padded for t in mine}
+        recv = {t["param_src"]: self.flat.padded for t in mine if t["param_src"] >= 0}
         work, _, got = alltoallv(pg, w, sends, recv)
         self._wait(work, "parameter transfer")
         for t in mine:
-            self.flat.install(got[t["param_src"]], r)
+            if t["param_src"] >= 0:
+                self.flat.install(got[t["param_src"]], r)
         t2 = time.time()
-        for f in self.faults:  # kill:node=I@recovery=N (or @step=S,phase=recovery) fires here, mid state transfer
-            in_recovery = f.recovery == topo.epoch or (
-                f.phase == RECOVERY_PHASE and f.step is not None and topo.resume_step >= f.step - 1)
-            if f.kind == "kill" and in_recovery and topo.slot_of(self.node_id) in f.nodes:
-                self._fire(f, recovery=topo.epoch)
-        # 2. optimizer shard from a committed replica
+        self._recovery_faults(topo)
+        # 2. optimizer shard from a verified copy
         sends = {}
         for t in topo.transfers:
             if t["opt_src"] == me:
-                assert self.repl is not None
-                h = self.repl.holding(t["shard"])
-                hh = h.half_with(r)
-                if hh is None:
-                    raise RunAborted(f"rank {me} holds no replica of shard {t['shard']} at step {r}")
-                self.store.set(f"xfer/{topo.epoch}/{t['shard']}", str(h.crc_of(hh)))
-                sends[t["dst"]] = h.payload(hh)
+                payload = self._copy_of(t["shard"], w, r)
+                if self._corrupts_transfers(topo):  # fault injection: corruption in flight
+                    payload = payload.clone()
+                    payload.view(-1)[:: max(1, payload.numel() // 7)] += 1.0
+                sends[t["dst"]] = payload
         recv = {t["opt_src"]: 2 * self.flat.shard_numel for t in mine}
         work, _, got = alltoallv(pg, w, sends, recv)
         self._wait(work, "optimizer-state transfer")
         for t in mine:
             buf = got[t["opt_src"]]
-            crc = int(self.store.get(f"xfer/{topo.epoch}/{t['shard']}"))
-            if checksum(buf) != crc:
-                raise PeerFailure(f"replica of shard {t['shard']} failed verification (crc mismatch)")
+            name = shard_name(t["shard"], w)
+            if checksum(buf) != t["crc"]:
+                src = topo.node_of_rank(t["opt_src"]) + f".{t['opt_src'] % topo.workers_per_node}"
+                bad.append(f"{name} from {src} does not match the checksum committed for step {r}")
+                self._bad_sources.append((name, r, src))
+                continue
             half = self.state.staging()
             self.state.begin_write(half)
             self.state.data[half, 1:].copy_(buf.view(2, -1))
             self.state.data[half, 0].copy_(self.flat.flat[self.flat.shard_slice(me)])
-            self.state.commit(half, r, crc)
-            self.state.header[1 - half, 2] = 0
-            timings.update(bytes_params=self.flat.padded * 4, bytes_opt=buf.numel() * 4)
+            self.state.commit(half, r, t["crc"], (t["shard"], w))
+            self.state.header[1 - half, H_VALID] = 0
+            timings.update(bytes_params=self.flat.padded * 4 if t["param_src"] >= 0 else 0, bytes_opt=buf.numel() * 4)
         timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
-        return True
 
     # ------------------------------------------------------------------ main loop
     def _stop_run(self, why: str) -> None:

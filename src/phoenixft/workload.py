@@ -9,6 +9,9 @@ line as `--workload pkg.module:function`. The three callables it returns must be
   (seed, step, index), so that any rank can produce any microbatch and recovery or shrinking
   needs no data-loader state beyond the step number.
 
+Optional: `eval_batch(index)` (held-out batches for `--eval-every`), `optimizer` (an elementwise
+optimizer of the workload's own, see `phoenixft.optim`), `prepare` (one-off work in the launcher).
+
 Any randomness inside `loss` (dropout) is seeded by phoenixft per (seed, step, microbatch).
 """
 
@@ -31,6 +34,8 @@ class WorkloadContext:
     seed: int
     micro_batch: int
     model: str  # the --model preset name; user workloads may ignore it
+    microbatches: int = 1  # microbatches per step across all ranks (global batch = micro_batch x microbatches)
+    data: str = ""  # --data: a token file (or a directory with train.bin / val.bin); "" = built-in corpus
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +45,8 @@ class Workload:
     batch: Callable[[int, int], Any]
     tokens_per_microbatch: int = 0  # for tokens/s; 0 = unknown
     prepare: Callable[[], None] | None = None  # one-off work done by the launcher (e.g. corpus cache)
+    eval_batch: Callable[[int], Any] | None = None  # held-out batch `index` (pure); enables --eval-every
+    optimizer: Any = None  # an ElementwiseOptimizer of the workload's own (see phoenixft.optim); None = --optimizer
 
 
 def _resolve(path: str) -> Callable[[WorkloadContext], Workload]:

@@ -1,0 +1,251 @@
+"""The recovery planner: a pure function from what survives to the next epoch's plan.
+
+The coordinator gathers one *descriptor* per surviving worker (which steps its parameter
+buffers hold, which steps of which logical shards it holds as its own committed state or as
+verified replicas, with their checksums) and decides which nodes are dead; `plan_recovery`
+then decides everything else, without any I/O, so that it can be property-tested over
+thousands of generated fault schedules (tests/test_planner.py):
+
+- membership: each dead node's slot gets a ready spare; without one the job shrinks (the slot is
+  dropped) and later grows back when spares are ready again;
+- the recovery step r: the newest step for which every logical shard has a verified copy
+  *somewhere* (its owner, a spare that completed its transfer in an earlier epoch, any replica
+  holder - whatever happened in earlier epochs) and some member still holds the parameters;
+- sources: for every member that lacks its shard or the parameters at r, a transfer from a
+  member that has them, with the checksum the shard's owner committed for (shard, r), so the
+  receiver verifies it (invariant I3); sources that already delivered a bad copy are excluded;
+- when no step is held by every shard: the newest complete persistent checkpoint (on whatever
+  nodes are left, shrinking if spares are short), else a failure naming the lost shards.
+
+Shards are named by their logical id (`pp0.tp0.dp{i}of{D}`), never by rank: a rank number
+means nothing across epochs, a logical id does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from phoenixft.topology import Topology, shard_name
+
+__all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps"]
+
+
+@dataclass(kw_only=True)
+class Descriptor:
+    """What one surviving worker reports at the start of a recovery."""
+
+    wid: str
+    params: list[int] = field(default_factory=list)  # steps whose full parameters it holds
+    own: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> {step: crc}, its committed state
+    holdings: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> {step: crc}, verified replicas
+    rejected: list[tuple[str, int]] = field(default_factory=list)  # replicas whose checksum failed
+    bad_sources: list[tuple[str, int, str]] = field(default_factory=list)  # (shard, step, wid) that sent bad data
+    t: float = 0.0
+    error: str = ""
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Descriptor:
+        def steps(m: dict[str, Any]) -> dict[str, dict[int, int]]:
+            return {s: {int(k): int(v) for k, v in x.items()} for s, x in m.items()}
+
+        return cls(wid=d["wid"], params=[int(x) for x in d.get("params", [])], own=steps(d.get("own", {})),
+                   holdings=steps(d.get("holdings", {})), rejected=[(a, int(b)) for a, b in d.get("rejected", [])],
+                   bad_sources=[(a, int(b), c) for a, b, c in d.get("bad_sources", [])], t=float(d.get("t", 0.0)),
+                   error=str(d.get("error", "")))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"wid": self.wid, "params": self.params,
+                "own": {s: {str(k): v for k, v in x.items()} for s, x in self.own.items()},
+                "holdings": {s: {str(k): v for k, v in x.items()} for s, x in self.holdings.items()},
+                "rejected": [list(x) for x in self.rejected], "bad_sources": [list(x) for x in self.bad_sources],
+                "t": self.t, "error": self.error}
+
+
+@dataclass(kw_only=True)
+class PlanInput:
+    old: Topology
+    dead: set[str]  # nodes declared dead (exited, fenced)
+    restarted: set[str]  # workers restarted in place by their agent
+    descs: dict[str, Descriptor]  # wid -> descriptor, every worker of every live node of `old`
+    pool: list[str]  # ready spare nodes, in order of preference
+    target_nodes: int  # the configured node count (grow back up to it)
+    replicas: int
+    racks: int
+    manifest: dict[str, Any] | None = None  # newest complete persistent checkpoint, if any
+    grow_only: bool = False  # nothing failed: a spare arrived after a shrink
+
+
+@dataclass(kw_only=True)
+class Plan:
+    ok: bool
+    error: str = ""
+    topo: Topology | None = None
+    klass: str = ""
+    action: str = ""
+    resume_step: int = -1
+    promoted: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, int]] = field(default_factory=list)
+    persistent_step: int | None = None
+
+
+def _copies(pi: PlanInput) -> dict[str, dict[int, dict[str, int]]]:
+    """shard -> step -> {holder wid: crc}: every verified copy of every shard, minus bad sources."""
+    bad = {(s, st, w) for d in pi.descs.values() for s, st, w in d.bad_sources}
+    out: dict[str, dict[int, dict[str, int]]] = {}
+    for w, d in pi.descs.items():
+        for src in (d.own, d.holdings):
+            for shard, steps in src.items():
+                for st, crc in steps.items():
+                    if (shard, st, w) not in bad:
+                        out.setdefault(shard, {}).setdefault(st, {})[w] = crc
+    return out
+
+
+def feasible_steps(pi: PlanInput, shards: list[str]) -> set[int]:
+    """Steps at which every shard has a verified copy and some live member holds the parameters."""
+    copies = _copies(pi)
+    per_shard = [set(copies.get(s, {})) for s in shards]
+    common = set.intersection(*per_shard) if per_shard else set()
+    with_params = {st for d in pi.descs.values() for st in d.params}
+    return common & with_params
+
+
+def _wid(topo: Topology, rank: int) -> str:
+    return f"{topo.node_of_rank(rank)}.{rank % topo.workers_per_node}"
+
+
+def plan_recovery(pi: PlanInput) -> Plan:
+    old, g = pi.old, pi.old.workers_per_node
+    shards = [shard_name(i, old.world) for i in range(old.world)]
+    rejected = sorted({x for d in pi.descs.values() for x in d.rejected})
+    # --- membership: a spare per dead slot, else drop the slot; grow back while spares last
+    pool = list(pi.pool)
+    nodes, promoted, dropped = [], [], []
+    for n in old.nodes:
+        if n not in pi.dead:
+            nodes.append(n)
+        elif pool:
+            nodes.append(pool.pop(0))
+            promoted.append(nodes[-1])
+        else:
+            dropped.append(n)
+    if not nodes:
+        return Plan(ok=False, error=f"every node is lost ({', '.join(sorted(pi.dead))}) and no spare is ready")
+    grew = False
+    if not dropped:
+        while len(nodes) < pi.target_nodes and pool:
+            nodes.append(pool.pop(0))
+            promoted.append(nodes[-1])
+            grew = True
+    if pi.dead:
+        klass, action = "permanent", "hotswap"
+    elif pi.restarted:
+        klass, action = "transient", "inplace"
+    elif pi.grow_only or grew:
+        klass, action = "planned", "grow"
+    else:
+        klass, action = "transient", "reconfigure"
+    if dropped:
+        action = "shrink"
+    elif grew and not pi.dead:
+        action = "grow"
+    # --- the recovery step
+    copies = _copies(pi)
+    steps = feasible_steps(pi, shards)
+    lost = [s for s in shards if not copies.get(s)]
+    if not steps:
+        held = "; ".join(f"{s}: {sorted(copies.get(s, {}))}" for s in shards)
+        what = f"lost shards: {', '.join(lost)}" if lost else f"no step is held by every shard ({held})"
+        if rejected:
+            what += f"; replicas rejected by checksum (shard, step): {[list(x) for x in rejected]}"
+        bad = sorted({x for d in pi.descs.values() for x in d.bad_sources})
+        if bad:
+            what += ("; invariant I3 failed: copies that did not match their committed checksum in transit "
+                     f"(shard, step, source): {[list(x) for x in bad]}")
+        if pi.manifest is None:
+            return Plan(ok=False, error=f"in-memory state lost ({what}) and no complete persistent checkpoint",
+                        lost=lost, rejected=rejected)
+        return _persistent(pi, nodes, promoted, dropped, klass, what, rejected, lost)
+    r = max(steps)
+    return _in_memory(pi, r, copies, nodes, promoted, dropped, klass, action, rejected, g)
+
+
+def _new_topo(pi: PlanInput, nodes: list[str], r: int, meta: dict[str, Any],
+              transfers: list[dict[str, Any]] | None = None) -> Topology:
+    n = len(nodes)
+    replicas = min(pi.replicas, n - 1)
+    racks = pi.racks if n % pi.racks == 0 and pi.racks <= n else 1
+    return Topology(epoch=pi.old.epoch + 1, nodes=nodes, workers_per_node=pi.old.workers_per_node,
+                    replicas=replicas, racks=racks, resume_step=r, transfers=transfers or [], meta=meta)
+
+
+def _persistent(pi: PlanInput, nodes: list[str], promoted: list[str], dropped: list[str], klass: str, what: str,
+                rejected: list[tuple[str, int]], lost: list[str]) -> Plan:
+    man = pi.manifest
+    assert man is not None
+    gen = int(pi.old.meta.get("generation", 0)) + (1 if len(nodes) != len(pi.old.nodes) else 0)
+    meta = {"dead": sorted(pi.dead), "promoted": promoted, "class": klass, "action": "persistent",
+            "restore": "persistent", "manifest": man, "generation": gen, "reason": what, "dropped": dropped}
+    topo = _new_topo(pi, nodes, int(man["step"]), meta)
+    return Plan(ok=True, topo=topo, klass=klass, action="persistent", resume_step=int(man["step"]),
+                promoted=promoted, dropped=dropped, lost=lost, rejected=rejected, persistent_step=int(man["step"]))
+
+
+def _pick(candidates: dict[str, int], k: int, prefer: set[str]) -> tuple[str, int]:
+    """A holder of a copy (round-robin by k), preferring `prefer` (the owner itself)."""
+    names = sorted(candidates)
+    own = [w for w in names if w in prefer]
+    w = own[0] if own else names[k % len(names)]
+    return w, candidates[w]
+
+
+def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]]], nodes: list[str],
+               promoted: list[str], dropped: list[str], klass: str, action: str,
+               rejected: list[tuple[str, int]], g: int) -> Plan:
+    old = pi.old
+    gen = int(old.meta.get("generation", 0))
+    base_meta: dict[str, Any] = {"dead": sorted(pi.dead), "promoted": promoted, "class": klass, "action": action,
+                                 "dropped": dropped}
+    with_params = sorted(w for w, d in pi.descs.items() if r in d.params)
+    if len(nodes) == len(old.nodes):
+        new = _new_topo(pi, nodes, r, {**base_meta, "generation": gen})
+        transfers = []
+        for rk in range(new.world):
+            wid = _wid(new, rk)
+            shard = shard_name(rk, new.world)
+            d = pi.descs.get(wid)
+            has_opt = d is not None and r in d.own.get(shard, {})
+            has_params = d is not None and r in d.params
+            if has_opt and has_params:
+                continue
+            opt_w, crc = _pick(copies[shard][r], rk, {wid})
+            par_src = -1 if has_params else new.rank_of(*_split(with_params[rk % len(with_params)]))
+            transfers.append({"dst": rk, "shard": rk, "param_src": par_src,
+                              "opt_src": new.rank_of(*_split(opt_w)), "crc": crc})
+        new.transfers = transfers
+        return Plan(ok=True, topo=new, klass=klass, action=action, resume_step=r, promoted=promoted,
+                    dropped=dropped, rejected=rejected)
+    # the world changes size: repartition (every old shard gets one provider in the new epoch)
+    new = _new_topo(pi, nodes, r, {**base_meta, "generation": gen + 1})
+    providers: dict[str, list[Any]] = {}
+    for i in range(old.world):
+        shard = shard_name(i, old.world)
+        owner = _wid(old, i)
+        w, crc = _pick(copies[shard][r], i, {owner})
+        providers[str(i)] = [new.rank_of(*_split(w)), "own" if shard in pi.descs[w].own else "replica", crc]
+    params_to = {}
+    for rk in range(new.world):
+        d = pi.descs.get(_wid(new, rk))
+        if d is None or r not in d.params:
+            params_to[str(rk)] = new.rank_of(*_split(with_params[rk % len(with_params)]))
+    new.meta["reshard"] = {"old_world": old.world, "providers": providers, "params_to": params_to}
+    return Plan(ok=True, topo=new, klass=klass, action=action, resume_step=r, promoted=promoted,
+                dropped=dropped, rejected=rejected)
+
+
+def _split(wid: str) -> tuple[str, int]:
+    node, lr = wid.rsplit(".", 1)
+    return node, int(lr)

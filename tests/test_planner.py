@@ -1,0 +1,233 @@
+"""The recovery planner against thousands of generated fault schedules (pure logic, milliseconds).
+
+Each case builds an epoch's topology (nodes, workers per node, k replicas, racks), kills a random
+set of nodes, promotes from a random spare pool, and gives every survivor a random but possible
+history: parameter buffers holding one or two consecutive steps, its own shard at some steps (a
+spare promoted in an earlier epoch may hold nothing yet), replicas of the shards the ring gives it
+and of shards from earlier epochs, checksum rejections and sources that already sent bad data.
+A brute-force oracle then says which steps are recoverable; the planner must agree:
+
+- it never declares the state lost while some step has a verified copy of every shard;
+- it never picks a step that some shard lacks, and it picks the newest recoverable one;
+- every member of the new epoch either holds its shard and the parameters at that step, or is
+  sent them by a member that holds them (with the checksum the copy was committed with);
+- no dead node is a member; promoted spares come from the pool; a shrink drops only dead slots.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+
+from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
+from phoenixft.topology import Topology, shard_name
+
+CASES = 4000
+
+
+def crc_of(shard: str, step: int) -> int:
+    return zlib.crc32(f"{shard}@{step}".encode()) or 1
+
+
+def make_case(rng: random.Random) -> PlanInput:
+    n = rng.randint(2, 7)
+    g = rng.choice([1, 1, 2])
+    racks = rng.choice([d for d in (1, 2, 3) if n % d == 0])
+    k = rng.randint(1, min(3, n - 1))
+    gen = rng.choice([0, 0, 1])
+    nodes = [f"n{i}" for i in range(n)]
+    rng.shuffle(nodes)
+    old = Topology(epoch=rng.randint(0, 5), nodes=nodes, workers_per_node=g, replicas=k, racks=racks,
+                   resume_step=0, meta={"generation": gen})
+    dead = {x for x in nodes if rng.random() < 0.3}
+    if not dead and rng.random() < 0.7:
+        dead = {rng.choice(nodes)}
+    s = rng.randint(3, 30)  # the newest committed step
+    descs: dict[str, Descriptor] = {}
+    restarted: set[str] = set()
+    for rank in range(old.world):
+        node = old.node_of_rank(rank)
+        if node in dead:
+            continue
+        wid = f"{node}.{rank % g}"
+        d = Descriptor(wid=wid)
+        # parameter buffers: two consecutive steps, or one (the other being overwritten)
+        newest = s - (1 if rng.random() < 0.2 else 0)
+        d.params = sorted({newest, newest - 1} if rng.random() < 0.7 else {newest})
+        mine = shard_name(rank, old.world)
+        fresh = rng.random() < 0.1  # a spare promoted in an earlier epoch that never got its state
+        if not fresh:
+            own = {st for st in (newest, newest - 1) if rng.random() < 0.8}
+            d.own[mine] = {st: crc_of(mine, st) for st in own}
+        if rng.random() < 0.1:
+            restarted.add(wid)
+        holds = [old.sources(rank)[j] for j in range(len(old.sources(rank)))]
+        if rng.random() < 0.2:  # replicas kept from an earlier epoch's ring
+            holds.append(rng.randrange(old.world))
+        for src in holds:
+            name = shard_name(src, old.world)
+            for st in (s, s - 1, s - 2):
+                if rng.random() < 0.6:
+                    if rng.random() < 0.1:
+                        d.rejected.append((name, st))  # failed its checksum: never offered
+                    else:
+                        d.holdings.setdefault(name, {})[st] = crc_of(name, st)
+        descs[wid] = d
+    # some sources already delivered a bad copy (seen by whoever received it)
+    if descs and rng.random() < 0.2:
+        victim = rng.choice(sorted(descs))
+        w = rng.choice(sorted(descs))
+        for name, steps in list(descs[w].holdings.items()) + list(descs[w].own.items()):
+            for st in steps:
+                if rng.random() < 0.3:
+                    descs[victim].bad_sources.append((name, st, w))
+    pool = [f"s{i}" for i in range(rng.randint(0, 3))]
+    man = {"step": max(0, s - rng.randint(2, 8)), "shards": old.world, "numel": 100, "shard_numel": 10,
+           "path": "/x"} if rng.random() < 0.4 else None
+    return PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool, target_nodes=n + rng.randint(0, 1),
+                     replicas=k, racks=racks, manifest=man)
+
+
+def oracle(pi: PlanInput) -> tuple[set[int], dict[str, dict[int, dict[str, int]]]]:
+    """Brute force: every verified copy, and the steps at which all shards and the parameters exist."""
+    bad = {x for d in pi.descs.values() for x in d.bad_sources}
+    copies: dict[str, dict[int, dict[str, int]]] = {}
+    for w, d in pi.descs.items():
+        for src in (d.own, d.holdings):
+            for name, steps in src.items():
+                for st, crc in steps.items():
+                    if (name, st, w) not in bad:
+                        copies.setdefault(name, {}).setdefault(st, {})[w] = crc
+    shards = [shard_name(i, pi.old.world) for i in range(pi.old.world)]
+    candidates = {st for d in pi.descs.values() for st in d.params}
+    ok = {st for st in candidates if all(st in copies.get(x, {}) for x in shards)}
+    return ok, copies
+
+
+def wid_of(topo: Topology, rank: int) -> str:
+    return f"{topo.node_of_rank(rank)}.{rank % topo.workers_per_node}"
+
+
+def check(pi: PlanInput) -> str:
+    plan = plan_recovery(pi)
+    ok_steps, copies = oracle(pi)
+    alive = [x for x in pi.old.nodes if x not in pi.dead]
+    if not alive and not pi.pool:
+        assert not plan.ok and "every node is lost" in plan.error
+        return "all-lost"
+    if ok_steps:
+        assert plan.ok, f"declared lost although steps {sorted(ok_steps)} are recoverable: {plan.error}"
+        assert plan.action != "persistent"
+        assert plan.resume_step == max(ok_steps), (plan.resume_step, ok_steps)
+    else:
+        if pi.manifest is None:
+            assert not plan.ok and "in-memory state lost" in plan.error, plan
+            missing = [x for x in (shard_name(i, pi.old.world) for i in range(pi.old.world)) if not copies.get(x)]
+            assert plan.lost == missing
+            return "lost"
+        assert plan.ok and plan.action == "persistent" and plan.resume_step == pi.manifest["step"]
+    topo = plan.topo
+    assert topo is not None and topo.epoch == pi.old.epoch + 1
+    assert not set(topo.nodes) & pi.dead, "a dead node is a member"
+    assert set(plan.promoted) <= set(pi.pool) and len(set(topo.nodes)) == len(topo.nodes)
+    assert set(plan.dropped) <= pi.dead
+    assert len(topo.nodes) >= len(pi.old.nodes) - len(plan.dropped)
+    if plan.action == "persistent":
+        return "persistent"
+    r = plan.resume_step
+    if "reshard" in topo.meta:
+        meta = topo.meta["reshard"]
+        assert sorted(int(x) for x in meta["providers"]) == list(range(pi.old.world))
+        for i, (prov, kind, crc) in meta["providers"].items():
+            name = shard_name(int(i), pi.old.world)
+            w = wid_of(topo, prov)
+            assert copies[name][r].get(w) == crc, f"provider {w} of {name} holds no such copy at {r}"
+            assert (kind == "own") == (name in pi.descs[w].own)
+        for rk in range(topo.world):
+            d = pi.descs.get(wid_of(topo, rk))
+            if d is None or r not in d.params:
+                src = pi.descs[wid_of(topo, meta["params_to"][str(rk)])]
+                assert r in src.params
+        return "reshard"
+    by_dst = {t["dst"]: t for t in topo.transfers}
+    assert len(by_dst) == len(topo.transfers)
+    for rk in range(topo.world):
+        w = wid_of(topo, rk)
+        name = shard_name(rk, topo.world)
+        d = pi.descs.get(w)
+        t = by_dst.get(rk)
+        has_opt = d is not None and r in d.own.get(name, {})
+        has_params = d is not None and r in d.params
+        if t is None:
+            assert has_opt and has_params, f"{w} lacks its state at {r} and gets no transfer"
+            continue
+        src = wid_of(topo, t["opt_src"])
+        assert copies[name][r].get(src) == t["crc"], f"{src} holds no verified {name}@{r}"
+        if t["param_src"] < 0:
+            assert has_params
+        else:
+            assert r in pi.descs[wid_of(topo, t["param_src"])].params
+    return "in-memory"
+
+
+def test_planner_against_generated_schedules() -> None:
+    rng = random.Random(20261129)
+    seen: dict[str, int] = {}
+    for _ in range(CASES):
+        outcome = check(make_case(rng))
+        seen[outcome] = seen.get(outcome, 0) + 1
+    # the generator must reach every outcome, or the properties above were not exercised
+    for outcome in ("in-memory", "reshard", "persistent", "lost"):
+        assert seen.get(outcome, 0) >= 50, seen
+
+
+def test_cascade_spare_that_never_got_its_shard() -> None:
+    """Issue 11 case 1: epoch 1 promoted s0 into slot 3 and a survivor died during the transfer.
+    s0 holds nothing of shard 3, but node 0 keeps its replica: the plan must use it."""
+    old = Topology(epoch=1, nodes=["n0", "n1", "n2", "s0"], workers_per_node=1, replicas=1, resume_step=4)
+    descs = {
+        "n0.0": Descriptor(wid="n0.0", params=[4], own={"pp0.tp0.dp0of4": {4: 10}},
+                           holdings={"pp0.tp0.dp3of4": {4: 13, 3: 23}}),
+        "n2.0": Descriptor(wid="n2.0", params=[4], own={"pp0.tp0.dp2of4": {4: 12}},
+                           holdings={"pp0.tp0.dp1of4": {4: 11}}),
+        "s0.0": Descriptor(wid="s0.0", params=[4]),
+    }
+    plan = plan_recovery(PlanInput(old=old, dead={"n1"}, restarted=set(), descs=descs, pool=["s1"], target_nodes=4,
+                                   replicas=1, racks=1))
+    assert plan.ok, plan.error
+    assert plan.topo is not None and plan.topo.nodes == ["n0", "s1", "n2", "s0"] and plan.resume_step == 4
+    by_dst = {t["dst"]: t for t in plan.topo.transfers}
+    assert by_dst[3]["opt_src"] == 0 and by_dst[3]["crc"] == 13 and by_dst[3]["param_src"] == -1
+    assert by_dst[1]["opt_src"] == 2 and by_dst[1]["crc"] == 11
+
+
+def test_bad_source_is_avoided_and_the_other_replica_used() -> None:
+    old = Topology(epoch=1, nodes=["n0", "n1", "n2"], workers_per_node=1, replicas=2, resume_step=4)
+    d = {f"n{i}.0": Descriptor(wid=f"n{i}.0", params=[4], own={shard_name(i, 3): {4: i}}) for i in (1, 2)}
+    d["n1.0"].holdings = {"pp0.tp0.dp0of3": {4: 7}}
+    d["n2.0"].holdings = {"pp0.tp0.dp0of3": {4: 7}}
+    d["n2.0"].bad_sources = [("pp0.tp0.dp0of3", 4, "n1.0")]
+    plan = plan_recovery(PlanInput(old=old, dead={"n0"}, restarted=set(), descs=d, pool=["s0"], target_nodes=3,
+                                   replicas=2, racks=1))
+    assert plan.ok and plan.topo is not None
+    (t,) = plan.topo.transfers
+    assert t["opt_src"] == 2
+
+
+@pytest.mark.parametrize("spares", [0, 1])
+def test_lost_replicas_fall_back_to_persistent_and_shrink_if_short(spares: int) -> None:
+    """Issue 11 case 2: two neighbours die (owner and replica holder) with fewer spares than losses."""
+    old = Topology(epoch=0, nodes=["n0", "n1", "n2", "n3"], workers_per_node=1, replicas=1, resume_step=0)
+    d = {f"n{i}.0": Descriptor(wid=f"n{i}.0", params=[12, 11], own={shard_name(i, 4): {12: i, 11: i}})
+         for i in (0, 3)}
+    d["n0.0"].holdings = {"pp0.tp0.dp3of4": {12: 3, 11: 3}}  # the ring: node i+1 keeps node i's replica
+    d["n3.0"].holdings = {"pp0.tp0.dp2of4": {12: 2, 11: 2}}
+    man = {"step": 10, "shards": 4, "numel": 100, "shard_numel": 25, "path": "/ckpt/step_10"}
+    plan = plan_recovery(PlanInput(old=old, dead={"n1", "n2"}, restarted=set(), descs=d,
+                                   pool=[f"s{i}" for i in range(spares)], target_nodes=4, replicas=1, racks=1,
+                                   manifest=man))
+    assert plan.ok and plan.action == "persistent" and plan.resume_step == 10
+    assert plan.topo is not None and len(plan.topo.nodes) == 2 + spares
+    assert plan.topo.meta["generation"] == 1 and plan.lost == ["pp0.tp0.dp1of4"]
