@@ -330,7 +330,9 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
     done = run.get("state") == "done" and run.get("steps_completed") == cfg.steps
     bitwise = bool(done and ref.get("final_state_sha256")
                    and run.get("final_state_sha256") == ref.get("final_state_sha256"))
-    invariants_ok = all(all(r.get("invariants", {}).values()) for r in recs)
+    # an epoch interrupted by another failure never establishes its invariants; the epoch that completed it must
+    invariants_ok = all(all(r.get("invariants", {}).values()) for r in recs
+                        if r.get("completed_in_epoch", r.get("epoch")) == r.get("epoch"))
     static = [f"fault {f.index} ({' + '.join(f.specs)}): {f.unsurvivable}" for f in sched.unsurvivable]
     if ref.get("state") not in ("done", "skipped"):
         verdict = "fail"
