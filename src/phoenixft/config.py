@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,8 @@ class RunConfig:
     inject: list[str] = _f(
         None,
         "Fault to inject, repeatable: kill:node=I[,J]@step=S[,phase=forward|backward|replicate|optimizer], "
-        "kill:rack=A@step=S, kill:node=I@recovery=N, hang:node=I@step=S, crash:rank=R@step=S, "
+        "kill:rack=A@step=S, kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery (in the first recovery "
+        "resuming from step S-1 or later), hang:node=I@step=S, crash:rank=R@step=S, "
         "corrupt:node=I@step=S, nan:step=S.",
         action="append",
     )
@@ -88,6 +90,9 @@ class RunConfig:
     resume: str = _f("", "Start from the newest complete checkpoint in this directory (any node count).")
     spare_arrives_at_step: int = _f(0, "Start one more spare node when the run reaches this step (tests of "
                                     "growing back after a shrink; 0 = never).", flag="--spare-arrives-at-step")
+    repair_after: float = _f(0.0, "Seconds after a node is lost (its agent exited or was fenced) until it comes "
+                             "back repaired as a fresh spare s<k>, as on a cluster (0 = never).",
+                             flag="--repair-after")
     failure_timeout: float = _f(10.0, "Seconds without a heartbeat or answer before a node is declared failed.",
                                 flag="--failure-timeout")
     fence_kill: bool = _f(True, "Fence a failed node by SIGKILL of its process group in local runs, besides the "
@@ -166,6 +171,7 @@ class RunConfig:
                 self.replicas,
                 f"replicas live on other nodes, so need replicas < nodes (= {self.nodes})",
             )
+        need(self.repair_after >= 0, "--repair-after", self.repair_after, "must be >= 0 seconds (0 = never)")
         need(self.failure_timeout > 0, "--failure-timeout", self.failure_timeout, "must be > 0 seconds")
         need(self.threads >= 0, "--threads", self.threads, "must be >= 0")
         need(self.chunk_mb > 0, "--chunk-mb", self.chunk_mb, "must be > 0")
@@ -263,10 +269,13 @@ def _unwritable(d: str) -> str | None:
     return None
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
-    """Add one flag per RunConfig field; the field's help text becomes its --help line."""
+def add_run_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
+                      exclude: Collection[str] = ()) -> None:
+    """Add one flag per RunConfig field (except `exclude`); the field's help text becomes its --help line."""
     defaults = defaults or {}
     for f in dataclasses.fields(RunConfig):
+        if f.name in exclude:
+            continue
         meta = f.metadata
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         default = defaults.get(f.name, f.default)

@@ -69,6 +69,8 @@ class Display:
         elif k == "fallback_persistent":
             self._err(f"!! in-memory state lost ({ev['reason']}): falling back to the persistent checkpoint of "
                       f"step {ev['step']}")
+        elif k == "spare_repaired":
+            self._err(f"   {ev['replaces']} repaired: back as spare {ev['node']} (--repair-after)")
         elif k == "run_failed":
             self._err(f"!! run failed: {ev['error']}")
 

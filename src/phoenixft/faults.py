@@ -102,6 +102,8 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     valid = KILL_PHASES + SPECIAL_PHASES.get(kind, ())
     if phase not in valid:
         raise _bad(text, f"phase={phase!r}, valid phases: {', '.join(valid)}")
+    if phase == "recovery" and (not nodes or "step" not in when):  # it fires only for node slots, by step
+        raise _bad(text, "phase=recovery is only for kill:node=I@step=S,phase=recovery")
     need_target = {"kill": nodes or rack is not None or coordinator, "hang": len(nodes) == 1, "crash": rank is not None,
                    "corrupt": len(nodes) == 1, "nan": not m["target"]}
     if not need_target[kind]:

@@ -29,6 +29,7 @@ from phoenixft import keys, shm
 from phoenixft.config import RunConfig
 from phoenixft.display import Display
 from phoenixft.procs import group_members
+from phoenixft.repair import RepairQueue
 from phoenixft.report import build_report
 
 __all__ = ["LocalJob", "run_job", "STOP_GRACE_S"]
@@ -59,6 +60,8 @@ class LocalJob:
         self._lock = threading.Lock()
         self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
         self._owner = False
+        # --repair-after: a lost node comes back as a fresh spare (ids past the configured ones)
+        self.repair = RepairQueue(cfg.repair_after, cfg.spares + (1 if cfg.spare_arrives_at_step else 0))
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
@@ -151,10 +154,13 @@ class LocalJob:
                     self.store.set(keys.node_exit(n), str(time.time()))
                     self.store.add("exits", 1)
                     self._reap_async(n)
+                    self.repair.lost(n)
                 if n not in self.fenced and self.store.check([keys.fence(n)]):
                     self.fenced.add(n)
                     if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
                         self._kill_group(n)
+                    self.repair.lost(n)
+            self._start_repaired()
             if self.coord is not None and self.coord.poll() is not None and not self.store.check([keys.RUN_STATE]):
                 if self.coord_restarts >= 5:
                     return "failed: the coordinator keeps exiting"
@@ -213,6 +219,13 @@ class LocalJob:
         if removed and not killed_by_signal:
             with self._lock:
                 self.leaks["removed_segments"].extend(name for name, _ in removed)
+
+    def _start_repaired(self) -> None:
+        """--repair-after: start the spares whose repair is due; the coordinator admits them."""
+        for spare, lost in self.repair.due(self.agents):
+            self._start_agent(spare)
+            self.store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "spare_repaired", "by": "launcher",
+                                                       "node": spare, "replaces": lost}) + "\n")
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:

@@ -11,11 +11,12 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from phoenixft.cli import cmd_agent, cmd_demo, cmd_gc, cmd_report, cmd_run, cmd_status
+    from phoenixft.cli import cmd_agent, cmd_chaos, cmd_demo, cmd_gc, cmd_report, cmd_run, cmd_status
 
     ap = argparse.ArgumentParser(prog="phoenixft", description="Keep PyTorch training alive through node failures.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     cmd_run.add_parser(sub)
+    cmd_chaos.add_parser(sub)
     cmd_demo.add_parser(sub)
     cmd_report.add_parser(sub)
     cmd_status.add_parser(sub)

@@ -1,0 +1,457 @@
+"""`phoenixft chaos`: a seeded fault campaign, to trust the system on your own setup before a long job.
+
+Three parts:
+
+- `make_schedule(cfg, faults, seed)`: a pure function of (seed, config) that draws N faults from
+  kill (forward, backward, replicate or optimizer phase), crash (a worker exits and is restarted in
+  place), hang (SIGSTOP; found by `--failure-timeout`), corrupt replica (bytes flipped in a replica
+  at rest, then the shard's owner killed, so the checksum has to reject the copy), kill during a
+  recovery (a node killed at step S, another node killed mid state transfer of that recovery),
+  coordinator kill and two nodes at once. Faults are spread over the steps, at least `MIN_GAP`
+  steps apart: a fault fires when training reaches its step, and training only gets there once
+  the previous recovery completed (kill-during-recovery overlaps two failures on purpose). With
+  N >= 7 every kind is drawn at least once. Each fault says which node slots it loses together and
+  whether that is survivable *by design*: every logical shard must keep a copy (its owner or a
+  replica holder; node i's replicas live on the next `--replicas` nodes of the ring, racks first)
+  or a complete persistent checkpoint must exist (`--persist-every`, with a spare per lost node).
+  Pairs of nodes are drawn survivable unless `allow_unsurvivable`.
+- `judge(...)`: the verdict of a finished campaign against its failure-free reference: `pass`,
+  `fail` (a survivable run was lost, or the final state differs) or `unsurvivable-by-design`
+  (the schedule loses every copy of a shard, statically, or after the run shrank and its ring
+  changed). Bitwise equality of the final state is required unless the run shrank; then the
+  loss must stay within `SHRINK_REL_TOL` of the reference at every step.
+- `run_campaign(...)`: the reference run (`--protect none --spares 0`, no faults), then the
+  campaign (live display of each fault and recovery), then the verdict; optional JSON report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from phoenixft.config import RunConfig
+from phoenixft.errors import UserError
+from phoenixft.faults import KILL_PHASES
+from phoenixft.topology import Topology, shard_name
+
+__all__ = [
+    "KINDS", "MIN_GAP", "FIRST_STEP", "SHRINK_REL_TOL", "MAX_COORDINATOR_KILLS", "ChaosFault", "Schedule",
+    "make_schedule", "format_schedule", "unsurvivable_reason", "judge", "format_verdict", "run_campaign",
+    "EXIT_CODES",
+]
+
+KINDS = ("kill", "crash", "hang", "corrupt", "kill_during_recovery", "kill_coordinator", "two_nodes")
+LABELS = {"kill": "kill", "crash": "crash", "hang": "hang", "corrupt": "corrupt replica",
+          "kill_during_recovery": "kill during recovery", "kill_coordinator": "coordinator kill",
+          "two_nodes": "two nodes at once"}
+# beyond one of each, node faults are drawn more often than the slow coordinator restart and hang
+WEIGHTS = {"kill": 3, "crash": 2, "hang": 1, "corrupt": 2, "kill_during_recovery": 2, "kill_coordinator": 1,
+           "two_nodes": 2}
+MIN_GAP = 3  # steps between two faults: the replay of a recovery plus at least one clean step
+FIRST_STEP = 3  # the first fault comes after two committed steps
+SHRINK_REL_TOL = 1e-4  # after a shrink the reduction order changes: loss within this of the reference
+MAX_COORDINATOR_KILLS = 4  # the launcher gives up after 5 coordinator restarts in one run
+PERSIST_MARGIN = 4  # steps after a multiple of --persist-every until that checkpoint is surely complete
+EXIT_CODES = {"pass": 0, "fail": 1, "unsurvivable-by-design": 3}
+_PAIR_PHASES = ("forward", "backward", "optimizer")  # both nodes reach these before a collective fails
+
+
+@dataclass(frozen=True)
+class ChaosFault:
+    """One drawn fault: one or two `--inject` specs, the slots it loses together, survivability."""
+
+    index: int  # 1-based position in the schedule
+    kind: str
+    step: int
+    specs: tuple[str, ...]
+    what: str  # one line for people
+    lost: tuple[int, ...]  # node slots lost together (by one recovery)
+    unsurvivable: str | None = None  # why not, by design; None if survivable
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "kind": self.kind, "step": self.step, "inject": list(self.specs),
+                "what": self.what, "lost_slots": list(self.lost), "survivable": self.unsurvivable is None,
+                "unsurvivable": self.unsurvivable}
+
+
+@dataclass
+class Schedule:
+    seed: int
+    faults: list[ChaosFault]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def inject(self) -> list[str]:
+        return [s for f in self.faults for s in f.specs]
+
+    @property
+    def unsurvivable(self) -> list[ChaosFault]:
+        return [f for f in self.faults if f.unsurvivable]
+
+
+# ---------------------------------------------------------------------------------------------- survivability
+def _ring(nodes: int, replicas: int, racks: int) -> Topology:
+    return Topology(epoch=0, nodes=[f"n{i}" for i in range(nodes)], workers_per_node=1, replicas=replicas,
+                    racks=racks, resume_step=0)
+
+
+def _lost_shards(ring: Topology, lost: set[int]) -> list[int]:
+    """Slots whose owner and every replica holder are in `lost` (node level: every local rank alike)."""
+    return [d for d in sorted(lost) if all(h in lost for h in ring.holders(d))]
+
+
+def _persistent_ok(cfg: RunConfig, step: int, lost: int) -> bool:
+    """A complete persistent checkpoint exists before `step`, and the fallback gets a spare per lost node."""
+    return bool(cfg.persist_every) and step >= cfg.persist_every + PERSIST_MARGIN and cfg.spares >= lost
+
+
+def unsurvivable_reason(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: int) -> str | None:
+    """Why losing node slots `lost` at `step` cannot be survived by design (None: it can)."""
+    ring = _ring(cfg.nodes, cfg.replicas, cfg.racks)
+    gone = _lost_shards(ring, set(lost))
+    if not gone or _persistent_ok(cfg, step, len(lost)):
+        return None
+    held = "; ".join(f"node {d}'s shard {shard_name(d, cfg.nodes)} lives only on node {d} and its replica "
+                     f"holder(s) {', '.join(str(h) for h in ring.holders(d))}" for d in gone)
+    if not cfg.persist_every:
+        tier = "no persistent tier (--persist-every)"
+    elif cfg.spares < len(lost):
+        tier = f"the persistent fallback needs {len(lost)} spares (--spares {cfg.spares})"
+    else:
+        tier = f"no complete persistent checkpoint yet at step {step} (--persist-every {cfg.persist_every})"
+    return (f"nodes {', '.join(str(x) for x in sorted(lost))} die together with --replicas {cfg.replicas}: {held}; "
+            f"{tier}")
+
+
+# ---------------------------------------------------------------------------------------------- the schedule
+def _check(cfg: RunConfig, faults: int) -> tuple[int, int]:
+    if faults < 1:
+        raise UserError(f"--faults={faults} is invalid: must be >= 1")
+    if cfg.protect != "phoenix":
+        raise UserError(f"--protect={cfg.protect!r} is invalid: chaos injects faults, which need --protect phoenix")
+    if cfg.nodes < 2:
+        raise UserError(f"--nodes={cfg.nodes} is invalid: chaos needs at least 2 nodes")
+    if cfg.inject:
+        raise UserError("--inject is invalid here: the campaign draws its faults from --seed")
+    first, last = FIRST_STEP, cfg.steps - 2
+    need = FIRST_STEP + 1 + faults * MIN_GAP
+    if last - first + 1 < faults * MIN_GAP:
+        raise UserError(f"--steps={cfg.steps} is too short for --faults {faults}: faults are at least {MIN_GAP} "
+                        f"steps apart from step {FIRST_STEP} on, so need --steps >= {need}")
+    return first, last
+
+
+def _steps(rng: random.Random, n: int, first: int, last: int) -> list[int]:
+    """n steps in [first, last], one per equal bin, consecutive ones at least MIN_GAP apart."""
+    width = (last - first + 1) / n
+    out = []
+    for i in range(n):
+        lo = first + int(i * width)
+        hi = first + int((i + 1) * width) - 1  # the next bin starts at hi + 1
+        out.append(rng.randint(lo, max(lo, hi - MIN_GAP + 1)))
+    return out
+
+
+def _kinds(rng: random.Random, n: int, available: list[str]) -> list[str]:
+    if n >= len(available):  # every kind at least once, the rest uniform
+        kinds = list(available) + rng.choices(available, [WEIGHTS[k] for k in available], k=n - len(available))
+    else:
+        kinds = rng.sample(available, n)
+    rng.shuffle(kinds)
+    others = [k for k in available if k != "kill_coordinator"]
+    seen = 0
+    for i, k in enumerate(kinds):
+        if k == "kill_coordinator":
+            seen += 1
+            if seen > MAX_COORDINATOR_KILLS:
+                kinds[i] = rng.choice(others)
+    return kinds
+
+
+def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bool = False) -> Schedule:
+    """Draw `faults` faults for this configuration, deterministically from `seed` (no I/O, no clock).
+
+    Raises UserError for a configuration a campaign cannot run on (too few steps or nodes, no protection).
+    """
+    first, last = _check(cfg, faults)
+    rng = random.Random(f"phoenixft-chaos/{seed}")
+    n, world = cfg.nodes, cfg.world
+    ring = _ring(n, cfg.replicas, cfg.racks)
+    pairs = list(itertools.combinations(range(n), 2))
+    notes: list[str] = []
+
+    def ok_pairs(step: int) -> list[tuple[int, int]]:
+        return [p for p in pairs if allow_unsurvivable or unsurvivable_reason(cfg, p, step) is None]
+
+    available = list(KINDS)
+    if not ok_pairs(last):  # the most permissive step (a persistent checkpoint exists by then, if any)
+        available.remove("two_nodes")
+        notes.append(f"'two nodes at once' not drawn: no two of {n} nodes survive together with --replicas "
+                     f"{cfg.replicas} and no persistent tier (use --nodes >= 4, more --replicas, --persist-every, "
+                     "or --allow-unsurvivable); 'kill during recovery' kills the promoted spare itself")
+    kinds = _kinds(rng, faults, available)
+    steps = _steps(rng, faults, first, last)
+    out: list[ChaosFault] = []
+    for i, (kind, s) in enumerate(zip(kinds, steps, strict=True), 1):
+        phase = rng.choice(KILL_PHASES)
+        if kind == "two_nodes" and not ok_pairs(s):
+            kind = "kill"  # no survivable pair this early (the first persistent checkpoint is not written yet)
+        if kind == "kill":
+            node = rng.randrange(n)
+            f = ChaosFault(i, kind, s, (f"kill:node={node}@step={s},phase={phase}",),
+                           f"SIGKILL node {node} in its {phase} phase", (node,))
+        elif kind == "crash":
+            rank = rng.randrange(world)
+            f = ChaosFault(i, kind, s, (f"crash:rank={rank}@step={s},phase={phase}",),
+                           f"worker rank {rank} exits in its {phase} phase (restarted in place)", ())
+        elif kind == "hang":
+            node = rng.randrange(n)
+            f = ChaosFault(i, kind, s, (f"hang:node={node}@step={s},phase={phase}",),
+                           f"SIGSTOP node {node} in its {phase} phase (found after --failure-timeout "
+                           f"{cfg.failure_timeout:g}s, fenced)", (node,))
+        elif kind == "corrupt":
+            owner = rng.randrange(n)
+            holder = ring.holders(owner)[0]  # node level: local rank 0's holder is on the same node as all
+            f = ChaosFault(i, kind, s, (f"corrupt:node={holder}@step={s}",
+                                        f"kill:node={owner}@step={s + 1},phase=optimizer"),
+                           f"corrupt node {holder}'s replica of node {owner}'s shard, then SIGKILL node {owner} at "
+                           f"step {s + 1}: the checksum must reject the corrupt copy", (owner,))
+        elif kind == "kill_during_recovery":
+            j = rng.randrange(n)
+            mates = [b if a == j else a for a, b in ok_pairs(s) if j in (a, b)]
+            other = rng.choice(mates) if mates else j
+            who = f"node {other}" if other != j else f"the spare promoted into slot {j}"
+            f = ChaosFault(i, kind, s, (f"kill:node={j}@step={s},phase=optimizer",
+                                        f"kill:node={other}@step={s},phase=recovery"),
+                           f"SIGKILL node {j} in its optimizer phase, then {who} during that recovery's state "
+                           "transfer", tuple(sorted({j, other})))
+        elif kind == "kill_coordinator":
+            f = ChaosFault(i, kind, s, (f"kill:coordinator@step={s},phase={phase}",),
+                           f"SIGKILL the coordinator when rank 0 is in its {phase} phase (restarted from its "
+                           "journal)", ())
+        else:  # two_nodes
+            a, b = rng.choice(ok_pairs(s))
+            ph = rng.choice(_PAIR_PHASES)
+            f = ChaosFault(i, kind, s, (f"kill:node={a},{b}@step={s},phase={ph}",),
+                           f"SIGKILL nodes {a} and {b} in the same step ({ph} phase)", (a, b))
+        why = unsurvivable_reason(cfg, f.lost, s) if f.lost else None
+        out.append(dataclasses.replace(f, unsurvivable=why))
+    return Schedule(seed=seed, faults=out, notes=notes)
+
+
+def format_schedule(sched: Schedule, cfg: RunConfig) -> str:
+    persist = f", --persist-every {cfg.persist_every}" if cfg.persist_every else ""
+    lines = [f"chaos campaign: seed {sched.seed}, {len(sched.faults)} faults over {cfg.steps} steps; "
+             f"{cfg.nodes} nodes x {cfg.workers_per_node} worker(s), {cfg.spares} spare(s), --replicas "
+             f"{cfg.replicas}{persist}, lost nodes back as spares "
+             f"{f'after {cfg.repair_after:g}s' if cfg.repair_after else 'never (--repair-after 0)'}, "
+             f"--failure-timeout {cfg.failure_timeout:g}s",
+             f"  {'#':>3} {'step':>4}  {'fault':<21} inject"]
+    for f in sched.faults:
+        lines.append(f"  {f.index:>3} {f.step:>4}  {LABELS[f.kind]:<21} {' + '.join(f.specs)}")
+        if f.unsurvivable:
+            lines.append(f"  {'':>3} {'':>4}  UNSURVIVABLE BY DESIGN: {f.unsurvivable}")
+    lines += [f"  note: {n}" for n in sched.notes]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- the verdict
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _runtime_unsurvivable(cfg: RunConfig, run: dict[str, Any], events: list[dict[str, Any]],
+                          metrics: list[dict[str, Any]]) -> str | None:
+    """A failed run: did it lose every copy of a shard in the ring it had then (e.g. after a shrink)?"""
+    err = run.get("error") or ""
+    if "in-memory state lost" not in err and "every node is lost" not in err:
+        return None
+    if cfg.persist_every and "needs a spare" in err:
+        return None  # a complete checkpoint was there: the spare pool, not the design, was short
+    e_ok = max((m.get("epoch", 0) for m in metrics), default=0)  # last epoch that completed a step
+    epochs = {ev["epoch"]: ev for ev in events if ev.get("kind") == "epoch"}
+    if e_ok not in epochs:
+        return None
+    nodes, t_ok = epochs[e_ok]["nodes"], epochs[e_ok]["t"]
+    lost = {ev["node"] for ev in events if ev.get("kind") == "fault" and ev.get("fault") in ("kill", "hang")
+            and not str(ev.get("spec", "")).startswith("kill:coordinator") and ev["t"] >= t_ok}
+    lost |= {n for ev in events if ev.get("kind") == "classified" and ev.get("epoch", -1) >= e_ok
+             for n in ev.get("dead", [])}
+    slots = {nodes.index(x) for x in lost if x in nodes}
+    ring = _ring(len(nodes), min(cfg.replicas, len(nodes) - 1),
+                 cfg.racks if len(nodes) % cfg.racks == 0 else 1)
+    gone = _lost_shards(ring, slots)
+    if not gone:
+        return None
+    where = f"epoch {e_ok}'s ring of {len(nodes)} nodes" + (" (after a shrink)" if len(nodes) < cfg.nodes else "")
+    return (f"in {where}, {', '.join(nodes[d] for d in gone)} and every holder of its replicas were lost together "
+            f"({', '.join(sorted(lost))}); no persistent checkpoint to fall back to")
+
+
+def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, Any],
+          events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The campaign's verdict and numbers (a pure function of the two reports and the run's records)."""
+    fired: dict[int, list[dict[str, Any]]] = {}
+    for ev in events:
+        if ev.get("kind") == "fault":
+            fired.setdefault(int(ev["index"]), []).append(ev)
+    corrupted = {ev.get("spec") for ev in events if ev.get("kind") == "corrupted_replica"}
+    cp = {c["fault"]: c for c in run.get("control_plane", [])}
+    max_epoch = max((m.get("epoch", 0) for m in metrics), default=0)
+    spec_index = {s: i for i, s in enumerate(sched.inject)}
+    per_fault = []
+    for f in sched.faults:
+        evs = [ev for s in f.specs if not s.startswith("corrupt") for ev in fired.get(spec_index[s], [])]
+        injected = all((s in corrupted) if s.startswith("corrupt") else bool(fired.get(spec_index[s]))
+                       for s in f.specs)
+        if not injected:
+            recovered = False
+        elif f.kind == "kill_coordinator":  # back from its journal, or training finished without needing it
+            recovered = cp.get(f.specs[0], {}).get("downtime_s") is not None or run.get("state") == "done"
+        else:
+            recovered = max_epoch > max(ev.get("epoch", 0) for ev in evs)
+        per_fault.append({"index": f.index, "kind": f.kind, "step": f.step, "injected": injected,
+                          "recovered": recovered, "fired": evs})
+    recs = run.get("recoveries", [])
+    shrank = any(r.get("action") == "shrink" for r in recs)
+    ref_loss, loss = ref.get("loss") or [], run.get("loss") or []
+    devs = [abs(x - y) / abs(y) if y else abs(x - y) for x, y in zip(loss, ref_loss, strict=False)]
+    max_dev = max(devs) if devs else None
+    done = run.get("state") == "done" and run.get("steps_completed") == cfg.steps
+    bitwise = bool(done and ref.get("final_state_sha256")
+                   and run.get("final_state_sha256") == ref.get("final_state_sha256"))
+    # an epoch interrupted by another failure never establishes its invariants; the epoch that completed it must
+    invariants_ok = all(all(r.get("invariants", {}).values()) for r in recs
+                        if r.get("completed_in_epoch", r.get("epoch")) == r.get("epoch"))
+    static = [f"fault {f.index} ({' + '.join(f.specs)}): {f.unsurvivable}" for f in sched.unsurvivable]
+    if ref.get("state") not in ("done", "skipped"):
+        verdict = "fail"
+        reason = f"the failure-free reference run did not finish: {ref.get('error') or ref.get('state')}"
+    elif static:
+        verdict, reason = "unsurvivable-by-design", "; ".join(static)
+        if done:
+            reason += " (the run still finished: that fault did not hit as drawn)"
+    elif not done:
+        why = _runtime_unsurvivable(cfg, run, events, metrics)
+        if why:
+            verdict, reason = "unsurvivable-by-design", why
+        else:
+            verdict, reason = "fail", f"the run did not finish: {run.get('error') or run.get('state')}"
+    elif not invariants_ok:
+        verdict, reason = "fail", "an invariant check failed after a recovery"
+    elif shrank:
+        ok = max_dev is not None and len(loss) == len(ref_loss) and max_dev <= SHRINK_REL_TOL
+        verdict = "pass" if ok else "fail"
+        reason = (f"the run shrank (no spare ready); max relative loss deviation {max_dev:.2e} "
+                  f"{'<=' if ok else '>'} {SHRINK_REL_TOL:g}")
+    elif bitwise:
+        verdict, reason = "pass", "final state bitwise equal to the failure-free reference"
+    else:
+        verdict, reason = "fail", "final state differs from the failure-free reference"
+    return {
+        "verdict": verdict, "reason": reason, "faults": len(sched.faults),
+        "injected": sum(p["injected"] for p in per_fault), "recovered": sum(p["recovered"] for p in per_fault),
+        "steps_lost": sum(r.get("lost_steps") or 0 for r in recs), "bitwise_equal": bitwise,
+        "max_loss_rel_dev": max_dev, "shrank": shrank, "per_fault": per_fault,
+        "recoveries": len(recs), "replicas_rejected": sum(len(r.get("replicas_rejected", [])) for r in recs),
+    }
+
+
+def format_verdict(v: dict[str, Any], ref: dict[str, Any], run: dict[str, Any], wall: dict[str, float]) -> str:
+    missed = [f"#{p['index']}" for p in v["per_fault"] if not p["injected"]]
+    not_rec = [f"#{p['index']}" for p in v["per_fault"] if p["injected"] and not p["recovered"]]
+    sha = (run.get("final_state_sha256") or "-")[:16]
+    if run.get("state") != "done":
+        state = f"none: the run stopped ({run.get('state')})"
+    elif v["bitwise_equal"]:
+        state = f"bitwise equal to the reference (sha256 {sha})"
+    elif ref.get("state") == "skipped":
+        state = f"sha256 {sha} (no reference run: the schedule is unsurvivable by design)"
+    else:
+        state = f"differs from the reference ({sha} vs {(ref.get('final_state_sha256') or '-')[:16]})"
+    dev = "-" if v["max_loss_rel_dev"] is None else f"{v['max_loss_rel_dev']:.2e}"
+    lines = [
+        f"chaos verdict: {v['verdict'].upper()}: {v['reason']}",
+        f"  faults injected   {v['injected']} of {v['faults']}"
+        + (f" (never fired: {', '.join(missed)}; "
+           + ("their node or rank was not in the job when their step came)" if run.get("state") == "done"
+              else "the run stopped before their step)") if missed else ""),
+        f"  recovered         {v['recovered']} of {v['injected']}"
+        + (f" (not: {', '.join(not_rec)})" if not_rec else "")
+        + f"; {v['recoveries']} recovery epochs, {v['replicas_rejected']} corrupt replica(s) rejected",
+        f"  steps lost        {v['steps_lost']} (replayed)",
+        f"  final state       {state}",
+        f"  shrank            {'yes' if v['shrank'] else 'no'}; max relative loss deviation per step {dev}",
+        f"  wall time         {wall['total']:.1f}s (reference {wall['reference']:.1f}s, campaign "
+        f"{wall['campaign']:.1f}s)",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- the campaign
+def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: bool = False,
+                 report: str = "", out: TextIO | None = None) -> dict[str, Any]:
+    """Reference run, then the campaign, then the verdict. `cfg` is the user's run configuration
+    (its `seed` is used for the training too). Returns the campaign report (also written to `report`)."""
+    from phoenixft.display import Display
+    from phoenixft.launcher import run_job
+
+    out = out or sys.stdout
+    t0 = time.monotonic()
+    cfg = dataclasses.replace(cfg, seed=seed, inject=[], report="")
+    sched = make_schedule(cfg, faults, seed, allow_unsurvivable)
+    root = Path(cfg.run_dir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S"))
+    persist_dir = str(Path(cfg.persist_dir) / f"chaos-{uuid.uuid4().hex[:8]}") if cfg.persist_every else ""
+    camp = dataclasses.replace(cfg, inject=sched.inject, run_dir=str(root / "campaign"), persist_dir=persist_dir)
+    camp.validate()
+    ref_cfg = dataclasses.replace(cfg, protect="none", spares=0, repair_after=0.0, persist_every=0, persist_dir="",
+                                  spare_arrives_at_step=0, run_dir=str(root / "reference"), quiet=True,
+                                  json_events=False)
+    ref_cfg.validate()
+    print(format_schedule(sched, camp), file=out, flush=True)
+    if sched.unsurvivable:  # the verdict is fixed: show how the system stops, no reference needed
+        print("[1/2] reference skipped: the schedule is unsurvivable by design, so this cannot be a pass",
+              file=out, flush=True)
+        ref: dict[str, Any] = {"state": "skipped"}
+    else:
+        print(f"[1/2] failure-free reference (--protect none --spares 0) in {ref_cfg.run_dir} ...", file=out,
+              flush=True)
+        ref = run_job(ref_cfg, Display(quiet=True, steps=ref_cfg.steps))
+        print(f"      {ref.get('state')}: {ref.get('steps_completed', 0)} steps in {time.monotonic() - t0:.1f}s, "
+              f"final state sha256 {(ref.get('final_state_sha256') or '-')[:16]}", file=out, flush=True)
+    t_ref = time.monotonic() - t0
+    run: dict[str, Any] = {"state": "not run", "config": json.loads(camp.to_json())}
+    t1 = time.monotonic()
+    if ref.get("state") in ("done", "skipped"):
+        print(f"[2/2] campaign: {len(sched.inject)} fault specs in {camp.run_dir} ...", file=out, flush=True)
+        run = run_job(camp, Display(quiet=camp.quiet, json_events=camp.json_events, steps=camp.steps))
+    t_camp = time.monotonic() - t1
+    run_dir = Path(run.get("run_dir") or camp.run_dir)
+    events, metrics = _read_jsonl(run_dir / "events.jsonl"), _read_jsonl(run_dir / "metrics.jsonl")
+    v = judge(sched, camp, ref, run, events, metrics)
+    wall = {"total": time.monotonic() - t0, "reference": t_ref, "campaign": t_camp}
+    print(format_verdict(v, ref, run, wall), file=out, flush=True)
+    result = {
+        **{k: v[k] for k in ("verdict", "reason", "faults", "injected", "recovered", "steps_lost", "bitwise_equal",
+                             "max_loss_rel_dev", "shrank", "recoveries", "replicas_rejected", "per_fault")},
+        "seed": seed, "wall_s": wall["total"], "wall": wall, "schedule": [f.to_json() for f in sched.faults],
+        "notes": sched.notes, "inject": sched.inject, "run_dir": str(root),
+        "reference": {k: ref.get(k) for k in ("state", "run_id", "run_dir", "steps_completed", "final_state_sha256",
+                                              "loss", "step_time_s", "error")},
+        "run": run,
+    }
+    if report:
+        Path(report).parent.mkdir(parents=True, exist_ok=True)
+        Path(report).write_text(json.dumps(result, indent=2))
+        print(f"  report            {report}", file=out, flush=True)
+    return result

@@ -1,0 +1,194 @@
+"""`phoenixft chaos`: the seeded schedule (pure, thousands of seeds), the spare repair, and campaigns end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import processes_with
+
+from phoenixft.chaos import KINDS, MAX_COORDINATOR_KILLS, MIN_GAP, judge, make_schedule, unsurvivable_reason
+from phoenixft.cli.main import main
+from phoenixft.config import RunConfig
+from phoenixft.errors import UserError
+from phoenixft.faults import parse_fault
+from phoenixft.repair import RepairQueue
+
+CONFIGS = [
+    dict(nodes=4, spares=2, steps=80),
+    dict(nodes=3, spares=2, steps=40),
+    dict(nodes=4, spares=2, steps=60, replicas=2),
+    dict(nodes=4, spares=2, steps=60, racks=2),
+    dict(nodes=2, workers_per_node=2, spares=1, steps=40),
+    dict(nodes=4, spares=2, steps=60, persist_every=5, persist_dir="ckpt"),
+]
+
+
+def _cfg(**kw: object) -> RunConfig:
+    return RunConfig(**{"repair_after": 5.0, "failure_timeout": 3.0, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_schedule_is_deterministic_spaced_and_valid(kw: dict[str, object]) -> None:
+    cfg = _cfg(**kw)
+    n = 10
+    for seed in range(600):
+        sched = make_schedule(cfg, n, seed)
+        assert sched == make_schedule(cfg, n, seed)  # a pure function of (seed, config)
+        assert len(sched.faults) == n
+        steps = [f.step for f in sched.faults]
+        assert steps == sorted(steps) and steps[0] >= 3 and steps[-1] + 1 <= cfg.steps - 1
+        assert all(b - a >= MIN_GAP for a, b in zip(steps, steps[1:], strict=False)), steps
+        assert not sched.unsurvivable, [f.unsurvivable for f in sched.unsurvivable]  # default: survivable only
+        assert sum(f.kind == "kill_coordinator" for f in sched.faults) <= MAX_COORDINATOR_KILLS
+        specs = [parse_fault(s, i) for i, s in enumerate(sched.inject)]
+        assert all(s.step is not None and s.step <= cfg.steps for s in specs)
+        RunConfig(**{**kw, "inject": sched.inject}).validate()  # type: ignore[arg-type]
+    assert make_schedule(cfg, n, 1).inject != make_schedule(cfg, n, 2).inject
+
+
+def test_every_kind_is_drawn_and_counts_are_exact() -> None:
+    cfg = _cfg(nodes=4, spares=2, steps=400)
+    for seed in range(300):
+        for n in (1, 3, 7, 12, 50):
+            sched = make_schedule(cfg, n, seed)
+            assert len(sched.faults) == n and [f.index for f in sched.faults] == list(range(1, n + 1))
+            if n >= len(KINDS):
+                assert {f.kind for f in sched.faults} == set(KINDS)
+
+
+def test_survivability_classification() -> None:
+    four = _cfg(nodes=4, spares=2, steps=40)
+    assert unsurvivable_reason(four, {0, 2}, 10) is None  # node 1 keeps 0's replica, node 3 keeps 2's
+    why = unsurvivable_reason(four, {1, 2}, 10)  # node 2 keeps node 1's only replica
+    assert why and "pp0.tp0.dp1of4" in why and "no persistent tier" in why
+    assert unsurvivable_reason(_cfg(nodes=4, spares=2, steps=40, replicas=2), {1, 2}, 10) is None
+    assert unsurvivable_reason(_cfg(nodes=4, spares=2, steps=40, racks=2), {0, 1}, 10) is None  # a whole rack
+    assert unsurvivable_reason(_cfg(nodes=4, spares=2, steps=40, racks=2), {0, 2}, 10)
+    persist = _cfg(nodes=4, spares=2, steps=40, persist_every=4, persist_dir="x")
+    assert unsurvivable_reason(persist, {1, 2}, 20) is None  # the persistent tier has it
+    assert "no complete persistent checkpoint yet" in (unsurvivable_reason(persist, {1, 2}, 5) or "")
+    # three nodes, one replica: every pair holds a replica of the other, so no pair is drawn by default
+    three = _cfg(nodes=3, spares=2, steps=60)
+    drawn = [f for s in range(500) for f in make_schedule(three, 12, s).faults]
+    assert "two_nodes" not in {f.kind for f in drawn}
+    assert all(len(set(f.lost)) == 1 for f in drawn if f.kind == "kill_during_recovery")  # the spare itself
+    risky = [f for s in range(500) for f in make_schedule(three, 12, s, allow_unsurvivable=True).faults
+             if f.unsurvivable]
+    assert risky and all(f.kind in ("two_nodes", "kill_during_recovery") for f in risky)
+    # four nodes: pairs drawn by default never hold each other's replicas; with --allow-unsurvivable some do
+    pairs = [f for s in range(500) for f in make_schedule(four, 12, s).faults if len(f.lost) == 2]
+    assert pairs and all(abs(f.lost[0] - f.lost[1]) == 2 for f in pairs)
+    assert any(f.unsurvivable for s in range(200) for f in make_schedule(four, 12, s, allow_unsurvivable=True).faults)
+
+
+def test_bad_campaigns_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(UserError, match="need --steps >= 40"):
+        make_schedule(_cfg(nodes=4, steps=30), 12, 1)
+    with pytest.raises(UserError, match="--protect phoenix"):
+        make_schedule(_cfg(nodes=4, steps=30, protect="none", spares=0), 2, 1)
+    assert main(["chaos", "--nodes", "3", "--steps", "10", "--faults", "5"]) == 2
+    assert main(["chaos", "--faults", "0"]) == 2
+    assert main(["chaos", "--repair-after", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(ln.startswith("phoenixft chaos: error: ") for ln in err), err
+
+
+def test_recovery_phase_fault_spec() -> None:
+    f = parse_fault("kill:node=2@step=9,phase=recovery")
+    assert (f.kind, f.nodes, f.step, f.phase) == ("kill", (2,), 9, "recovery")
+    for bad in ("hang:node=1@step=4,phase=recovery", "kill:coordinator@step=4,phase=recovery",
+                "kill:rack=0@step=4,phase=recovery", "crash:rank=0@step=3,phase=recovery"):
+        with pytest.raises(UserError):
+            parse_fault(bad)
+
+
+def test_repair_queue_hands_out_new_spare_ids_once_per_lost_node() -> None:
+    now = [0.0]
+    q = RepairQueue(5.0, first_index=2, clock=lambda: now[0])
+    q.lost("n1")
+    q.lost("n1")  # exit and fence of the same node: one repair
+    now[0] = 3.0
+    q.lost("s0")
+    assert q.due({"s0", "s1"}) == []
+    now[0] = 5.0
+    assert q.due({"s0", "s1", "s2"}) == [("s3", "n1")]
+    now[0] = 9.0
+    assert q.due({"s0", "s1", "s2", "s3"}) == [("s4", "s0")]
+    off = RepairQueue(0.0, first_index=1, clock=lambda: now[0])
+    off.lost("n0")
+    now[0] = 1e9
+    assert off.due(set()) == []
+
+
+def test_verdicts_from_reports() -> None:
+    cfg = _cfg(nodes=4, spares=2, steps=20)
+    sched = make_schedule(cfg, 2, 3)
+    ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
+    done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a", "recoveries": []}
+    assert judge(sched, cfg, ref, done, [], [])["verdict"] == "pass"
+    assert judge(sched, cfg, ref, {**done, "final_state_sha256": "b"}, [], [])["verdict"] == "fail"
+    shrunk = {**done, "final_state_sha256": "b", "loss": [3.0, 2.0001],
+              "recoveries": [{"action": "shrink", "invariants": {"I1": True}, "lost_steps": 1}]}
+    v = judge(sched, cfg, ref, shrunk, [], [])
+    assert v["verdict"] == "pass" and v["shrank"] and v["max_loss_rel_dev"] == pytest.approx(5e-5)
+    assert judge(sched, cfg, ref, {**shrunk, "loss": [3.0, 2.01]}, [], [])["verdict"] == "fail"
+    # the job had shrunk to 3 nodes (n0, n2, n3) when n0 and n2 died together: on that ring n2 held n0's
+    # only replica, so the failure is by design even though the pair was survivable on 4 nodes
+    events = [{"kind": "epoch", "epoch": 2, "nodes": ["n0", "n2", "n3"], "t": 10.0},
+              {"kind": "fault", "fault": "kill", "spec": "kill:node=0,1@step=9", "index": 0, "node": "n0", "t": 11.0},
+              {"kind": "fault", "fault": "kill", "spec": "kill:node=0,1@step=9", "index": 0, "node": "n2", "t": 11.0}]
+    failed = {"state": "failed", "error": "in-memory state lost in epoch 2 (lost shards: pp0.tp0.dp0of3) and no "
+              "persistent tier (--persist-every)", "loss": [3.0], "recoveries": []}
+    v = judge(sched, cfg, ref, failed, events, [{"step": 8, "epoch": 2}])
+    assert v["verdict"] == "unsurvivable-by-design" and "after a shrink" in v["reason"], v["reason"]
+    events[0]["nodes"] = ["n0", "s1", "n2", "n3"]  # on 4 nodes s1 keeps n0's replica, n3 keeps n2's: a fail
+    assert judge(sched, cfg, ref, failed, events, [{"step": 8, "epoch": 2}])["verdict"] == "fail"
+
+
+def _chaos(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
+    report = tmp / "chaos.json"
+    src = str(Path(__file__).parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "chaos", "--quiet", "--micro-batch", "1",
+                        "--run-dir", str(tmp / "runs"), "--report", str(report), *args],
+                       capture_output=True, text=True, timeout=400, env=env)
+    rep = json.loads(report.read_text())
+    for run_id in (rep["run"].get("run_id"), rep["reference"].get("run_id")):
+        if run_id:
+            assert processes_with(run_id) == [], "processes outlived the campaign"
+            assert list(Path("/dev/shm").glob(f"phoenixft-{run_id}-*")) == [], "shared memory outlived it"
+    return p, rep
+
+
+def test_campaign_end_to_end(tmp_path: Path) -> None:
+    # seed 8 on this setup: kill during recovery (step 4), corrupt replica + owner killed (7-8), crash (12);
+    # 3 spares cover the 3 lost nodes, so the job never shrinks and must end bitwise equal to the reference
+    p, rep = _chaos(tmp_path, "--nodes", "3", "--spares", "3", "--steps", "16", "--faults", "3", "--seed", "8")
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert [f["kind"] for f in rep["schedule"]] == ["kill_during_recovery", "corrupt", "crash"]
+    assert rep["verdict"] == "pass", rep["reason"]
+    assert rep["faults"] == rep["recovered"] == 3 and rep["injected"] == 3
+    assert rep["bitwise_equal"] is True and rep["shrank"] is False and rep["max_loss_rel_dev"] == 0.0
+    assert rep["run"]["final_state_sha256"] == rep["reference"]["final_state_sha256"]
+    assert rep["replicas_rejected"] >= 1  # the corrupt copy was never loaded
+    assert rep["wall_s"] > 0 and rep["run"]["state"] == "done"
+    assert "chaos verdict: PASS" in p.stdout and "#" in p.stdout.splitlines()[1]
+    fired = {f["spec"]: f for f in rep["run"]["faults"]}
+    assert "recovery" in fired["kill:node=0@step=4,phase=recovery"]  # fired mid state transfer
+
+
+def test_unsurvivable_schedule_is_reported_as_such(tmp_path: Path) -> None:
+    # seed 2, one fault, --allow-unsurvivable: nodes 0 and 1 die together, and node 1 keeps node 0's only replica
+    p, rep = _chaos(tmp_path, "--nodes", "3", "--spares", "2", "--steps", "8", "--faults", "1", "--seed", "2",
+                    "--allow-unsurvivable")
+    assert p.returncode == 3, p.stdout + p.stderr[-3000:]
+    assert rep["verdict"] == "unsurvivable-by-design"
+    assert rep["schedule"][0]["inject"] == ["kill:node=0,1@step=3,phase=optimizer"]
+    assert "UNSURVIVABLE BY DESIGN" in p.stdout and "chaos verdict: UNSURVIVABLE-BY-DESIGN" in p.stdout
+    assert rep["run"]["state"] == "failed" and "lost shards: pp0.tp0.dp0of3" in rep["run"]["error"]
+    assert rep["reference"]["state"] == "skipped"  # nothing to compare: it can never be a pass
