@@ -46,3 +46,41 @@ def broken_workload(ctx: WorkloadContext) -> Workload:
 
 
 _step = [0]
+
+
+def bn_workload(ctx: WorkloadContext) -> Workload:
+    """A model with buffers that change every step: BatchNorm running statistics and its counter."""
+    teacher = torch.Generator().manual_seed(98)
+    w_true = torch.randn(16, 1, generator=teacher)
+
+    def build_model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 1))
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(ctx.seed * 1_000_003 + step * 1009 + index)
+        x = torch.randn(ctx.micro_batch, 16, generator=g) * (1 + index)  # ranks see different statistics
+        return x, x @ w_true
+
+    def eval_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch(-1, index)
+
+    def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = b
+        return torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
+
+    return Workload(build_model=build_model, loss=loss, batch=batch, eval_batch=eval_batch)
+
+
+def nonelementwise_workload(ctx: WorkloadContext) -> Workload:
+    from phoenixft.optim import ElementwiseOptimizer
+
+    class Normalised(ElementwiseOptimizer):
+        name = "normalised-sgd"
+        state_names = ()
+
+        def update(self, p_in, s_in, grad, step, lr, p_out, s_out, hook=None):  # type: ignore[no-untyped-def]
+            torch.add(p_in, grad / (grad.norm() + 1e-12), alpha=-lr, out=p_out)
+
+    wl = workload(ctx)
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, optimizer=Normalised())
