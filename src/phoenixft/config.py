@@ -38,6 +38,11 @@ class RunConfig:
         "phoenixft.gpt:workload",
         "Workload factory 'pkg.module:function' returning phoenixft.Workload (default: the built-in GPT).",
     )
+    data: str = _f("", "Token file to train on: a flat uint16/uint32 array of token ids (nanoGPT's train.bin "
+                       "format; its last 5 percent held out), or a directory holding train.bin and val.bin. "
+                       "Make one from text with `phoenixft prepare-data`. '' = the built-in stdlib corpus.")
+    data_dtype: str = _f("uint16", "Token id type of --data when it has no sidecar JSON (<file>.json or "
+                                   "meta.json): uint16 or uint32.", flag="--data-dtype")
     micro_batch: int = _f(8, "Sequences per microbatch.", flag="--micro-batch")
     microbatches: int = _f(
         0,
@@ -159,6 +164,14 @@ class RunConfig:
             need(man["step"] < self.steps, "--resume", self.resume,
                  f"its checkpoint is at step {man['step']}; --steps must be larger")
         check_workload_path(self.workload)
+        if self.data:
+            from phoenixft.data import check_data
+
+            # the window check needs the block size: known for the built-in GPT, the user's business otherwise
+            block = PRESETS[self.model].block_size if self.workload == "phoenixft.gpt:workload" else None
+            check_data(self.data, self.data_dtype, block)
+        else:
+            need(self.data_dtype in ("uint16", "uint32"), "--data-dtype", self.data_dtype, "one of uint16, uint32")
 
     # ------------------------------------------------------------------ (de)serialise
     def to_json(self) -> str:
