@@ -41,6 +41,11 @@ class RunConfig:
         "phoenixft.gpt:workload",
         "Workload factory 'pkg.module:function' returning phoenixft.Workload (default: the built-in GPT).",
     )
+    data: str = _f("", "Token file to train on: a flat uint16/uint32 array of token ids (nanoGPT's train.bin "
+                       "format; its last 5 percent held out), or a directory holding train.bin and val.bin. "
+                       "Make one from text with `phoenixft prepare-data`. '' = the built-in stdlib corpus.")
+    data_dtype: str = _f("uint16", "Token id type of --data when it has no sidecar JSON (<file>.json or "
+                                   "meta.json): uint16 or uint32.", flag="--data-dtype")
     micro_batch: int = _f(8, "Sequences per microbatch.", flag="--micro-batch")
     microbatches: int = _f(
         0,
@@ -217,6 +222,14 @@ class RunConfig:
             if numel is not None and int(man.get("numel", numel)) != numel:
                 raise UserError(f"--resume={self.resume}: checkpoint has {int(man['numel']):,} parameters, "
                                 f"{self._model_name()} has {numel:,}")
+        if self.data:
+            from phoenixft.data import check_data
+
+            # the window check needs the block size: known for the built-in GPT, the user's business otherwise
+            block = PRESETS[self.model].block_size if self.workload == "phoenixft.gpt:workload" else None
+            check_data(self.data, self.data_dtype, block)
+        else:
+            need(self.data_dtype in ("uint16", "uint32"), "--data-dtype", self.data_dtype, "one of uint16, uint32")
 
     def _model_name(self) -> str:
         return f"--model {self.model}" if self.workload == "phoenixft.gpt:workload" else f"--workload {self.workload}"
@@ -229,8 +242,7 @@ class RunConfig:
 
             from phoenixft.workload import WorkloadContext, load_workload
 
-            wl = load_workload(self.workload, WorkloadContext(seed=self.seed, micro_batch=self.micro_batch,
-                                                              model=self.model))
+            wl = load_workload(self.workload, WorkloadContext.from_config(self))
             with torch.device("meta"):
                 model = wl.build_model()
             return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -93,9 +93,7 @@ def _from_checkpoint(root: Path, step: int | None) -> dict[str, torch.Tensor]:
         raise UserError(f"SRC={str(root)!r}: the checkpoint of step {man['step']} predates exports (no configuration "
                         "in its manifest)")
     cfg = RunConfig.from_json(json.dumps(man["config"]))
-    wl = load_workload(cfg.workload, WorkloadContext(seed=cfg.seed, micro_batch=cfg.micro_batch, model=cfg.model,
-                                                     microbatches=cfg.total_microbatches,
-                                                     data=getattr(cfg, "data", "")))
+    wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
     torch.manual_seed(cfg.seed)
     model = wl.build_model()
     if cfg.precision == "bf16":  # buffers were trained (and saved) in the parameters' dtype

@@ -1,14 +1,15 @@
-"""The reference workload: a small decoder-only GPT (nanoGPT-like), byte level (vocabulary 256).
+"""The reference workload: a small decoder-only GPT (nanoGPT-like), byte level (vocabulary 256) by default.
 
 Presets: `tiny` (~0.8M parameters, for tests), `small` (~11M, for benchmarks), `medium`
 (~100M, for scaling runs). Dropout is 0 so a step is a pure function of its inputs.
-`workload(ctx)` is the default `--workload`.
+`workload(ctx)` is the default `--workload`; with `--data` it trains on that token file, with
+the data's vocabulary.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -85,26 +86,47 @@ class GPT(nn.Module):
 
 
 def workload(ctx: WorkloadContext) -> Workload:
-    """The default workload: GPT preset `ctx.model` on the stdlib corpus."""
-    from phoenixft.data import Corpus, ensure_corpus
+    """The default workload: GPT preset `ctx.model` on `ctx.data` (a token file) or the stdlib corpus.
+
+    With a token file the model's vocabulary is the data's (sidecar `vocab_size`, else max id + 1).
+    """
+    from phoenixft.data import Corpus, TokenData, open_data
 
     cfg = PRESETS[ctx.model]
-    corpus: list[Corpus] = []  # opened lazily, once per process
+    opened: list[Corpus | TokenData] = []  # opened lazily, once per process
+
+    def source() -> Corpus | TokenData:
+        if not opened:
+            opened.append(open_data(ctx.data, ctx.data_dtype) if ctx.data else Corpus())
+        return opened[0]
+
+    def build_model() -> GPT:
+        src = source()
+        return GPT(replace(cfg, vocab_size=src.vocab_size) if isinstance(src, TokenData) else cfg)
 
     def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not corpus:
-            corpus.append(Corpus())
-        return corpus[0].sample(seed=ctx.seed, step=step, index=index, batch=ctx.micro_batch, block=cfg.block_size)
+        src = source()
+        if isinstance(src, TokenData):
+            return src.sample(seed=ctx.seed, step=step, index=index, batch=ctx.micro_batch,
+                              microbatches=ctx.microbatches, block=cfg.block_size)
+        return src.sample(seed=ctx.seed, step=step, index=index, batch=ctx.micro_batch, block=cfg.block_size)
+
+    def eval_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return source().eval_sample(seed=ctx.seed, index=index, batch=ctx.micro_batch, block=cfg.block_size)
 
     def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = b
         logits = model(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
+    def prepare() -> None:  # in the launcher, once: builds the corpus cache, or the data's vocabulary cache
+        source()
+
     return Workload(
-        build_model=lambda: GPT(cfg),
+        build_model=build_model,
         loss=loss,
         batch=batch,
+        eval_batch=eval_batch,
         tokens_per_microbatch=ctx.micro_batch * cfg.block_size,
-        prepare=lambda: None if ensure_corpus() else None,
+        prepare=prepare,
     )

@@ -127,7 +127,7 @@ def tokens_per_step(config: dict[str, Any]) -> int | None:
 
         cfg = RunConfig.from_json(json.dumps(config))
         wl = load_workload(
-            cfg.workload, WorkloadContext(seed=cfg.seed, micro_batch=cfg.micro_batch, model=cfg.model)
+            cfg.workload, WorkloadContext.from_config(cfg)
         )
         return wl.tokens_per_microbatch * cfg.total_microbatches or None
     except Exception:  # noqa: BLE001 - a workload that no longer imports only costs us the unit

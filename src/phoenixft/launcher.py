@@ -86,8 +86,7 @@ class LocalJob:
         self._owner = True
         from phoenixft.workload import WorkloadContext, load_workload
 
-        wl = load_workload(self.cfg.workload, WorkloadContext(seed=self.cfg.seed, micro_batch=self.cfg.micro_batch,
-                                                              model=self.cfg.model))
+        wl = load_workload(self.cfg.workload, WorkloadContext.from_config(self.cfg))
         if wl.prepare is not None:
             wl.prepare()  # e.g. build the corpus cache once, before the workers map it
         self.display.tokens_per_step = wl.tokens_per_microbatch * self.cfg.total_microbatches

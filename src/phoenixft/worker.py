@@ -49,9 +49,7 @@ class Worker:
         self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
         cfg = self.cfg
         torch.set_num_threads(threads)
-        self.wl = load_workload(cfg.workload, WorkloadContext(seed=cfg.seed, micro_batch=cfg.micro_batch,
-                                                              model=cfg.model, microbatches=cfg.total_microbatches,
-                                                              data=getattr(cfg, "data", "")))
+        self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
         torch.manual_seed(cfg.seed)
         self.trainer = Trainer(cfg, self.wl, self.wl.build_model())
         self.protect = cfg.protect == "phoenix"

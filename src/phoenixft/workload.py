@@ -36,6 +36,13 @@ class WorkloadContext:
     model: str  # the --model preset name; user workloads may ignore it
     microbatches: int = 1  # microbatches per step across all ranks (global batch = micro_batch x microbatches)
     data: str = ""  # --data: a token file (or a directory with train.bin / val.bin); "" = built-in corpus
+    data_dtype: str = "uint16"  # --data-dtype: token id type of --data when it has no sidecar JSON
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> WorkloadContext:
+        """The context of a RunConfig: the one way the launcher and every worker build it."""
+        return cls(seed=cfg.seed, micro_batch=cfg.micro_batch, model=cfg.model,
+                   microbatches=cfg.total_microbatches, data=cfg.data, data_dtype=cfg.data_dtype)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,16 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from phoenixft.cli import cmd_agent, cmd_chaos, cmd_demo, cmd_gc, cmd_report, cmd_run, cmd_status
+    from phoenixft.cli import (
+        cmd_agent,
+        cmd_chaos,
+        cmd_demo,
+        cmd_gc,
+        cmd_prepare_data,
+        cmd_report,
+        cmd_run,
+        cmd_status,
+    )
 
     ap = argparse.ArgumentParser(prog="phoenixft", description="Keep PyTorch training alive through node failures.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -20,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_demo.add_parser(sub)
     cmd_report.add_parser(sub)
     cmd_status.add_parser(sub)
+    cmd_prepare_data.add_parser(sub)
     cmd_agent.add_parser(sub)
     cmd_gc.add_parser(sub)
     from phoenixft import export
