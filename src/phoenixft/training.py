@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
@@ -143,7 +144,9 @@ class Trainer:
                         hook=lambda: fault("optimizer"))
         if flat.buffers:
             raw = flat.buffer_bytes_now()
-            wait(pg.broadcast([raw], 0), f"buffer broadcast of step {s}")
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0  # data-parallel rank 0's buffers, as DistributedDataParallel broadcasts them
+            wait(pg.broadcast([raw], opts), f"buffer broadcast of step {s}")
             flat.set_buffers(raw)
         master = rows_out[0] if self.dtype == torch.float32 else rows_out[0].to(self.dtype)
         wait(pg._allgather_base(flat.begin_gather(), master), f"all-gather of step {s}")
