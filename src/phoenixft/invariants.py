@@ -36,7 +36,8 @@ def check_invariants(
     held_shard: tuple[int, int],
     opt_ok: bool,
     wait: Callable[[Any, str], None],
-) -> dict[str, bool]:
+) -> tuple[dict[str, bool], str]:
+    """The four invariants (True = holds) and which ranks break each one (empty when all hold)."""
     digest = int(topo.digest()[:15], 16)
     mine = torch.tensor(
         [digest, topo.epoch, rank, int(opt_ok), param_step, opt_steps[0] if opt_steps else -1, *held_shard],
@@ -45,10 +46,14 @@ def check_invariants(
     out = torch.empty(topo.world * mine.numel(), dtype=torch.int64)
     wait(pg._allgather_base(out, mine), "invariant check")
     rows = out.view(topo.world, -1).tolist()
-    return {
-        "I1": all(r[0] == digest and r[1] == topo.epoch for r in rows),
-        "I2": sorted(r[2] for r in rows) == list(range(topo.world))
-        and all(r[6] == r[2] and r[7] == topo.world for r in rows),
-        "I3": all(r[3] == 1 for r in rows),
-        "I4": all(r[4] == resume_step and r[5] == resume_step for r in rows),
+    wrong = {
+        "I1": [r[2] for r in rows if not (r[0] == digest and r[1] == topo.epoch)],
+        "I2": [r[2] for r in rows if not (r[6] == r[2] and r[7] == topo.world)],
+        "I3": [r[2] for r in rows if r[3] != 1],
+        "I4": [r[2] for r in rows if not (r[4] == resume_step and r[5] == resume_step)],
     }
+    if sorted(r[2] for r in rows) != list(range(topo.world)):
+        wrong["I2"].append(-1)
+    inv = {k: not v for k, v in wrong.items()}
+    detail = "; ".join(f"{k} fails on ranks {v}" for k, v in wrong.items() if v)
+    return inv, detail

@@ -56,6 +56,7 @@ class LocalJob:
         self._server: Any = None
         self._coord_pids: list[int] = []
         self.coord_restarts = 0
+        self._coord_exits: list[float] = []  # when the coordinator exited: a crash loop is 5 within a minute
         self._reapers: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
         self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
@@ -161,8 +162,10 @@ class LocalJob:
                     self.repair.lost(n)
             self._start_repaired()
             if self.coord is not None and self.coord.poll() is not None and not self.store.check([keys.RUN_STATE]):
-                if self.coord_restarts >= 5:
-                    return "failed: the coordinator keeps exiting"
+                now_m = time.monotonic()
+                self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
+                if len(self._coord_exits) > 5:
+                    return "failed: the coordinator keeps exiting (6 times within a minute)"
                 self.coord_restarts += 1  # control-plane failure: restart it; it reloads its journal
                 t = time.time()
                 self._start_coordinator()

@@ -373,7 +373,7 @@ class Worker:
                 h.invalidate_after(r)
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
-        inv = check_invariants(self.comm.train, topo, self.rank, r, tr.flat.step, tr.state.steps(), held,
+        inv, detail = check_invariants(self.comm.train, topo, self.rank, r, tr.flat.step, tr.state.steps(), held,
                                not bad, self.wait)
         timings["join_s"] = time.time() - t0
         self.store.set(keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.rank,
@@ -384,7 +384,10 @@ class Worker:
             raise PeerFailure(f"invariant I3 failed after recovery to epoch {topo.epoch}: "
                               f"{'; '.join(bad) or 'on another rank'}")
         if not all(inv.values()):
-            raise RunAborted(f"invariant check failed after recovery to epoch {topo.epoch}: {inv}")
+            bad_inv = ", ".join(k for k, v in inv.items() if not v)
+            why = f"invariant {bad_inv} failed after recovery to epoch {topo.epoch} to step {r} ({detail})"
+            self._stop_run(why, ours=True)
+            raise RunAborted(why)
         self.bad_sources = []
         if self.repl is not None:
             self.repl.start(r)
@@ -393,11 +396,14 @@ class Worker:
         return r
 
     # ------------------------------------------------------------------ main loop
-    def _stop_run(self, why: str) -> None:
-        """Not ours to heal: stop the whole run at the last committed step, with one clear reason."""
+    def _stop_run(self, why: str, ours: bool = False) -> None:
+        """Stop the whole run at the last committed step, with one clear reason: a fault that is not
+        ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past."""
         if self.store.add("run/stop_claim", 1) == 1:
             last = max(self.trainer.state.steps(), default=0)
-            self.store.set(keys.RUN_ERROR, f"{why}; not ours to heal, stopped at the last committed step {last}")
+            msg = (f"{why}; the run stops rather than train on a state it cannot vouch for" if ours
+                   else f"{why}; not ours to heal, stopped at the last committed step {last}")
+            self.store.set(keys.RUN_ERROR, msg)
             self._event("run_failed", error=why, last_committed=last)
             self.store.set(keys.RUN_STATE, "failed")
 
