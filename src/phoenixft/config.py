@@ -105,6 +105,8 @@ class RunConfig:
                           "host that cannot be reached.", flag="--no-fence-kill", action="store_false")
     threads: int = _f(0, "torch intra-op threads per worker (0 = cores / active workers, at least 1).")
     chunk_mb: float = _f(4.0, "Replication chunk size in MiB.", flag="--chunk-mb")
+    bucket_mb: float = _f(8.0, "Gradient reduction bucket size in MiB: each bucket's all-reduce starts as soon as "
+                               "backward has produced its gradients.", flag="--bucket-mb")
     report: str = _f("", "Write the JSON report to this path.")
     run_dir: str = _f("", "Run directory for events.jsonl, metrics.jsonl and report.json (default: runs/<id>).",
                       flag="--run-dir")
@@ -180,6 +182,7 @@ class RunConfig:
         need(self.failure_timeout > 0, "--failure-timeout", self.failure_timeout, "must be > 0 seconds")
         need(self.threads >= 0, "--threads", self.threads, "must be >= 0")
         need(self.chunk_mb > 0, "--chunk-mb", self.chunk_mb, "must be > 0")
+        need(self.bucket_mb > 0, "--bucket-mb", self.bucket_mb, "must be > 0")
         need(self.timeout > 0, "--timeout", self.timeout, "must be > 0 seconds")
         need(1 <= self.racks <= self.nodes and self.nodes % self.racks == 0, "--racks", self.racks,
              f"must divide --nodes={self.nodes} (racks are equal blocks of nodes)")

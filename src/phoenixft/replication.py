@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,9 @@ class _Stats:
     bytes_sent: int = 0
     seconds: float = 0.0
     checksum_failures: int = 0
-    per_job_s: list[float] = field(default_factory=list)
+    last_job_s: float = 0.0  # wall seconds of the newest replication job
+    last_cpu_s: float = 0.0  # CPU seconds the replication thread spent on it (copies, checksums, sends)
+    last_bytes: int = 0  # bytes it sent
 
 
 class Replicator:
@@ -150,6 +152,7 @@ class Replicator:
 
         assert self.comm is not None and self.plan is not None
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         comm, plan = self.comm, self.plan
         pg, world = comm.repl, comm.world
         half = self.state.half_with(step)
@@ -199,4 +202,5 @@ class Replicator:
         self.stats.jobs += 1
         self.stats.bytes_sent += n * 4 * len(plan.send_to)
         self.stats.seconds += dt
-        self.stats.per_job_s.append(dt)
+        self.stats.last_job_s, self.stats.last_cpu_s = dt, time.thread_time() - c0
+        self.stats.last_bytes = n * 4 * len(plan.send_to)

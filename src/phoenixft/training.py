@@ -30,9 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phoenixft.buckets import GradBuckets
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
-from phoenixft.errors import Unhealable
+from phoenixft.errors import PeerFailure, Unhealable
 from phoenixft.optim import ElementwiseOptimizer, lr_at, make_optimizer
 from phoenixft.snapshot import INVALID, ShardState
 from phoenixft.workload import Workload
@@ -64,6 +65,20 @@ class Trainer:
         self.payload_from = 0 if self.dtype != torch.float32 else 1
         self.flat: FlatModel
         self.state: ShardState
+        self.interrupt: Callable[[], None] = lambda: None  # raises PeerFailure when a recovery started
+        self.buckets: GradBuckets
+        self._hooked = False
+
+    def watch(self, interrupt: Callable[[], None]) -> None:
+        """Leave the step within one layer when a recovery starts: `interrupt` is called between
+        microbatches, before every module's forward and after every parameter's gradient."""
+        self.interrupt = interrupt
+        for mod in self.model.modules():
+            mod.register_forward_pre_hook(lambda _m, _i: interrupt())
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        self.interrupt()
+        self.buckets.on_grad(p)
 
     @property
     def payload_rows(self) -> int:
@@ -72,6 +87,11 @@ class Trainer:
     def partition(self, world: int, shm: str | None, step: int = 0) -> None:
         """Flat parameters and the own optimizer shard for a `world`-way partition."""
         self.flat = FlatModel(self.model, shards=world, path=shm and shm + "-params", step=step, dtype=self.dtype)
+        self.buckets = GradBuckets(self.flat, self.cfg.bucket_mb)
+        if not self._hooked:  # the hooks stay on the parameters; they find the current buckets
+            for p in self.flat.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+            self._hooked = True
         self.state = ShardState(self.flat.shard_numel, shm and shm + "-state", rows=self.rows,
                                 payload_from=self.payload_from)
 
@@ -98,7 +118,19 @@ class Trainer:
         m_total = cfg.total_microbatches
         lo, hi = microbatches
         loss_sum = 0.0
+        grad = flat.grad32
+        works: list[Any] = []
+        waited = [0.0]
+
+        def launch(b: int) -> None:  # a bucket's gradients are complete on the last microbatch
+            if not works:
+                waited[0] = before_reduce()  # replication of the previous step committed before any reduction
+            blo, bhi = self.buckets.ranges[b]
+            works.append(pg.allreduce([grad[blo:bhi]]))
+
         for j, mb in enumerate(range(lo, hi)):
+            self.interrupt()
+            self.buckets.begin_microbatch(last=mb == hi - 1, launch=launch)
             torch.manual_seed(_mix(cfg.seed, s, mb))
             if j == 0:
                 fault("forward")
@@ -107,20 +139,23 @@ class Trainer:
                 if j == 0:
                     fault("backward")
                 (loss / m_total).backward()
+            except PeerFailure:
+                raise
             except Exception as e:  # noqa: BLE001 - a bug in user code is not ours to heal
                 raise Unhealable(f"exception in the workload at step {s} on rank {rank}: "
                                  f"{type(e).__name__}: {e}") from e
-            flat.accumulate()
+            self.buckets.end_microbatch()
             loss_sum += float(loss.detach().float())
         if nan:
             loss_sum = math.nan
         t_compute = time.perf_counter() - t0
-        waited = before_reduce()
-        grad = flat.grad32
-        w_rs = pg.allreduce([grad])  # on gloo an all-reduce (its reduce-scatter is a blocking emulation)
+        if lo == hi:  # no microbatch on this rank (an uneven split): it still takes part in every reduction
+            self.buckets.begin_microbatch(last=True, launch=launch)
+            self.buckets.end_microbatch()
         lt = torch.tensor([loss_sum], dtype=torch.float64)
         w_loss = pg.allreduce([lt])
-        wait(w_rs, f"gradient reduction of step {s}")
+        for w in works:
+            wait(w, f"gradient reduction of step {s}")
         wait(w_loss, f"loss all-reduce of step {s}")
         if not math.isfinite(float(lt)):
             raise Unhealable(f"the loss of step {s} is {float(lt) / m_total} (numerical error in the training itself)")
@@ -153,7 +188,7 @@ class Trainer:
         self.state.commit(dst, s, 0, (rank, world))
         flat.flip(s)
         val = self.evaluate(s, pg, rank, world, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
-        return StepResult(loss=float(lt) / m_total, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited,
+        return StepResult(loss=float(lt) / m_total, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
                           val_loss=val)
 
     def evaluate(self, s: int, pg: Any, rank: int, world: int, wait: Wait) -> float | None:

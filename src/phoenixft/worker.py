@@ -34,6 +34,7 @@ from phoenixft.replication import ReplicaPlan, Replicator
 from phoenixft.snapshot import INVALID, Holding
 from phoenixft.topology import Topology, shard_name
 from phoenixft.training import Trainer
+from phoenixft.watcher import FailureWatcher
 from phoenixft.workload import WorkloadContext, load_workload
 
 __all__ = ["Worker", "worker_main"]
@@ -79,6 +80,8 @@ class Worker:
         pstore = connect_store(store_addr) if cfg.persist_every and self.protect else None
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
                                    fenced=lambda: bool(pstore.check([keys.fence(node_id)]))) if pstore else None
+        self.watcher = FailureWatcher(store_addr)
+        self.trainer.watch(self.watcher.check)
         self.comm: EpochComm | None = None
         self.topo: Topology | None = None
         self.epoch = -1
@@ -231,6 +234,9 @@ class Worker:
             rec = {"step": s, "loss": res.loss, "lr": res.lr, "dt": time.perf_counter() - t0, "t_end": now,
                    "epoch": self.epoch, "world": self.topo.world, "compute_s": res.compute_s,
                    "repl_wait_s": res.repl_wait_s}
+            if repl is not None:  # the protection work of the previous step's replication, on this rank
+                rec.update(protect_bytes=repl.stats.last_bytes, protect_s=repl.stats.last_job_s,
+                           protect_cpu_s=repl.stats.last_cpu_s)
             if res.grad_norm is not None:
                 rec["grad_norm"] = res.grad_norm
             if res.val_loss is not None:
@@ -319,6 +325,7 @@ class Worker:
     def recover(self, err: str) -> int:
         e = self.epoch
         t_err = time.time()
+        self.watcher.disarm()
         self._check_fence()
         self.store.set(keys.failflag(e), "1")
         if "requested by the control plane" not in err:
@@ -389,6 +396,7 @@ class Worker:
             self._stop_run(why, ours=True)
             raise RunAborted(why)
         self.bad_sources = []
+        self.watcher.arm(topo.epoch)
         if self.repl is not None:
             self.repl.start(r)
         if topo.epoch > 0:
@@ -439,6 +447,7 @@ class Worker:
             print(f"phoenixft worker {self.wid}: {e}", flush=True)
             return 3
         finally:
+            self.watcher.close()
             if self.repl is not None:
                 self.repl.close()
             if self.persister is not None:
