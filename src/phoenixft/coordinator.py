@@ -123,7 +123,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
-        self.store.set("coordinator/pid", str(os.getpid()))
+        self.store.set(keys.COORDINATOR_PID, str(os.getpid()))
         if self._reload():
             assert self.topo is not None
             self._event("coordinator_restarted", epoch=self.topo.epoch, spare_pool=self.spare_pool)

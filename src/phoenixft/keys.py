@@ -9,6 +9,7 @@ EVENTS = "events"  # newline-separated JSON records, appended
 PROGRESS = "progress"
 FINAL = "final"
 EPOCH = "epoch"
+COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)
 
 

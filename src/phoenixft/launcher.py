@@ -167,6 +167,7 @@ class LocalJob:
                 if len(self._coord_exits) > 5:
                     return "failed: the coordinator keeps exiting (6 times within a minute)"
                 self.coord_restarts += 1  # control-plane failure: restart it; it reloads its journal
+                self.store.delete_key(keys.COORDINATOR_PID)
                 t = time.time()
                 self._start_coordinator()
                 self.store.append(keys.EVENTS, json.dumps({"t": t, "kind": "coordinator_exited", "by": "launcher",

@@ -20,10 +20,11 @@ unsharded state (master weights, optimizer state, buffers), independent of the l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,16 +135,12 @@ class Trainer:
             torch.manual_seed(_mix(cfg.seed, s, mb))
             if j == 0:
                 fault("forward")
-            try:
+            with self._user_code(s, rank):
                 loss = self.wl.loss(self.model, self.wl.batch(s, mb))
-                if j == 0:
-                    fault("backward")
+            if j == 0:
+                fault("backward")
+            with self._user_code(s, rank):
                 (loss / m_total).backward()
-            except PeerFailure:
-                raise
-            except Exception as e:  # noqa: BLE001 - a bug in user code is not ours to heal
-                raise Unhealable(f"exception in the workload at step {s} on rank {rank}: "
-                                 f"{type(e).__name__}: {e}") from e
             self.buckets.end_microbatch()
             loss_sum += float(loss.detach().float())
         if nan:
@@ -190,6 +187,17 @@ class Trainer:
         val = self.evaluate(s, pg, rank, world, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
         return StepResult(loss=float(lt) / m_total, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
                           val_loss=val)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _user_code(s: int, rank: int) -> Iterator[None]:
+        """Workload code runs here: a failure of ours passes through, a bug in user code is not ours to heal."""
+        try:
+            yield
+        except PeerFailure:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise Unhealable(f"exception in the workload at step {s} on rank {rank}: {type(e).__name__}: {e}") from e
 
     def evaluate(self, s: int, pg: Any, rank: int, world: int, wait: Wait) -> float | None:
         """Mean loss over `--eval-batches` held-out microbatches, spread over the ranks."""

@@ -163,13 +163,26 @@ class Worker:
             self.store.set(keys.fault(f.index), json.dumps(rec))
         self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
         if f.coordinator:
-            os.kill(int(self.store.get("coordinator/pid")), signal.SIGKILL)
+            self._kill_coordinator()
         elif f.kind == "kill":
             os.killpg(os.getpgid(0), signal.SIGKILL)
         elif f.kind == "hang":
             os.killpg(os.getpgid(0), signal.SIGSTOP)
         elif f.kind == "crash":
             os._exit(17)
+
+    def _kill_coordinator(self, timeout_s: float = 60.0) -> None:
+        """SIGKILL the coordinator that runs now: one restarted after an earlier kill may still be
+        starting (it publishes its pid when it is up), so wait for a live pid, bounded."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check([keys.COORDINATOR_PID]):  # the launcher clears it when a coordinator exits
+                    os.kill(int(self.store.get(keys.COORDINATOR_PID)), signal.SIGKILL)
+                    return
+            except ProcessLookupError:
+                pass
+            time.sleep(0.05)
 
     def recovery_faults(self, topo: Topology) -> None:
         """kill:node=I@recovery=N and kill:...,phase=recovery fire here, mid state transfer."""
