@@ -55,6 +55,7 @@ LABELS = {"kill": "kill", "crash": "crash", "hang": "hang", "corrupt": "corrupt 
 # beyond one of each, node faults are drawn more often than the slow coordinator restart and hang
 WEIGHTS = {"kill": 3, "crash": 2, "hang": 1, "corrupt": 2, "kill_during_recovery": 2, "kill_coordinator": 1,
            "two_nodes": 2}
+FAULT_WAIT_S = 60.0  # how long a node fault may hold its step for the job to be whole again
 MIN_GAP = 3  # steps between two faults: the replay of a recovery plus at least one clean step
 FIRST_STEP = 3  # the first fault comes after two committed steps
 SHRINK_REL_TOL = 1e-4  # after a shrink the reduction order changes: loss within this of the reference
@@ -243,8 +244,17 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
             f = ChaosFault(i, kind, s, (f"kill:node={a},{b}@step={s},phase={ph}",),
                            f"SIGKILL nodes {a} and {b} in the same step ({ph} phase)", (a, b))
         why = unsurvivable_reason(cfg, f.lost, s) if f.lost else None
-        out.append(dataclasses.replace(f, unsurvivable=why))
+        out.append(dataclasses.replace(f, unsurvivable=why, specs=tuple(_gated(x) for x in f.specs)))
     return Schedule(seed=seed, faults=out, notes=notes)
+
+
+def _gated(spec: str) -> str:
+    """Node faults at a step hold that step until the job is whole again (full size, a warm spare
+    ready), at most FAULT_WAIT_S: a cluster with --repair-after repairs between faults, as a real one
+    mostly is, rather than a burst that outruns the repairs by construction."""
+    if spec.startswith(("kill:node", "hang:", "crash:")) and "phase=recovery" not in spec:
+        return f"{spec},wait={FAULT_WAIT_S:g}"
+    return spec
 
 
 def format_schedule(sched: Schedule, cfg: RunConfig) -> str:

@@ -150,11 +150,26 @@ class Coordinator:
         self._loop()
 
     def _loop(self) -> None:
+        last_whole = 0.0
         while not self.store.check([keys.RUN_STATE]):
             if self._failure_pending():
                 self.recover()
             else:
                 time.sleep(POLL_S)
+            if time.monotonic() - last_whole > 0.25:
+                last_whole = time.monotonic()
+                self._publish_whole()
+
+    def _publish_whole(self) -> None:
+        """`job/whole`: the job has its full size and at least one warm spare (what `,wait=S` faults wait for)."""
+        assert self.topo is not None
+        self._refresh_pool()
+        whole = len(self.topo.nodes) == self.cfg.nodes and any(
+            self._node_ready(s) for s in self.spare_pool if s not in self.dead)
+        if whole:
+            self.store.set(keys.JOB_WHOLE, "1")
+        elif self.store.check([keys.JOB_WHOLE]):
+            self.store.delete_key(keys.JOB_WHOLE)
 
     def _refresh_pool(self) -> None:
         """Spares registered after the start (`phoenixft agent --node s<k>`) join the pool."""
@@ -196,6 +211,7 @@ class Coordinator:
         e = old.epoch
         t_start = time.time()
         self.store.set(keys.failflag(e), "1")
+        self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
         wids = [w for n in old.nodes for w in self._wids(n)]
         dead: set[str] = set()
         fenced: set[str] = set()

@@ -15,7 +15,9 @@
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
 
 P is one of forward, backward, replicate, optimizer (default forward); recovery for kill, transfer
-for corrupt. A fault fires at most once
+for corrupt. `,wait=SECONDS` (kill, hang, crash at a step): the fault holds its step - training
+pauses there - until the job is whole again (full size, a warm spare ready), at most that long,
+then fires; `phoenixft chaos` uses it so that repaired spares can return between faults. A fault fires at most once
 per (fault, node): the first process that reaches it claims it atomically in the store
 (`store.add`), records the time, and only then acts, so a replayed step never fires it again.
 """
@@ -50,6 +52,7 @@ class FaultSpec:
     recovery: int | None = None
     phase: str = "forward"
     coordinator: bool = False
+    wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
 
     @property
     def node(self) -> int | None:
@@ -94,7 +97,7 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         if not sep:
             raise _bad(text, f"expected key=value, got {item!r}")
         when[k.strip()] = v.strip()
-    if set(when) - {"step", "phase", "recovery"} or ("step" in when) == ("recovery" in when):
+    if set(when) - {"step", "phase", "recovery", "wait"} or ("step" in when) == ("recovery" in when):
         raise _bad(text, _VALID)
     step = _ints(text, when["step"], "step")[0] if "step" in when else None
     recovery = _ints(text, when["recovery"], "recovery")[0] if "recovery" in when else None
@@ -112,5 +115,13 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         raise _bad(text, "only kill faults can fire during a recovery (@recovery=N)")
     if coordinator and step is None:
         raise _bad(text, "kill:coordinator needs @step=S")
+    wait = 0.0
+    if "wait" in when:
+        try:
+            wait = float(when["wait"])
+        except ValueError:
+            raise _bad(text, f"wait must be seconds, got {when['wait']!r}") from None
+        if wait < 0 or step is None or phase in ("recovery", "transfer") or kind in ("corrupt", "nan"):
+            raise _bad(text, "wait=SECONDS (>= 0) is for kill, hang and crash faults at a step")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
-                     recovery=recovery, phase=phase, coordinator=coordinator)
+                     recovery=recovery, phase=phase, coordinator=coordinator, wait=wait)

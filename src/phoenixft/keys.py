@@ -11,6 +11,7 @@ FINAL = "final"
 EPOCH = "epoch"
 COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)
+JOB_WHOLE = "job/whole"  # set by the coordinator while the job has its full size and a warm spare ready
 
 
 def ready(wid: str) -> str:

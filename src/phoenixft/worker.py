@@ -149,6 +149,8 @@ class Worker:
             else:
                 hit = slot in f.nodes
             if hit:
+                if f.wait:
+                    self._wait_whole(f)
                 self._fire(f, step=step, phase=phase)
 
     def _fire(self, f: FaultSpec, **where: Any) -> None:
@@ -170,6 +172,12 @@ class Worker:
             os.killpg(os.getpgid(0), signal.SIGSTOP)
         elif f.kind == "crash":
             os._exit(17)
+
+    def _wait_whole(self, f: FaultSpec) -> None:
+        """`,wait=S`: hold this step (the peers wait at their next collective) until the job is whole."""
+        deadline = time.monotonic() + f.wait
+        while not self.store.check([keys.JOB_WHOLE]) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _kill_coordinator(self, timeout_s: float = 60.0) -> None:
         """SIGKILL the coordinator that runs now: one restarted after an earlier kill may still be
