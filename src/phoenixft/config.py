@@ -22,6 +22,7 @@ from phoenixft.faults import FaultSpec, parse_fault
 __all__ = ["RunConfig", "add_run_arguments", "config_from_args", "checkpoint_bytes", "PROTECT_MODES"]
 
 PROTECT_MODES = ("phoenix", "none")
+_NUMEL: dict[tuple[Any, ...], int | None] = {}
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -208,7 +209,7 @@ class RunConfig:
             need(why is None, "--persist-dir", self.persist_dir, f"cannot create or write a file there ({why})")
             numel = self.model_numel()
             if numel is not None:
-                st = os.statvfs(self.persist_dir)
+                st = os.statvfs(_existing(self.persist_dir))
                 free, need_b = st.f_bavail * st.f_frsize, checkpoint_bytes(numel)
                 need(free >= need_b, "--persist-dir", self.persist_dir,
                      f"only {_mib(free)} free there, one checkpoint of {self._model_name()} "
@@ -239,7 +240,13 @@ class RunConfig:
 
     def model_numel(self) -> int | None:
         """Trainable parameters of the configured model, built on torch's meta device (no memory,
-        no init cost); None if the workload's model cannot be built that way."""
+        no init cost); None if the workload's model cannot be built that way. Cached per model."""
+        key = (self.workload, self.model, self.data, self.data_dtype, self.micro_batch, self.seed)
+        if key not in _NUMEL:
+            _NUMEL[key] = self._model_numel()
+        return _NUMEL[key]
+
+    def _model_numel(self) -> int | None:
         try:
             import torch
 
@@ -273,11 +280,22 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _existing(d: str) -> str:
+    """`d`, or its nearest ancestor that exists (where `d` would be created)."""
+    p = os.path.abspath(d)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
+
+
 def _unwritable(d: str) -> str | None:
-    """None if a file can be created in directory `d` (created if missing), else why not."""
+    """None if a file can be created in directory `d` (or, if it does not exist yet, `d` can be
+    created in its nearest existing ancestor), else why not. Creates nothing that stays."""
+    base = _existing(d)
+    if not os.path.isdir(base):
+        return f"{base} is not a directory"
     try:
-        os.makedirs(d, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=d, prefix=".phoenixft-probe-"):
+        with tempfile.NamedTemporaryFile(dir=base, prefix=".phoenixft-probe-"):
             pass
     except OSError as e:
         return e.strerror or str(e)
