@@ -21,8 +21,9 @@ pooled after dropping the first 3 steps of each run (warm-up); the figure is the
 mode's pooled median to the baseline's, with a 95% bootstrap interval, and next to it the
 median over rounds of the per-round ratio of run medians (`paired_ratio_median`).
 
-Caveat: on a CPU without bf16 matrix units (this one) bf16 matmuls are emulated and slower
-than fp32; its ratio here says nothing about a GPU.
+Caveat: on a CPU without bf16 matrix units (the 2-core Intel Xeon this was measured on has no
+AMX tiles, only AVX-512 BF16 dot-product instructions) bf16 steps are slower than fp32; the bf16
+ratio here says nothing about a GPU.
 
 Prints a table, writes bench/results/recipe.json and bench/results/recipe.png.
 """
@@ -151,7 +152,7 @@ def run(
             "per-round ratio of run medians (paired_ratio_median)"
         ),
         "caveat": (
-            "bf16 on a CPU without bf16 matrix units is emulated and slower than fp32: its ratio here says "
+            "bf16 on a CPU without bf16 matrix units (no AMX tiles) is slower than fp32: its ratio here says "
             "nothing about a GPU"
         ),
         "commands": {
