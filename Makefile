@@ -24,7 +24,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff mypy
-	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff check src tests bench examples
 	$(PY) -m mypy src
 
 clean:

@@ -7,12 +7,15 @@
 Parts (each also runnable alone, each printing a table and writing its JSON and PNG into
 bench/results/): overhead.py (failure-free overhead vs none, DDP, DCP save / async_save),
 recovery.py (time-to-resume vs torchrun + DCP checkpoint-restart), torchft_peer.py (torchft
-replica groups: survivor stall and heal), scaling.py (recovery stages vs world and model size).
+replica groups: survivor stall and heal), scaling.py (recovery stages vs world and model size),
+recipe.py (failure-free step-time cost of bf16, clipping, sgd, lion, a cosine schedule; it runs
+last, after the quick budget of the others, and adds about 1.5 min to `--quick`).
 
 latest.json holds the machine, every part's full result under `parts`, and the figures the
 README and the simulator read at the top level: overhead_ratio_dp2, baseline_vs_ddp_dp2,
 dcp_sync_ratio_dp2, dcp_async_ratio_dp2, resume_speedup_k10, resume_speedup_k50,
-torchft_heal_s (or null, with torchft_note), recovery (list of {world_size, recovery_s, ...}),
+torchft_heal_s (or null, with torchft_note), recipe_ratios (mode -> step-time ratio to fp32
+adamw), recovery (list of {world_size, recovery_s, ...}),
 checkpoint_restart (list of {world_size, time_to_resume_s, restart_s, k, ...}) and `targets`
 (each of the issue's numbers, hit or miss). Also writes bench/results/summary.md.
 """
@@ -27,7 +30,7 @@ from typing import Any
 
 from benchlib import RESULTS, log, machine_info, write_json
 
-PARTS = ("overhead", "recovery", "torchft", "scaling")
+PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe")
 QUICK_BUDGET_S = 180.0
 
 
@@ -44,7 +47,7 @@ def _g(d: dict[str, Any] | None, *path: Any) -> Any:
 
 
 def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str, Any]) -> dict[str, Any]:
-    ov, rc, tf, sc = (parts.get(k) or {} for k in PARTS)
+    ov, rc, tf, sc, rp = (parts.get(k) or {} for k in PARTS)
     c2 = next((c for c in ov.get("configs", []) if c["dp"] == 2), None)
     c4 = next((c for c in ov.get("configs", []) if c["dp"] == 4), None)
     calib_model = "tiny"
@@ -76,6 +79,8 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         "torchft_model": tf.get("model"),
         "torchft_survivor_stall_s": {k: v.get("survivor_stall_s") for k, v in (tf.get("runs") or {}).items()},
         "recovery_fit": _g(sc, "fits"),
+        "recipe_model": rp.get("model"),
+        "recipe_ratios": {k: v.get("ratio") for k, v in (rp.get("modes") or {}).items()} or None,
         "recovery": [
             {
                 "world_size": e["world_size"],
@@ -220,6 +225,14 @@ def summary_md(res: dict[str, Any]) -> str:
             f"`python bench/torchft_peer.py{flag}`",
         ),
         (
+            "Recipe features, step time / fp32 adamw, DP=2: "
+            + ", ".join(k for k in (res.get("recipe_ratios") or {}) if k != "baseline"),
+            " / ".join(f(v, 2) for k, v in (res.get("recipe_ratios") or {}).items() if k != "baseline") or "-",
+            "",
+            "",
+            f"`python bench/recipe.py{flag}` (model {res.get('recipe_model')}; bf16: no bf16 units on this CPU)",
+        ),
+        (
             "Recovery vs world size, power-law exponent b (y = a W^b)",
             f(_g(sc, "fits", "recovery_s", "power", "b"), 2),
             "< 1",
@@ -298,6 +311,10 @@ def main() -> int:
                 import torchft_peer
 
                 parts[name] = torchft_peer.run(a.quick, out=out)
+            elif name == "recipe":
+                import recipe
+
+                parts[name] = recipe.run(a.quick, out=out)
             elif name == "scaling":
                 import scaling
 

@@ -431,3 +431,33 @@ def test_faults_matched_to_recoveries(run2: Path, report: dict[str, Any], tmp_pa
     rows = parse(write_report(d)).tables["faults"]
     assert [r["recovery"] for r in rows] == ["#1 (hotswap)", "#2 (hotswap)", "-"]
     assert [r["kind"] for r in rows] == ["kill", "kill", "corrupt"]
+
+
+def test_validation_loss_in_the_report_and_the_progress_line(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`--eval-every` records: points on the loss chart, a summary row (a replayed step counts once),
+    and `val X.XXXX` on the progress line from the first evaluation on. No run needed."""
+    from phoenixft.display import Display
+
+    d = tmp_path / "run"
+    d.mkdir()
+    metrics = [{"step": s, "loss": 5.0 - 0.1 * s, "dt": 0.1, "t_end": 100.0 + s, "epoch": 0, "world": 2,
+                **({"val_loss": 5.5 - 0.1 * s} if s % 3 == 0 else {})} for s in range(1, 10)]
+    stale = {**metrics[5], "val_loss": 9.9}
+    metrics.insert(5, stale)  # step 6 recorded twice (replayed after a recovery): the last record wins
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (d / "report.json").write_text(json.dumps({"run_id": "v", "state": "done", "steps_completed": 9,
+                                               "loss": [m["loss"] for m in metrics if m is not stale],
+                                               "config": {"steps": 9}}))
+    val = html_report.val_series(html_report.load_run(d))
+    assert [s for s, _ in val] == [3, 6, 9] and [v for _, v in val] == pytest.approx([5.2, 4.9, 4.6])
+    page = parse(write_report(d))
+    assert page.kv["validation loss"] == "4.6000 at step 9 (first 5.2000 at step 3; 3 evaluation(s))"
+    assert len(page.imgs) >= 2 and all(i.startswith("data:image/png;base64,") for i in page.imgs)
+
+    disp = Display(steps=9)
+    for m in metrics:
+        disp.progress(m)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert "val" not in lines[0] and "val 5.2000" in next(x for x in lines if x.startswith("step 3/"))
+    assert lines[-1].startswith("step 9/9") and "val 4.6000" in lines[-1]

@@ -1,7 +1,9 @@
 """What a person sees during `phoenixft run`: a progress line, fault and recovery lines.
 
 On a terminal the progress line redraws in place; in a log (not a TTY, or `--quiet`) a line is
-printed every tenth of the run. `--json-events` prints each event as one JSON line on stdout.
+printed every tenth of the run and at every evaluation. With `--eval-every` the line shows the
+latest validation loss (`val X.XXXX`) from the first evaluation on. `--json-events` prints each
+event as one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Display:
         self._t0 = time.time()
         self._last_line = 0
         self._tokens = 0
+        self._val: float | None = None
 
     def _err(self, text: str) -> None:
         if self.tty:
@@ -38,12 +41,15 @@ class Display:
         el = time.time() - self._t0
         eta = el / max(1, s) * (n - s)
         tput = f"{self.tokens_per_step / rec['dt']:,.0f} tok/s  " if self.tokens_per_step and rec["dt"] > 0 else ""
-        line = (f"step {s}/{n}  loss {rec['loss']:.4f}  {rec['dt'] * 1e3:.0f} ms/step  {tput}"
+        if rec.get("val_loss") is not None:
+            self._val = float(rec["val_loss"])
+        val = f"val {self._val:.4f}  " if self._val is not None else ""  # the latest evaluation (--eval-every)
+        line = (f"step {s}/{n}  loss {rec['loss']:.4f}  {val}{rec['dt'] * 1e3:.0f} ms/step  {tput}"
                 f"epoch {rec['epoch']}  world {rec['world']}  ETA {eta:.0f}s")
         if self.tty:
             sys.stderr.write("\r\033[K" + line)
             sys.stderr.flush()
-        elif not self.quiet and (s == n or s - self._last_line >= max(1, n // 10)):
+        elif not self.quiet and (s == n or s - self._last_line >= max(1, n // 10) or rec.get("val_loss") is not None):
             self._last_line = s
             self._err(line)
 

@@ -12,7 +12,8 @@ script. It shows
   else steps/s; one point per completed step, over the wall time since the previous one, so a
   recovery shows as a dip), faults as vertical lines, each recovery shaded from the fault to the
   end of the first step after it (Leto, Fig. 11);
-- the loss per step, over the failure-free reference run's loss when `--reference` is given;
+- the loss per step, over the failure-free reference run's loss when `--reference` is given,
+  with the validation loss (`--eval-every`) as points on the same axes (and a summary row);
 - the recovery time of each fault broken into stages (detect, decide, reconfigure, restore
   parameters, restore optimizer, rest of the join, first step), stacked (PHOENIX, Fig. 10-11);
 - a summary, the table of recoveries (stage timings in ms with one decimal, invariants I1-I4),
@@ -33,7 +34,8 @@ from typing import Any
 
 from phoenixft.errors import UserError
 
-__all__ = ["RunData", "load_run", "write_report", "render_html", "fmt_ms", "STAGES", "tokens_per_step"]
+__all__ = ["RunData", "load_run", "write_report", "render_html", "fmt_ms", "STAGES", "tokens_per_step",
+           "val_series"]
 
 # (key in report["recoveries"][i]["stages"], label, colour); "join_other_s" is derived: the part
 # of the join (decision -> every worker joined) not spent in reconfigure/restore.
@@ -246,6 +248,12 @@ def plot_throughput(run: RunData, ref: RunData | None, tokens: int | None) -> st
     return _png(fig)
 
 
+def val_series(run: RunData) -> list[tuple[int, float]]:
+    """(step, validation loss) of every evaluation, in step order; a replayed step counts once (its last record)."""
+    by_step = {int(m["step"]): float(m["val_loss"]) for m in run.metrics if m.get("val_loss") is not None}
+    return sorted(by_step.items())
+
+
 def plot_loss(run: RunData, ref: RunData | None) -> str | None:
     from matplotlib.figure import Figure
 
@@ -258,12 +266,18 @@ def plot_loss(run: RunData, ref: RunData | None) -> str | None:
         rl = ref.report["loss"]
         ax.plot(range(1, len(rl) + 1), rl, color="#999999", lw=4, alpha=0.6, label="reference (no failure)")
     ax.plot(range(1, len(loss) + 1), loss, color="#1f77b4", lw=1.4, marker=".", ms=4, label="this run")
+    if ref is not None and (rv := val_series(ref)):
+        ax.plot([x for x, _ in rv], [y for _, y in rv], ls="none", marker="s", ms=9, color="#999999", alpha=0.6,
+                label="reference validation loss")
+    if val := val_series(run):
+        ax.plot([x for x, _ in val], [y for _, y in val], ls="none", marker="D", ms=5, color="#2ca02c",
+                label="validation loss")
     stepped = [f for f in run.report.get("faults") or [] if f.get("step") is not None]
     for i, f in enumerate(stepped):
         ax.axvline(f["step"], color="#d62728", ls="--", lw=1.2, label="fault (step)" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("Training loss per step", fontsize=10)
+    ax.set_title("Training loss per step" + (" and validation loss" if val else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -363,6 +377,10 @@ def _summary(run: RunData, ref: RunData | None, tokens: int | None) -> str:
     if ys:
         unit = "tokens/s" if tokens else "steps/s"
         rows.append(("median throughput", f"{statistics.median(ys):,.1f} {unit}", None))
+    if val := val_series(run):
+        (s0, v0), (s1, v1) = val[0], val[-1]
+        rows.append(("validation loss", f"{v1:.4f} at step {s1} (first {v0:.4f} at step {s0}; "
+                                        f"{len(val)} evaluation(s))", None))
     rows += [
         (
             "job",
