@@ -148,9 +148,11 @@ class Worker:
                 hit = self.topo.rack_of(slot) == f.rack
             else:
                 hit = slot in f.nodes
+            # `,wait=S`: rank 0 holds the step too (the target may be a slot the job lost, back after the
+            # grow this waits for); a fault that already fired holds nothing when its step is replayed
+            if f.wait and (hit or self.rank == 0) and not self.store.check([keys.fault(f.index) + "/fired"]):
+                self._wait_whole(f)
             if hit:
-                if f.wait:
-                    self._wait_whole(f)
                 self._fire(f, step=step, phase=phase)
 
     def _fire(self, f: FaultSpec, **where: Any) -> None:
@@ -177,6 +179,7 @@ class Worker:
         """`,wait=S`: hold this step (the peers wait at their next collective) until the job is whole."""
         deadline = time.monotonic() + f.wait
         while not self.store.check([keys.JOB_WHOLE]) and time.monotonic() < deadline:
+            self.watcher.check()  # a recovery (the grow this waits for) takes the step over
             time.sleep(0.05)
 
     def _kill_coordinator(self, timeout_s: float = 60.0) -> None:
