@@ -130,13 +130,18 @@ def test_verdicts_from_reports() -> None:
     sched = make_schedule(cfg, 2, 3)
     ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
     done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a", "recoveries": []}
-    assert judge(sched, cfg, ref, done, [], [])["verdict"] == "pass"
-    assert judge(sched, cfg, ref, {**done, "final_state_sha256": "b"}, [], [])["verdict"] == "fail"
+    fired = [{"kind": "corrupted_replica", "spec": s} if s.startswith("corrupt") else
+             {"kind": "fault", "spec": s, "index": i, "epoch": 0} for i, s in enumerate(sched.inject)]
+    after = [{"step": 20, "epoch": 1}]
+    assert judge(sched, cfg, ref, done, fired, after)["verdict"] == "pass"
+    v = judge(sched, cfg, ref, done, fired[:-1], after)  # a drawn fault that never fired: not a pass
+    assert v["verdict"] == "fail" and "never fired" in v["reason"], v["reason"]
+    assert judge(sched, cfg, ref, {**done, "final_state_sha256": "b"}, fired, after)["verdict"] == "fail"
     shrunk = {**done, "final_state_sha256": "b", "loss": [3.0, 2.0001],
               "recoveries": [{"action": "shrink", "invariants": {"I1": True}, "lost_steps": 1}]}
-    v = judge(sched, cfg, ref, shrunk, [], [])
+    v = judge(sched, cfg, ref, shrunk, fired, after)
     assert v["verdict"] == "pass" and v["shrank"] and v["max_loss_rel_dev"] == pytest.approx(5e-5)
-    assert judge(sched, cfg, ref, {**shrunk, "loss": [3.0, 2.01]}, [], [])["verdict"] == "fail"
+    assert judge(sched, cfg, ref, {**shrunk, "loss": [3.0, 2.01]}, fired, after)["verdict"] == "fail"
     # the job had shrunk to 3 nodes (n0, n2, n3) when n0 and n2 died together: on that ring n2 held n0's
     # only replica, so the failure is by design even though the pair was survivable on 4 nodes
     events = [{"kind": "epoch", "epoch": 2, "nodes": ["n0", "n2", "n3"], "t": 10.0},

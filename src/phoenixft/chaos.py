@@ -359,6 +359,10 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
             verdict, reason = "fail", f"the run did not finish: {run.get('error') or run.get('state')}"
     elif not invariants_ok:
         verdict, reason = "fail", "an invariant check failed after a recovery"
+    elif not all(p["injected"] for p in per_fault):
+        missed = [str(p["index"]) for p in per_fault if not p["injected"]]
+        verdict, reason = "fail", (f"fault(s) #{', #'.join(missed)} never fired (their target was not in the job at "
+                                   "their step): the campaign did not test what it drew")
     elif shrank:
         ok = max_dev is not None and len(loss) == len(ref_loss) and max_dev <= SHRINK_REL_TOL
         verdict = "pass" if ok else "fail"

@@ -58,7 +58,10 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             topo_done = _get(store, keys.topo(done_epoch))
             joins = [j for j in (_get(store, keys.join(done_epoch, f"{n}.{i}")) for n in topo_done["nodes"]
                                  for i in range(cfg.workers_per_node)) if j]
-        cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used]
+        # the fault a recovery answers: the latest one before its first report that needed one (a coordinator
+        # kill is the control plane's, a corruption at rest is answered by the kill it comes with)
+        cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
+                 and not f["spec"].startswith(("kill:coordinator", "corrupt:"))]
         fault = max(cands, key=lambda f: f["t"]) if cands else None
         if fault:
             used.add(fault["index"])
