@@ -3,7 +3,7 @@
 After step s commits, `start(s)` hands the job to a background thread that sends the committed
 half's payload (exp_avg, exp_avg_sq; never the parameters) to each holder, in chunks, over the
 epoch's dedicated replication process group, and receives the peers' payloads into the staging
-half of the matching `Holding`. A received replica is committed only after its CRC32 matches the
+half of the matching `Holding`. A received replica is committed only after its checksum matches the
 sender's, so a torn or corrupted transfer is never used. Before the gradient reduce-scatter of
 step s+1 the training loop calls `wait(s)`: a rank that entered the reduce-scatter has therefore
 always committed its replicas on both sides (see DESIGN: this is what makes a consistent

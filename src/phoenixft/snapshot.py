@@ -19,20 +19,24 @@ worker process (the node agent can restart a crashed worker in place from them).
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Any
 
 import torch
+import xxhash
 
 __all__ = ["PingPong", "ShardState", "Holding", "checksum", "alloc", "INVALID"]
 
 INVALID = -1
+_MASK63 = (1 << 63) - 1
 
 
 def checksum(t: torch.Tensor) -> int:
-    """CRC32 of a contiguous tensor's bytes (zlib releases the GIL on large buffers)."""
-    arr: Any = t.contiguous().numpy()
-    return zlib.crc32(memoryview(arr).cast("B"))
+    """XXH3-64 of a contiguous tensor's bytes, as a non-negative int64 (it lives in int64 headers).
+
+    Chosen by measured speed on this CPU over 43 MB (DESIGN.md: zlib.crc32 4.2 GB/s, CRC32C 13-15
+    GB/s, xxh3 27 GB/s); a 63-bit hash detects flipped bits and torn copies at least as well as CRC32."""
+    arr: Any = t.contiguous().view(torch.uint8).numpy()
+    return xxhash.xxh3_64_intdigest(memoryview(arr)) & _MASK63
 
 
 def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
