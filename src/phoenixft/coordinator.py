@@ -38,6 +38,7 @@ from phoenixft.topology import Topology
 __all__ = ["Coordinator", "main"]
 
 POLL_S = 0.003
+MAX_RECOVERIES_WITHOUT_PROGRESS = 12
 
 
 class Coordinator:
@@ -50,6 +51,7 @@ class Coordinator:
         self.topo: Topology | None = None
         self.dead: set[str] = set()
         self._last_hb_check = 0.0
+        self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
         self._last_grow_check = 0.0
         self._exits_seen = 0
 
@@ -160,6 +162,18 @@ class Coordinator:
                 last_whole = time.monotonic()
                 self._publish_whole()
 
+    def _recovery_loop(self, descs: dict[str, Descriptor]) -> bool:
+        """Stop a run that recovers again and again without completing a step (a fault the planner
+        cannot route around keeps firing): every recovery of the loop would be the same."""
+        progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
+        self._stuck = [p for p in self._stuck if p == progress] + [progress]
+        if len(self._stuck) <= MAX_RECOVERIES_WITHOUT_PROGRESS:
+            return False
+        errors = sorted({d.error for d in descs.values()})[:3]
+        self._fail_run(f"{len(self._stuck)} recoveries in a row without completing a step (stuck after step "
+                       f"{progress}); the last errors: {'; '.join(errors)}")
+        return True
+
     def _publish_whole(self) -> None:
         """`job/whole`: the job has its full size and at least one warm spare (what `,wait=S` faults wait for)."""
         assert self.topo is not None
@@ -252,6 +266,8 @@ class Coordinator:
         self.dead |= dead
         descs = {w: Descriptor.from_json(json.loads(self.store.get(keys.desc(e, w))))
                  for w in wids if w.split(".")[0] not in dead}
+        if self._recovery_loop(descs):
+            return
         t_first = min([d.t for d in descs.values()] + [t_start])
         self._refresh_pool()
         pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]

@@ -3,7 +3,8 @@
 A survivor learns of a failure at its next collective, which on a long forward/backward is most
 of a step away; the coordinator cannot plan until every survivor has posted its descriptor. The
 `FailureWatcher` thread blocks in the store's server-side `wait` on the current epoch's failure
-flag (no polling: it wakes twice a second only to follow the epoch), and `check()` - called by the
+flag (no polling; an epoch only ever ends by its flag being set, which also wakes the thread for the
+next one), and `check()` - called by the
 trainer between microbatches, in a forward pre-hook of every module and in a post-accumulate-grad
 hook of every parameter - raises `PeerFailure` as soon as the flag is set. Checking is one
 `Event.is_set()`: no store round trip on the training path.
@@ -22,7 +23,7 @@ from phoenixft.errors import PeerFailure
 
 __all__ = ["FailureWatcher"]
 
-WAKE_S = 0.5
+WAKE_S = 600.0  # a timed-out wait logs a c10d warning: wake rarely (the epoch always changes by its flag)
 
 
 class FailureWatcher:
