@@ -9,6 +9,7 @@ EVENTS = "events"  # newline-separated JSON records, appended
 PROGRESS = "progress"
 FINAL = "final"
 EPOCH = "epoch"
+WORKER_EXITS = "wexits"  # counter an agent bumps after writing `wexit/<wid>` (a worker restarted in place)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)
 
 
@@ -42,6 +43,12 @@ def failflag(epoch: int) -> str:
 
 def desc(epoch: int, wid: str) -> str:
     return f"desc/{epoch}/{wid}"
+
+
+def desc_posted(epoch: int) -> str:
+    """Counter every worker bumps (`store.add`) after posting its descriptor of `epoch`: the
+    coordinator polls this one key instead of every worker's descriptor."""
+    return f"desc_posted/{epoch}"
 
 
 def join(epoch: int, wid: str) -> str:
