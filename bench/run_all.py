@@ -10,12 +10,13 @@ recovery.py (time-to-resume vs torchrun + DCP checkpoint-restart), torchft_peer.
 replica groups: survivor stall and heal), scaling.py (recovery stages vs world and model size),
 recipe.py (failure-free step-time cost of bf16, clipping, sgd, lion, a cosine schedule; it runs
 last, after the quick budget of the others, and adds about 1.5 min to `--quick`).
+control_plane.py (the coordinator's detect / decide / publish with up to 4,096 simulated workers).
 
 latest.json holds the machine, every part's full result under `parts`, and the figures the
 README and the simulator read at the top level: overhead_ratio_dp2, baseline_vs_ddp_dp2,
 dcp_sync_ratio_dp2, dcp_async_ratio_dp2, resume_speedup_k10, resume_speedup_k50,
 torchft_heal_s (or null, with torchft_note), recipe_ratios (mode -> step-time ratio to fp32
-adamw), recovery (list of {world_size, recovery_s, ...}),
+adamw), control_plane_decide_s ({W: s}), recovery (list of {world_size, recovery_s, ...}),
 checkpoint_restart (list of {world_size, time_to_resume_s, restart_s, k, ...}) and `targets`
 (each of the issue's numbers, hit or miss). Also writes bench/results/summary.md.
 """
@@ -30,7 +31,7 @@ from typing import Any
 
 from benchlib import RESULTS, log, machine_info, write_json
 
-PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe")
+PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane")
 QUICK_BUDGET_S = 180.0
 
 
@@ -47,7 +48,7 @@ def _g(d: dict[str, Any] | None, *path: Any) -> Any:
 
 
 def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str, Any]) -> dict[str, Any]:
-    ov, rc, tf, sc, rp = (parts.get(k) or {} for k in PARTS)
+    ov, rc, tf, sc, rp, cp = (parts.get(k) or {} for k in PARTS)
     c2 = next((c for c in ov.get("configs", []) if c["dp"] == 2), None)
     c4 = next((c for c in ov.get("configs", []) if c["dp"] == 4), None)
     calib_model = "tiny"
@@ -81,6 +82,9 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         "recovery_fit": _g(sc, "fits"),
         "recipe_model": rp.get("model"),
         "recipe_ratios": {k: v.get("ratio") for k, v in (rp.get("modes") or {}).items()} or None,
+        "control_plane_detect_s": cp.get("control_plane_detect_s"),
+        "control_plane_decide_s": cp.get("control_plane_decide_s"),
+        "control_plane_publish_s": cp.get("control_plane_publish_s"),
         "recovery": [
             {
                 "world_size": e["world_size"],
@@ -320,6 +324,10 @@ def main() -> int:
 
                 deadline = started + QUICK_BUDGET_S - 8 if a.quick else None
                 parts[name] = scaling.run(a.quick, deadline=deadline, out=out)
+            elif name == "control_plane":
+                import control_plane
+
+                parts[name] = control_plane.run(a.quick, out=out)
         except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
             traceback.print_exc()
             parts[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}

@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     restarts[lr] += 1
                     store.set(keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
                                                                  "incarnation": restarts[lr]}))
+                    store.add(keys.WORKER_EXITS, 1)  # the coordinator looks at wexit/ keys when this moves
                     children[_fork_worker(a.store, a.node, lr, a.run_id, a.threads, restarts[lr])] = lr
                     continue
             except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin

@@ -10,6 +10,7 @@ PROGRESS = "progress"
 FINAL = "final"
 EPOCH = "epoch"
 COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)
+WORKER_EXITS = "wexits"  # counter an agent bumps after writing `wexit/<wid>` (a worker restarted in place)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)
 JOB_WHOLE = "job/whole"  # set by the coordinator while the job has its full size and a warm spare ready
 
@@ -44,6 +45,12 @@ def failflag(epoch: int) -> str:
 
 def desc(epoch: int, wid: str) -> str:
     return f"desc/{epoch}/{wid}"
+
+
+def desc_posted(epoch: int) -> str:
+    """Counter every worker bumps (`store.add`) after posting its descriptor of `epoch`: the
+    coordinator polls this one key instead of every worker's descriptor."""
+    return f"desc_posted/{epoch}"
 
 
 def join(epoch: int, wid: str) -> str:

@@ -361,6 +361,7 @@ class Worker:
             self.comm.retire()
         desc = self._descriptor(err, t_err)
         self.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
+        self.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
         topo = Topology.from_json(self._wait_key(keys.topo(e + 1), 3 * self.cfg.failure_timeout + 60.0))
         self._check_fence()
         if self.node_id not in topo.nodes:
