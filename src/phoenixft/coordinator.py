@@ -273,7 +273,9 @@ class Coordinator:
         short grace either (a stale heartbeat alone is not death: a starved agent); and, once the
         failure timeout has passed, every node that still has not answered (fenced). A worker that
         its agent restarts in place gets the full timeout again."""
-        dead, fenced, restarted = set(), set(), set()
+        dead: set[str] = set()
+        fenced: set[str] = set()
+        restarted: set[str] = set()
         stale_since: dict[str, float] = {}
         grace = min(1.0, self.cfg.failure_timeout / 2)
         deadline = time.monotonic() + self.cfg.failure_timeout
