@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-all bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,10 @@ demo: $(STAMP)
 	$(VENV)/bin/phoenixft demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q -x -m "not slow" --durations=15
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -x --durations=25
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]' || echo "bench: torchft did not install; its part will say why"

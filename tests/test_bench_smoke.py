@@ -53,6 +53,7 @@ def _pos(x: Any) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow
 def test_overhead_json_has_sane_numbers(overhead: dict[str, Any]) -> None:
     assert _pos(overhead["overhead_ratio_dp2"]) and 0.2 < overhead["overhead_ratio_dp2"] < 5
     assert _pos(overhead["baseline_vs_ddp_dp2"])

@@ -193,7 +193,7 @@ def test_unsurvivable_schedule_is_reported_as_such(tmp_path: Path) -> None:
                     "--allow-unsurvivable")
     assert p.returncode == 3, p.stdout + p.stderr[-3000:]
     assert rep["verdict"] == "unsurvivable-by-design"
-    assert rep["schedule"][0]["inject"] == ["kill:node=0,1@step=3,phase=optimizer"]
+    assert rep["schedule"][0]["inject"] == ["kill:node=0,1@step=3,phase=optimizer,wait=60"]
     assert "UNSURVIVABLE BY DESIGN" in p.stdout and "chaos verdict: UNSURVIVABLE-BY-DESIGN" in p.stdout
     assert rep["run"]["state"] == "failed" and "lost shards: pp0.tp0.dp0of3" in rep["run"]["error"]
     assert rep["reference"]["state"] == "skipped"  # nothing to compare: it can never be a pass

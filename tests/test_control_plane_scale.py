@@ -12,9 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+@pytest.mark.slow
 def test_harness_w64_completes_the_protocol(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH / "control_plane.py"), "--sizes", "64", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=90, start_new_session=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import run
 
 
@@ -24,6 +25,7 @@ def test_shrink_keeps_the_trajectory(tmp_path: Path, reference) -> None:  # type
     _close(rep["loss"], ref["loss"], 1e-4)
 
 
+@pytest.mark.slow
 def test_shrink_then_grow_back(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=30, microbatches=6)
     rep = run(tmp_path, nodes=3, spares=0, steps=30, microbatches=6, spare_arrives_at_step=4,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import processes_with, run
 
 
@@ -30,6 +31,7 @@ def test_hung_node_is_detected_fenced_and_swapped(tmp_path: Path, reference) -> 
     assert processes_with(rep["run_id"]) == []  # the stopped node was fenced (killed), not left behind
 
 
+@pytest.mark.slow
 def test_two_nodes_in_one_step_with_two_replicas(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=2, replicas=2, steps=12, inject=["kill:node=1,2@step=6,phase=backward"])
@@ -38,6 +40,7 @@ def test_two_nodes_in_one_step_with_two_replicas(tmp_path: Path, reference) -> N
     assert rec["dead"] == ["n1", "n2"] and sorted(rec["promoted"]) == ["s0", "s1"]
 
 
+@pytest.mark.slow
 def test_rack_failure_with_rack_aware_replicas(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     # nodes 0 and 1 share rack 0; with --racks 2 their replicas live in rack 1, so one replica suffices

@@ -42,6 +42,7 @@ def examples_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is downloaded, ever
 
 
+@pytest.mark.slow
 def test_hf_gpt2_survives_a_node_kill_and_round_trips_through_save_pretrained(
     tmp_path: Path, examples_on_path: None
 ) -> None:

@@ -10,7 +10,8 @@ from conftest import processes_with, run
 
 @pytest.mark.parametrize(
     "phase,node",
-    [("forward", 0), ("backward", 1), ("replicate", 1), ("optimizer", 0), ("optimizer", 1)],
+    [pytest.param("forward", 0, marks=pytest.mark.slow), ("backward", 1), ("replicate", 1), ("optimizer", 0),
+     pytest.param("optimizer", 1, marks=pytest.mark.slow)],
 )
 def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, phase: str, node: int) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=12)
@@ -36,6 +37,7 @@ def test_four_node_hotswap_under_two_seconds(tmp_path: Path, reference) -> None:
     assert rec["recovery_s"] < 2.0, rec
 
 
+@pytest.mark.slow
 def test_two_faults_two_spares(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=12)
     rep = run(tmp_path, nodes=3, spares=2, steps=12,

@@ -238,6 +238,7 @@ def _wait_for(what: str, fn: Any, proc: subprocess.Popen[bytes], timeout_s: floa
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+@pytest.mark.slow
 def test_status_of_a_live_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "live"
     log = tmp_path / "launcher.log"
