@@ -161,6 +161,7 @@ class Worker:
         slot = self.topo.slot_of(self.node_id)
         if self.store.add(keys.fault_claim(f.index, slot), 1) != 1:
             return
+        self._together(f)
         rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
                "node": self.node_id, "slot": slot, "rank": self.rank, "epoch": self.epoch, **where}
         if self.store.add(keys.fault(f.index) + "/fired", 1) == 1:
@@ -174,6 +175,25 @@ class Worker:
             os.killpg(os.getpgid(0), signal.SIGSTOP)
         elif f.kind == "crash":
             os._exit(17)
+
+    def _together(self, f: FaultSpec, timeout_s: float = 10.0) -> None:
+        """A fault on several nodes (`node=I,J`, `rack=A`) strikes them in the same instant: the first
+        to arrive waits (bounded) for the others, which are in the same step, before any dies, so no
+        survivor notices the first death and leaves the step before the others are hit."""
+        assert self.topo is not None
+        n = len(self.topo.nodes)
+        if f.rack is not None:
+            targets = [s for s in range(n) if self.topo.rack_of(s) == f.rack]
+        else:
+            targets = [s for s in f.nodes if s < n]
+        if len(targets) < 2:
+            return
+        key = keys.fault(f.index) + "/together"
+        arrived = self.store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while arrived < len(targets) and time.monotonic() < deadline:
+            time.sleep(0.002)
+            arrived = self.store.add(key, 0)
 
     def _wait_whole(self, f: FaultSpec) -> None:
         """`,wait=S`: hold this step (the peers wait at their next collective) until the job is whole."""
