@@ -73,6 +73,7 @@ def test_overhead_json_has_sane_numbers(overhead: dict[str, Any]) -> None:
     assert overhead["machine"]["cpu_count"] >= 1 and overhead["machine"]["torch"]
 
 
+@pytest.mark.slow
 def test_run_all_merge_keeps_the_top_level_keys(
     overhead: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
