@@ -85,6 +85,7 @@ def test_clipping_and_schedule_match_torch(reference) -> None:  # type: ignore[n
         assert m["grad_norm"] == pytest.approx(norm, rel=1e-4), s
         assert m["loss"] == pytest.approx(total / 2, rel=1e-5), s
     assert any(m["grad_norm"] > clip for m in metrics)  # clipping was active
+    assert rep["lr"] == [m["lr"] for m in metrics] and rep["grad_norm"] == [m["grad_norm"] for m in metrics]
 
 
 def _env() -> dict[str, str]:
