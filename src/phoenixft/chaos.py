@@ -252,7 +252,7 @@ def _gated(spec: str) -> str:
     """Node faults at a step hold that step until the job is whole again (full size, a warm spare
     ready), at most FAULT_WAIT_S: a cluster with --repair-after repairs between faults, as a real one
     mostly is, rather than a burst that outruns the repairs by construction."""
-    if spec.startswith(("kill:node", "hang:", "crash:")) and "phase=recovery" not in spec:
+    if spec.startswith(("kill:node", "hang:", "crash:", "corrupt:")) and "phase=recovery" not in spec:
         return f"{spec},wait={FAULT_WAIT_S:g}"
     return spec
 

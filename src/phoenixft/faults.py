@@ -15,10 +15,11 @@
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
 
 P is one of forward, backward, replicate, optimizer (default forward); recovery for kill, transfer
-for corrupt. `,wait=SECONDS` (kill, hang, crash at a step): the fault holds its step - training
-pauses there - until the job is whole again (full size, a warm spare ready), at most that long,
-then fires; `phoenixft chaos` uses it so that repaired spares can return between faults. A fault fires at most once
-per (fault, node): the first process that reaches it claims it atomically in the store
+for corrupt. `,wait=SECONDS` (kill, hang, crash, corrupt at a step): the fault holds its step (a
+corruption at rest: the step before, whose replication it corrupts) - training pauses there -
+until the job is whole again (full size, a warm spare ready), at most that long, then fires;
+`phoenixft chaos` uses it so that repaired spares can return between faults. A fault fires at
+most once per (fault, node): the first process that reaches it claims it atomically in the store
 (`store.add`), records the time, and only then acts, so a replayed step never fires it again.
 """
 
@@ -121,7 +122,7 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             wait = float(when["wait"])
         except ValueError:
             raise _bad(text, f"wait must be seconds, got {when['wait']!r}") from None
-        if wait < 0 or step is None or phase in ("recovery", "transfer") or kind in ("corrupt", "nan"):
-            raise _bad(text, "wait=SECONDS (>= 0) is for kill, hang and crash faults at a step")
+        if wait < 0 or step is None or phase in ("recovery", "transfer") or kind == "nan":
+            raise _bad(text, "wait=SECONDS (>= 0) is for kill, hang, crash and corrupt faults at a step")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, wait=wait)

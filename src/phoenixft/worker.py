@@ -138,6 +138,12 @@ class Worker:
             return
         slot = self.topo.slot_of(self.node_id)
         for f in self.faults:
+            if (f.kind == "corrupt" and f.wait and f.phase != "transfer" and f.step == step + 1
+                    and phase == "forward" and self.rank == 0):
+                # a gated corruption at rest hits the replication of this step: hold this step instead
+                if not self.store.check([keys.fault(f.index) + "/fired"]):
+                    self._wait_whole(f)
+                continue
             if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
                 continue
             if f.coordinator:
@@ -260,6 +266,7 @@ class Worker:
                     if half is not None:
                         h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
                         self._event("corrupted_replica", shard=shard, step=step, spec=f.text)
+                        self.store.add(keys.fault(f.index) + "/fired", 1)
 
     # ------------------------------------------------------------------ training
     def train_step(self, s: int) -> None:
