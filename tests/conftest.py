@@ -36,6 +36,11 @@ def run(tmp: Path, **kw: Any) -> dict[str, Any]:
     independently of the launcher, /proc holds no process naming the run id and /dev/shm no file
     of the run."""
     kw.setdefault("timeout", 240.0)
+    if kw.get("spares", 1) and kw.get("protect", "phoenix") == "phoenix" and kw.get("inject"):
+        # a node fault at a step waits (bounded) until the job is whole, i.e. its spares are warm:
+        # the tests assert a hot-swap, not a race between the fault and a spare's start-up
+        kw["inject"] = [f"{x},wait=60" if x.startswith(("kill:node", "kill:rack", "hang:")) and "@step=" in x
+                        and "phase=recovery" not in x and "wait=" not in x else x for x in kw["inject"]]
     cfg = RunConfig(**kw, run_dir=str(tmp), quiet=True)
     cfg.validate()
     report = run_job(cfg, Display(quiet=True, steps=cfg.steps))
