@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.errors import PeerFailure
+from phoenixft.parallel.layout import Layout
 
 __all__ = ["EpochComm", "wait_work", "connect_store", "alltoallv"]
 
@@ -95,16 +96,51 @@ def alltoallv(
 
 
 class EpochComm:
-    """The process groups of one epoch: `train` (gradients, params) and `repl` (replication)."""
+    """The process groups of one epoch, built on the epoch's store prefix, never registered with torch:
+
+    - `train`: every rank (restore transfers, invariants, loss and norm sums, the final gather);
+    - `repl`: every rank (replication);
+    - `dp`: the data-parallel peers at this rank's (pp, tp) (gradient buckets, ZeRO all-gather,
+      buffer broadcast); `train` itself when the layout is data-parallel only;
+    - `tp`: this rank's tensor-parallel group (None when tp = 1);
+    - `edges`: pipeline edges, one 2-rank group per direction and stage boundary this rank touches,
+      keyed ("fwd" | "bwd", boundary p between stage p and p+1): gloo's send/recv works never report
+      completion to a poll, so point-to-point transfers are broadcasts in these groups;
+    - `emb`: first and last stage at this (dp, tp), for the tied embedding (None unless pp > 1).
+
+    Every rank creates its groups in one global order (type, then stage boundary), so the blocking
+    rendezvous of one group never waits on a member that is busy in another.
+    """
 
     def __init__(self, store: dist.Store, epoch: int, rank: int, world: int, timeout_s: float,
-                 backend: str = "gloo") -> None:
+                 backend: str = "gloo", layout: Layout | None = None) -> None:
         self.epoch, self.rank, self.world = epoch, rank, world
+        self.layout = layout or Layout(world)
         to = timedelta(seconds=timeout_s)
         if backend != "gloo":
             raise NotImplementedError(f"backend {backend!r}")
-        self.train: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"e{epoch}/train", store), rank, world, to)
-        self.repl: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"e{epoch}/repl", store), rank, world, to)
+
+        def group(name: str, members: list[int]) -> Any:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"e{epoch}/{name}", store), members.index(rank),
+                                       len(members), to)
+            self._groups.append(pg)
+            return pg
+
+        self._groups: list[Any] = []
+        self.train: Any = group("train", list(range(world)))
+        self.repl: Any = group("repl", list(range(world)))
+        lay, c = self.layout, self.layout.coord(rank)
+        self.dp: Any = self.train if lay.trivial else group(f"dp/{c.name()}", lay.dp_group(rank))
+        self.tp: Any = group(f"tp/pp{c.pp}.dp{c.dp}", lay.tp_group(rank)) if lay.tp > 1 else None
+        self.edges: dict[tuple[str, int], Any] = {}
+        col = lay.pp_group(rank)
+        for p in range(lay.pp - 1):
+            if c.pp in (p, p + 1):
+                for way in ("fwd", "bwd"):
+                    self.edges[(way, p)] = group(f"{way}{p}/dp{c.dp}.tp{c.tp}", [col[p], col[p + 1]])
+        self.emb: Any = None
+        if lay.pp > 1 and c.pp in (0, lay.pp - 1):
+            self.emb = group(f"emb/dp{c.dp}.tp{c.tp}", lay.embedding_group(rank))
 
     def reduce_scatter(self, flat: torch.Tensor) -> Any:
         """Sum `flat` across ranks so that at least this rank's shard slice holds the sum.
@@ -116,8 +152,8 @@ class EpochComm:
         return self.train.allreduce([flat])
 
     def retire(self) -> None:
-        """Abort both groups and keep them referenced: a stuck op may still be running inside."""
-        for pg in (self.train, self.repl):
+        """Abort every group and keep them referenced: a stuck op may still be running inside."""
+        for pg in self._groups:
             try:
                 pg.abort()
             except Exception:  # noqa: BLE001 - best effort on an already broken group

@@ -34,7 +34,12 @@ class RunConfig:
     """Everything a run needs; immutable once published to the store."""
 
     nodes: int = _f(2, "Number of active nodes (failure domains) at start.")
-    workers_per_node: int = _f(1, "Worker processes per node (one per accelerator).", flag="--workers-per-node")
+    workers_per_node: int = _f(0, "Worker processes per node (one per accelerator; 0 = --tp, a node holds one "
+                                  "tensor-parallel group).", flag="--workers-per-node")
+    tp: int = _f(1, "Tensor-parallel size T: attention heads, MLP and vocabulary split over T ranks of one node "
+                    "(Megatron-style column/row-parallel layers).")
+    pp: int = _f(1, "Pipeline-parallel size P: the layers cut into P contiguous stages run with a 1F1B schedule; "
+                    "data-parallel size D = nodes x workers-per-node / (T x P); rank = tp + dp*T + pp*T*D.")
     spares: int = _f(1, "Spare nodes started warm (torch imported, model built) and promoted on a failure.")
     steps: int = _f(20, "Training steps to complete.")
     model: str = _f("tiny", "GPT size preset for the default workload: tiny (~1M), small (~11M), medium (~100M).")
@@ -116,14 +121,23 @@ class RunConfig:
                            action="store_true")
     timeout: float = _f(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
 
+    def __post_init__(self) -> None:
+        if self.workers_per_node == 0:
+            self.workers_per_node = max(1, self.tp)
+
     # ------------------------------------------------------------------ derived
     @property
     def world(self) -> int:
         return self.nodes * self.workers_per_node
 
     @property
+    def dp(self) -> int:
+        """Data-parallel size (at start)."""
+        return max(1, self.world // max(1, self.tp * self.pp))
+
+    @property
     def total_microbatches(self) -> int:
-        return self.microbatches or self.world
+        return self.microbatches or self.dp * self.pp
 
     @property
     def faults(self) -> list[FaultSpec]:
@@ -146,11 +160,20 @@ class RunConfig:
         need(self.model in PRESETS, "--model", self.model, f"valid presets: {', '.join(PRESETS)}")
         need(self.micro_batch >= 1, "--micro-batch", self.micro_batch, "must be >= 1")
         need(self.microbatches >= 0, "--microbatches", self.microbatches, "must be >= 0 (0 = one per worker)")
+        need(self.tp >= 1, "--tp", self.tp, "must be >= 1")
+        need(self.pp >= 1, "--pp", self.pp, "must be >= 1")
+        need(self.workers_per_node % self.tp == 0, "--workers-per-node", self.workers_per_node,
+             f"must be a multiple of --tp={self.tp} (a node holds whole tensor-parallel groups)")
+        need(self.world % (self.tp * self.pp) == 0, "--tp/--pp", f"{self.tp}/{self.pp}",
+             f"tp x pp must divide nodes x workers-per-node = {self.world}")
+        need((self.tp * self.dp) % self.workers_per_node == 0, "--workers-per-node", self.workers_per_node,
+             f"a node's workers must sit in one pipeline stage of tp x dp = {self.tp * self.dp} ranks")
+        dpw = "nodes x workers-per-node" if self.tp * self.pp == 1 else "the data-parallel size"
         need(
-            self.total_microbatches % self.world == 0,
+            self.total_microbatches % self.dp == 0,
             "--microbatches",
             self.microbatches,
-            f"must be a multiple of nodes x workers-per-node = {self.world} so every rank gets the same count",
+            f"must be a multiple of {dpw} = {self.dp} so every rank gets the same count",
         )
         need(self.lr > 0, "--lr", self.lr, "must be > 0")
         need(self.weight_decay >= 0, "--weight-decay", self.weight_decay, "must be >= 0")
@@ -173,11 +196,13 @@ class RunConfig:
         need(self.protect in PROTECT_MODES, "--protect", self.protect, f"one of {', '.join(PROTECT_MODES)}")
         need(self.replicas >= 1, "--replicas", self.replicas, "must be >= 1")
         if self.protect == "phoenix":
+            ring = self.nodes // self.pp if self.nodes % self.pp == 0 else self.nodes
+            where = "nodes" if self.pp == 1 else "nodes of one pipeline stage (its data-parallel peers)"
             need(
-                self.replicas < self.nodes,
+                self.replicas < ring,
                 "--replicas",
                 self.replicas,
-                f"replicas live on other nodes, so need replicas < nodes (= {self.nodes})",
+                f"replicas live on other {where}, so need replicas < {ring}",
             )
         need(self.repair_after >= 0, "--repair-after", self.repair_after, "must be >= 0 seconds (0 = never)")
         need(self.failure_timeout > 0, "--failure-timeout", self.failure_timeout, "must be > 0 seconds")
@@ -202,6 +227,8 @@ class RunConfig:
                 need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
         check_workload_path(self.workload)
+        if self.tp * self.pp > 1:
+            self._check_split()
         if self.persist_every:
             need(bool(self.persist_dir), "--persist-dir", self.persist_dir, "needed with --persist-every")
             need(self.protect == "phoenix", "--persist-every", self.persist_every, "needs --protect phoenix")
@@ -234,6 +261,29 @@ class RunConfig:
             check_data(self.data, self.data_dtype, block)
         else:
             need(self.data_dtype in ("uint16", "uint32"), "--data-dtype", self.data_dtype, "one of uint16, uint32")
+
+    def _check_split(self) -> None:
+        """--tp/--pp > 1: the workload must say how its model splits, and this split must be valid."""
+        import torch
+
+        from phoenixft.parallel.layers import TPHandle
+        from phoenixft.parallel.stage import StageSpec
+        from phoenixft.workload import WorkloadContext, load_workload
+
+        wl = load_workload(self.workload, WorkloadContext.from_config(self))
+        if wl.split is None:
+            raise UserError(f"--tp={self.tp} --pp={self.pp} is invalid for --workload {self.workload}: it does not say "
+                            "how its model splits (Workload.split); use --tp 1 --pp 1 for data parallelism")
+        try:
+            with torch.device("meta"):
+                model = wl.build_model()
+                for pp in range(self.pp):
+                    spec = StageSpec(pp=pp, pp_size=self.pp, tp=0, tp_size=self.tp, handle=TPHandle(self.tp, 0))
+                    wl.split(model, spec)
+        except UserError:
+            raise
+        except Exception:  # noqa: BLE001 - user code: the workers report its errors properly
+            pass
 
     def _model_name(self) -> str:
         return f"--model {self.model}" if self.workload == "phoenixft.gpt:workload" else f"--workload {self.workload}"

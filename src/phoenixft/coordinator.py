@@ -196,7 +196,7 @@ class Coordinator:
                 return
             start, meta = man["step"], {"restore": "persistent", "manifest": man}
         self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
-                              racks=self.cfg.racks, resume_step=start, meta=meta))
+                              racks=self.cfg.racks, resume_step=start, meta=meta, tp=self.cfg.tp, pp=self.cfg.pp))
         self.store.set("coordinator/ready", str(time.time()))
         self._loop()
 

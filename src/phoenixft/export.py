@@ -73,7 +73,8 @@ def _save(sd: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
 def write_final(run_dir: str, trainer: Any, master: torch.Tensor, cfg: Any, sha: str) -> str:
     """Rank 0, at the end of a run: the final state as safetensors in RUN_DIR/final."""
     d = Path(run_dir) / "final"
-    sd = state_dict_from(trainer.model, master, trainer.flat.buffer_bytes_now())
+    whole = trainer.full_model is trainer.model  # else a stage of a 3D layout; the full model's structure is kept
+    sd = state_dict_from(trainer.full_model, master, trainer.flat.buffer_bytes_now() if whole else None)
     _save(sd, d / "model.safetensors", "safetensors")
     (d / "meta.json").write_text(json.dumps({"step": cfg.steps, "final_state_sha256": sha,
                                              "config": json.loads(cfg.to_json())}, indent=2))

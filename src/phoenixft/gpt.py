@@ -122,7 +122,10 @@ def workload(ctx: WorkloadContext) -> Workload:
     def prepare() -> None:  # in the launcher, once: builds the corpus cache, or the data's vocabulary cache
         source()
 
+    from phoenixft.parallel.gpt import split_gpt
+
     return Workload(
+        split=split_gpt,
         build_model=build_model,
         loss=loss,
         batch=batch,

@@ -1,8 +1,11 @@
 """The topology of one epoch: which node sits in which slot, who holds whose replicas.
 
-Ranks are `slot * workers_per_node + local_rank`; rank i owns the logical shard `dp{i}`.
-The replicas of shard i live on the same local rank of k other nodes: whole racks away first
-(distinct racks from the owner and from each other while racks last), then the nearest nodes.
+Ranks are `slot * workers_per_node + local_rank`; their (pp, dp, tp) coordinates follow the mesh
+layout (parallel/layout.py: tensor-parallel fastest, then data-parallel, then pipeline), and rank i
+owns the logical shard `pp{p}.tp{t}.dp{d}of{D}`. The replicas of shard i live on the same local rank
+of k other nodes of the same pipeline stage (its data-parallel peers at the same (pp, tp)): whole
+racks away first (distinct racks from the owner and from each other while racks last), then the
+nearest nodes.
 The coordinator publishes a `Topology` per epoch; its digest is what invariant I1 compares.
 """
 
@@ -13,11 +16,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from phoenixft.parallel.layout import Layout
+
 __all__ = ["Topology", "shard_name"]
 
 
-def shard_name(shard: int, shards: int) -> str:
-    return f"pp0.tp0.dp{shard}of{shards}"
+def shard_name(shard: int, shards: int, tp: int = 1, pp: int = 1) -> str:
+    """The logical id of shard `shard` of a `shards`-rank mesh with tensor/pipeline sizes tp, pp."""
+    return Layout(shards, tp, pp).shard_name(shard)
 
 
 @dataclass(kw_only=True)
@@ -30,10 +36,19 @@ class Topology:
     racks: int = 1
     transfers: list[dict[str, int]] = field(default_factory=list)  # dst, shard, param_src, opt_src
     meta: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
+    pp: int = 1
 
     @property
     def world(self) -> int:
         return len(self.nodes) * self.workers_per_node
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world, self.tp, self.pp)
+
+    def shard_name(self, rank: int) -> str:
+        return self.layout.shard_name(rank)
 
     def slot_of(self, node: str) -> int:
         return self.nodes.index(node)
@@ -48,31 +63,48 @@ class Topology:
         """Racks are contiguous, equal blocks of slots."""
         return slot * self.racks // len(self.nodes)
 
+    @property
+    def ring_nodes(self) -> int:
+        """Nodes of one pipeline stage: the ring over which a shard's replicas rotate."""
+        return len(self.nodes) // self.pp
+
     def _offsets(self) -> list[int]:
         """Ring offsets of the replica rounds: whole racks away first (other failure domains), then
         the nearest other nodes. Each round is a rotation of the ring, so every node sends one
-        replica and keeps one per round."""
-        n = len(self.nodes)
-        block = n // self.racks
-        far = [block * j for j in range(1, self.racks)]
+        replica and keeps one per round. With pipeline stages the ring is one stage's nodes (the
+        data-parallel peers); racks are then not taken into account."""
+        n = self.ring_nodes
+        racks = self.racks if self.pp == 1 else 1
+        block = n // racks
+        far = [block * j for j in range(1, racks)]
         near = [o for o in range(1, n) if o not in far]
         return (far + near)[: self.replicas]
 
+    def _ring(self, rank: int) -> tuple[int, int, int]:
+        """(first slot of rank's stage ring, rank's position in it, local rank)."""
+        slot, lr = divmod(rank, self.workers_per_node)
+        n = self.ring_nodes
+        return slot // n * n, slot % n, lr
+
     def holders(self, shard: int) -> list[int]:
-        """Ranks that keep replicas of `shard`, one per round, all on other nodes."""
-        g, n = self.workers_per_node, len(self.nodes)
-        slot, lr = divmod(shard, g)
-        return [((slot + o) % n) * g + lr for o in self._offsets()]
+        """Ranks that keep replicas of `shard`, one per round, all on other nodes of its stage."""
+        base, i, lr = self._ring(shard)
+        n, g = self.ring_nodes, self.workers_per_node
+        return [(base + (i + o) % n) * g + lr for o in self._offsets()]
 
     def sources(self, rank: int) -> list[int]:
         """Shards whose replicas `rank` keeps, in the same rounds as `holders(rank)`."""
-        g, n = self.workers_per_node, len(self.nodes)
-        slot, lr = divmod(rank, g)
-        return [((slot - o) % n) * g + lr for o in self._offsets()]
+        base, i, lr = self._ring(rank)
+        n, g = self.ring_nodes, self.workers_per_node
+        return [(base + (i - o) % n) * g + lr for o in self._offsets()]
 
     def microbatches(self, rank: int, total: int) -> tuple[int, int]:
-        """This rank's microbatches of a step: the global batch is fixed, the split may be uneven."""
-        return rank * total // self.world, (rank + 1) * total // self.world
+        """This rank's microbatches of a step: the global batch is fixed and split over the data-parallel
+        ranks (every stage and tensor-parallel rank of a data-parallel column runs the same ones); the
+        split may be uneven."""
+        lay = self.layout
+        d = lay.dp_rank(rank)
+        return d * total // lay.dp, (d + 1) * total // lay.dp
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -1,21 +1,25 @@
 """One rank's model, shard and training step: what a step computes, apart from how it is protected.
 
-`Trainer` owns the workload's model as a `FlatModel` (parameters and buffers in flat ping-pong
-buffers), the rank's optimizer shard (`ShardState`: fp32 master weights + optimizer state in
-host shared memory), the elementwise shard optimizer and the learning-rate schedule. A step:
+`Trainer` owns the rank's `Stage` (the whole model when data-parallel only, one (pp, tp) slice of
+it under 3D parallelism, see parallel/) as a `FlatModel` (parameters and buffers in flat ping-pong
+buffers), the rank's optimizer shard (`ShardState`: fp32 master weights + optimizer state in host
+shared memory, a 1/D slice of the stage's flat state over its data-parallel peers), the
+elementwise shard optimizer and the learning-rate schedule. A step:
 
-1. forward/backward of this rank's microbatches (bf16: accumulated into fp32 gradients);
+1. forward/backward of this data-parallel rank's microbatches through the pipeline (1F1B, see
+   parallel/pipeline.py; one stage = the plain loop), bf16 gradients accumulated in fp32;
 2. `before_reduce()` - the protection layer waits for the previous step's replication here;
-3. gradient sum and loss sum across data-parallel ranks; a non-finite loss stops the run;
-4. optional clipping by the global norm (over every shard: each rank's slice of the summed
-   gradient, squared norms summed across ranks);
+3. gradient sum over the data-parallel peers in buckets started from backward hooks; the tied
+   embedding's two copies (first and last stage) summed; the loss summed over every rank;
+4. optional clipping by the global norm (each element counted once over the whole mesh);
 5. the optimizer reads the committed half of the shard and writes the staging half;
 6. model buffers broadcast from data-parallel rank 0 (as DistributedDataParallel does), then
    the updated master slices are all-gathered (cast to the parameter dtype) into the other flat
    buffer, and only then the shard and the flat buffers commit the step.
 
-`final_state()` gathers every shard's rows in logical order and returns the sha256 over the full,
-unsharded state (master weights, optimizer state, buffers), independent of the layout.
+`final_state()` gathers every shard's rows, maps every stage onto the full model (logical,
+layout-free order, parallel/logical.py) and returns the sha256 over the full, unsharded state
+(master weights, optimizer state, buffers): two layouts of the same model hash alike.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ from phoenixft.config import RunConfig
 from phoenixft.data import _mix
 from phoenixft.errors import PeerFailure, Unhealable
 from phoenixft.optim import ElementwiseOptimizer, lr_at, make_optimizer
+from phoenixft.parallel.layout import Layout
+from phoenixft.parallel.logical import full_numel, segments, to_full
+from phoenixft.parallel.pipeline import Pipeline
+from phoenixft.parallel.stage import Stage
 from phoenixft.snapshot import INVALID, ShardState
 from phoenixft.workload import Workload
 from phoenixft.zero import DTYPES, FlatModel
@@ -56,8 +64,12 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, wl: Workload, model: torch.nn.Module) -> None:
-        self.cfg, self.wl, self.model = cfg, wl, model
+    def __init__(self, cfg: RunConfig, wl: Workload, stage: Stage, full_model: torch.nn.Module | None = None) -> None:
+        self.cfg, self.wl, self.stage = cfg, wl, stage
+        self.model = stage.module
+        self.full_model = full_model if full_model is not None else stage.module  # structure of the whole model
+        self.segs = segments(stage.pieces(), stage.full())  # this stage's elements in the full model
+        self.full_numel = full_numel(stage.full())
         self.dtype = DTYPES[cfg.precision]
         self.opt: ElementwiseOptimizer = make_optimizer(
             cfg.optimizer, weight_decay=cfg.weight_decay, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
@@ -89,6 +101,8 @@ class Trainer:
         """Flat parameters and the own optimizer shard for a `world`-way partition."""
         self.flat = FlatModel(self.model, shards=world, path=shm and shm + "-params", step=step, dtype=self.dtype)
         self.buckets = GradBuckets(self.flat, self.cfg.bucket_mb)
+        self.norm_mask = self._mask(self.stage.counted())
+        self.tied_ranges = self._ranges(self.stage.tied())
         if not self._hooked:  # the hooks stay on the parameters; they find the current buckets
             for p in self.flat.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -96,11 +110,28 @@ class Trainer:
         self.state = ShardState(self.flat.shard_numel, shm and shm + "-state", rows=self.rows,
                                 payload_from=self.payload_from)
 
-    def init_shard(self, rank: int, world: int) -> None:
+    def _ranges(self, flags: list[bool]) -> list[tuple[int, int]]:
+        out, off = [], 0
+        for p, f in zip(self.flat.params, flags, strict=True):
+            if f:
+                out.append((off, off + p.numel()))
+            off += p.numel()
+        return out
+
+    def _mask(self, counted: list[bool]) -> torch.Tensor | None:
+        """1.0 for the flat elements that count in the global gradient norm; None when all do."""
+        if all(counted):
+            return None
+        mask = torch.zeros(self.flat.padded, dtype=torch.float64)
+        for lo, hi in self._ranges(counted):
+            mask[lo:hi] = 1.0
+        return mask
+
+    def init_shard(self, dp: int, rank: int, world: int) -> None:
         """Epoch 0: the shard's master weights as the model was built, optimizer state zero."""
         master = torch.zeros(self.flat.padded)
         master[: self.flat.numel] = self.flat.init_master
-        self.state.data[0, 0].copy_(master[self.flat.shard_slice(rank)])
+        self.state.data[0, 0].copy_(master[self.flat.shard_slice(dp)])
         self.state.data[0, 1:].zero_()
         self.state.commit(0, 0, 0, (rank, world))
         self.state.begin_write(1)
@@ -111,14 +142,15 @@ class Trainer:
                      decay=c.decay_steps, total=c.steps)
 
     # ------------------------------------------------------------------ the step
-    def step(self, s: int, pg: Any, rank: int, world: int, microbatches: tuple[int, int], wait: Wait,
+    def step(self, s: int, comm: Any, rank: int, layout: Layout, microbatches: tuple[int, int], wait: Wait,
              before_reduce: Callable[[], float], fault: Callable[[str], None], nan: bool = False) -> StepResult:
-        cfg, flat = self.cfg, self.flat
+        cfg, flat, stage = self.cfg, self.flat, self.stage
+        c = layout.coord(rank)
+        dp_pg = comm.dp
         t0 = time.perf_counter()
         flat.zero_grad()
         m_total = cfg.total_microbatches
         lo, hi = microbatches
-        loss_sum = 0.0
         grad = flat.grad32
         works: list[Any] = []
         waited = [0.0]
@@ -127,40 +159,59 @@ class Trainer:
             if not works:
                 waited[0] = before_reduce()  # replication of the previous step committed before any reduction
             blo, bhi = self.buckets.ranges[b]
-            works.append(pg.allreduce([grad[blo:bhi]]))
+            works.append(dp_pg.allreduce([grad[blo:bhi]]))
 
-        for j, mb in enumerate(range(lo, hi)):
+        def batch(j: int) -> Any:
+            return self.wl.batch(s, lo + j)
+
+        def forward(j: int, b: Any, inp: torch.Tensor | None) -> torch.Tensor:
             self.interrupt()
-            self.buckets.begin_microbatch(last=mb == hi - 1, launch=launch)
-            torch.manual_seed(_mix(cfg.seed, s, mb))
+            torch.manual_seed(_mix(cfg.seed, s, lo + j))
             if j == 0:
                 fault("forward")
             with self._user_code(s, rank):
-                loss = self.wl.loss(self.model, self.wl.batch(s, mb))
+                return stage.forward(inp, b)
+
+        def backward(j: int, out: torch.Tensor, g: torch.Tensor | None) -> None:
+            self.interrupt()
             if j == 0:
                 fault("backward")
+            self.buckets.begin_microbatch(last=j == hi - lo - 1, launch=launch)
             with self._user_code(s, rank):
-                (loss / m_total).backward()
+                if g is None:
+                    (out / m_total).backward()
+                else:
+                    torch.autograd.backward(out, g)
             self.buckets.end_microbatch()
-            loss_sum += float(loss.detach().float())
+
+        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, flat.dtype)
+        loss_sum = pipe.train(hi - lo, batch, forward, backward)
         if nan:
             loss_sum = math.nan
         t_compute = time.perf_counter() - t0
         if lo == hi:  # no microbatch on this rank (an uneven split): it still takes part in every reduction
             self.buckets.begin_microbatch(last=True, launch=launch)
             self.buckets.end_microbatch()
-        lt = torch.tensor([loss_sum], dtype=torch.float64)
-        w_loss = pg.allreduce([lt])
+        mine = loss_sum if (stage.last and c.tp == 0) or math.isnan(loss_sum) else 0.0  # each loss counted once
+        lt = torch.tensor([mine], dtype=torch.float64)
+        w_loss = comm.train.allreduce([lt])
         for w in works:
             wait(w, f"gradient reduction of step {s}")
+        if self.tied_ranges and comm.emb is not None:  # the tied embedding: both copies get the summed gradient
+            for tlo, thi in self.tied_ranges:
+                wait(comm.emb.allreduce([grad[tlo:thi]]), f"tied-embedding gradient of step {s}")
         wait(w_loss, f"loss all-reduce of step {s}")
         if not math.isfinite(float(lt)):
             raise Unhealable(f"the loss of step {s} is {float(lt) / m_total} (numerical error in the training itself)")
-        gshard = grad[flat.shard_slice(rank)]
+        sl = flat.shard_slice(c.dp)
+        gshard = grad[sl]
         norm = None
         if cfg.clip_grad_norm > 0:
-            sq = torch.tensor([float(gshard.double().square().sum())], dtype=torch.float64)
-            wait(pg.allreduce([sq]), f"gradient norm of step {s}")
+            sq64 = gshard.double().square()
+            if self.norm_mask is not None:
+                sq64 = sq64 * self.norm_mask[sl]
+            sq = torch.tensor([float(sq64.sum())], dtype=torch.float64)
+            wait(comm.train.allreduce([sq]), f"gradient norm of step {s}")
             norm = math.sqrt(float(sq))
             coef = cfg.clip_grad_norm / (norm + 1e-6)
             if coef < 1.0:
@@ -178,13 +229,13 @@ class Trainer:
             raw = flat.buffer_bytes_now()
             opts = dist.BroadcastOptions()
             opts.rootRank = 0  # data-parallel rank 0's buffers, as DistributedDataParallel broadcasts them
-            wait(pg.broadcast([raw], opts), f"buffer broadcast of step {s}")
+            wait(dp_pg.broadcast([raw], opts), f"buffer broadcast of step {s}")
             flat.set_buffers(raw)
         master = rows_out[0] if self.dtype == torch.float32 else rows_out[0].to(self.dtype)
-        wait(pg._allgather_base(flat.begin_gather(), master), f"all-gather of step {s}")
-        self.state.commit(dst, s, 0, (rank, world))
+        wait(dp_pg._allgather_base(flat.begin_gather(), master), f"all-gather of step {s}")
+        self.state.commit(dst, s, 0, (rank, layout.world))
         flat.flip(s)
-        val = self.evaluate(s, pg, rank, world, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
+        val = self.evaluate(s, comm, rank, layout, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
         return StepResult(loss=float(lt) / m_total, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
                           val_loss=val)
 
@@ -199,42 +250,81 @@ class Trainer:
         except Exception as e:  # noqa: BLE001
             raise Unhealable(f"exception in the workload at step {s} on rank {rank}: {type(e).__name__}: {e}") from e
 
-    def evaluate(self, s: int, pg: Any, rank: int, world: int, wait: Wait) -> float | None:
-        """Mean loss over `--eval-batches` held-out microbatches, spread over the ranks."""
+    def evaluate(self, s: int, comm: Any, rank: int, layout: Layout, wait: Wait) -> float | None:
+        """Mean loss over `--eval-batches` held-out microbatches, spread over the data-parallel ranks
+        (and through the pipeline, forward only)."""
         if self.wl.eval_batch is None:
             return None
-        n = self.cfg.eval_batches
-        total = torch.tensor([0.0], dtype=torch.float64)
+        n, c = self.cfg.eval_batches, layout.coord(rank)
+        mine = list(range(c.dp, n, layout.dp))
+        eval_batch = self.wl.eval_batch
         was_training = self.model.training
         self.model.eval()
+
+        def batch(j: int) -> Any:
+            torch.manual_seed(_mix(self.cfg.seed, -1, mine[j]))
+            return eval_batch(mine[j])
+
         try:
-            with torch.no_grad():
-                for i in range(rank, n, world):
-                    torch.manual_seed(_mix(self.cfg.seed, -1, i))
-                    total += float(self.wl.loss(self.model, self.wl.eval_batch(i)).float())
+            pipe = Pipeline(self.stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype)
+            with self._user_code(s, rank):
+                part = pipe.forward_only(len(mine), batch)
         finally:
             self.model.train(was_training)
-        wait(pg.allreduce([total]), f"evaluation after step {s}")
+        total = torch.tensor([part if self.stage.last and c.tp == 0 else 0.0], dtype=torch.float64)
+        wait(comm.train.allreduce([total]), f"evaluation after step {s}")
         return float(total) / n
 
     # ------------------------------------------------------------------ the end
-    def final_state(self, pg: Any, step: int, wait: Wait) -> tuple[str, torch.Tensor]:
-        """sha256 over the full state in logical order (every row of every shard, then the buffers),
-        and the full master weights. Every rank must call it."""
+    def final_state(self, comm: Any, rank: int, layout: Layout, step: int, wait: Wait) -> tuple[str, torch.Tensor]:
+        """sha256 over the full state in logical order (every row of the full model, then the buffers),
+        and the full master weights; both on rank 0 only ("" and an empty tensor elsewhere). Every
+        rank must call it."""
         half = self.state.half_with(step)
         assert half is not None
         flat = self.flat
         rows = torch.empty(self.rows, flat.padded)
-        works = [pg._allgather_base(rows[i], self.state.data[half, i].contiguous()) for i in range(self.rows)]
+        works = [comm.dp._allgather_base(rows[i], self.state.data[half, i].contiguous()) for i in range(self.rows)]
         for w in works:
             wait(w, "final gather")
-        n = flat.numel
+        local = rows[:, : flat.numel]
+        if layout.trivial:
+            full = local
+        else:  # every (pp, tp) coordinate's data-parallel rank 0 sends its stage's rows to rank 0
+            full = self._gather_stages(comm, rank, layout, local, wait)
+        if rank != 0:
+            return "", torch.empty(0)
         h = hashlib.sha256()
         for i in range(self.rows):
-            h.update(rows[i, :n].numpy().tobytes())
+            h.update(full[i].numpy().tobytes())
         h.update(flat.buffer_bytes_now().numpy().tobytes())
         h.update(str(step).encode())
-        return h.hexdigest(), rows[0, :n].clone()
+        return h.hexdigest(), full[0].clone()
+
+    def _gather_stages(self, comm: Any, rank: int, layout: Layout, local: torch.Tensor, wait: Wait) -> torch.Tensor:
+        from phoenixft.comm import alltoallv
+
+        c = layout.coord(rank)
+        segs = torch.tensor(self.segs, dtype=torch.int64).reshape(-1)
+        sizes = torch.tensor([local.numel() if c.dp == 0 else 0, segs.numel() if c.dp == 0 else 0], dtype=torch.int64)
+        all_sizes = torch.empty(2 * layout.world, dtype=torch.int64)
+        wait(comm.train._allgather_base(all_sizes, sizes), "final gather sizes")
+        n = all_sizes.view(layout.world, 2).tolist()
+        w = layout.world
+        senders = [r for r in range(w) if n[r][0]]
+        send = {0: local.contiguous().reshape(-1)} if c.dp == 0 else {}
+        work, _, got = alltoallv(comm.train, w, send, {r: n[r][0] for r in senders} if rank == 0 else {})
+        wait(work, "final gather of the stages")
+        work2, _, got_segs = alltoallv(comm.train, w, {0: segs} if c.dp == 0 else {},
+                                       {r: n[r][1] for r in senders} if rank == 0 else {}, dtype=torch.int64)
+        wait(work2, "final gather of the stage maps")
+        if rank != 0:
+            return local
+        full = torch.zeros(self.rows, self.full_numel)
+        for r in senders:
+            sg = [tuple(x) for x in got_segs[r].view(-1, 3).tolist()]
+            to_full(got[r].view(self.rows, -1), sg, full)
+        return full
 
     def steps_held(self) -> list[int]:
         return [st for st in self.flat.buf_step if st != INVALID]

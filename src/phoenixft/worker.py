@@ -27,6 +27,8 @@ from phoenixft.config import RunConfig
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.faults import FaultSpec
 from phoenixft.invariants import check_invariants
+from phoenixft.parallel.layers import TPHandle
+from phoenixft.parallel.stage import StageSpec, WholeModel
 from phoenixft.persist import Persister
 from phoenixft.recovery import restore
 from phoenixft.recovery.planner import Descriptor
@@ -51,20 +53,25 @@ class Worker:
         cfg = self.cfg
         torch.set_num_threads(threads)
         self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
-        torch.manual_seed(cfg.seed)
-        self.trainer = Trainer(cfg, self.wl, self.wl.build_model())
         self.protect = cfg.protect == "phoenix"
+        self.watcher = FailureWatcher(store_addr)
+        self.trainer: Trainer = None  # type: ignore[assignment]  # built for this rank's stage (_build)
+        self.stage_of: tuple[int, int] | None = None  # the (pp, tp) coordinate the trainer was built for
+        self.shm: str | None = None
         world, gen = cfg.world, 0
         if incarnation > 0:  # restarted in place: the partition is the current epoch's, not the initial one
             cur = Topology.from_json(self.store.get(keys.topo(int(self.store.get(keys.EPOCH)))))
             world, gen = cur.world, int(cur.meta.get("generation", 0))
-        self.shm: str | None = None
-        self._partition(world, gen)
+            self._build(cur.layout.coord(cur.rank_of(node_id, local_rank)).stage)
+            self._partition(world, gen)
+        elif cfg.tp == 1 and cfg.pp == 1:  # data-parallel only: every rank's stage is the whole model, built warm
+            self._build((0, 0))
+            self._partition(world, gen)
         self.faults: list[FaultSpec] = cfg.faults
         self.repl: Replicator | None = None
         if self.protect:
             self.repl = Replicator(
-                self.trainer.state,
+                None,  # type: ignore[arg-type]  # the trainer's shard, set by _partition
                 holding_factory=lambda s: Holding(self.trainer.flat.shard_numel, self.shm and f"{self.shm}-hold{s}",
                                                   rows=self.trainer.payload_rows),
                 chunk_numel=int(cfg.chunk_mb * (1 << 20) / 4),
@@ -73,6 +80,8 @@ class Worker:
                 on_in_flight=lambda s: self._fault(s + 1, "replicate"),
                 after_commit=self._after_replication,
             )
+        if self.repl is not None and self.trainer is not None:
+            self.repl.state = self.trainer.state
         if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
             for f in shm.SHM_DIR.glob(shm.holding_glob(run_id, self.wid, gen)):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
@@ -80,8 +89,6 @@ class Worker:
         pstore = connect_store(store_addr) if cfg.persist_every and self.protect else None
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
                                    fenced=lambda: bool(pstore.check([keys.fence(node_id)]))) if pstore else None
-        self.watcher = FailureWatcher(store_addr)
-        self.trainer.watch(self.watcher.check)
         self.comm: EpochComm | None = None
         self.topo: Topology | None = None
         self.epoch = -1
@@ -89,10 +96,34 @@ class Worker:
         self._first_after_join: int | None = None
         self.bad_sources: list[tuple[str, int, str]] = []  # (shard, step, wid) whose transfer failed I3
 
+    def _build(self, stage: tuple[int, int]) -> None:
+        """The trainer of (pp, tp) coordinate `stage`: the whole model when data-parallel only, else the
+        workload's split of it (the full model is built under the seed on every rank, so every layout
+        starts from the same weights, then only its structure is kept, for the export)."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        full = self.wl.build_model()
+        if cfg.tp == 1 and cfg.pp == 1:
+            tr = Trainer(cfg, self.wl, WholeModel(full, self.wl.loss))
+        else:
+            if self.wl.split is None:
+                raise Unhealable(f"--tp {cfg.tp} --pp {cfg.pp}: workload {cfg.workload} does not say how it splits")
+            pp, tp = stage
+            spec = StageSpec(pp=pp, pp_size=cfg.pp, tp=tp, tp_size=cfg.tp, handle=TPHandle(cfg.tp, tp))
+            st = self.wl.split(full, spec)
+            tr = Trainer(cfg, self.wl, st, full_model=full.to("meta"))
+        tr.watch(self.watcher.check)
+        self.trainer, self.stage_of = tr, stage
+        if getattr(self, "repl", None) is not None:
+            self.repl.holdings = {}  # type: ignore[union-attr]
+
     def _partition(self, world: int, gen: int, step: int = 0) -> None:
-        """Flat parameters and the own optimizer shard for a `world`-way partition (generation `gen`)."""
+        """Flat parameters and the own optimizer shard for a `world`-way mesh (generation `gen`): the
+        stage's state is sharded over its data-parallel peers."""
         self.shm = shm.worker_base(self.run_id, self.wid, gen) if self.protect else None
-        self.trainer.partition(world, self.shm, step)
+        self.trainer.partition(world // (self.cfg.tp * self.cfg.pp), self.shm, step)
+        if getattr(self, "repl", None) is not None:
+            self.repl.state = self.trainer.state  # type: ignore[union-attr]
 
     def repartition(self, world: int, gen: int, r: int) -> None:
         """Cut the flat state anew for a `world`-way partition (shrink, grow, persistent reload)."""
@@ -274,7 +305,7 @@ class Worker:
         t0 = time.perf_counter()
         repl = self.repl
         res = self.trainer.step(
-            s, self.comm.train, self.rank, self.topo.world,
+            s, self.comm, self.rank, self.topo.layout,
             self.topo.microbatches(self.rank, self.cfg.total_microbatches),
             self.wait, before_reduce=lambda: repl.wait(s - 1) if repl is not None else 0.0,
             fault=lambda phase: self._fault(s, phase), nan=self._nan_fault(s))
@@ -305,7 +336,7 @@ class Worker:
         assert self.comm is not None and self.topo is not None
         if self.repl is not None:
             self.repl.wait(self.cfg.steps)  # the final state is protected (and persisted) like any other
-        sha, master = self.trainer.final_state(self.comm.train, self.cfg.steps, self.wait)
+        sha, master = self.trainer.final_state(self.comm, self.rank, self.topo.layout, self.cfg.steps, self.wait)
         if self.rank == 0:
             self._check_fence()
             from phoenixft.export import write_final
@@ -353,12 +384,16 @@ class Worker:
         """What this worker holds, for the planner: parameter steps, own shard and replicas with checksums."""
         tr = self.trainer
         d = Descriptor(wid=self.wid, t=t_err, error=err[:300], bad_sources=list(self.bad_sources))
+        if tr is None:  # a 3D spare that was never promoted holds nothing
+            return d
+        tp, pp = self.cfg.tp, self.cfg.pp
         d.params = tr.steps_held()
+        d.stage = f"pp{self.stage_of[0]}.tp{self.stage_of[1]}" if self.stage_of else ""
         for x in (0, 1):
             st = tr.state.step_of(x)
             idx, count = tr.state.shard_of(x)
             if st != INVALID and count > 0:
-                d.own.setdefault(shard_name(idx, count), {})[st] = tr.state.known_crc(x)
+                d.own.setdefault(shard_name(idx, count, tp, pp), {})[st] = tr.state.known_crc(x)
         if self.repl is not None:
             for shard, h in self.repl.holdings.items():
                 for x in (0, 1):
@@ -366,7 +401,7 @@ class Worker:
                     if st == INVALID:
                         continue
                     idx, count = h.shard_of(x)
-                    name = shard_name(idx if count else shard, count or tr.flat.shards)
+                    name = shard_name(idx if count else shard, count or tr.flat.shards * tp * pp, tp, pp)
                     if h.verify(x):
                         d.holdings.setdefault(name, {})[st] = h.crc_of(x)
                     else:
@@ -409,12 +444,19 @@ class Worker:
         tr = self.trainer
         self.topo, self.epoch = topo, topo.epoch
         self.rank = topo.rank_of(self.node_id, self.local_rank)
-        self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout)
+        lay = topo.layout
+        self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout, layout=lay)
         t_pg = time.time()
         r = topo.resume_step
         timings: dict[str, Any] = {"reconfigure_s": t_pg - t0}
         bad: list[str] = []  # I3: what failed verification on this rank
-        if "reshard" not in topo.meta and tr.flat.shards != topo.world:
+        stage = lay.coord(self.rank).stage
+        if self.stage_of != stage:  # a 3D rank's first epoch, or a spare promoted to a stage it was not built for
+            self._build(stage)
+            self._partition(topo.world, int(topo.meta.get("generation", 0)), r)
+            tr = self.trainer
+        tr.stage.bind(self.comm.tp, self.wait)
+        if "reshard" not in topo.meta and tr.flat.shards != lay.dp:
             # a spare built for the initial world, promoted into a resized one: it holds nothing yet
             self.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
         if "reshard" in topo.meta:
@@ -422,7 +464,7 @@ class Worker:
         elif topo.meta.get("restore") == "persistent":
             restore.restore_persistent(self, topo, r, timings, bad)
         elif topo.epoch == 0:
-            tr.init_shard(self.rank, topo.world)
+            tr.init_shard(lay.dp_rank(self.rank), self.rank, topo.world)
         else:
             restore.restore_in_place(self, topo, r, timings, bad)
         if self.repl is not None:

@@ -10,7 +10,9 @@ line as `--workload pkg.module:function`. The three callables it returns must be
   needs no data-loader state beyond the step number.
 
 Optional: `eval_batch(index)` (held-out batches for `--eval-every`), `optimizer` (an elementwise
-optimizer of the workload's own, see `phoenixft.optim`), `prepare` (one-off work in the launcher).
+optimizer of the workload's own, see `phoenixft.optim`), `prepare` (one-off work in the launcher),
+`split(full_model, spec)` (how the model cuts into tensor/pipeline-parallel stages, see
+`phoenixft.parallel.stage`; without it `--tp`/`--pp` > 1 is refused).
 
 Any randomness inside `loss` (dropout) is seeded by phoenixft per (seed, step, microbatch).
 """
@@ -54,6 +56,7 @@ class Workload:
     prepare: Callable[[], None] | None = None  # one-off work done by the launcher (e.g. corpus cache)
     eval_batch: Callable[[int], Any] | None = None  # held-out batch `index` (pure); enables --eval-every
     optimizer: Any = None  # an ElementwiseOptimizer of the workload's own (see phoenixft.optim); None = --optimizer
+    split: Callable[[torch.nn.Module, Any], Any] | None = None  # (full model, StageSpec) -> Stage; enables --tp/--pp
 
 
 def _resolve(path: str) -> Callable[[WorkloadContext], Workload]:

@@ -7,7 +7,8 @@ then decides everything else, without any I/O, so that it can be property-tested
 thousands of generated fault schedules (tests/test_planner.py):
 
 - membership: each dead node's slot gets a ready spare; without one the job shrinks (the slot is
-  dropped) and later grows back when spares are ready again;
+  dropped) and later grows back when spares are ready again (under 3D parallelism a slot is part of
+  a mesh: shrinking is refused with a clear error, see `_mesh_resize`);
 - the recovery step r: the newest step for which every logical shard has a verified copy
   *somewhere* (its owner, a spare that completed its transfer in an earlier epoch, any replica
   holder - whatever happened in earlier epochs) and some member still holds the parameters;
@@ -17,8 +18,9 @@ thousands of generated fault schedules (tests/test_planner.py):
 - when no step is held by every shard: the newest complete persistent checkpoint (on whatever
   nodes are left, shrinking if spares are short), else a failure naming the lost shards.
 
-Shards are named by their logical id (`pp0.tp0.dp{i}of{D}`), never by rank: a rank number
-means nothing across epochs, a logical id does.
+Shards are named by their logical id (`pp{p}.tp{t}.dp{i}of{D}`), never by rank: a rank number
+means nothing across epochs, a logical id does. Parameters are per (pp, tp) *stage*: a member that
+lacks them gets them from a member of the same stage (its data-parallel peer).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenixft.topology import Topology, shard_name
+from phoenixft.topology import Topology
 
 __all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps"]
 
@@ -36,7 +38,8 @@ class Descriptor:
     """What one surviving worker reports at the start of a recovery."""
 
     wid: str
-    params: list[int] = field(default_factory=list)  # steps whose full parameters it holds
+    params: list[int] = field(default_factory=list)  # steps whose full parameters (of its stage) it holds
+    stage: str = ""  # the (pp, tp) coordinate its parameters belong to, "pp0.tp0" when data-parallel only
     own: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> {step: crc}, its committed state
     holdings: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> {step: crc}, verified replicas
     rejected: list[tuple[str, int]] = field(default_factory=list)  # replicas whose checksum failed
@@ -52,14 +55,14 @@ class Descriptor:
         return cls(wid=d["wid"], params=[int(x) for x in d.get("params", [])], own=steps(d.get("own", {})),
                    holdings=steps(d.get("holdings", {})), rejected=[(a, int(b)) for a, b in d.get("rejected", [])],
                    bad_sources=[(a, int(b), c) for a, b, c in d.get("bad_sources", [])], t=float(d.get("t", 0.0)),
-                   error=str(d.get("error", "")))
+                   error=str(d.get("error", "")), stage=str(d.get("stage", "")))
 
     def to_json(self) -> dict[str, Any]:
         return {"wid": self.wid, "params": self.params,
                 "own": {s: {str(k): v for k, v in x.items()} for s, x in self.own.items()},
                 "holdings": {s: {str(k): v for k, v in x.items()} for s, x in self.holdings.items()},
                 "rejected": [list(x) for x in self.rejected], "bad_sources": [list(x) for x in self.bad_sources],
-                "t": self.t, "error": self.error}
+                "t": self.t, "error": self.error, "stage": self.stage}
 
 
 @dataclass(kw_only=True)
@@ -104,13 +107,24 @@ def _copies(pi: PlanInput) -> dict[str, dict[int, dict[str, int]]]:
     return out
 
 
+def _stage(d: Descriptor) -> str:
+    return d.stage or "pp0.tp0"
+
+
+def _stages(topo: Topology) -> list[str]:
+    lay = topo.layout
+    return sorted({lay.coord(r).name() for r in range(topo.world)})
+
+
 def feasible_steps(pi: PlanInput, shards: list[str]) -> set[int]:
-    """Steps at which every shard has a verified copy and some live member holds the parameters."""
+    """Steps at which every shard has a verified copy and, for every stage, some live member holds
+    that stage's parameters."""
     copies = _copies(pi)
     per_shard = [set(copies.get(s, {})) for s in shards]
     common = set.intersection(*per_shard) if per_shard else set()
-    with_params = {st for d in pi.descs.values() for st in d.params}
-    return common & with_params
+    for stage in _stages(pi.old):
+        common &= {st for d in pi.descs.values() if _stage(d) == stage for st in d.params}
+    return common
 
 
 def _wid(topo: Topology, rank: int) -> str:
@@ -119,7 +133,7 @@ def _wid(topo: Topology, rank: int) -> str:
 
 def plan_recovery(pi: PlanInput) -> Plan:
     old, g = pi.old, pi.old.workers_per_node
-    shards = [shard_name(i, old.world) for i in range(old.world)]
+    shards = [old.shard_name(i) for i in range(old.world)]
     rejected = sorted({x for d in pi.descs.values() for x in d.rejected})
     # --- membership: a spare per dead slot, else drop the slot; grow back while spares last
     pool = list(pi.pool)
@@ -134,6 +148,9 @@ def plan_recovery(pi: PlanInput) -> Plan:
             dropped.append(n)
     if not nodes:
         return Plan(ok=False, error=f"every node is lost ({', '.join(sorted(pi.dead))}) and no spare is ready")
+    if old.tp * old.pp > 1 and dropped:
+        return Plan(ok=False, error=f"{', '.join(dropped)} lost and no spare ready: a {old.tp}x{old.pp} (tp x pp) mesh "
+                                    "cannot drop a node (run with more --spares, or --repair-after)")
     grew = False
     if not dropped:
         while len(nodes) < pi.target_nodes and pool:
@@ -176,10 +193,12 @@ def plan_recovery(pi: PlanInput) -> Plan:
 def _new_topo(pi: PlanInput, nodes: list[str], r: int, meta: dict[str, Any],
               transfers: list[dict[str, Any]] | None = None) -> Topology:
     n = len(nodes)
-    replicas = min(pi.replicas, n - 1)
+    old = pi.old
+    replicas = min(pi.replicas, n // old.pp - 1)
     racks = pi.racks if n % pi.racks == 0 and pi.racks <= n else 1
-    return Topology(epoch=pi.old.epoch + 1, nodes=nodes, workers_per_node=pi.old.workers_per_node,
-                    replicas=replicas, racks=racks, resume_step=r, transfers=transfers or [], meta=meta)
+    return Topology(epoch=old.epoch + 1, nodes=nodes, workers_per_node=old.workers_per_node,
+                    replicas=replicas, racks=racks, resume_step=r, transfers=transfers or [], meta=meta,
+                    tp=old.tp, pp=old.pp)
 
 
 def _persistent(pi: PlanInput, nodes: list[str], promoted: list[str], dropped: list[str], klass: str, what: str,
@@ -209,20 +228,27 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
     gen = int(old.meta.get("generation", 0))
     base_meta: dict[str, Any] = {"dead": sorted(pi.dead), "promoted": promoted, "class": klass, "action": action,
                                  "dropped": dropped}
-    with_params = sorted(w for w, d in pi.descs.items() if r in d.params)
+    by_stage: dict[str, list[str]] = {}
+    for w, dd in sorted(pi.descs.items()):
+        if r in dd.params:
+            by_stage.setdefault(_stage(dd), []).append(w)
+    with_params = sorted(w for ws in by_stage.values() for w in ws)
     if len(nodes) == len(old.nodes):
         new = _new_topo(pi, nodes, r, {**base_meta, "generation": gen})
+        lay = new.layout
         transfers = []
         for rk in range(new.world):
             wid = _wid(new, rk)
-            shard = shard_name(rk, new.world)
+            shard = new.shard_name(rk)
+            stage = lay.coord(rk).name()
             d = pi.descs.get(wid)
             has_opt = d is not None and r in d.own.get(shard, {})
-            has_params = d is not None and r in d.params
+            has_params = d is not None and r in d.params and _stage(d) == stage
             if has_opt and has_params:
                 continue
             opt_w, crc = _pick(copies[shard][r], rk, {wid})
-            par_src = -1 if has_params else new.rank_of(*_split(with_params[rk % len(with_params)]))
+            peers = by_stage[stage]
+            par_src = -1 if has_params else new.rank_of(*_split(peers[rk % len(peers)]))
             transfers.append({"dst": rk, "shard": rk, "param_src": par_src,
                               "opt_src": new.rank_of(*_split(opt_w)), "crc": crc})
         new.transfers = transfers
@@ -232,7 +258,7 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
     new = _new_topo(pi, nodes, r, {**base_meta, "generation": gen + 1})
     providers: dict[str, list[Any]] = {}
     for i in range(old.world):
-        shard = shard_name(i, old.world)
+        shard = old.shard_name(i)
         owner = _wid(old, i)
         w, crc = _pick(copies[shard][r], i, {owner})
         providers[str(i)] = [new.rank_of(*_split(w)), "own" if shard in pi.descs[w].own else "replica", crc]

@@ -43,19 +43,20 @@ def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:
         hh = h.half_with(r)
         if hh is not None and h.verify(hh):
             return h.payload(hh)
-    raise RunAborted(f"rank {m.rank} holds no verified copy of {shard_name(shard, shards)} at step {r}")
+    name = shard_name(shard, shards, m.cfg.tp, m.cfg.pp)
+    raise RunAborted(f"rank {m.rank} holds no verified copy of {name} at step {r}")
 
 
-def _commit_received(m: Worker, payload: torch.Tensor, r: int, crc: int, shard: int, world: int) -> None:
+def _commit_received(m: Worker, payload: torch.Tensor, r: int, crc: int, shard: int, world: int, dp: int) -> None:
     """Install a verified payload as this rank's shard at step r (the master row from the
-    parameters when the payload does not carry it)."""
+    parameters when the payload does not carry it; `dp` = the shard's slice of its stage)."""
     tr = m.trainer
     st, flat = tr.state, tr.flat
     half = st.staging()
     st.begin_write(half)
     st.payload(half).copy_(payload.view(tr.payload_rows, -1))
     if tr.payload_from == 1:
-        st.data[half, 0].copy_(flat.flat[flat.shard_slice(shard)])
+        st.data[half, 0].copy_(flat.flat[flat.shard_slice(dp)])
     st.commit(half, r, crc, (shard, world))
     st.header[1 - half, H_VALID] = 0
 
@@ -81,7 +82,7 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
         if half is None:
             raise RunAborted(f"rank {me} has no optimizer state for step {r}")
         if int(tr.state.header[half, H_CRC]) and not tr.state.verify(half):
-            bad.append(f"own {shard_name(me, w)} at step {r} does not match its committed checksum")
+            bad.append(f"own {topo.shard_name(me)} at step {r} does not match its committed checksum")
     # 1. parameters
     t1 = time.time()
     sends = {t["dst"]: tr.flat.whole for t in topo.transfers if t["param_src"] == me}
@@ -107,13 +108,13 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
     m.wait(work, "optimizer-state transfer")
     for t in mine:
         buf = got[t["opt_src"]]
-        name = shard_name(t["shard"], w)
+        name = topo.shard_name(t["shard"])
         if checksum(buf) != t["crc"]:
             src = f"{topo.node_of_rank(t['opt_src'])}.{t['opt_src'] % topo.workers_per_node}"
             bad.append(f"{name} from {src} does not match the checksum committed for step {r}")
             m.bad_sources.append((name, r, src))
             continue
-        _commit_received(m, buf, r, t["crc"], t["shard"], w)
+        _commit_received(m, buf, r, t["crc"], t["shard"], w, topo.layout.dp_rank(t["shard"]))
         elem = torch.empty((), dtype=tr.flat.dtype).element_size()
         timings.update(bytes_params=tr.flat.total * elem if t["param_src"] >= 0 else 0, bytes_opt=buf.numel() * 4)
     timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
