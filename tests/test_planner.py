@@ -12,6 +12,10 @@ A brute-force oracle then says which steps are recoverable; the planner must agr
 - every member of the new epoch either holds its shard and the parameters at that step, or is
   sent them by a member that holds them (with the checksum the copy was committed with);
 - no dead node is a member; promoted spares come from the pool; a shrink drops only dead slots.
+
+Mesh cases (tensor x pipeline parallel layouts) add: parameters come only from a member of the same
+(pp, tp) stage, a step is recoverable only if every stage still has its parameters somewhere, and a
+mesh that would have to drop a node is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -31,16 +35,17 @@ def crc_of(shard: str, step: int) -> int:
     return zlib.crc32(f"{shard}@{step}".encode()) or 1
 
 
-def make_case(rng: random.Random) -> PlanInput:
-    n = rng.randint(2, 7)
-    g = rng.choice([1, 1, 2])
-    racks = rng.choice([d for d in (1, 2, 3) if n % d == 0])
-    k = rng.randint(1, min(3, n - 1))
+def make_case(rng: random.Random, mesh: bool = False) -> PlanInput:
+    tp, pp = (rng.choice([1, 2]), rng.choice([1, 2, 3])) if mesh else (1, 1)
+    n = pp * rng.randint(2, 3) if mesh else rng.randint(2, 7)
+    g = tp if mesh else rng.choice([1, 1, 2])
+    racks = 1 if mesh else rng.choice([d for d in (1, 2, 3) if n % d == 0])
+    k = rng.randint(1, min(3, n // pp - 1))
     gen = rng.choice([0, 0, 1])
     nodes = [f"n{i}" for i in range(n)]
     rng.shuffle(nodes)
     old = Topology(epoch=rng.randint(0, 5), nodes=nodes, workers_per_node=g, replicas=k, racks=racks,
-                   resume_step=0, meta={"generation": gen})
+                   resume_step=0, meta={"generation": gen}, tp=tp, pp=pp)
     dead = {x for x in nodes if rng.random() < 0.3}
     if not dead and rng.random() < 0.7:
         dead = {rng.choice(nodes)}
@@ -52,11 +57,11 @@ def make_case(rng: random.Random) -> PlanInput:
         if node in dead:
             continue
         wid = f"{node}.{rank % g}"
-        d = Descriptor(wid=wid)
+        d = Descriptor(wid=wid, stage=old.layout.coord(rank).name())
         # parameter buffers: two consecutive steps, or one (the other being overwritten)
         newest = s - (1 if rng.random() < 0.2 else 0)
         d.params = sorted({newest, newest - 1} if rng.random() < 0.7 else {newest})
-        mine = shard_name(rank, old.world)
+        mine = old.shard_name(rank)
         fresh = rng.random() < 0.1  # a spare promoted in an earlier epoch that never got its state
         if not fresh:
             own = {st for st in (newest, newest - 1) if rng.random() < 0.8}
@@ -64,10 +69,10 @@ def make_case(rng: random.Random) -> PlanInput:
         if rng.random() < 0.1:
             restarted.add(wid)
         holds = [old.sources(rank)[j] for j in range(len(old.sources(rank)))]
-        if rng.random() < 0.2:  # replicas kept from an earlier epoch's ring
-            holds.append(rng.randrange(old.world))
+        if rng.random() < 0.2:  # replicas kept from an earlier epoch's ring (always of the same stage)
+            holds.append(rng.choice(old.layout.dp_group(rank)))
         for src in holds:
-            name = shard_name(src, old.world)
+            name = old.shard_name(src)
             for st in (s, s - 1, s - 2):
                 if rng.random() < 0.6:
                     if rng.random() < 0.1:
@@ -83,7 +88,7 @@ def make_case(rng: random.Random) -> PlanInput:
             for st in steps:
                 if rng.random() < 0.3:
                     descs[victim].bad_sources.append((name, st, w))
-    pool = [f"s{i}" for i in range(rng.randint(0, 3))]
+    pool = [f"s{i}" for i in range(rng.randint(0, 3 + 2 * int(mesh)))]
     man = {"step": max(0, s - rng.randint(2, 8)), "shards": old.world, "numel": 100, "shard_numel": 10,
            "path": "/x"} if rng.random() < 0.4 else None
     return PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
@@ -100,9 +105,11 @@ def oracle(pi: PlanInput) -> tuple[set[int], dict[str, dict[int, dict[str, int]]
                 for st, crc in steps.items():
                     if (name, st, w) not in bad:
                         copies.setdefault(name, {}).setdefault(st, {})[w] = crc
-    shards = [shard_name(i, pi.old.world) for i in range(pi.old.world)]
+    shards = [pi.old.shard_name(i) for i in range(pi.old.world)]
+    stages = {pi.old.layout.coord(i).name() for i in range(pi.old.world)}
     candidates = {st for d in pi.descs.values() for st in d.params}
-    ok = {st for st in candidates if all(st in copies.get(x, {}) for x in shards)}
+    ok = {st for st in candidates if all(st in copies.get(x, {}) for x in shards)
+          and all(any(st in d.params and d.stage == g for d in pi.descs.values()) for g in stages)}
     return ok, copies
 
 
@@ -117,6 +124,9 @@ def check(pi: PlanInput) -> str:
     if not alive and not pi.pool:
         assert not plan.ok and "every node is lost" in plan.error
         return "all-lost"
+    if pi.old.tp * pi.old.pp > 1 and len(pi.dead) > len(pi.pool):
+        assert not plan.ok and "cannot drop a node" in plan.error, plan
+        return "mesh-short"
     if ok_steps:
         assert plan.ok, f"declared lost although steps {sorted(ok_steps)} are recoverable: {plan.error}"
         assert plan.action != "persistent"
@@ -124,7 +134,7 @@ def check(pi: PlanInput) -> str:
     else:
         if pi.manifest is None:
             assert not plan.ok and "in-memory state lost" in plan.error, plan
-            missing = [x for x in (shard_name(i, pi.old.world) for i in range(pi.old.world)) if not copies.get(x)]
+            missing = [x for x in (pi.old.shard_name(i) for i in range(pi.old.world)) if not copies.get(x)]
             assert plan.lost == missing
             return "lost"
         assert plan.ok and plan.action == "persistent" and plan.resume_step == pi.manifest["step"]
@@ -141,7 +151,7 @@ def check(pi: PlanInput) -> str:
         meta = topo.meta["reshard"]
         assert sorted(int(x) for x in meta["providers"]) == list(range(pi.old.world))
         for i, (prov, kind, crc) in meta["providers"].items():
-            name = shard_name(int(i), pi.old.world)
+            name = pi.old.shard_name(int(i))
             w = wid_of(topo, prov)
             assert copies[name][r].get(w) == crc, f"provider {w} of {name} holds no such copy at {r}"
             assert (kind == "own") == (name in pi.descs[w].own)
@@ -155,11 +165,12 @@ def check(pi: PlanInput) -> str:
     assert len(by_dst) == len(topo.transfers)
     for rk in range(topo.world):
         w = wid_of(topo, rk)
-        name = shard_name(rk, topo.world)
+        name = topo.shard_name(rk)
+        stage = topo.layout.coord(rk).name()
         d = pi.descs.get(w)
         t = by_dst.get(rk)
         has_opt = d is not None and r in d.own.get(name, {})
-        has_params = d is not None and r in d.params
+        has_params = d is not None and r in d.params and d.stage == stage
         if t is None:
             assert has_opt and has_params, f"{w} lacks its state at {r} and gets no transfer"
             continue
@@ -168,7 +179,8 @@ def check(pi: PlanInput) -> str:
         if t["param_src"] < 0:
             assert has_params
         else:
-            assert r in pi.descs[wid_of(topo, t["param_src"])].params
+            src_d = pi.descs[wid_of(topo, t["param_src"])]
+            assert r in src_d.params and src_d.stage == stage, f"{w} ({stage}) gets parameters of {src_d.stage}"
     return "in-memory"
 
 
@@ -180,6 +192,16 @@ def test_planner_against_generated_schedules() -> None:
         seen[outcome] = seen.get(outcome, 0) + 1
     # the generator must reach every outcome, or the properties above were not exercised
     for outcome in ("in-memory", "reshard", "persistent", "lost"):
+        assert seen.get(outcome, 0) >= 50, seen
+
+
+def test_planner_mesh_layouts() -> None:
+    rng = random.Random(3)
+    seen: dict[str, int] = {}
+    for _ in range(CASES):
+        outcome = check(make_case(rng, mesh=True))
+        seen[outcome] = seen.get(outcome, 0) + 1
+    for outcome in ("in-memory", "persistent", "lost", "mesh-short"):
         assert seen.get(outcome, 0) >= 50, seen
 
 

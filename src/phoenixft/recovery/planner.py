@@ -152,7 +152,7 @@ def plan_recovery(pi: PlanInput) -> Plan:
         return Plan(ok=False, error=f"{', '.join(dropped)} lost and no spare ready: a {old.tp}x{old.pp} (tp x pp) mesh "
                                     "cannot drop a node (run with more --spares, or --repair-after)")
     grew = False
-    if not dropped:
+    if not dropped and old.tp * old.pp == 1:  # a mesh never changes size (it never shrank)
         while len(nodes) < pi.target_nodes and pool:
             nodes.append(pool.pop(0))
             promoted.append(nodes[-1])
