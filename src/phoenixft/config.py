@@ -168,6 +168,9 @@ class RunConfig:
              f"tp x pp must divide nodes x workers-per-node = {self.world}")
         need((self.tp * self.dp) % self.workers_per_node == 0, "--workers-per-node", self.workers_per_node,
              f"a node's workers must sit in one pipeline stage of tp x dp = {self.tp * self.dp} ranks")
+        if self.tp * self.pp > 1:
+            check_workload_path(self.workload)
+            self._check_split()
         dpw = "nodes x workers-per-node" if self.tp * self.pp == 1 else "the data-parallel size"
         need(
             self.total_microbatches % self.dp == 0,
@@ -227,8 +230,6 @@ class RunConfig:
                 need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
         check_workload_path(self.workload)
-        if self.tp * self.pp > 1:
-            self._check_split()
         if self.persist_every:
             need(bool(self.persist_dir), "--persist-dir", self.persist_dir, "needed with --persist-every")
             need(self.protect == "phoenix", "--persist-every", self.persist_every, "needs --protect phoenix")
