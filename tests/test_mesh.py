@@ -135,7 +135,8 @@ def test_3d_kill_in_each_phase_is_bitwise_invisible(tmp_path: Path, reference) -
 
 def test_3d_crash_in_place_and_kill_during_recovery(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(**MESH)
-    faults = ["crash:rank=5@step=5", "kill:node=2@step=11,phase=backward", "kill:node=3@recovery=2"]
+    # node 2 (stage 1) dies, and node 1 (stage 0) during that recovery: each stage keeps one data-parallel copy
+    faults = ["crash:rank=5@step=5", "kill:node=2@step=11,phase=backward", "kill:node=1@recovery=2"]
     rep = run(tmp_path, **MESH, spares=2, inject=faults)
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]

@@ -7,7 +7,10 @@ exp_avg_sq) as it was *committed* in memory: the replication thread copies the c
 (atomically, last), so a torn checkpoint is never loaded: only directories with a manifest count.
 
 Loading reassembles the full parameter and optimizer vectors in logical order from every shard
-file, so a checkpoint written by D ranks loads onto any other number (resharding).
+file, so a checkpoint written by D ranks loads onto any other number (resharding). Under 3D
+parallelism a rank's shard is a slice of its (pp, tp) stage: the stage's data-parallel rank 0 also
+saves the stage's map onto the full model (parallel/logical.py), and loading puts every stage back
+into the full model, so a checkpoint written by one layout loads onto any other.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from phoenixft.parallel.layout import Layout
+from phoenixft.parallel.logical import to_full
 from phoenixft.snapshot import checksum
 
 __all__ = ["Persister", "latest_manifest", "load_full"]
@@ -59,6 +64,8 @@ def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, l
     """The full state in logical order: rows (master weights, optimizer state...) x numel from
     every shard file, the model's buffers (bytes, written by rank 0; None if the model has none),
     and the shards whose data does not match the checksum their writer committed in the manifest."""
+    if int(man.get("tp", 1)) * int(man.get("pp", 1)) > 1:
+        return _load_mesh(man)
     rows = []
     bad = []
     crcs = man.get("crc", {})
@@ -79,6 +86,36 @@ def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, l
     finally:
         cm.__exit__(None, None, None)
     return torch.cat(rows, dim=1)[:, : man["numel"]].contiguous(), buffers, bad
+
+
+def _load_mesh(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """A 3D checkpoint: each stage's shards concatenated, then mapped into the full model."""
+    lay = Layout(int(man["shards"]), int(man["tp"]), int(man["pp"]))
+    nrows, crcs, info = int(man.get("rows", 3)), man.get("crc", {}), man["ranks"]
+    full = torch.zeros(nrows, int(man["numel"]))
+    bad: list[int] = []
+    cm = _quiet()
+    try:
+        for p in range(lay.pp):
+            for t in range(lay.tp):
+                parts, segs = [], None
+                for r in lay.dp_group(lay.rank(p, 0, t)):
+                    numel, shard_numel, nsegs = info[str(r)]
+                    sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, shard_numel)}
+                    if nsegs:
+                        sd["segments"] = torch.empty(nsegs * 3, dtype=torch.int64)
+                    dcp.load(sd, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
+                    if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
+                        bad.append(r)
+                    parts.append(sd["shard"])
+                    if "segments" in sd:
+                        segs = [tuple(x) for x in sd["segments"].view(-1, 3).tolist()]
+                if segs is None:
+                    raise ValueError(f"checkpoint {man['path']}: stage pp{p}.tp{t} has no map onto the full model")
+                to_full(torch.cat(parts, dim=1)[:, :numel], segs, full)
+    finally:
+        cm.__exit__(None, None, None)
+    return full, None, bad
 
 
 class Persister:
@@ -126,7 +163,8 @@ class Persister:
             d = self.root / f"step_{step:08d}"
             cm = _quiet()
             try:
-                sd = {"shard": data, **({"buffers": meta["buffers"]} if "buffers" in meta else {})}
+                sd: dict[str, torch.Tensor] = {"shard": data}
+                sd.update({k: meta[k] for k in ("buffers", "segments") if k in meta})
                 dcp.save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
             except Exception:  # noqa: BLE001 - a failed write only means this checkpoint never completes
                 continue
@@ -135,12 +173,17 @@ class Persister:
             self.saved.append(time.perf_counter() - t0)
             key = f"persist/{meta['epoch']}/{step}"
             self.store.set(f"{key}/crc/{meta['rank']}", str(checksum(data)))
+            nsegs = int(meta["segments"].numel() // 3) if "segments" in meta else 0
+            self.store.set(f"{key}/info/{meta['rank']}", json.dumps([meta["numel"], meta["shard_numel"], nsegs]))
             if self.store.add(key, 1) == meta["shards"] and not self._fenced():  # last one in writes the manifest
                 crcs = {str(r): int(self.store.get(f"{key}/crc/{r}")) for r in range(meta["shards"])}
-                man = {"step": step, "shards": meta["shards"], "numel": meta["numel"],
+                man = {"step": step, "shards": meta["shards"], "numel": meta.get("full_numel", meta["numel"]),
                        "shard_numel": meta["shard_numel"], "epoch": meta["epoch"], "seed": meta["seed"],
                        "rows": int(data.shape[0]), "buffer_bytes": meta.get("buffer_bytes", 0), "crc": crcs,
-                       "config": meta.get("config")}
+                       "config": meta.get("config"), "tp": meta.get("tp", 1), "pp": meta.get("pp", 1)}
+                if man["tp"] * man["pp"] > 1:
+                    man["ranks"] = {str(r): json.loads(self.store.get(f"{key}/info/{r}"))
+                                    for r in range(meta["shards"])}
                 tmp = d / "MANIFEST.json.tmp"
                 tmp.write_text(json.dumps(man))
                 os.replace(tmp, d / "MANIFEST.json")

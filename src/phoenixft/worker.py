@@ -279,11 +279,16 @@ class Worker:
         if self.persister is not None and self.persister.due(step):
             half = tr.state.half_with(step)
             if half is not None:
-                self.persister.stage(step, tr.state.data[half], {
+                lay = self.topo.layout
+                meta: dict[str, Any] = {
                     "rank": self.rank, "shards": self.topo.world, "numel": tr.flat.numel,
                     "shard_numel": tr.flat.shard_numel, "epoch": self.epoch, "seed": self.cfg.seed,
-                    "buffer_bytes": tr.flat.buffer_bytes, "config": json.loads(self.cfg.to_json())},
-                    buffers=tr.flat.buffers_at(step) if self.rank == 0 else None)
+                    "buffer_bytes": tr.flat.buffer_bytes if lay.trivial else 0, "tp": lay.tp, "pp": lay.pp,
+                    "config": json.loads(self.cfg.to_json()), "full_numel": tr.full_numel}
+                if not lay.trivial and lay.dp_rank(self.rank) == 0:  # the stage's map onto the full model
+                    meta["segments"] = torch.tensor(tr.segs, dtype=torch.int64).reshape(-1)
+                self.persister.stage(step, tr.state.data[half], meta,
+                                     buffers=tr.flat.buffers_at(step) if self.rank == 0 and lay.trivial else None)
         self._maybe_corrupt(step, received)
 
     def _maybe_corrupt(self, step: int, received: dict[int, Holding]) -> None:

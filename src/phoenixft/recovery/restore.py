@@ -21,6 +21,7 @@ import torch
 
 from phoenixft.comm import alltoallv
 from phoenixft.errors import RunAborted
+from phoenixft.parallel.logical import from_full
 from phoenixft.persist import load_full
 from phoenixft.reshard import gather_full_optimizer, old_shard_numel
 from phoenixft.snapshot import H_CRC, H_VALID, checksum
@@ -170,22 +171,22 @@ def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any
     t0 = time.time()
     tr = m.trainer
     man = topo.meta["manifest"]
-    if topo.world != tr.flat.shards:
+    if topo.layout.dp != tr.flat.shards:
         m.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
-    full, buffers, mismatched = load_full(man)  # (rows, numel), shards whose checksum does not match
+    full, buffers, mismatched = load_full(man)  # (rows, full numel), shards whose checksum does not match
     bad.extend(f"persistent shard {x} of step {r} does not match its checksum" for x in mismatched)
     flat, st = tr.flat, tr.state
     if full.shape[0] != tr.rows:
         raise RunAborted(f"the checkpoint of step {r} has {full.shape[0]} state rows, this run's optimizer "
                          f"needs {tr.rows}")
     padded = torch.zeros(tr.rows, flat.padded)
-    padded[:, : flat.numel] = full
+    padded[:, : flat.numel] = from_full(full, tr.segs, flat.numel)  # this rank's stage (any layout wrote it)
     flat.install(padded[0].to(flat.dtype), r)
     if buffers is not None:
         flat.set_buffers(buffers, save=True)
     half = st.staging()
     st.begin_write(half)
-    st.data[half].copy_(padded[:, flat.shard_slice(m.rank)])
+    st.data[half].copy_(padded[:, flat.shard_slice(topo.layout.dp_rank(m.rank))])
     st.commit(half, r, 0, (m.rank, topo.world))
     st.header[1 - half, H_VALID] = 0
     if m.repl is not None:
