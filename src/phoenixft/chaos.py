@@ -99,9 +99,10 @@ class Schedule:
 
 
 # ---------------------------------------------------------------------------------------------- survivability
-def _ring(nodes: int, replicas: int, racks: int) -> Topology:
+def _ring(nodes: int, replicas: int, racks: int, pp: int = 1) -> Topology:
+    """Node-level replica rings (with pipeline stages: one ring per stage's nodes)."""
     return Topology(epoch=0, nodes=[f"n{i}" for i in range(nodes)], workers_per_node=1, replicas=replicas,
-                    racks=racks, resume_step=0)
+                    racks=racks, resume_step=0, pp=pp)
 
 
 def _lost_shards(ring: Topology, lost: set[int]) -> list[int]:
@@ -116,7 +117,10 @@ def _persistent_ok(cfg: RunConfig, step: int, lost: int) -> bool:
 
 def unsurvivable_reason(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: int) -> str | None:
     """Why losing node slots `lost` at `step` cannot be survived by design (None: it can)."""
-    ring = _ring(cfg.nodes, cfg.replicas, cfg.racks)
+    if cfg.tp * cfg.pp > 1 and len(lost) > cfg.spares:
+        return (f"nodes {', '.join(str(x) for x in sorted(lost))} die together: a {cfg.tp}x{cfg.pp} (tp x pp) mesh "
+                f"cannot drop a node and has --spares {cfg.spares}")
+    ring = _ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp)
     gone = _lost_shards(ring, set(lost))
     if not gone or _persistent_ok(cfg, step, len(lost)):
         return None
@@ -185,7 +189,7 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
     first, last = _check(cfg, faults)
     rng = random.Random(f"phoenixft-chaos/{seed}")
     n, world = cfg.nodes, cfg.world
-    ring = _ring(n, cfg.replicas, cfg.racks)
+    ring = _ring(n, cfg.replicas, cfg.racks, cfg.pp)
     pairs = list(itertools.combinations(range(n), 2))
     notes: list[str] = []
 
