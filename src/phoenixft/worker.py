@@ -1,20 +1,20 @@
 """A training worker: one per accelerator (CPU + gloo here).
 
-Life of a worker: connect to the control-plane store, build the workload and its `Trainer`
-(flat parameters, optimizer shard, optimizer), announce itself, then wait for membership (an
-active node gets epoch 0; a spare waits, warm, until the coordinator promotes it). Each step the
-trainer computes (training.py) while the protection layer replicates the previous step
-(replication.py) and, every K steps, persists it (persist.py). Any `PeerFailure` sends the worker
-into the recovery protocol: it posts a descriptor of what it holds (recovery/planner.py), waits
-for the next epoch's plan, and carries it out (recovery/restore.py); training resumes at the
-recovery step. Run as `python -m phoenixft.worker` by the node agent (or forked by it).
+Life of a worker: connect to the control-plane store, build the workload and its `Trainer` for
+its (pp, tp) stage (flat parameters, optimizer shard, optimizer: training.py), announce itself,
+then wait for membership (an active node gets epoch 0; a spare waits, warm, until the coordinator
+promotes it). Each epoch's mesh layout and process groups come from the published topology
+(topology.py, parallel/layout.py, comm.py). Each step the trainer computes while the protection
+layer (protection.py) replicates the previous step and, every K steps, persists it. Any
+`PeerFailure` sends the worker into the recovery protocol: it posts a descriptor of what it holds
+(recovery/planner.py), waits for the next epoch's plan, and carries it out (recovery/restore.py);
+training resumes at the recovery step. Faults are injected by faultinject.py. Run as
+`python -m phoenixft.worker` by the node agent (or forked by it).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,16 +25,15 @@ from phoenixft import keys, shm
 from phoenixft.comm import EpochComm, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
+from phoenixft.faultinject import FaultInjector
 from phoenixft.faults import FaultSpec
 from phoenixft.invariants import check_invariants
 from phoenixft.parallel.layers import TPHandle
 from phoenixft.parallel.stage import StageSpec, WholeModel
-from phoenixft.persist import Persister
+from phoenixft.protection import Protection
 from phoenixft.recovery import restore
-from phoenixft.recovery.planner import Descriptor
-from phoenixft.replication import ReplicaPlan, Replicator
-from phoenixft.snapshot import INVALID, Holding
-from phoenixft.topology import Topology, shard_name
+from phoenixft.replication import Replicator
+from phoenixft.topology import Topology
 from phoenixft.training import Trainer
 from phoenixft.watcher import FailureWatcher
 from phoenixft.workload import WorkloadContext, load_workload
@@ -58,6 +57,7 @@ class Worker:
         self.trainer: Trainer = None  # type: ignore[assignment]  # built for this rank's stage (_build)
         self.stage_of: tuple[int, int] | None = None  # the (pp, tp) coordinate the trainer was built for
         self.shm: str | None = None
+        self.repl: Replicator | None = None  # the protection layer's replicator (Protection, below)
         world, gen = cfg.world, 0
         if incarnation > 0:  # restarted in place: the partition is the current epoch's, not the initial one
             cur = Topology.from_json(self.store.get(keys.topo(int(self.store.get(keys.EPOCH)))))
@@ -68,27 +68,15 @@ class Worker:
             self._build((0, 0))
             self._partition(world, gen)
         self.faults: list[FaultSpec] = cfg.faults
-        self.repl: Replicator | None = None
-        if self.protect:
-            self.repl = Replicator(
-                None,  # type: ignore[arg-type]  # the trainer's shard, set by _partition
-                holding_factory=lambda s: Holding(self.trainer.flat.shard_numel, self.shm and f"{self.shm}-hold{s}",
-                                                  rows=self.trainer.payload_rows),
-                chunk_numel=int(cfg.chunk_mb * (1 << 20) / 4),
-                abort_check=self._flag_check_factory(store_addr),
-                timeout_s=self._coll_timeout,
-                on_in_flight=lambda s: self._fault(s + 1, "replicate"),
-                after_commit=self._after_replication,
-            )
+        self.inject = FaultInjector(self)
+        self.protection = Protection(self, store_addr, self._coll_timeout)
+        self.repl, self.persister = self.protection.repl, self.protection.persister
         if self.repl is not None and self.trainer is not None:
             self.repl.state = self.trainer.state
         if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
             for f in shm.SHM_DIR.glob(shm.holding_glob(run_id, self.wid, gen)):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
                 self.repl.holding(shard)
-        pstore = connect_store(store_addr) if cfg.persist_every and self.protect else None
-        self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
-                                   fenced=lambda: bool(pstore.check([keys.fence(node_id)]))) if pstore else None
         self.comm: EpochComm | None = None
         self.topo: Topology | None = None
         self.epoch = -1
@@ -114,16 +102,16 @@ class Worker:
             tr = Trainer(cfg, self.wl, st, full_model=full.to("meta"))
         tr.watch(self.watcher.check)
         self.trainer, self.stage_of = tr, stage
-        if getattr(self, "repl", None) is not None:
-            self.repl.holdings = {}  # type: ignore[union-attr]
+        if self.repl is not None:
+            self.repl.holdings = {}
 
     def _partition(self, world: int, gen: int, step: int = 0) -> None:
         """Flat parameters and the own optimizer shard for a `world`-way mesh (generation `gen`): the
         stage's state is sharded over its data-parallel peers."""
         self.shm = shm.worker_base(self.run_id, self.wid, gen) if self.protect else None
         self.trainer.partition(world // (self.cfg.tp * self.cfg.pp), self.shm, step)
-        if getattr(self, "repl", None) is not None:
-            self.repl.state = self.trainer.state  # type: ignore[union-attr]
+        if self.repl is not None:
+            self.repl.state = self.trainer.state
 
     def repartition(self, world: int, gen: int, r: int) -> None:
         """Cut the flat state anew for a `world`-way partition (shrink, grow, persistent reload)."""
@@ -141,14 +129,6 @@ class Worker:
     def _coll_timeout(self) -> float:
         return max(60.0, 6 * self.cfg.failure_timeout)
 
-    def _flag_check_factory(self, store_addr: str) -> Any:
-        store = connect_store(store_addr)  # the replication thread's own client
-
-        def check() -> str | None:
-            return "recovery requested" if store.check([keys.failflag(self.epoch)]) else None
-
-        return check
-
     def _abort_reason(self) -> str | None:
         if self.store.check([keys.failflag(self.epoch)]):
             return "recovery requested by the control plane"
@@ -159,150 +139,9 @@ class Worker:
     def wait(self, work: Any, what: str) -> None:
         wait_work(work, what, self._abort_reason, self._coll_timeout)
 
-    def _event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: str, **fields: Any) -> None:
         rec = {"t": time.time(), "kind": kind, "wid": self.wid, **fields}
         self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
-
-    # ------------------------------------------------------------------ fault injection
-    def _fault(self, step: int, phase: str) -> None:
-        if self.topo is None:
-            return
-        slot = self.topo.slot_of(self.node_id)
-        for f in self.faults:
-            if (f.kind == "corrupt" and f.wait and f.phase != "transfer" and f.step == step + 1
-                    and phase == "forward" and self.rank == 0):
-                # a gated corruption at rest hits the replication of this step: hold this step instead
-                if not self.store.check([keys.fault(f.index) + "/fired"]):
-                    self._wait_whole(f)
-                continue
-            if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
-                continue
-            if f.coordinator:
-                hit = self.rank == 0
-            elif f.kind == "crash":
-                hit = self.rank == f.rank
-            elif f.rack is not None:
-                hit = self.topo.rack_of(slot) == f.rack
-            else:
-                hit = slot in f.nodes
-            # `,wait=S`: rank 0 holds the step too (the target may be a slot the job lost, back after the
-            # grow this waits for); a fault that already fired holds nothing when its step is replayed
-            if f.wait and (hit or self.rank == 0) and not self.store.check([keys.fault(f.index) + "/fired"]):
-                self._wait_whole(f)
-            if hit:
-                self._fire(f, step=step, phase=phase)
-
-    def _fire(self, f: FaultSpec, **where: Any) -> None:
-        """Claim fault f for this node (once per run), record it, then act with a real signal."""
-        assert self.topo is not None
-        slot = self.topo.slot_of(self.node_id)
-        if self.store.add(keys.fault_claim(f.index, slot), 1) != 1:
-            return
-        self._together(f)
-        rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
-               "node": self.node_id, "slot": slot, "rank": self.rank, "epoch": self.epoch, **where}
-        if self.store.add(keys.fault(f.index) + "/fired", 1) == 1:
-            self.store.set(keys.fault(f.index), json.dumps(rec))
-        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
-        if f.coordinator:
-            self._kill_coordinator()
-        elif f.kind == "kill":
-            os.killpg(os.getpgid(0), signal.SIGKILL)
-        elif f.kind == "hang":
-            os.killpg(os.getpgid(0), signal.SIGSTOP)
-        elif f.kind == "crash":
-            os._exit(17)
-
-    def _together(self, f: FaultSpec, timeout_s: float = 10.0) -> None:
-        """A fault on several nodes (`node=I,J`, `rack=A`) strikes them in the same instant: the first
-        to arrive waits (bounded) for the others, which are in the same step, before any dies, so no
-        survivor notices the first death and leaves the step before the others are hit."""
-        assert self.topo is not None
-        n = len(self.topo.nodes)
-        if f.rack is not None:
-            targets = [s for s in range(n) if self.topo.rack_of(s) == f.rack]
-        else:
-            targets = [s for s in f.nodes if s < n]
-        if len(targets) < 2:
-            return
-        key = keys.fault(f.index) + "/together"
-        arrived = self.store.add(key, 1)
-        deadline = time.monotonic() + timeout_s
-        while arrived < len(targets) and time.monotonic() < deadline:
-            time.sleep(0.002)
-            arrived = self.store.add(key, 0)
-
-    def _wait_whole(self, f: FaultSpec) -> None:
-        """`,wait=S`: hold this step (the peers wait at their next collective) until the job is whole."""
-        deadline = time.monotonic() + f.wait
-        while not self.store.check([keys.JOB_WHOLE]) and time.monotonic() < deadline:
-            self.watcher.check()  # a recovery (the grow this waits for) takes the step over
-            time.sleep(0.05)
-
-    def _kill_coordinator(self, timeout_s: float = 60.0) -> None:
-        """SIGKILL the coordinator that runs now: one restarted after an earlier kill may still be
-        starting (it publishes its pid when it is up), so wait for a live pid, bounded."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if self.store.check([keys.COORDINATOR_PID]):  # the launcher clears it when a coordinator exits
-                    os.kill(int(self.store.get(keys.COORDINATOR_PID)), signal.SIGKILL)
-                    return
-            except ProcessLookupError:
-                pass
-            time.sleep(0.05)
-
-    def recovery_faults(self, topo: Topology) -> None:
-        """kill:node=I@recovery=N and kill:...,phase=recovery fire here, mid state transfer."""
-        slot = topo.slot_of(self.node_id)
-        for f in self.faults:
-            if f.kind != "kill" or slot not in f.nodes:
-                continue
-            if f.recovery == topo.epoch or (f.phase == "recovery" and f.step is not None
-                                            and topo.resume_step >= f.step - 1):
-                self._fire(f, recovery=topo.epoch)
-
-    def corrupts_transfers(self, topo: Topology) -> bool:
-        slot = topo.slot_of(self.node_id)
-        return any(f.kind == "corrupt" and f.phase == "transfer" and slot in f.nodes and f.step is not None
-                   and topo.resume_step >= f.step - 1 for f in self.faults)
-
-    def _nan_fault(self, step: int) -> bool:
-        return self.rank == 0 and any(f.kind == "nan" and f.step == step for f in self.faults)
-
-    def _after_replication(self, step: int, received: dict[int, Holding]) -> None:
-        """Runs on the replication thread once step's replicas committed; the committed half of
-        `step` cannot change before this returns, so the persistent tier stages it here."""
-        if self.topo is None:
-            return
-        tr = self.trainer
-        if self.persister is not None and self.persister.due(step):
-            half = tr.state.half_with(step)
-            if half is not None:
-                lay = self.topo.layout
-                meta: dict[str, Any] = {
-                    "rank": self.rank, "shards": self.topo.world, "numel": tr.flat.numel,
-                    "shard_numel": tr.flat.shard_numel, "epoch": self.epoch, "seed": self.cfg.seed,
-                    "buffer_bytes": tr.flat.buffer_bytes if lay.trivial else 0, "tp": lay.tp, "pp": lay.pp,
-                    "config": json.loads(self.cfg.to_json()), "full_numel": tr.full_numel}
-                if not lay.trivial and lay.dp_rank(self.rank) == 0:  # the stage's map onto the full model
-                    meta["segments"] = torch.tensor(tr.segs, dtype=torch.int64).reshape(-1)
-                self.persister.stage(step, tr.state.data[half], meta,
-                                     buffers=tr.flat.buffers_at(step) if self.rank == 0 and lay.trivial else None)
-        self._maybe_corrupt(step, received)
-
-    def _maybe_corrupt(self, step: int, received: dict[int, Holding]) -> None:
-        if self.topo is None:
-            return
-        for f in self.faults:
-            if (f.kind == "corrupt" and f.phase != "transfer" and f.step == step + 1
-                    and f.node == self.topo.slot_of(self.node_id)):
-                for shard, h in received.items():
-                    half = h.half_with(step)
-                    if half is not None:
-                        h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
-                        self._event("corrupted_replica", shard=shard, step=step, spec=f.text)
-                        self.store.add(keys.fault(f.index) + "/fired", 1)
 
     # ------------------------------------------------------------------ training
     def train_step(self, s: int) -> None:
@@ -313,7 +152,7 @@ class Worker:
             s, self.comm, self.rank, self.topo.layout,
             self.topo.microbatches(self.rank, self.cfg.total_microbatches),
             self.wait, before_reduce=lambda: repl.wait(s - 1) if repl is not None else 0.0,
-            fault=lambda phase: self._fault(s, phase), nan=self._nan_fault(s))
+            fault=lambda phase: self.inject.at(s, phase), nan=self.inject.nan_at(s))
         if repl is not None:
             repl.start(s)
         if self.rank == 0:
@@ -385,34 +224,6 @@ class Worker:
         if self.store.check([keys.fence(self.node_id)]):
             raise RunAborted(f"{self.node_id} was fenced: it is not a member any more and writes nothing")
 
-    def _descriptor(self, err: str, t_err: float) -> Descriptor:
-        """What this worker holds, for the planner: parameter steps, own shard and replicas with checksums."""
-        tr = self.trainer
-        d = Descriptor(wid=self.wid, t=t_err, error=err[:300], bad_sources=list(self.bad_sources))
-        if tr is None:  # a 3D spare that was never promoted holds nothing
-            return d
-        tp, pp = self.cfg.tp, self.cfg.pp
-        d.params = tr.steps_held()
-        d.stage = f"pp{self.stage_of[0]}.tp{self.stage_of[1]}" if self.stage_of else ""
-        for x in (0, 1):
-            st = tr.state.step_of(x)
-            idx, count = tr.state.shard_of(x)
-            if st != INVALID and count > 0:
-                d.own.setdefault(shard_name(idx, count, tp, pp), {})[st] = tr.state.known_crc(x)
-        if self.repl is not None:
-            for shard, h in self.repl.holdings.items():
-                for x in (0, 1):
-                    st = h.step_of(x)
-                    if st == INVALID:
-                        continue
-                    idx, count = h.shard_of(x)
-                    name = shard_name(idx if count else shard, count or tr.flat.shards * tp * pp, tp, pp)
-                    if h.verify(x):
-                        d.holdings.setdefault(name, {})[st] = h.crc_of(x)
-                    else:
-                        d.rejected.append((name, st))
-        return d
-
     def recover(self, err: str) -> int:
         e = self.epoch
         t_err = time.time()
@@ -421,12 +232,12 @@ class Worker:
         self.store.set(keys.failflag(e), "1")
         if "requested by the control plane" not in err:
             self.store.set(keys.failflag(e) + "/by-worker", "1")
-        self._event("failure_detected", epoch=e, error=err[:300], rank=self.rank)
+        self.event("failure_detected", epoch=e, error=err[:300], rank=self.rank)
         if self.repl is not None:
             self.repl.abort()
         if self.comm is not None:
             self.comm.retire()
-        desc = self._descriptor(err, t_err)
+        desc = self.protection.descriptor(err, t_err)
         self.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         self.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
         topo = Topology.from_json(self._wait_key(keys.topo(e + 1), 3 * self.cfg.failure_timeout + 60.0))
@@ -472,11 +283,7 @@ class Worker:
             tr.init_shard(lay.dp_rank(self.rank), self.rank, topo.world)
         else:
             restore.restore_in_place(self, topo, r, timings, bad)
-        if self.repl is not None:
-            self.repl.configure(self.comm, ReplicaPlan(shard=self.rank, send_to=topo.holders(self.rank),
-                                                       recv_from=[(x, x) for x in topo.sources(self.rank)]))
-            for h in self.repl.holdings.values():
-                h.invalidate_after(r)
+        self.protection.configure(topo, self.rank, r)
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
         inv, detail = check_invariants(self.comm.train, topo, self.rank, r, tr.flat.step, tr.state.steps(), held,
@@ -511,7 +318,7 @@ class Worker:
             msg = (f"{why}; the run stops rather than train on a state it cannot vouch for" if ours
                    else f"{why}; not ours to heal, stopped at the last committed step {last}")
             self.store.set(keys.RUN_ERROR, msg)
-            self._event("run_failed", error=why, last_committed=last)
+            self.event("run_failed", error=why, last_committed=last)
             self.store.set(keys.RUN_STATE, "failed")
 
     def run(self) -> int:
@@ -547,10 +354,7 @@ class Worker:
             return 3
         finally:
             self.watcher.close()
-            if self.repl is not None:
-                self.repl.close()
-            if self.persister is not None:
-                self.persister.close()
+            self.protection.close()
 
 
 def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,

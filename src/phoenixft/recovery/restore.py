@@ -94,13 +94,13 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
         if t["param_src"] >= 0:
             tr.flat.install(got[t["param_src"]], r)
     t2 = time.time()
-    m.recovery_faults(topo)
+    m.inject.in_recovery(topo)
     # 2. optimizer shard from a verified copy
     sends = {}
     for t in topo.transfers:
         if t["opt_src"] == me:
             payload = copy_of(m, t["shard"], w, r)
-            if m.corrupts_transfers(topo):  # fault injection: corruption in flight
+            if m.inject.corrupts_transfers(topo):  # fault injection: corruption in flight
                 payload = payload.clone()
                 payload.view(-1)[:: max(1, payload.numel() // 7)] += 1.0
             sends[t["dst"]] = payload

@@ -1,0 +1,153 @@
+"""Deterministic fault injection inside the workers: real signals at named steps and phases.
+
+The `--inject` specs (faults.py) fire here, on the rank they name, at the step and phase they
+name: `at(step, phase)` is called by the training step at forward, backward, optimizer and (from
+the replication thread) replicate; `in_recovery(topo)` in the middle of a recovery's transfers;
+`nan_at(step)` poisons a loss; `corrupt_replicas` flips bits of a received replica at rest, and
+`corrupts_transfers` corrupts a copy in flight. A fault is claimed once per run through the store,
+recorded as an event, then carried out with a real SIGKILL / SIGSTOP / exit of the node's process
+group, or of the coordinator. `,wait=S` holds the step until the job is whole (its spares warm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from phoenixft import keys
+from phoenixft.faults import FaultSpec
+from phoenixft.snapshot import Holding
+from phoenixft.topology import Topology
+
+if TYPE_CHECKING:
+    from phoenixft.worker import Worker
+
+__all__ = ["FaultInjector"]
+
+
+class FaultInjector:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+
+    def at(self, step: int, phase: str) -> None:
+        if self.w.topo is None:
+            return
+        slot = self.w.topo.slot_of(self.w.node_id)
+        for f in self.w.faults:
+            if (f.kind == "corrupt" and f.wait and f.phase != "transfer" and f.step == step + 1
+                    and phase == "forward" and self.w.rank == 0):
+                # a gated corruption at rest hits the replication of this step: hold this step instead
+                if not self.w.store.check([keys.fault(f.index) + "/fired"]):
+                    self._wait_whole(f)
+                continue
+            if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
+                continue
+            if f.coordinator:
+                hit = self.w.rank == 0
+            elif f.kind == "crash":
+                hit = self.w.rank == f.rank
+            elif f.rack is not None:
+                hit = self.w.topo.rack_of(slot) == f.rack
+            else:
+                hit = slot in f.nodes
+            # `,wait=S`: rank 0 holds the step too (the target may be a slot the job lost, back after the
+            # grow this waits for); a fault that already fired holds nothing when its step is replayed
+            if f.wait and (hit or self.w.rank == 0) and not self.w.store.check([keys.fault(f.index) + "/fired"]):
+                self._wait_whole(f)
+            if hit:
+                self.fire(f, step=step, phase=phase)
+
+    def fire(self, f: FaultSpec, **where: Any) -> None:
+        """Claim fault f for this node (once per run), record it, then act with a real signal."""
+        assert self.w.topo is not None
+        slot = self.w.topo.slot_of(self.w.node_id)
+        if self.w.store.add(keys.fault_claim(f.index, slot), 1) != 1:
+            return
+        self._together(f)
+        rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
+               "node": self.w.node_id, "slot": slot, "rank": self.w.rank, "epoch": self.w.epoch, **where}
+        if self.w.store.add(keys.fault(f.index) + "/fired", 1) == 1:
+            self.w.store.set(keys.fault(f.index), json.dumps(rec))
+        self.w.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+        if f.coordinator:
+            self._kill_coordinator()
+        elif f.kind == "kill":
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif f.kind == "hang":
+            os.killpg(os.getpgid(0), signal.SIGSTOP)
+        elif f.kind == "crash":
+            os._exit(17)
+
+    def _together(self, f: FaultSpec, timeout_s: float = 10.0) -> None:
+        """A fault on several nodes (`node=I,J`, `rack=A`) strikes them in the same instant: the first
+        to arrive waits (bounded) for the others, which are in the same step, before any dies, so no
+        survivor notices the first death and leaves the step before the others are hit."""
+        assert self.w.topo is not None
+        n = len(self.w.topo.nodes)
+        if f.rack is not None:
+            targets = [s for s in range(n) if self.w.topo.rack_of(s) == f.rack]
+        else:
+            targets = [s for s in f.nodes if s < n]
+        if len(targets) < 2:
+            return
+        key = keys.fault(f.index) + "/together"
+        arrived = self.w.store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while arrived < len(targets) and time.monotonic() < deadline:
+            time.sleep(0.002)
+            arrived = self.w.store.add(key, 0)
+
+    def _wait_whole(self, f: FaultSpec) -> None:
+        """`,wait=S`: hold this step (the peers wait at their next collective) until the job is whole."""
+        deadline = time.monotonic() + f.wait
+        while not self.w.store.check([keys.JOB_WHOLE]) and time.monotonic() < deadline:
+            self.w.watcher.check()  # a recovery (the grow this waits for) takes the step over
+            time.sleep(0.05)
+
+    def _kill_coordinator(self, timeout_s: float = 60.0) -> None:
+        """SIGKILL the coordinator that runs now: one restarted after an earlier kill may still be
+        starting (it publishes its pid when it is up), so wait for a live pid, bounded."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.w.store.check([keys.COORDINATOR_PID]):  # the launcher clears it when a coordinator exits
+                    os.kill(int(self.w.store.get(keys.COORDINATOR_PID)), signal.SIGKILL)
+                    return
+            except ProcessLookupError:
+                pass
+            time.sleep(0.05)
+
+    def in_recovery(self, topo: Topology) -> None:
+        """kill:node=I@recovery=N and kill:...,phase=recovery fire here, mid state transfer."""
+        slot = topo.slot_of(self.w.node_id)
+        for f in self.w.faults:
+            if f.kind != "kill" or slot not in f.nodes:
+                continue
+            if f.recovery == topo.epoch or (f.phase == "recovery" and f.step is not None
+                                            and topo.resume_step >= f.step - 1):
+                self.fire(f, recovery=topo.epoch)
+
+    def corrupts_transfers(self, topo: Topology) -> bool:
+        slot = topo.slot_of(self.w.node_id)
+        return any(f.kind == "corrupt" and f.phase == "transfer" and slot in f.nodes and f.step is not None
+                   and topo.resume_step >= f.step - 1 for f in self.w.faults)
+
+    def nan_at(self, step: int) -> bool:
+        return self.w.rank == 0 and any(f.kind == "nan" and f.step == step for f in self.w.faults)
+
+    def corrupt_replicas(self, step: int, received: dict[int, Holding]) -> None:
+        if self.w.topo is None:
+            return
+        for f in self.w.faults:
+            if (f.kind == "corrupt" and f.phase != "transfer" and f.step == step + 1
+                    and f.node == self.w.topo.slot_of(self.w.node_id)):
+                for shard, h in received.items():
+                    half = h.half_with(step)
+                    if half is not None:
+                        h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
+                        self.w.event("corrupted_replica", shard=shard, step=step, spec=f.text)
+                        self.w.store.add(keys.fault(f.index) + "/fired", 1)
+
