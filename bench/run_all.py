@@ -31,7 +31,7 @@ from typing import Any
 
 from benchlib import RESULTS, log, machine_info, write_json
 
-PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane")
+PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane", "mesh")
 QUICK_BUDGET_S = 180.0
 
 
@@ -48,7 +48,7 @@ def _g(d: dict[str, Any] | None, *path: Any) -> Any:
 
 
 def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str, Any]) -> dict[str, Any]:
-    ov, rc, tf, sc, rp, cp = (parts.get(k) or {} for k in PARTS)
+    ov, rc, tf, sc, rp, cp, ms = (parts.get(k) or {} for k in PARTS)
     c2 = next((c for c in ov.get("configs", []) if c["dp"] == 2), None)
     c4 = next((c for c in ov.get("configs", []) if c["dp"] == 4), None)
     calib_model = "tiny"
@@ -56,6 +56,8 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         "mode": "quick" if quick else "full",
         "machine": machine,
         "overhead_ratio_dp2": ov.get("overhead_ratio_dp2"),
+        "mesh_step_ratio_3d_vs_dp": ms.get("step_time_ratio_3d_vs_dp"),
+        "mesh_recovery_s": {k: _g(ms, "hotswap", k, "recovery_s") for k in ("dp", "3d")} if ms else None,
         "overhead_model": ov.get("model"),
         "overhead_ratio_dp2_ci95": _g(c2, "ci95", "phoenix_r1"),
         "overhead_ratio_dp4_r1": _g(c4, "ratios", "phoenix_r1"),
@@ -328,6 +330,10 @@ def main() -> int:
                 import control_plane
 
                 parts[name] = control_plane.run(a.quick, out=out)
+            elif name == "mesh":
+                import mesh
+
+                parts[name] = mesh.run(a.quick, out=out)
         except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
             traceback.print_exc()
             parts[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
