@@ -168,3 +168,14 @@ def test_3d_checkpoint_resumes_bitwise_on_its_layout(tmp_path: Path, reference) 
     run(tmp_path / "a", **{**MESH, "steps": 10}, spares=0, persist_every=5, persist_dir=persist)
     again = run(tmp_path / "b", **MESH, spares=0, resume=persist)
     assert again["final_state_sha256"] == reference(**MESH)["final_state_sha256"]
+
+
+def test_3d_without_spares_waits_for_the_repaired_node(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """A mesh cannot drop a node: with no spare ready it waits for the lost node to come back repaired
+    (`--repair-after`) and hot-swaps it in, instead of losing the run."""
+    ref = reference(**MESH)
+    rep = run(tmp_path, **MESH, spares=0, repair_after=1.0, inject=["kill:node=2@step=7,phase=backward"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["promoted"] and all(rec["invariants"].values()), rec

@@ -334,9 +334,22 @@ class Coordinator:
         grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
         man = latest_manifest(self.cfg.persist_dir) if self.cfg.persist_dir else None
-        plan = plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
-                                       target_nodes=self.cfg.nodes, replicas=self.cfg.replicas, racks=self.cfg.racks,
-                                       manifest=man, grow_only=grow_only))
+
+        def decide() -> Any:
+            return plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
+                                           target_nodes=self.cfg.nodes, replicas=self.cfg.replicas,
+                                           racks=self.cfg.racks, manifest=man, grow_only=grow_only))
+
+        plan = decide()
+        if not plan.ok and old.tp * old.pp > 1 and self.cfg.repair_after > 0 and len(dead) > len(pool):
+            # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares
+            self._event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
+            deadline = time.monotonic() + self.cfg.repair_after + 2 * self.cfg.failure_timeout + 30.0
+            while len(pool) < len(dead) and time.monotonic() < deadline:
+                time.sleep(0.1)
+                self._refresh_pool()
+                pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
+            plan = decide()
         if not plan.ok or plan.topo is None:
             self._fail_run(f"{plan.error} (epoch {e})")
             return
