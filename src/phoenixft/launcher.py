@@ -60,6 +60,7 @@ class LocalJob:
         self._reapers: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
         self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
+        self.stopped_starting: list[str] = []  # agents stopped before they reached the control plane
         self._owner = False
         # --repair-after: a lost node comes back as a fresh spare (ids past the configured ones)
         self.repair = RepairQueue(cfg.repair_after, cfg.spares + (1 if cfg.spare_arrives_at_step else 0))
@@ -231,6 +232,13 @@ class LocalJob:
                                                        "node": spare, "replaces": lost}) + "\n")
 
     # ------------------------------------------------------------------ teardown
+    def _never_up(self, node: str) -> bool:
+        """The node's agent never reached the control plane (no heartbeat): it was still starting."""
+        try:
+            return self.store is not None and not self.store.check([keys.heartbeat(node)])
+        except Exception:  # noqa: BLE001 - no store: nothing can tell
+            return False
+
     def teardown(self) -> None:
         """Stop every process this job started and free its memory; safe to call more than once.
 
@@ -255,6 +263,9 @@ class LocalJob:
             if p.poll() is None:
                 members = group_members(p.pid)
                 self._kill_group(n)
+                if self._never_up(n):  # a (repaired) spare still starting: it could not yet see the run end
+                    self.stopped_starting.append(n)
+                    continue
                 self.leaks["killed"].append({"node": n, "pids": members, "why": "still running after the run ended"})
         for p in self.agents.values():
             try:
@@ -327,6 +338,7 @@ def run_job(cfg: RunConfig, display: Display | None = None) -> dict[str, Any]:
     if not report:
         report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}
     report["teardown"] = job.leaks
+    report["teardown_stopped_while_starting"] = job.stopped_starting
     (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
     if cfg.report:
         Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)
