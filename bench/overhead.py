@@ -129,6 +129,8 @@ def run(
         waits: dict[str, list[float]] = {n: [] for n in names}
         jobs: dict[str, list[float]] = {n: [] for n in names}
         job_bytes: dict[str, list[int]] = {n: [] for n in names}
+        protect_cpu: dict[str, list[float]] = {n: [] for n in names}
+        protect_bytes: dict[str, list[float]] = {n: [] for n in names}
         n_rounds = rounds if dp == 2 else max(1, rounds - 1)  # DP>2 runs are slower on 2 cores
         n_steps = steps if dp == 2 or quick else max(DROP + 4, steps - 4)
         for r in range(n_rounds):
@@ -157,6 +159,8 @@ def run(
                 waits[name] += [m["repl_wait_s"] for m in st]
                 jobs[name] += [j["seconds"] for j in rep["repl_jobs"] if j["step"] > DROP]
                 job_bytes[name] += [j["bytes"] for j in rep["repl_jobs"]]
+                protect_cpu[name] += [m["protect_cpu_s"] for m in st if m.get("protect_cpu_s") is not None]
+                protect_bytes[name] += [m["protect_bytes"] for m in st if m.get("protect_bytes") is not None]
             if ddp and dp == ddp_dp and r < ddp_rounds:
                 log(f"overhead: DP={dp} DDP + DCP baseline round {r + 1}/{rounds}")
                 recs = ddp_round(work / f"ddp-{r}", model, dp, seg, 300.0)
@@ -204,6 +208,10 @@ def run(
                 "replicated_per_worker": 2 * shard * 4 * k,  # exp_avg + exp_avg_sq to k peers
                 "replicated_total": 2 * shard * 4 * k * dp,
                 "replicated_per_worker_measured": (max(job_bytes[n]) if job_bytes[n] else None),
+                # as metrics.jsonl reports them (rank 0, the previous step's replication): bytes sent and
+                # received, and CPU seconds of the replication thread
+                "protect_bytes_per_step": median(protect_bytes[n]),
+                "protect_cpu_s_per_step": median(protect_cpu[n]),
             }
         cfg["breakdown"]["none"] = {"step_s": base, "compute_s": median(compute["none"])}
         configs.append(cfg)

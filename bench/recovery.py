@@ -239,6 +239,11 @@ def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS) -
         "phoenix_hotswap_s": median([e["hotswap_s"] for e in head_ph]),
         "phoenix_step_time_s": median([e["step_time_s"] for e in head_ph if e["step_time_s"]]),
         "phoenix_steps_replayed": max(e["steps_replayed"] for e in head_ph),
+        "phoenix_decide_s": median([e["stages"]["decide_s"] for e in head_ph
+                                    if e["stages"].get("decide_s") is not None]),
+        "phoenix_bytes_moved": median([e["bytes_moved"] for e in head_ph if e.get("bytes_moved")]),
+        "phoenix_transfer_s": median([(e["stages"].get("restore_params_s") or 0)
+                                      + (e["stages"].get("restore_optimizer_s") or 0) for e in head_ph]),
     }
     for k in (10, 50):
         e = next(c for c in cr if c["model"] == model and c["world_size"] == 2 and c["k"] == k)

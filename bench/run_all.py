@@ -57,6 +57,16 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         "machine": machine,
         "overhead_ratio_dp2": ov.get("overhead_ratio_dp2"),
         "mesh_step_ratio_3d_vs_dp": ms.get("step_time_ratio_3d_vs_dp"),
+        # issue 14's keys (None where this mode did not measure them: the `small` headline needs a full run)
+        "phoenix_resume_s_small_dp2": _g(rc, "headline", "phoenix_time_to_resume_s")
+        if _g(rc, "headline", "model") == "small" else None,
+        "decide_s_small_dp2": _g(rc, "headline", "phoenix_decide_s")
+        if _g(rc, "headline", "model") == "small" else None,
+        "protect_bytes_per_step": _g(c2, "bytes_per_step", "phoenix_r1", "protect_bytes_per_step"),
+        "protect_cpu_s_per_step": _g(c2, "bytes_per_step", "phoenix_r1", "protect_cpu_s_per_step"),
+        "recovery_transfer_gbps": ((_g(rc, "headline", "phoenix_bytes_moved") or 0)
+                                   / (_g(rc, "headline", "phoenix_transfer_s") or 1) / 1e9) or None,
+        "recovery_transfer_model": _g(rc, "headline", "model"),
         "mesh_recovery_s": {k: _g(ms, "hotswap", k, "recovery_s") for k in ("dp", "3d")} if ms else None,
         "overhead_model": ov.get("model"),
         "overhead_ratio_dp2_ci95": _g(c2, "ci95", "phoenix_r1"),
