@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import Hosts, unavailable
+from netns import Hosts, namespaces, sweep_orphans, unavailable
 
 from phoenixft import shm
 
@@ -182,3 +183,70 @@ def _store_alive(store: Any) -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+_HARNESS = """
+import json, sys, time
+from netns import Hosts
+with Hosts(["a", "b"]) as H:
+    p = H.run("a", ["sleep", "300"])
+    open(sys.argv[1], "w").write(json.dumps({"tag": H.tag, "pid": p.pid}))
+    if sys.argv[2] == "fail":
+        assert False, "a deliberately failing test"
+    time.sleep(120)
+"""
+
+def _started(info: Path, p: subprocess.Popen[str], timeout_s: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while not (info.exists() and info.read_text()):
+        assert p.poll() is None or info.exists(), p.communicate()[0] if p.stdout else p.returncode
+        assert time.monotonic() < deadline, "the harness did not start"
+        time.sleep(0.05)
+    out: dict[str, Any] = json.loads(info.read_text())
+    return out
+
+
+def _gone(tag: str, pid: int) -> bool:
+    alive = Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+    return not [n for n in namespaces() if n.startswith(tag)] and not alive
+
+
+def test_namespaces_and_links_are_removed_after_a_failed_or_interrupted_test(tmp_path: Path) -> None:
+    """A test that fails, one interrupted with Ctrl-C (SIGINT), and one SIGKILLed (its namespaces are
+    removed by the next harness that starts): afterwards no namespace, link or process of theirs is left."""
+    env = _env(None)
+    links_before = _root_links()
+    # 1. a failing pytest test that built hosts and started a process in one
+    harness = tmp_path / "harness.py"
+    harness.write_text(_HARNESS)
+    test_file = tmp_path / "test_deliberately_failing.py"
+    info = tmp_path / "failing.json"
+    test_file.write_text(
+        "import subprocess, sys\n"
+        "def test_fails():\n"
+        f"    sys.argv = ['harness', {str(info)!r}, 'fail']\n"
+        f"    exec(compile(open({str(harness)!r}).read(), 'harness', 'exec'), {{'__name__': 'harness'}})\n")
+    p = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 1 and "a deliberately failing test" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    started = json.loads(info.read_text())
+    assert _gone(started["tag"], started["pid"]), "a failed test left namespaces or processes behind"
+    # 2. Ctrl-C in the middle of a test, 3. SIGKILL (the next harness sweeps what it left)
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        info = tmp_path / f"{int(sig)}.json"
+        h = subprocess.Popen([PY, str(harness), str(info), "wait"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=env)
+        started = _started(info, h)
+        assert [n for n in namespaces() if n.startswith(started["tag"])], "the harness built nothing"
+        h.send_signal(sig)
+        h.communicate(timeout=60)
+        if sig == signal.SIGKILL:
+            assert [n for n in namespaces() if n.startswith(started["tag"])], "nothing was left to sweep"
+            assert started["tag"] + "-a" in sweep_orphans()
+        assert _gone(started["tag"], started["pid"]), f"{sig!r} left namespaces or processes behind"
+    assert _root_links() - links_before == set(), "a link appeared in the machine's own namespace"
+
+
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=20).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
