@@ -115,12 +115,12 @@ def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, refer
                        log="x1-wrong.log")
         store = _wait("the store", lambda: _try_connect(H), 60, head, log)
         # the kill: the spare is promoted; the killed host returns as a spare (as a repaired node would)
-        rec1 = json.loads(_wait("recovery 1", lambda: _get(store, "recovery/1"), 180, head, log))
-        members = json.loads(_get(store, "members") or b"{}")
-        (killed,) = rec1["dead"]
-        assert rec1["promoted"] == ["s0"] and rec1["action"] == "hotswap", rec1
-        killed_host = members[killed]["name"]
+        killed = json.loads(_wait("the kill", lambda: _get(store, "fault/0"), 180, head, log))["node"]
+        killed_host = json.loads(_get(store, "members") or b"{}")[killed]["name"]
+        _wait("the killed host's processes to die", lambda: not H.pids(killed_host), 30, head, log)
         _agent(H, tmp_path, killed_host, token, "--node", f"{killed_host}-back", "--spare", log="back.log")
+        rec1 = json.loads(_wait("recovery 1", lambda: _get(store, "recovery/1"), 180, head, log))
+        assert rec1["dead"] == [killed] and rec1["promoted"] == ["s0"] and rec1["action"] == "hotswap", rec1
         # the partition: wait for its fence, then for the healed host to stop by itself
         fault = json.loads(_wait("the partition", lambda: _get(store, "fault/1"), 180, head, log))
         victim = fault["node"]

@@ -15,8 +15,9 @@ from phoenixft.config import add_run_arguments, config_from_args
 
 __all__ = ["add_parser", "coordinator"]
 
-# the head starts no agent: these run flags make no sense here (check_mode says why if given)
-_LOCAL_ONLY = ("repair_after", "spare_arrives_at_step", "fence_kill", "threads")
+# the head starts and kills no agent: these run flags mean nothing here (--repair-after and
+# --spare-arrives-at-step stay, so that check_mode can say why they are refused)
+_LOCAL_ONLY = ("fence_kill", "threads")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
