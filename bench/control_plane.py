@@ -7,7 +7,8 @@
 For each W: a real TCPStore served in this process (127.0.0.1, free port), the REAL coordinator in
 its own process (`python -m phoenixft.coordinator --store ...`, own session, killed in a
 `finally`), W/G active nodes and one spare node of G workers each. Every node's agent is a thread
-that heartbeats `hb/<node>` every 0.25 s and checks its fence, as `phoenixft.agent` does; every
+that first gets itself admitted (the job token's HMAC challenge-response, `phoenixft.auth`), then
+heartbeats `hb/<node>` every 0.25 s and checks its fence, as `phoenixft.agent` does; every
 worker is a thread with its own store client that does what `phoenixft.worker` does on the store:
 `ready/<wid>`, wait for the topology of epoch 0 (a spare: for `assign/s0`, then its topology),
 wait for the failure flag (as the `FailureWatcher`: a server-side `wait`), then the store calls of
@@ -60,7 +61,7 @@ if str(SRC) not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 
-from phoenixft import keys  # noqa: E402
+from phoenixft import auth, keys  # noqa: E402
 from phoenixft.config import RunConfig  # noqa: E402
 from phoenixft.recovery.planner import Descriptor  # noqa: E402
 from phoenixft.topology import Topology, shard_name  # noqa: E402
@@ -132,6 +133,8 @@ def _agent(addr: str, node: str, sh: Shared, deadline: float) -> None:
     killed (the harness reports that as the launcher does, with `exit/<node>`)."""
     try:
         c = _connect(addr, sh)
+        req = {"name": node, "spare": node.startswith("s"), "workers": G, "host": "127.0.0.1", "pid": os.getpid()}
+        auth.request_admission(c, req, os.environ[auth.TOKEN_ENV], max(1.0, deadline - time.monotonic()), addr)
         while not sh.stop.is_set() and time.monotonic() < deadline:
             if c.check([keys.fence(node)]) or c.check([keys.node_exit(node)]):
                 return
@@ -247,9 +250,11 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0) -> dict[str, A
     cfg = RunConfig(nodes=n_nodes, workers_per_node=G, spares=1, protect="phoenix", replicas=1,
                     failure_timeout=failure_timeout, quiet=True)
     store.set(keys.CONFIG, cfg.to_json())
+    store.set(keys.RUN_ID, f"cp{w}")
     sh = Shared()
     coord_log = workdir / f"coordinator-w{w}.log"
-    env = {"PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {"PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           auth.TOKEN_ENV: auth.generate_token()}  # the coordinator signs with it, the agents prove it
     nodes = [f"n{i}" for i in range(n_nodes)] + ["s0"]
     coord = spawn([sys.executable, "-m", "phoenixft.coordinator", "--store", addr], coord_log, env=env)
     agents = None

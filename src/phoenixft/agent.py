@@ -13,7 +13,20 @@ SIGTERM), or after losing the control plane for `--control-plane-timeout` second
 workers, waits for them, and unlinks the node's segments. A worker that dies while the agent
 lives is restarted in place and finds the segments it left.
 
-Run as `phoenixft agent --store HOST:PORT --node ID` (the launcher does this for local runs).
+Joining: the agent proves to the coordinator that it holds the job token (HMAC challenge-response,
+`phoenixft.auth`) before it is admitted; the coordinator names its node id (`n<i>` for an active
+slot, `s<k>` for a spare; a `--node` that already has that form is asked for as is) and the run id.
+Only then does it fork its workers, with the token in their environment (they verify the signature
+of every topology) and this host's address (`PHOENIXFT_BIND`: their gloo groups listen on it).
+
+Across hosts the agent is also where a host's own faults live: a `partition:` fault for its slot
+is fired here (`phoenixft.partition`), and when it comes back from a partition it finds itself
+fenced (the coordinator declared it dead meanwhile) and stops the node without writing. A store
+call that failed or timed out is never retried on the same connection (a late answer could be read
+as the answer to the next call): the agent reconnects.
+
+Run as `phoenixft agent --coordinator HOST:PORT --node NAME [--spare]` (the launcher does this
+for local runs, with `--store` and fixed ids).
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -28,14 +42,16 @@ import time
 import traceback
 from typing import Any
 
-from phoenixft import shm
+from phoenixft import auth, shm
 from phoenixft.errors import UserError
 from phoenixft.procs import die_with_parent, exit_now
 
-__all__ = ["main", "probe_store"]
+__all__ = ["main", "probe_store", "CALL_TIMEOUT_S"]
 
 
 MAX_RESTARTS = 3
+CALL_TIMEOUT_S = 5.0  # the agent's own store calls: a partitioned host notices within this, then reconnects
+_ID = re.compile(r"^[ns]\d+$")
 
 
 def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0) -> int:
@@ -60,52 +76,122 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
     return pid
 
 
-def probe_store(addr: str, timeout_s: float) -> tuple[str, int]:
-    """Wait (at most timeout_s) until something accepts TCP connections at HOST:PORT; UserError if not."""
+def probe_store(addr: str, timeout_s: float, flag: str = "--store") -> tuple[str, int, str]:
+    """Wait (at most timeout_s) until something accepts TCP connections at HOST:PORT; UserError if not.
+    Returns (host, port, the local address this host reaches it from)."""
     host, sep, port = addr.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"--store={addr!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:29500")
+        raise UserError(f"{flag}={addr!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:29500")
     host = host.strip("[]")
     deadline = time.monotonic() + timeout_s
     why = "no answer"
     while True:
         left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, left))):
-                return host, int(port)
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, left))) as s:
+                return host, int(port), str(s.getsockname()[0])
         except OSError as e:
             why = e.strerror or type(e).__name__
         if time.monotonic() + 0.2 > deadline:
-            raise UserError(f"--store={addr}: no phoenixft store is reachable there ({why}; waited "
+            raise UserError(f"{flag}={addr}: no phoenixft store is reachable there ({why}; waited "
                             f"{timeout_s:g}s, see --connect-timeout)")
         time.sleep(0.2)
 
 
+def _check_bind(addr: str) -> None:
+    """UserError unless `addr` is an address of this host (its data plane listens there)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+    except OSError as e:
+        raise UserError(f"--host={addr} is invalid: not an address of this host ({e.strerror or e}); give the "
+                        "address the other hosts reach this one at, or leave it out") from None
+
+
+def _reconnect(addr: str) -> Any:
+    from phoenixft.comm import connect_store
+
+    try:
+        return connect_store(addr, CALL_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - still unreachable: the caller keeps counting
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="phoenixft agent")
-    ap.add_argument("--store", required=True, help="control-plane store HOST:PORT")
-    ap.add_argument("--node", required=True, help="node id (n<i> active, s<i> spare)")
-    ap.add_argument("--workers", type=int, required=True)
+    ap.add_argument("--coordinator", "--store", dest="store", required=True, metavar="HOST:PORT",
+                    help="the job's coordinator (its control-plane store)")
+    ap.add_argument("--node", required=True, help="this node's name (n<i> / s<k>: ask for that id)")
+    ap.add_argument("--spare", action="store_true", help="join as a spare node")
+    ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--run-id", default="", help="expected run id (the coordinator names it)")
     ap.add_argument("--parent-pid", type=int, default=0, help="die (cleanly) when this parent process dies")
     ap.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store at start")
+    ap.add_argument("--join-timeout", type=float, default=120.0, help="seconds to wait for admission")
     ap.add_argument("--control-plane-timeout", type=float, default=15.0,
                     help="stop the node (and free its memory) after this long without reaching the store")
+    ap.add_argument("--token", default="", help=f"the job token (default: ${auth.TOKEN_ENV})")
+    ap.add_argument("--host", default="", help="this host's address for the data plane (default: the one it "
+                                               "reaches the coordinator from)")
     a = ap.parse_args(argv)
-    shm.check_run_id(a.run_id)
+    flag = "--coordinator" if any(x.startswith("--coordinator") for x in argv) else "--store"
+    if not auth.NAME_RE.match(a.node):
+        raise UserError(f"--node={a.node!r} is invalid: 1-64 letters, digits, '-' or '_', starting with a letter "
+                        "or digit")
+    if a.spare and a.node.startswith("n") and _ID.match(a.node):
+        raise UserError(f"--node={a.node} --spare is contradictory: n<i> names an active slot; give a spare another "
+                        "name (or s<k>)")
+    if a.run_id:
+        shm.check_run_id(a.run_id)
     if a.workers < 1:
         raise UserError(f"--workers={a.workers} is invalid: need at least 1")
-    if not a.connect_timeout > 0:
-        raise UserError(f"--connect-timeout={a.connect_timeout:g} is invalid: must be > 0 seconds")
-    if not a.control_plane_timeout > 0:
-        raise UserError(f"--control-plane-timeout={a.control_plane_timeout:g} is invalid: must be > 0 seconds")
+    for name, v in (("--connect-timeout", a.connect_timeout), ("--control-plane-timeout", a.control_plane_timeout),
+                    ("--join-timeout", a.join_timeout)):
+        if not v > 0:
+            raise UserError(f"{name}={v:g} is invalid: must be > 0 seconds")
+    token = auth.resolve_token(a.token)
+    if token:
+        auth.check_token(token, "--token" if a.token else f"${auth.TOKEN_ENV}")
     if a.parent_pid:
         die_with_parent(signal.SIGTERM, a.parent_pid)  # the launcher died: clean up (handler below)
-    probe_store(a.store, a.connect_timeout)
+    _, _, local_addr = probe_store(a.store, a.connect_timeout, flag)
+    bind = a.host.strip("[]") or local_addr
+    _check_bind(bind)
+
+    from phoenixft import keys
+    from phoenixft.comm import BIND_ENV, connect_store
+    from phoenixft.config import RunConfig
+
+    try:
+        store: Any = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
+        store.check([keys.CONFIG])
+        cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
+    except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
+        raise UserError(f"{flag}={a.store}: not a reachable phoenixft store ({str(e).splitlines()[0][:120]})") \
+            from None
+    request = {"name": a.node, "spare": a.spare or (a.node.startswith("s") and bool(_ID.match(a.node))),
+               "workers": a.workers, "host": bind, "hostname": socket.gethostname(), "pid": os.getpid()}
+    verdict = auth.request_admission(store, request, token, a.join_timeout, a.store)
+    node, run_id = str(verdict["node"]), str(verdict["run_id"])
+    shm.check_run_id(run_id)
+    if a.run_id and a.run_id != run_id:
+        raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({run_id})")
+    note = f" ({verdict['note']})" if verdict.get("note") else ""
+    print(f"phoenixft agent {a.node}: admitted by {a.store} as {node}, run {run_id}, address {bind}{note}",
+          flush=True)
+    assert token is not None  # admitted: the verdict verified with it
+    os.environ[auth.TOKEN_ENV] = token  # the workers verify the coordinator's plans with it
+    os.environ[BIND_ENV] = bind  # ... and listen on this host's address
 
     children: dict[int, int] = {}
     registered = False
+    fenced = False
+    from phoenixft.partition import PartitionInjector
+
+    injector = PartitionInjector(cfg.faults, node, bind, lambda: list(children), token)
 
     def cleanup() -> None:
         """Kill and reap the workers, then free the node's shared memory; never raises."""
@@ -125,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 children.pop(pid, None)
         try:
-            shm.unlink_segments(a.run_id, a.node)
+            injector.heal()  # only once the workers are gone: a healed link must find nothing to write
+            shm.unlink_segments(run_id, node)
             if registered:
-                shm.unregister_owner(a.run_id)
+                shm.unregister_owner(run_id)
         except Exception:  # noqa: BLE001 - best effort on the way out
             traceback.print_exc()
 
@@ -139,48 +226,42 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, stop)
 
     if not a.parent_pid:  # started by hand: free what dead runs left on this machine
-        res = shm.sweep(exclude=(a.run_id,))
+        res = shm.sweep(exclude=(run_id,))
         if res.segments:
             print(f"phoenixft agent: removed {res.segments} orphaned shared-memory segment(s), "
                   f"{res.bytes / 2**20:.1f} MiB, of run(s) {', '.join(res.runs)}", file=sys.stderr)
-    shm.register_owner(a.run_id, f"agent {a.node}")
+    shm.register_owner(run_id, f"agent {node}")
     registered = True
-
-    from phoenixft import keys
-    from phoenixft.comm import connect_store
-
-    try:
-        store: Any = connect_store(a.store, a.connect_timeout)
-        store.check([keys.CONFIG])
-    except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
-        cleanup()
-        raise UserError(f"--store={a.store}: not a reachable phoenixft store ({str(e).splitlines()[0][:120]})") \
-            from None
 
     import torch  # noqa: F401 - warm the image the workers are forked from
 
     import phoenixft.worker  # noqa: F401
 
     for i in range(a.workers):
-        children[_fork_worker(a.store, a.node, i, a.run_id, a.threads)] = i
-    if a.node.startswith("s"):
-        store.append("spares", a.node + "\n")  # join the spare pool (also when started late, by hand)
+        children[_fork_worker(a.store, node, i, run_id, a.threads)] = i
     restarts = {i: 0 for i in range(a.workers)}
     worst = 0
     last_ok = time.monotonic()
     while children:
         try:
-            if store.check([keys.fence(a.node)]):  # declared dead while stopped or cut off: never write again
-                print(f"phoenixft agent {a.node}: fenced by the control plane; stopping the node", flush=True)
+            if store is None:
+                raise ConnectionError("no connection to the store")
+            if store.check([keys.fence(node)]):  # declared dead while stopped or cut off: never write again
+                print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
+                fenced = True
                 stop(signal.SIGTERM, None)
-            store.set(keys.heartbeat(a.node), str(time.time()))
+            store.set(keys.heartbeat(node), str(time.time()))
+            injector.tick(store)
             last_ok = time.monotonic()
         except Exception:  # noqa: BLE001 - control plane gone: keep supervising for a bounded time
             if time.monotonic() - last_ok > a.control_plane_timeout:
-                print(f"phoenixft agent {a.node}: no control plane for {a.control_plane_timeout:g}s; "
+                print(f"phoenixft agent {node}: no control plane for {a.control_plane_timeout:g}s; "
                       "stopping the node", file=sys.stderr, flush=True)
                 cleanup()
                 return 1
+            store = _reconnect(a.store)  # never reuse a connection whose call failed: its answer may come late
+            if store is None:
+                time.sleep(0.2)
         deadline = time.monotonic() + 0.25
         while children and time.monotonic() < deadline:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -191,17 +272,17 @@ def main(argv: list[str] | None = None) -> int:
             code = os.waitstatus_to_exitcode(status)
             if code == 0 or lr is None:
                 continue
-            wid = f"{a.node}.{lr}"
+            wid = f"{node}.{lr}"
             try:
-                over = store.check([keys.RUN_STATE])
-                if not over and restarts[lr] < MAX_RESTARTS:
+                over = store is not None and (store.check([keys.RUN_STATE]) or store.check([keys.fence(node)]))
+                if store is not None and not over and restarts[lr] < MAX_RESTARTS:
                     # the node is healthy and one worker died: restart it in place from the snapshot it
                     # left in shared memory (transient failure; no spare needed)
                     restarts[lr] += 1
                     store.set(keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
                                                                  "incarnation": restarts[lr]}))
                     store.add(keys.WORKER_EXITS, 1)  # the coordinator looks at wexit/ keys when this moves
-                    children[_fork_worker(a.store, a.node, lr, a.run_id, a.threads, restarts[lr])] = lr
+                    children[_fork_worker(a.store, node, lr, run_id, a.threads, restarts[lr])] = lr
                     continue
             except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin
                 pass
@@ -209,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
             if restarts[lr] >= MAX_RESTARTS:  # crash loop: give up the whole node (permanent)
                 stop(signal.SIGTERM, None)
     cleanup()
+    try:
+        if store is not None and not fenced and not store.check([keys.fence(node)]):
+            store.set(keys.left(node), str(worst))  # the head stops serving the store once every node has left
+            store.check([keys.left(node)])  # a set is not acknowledged: an answered request flushes it
+    except Exception:  # noqa: BLE001 - the store is gone already: nobody is waiting
+        pass
     return worst
 
 

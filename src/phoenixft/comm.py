@@ -13,6 +13,8 @@ flag for this epoch), and gives up after a hard timeout. Abandoned groups are ke
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,16 +26,28 @@ import torch.distributed as dist
 from phoenixft.errors import PeerFailure
 from phoenixft.parallel.layout import Layout
 
-__all__ = ["EpochComm", "wait_work", "connect_store", "alltoallv"]
+__all__ = ["EpochComm", "wait_work", "connect_store", "alltoallv", "gloo_group", "sever", "BIND_ENV"]
 
 POLL_S = 0.02
+BIND_ENV = "PHOENIXFT_BIND"
 _graveyard: list[Any] = []
 
 
 def connect_store(addr: str, timeout_s: float = 30.0) -> Any:
     host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
+
+
+def gloo_group(store: Any, rank: int, world: int, timeout: timedelta) -> Any:
+    """A gloo process group on `store`, listening on this host's `PHOENIXFT_BIND` address if set."""
+    bind = os.environ.get(BIND_ENV, "")
+    if not bind:
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+    return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
 def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: float) -> None:
@@ -121,11 +135,11 @@ class EpochComm:
             raise NotImplementedError(f"backend {backend!r}")
 
         def group(name: str, members: list[int]) -> Any:
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"e{epoch}/{name}", store), members.index(rank),
-                                       len(members), to)
+            pg = gloo_group(dist.PrefixStore(f"e{epoch}/{name}", store), members.index(rank), len(members), to)
             self._groups.append(pg)
             return pg
 
+        before = set(_socket_fds())
         self._groups: list[Any] = []
         self.train: Any = group("train", list(range(world)))
         self.repl: Any = group("repl", list(range(world)))
@@ -141,6 +155,7 @@ class EpochComm:
         self.emb: Any = None
         if lay.pp > 1 and c.pp in (0, lay.pp - 1):
             self.emb = group(f"emb/dp{c.dp}.tp{c.tp}", lay.embedding_group(rank))
+        self._sockets = set(_socket_fds()) - before  # what the groups connected (gloo connects the full mesh now)
 
     def reduce_scatter(self, flat: torch.Tensor) -> Any:
         """Sum `flat` across ranks so that at least this rank's shard slice holds the sum.
@@ -152,10 +167,47 @@ class EpochComm:
         return self.train.allreduce([flat])
 
     def retire(self) -> None:
-        """Abort every group and keep them referenced: a stuck op may still be running inside."""
+        """Abort every group, sever their connections, and keep them referenced: a stuck op may still be
+        running inside (it fails now instead of completing when a lost peer comes back)."""
         for pg in self._groups:
             try:
                 pg.abort()
             except Exception:  # noqa: BLE001 - best effort on an already broken group
                 pass
             _graveyard.append(pg)
+        sever(self._sockets)
+
+
+def _socket_fds() -> dict[str, int]:
+    """This process's sockets: inode ('socket:[N]') -> one descriptor of it."""
+    out: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.setdefault(link, int(fd))
+    return out
+
+
+def sever(inodes: set[str]) -> int:
+    """shutdown(SHUT_RDWR) every connected socket among `inodes` (listening ones are left alone: gloo's
+    listener thread aborts the process when its socket fails); returns how many were severed."""
+    n = 0
+    for ino, fd in _socket_fds().items():
+        if ino not in inodes:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.getpeername()  # raises for a listening (unconnected) socket
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes the duplicate only
+    return n

@@ -91,7 +91,8 @@ class RunConfig:
         "Fault to inject, repeatable: kill:node=I[,J]@step=S[,phase=forward|backward|replicate|optimizer], "
         "kill:rack=A@step=S, kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery (in the first recovery "
         "resuming from step S-1 or later), hang:node=I@step=S, crash:rank=R@step=S, "
-        "corrupt:node=I@step=S, nan:step=S.",
+        "corrupt:node=I@step=S, nan:step=S, partition:node=I@step=S[,for=SECONDS] (hosts with their own "
+        "addresses only: `phoenixft coordinator` + agents).",
         action="append",
     )
     persist_every: int = _f(0, "Write a persistent DCP checkpoint every K steps, off the critical path (0 = never).",
@@ -104,6 +105,8 @@ class RunConfig:
     repair_after: float = _f(0.0, "Seconds after a node is lost (its agent exited or was fenced) until it comes "
                              "back repaired as a fresh spare s<k>, as on a cluster (0 = never).",
                              flag="--repair-after")
+    join_timeout: float = _f(600.0, "Seconds to wait at the start for the --nodes active nodes to join and be ready; "
+                             "then the run fails naming who is missing.", flag="--join-timeout")
     failure_timeout: float = _f(10.0, "Seconds without a heartbeat or answer before a node is declared failed.",
                                 flag="--failure-timeout")
     fence_kill: bool = _f(True, "Fence a failed node by SIGKILL of its process group in local runs, besides the "
@@ -209,6 +212,7 @@ class RunConfig:
             )
         need(self.repair_after >= 0, "--repair-after", self.repair_after, "must be >= 0 seconds (0 = never)")
         need(self.failure_timeout > 0, "--failure-timeout", self.failure_timeout, "must be > 0 seconds")
+        need(self.join_timeout > 0, "--join-timeout", self.join_timeout, "must be > 0 seconds")
         need(self.threads >= 0, "--threads", self.threads, "must be >= 0")
         need(self.chunk_mb > 0, "--chunk-mb", self.chunk_mb, "must be > 0")
         need(self.bucket_mb > 0, "--bucket-mb", self.bucket_mb, "must be > 0")
@@ -226,7 +230,7 @@ class RunConfig:
                 need(1 <= f.step <= self.steps, "--inject", f.text, f"step must be in 1..{self.steps}")
             if f.recovery is not None:
                 need(f.recovery >= 1, "--inject", f.text, "recovery must be >= 1 (the first recovery is 1)")
-            if f.kind in ("kill", "hang", "crash", "corrupt"):
+            if f.kind in ("kill", "hang", "crash", "corrupt", "partition"):
                 need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
         check_workload_path(self.workload)

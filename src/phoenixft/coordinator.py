@@ -22,7 +22,15 @@ says they may be complete and fetched with one `multi_get`; heartbeats are read 
 node) or, after the deadline, to name the nodes that did not answer. `bench/control_plane.py`
 measures it with up to 4,096 simulated workers.
 
-Run as `python -m phoenixft.coordinator --port-file F`.
+Membership is the coordinator's alone: an agent is a member only once it has answered the
+admission challenge with the job token (`phoenixft.auth.AdmissionDesk`); the coordinator names
+its id (`n<i>` active slots first, then spares `s<k>`), keeps the spare pool in id order, and starts
+the job when the `--nodes` active nodes have joined and are ready (`--join-timeout`). Every topology
+it publishes is signed (`topo/<e>/sig`, written first). Heartbeats are judged on its own clock (when
+it last saw a node's heartbeat change), never by comparing another host's clock with its own.
+
+Run as `python -m phoenixft.coordinator --store HOST:PORT` with the job token in PHOENIXFT_TOKEN
+(the launcher and `phoenixft coordinator` do this).
 """
 
 from __future__ import annotations
@@ -30,14 +38,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
-from phoenixft import keys
+from phoenixft import auth, keys
 from phoenixft.config import RunConfig
 from phoenixft.persist import latest_manifest
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
@@ -49,15 +55,28 @@ POLL_S = 0.003
 MAX_RECOVERIES_WITHOUT_PROGRESS = 12
 HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
 HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
+ADMIT_POLL_S = 0.02  # join requests are looked at this often (one counter read) while training
+_ID = re.compile(r"^([ns])(\d+)$")
+
+
+def _index(node: str) -> int:
+    m = _ID.match(node)
+    return int(m.group(2)) if m else 1 << 30
 
 
 class Coordinator:
-    def __init__(self, store: Any, journal: str | None = None) -> None:
+    def __init__(self, store: Any, journal: str | None = None, token: str = "") -> None:
+        if not token:
+            raise ValueError("the coordinator needs the job token (it signs what it publishes)")
         self.store = store
         self.journal = journal
+        self.token = token
         self.cfg = RunConfig.from_json(self._wait(keys.CONFIG, 120.0))
+        self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
         self.g = self.cfg.workers_per_node
-        self.spare_pool = [f"s{i}" for i in range(self.cfg.spares)]
+        self.desk = auth.AdmissionDesk(store, token)
+        self.members: dict[str, dict[str, Any]] = {}  # admitted nodes: id -> {name, host, spare, t}
+        self.spare_pool: list[str] = []  # admitted spares not used yet, in id order
         self.topo: Topology | None = None
         self.dead: set[str] = set()
         self._last_hb_check = 0.0
@@ -68,6 +87,10 @@ class Coordinator:
         self._exit_checked: set[str] = set()  # nodes whose exit key was looked at since the counter moved
         self._restarts_seen = 0
         self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
+        self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
+        self._last_admit = 0.0
+        for _, req, verdict in self.desk.admitted():  # a restarted coordinator: admissions stand
+            self._add_member(str(verdict["node"]), req, quiet=True)
 
     # ------------------------------------------------------------------ helpers
     def _wait(self, key: str, timeout_s: float) -> bytes:
@@ -119,7 +142,8 @@ class Coordinator:
 
     def _stale(self, nodes: list[str], now: float) -> set[str]:
         """Those of `nodes` whose last heartbeat is older than the failure timeout: one `multi_get`
-        of the heartbeat keys known to exist (a node not yet seen is looked for on its own)."""
+        of the heartbeat keys known to exist (a node not yet seen is looked for on its own). Old means
+        unchanged, on this process's monotonic clock, for longer than the failure timeout."""
         new = [n for n in nodes if n not in self._hb_seen]
         if new and self.store.check([keys.heartbeat(n) for n in new]):
             self._hb_seen.update(new)
@@ -129,7 +153,12 @@ class Coordinator:
         if not have:
             return set()
         beats = self.store.multi_get([keys.heartbeat(n) for n in have])
-        return {n for n, b in zip(have, beats, strict=True) if now - float(b) > self.cfg.failure_timeout}
+        seen = time.monotonic()  # judged on this clock: a heartbeat's value is another host's wall time
+        for n, b in zip(have, beats, strict=True):
+            last = self._hb_last.get(n)
+            if last is None or last[0] != b:
+                self._hb_last[n] = (bytes(b), seen)
+        return {n for n in have if seen - self._hb_last[n][1] > self.cfg.failure_timeout}
 
     def _fail_run(self, why: str) -> None:
         self.store.set(keys.RUN_ERROR, why)
@@ -146,7 +175,9 @@ class Coordinator:
                 f.flush()
                 os.fsync(f.fileno())
         self.topo = topo
-        self.store.set(keys.topo(topo.epoch), topo.to_json())
+        raw = topo.to_json()
+        self.store.set(keys.topo_sig(topo.epoch), auth.sign_topology(self.token, topo.epoch, raw))  # first
+        self.store.set(keys.topo(topo.epoch), raw)
         self.store.set(keys.EPOCH, str(topo.epoch))
         for s in topo.meta.get("promoted", []):
             self.store.set(keys.assign(s), str(topo.epoch))
@@ -167,9 +198,12 @@ class Coordinator:
                         break  # a torn last line: the decision before it stands
         if last is None:
             return False
-        self.spare_pool = list(last["spare_pool"])
         self.dead = set(last["dead"])
-        self.publish(Topology(**last["topo"]), replay=True)
+        topo = Topology(**last["topo"])
+        # the journal's pool, and spares admitted since (admissions are in the store, signed)
+        pool = set(last["spare_pool"]) | {n for n, m in self.members.items() if m["spare"]}
+        self.spare_pool = sorted((s for s in pool if s not in self.dead and s not in topo.nodes), key=_index)
+        self.publish(topo, replay=True)
         return True
 
     # ------------------------------------------------------------------ main loop
@@ -181,12 +215,22 @@ class Coordinator:
             self.store.set("coordinator/ready", str(time.time()))
             self._loop()
             return
-        active = [f"n{i}" for i in range(self.cfg.nodes)]
-        deadline = time.monotonic() + 600.0
-        while not self._ready(active):
-            if self.store.check([keys.RUN_STATE]) or time.monotonic() > deadline:
+        deadline = time.monotonic() + self.cfg.join_timeout
+        while True:
+            self._admit(force=True)
+            active = sorted((n for n in self.members if n.startswith("n")), key=_index)
+            if len(active) == self.cfg.nodes and self._ready(active):
+                break
+            if self.store.check([keys.RUN_STATE]):
                 return
-            time.sleep(0.01)
+            if time.monotonic() > deadline:
+                waiting = [n for n in active if not self._node_ready(n)]
+                joined = ", ".join(self._label(n) for n in active) or "none"
+                self._fail_run(f"only {len(active)} of {self.cfg.nodes} node(s) joined within --join-timeout="
+                               f"{self.cfg.join_timeout:g}s (joined: {joined}"
+                               + (f"; not ready yet: {', '.join(waiting)}" if waiting else "") + ")")
+                return
+            time.sleep(0.005)
         self._event("run_start", nodes=active, spares=self.spare_pool)
         start, meta = 0, {}
         if self.cfg.resume:
@@ -203,6 +247,7 @@ class Coordinator:
     def _loop(self) -> None:
         last_whole = 0.0
         while not self.store.check([keys.RUN_STATE]):
+            self._admit()
             if self._failure_pending():
                 self.recover()
             else:
@@ -235,11 +280,83 @@ class Coordinator:
             self.store.delete_key(keys.JOB_WHOLE)
 
     def _refresh_pool(self) -> None:
-        """Spares registered after the start (`phoenixft agent --node s<k>`) join the pool."""
-        if self.store.check(["spares"]):
-            for s in self.store.get("spares").decode().split():
-                if s not in self.spare_pool and s not in self.dead and not self._in_use(s):
-                    self.spare_pool.append(s)
+        """Spares admitted since (`phoenixft agent --spare`, or a repaired node) are in the pool already."""
+        self._admit()
+
+    # ------------------------------------------------------------------ admission
+    def _label(self, node: str) -> str:
+        m = self.members.get(node, {})
+        return f"{node} ({m.get('name')}@{m.get('host')})" if m.get("name") not in (None, node) else node
+
+    def _add_member(self, node: str, req: dict[str, Any], quiet: bool = False) -> None:
+        spare = node.startswith("s")
+        self.members[node] = {"name": str(req.get("name", node)), "host": str(req.get("host", "")), "spare": spare,
+                              "t": time.time()}
+        if spare and node not in self.dead and not self._in_use(node) and node not in self.spare_pool:
+            self.spare_pool.append(node)
+            self.spare_pool.sort(key=_index)
+        if not quiet:
+            self.store.set(keys.MEMBERS, json.dumps(self.members, sort_keys=True))
+
+    def _admission(self, req: dict[str, Any]) -> tuple[str | None, str, str]:
+        """(node id or None, why not, a note for the agent) for a request whose token checked out."""
+        name, spare = str(req.get("name", "")), bool(req.get("spare"))
+        if req.get("workers") != self.g:
+            return None, (f"--workers={req.get('workers')} does not match this job's --workers-per-node={self.g}"), ""
+        if not auth.NAME_RE.match(name):
+            return None, f"--node={name!r} is not a valid node name", ""
+        started = self.topo is not None
+        m = _ID.match(name)
+        if m:  # asks for exactly this id
+            if name in self.members:
+                return None, (f"node id {name} is already taken in this job (ids are never reused; pick another "
+                              "--node)"), ""
+            if m.group(1) == "s":
+                return name, "", ""
+            if spare:
+                return None, f"--node={name} names an active slot; a spare needs another name", ""
+            if int(m.group(2)) >= self.cfg.nodes:
+                return None, (f"node id {name} is not an active slot of this job (--nodes {self.cfg.nodes}: n0.."
+                              f"n{self.cfg.nodes - 1}); join as a spare (--spare)"), ""
+            if started:
+                return None, f"the job has started: active slot {name} was filled; join as a spare (--spare)", ""
+            return name, "", ""
+        if not spare and not started:
+            free = [f"n{i}" for i in range(self.cfg.nodes) if f"n{i}" not in self.members]
+            if free:
+                return free[0], "", ""
+        k = 0
+        while f"s{k}" in self.members:
+            k += 1
+        note = "" if spare else ("the job has started" if started else "every active slot is taken") + \
+            f": joined as spare s{k}"
+        return f"s{k}", "", note
+
+    def _admit(self, force: bool = False) -> None:
+        """Answer the join requests that arrived (one counter read when none did)."""
+        now = time.monotonic()
+        if not force and now - self._last_admit < ADMIT_POLL_S:
+            return
+        self._last_admit = now
+        for app in self.desk.poll():
+            req = app.request
+            who = {"name": str(req.get("name", "?"))[:64], "host": str(req.get("host", "?"))[:64]}
+            if app.proof == "none":
+                why = (f"it presented no token (start the agent with this job's token: --token or "
+                       f"{auth.TOKEN_ENV})")
+                node, note = None, ""
+            elif app.proof != "ok":
+                why = ("wrong token: its answer to the join challenge does not verify with this job's token (an "
+                       "agent of another job, or a mistyped token)")
+                node, note = None, ""
+            else:
+                node, why, note = self._admission(req)
+            self.desk.answer(app, node, self.run_id, reason=why, note=note)
+            if node is None:
+                self._event("join_refused", reason=why, **who)
+                continue
+            self._add_member(node, req)
+            self._event("admitted", node=node, spare=node.startswith("s"), note=note, **who)
 
     def _in_use(self, node: str) -> bool:
         return self.topo is not None and node in self.topo.nodes
@@ -321,7 +438,7 @@ class Coordinator:
             self.store.delete_key(keys.worker_exit(w))
         restarted = {w for w in restarted if w.split(".")[0] not in dead}
         for n in dead:
-            self.store.set(keys.fence(n), "1")
+            self.store.set(keys.fence(n), str(time.time()))  # when: nothing of n may be written after it
         self.dead |= dead
         live = [w for n in old.nodes if n not in dead for w in self._wids(n)]
         raw = self.store.multi_get([keys.desc(e, w) for w in live]) if live else []
@@ -384,7 +501,7 @@ class Coordinator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="phoenixft coordinator")
+    ap = argparse.ArgumentParser(prog="python -m phoenixft.coordinator")
     ap.add_argument("--store", default="", help="connect to this store HOST:PORT (the launcher hosts it)")
     ap.add_argument("--host", default="127.0.0.1", help="host the store here when --store is not given")
     ap.add_argument("--port", type=int, default=0)
@@ -392,19 +509,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--journal", default="", help="write-ahead journal of membership, epochs and spare pool")
     ap.add_argument("--run-id", default="", help="the run's id (unused here; makes the process findable by it)")
     a = ap.parse_args(argv)
+    token = os.environ.get(auth.TOKEN_ENV, "")
+    if not token:
+        print(f"phoenixft coordinator: error: no job token in ${auth.TOKEN_ENV} (it signs what the coordinator "
+              "publishes; the launcher passes one)", file=sys.stderr)
+        return 2
     if a.store:
         from phoenixft.comm import connect_store
 
         store = connect_store(a.store)
     else:
-        store = dist.TCPStore(a.host, a.port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        from phoenixft.store_server import serve_store
+
+        server = serve_store(a.host, a.port)
+        store = server.store
         if a.port_file:
             tmp = a.port_file + ".tmp"
             with open(tmp, "w") as f:
-                f.write(str(store.port))
+                f.write(str(server.port))
             os.replace(tmp, a.port_file)
     try:
-        Coordinator(store, a.journal or None).run()
+        Coordinator(store, a.journal or None, token).run()
     except TimeoutError as e:
         print(str(e), file=sys.stderr)
     if not a.store:  # keep serving the store until the launcher has read the results and stops us

@@ -21,6 +21,7 @@ class Display:
                  tokens_per_step: int = 0) -> None:
         self.quiet, self.json_events, self.steps = quiet, json_events, steps
         self.tokens_per_step = tokens_per_step
+        self.joins = False  # show every admission (the head of a multi-host job); refusals always show
         self.tty = sys.stderr.isatty() and not quiet
         self._t0 = time.time()
         self._last_line = 0
@@ -79,6 +80,14 @@ class Display:
             self._err(f"   {ev['replaces']} repaired: back as spare {ev['node']} (--repair-after)")
         elif k == "run_failed":
             self._err(f"!! run failed: {ev['error']}")
+        elif k == "admitted" and self.joins:
+            note = f" ({ev['note']})" if ev.get("note") else ""
+            role = "spare " if ev.get("spare") else ""
+            self._err(f"   {ev['name']} ({ev['host']}) joined as {role}{ev['node']}{note}")
+        elif k == "join_refused":
+            self._err(f"!! refused to admit {ev['name']!r} ({ev['host']}): {ev['reason']}")
+        elif k == "fault_failed":
+            self._err(f"!! fault {ev['spec']} could not be injected on {ev['node']}: {ev['error']}")
 
     @staticmethod
     def _inv(r: dict[str, Any]) -> str:

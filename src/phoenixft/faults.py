@@ -13,10 +13,16 @@
     corrupt:node=I@step=S,phase=transfer  flip bytes in every optimizer-state transfer node I sends in
                                           recoveries whose resume step is >= S-1 (corruption in flight)
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
+    partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
+                                          job reaches step S, its processes left running; the link comes
+                                          back after T seconds (default: when its agent gives up and exits).
+                                          Fired by that host's agent, so it needs hosts with their own
+                                          addresses (`phoenixft coordinator` + agents), not `phoenixft run`
 
 P is one of forward, backward, replicate, optimizer (default forward); recovery for kill, transfer
-for corrupt. `,wait=SECONDS` (kill, hang, crash, corrupt at a step): the fault holds its step (a
-corruption at rest: the step before, whose replication it corrupts) - training pauses there -
+for corrupt. `,wait=SECONDS` (kill, hang, crash, corrupt, partition at a step): the fault holds its
+step (a corruption at rest: the step before, whose replication it corrupts; a partition: the agent
+pauses its node's workers with SIGSTOP) - training pauses there -
 until the job is whole again (full size, a warm spare ready), at most that long, then fires;
 `phoenixft chaos` uses it so that repaired spares can return between faults. A fault fires at
 most once per (fault, node): the first process that reaches it claims it atomically in the store
@@ -34,11 +40,12 @@ __all__ = ["FaultSpec", "parse_fault", "KILL_PHASES", "FAULT_KINDS"]
 
 KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
 SPECIAL_PHASES = {"kill": ("recovery",), "corrupt": ("transfer",)}
-FAULT_KINDS = ("kill", "hang", "crash", "corrupt", "nan")
+FAULT_KINDS = ("kill", "hang", "crash", "corrupt", "nan", "partition")
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):(?:(?P<target>[^@]+)@)?(?P<when>.+)$")
 _VALID = ("expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, kill:node=I@recovery=N, "
           "kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
-          "hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S or nan:step=S")
+          "hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S or "
+          "partition:node=I@step=S[,for=SECONDS]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +61,7 @@ class FaultSpec:
     phase: str = "forward"
     coordinator: bool = False
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
+    duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
 
     @property
     def node(self) -> int | None:
@@ -98,8 +106,12 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         if not sep:
             raise _bad(text, f"expected key=value, got {item!r}")
         when[k.strip()] = v.strip()
-    if set(when) - {"step", "phase", "recovery", "wait"} or ("step" in when) == ("recovery" in when):
+    if set(when) - {"step", "phase", "recovery", "wait", "for"} or ("step" in when) == ("recovery" in when):
         raise _bad(text, _VALID)
+    if kind == "partition" and ("step" not in when or "phase" in when):
+        raise _bad(text, "expected partition:node=I@step=S[,for=SECONDS][,wait=SECONDS]")
+    if "for" in when and kind != "partition":
+        raise _bad(text, "for=SECONDS is only for partition faults (how long the host stays cut off)")
     step = _ints(text, when["step"], "step")[0] if "step" in when else None
     recovery = _ints(text, when["recovery"], "recovery")[0] if "recovery" in when else None
     phase = when.get("phase", "forward")
@@ -109,7 +121,7 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     if phase == "recovery" and (not nodes or "step" not in when):  # it fires only for node slots, by step
         raise _bad(text, "phase=recovery is only for kill:node=I@step=S,phase=recovery")
     need_target = {"kill": nodes or rack is not None or coordinator, "hang": len(nodes) == 1, "crash": rank is not None,
-                   "corrupt": len(nodes) == 1, "nan": not m["target"]}
+                   "corrupt": len(nodes) == 1, "nan": not m["target"], "partition": len(nodes) == 1}
     if not need_target[kind]:
         raise _bad(text, _VALID)
     if recovery is not None and kind != "kill":
@@ -124,5 +136,13 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             raise _bad(text, f"wait must be seconds, got {when['wait']!r}") from None
         if wait < 0 or step is None or phase in ("recovery", "transfer") or kind == "nan":
             raise _bad(text, "wait=SECONDS (>= 0) is for kill, hang, crash and corrupt faults at a step")
+    duration = 0.0
+    if "for" in when:
+        try:
+            duration = float(when["for"])
+        except ValueError:
+            raise _bad(text, f"for must be seconds, got {when['for']!r}") from None
+        if not duration > 0:
+            raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
-                     recovery=recovery, phase=phase, coordinator=coordinator, wait=wait)
+                     recovery=recovery, phase=phase, coordinator=coordinator, wait=wait, duration=duration)

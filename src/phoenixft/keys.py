@@ -13,6 +13,10 @@ COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the l
 WORKER_EXITS = "wexits"  # counter an agent bumps after writing `wexit/<wid>` (a worker restarted in place)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)
 JOB_WHOLE = "job/whole"  # set by the coordinator while the job has its full size and a warm spare ready
+RUN_ID = "run/id"  # the run's id (shared-memory names), told to every admitted agent
+MEMBERS = "members"  # JSON {node id: {name, host, spare, t}} of every admitted node (informational, unsigned)
+ADMIT_SEQ = "admit/seq"  # counter: an agent's join request takes the next number
+ADMIT_POSTED = "admit/posted"  # counter an agent bumps after each write of its join request or response
 
 
 def ready(wid: str) -> str:
@@ -79,3 +83,29 @@ def fault_claim(index: int, slot: int) -> str:
 
 def worker_exit(wid: str) -> str:
     return f"wexit/{wid}"
+
+
+def topo_sig(epoch: int) -> str:
+    """HMAC of `topo/<epoch>` with the job token (written before the topology itself)."""
+    return f"topo/{epoch}/sig"
+
+
+def admit_req(seq: int) -> str:
+    return f"admit/{seq}/req"
+
+
+def admit_challenge(seq: int) -> str:
+    return f"admit/{seq}/challenge"
+
+
+def admit_resp(seq: int) -> str:
+    return f"admit/{seq}/resp"
+
+
+def admit_verdict(seq: int) -> str:
+    return f"admit/{seq}/verdict"
+
+
+def left(node: str) -> str:
+    """Set by an agent that ends normally (its workers are gone), never by a fenced one."""
+    return f"left/{node}"

@@ -1,12 +1,20 @@
-"""The local launcher behind `phoenixft run`: the whole job as local processes.
+"""The launcher behind `phoenixft run` (the whole job as local processes) and `phoenixft coordinator`
+(the head of a job whose nodes are on other hosts).
 
-It serves the control-plane store, starts the coordinator (restarting it if it dies: it
-reloads its journal), publishes the config, starts one agent per
-node and per spare node (each in its own session, so a node is one process group), then
-watches: agent exits are reported to the control plane at once, fence requests are carried
-out (SIGKILL to the node's process group), progress and events are shown. At the end it reads
-the results from the store, writes the run directory and the report, and tears everything
-down; teardown is idempotent and runs on every exit path, so no process outlives a run.
+It serves the control-plane store on the address given (127.0.0.1 for `run`; `--host/--port` for
+the head), starts the coordinator (restarting it if it dies: it reloads its journal), publishes the
+config and the run id, and gives both the job token through the environment (never the command
+line, the store, the run directory or a log). `phoenixft run` then starts one agent per node and
+per spare node (each in its own session, so a node is one process group) and watches them: agent
+exits are reported to the control plane at once, fence requests are carried out (SIGKILL to the
+node's process group). The head starts no agent: agents on other hosts join it
+(`phoenixft agent --coordinator HOST:PORT`), failures are found by their heartbeats, a fence is
+only logical (the fenced host's own processes obey it), and the final model stays with rank 0's
+host (no shared filesystem is assumed). Both show progress and events; at the end they read the
+results from the store, write the run directory and the report, and tear everything down;
+teardown is idempotent and runs on every exit path, so no process of theirs outlives a run (the
+head also waits, bounded, for every live node's agent to say it left before it stops serving the
+store).
 """
 
 from __future__ import annotations
@@ -21,30 +29,54 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from phoenixft import keys, shm
+from phoenixft import auth, keys, shm
 from phoenixft.config import RunConfig
 from phoenixft.display import Display
+from phoenixft.errors import UserError
 from phoenixft.procs import group_members
 from phoenixft.repair import RepairQueue
 from phoenixft.report import build_report
 
-__all__ = ["LocalJob", "run_job", "STOP_GRACE_S"]
+__all__ = ["LocalJob", "run_job", "check_mode", "STOP_GRACE_S"]
 
 STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
 
 
+def check_mode(cfg: RunConfig, local: bool) -> None:
+    """UserError for what the mode cannot do: partitions need separate hosts; the head can neither
+    start nor kill agents, nor signal a coordinator from another host."""
+    for f in cfg.faults:
+        if local and f.kind == "partition":
+            raise UserError(f"--inject={f.text!r} is invalid here: a partition needs hosts with their own addresses "
+                            "(`phoenixft coordinator` on one host, `phoenixft agent` on the others), not one machine's "
+                            "loopback")
+        if not local and f.coordinator:
+            raise UserError(f"--inject={f.text!r} is invalid here: the workers that fire it sit on other hosts "
+                            "than the coordinator (use `phoenixft run` for coordinator kills)")
+    if not local:
+        for flag, v in (("--repair-after", cfg.repair_after), ("--spare-arrives-at-step", cfg.spare_arrives_at_step)):
+            if v:
+                raise UserError(f"{flag}={v:g} is invalid here: the coordinator starts no agents; start a spare on "
+                                "any host with `phoenixft agent --coordinator HOST:PORT --node NAME --spare`")
+
+
 class LocalJob:
-    def __init__(self, cfg: RunConfig, display: Display | None = None) -> None:
+    def __init__(self, cfg: RunConfig, display: Display | None = None, *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, local: bool = True) -> None:
         self.cfg = cfg
+        self.local = local  # False: the head of a multi-host job (agents join from other hosts)
+        self.host, self.port = host, port
+        self.token = token or auth.generate_token()
+        self.token_generated = token is None
         self.run_id = uuid.uuid4().hex[:10]
         self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{self.run_id}"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.display = display or Display(quiet=cfg.quiet, json_events=cfg.json_events, steps=cfg.steps)
+        self.display.joins = not local
         self.coord: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.exited: set[str] = set()
@@ -68,7 +100,7 @@ class LocalJob:
     # ------------------------------------------------------------------ processes
     def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
         out = open(self.run_dir / "logs" / log, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{auth.TOKEN_ENV: self.token})
         return subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
@@ -79,38 +111,50 @@ class LocalJob:
 
     def start(self) -> None:
         from phoenixft.comm import connect_store
+        from phoenixft.store_server import serve_store
 
-        swept = shm.sweep(exclude=(self.run_id,))
-        if swept.segments:
-            self.display.info(f"removed {swept.segments} orphaned shared-memory segment(s), "
-                              f"{swept.bytes / 2**20:.1f} MiB, of dead run(s) {', '.join(swept.runs)}")
-        shm.register_owner(self.run_id, "launcher")
-        self._owner = True
+        if self.local:
+            swept = shm.sweep(exclude=(self.run_id,))
+            if swept.segments:
+                self.display.info(f"removed {swept.segments} orphaned shared-memory segment(s), "
+                                  f"{swept.bytes / 2**20:.1f} MiB, of dead run(s) {', '.join(swept.runs)}")
+            shm.register_owner(self.run_id, "launcher")
+            self._owner = True
         from phoenixft.workload import WorkloadContext, load_workload
 
         wl = load_workload(self.cfg.workload, WorkloadContext.from_config(self.cfg))
-        if wl.prepare is not None:
+        if wl.prepare is not None and self.local:
             wl.prepare()  # e.g. build the corpus cache once, before the workers map it
         self.display.tokens_per_step = wl.tokens_per_microbatch * self.cfg.total_microbatches
         # The store is served from this process (its server thread needs no GIL), so that the
-        # coordinator's logic can crash and be restarted without taking the store with it.
-        import torch.distributed as dist
-
-        self._server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60),
-                                     wait_for_workers=False)
-        self.addr = f"127.0.0.1:{self._server.port}"
+        # coordinator's logic can crash and be restarted without taking the store with it. It listens
+        # on the address given only (see store_server).
+        self._server = serve_store(self.host, self.port)
+        self.addr = self._server.addr
         (self.run_dir / "coordinator.port").write_text(str(self._server.port))
         self.store = connect_store(self.addr)
         self.store.set(keys.CONFIG, self.cfg.to_json())
-        self.store.set(keys.RUN_DIR, str(self.run_dir.resolve()))
+        self.store.set(keys.RUN_ID, self.run_id)
+        if self.local:  # rank 0 writes the final model there: only where it shares this filesystem
+            self.store.set(keys.RUN_DIR, str(self.run_dir.resolve()))
         self._start_coordinator()
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
-        nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
-        for n in nodes:
-            self._start_agent(n)
-        self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
-                          f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}, "
-                          f"dir {self.run_dir}")
+        if self.local:
+            nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
+            for n in nodes:
+                self._start_agent(n)
+            self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
+                              f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}, "
+                              f"dir {self.run_dir}")
+            return
+        self.display.info(f"phoenixft coordinator: run {self.run_id} serving at {self.addr}, dir {self.run_dir}; "
+                          f"waiting for {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s) to join "
+                          f"(--join-timeout {self.cfg.join_timeout:g}s), spares welcome")
+        if self.token_generated:
+            self.display.info(f"job token (generated; give it to every agent as ${auth.TOKEN_ENV} or --token, "
+                              f"it is not stored anywhere): {self.token}")
+        self.display.info(f"join with: phoenixft agent --coordinator {self.addr} --node NAME "
+                          f"--workers {self.cfg.workers_per_node} [--spare]")
 
     def _start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
@@ -149,7 +193,7 @@ class LocalJob:
         deadline = time.monotonic() + self.cfg.timeout
         last_progress = -1
         while True:
-            for n, p in self.agents.items():
+            for n, p in self.agents.items():  # (the head has none: remote agents are judged by heartbeats)
                 if n not in self.exited and p.poll() is not None:
                     self.exited.add(n)
                     self.store.set(keys.node_exit(n), str(time.time()))
@@ -161,7 +205,8 @@ class LocalJob:
                     if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
                         self._kill_group(n)
                     self.repair.lost(n)
-            self._start_repaired()
+            if self.local:
+                self._start_repaired()
             if self.coord is not None and self.coord.poll() is not None and not self.store.check([keys.RUN_STATE]):
                 now_m = time.monotonic()
                 self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
@@ -186,7 +231,7 @@ class LocalJob:
                 return self.store.get(keys.RUN_STATE).decode()
             if time.monotonic() > deadline:
                 return f"failed: timeout after {self.cfg.timeout:.0f}s"
-            if all(n in self.exited for n in self.agents):
+            if self.local and all(n in self.exited for n in self.agents):
                 return "failed: every node exited"
             time.sleep(0.01)
 
@@ -254,6 +299,8 @@ class LocalJob:
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
         deadline = time.monotonic() + STOP_GRACE_S
+        if not self.local:
+            self._await_remote_agents(deadline)
         for p in [*self.agents.values(), *([self.coord] if self.coord else [])]:
             try:
                 p.wait(timeout=max(0.05, deadline - time.monotonic()))
@@ -290,10 +337,24 @@ class LocalJob:
             self._reap_async(n)
         for t in list(self._reapers.values()):
             t.join(timeout=15)
-        for name, _ in shm.unlink_segments(self.run_id):  # not of any node's agent: nobody owned these
-            self.leaks["removed_segments"].append(name)
+        if self.local:  # (the head owns no host memory: each host's agents own theirs)
+            for name, _ in shm.unlink_segments(self.run_id):  # not of any node's agent: nobody owned these
+                self.leaks["removed_segments"].append(name)
         if self._owner:
             shm.unregister_owner(self.run_id)
+
+    def _await_remote_agents(self, deadline: float) -> None:
+        """Head: keep serving the store until every admitted node that is not fenced has left (its agent
+        saw the final run state and stopped its workers), at most until `deadline`; record who did not."""
+        try:
+            members = json.loads(self.store.get(keys.MEMBERS)) if self.store.check([keys.MEMBERS]) else {}
+            waiting = [n for n in members if not self.store.check([keys.fence(n)])]
+            while waiting and time.monotonic() < deadline:
+                waiting = [n for n in waiting if not self.store.check([keys.left(n)])]
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody can leave through it any more
+            return
+        self.leaks["not_left"] = waiting
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.agents.values()] + ([self.coord.pid] if self.coord else [])
@@ -314,9 +375,14 @@ def _signals_held() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def run_job(cfg: RunConfig, display: Display | None = None) -> dict[str, Any]:
-    """Run a job end to end; returns the report (also written to the run dir and --report)."""
-    job = LocalJob(cfg, display)
+def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.0.0.1", port: int = 0,
+            token: str | None = None, local: bool = True) -> dict[str, Any]:
+    """Run a job end to end; returns the report (also written to the run dir and --report).
+
+    `local`: start every agent here (`phoenixft run`); else be the head that agents on other hosts
+    join at host:port (`phoenixft coordinator`). `token`: the job token (None: generate one)."""
+    check_mode(cfg, local)
+    job = LocalJob(cfg, display, host=host, port=port, token=token, local=local)
     state = "failed: did not start"
     report: dict[str, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -329,6 +395,8 @@ def run_job(cfg: RunConfig, display: Display | None = None) -> dict[str, Any]:
         state = job.monitor()
         job._poll_events()
         report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
+        if job.store.check([keys.MEMBERS]):
+            report["members"] = json.loads(job.store.get(keys.MEMBERS))
     except KeyboardInterrupt:
         state = "failed: interrupted"
         report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from phoenixft import keys, shm
+from phoenixft import auth, keys, shm
 from phoenixft.comm import EpochComm, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
@@ -60,7 +60,8 @@ class Worker:
         self.repl: Replicator | None = None  # the protection layer's replicator (Protection, below)
         world, gen = cfg.world, 0
         if incarnation > 0:  # restarted in place: the partition is the current epoch's, not the initial one
-            cur = Topology.from_json(self.store.get(keys.topo(int(self.store.get(keys.EPOCH)))))
+            e0 = int(self.store.get(keys.EPOCH))
+            cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
             world, gen = cur.world, int(cur.meta.get("generation", 0))
             self._build(cur.layout.coord(cur.rank_of(node_id, local_rank)).stage)
             self._partition(world, gen)
@@ -217,7 +218,7 @@ class Worker:
             e = int(self._wait_key(keys.assign(self.node_id), 10 * 24 * 3600.0))
         else:
             e = 0
-        return Topology.from_json(self._wait_key(keys.topo(e), 600.0))
+        return auth.verified_topology(self.store, e, self._wait_key(keys.topo(e), 600.0))
 
     def _check_fence(self) -> None:
         """A fenced node (declared dead while it was stopped or cut off) must never write again."""
@@ -240,7 +241,8 @@ class Worker:
         desc = self.protection.descriptor(err, t_err)
         self.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         self.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
-        topo = Topology.from_json(self._wait_key(keys.topo(e + 1), 3 * self.cfg.failure_timeout + 60.0))
+        topo = auth.verified_topology(self.store, e + 1, self._wait_key(keys.topo(e + 1),
+                                                                        3 * self.cfg.failure_timeout + 60.0))
         self._check_fence()
         if self.node_id not in topo.nodes:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
@@ -326,7 +328,7 @@ class Worker:
         try:
             if self.incarnation > 0:  # restarted in place by the agent: rejoin from retained memory
                 e = int(self.store.get(keys.EPOCH))
-                self.topo = Topology.from_json(self.store.get(keys.topo(e)))
+                self.topo = auth.verified_topology(self.store, e, self.store.get(keys.topo(e)))
                 self.epoch, self.rank = e, self.topo.rank_of(self.node_id, self.local_rank)
                 step = self.recover(f"restarted in place (incarnation {self.incarnation})") + 1
             else:

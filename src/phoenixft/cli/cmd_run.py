@@ -13,12 +13,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train N nodes x G workers with S warm spares; inject faults; write a report",
                        description="Train a job as local processes: coordinator, one agent per node, workers, spares.")
     add_run_arguments(p)
+    p.add_argument("--token", default="", help="the job token, for agents started by hand to join this run "
+                                               "(default: $PHOENIXFT_TOKEN; else a random one)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from phoenixft import auth
     from phoenixft.launcher import run_job
 
+    token = auth.resolve_token(getattr(args, "token", ""))
+    if token:
+        auth.check_token(token, "--token" if getattr(args, "token", "") else f"${auth.TOKEN_ENV}")
     cfg = config_from_args(args)
-    report = run_job(cfg)
+    report = run_job(cfg, token=token)
     return 0 if report.get("state") == "done" else 1

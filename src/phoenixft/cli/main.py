@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from phoenixft.cli import (
         cmd_agent,
         cmd_chaos,
+        cmd_coordinator,
         cmd_demo,
         cmd_gc,
         cmd_prepare_data,
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_status.add_parser(sub)
     cmd_prepare_data.add_parser(sub)
     cmd_agent.add_parser(sub)
+    cmd_coordinator.add_parser(sub)
     cmd_gc.add_parser(sub)
     from phoenixft import export
 

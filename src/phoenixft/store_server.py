@@ -1,0 +1,52 @@
+"""Serve the control-plane store (torch's `TCPStore`) on exactly the address given.
+
+`TCPStore(host, port, is_master=True)` listens on every interface whatever `host` says (measured
+here: `*:PORT`). `serve_store` binds a listening socket to HOST:PORT itself and hands it to the
+store (`master_listen_fd`), so the store is reachable on that address only.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+from phoenixft.errors import UserError
+
+__all__ = ["StoreServer", "serve_store", "format_addr"]
+
+
+def format_addr(host: str, port: int) -> str:
+    """HOST:PORT, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class StoreServer:
+    """A TCPStore server listening on `host:port` only (port 0: a free one); keep it referenced."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = 60.0, what: str = "--host/--port") -> None:
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(4096)
+        except OSError as e:
+            sock.close()
+            raise UserError(f"{what}={format_addr(host, port)}: cannot listen there ({e.strerror or e}); give an "
+                            "address of this host and a free port (0 = any free port)") from None
+        self._sock = sock  # the store serves on this socket: it must stay open as long as the store
+        self.host, self.port = host, int(sock.getsockname()[1])
+        import torch.distributed as dist
+
+        self.store: Any = dist.TCPStore(host, self.port, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                        wait_for_workers=False, master_listen_fd=sock.fileno())
+
+    @property
+    def addr(self) -> str:
+        return format_addr(self.host, self.port)
+
+
+def serve_store(host: str, port: int, timeout_s: float = 60.0, what: str = "--host/--port") -> StoreServer:
+    return StoreServer(host, port, timeout_s, what)

@@ -1,0 +1,252 @@
+"""The join and the plans without namespaces: admission by HMAC challenge-response (real TCPStore,
+the real coordinator's policy), signed topologies, the store listening on the given address only,
+an abandoned collective that a late peer can no longer complete, and the flags' clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phoenixft import auth, keys
+from phoenixft.config import RunConfig
+from phoenixft.errors import RunAborted, UserError
+from phoenixft.faults import parse_fault
+from phoenixft.launcher import check_mode
+from phoenixft.store_server import serve_store
+
+TOKEN = "a" * 16 + "0123456789abcdef"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _client(server: Any) -> Any:
+    from phoenixft.comm import connect_store
+
+    return connect_store(server.addr, 10.0)
+
+
+def _ask(server: Any, out: dict[str, Any], key: str, name: str, token: str | None, spare: bool = False,
+         workers: int = 1) -> threading.Thread:
+    def go() -> None:
+        try:
+            out[key] = auth.request_admission(_client(server), {"name": name, "spare": spare, "workers": workers,
+                                                                "host": "127.0.0.1"}, token, 20.0, server.addr)
+        except UserError as e:
+            out[key] = str(e)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def test_admission_by_the_coordinators_policy() -> None:
+    """Token holders get ids (active slots first, in order; then spares; strict ids as asked); strangers,
+    another job's agents, wrong sizes and taken ids are refused with the reason; the verdicts a restarted
+    coordinator reads back are only those signed with the token; the token is never in the store."""
+    from phoenixft.coordinator import Coordinator
+
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    store.set(keys.CONFIG, RunConfig(nodes=2, spares=0).to_json())
+    store.set(keys.RUN_ID, "run1")
+    coord = Coordinator(store, token=TOKEN)
+    out: dict[str, Any] = {}
+
+    def settle(*threads: threading.Thread) -> None:
+        deadline = time.monotonic() + 30
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            coord._admit(force=True)
+            time.sleep(0.01)
+        assert not any(t.is_alive() for t in threads)
+
+    settle(_ask(server, out, "a", "alpha", TOKEN))
+    settle(_ask(server, out, "b", "beta", TOKEN))
+    settle(_ask(server, out, "none", "stranger", None), _ask(server, out, "wrong", "other", "b" * 32),
+           _ask(server, out, "big", "gamma", TOKEN, workers=2), _ask(server, out, "taken", "n1", TOKEN),
+           _ask(server, out, "slot", "n5", TOKEN), _ask(server, out, "c", "gamma", TOKEN))
+    assert (out["a"]["node"], out["b"]["node"]) == ("n0", "n1") and out["a"]["run_id"] == "run1"
+    assert out["c"]["node"] == "s0" and "every active slot is taken" in out["c"]["note"]
+    assert "refused to admit 'stranger'" in out["none"] and "presented no token" in out["none"]
+    assert "refused to admit 'other'" in out["wrong"] and "wrong token" in out["wrong"]
+    assert "--workers=2 does not match this job's --workers-per-node=1" in out["big"]
+    assert "node id n1 is already taken" in out["taken"]
+    assert "n5 is not an active slot of this job (--nodes 2: n0..n1)" in out["slot"]
+    assert set(coord.members) == {"n0", "n1", "s0"} and coord.spare_pool == ["s0"]
+    assert json.loads(store.get(keys.MEMBERS))["n0"]["name"] == "alpha"
+    # a restarted coordinator rebuilds exactly the signed admissions; a forged verdict does not count
+    seq = int(store.add(keys.ADMIT_SEQ, 1))
+    for k, v in ((keys.admit_req(seq), json.dumps({"name": "evil"})), (keys.admit_challenge(seq), "00"),
+                 (keys.admit_verdict(seq), json.dumps({"ok": True, "node": "s9", "run_id": "run1", "note": "",
+                                                        "mac": "f" * 64}))):
+        store.set(k, v)
+    assert sorted(v["node"] for _, _, v in auth.AdmissionDesk(store, TOKEN).admitted()) == ["n0", "n1", "s0"]
+    assert sorted(Coordinator(store, token=TOKEN).members) == ["n0", "n1", "s0"]
+    top = int(store.add(keys.ADMIT_SEQ, 0))
+    for s in range(1, top + 1):
+        for k in (keys.admit_req(s), keys.admit_challenge(s), keys.admit_resp(s), keys.admit_verdict(s)):
+            if store.check([k]):
+                assert TOKEN not in store.get(k).decode()
+
+
+def test_a_response_cannot_be_replayed_and_a_rogue_coordinator_is_noticed() -> None:
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    desk = auth.AdmissionDesk(store, TOKEN)
+    out: dict[str, Any] = {}
+    t = _ask(server, out, "ok", "alpha", TOKEN)
+    apps: list[auth.Application] = []
+    deadline = time.monotonic() + 20
+    while not apps and time.monotonic() < deadline:
+        apps = desk.poll()
+        time.sleep(0.01)
+    (app,) = apps
+    assert app.proof == "ok"
+    # the same request and response under another number (or another challenge) do not verify
+    resp = store.get(keys.admit_resp(app.seq)).decode()
+    seq = int(store.add(keys.ADMIT_SEQ, 1))
+    store.set(keys.admit_req(seq), store.get(keys.admit_req(app.seq)))
+    store.add(keys.ADMIT_POSTED, 1)
+    desk.poll()
+    store.set(keys.admit_resp(seq), resp)
+    store.add(keys.ADMIT_POSTED, 1)
+    (replayed,) = desk.poll()
+    assert replayed.seq == seq and replayed.proof == "wrong"
+    # a coordinator holding another token cannot admit us: its verdict does not verify with ours
+    auth.AdmissionDesk(store, "c" * 32).answer(app, "n0", "run1")
+    t.join(timeout=20)
+    assert "not signed with this agent's token" in out["ok"], out
+
+
+def test_workers_act_only_on_signed_topologies(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phoenixft.topology import Topology
+
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    raw = Topology(epoch=3, nodes=["n0", "s0"], workers_per_node=1, replicas=1, resume_step=7).to_json()
+    store.set(keys.topo_sig(3), auth.sign_topology(TOKEN, 3, raw))
+    store.set(keys.topo(3), raw)
+    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    assert auth.verified_topology(store, 3, raw.encode()).nodes == ["n0", "s0"]
+    forged = raw.replace('"s0"', '"x9"')
+    store.set(keys.topo(3), forged)
+    with pytest.raises(RunAborted, match="not signed with this job's token"):
+        auth.verified_topology(store, 3, forged.encode(), timeout_s=0.3)
+    with pytest.raises(RunAborted, match="not signed"):  # a valid signature of epoch 3 is not one of epoch 4
+        store.set(keys.topo(4), raw)
+        store.set(keys.topo_sig(4), auth.sign_topology(TOKEN, 3, raw))
+        auth.verified_topology(store, 4, raw.encode(), timeout_s=0.3)
+    monkeypatch.delenv(auth.TOKEN_ENV)
+    with pytest.raises(RunAborted, match="no job token"):
+        auth.verified_topology(store, 3, raw.encode(), timeout_s=0.3)
+
+
+def test_the_store_listens_on_the_given_address_only() -> None:
+    server = serve_store("127.0.0.2", 0)
+    want = f"0200007F:{server.port:04X}"  # /proc/net/tcp: little-endian IPv4, state 0A = LISTEN
+    listening = [line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                 if line.split()[3] == "0A" and line.split()[1].endswith(f":{server.port:04X}")]
+    assert listening == [want], listening
+    listening6 = [line.split()[1] for line in Path("/proc/net/tcp6").read_text().splitlines()[1:]
+                  if line.split()[3] == "0A" and line.split()[1].endswith(f":{server.port:04X}")]
+    assert listening6 == []
+    with pytest.raises(UserError, match="cannot listen there"):
+        serve_store("192.0.2.77", 0)  # TEST-NET-1: not an address of this machine
+
+
+_LATE_PEER = r'''
+import os, sys, time, torch, torch.distributed as dist
+from phoenixft.comm import EpochComm
+r, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False)
+comm = EpochComm(store, 0, r, 2, 30.0)
+buf = torch.full((1 << 18,), float(r))
+if r == 0:
+    work = comm.train.allreduce([buf])  # rank 1 is "cut off": it joins 2 s later
+    time.sleep(0.5)
+    comm.retire()                       # what recover() does
+    buf.fill_(7.0)                      # the buffer is reused by the next epoch
+    time.sleep(3.0)
+    print("R0", float(buf.min()), float(buf.max()), flush=True)
+else:
+    time.sleep(2.0)                     # the late peer (a healed partition) completes the old collective
+    try:
+        comm.train.allreduce([buf]).wait()
+        print("R1 completed", flush=True)
+    except Exception as e:
+        print("R1 failed", str(e)[:80], flush=True)
+'''
+
+
+def test_an_abandoned_collective_cannot_be_completed_by_a_late_peer(tmp_path: Path) -> None:
+    """A peer that comes back after its epoch was retired (a healed partition) must not complete the old
+    all-reduce into the survivor's reused buffer (without the severing in EpochComm.retire it does)."""
+    import torch.distributed as dist
+
+    script = tmp_path / "late_peer.py"
+    script.write_text(_LATE_PEER)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(server.port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert "R0 7.0 7.0" in outs[0], outs
+    assert "R1 failed" in outs[1], outs
+
+
+def test_partition_faults_and_mode_errors_name_the_flag() -> None:
+    f = parse_fault("partition:node=2@step=9,for=8,wait=60")
+    assert (f.kind, f.nodes, f.step, f.duration, f.wait) == ("partition", (2,), 9, 8.0, 60.0)
+    for bad, why in (("partition:node=1,2@step=3", "expected"), ("partition:node=1@step=3,for=0", "> 0 seconds"),
+                     ("kill:node=1@step=3,for=2", "only for partition")):
+        with pytest.raises(UserError, match=why):
+            parse_fault(bad)
+    with pytest.raises(UserError, match="a partition needs hosts with their own addresses"):
+        check_mode(RunConfig(nodes=3, inject=["partition:node=1@step=3"]), local=True)
+    with pytest.raises(UserError, match="the workers that fire it sit on other hosts"):
+        check_mode(RunConfig(nodes=3, inject=["kill:coordinator@step=3"]), local=False)
+    with pytest.raises(UserError, match="--repair-after=5 is invalid here"):
+        check_mode(RunConfig(nodes=3, repair_after=5.0), local=False)
+    with pytest.raises(UserError, match=r"--token is invalid: a job token needs at least 16 characters"):
+        auth.check_token("short", "--token")
+    from phoenixft.agent import main as agent_main
+
+    with pytest.raises(UserError, match="--node='bad name' is invalid"):
+        agent_main(["--coordinator", "127.0.0.1:1", "--node", "bad name"])
+    with pytest.raises(UserError, match="--node=n1 --spare is contradictory"):
+        agent_main(["--coordinator", "127.0.0.1:1", "--node", "n1", "--spare"])
+
+
+@pytest.mark.slow
+def test_a_local_run_refuses_an_agent_without_the_token(tmp_path: Path) -> None:
+    """`phoenixft run` admits only its own agents (the launcher gives them its token): one started by hand
+    without the token is refused with one line, exit code 2, and the run is unaffected."""
+    from conftest import run
+
+    out: dict[str, Any] = {}
+
+    def stranger() -> None:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "coordinator.port").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = (tmp_path / "coordinator.port").read_text()
+        env = {k: v for k, v in os.environ.items() if k != auth.TOKEN_ENV}
+        env["PYTHONPATH"] = str(REPO / "src")
+        out["p"] = subprocess.run([sys.executable, "-m", "phoenixft", "agent", "--coordinator", f"127.0.0.1:{port}",
+                                   "--node", "s7", "--join-timeout", "60"], capture_output=True, text=True,
+                                  timeout=120, env=env)
+
+    t = threading.Thread(target=stranger, daemon=True)
+    t.start()
+    rep = run(tmp_path, nodes=2, spares=0, steps=80)
+    t.join(timeout=120)
+    p = out["p"]
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "refused to admit 's7'" in p.stderr and "presented no token" in p.stderr, p.stderr
+    assert rep["state"] == "done" and "s7" not in rep.get("members", {})
