@@ -76,14 +76,14 @@ def run(quick: bool = False, out: Path = RESULTS) -> dict[str, Any]:
         res["step_time_ratio_3d_vs_dp"] = ratio(res["step_time_s"]["3d"], res["step_time_s"]["dp"])
         res["hotswap"] = {k: hotswap(work, k, model) for k in LAYOUTS}
     st = res["step_time_s"]
-    print(table(f"failure-free step time, {model}, 8 workers, global batch 8x8",
+    table(f"failure-free step time, {model}, 8 workers, global batch 8x8",
                 ["layout", "step s", "vs dp"],
-                [[k, st[k], ratio(st[k], st["dp"])] for k in LAYOUTS]))
+                [[k, st[k], ratio(st[k], st["dp"])] for k in LAYOUTS])
     hs = res["hotswap"]
-    print(table(f"hot-swap of node 1 at step 8, {model}: seconds by stage",
+    table(f"hot-swap of node 1 at step 8, {model}: seconds by stage",
                 ["stage", *LAYOUTS], [[s, *(hs[k]["stages"].get(s) for k in LAYOUTS)] for s in STAGES]
                 + [["recovery_s", *(hs[k]["recovery_s"] for k in LAYOUTS)],
-                   ["bytes_moved", *(hs[k]["bytes_moved"] for k in LAYOUTS)]]))
+                   ["bytes_moved", *(hs[k]["bytes_moved"] for k in LAYOUTS)]])
     write_json(out / "mesh.json", res)
     return res
 
