@@ -30,6 +30,9 @@ from phoenixft.invariants import check_invariants
 from phoenixft.persist import Persister
 from phoenixft.recovery import restore
 from phoenixft.recovery.planner import Descriptor
+from phoenixft.redundancy.parity import ParityHolding, parity_name
+from phoenixft.redundancy.plan import ec_plan
+from phoenixft.redundancy.protect import ErasureProtector
 from phoenixft.replication import ReplicaPlan, Replicator
 from phoenixft.snapshot import INVALID, Holding
 from phoenixft.topology import Topology, shard_name
@@ -77,6 +80,14 @@ class Worker:
             for f in shm.SHM_DIR.glob(shm.holding_glob(run_id, self.wid, gen)):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
                 self.repl.holding(shard)
+        # --redundancy ec:D+H: parity blocks instead of replicas (phoenixft.redundancy)
+        self.redundancy = cfg.scheme
+        self.ec: ErasureProtector | None = None
+        if self.repl is not None and self.redundancy.is_ec:
+            self.ec = ErasureProtector(lambda gid, numel, dmax: ParityHolding(
+                numel, dmax, self.shm and f"{self.shm}-par{gid}"))
+            if incarnation > 0:  # adopt the parity retained in shared memory
+                self.ec.adopt(shm.SHM_DIR.glob(shm.parity_glob(run_id, self.wid, gen)))
         pstore = connect_store(store_addr) if cfg.persist_every and self.protect else None
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
                                    fenced=lambda: bool(pstore.check([keys.fence(node_id)]))) if pstore else None
@@ -101,6 +112,8 @@ class Worker:
         if self.repl is not None:
             self.repl.state = self.trainer.state
             self.repl.holdings = {}
+        if self.ec is not None:
+            self.ec.parity = {}
         if old_shm and old_shm != self.shm:  # the old generation's segments are never used again
             for f in shm.SHM_DIR.glob(Path(old_shm).name + "-*"):
                 f.unlink(missing_ok=True)
@@ -371,6 +384,20 @@ class Worker:
                         d.holdings.setdefault(name, {})[st] = h.crc_of(x)
                     else:
                         d.rejected.append((name, st))
+        if self.ec is not None:
+            for gid, ph in self.ec.parity.items():
+                for x in (0, 1):
+                    st = ph.step_of(x)
+                    if st == INVALID:
+                        continue
+                    info = ph.info_of(x)
+                    members = [shard_name(i, info.world) for i in info.members]
+                    name = parity_name(members, info.j)
+                    if ph.verify(x):
+                        d.parity.setdefault(name, {})[st] = {"crc": ph.crc_of(x), "j": info.j, "h": info.h, "gid": gid,
+                                                             "members": members, "mcrc": list(info.mcrc)}
+                    else:
+                        d.rejected.append((name, st))
         return d
 
     def recover(self, err: str) -> int:
@@ -426,8 +453,14 @@ class Worker:
         else:
             restore.restore_in_place(self, topo, r, timings, bad)
         if self.repl is not None:
+            ecp = ec_plan(topo, self.rank, self.redundancy) if self.ec is not None else None
+            if self.ec is not None:
+                self.ec.plan = ecp
+                for ph in self.ec.parity.values():
+                    ph.invalidate_after(r)
             self.repl.configure(self.comm, ReplicaPlan(shard=self.rank, send_to=topo.holders(self.rank),
-                                                       recv_from=[(x, x) for x in topo.sources(self.rank)]))
+                                                       recv_from=[(x, x) for x in topo.sources(self.rank)]),
+                                self.ec if ecp is not None else None)
             for h in self.repl.holdings.values():
                 h.invalidate_after(r)
         half = tr.state.half_with(r)
