@@ -132,7 +132,8 @@ class ErasureProtector:
             phdr[holder] = torch.tensor([plan.gid, j, me, step, checksum(buf), d, *mcrc, *[0] * (plan.dmax - d)],
                                         dtype=torch.int64)
         hl = 6 + plan.dmax
-        recv = {src: lf for hb in plan.held for src in hb.members}
+        glf = {hb.gid: stripe_bytes(4 * n, len(hb.members)) // 4 for hb in plan.held}  # groups differ in size
+        recv = {src: glf[hb.gid] for hb in plan.held for src in hb.members}
         w3, _, rph = alltoallv(pg, world, phdr, {src: hl for src in recv}, dtype=torch.int64)
         w4, _, rpd = alltoallv(pg, world, psend, recv)
         repl.wait_all([w3, w4], f"parity of step {step}")
@@ -156,13 +157,13 @@ class ErasureProtector:
         committed: dict[int, Holding] = {}
         with repl.commit_guard(comm, step):
             for hb, got_mcrc in checked:
-                dlen = len(hb.members)
-                ph = self.holding(hb.gid, dlen * lf, plan.dmax)
+                dlen, g = len(hb.members), glf[hb.gid]
+                ph = self.holding(hb.gid, dlen * g, plan.dmax)
                 dst = ph.staging()
                 ph.begin_write(dst)
                 row = ph.data[dst, 0]
                 for k, src in enumerate(hb.members):
-                    row[k * lf : (k + 1) * lf].copy_(rpd[src])
+                    row[k * g : (k + 1) * g].copy_(rpd[src])
                 ph.set_info(dst, hb.j, hb.h, world, hb.members, got_mcrc)
                 ph.commit(dst, step, checksum(ph.payload(dst)), (hb.gid, world))
                 committed[hb.gid] = ph
