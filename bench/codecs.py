@@ -10,6 +10,11 @@ same buffers for every candidate, so the ratios are comparable. Candidates that 
 installed are listed as such; the pure-Python ones (reedsolo, galois) are timed on a smaller
 block (--small-mb) and say so. Writes bench/results/codecs.json.
 
+Also measured, because phoenixft encodes on a background thread while the training loop runs:
+`main_thread` = how fast a pure-Python loop on the main thread runs while the encode runs on a
+second thread, relative to the same loop alone (1.0: the codec releases the GIL and another core
+is free; near 0: it holds the GIL for the whole encode, stalling the training loop).
+
 Candidates: XOR in torch and numpy (H = 1 only); zfec (Rizzo's Vandermonde RS, GF(2^8));
 pyeclib (liberasurecode) with ISA-L's RS (Vandermonde and Cauchy) and liberasurecode's own RS;
 reed-solomon-leopard (Python binding of the Rust crate reed-solomon-simd: Leopard-RS in
@@ -247,8 +252,36 @@ def measure(name: str, d: int, h: int, block_bytes: int, repeat: int) -> dict[st
     t_enc = min(_timed(lambda: enc(blocks)) for _ in range(repeat))
     t_dec = min(_timed(lambda: dec(avail, lost)) for _ in range(repeat))
     data = d * block_bytes
+    share = gil_share(lambda: enc(blocks)) if not CANDIDATES[name][1] else None
     return {"encode_s": t_enc, "decode_s": t_dec, "encode_gbps": data / t_enc / 1e9,
-            "decode_gbps": data / t_dec / 1e9, "bit_exact": exact, "block_bytes": block_bytes}
+            "decode_gbps": data / t_dec / 1e9, "bit_exact": exact, "block_bytes": block_bytes,
+            "main_thread": share}
+
+
+def gil_share(f: Callable[[], Any], seconds: float = 0.6) -> float:
+    """Main-thread loop rate while `f` runs repeatedly on another thread, relative to the rate alone."""
+    import threading
+
+    def spin(until: float) -> int:
+        n = 0
+        while time.perf_counter() < until:
+            n += 1
+        return n
+
+    alone = spin(time.perf_counter() + 0.3) / 0.3
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            f()
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    time.sleep(0.05)
+    n = spin(time.perf_counter() + seconds)
+    stop.set()
+    t.join()
+    return (n / seconds) / alone
 
 
 def _timed(f: Callable[[], Any]) -> float:
@@ -280,8 +313,9 @@ def main() -> None:
                 print(f"  {name:42s} -- {r['skipped']}")
             else:
                 note = f"  ({mb:g} MB blocks)" if slow else ""
+                mt = "   -" if r["main_thread"] is None else f"{r['main_thread']:4.2f}"
                 print(f"  {name:42s} encode {r['encode_gbps']:7.3f} GB/s  decode {r['decode_gbps']:7.3f} GB/s"
-                      f"  exact={r['bit_exact']}{note}")
+                      f"  main thread {mt}  exact={r['bit_exact']}{note}")
         base = rows.get("zfec", {})
         for r in rows.values():
             if "encode_gbps" in r and "encode_gbps" in base:

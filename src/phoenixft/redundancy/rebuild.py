@@ -15,11 +15,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from phoenixft.comm import alltoallv
 from phoenixft.errors import RunAborted
-from phoenixft.redundancy.codes import make_code, stripe_bytes
+from phoenixft.redundancy.codes import Code, make_code, stripe_bytes
 from phoenixft.redundancy.protect import u8
 from phoenixft.snapshot import checksum
 from phoenixft.topology import Topology, shard_name
@@ -27,12 +28,25 @@ from phoenixft.topology import Topology, shard_name
 if TYPE_CHECKING:
     from phoenixft.worker import Worker
 
-__all__ = ["run_decodes", "block_floats"]
+__all__ = ["run_decodes", "block_floats", "decode_blocks"]
 
 
 def block_floats(n: int, d: int) -> int:
     """float32 elements of one block of a d-member group whose payloads hold n float32 each."""
     return d * stripe_bytes(4 * n, d) // 4
+
+
+def decode_blocks(code: Code, pieces: dict[int, np.ndarray], n: int, lost: list[int]) -> dict[int, torch.Tensor]:
+    """The payloads (n float32 each) of the group members `lost`, rebuilt stripe by stripe from d pieces
+    (block index -> the block's bytes: a member's padded payload, or a parity block)."""
+    d = code.d
+    sl = stripe_bytes(4 * n, d)
+    rebuilt = {i: torch.zeros(block_floats(n, d)) for i in lost}
+    for k in range(d):
+        got_k = code.decode({i: v[k * sl : (k + 1) * sl] for i, v in pieces.items()}, lost)
+        for i in lost:
+            u8(rebuilt[i])[k * sl : (k + 1) * sl] = got_k[i]
+    return {i: t[:n] for i, t in rebuilt.items()}
 
 
 def _local_piece(m: Worker, job: dict[str, Any], p: dict[str, Any], r: int, n: int, pf: int) -> torch.Tensor:
@@ -90,7 +104,6 @@ def run_decodes(m: Worker, topo: Topology, r: int, n: int, timings: dict[str, An
         if not mine:
             continue
         d, h = len(job["shards"]), int(job["h"])
-        sl = stripe_bytes(4 * n, d)
         pieces = {}
         ok = True
         for p in job["pieces"]:
@@ -103,13 +116,9 @@ def run_decodes(m: Worker, topo: Topology, r: int, n: int, timings: dict[str, An
         if not ok:
             continue
         code = m.ec.code(d, h) if m.ec is not None else make_code(d, h)
-        rebuilt = {i: torch.zeros(block_floats(n, d)) for i in mine}
-        for k in range(d):
-            got_k = code.decode({i: v[k * sl : (k + 1) * sl] for i, v in pieces.items()}, mine)
-            for i in mine:
-                u8(rebuilt[i])[k * sl : (k + 1) * sl] = got_k[i]
+        rebuilt = decode_blocks(code, pieces, n, mine)
         for i in mine:
-            payload, crc = rebuilt[i][:n], int(job["mcrc"][i])
+            payload, crc = rebuilt[i], int(job["mcrc"][i])
             shard = int(job["shards"][i])
             if checksum(payload) != crc:
                 bad.append(f"{shard_name(shard, job['world'])} rebuilt from its group does not match the checksum "
