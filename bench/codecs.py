@@ -299,6 +299,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "codecs.json"))
     a = ap.parse_args()
     torch.set_num_threads(1)
+    import os
+
+    load0 = os.getloadavg()[0]
+    print(f"load average at start {load0:.1f} (on a shared machine the absolute numbers move with it)")
     results: dict[str, Any] = {}
     for code in a.codes.split(","):
         d, h = (int(x) for x in code.split("+"))
@@ -324,13 +328,14 @@ def main() -> None:
         results[f"{d}+{h}"] = rows
     from importlib import metadata
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("zfec", "pyeclib", "reed-solomon-leopard", "galois", "reedsolo", "numpy", "torch"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    out = {"block_mb": a.mb, "threads": 1, "versions": versions, "results": results}
+    out = {"block_mb": a.mb, "threads": 1, "versions": versions, "load_avg_start": load0,
+           "load_avg_end": os.getloadavg()[0], "cpus": os.cpu_count(), "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {a.out}")

@@ -122,9 +122,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.model, a.nodes, a.steps, a.rounds = "tiny", 6, 8, 1
+    import os
     import tempfile
 
     t0 = time.time()
+    load0 = os.getloadavg()[0]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="phoenixft-bench-red-") as tmp:
         for rnd in range(a.rounds):
@@ -152,13 +154,14 @@ def main() -> None:
         rows.append([mode, f"{mx / mib:.1f}", f"{mean / mib:.1f}", f"{e['protection_max'] / mib:.1f}",
                      f"{e['protection_mean'] / mib:.1f}", f"{res[mode]['protect_bytes_rank0'] / mib:.1f}",
                      f"{e['send_per_rank_max'] / mib:.1f}", f"{med:.3f}", f"{med / base:.3f}"])
-    print(table(f"redundancy schemes on {a.model}, {a.nodes} nodes x 1 worker, {a.steps} steps, {a.rounds} round(s)",
+    table(f"redundancy schemes on {a.model}, {a.nodes} nodes x 1 worker, {a.steps} steps, {a.rounds} round(s)",
                 ["mode", "shm/node max MiB", "mean", "protection max", "mean", "sent/step rank0 MiB",
-                 "sent/step max rank", "step s", "vs none"], rows))
+                 "sent/step max rank", "step s", "vs none"], rows)  # prints it
     hashes = {h for v in res.values() for h in v["hashes"]}
     print(f"final state identical across all runs: {len(hashes) == 1}")
     write_json(Path(a.out), {"machine": machine_info(), "model": a.model, "nodes": a.nodes, "steps": a.steps,
-                             "rounds": a.rounds, "wall_s": time.time() - t0, "results": res})
+                             "rounds": a.rounds, "wall_s": time.time() - t0, "load_avg_start": load0,
+                             "load_avg_end": os.getloadavg()[0], "results": res})
     log(f"wrote {a.out}")
 
 

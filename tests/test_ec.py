@@ -50,6 +50,7 @@ def test_ec22_two_members_of_one_group_killed_in_the_same_step(tmp_path: Path, r
     assert rec["dead"] == ["n0", "n2"] and sorted(rec["promoted"]) == ["s0", "s1"]
 
 
+@pytest.mark.slow
 def test_ec_shrink_rebuilds_then_repartitions(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=0, steps=12, redundancy="ec:3+1",
@@ -60,6 +61,21 @@ def test_ec_shrink_rebuilds_then_repartitions(tmp_path: Path, reference) -> None
     # the same samples every step; only the reduction order differs (3 ranks instead of 4)
     for s, (x, y) in enumerate(zip(rep["loss"], ref["loss"], strict=True), 1):
         assert abs(x - y) <= 1e-4 * abs(y), f"step {s}: {x} vs {y}"
+
+
+@pytest.mark.slow
+def test_ec22_corrupt_parity_is_never_used(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    # the parity block n1 received during step 5 (that of step 4, the newest) is corrupted at rest; n0 then
+    # dies inside its optimizer step 5: its shard must be rebuilt from n2 and the *other* parity block (n3)
+    ref = reference(nodes=4, steps=10)
+    rep = run(tmp_path, nodes=4, spares=1, steps=10, redundancy="ec:2+2",
+              inject=["corrupt:node=1@step=5", "kill:node=0@step=5,phase=optimizer"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    _ok(rec, "hotswap", ["pp0.tp0.dp0of4"])
+    assert rec["resumed_step"] == 4 and rec["lost_steps"] == 0, rec
+    assert ["parity0:pp0.tp0.dp0of4,pp0.tp0.dp2of4", 4] in rec["replicas_rejected"], rec
 
 
 @pytest.mark.slow
@@ -97,3 +113,16 @@ def test_ec42_eight_nodes_two_of_one_group_killed(tmp_path: Path, reference) -> 
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
     _ok(rec, "hotswap", ["pp0.tp0.dp0of8", "pp0.tp0.dp2of8"])
+
+
+@pytest.mark.slow
+def test_ec21_two_workers_per_node_one_ring_per_local_rank(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    # 3 nodes x 2 workers: two rings (local rank 0 and 1), each {n0, n2} + parity on n1 and {n1} + parity on
+    # n2; killing n1 loses one member in each ring: dp2of6 (ring 0) and dp3of6 (ring 1), both rebuilt
+    ref = reference(nodes=3, workers_per_node=2, steps=10)
+    rep = run(tmp_path, nodes=3, workers_per_node=2, spares=1, steps=10, redundancy="ec:2+1",
+              inject=["kill:node=1@step=5,phase=backward"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    _ok(rec, "hotswap", ["pp0.tp0.dp2of6", "pp0.tp0.dp3of6"])
