@@ -13,6 +13,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train N nodes x G workers with S warm spares; inject faults; write a report",
                        description="Train a job as local processes: coordinator, one agent per node, workers, spares.")
     add_run_arguments(p)
+    p.add_argument("--dry-run", dest="dry_run", action="store_true",
+                   help="Start nothing: print the host memory each node needs (parameters, ping-pong halves, "
+                        "replicas or parity) and the bytes each rank sends per step, for these flags.")
     p.set_defaults(func=run)
 
 
@@ -20,5 +23,10 @@ def run(args: argparse.Namespace) -> int:
     from phoenixft.launcher import run_job
 
     cfg = config_from_args(args)
+    if getattr(args, "dry_run", False):
+        from phoenixft.redundancy.estimate import estimate_config, format_estimate
+
+        print(format_estimate(estimate_config(cfg), cfg))
+        return 0
     report = run_job(cfg)
     return 0 if report.get("state") == "done" else 1
