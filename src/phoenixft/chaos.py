@@ -146,6 +146,9 @@ def _check(cfg: RunConfig, faults: int) -> tuple[int, int]:
         raise UserError(f"--nodes={cfg.nodes} is invalid: chaos needs at least 2 nodes")
     if cfg.inject:
         raise UserError("--inject is invalid here: the campaign draws its faults from --seed")
+    if cfg.scheme.is_ec:  # its survivability oracle knows replica placement only (issue 15 leaves chaos out)
+        raise UserError(f"--redundancy={cfg.redundancy!r} is invalid here: chaos campaigns support replicas:K only "
+                        "for now; run ec:D+H faults with `phoenixft run --inject`")
     first, last = FIRST_STEP, cfg.steps - 2
     need = FIRST_STEP + 1 + faults * MIN_GAP
     if last - first + 1 < faults * MIN_GAP:

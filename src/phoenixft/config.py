@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import tempfile
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any
 
 from phoenixft.errors import UserError
 from phoenixft.faults import FaultSpec, parse_fault
+from phoenixft.redundancy.scheme import VALID as REDUNDANCY_VALID
+from phoenixft.redundancy.scheme import Redundancy, parse_redundancy
 
 __all__ = ["RunConfig", "add_run_arguments", "config_from_args", "checkpoint_bytes", "PROTECT_MODES"]
 
@@ -83,7 +86,12 @@ class RunConfig:
                            flag="--eval-batches")
     seed: int = _f(1234, "Seed of the model init and of the (pure) batch function.")
     protect: str = _f("phoenix", "Per-step protection: phoenix (in-memory snapshot + peer replicas) or none.")
-    replicas: int = _f(1, "Peer replicas of each optimizer shard, placed on other nodes (k).")
+    replicas: int = _f(1, "Peer replicas of each optimizer shard, placed on other nodes (k); shorthand for "
+                          "--redundancy replicas:K.")
+    redundancy: str = _f("replicas:1", "How each optimizer shard is protected: replicas:K (K full copies on other "
+                         "nodes) or ec:D+H (the shards of D data-parallel ranks on D nodes form a group whose H parity "
+                         "blocks live on H further nodes, other racks first; any H lost members of a group are rebuilt "
+                         "bit for bit; H=1 XOR, H>=2 Reed-Solomon). `phoenixft run --dry-run` prints what each costs.")
     racks: int = _f(1, "Failure domains above nodes: nodes spread evenly (in contiguous blocks) over R racks; "
                        "replicas go to other racks first.")
     inject: list[str] = _f(
@@ -127,8 +135,19 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.workers_per_node == 0:
             self.workers_per_node = max(1, self.tp)
+        # --replicas K is a shorthand for --redundancy replicas:K: the two fields always agree
+        m = re.fullmatch(r"replicas:(\d+)", str(self.redundancy).strip())
+        if m and int(m.group(1)) == 1 and self.replicas != 1:
+            self.redundancy = f"replicas:{self.replicas}"
+        elif m and self.replicas == 1:
+            self.replicas = int(m.group(1))
 
     # ------------------------------------------------------------------ derived
+    @property
+    def scheme(self) -> Redundancy:
+        """The parsed --redundancy (after validate(): always valid)."""
+        return parse_redundancy(self.redundancy)
+
     @property
     def world(self) -> int:
         return self.nodes * self.workers_per_node
@@ -201,7 +220,25 @@ class RunConfig:
         need(self.eval_batches >= 1, "--eval-batches", self.eval_batches, "must be >= 1")
         need(self.protect in PROTECT_MODES, "--protect", self.protect, f"one of {', '.join(PROTECT_MODES)}")
         need(self.replicas >= 1, "--replicas", self.replicas, "must be >= 1")
-        if self.protect == "phoenix":
+        try:
+            scheme = parse_redundancy(self.redundancy)
+        except ValueError as e:
+            raise UserError(f"--redundancy={self.redundancy!r} is invalid: {e}; valid: {REDUNDANCY_VALID}") from None
+        if scheme.is_ec:
+            need(self.replicas == 1, "--replicas", self.replicas,
+                 f"--replicas K is a shorthand for --redundancy replicas:K and cannot be combined with "
+                 f"--redundancy {scheme}")
+            need(self.tp * self.pp == 1, "--redundancy", self.redundancy,
+                 f"erasure-coded groups are data-parallel only for now; with --tp {self.tp} --pp {self.pp} use "
+                 "replicas:K")
+            if self.protect == "phoenix":
+                need(scheme.min_nodes <= self.nodes, "--redundancy", self.redundancy,
+                     f"a group of D={scheme.d} members and its H={scheme.h} parity blocks need D + H = "
+                     f"{scheme.min_nodes} distinct nodes, --nodes is {self.nodes}")
+        else:
+            need(scheme.k == self.replicas, "--redundancy", self.redundancy,
+                 f"conflicts with --replicas {self.replicas}")
+        if self.protect == "phoenix" and not scheme.is_ec:
             ring = self.nodes // self.pp if self.nodes % self.pp == 0 else self.nodes
             where = "nodes" if self.pp == 1 else "nodes of one pipeline stage (its data-parallel peers)"
             need(

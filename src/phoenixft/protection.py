@@ -19,6 +19,9 @@ from phoenixft import keys
 from phoenixft.comm import connect_store
 from phoenixft.persist import Persister
 from phoenixft.recovery.planner import Descriptor
+from phoenixft.redundancy.parity import ParityHolding, parity_name
+from phoenixft.redundancy.plan import ec_plan
+from phoenixft.redundancy.protect import ErasureProtector
 from phoenixft.replication import ReplicaPlan, Replicator
 from phoenixft.snapshot import INVALID, Holding
 from phoenixft.topology import Topology, shard_name
@@ -46,6 +49,12 @@ class Protection:
                 on_in_flight=lambda s: w.inject.at(s + 1, "replicate"),
                 after_commit=self.after_replication,
             )
+        # --redundancy ec:D+H: parity blocks instead of replicas (phoenixft.redundancy)
+        self.redundancy = cfg.scheme
+        self.ec: ErasureProtector | None = None
+        if self.repl is not None and self.redundancy.is_ec:
+            self.ec = ErasureProtector(lambda gid, numel, dmax: ParityHolding(
+                numel, dmax, w.shm and f"{w.shm}-par{gid}"))
         pstore = connect_store(store_addr) if cfg.persist_every and on else None
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
                                    fenced=lambda: bool(pstore.check([keys.fence(w.node_id)]))) if pstore else None
@@ -63,8 +72,14 @@ class Protection:
         if self.repl is None:
             return
         assert self.w.comm is not None
+        ecp = ec_plan(topo, rank, self.redundancy) if self.ec is not None else None
+        if self.ec is not None:
+            self.ec.plan = ecp
+            for ph in self.ec.parity.values():
+                ph.invalidate_after(r)
         self.repl.configure(self.w.comm, ReplicaPlan(shard=rank, send_to=topo.holders(rank),
-                                                     recv_from=[(x, x) for x in topo.sources(rank)]))
+                                                     recv_from=[(x, x) for x in topo.sources(rank)]),
+                            self.ec if ecp is not None else None)
         for h in self.repl.holdings.values():
             h.invalidate_after(r)
 
@@ -119,6 +134,21 @@ class Protection:
                     name = shard_name(idx if count else shard, count or tr.flat.shards * tp * pp, tp, pp)
                     if h.verify(x):
                         d.holdings.setdefault(name, {})[st] = h.crc_of(x)
+                    else:
+                        d.rejected.append((name, st))
+        if self.ec is not None:
+            for gid, ph in self.ec.parity.items():
+                for x in (0, 1):
+                    st = ph.step_of(x)
+                    if st == INVALID:
+                        continue
+                    info = ph.info_of(x)
+                    members = [shard_name(i, info.world, tp, pp) for i in info.members]
+                    name = parity_name(members, info.j)
+                    if ph.verify(x):
+                        d.parity.setdefault(name, {})[st] = {"crc": ph.crc_of(x), "j": info.j, "h": info.h,
+                                                             "gid": gid, "members": members,
+                                                             "mcrc": list(info.mcrc)}
                     else:
                         d.rejected.append((name, st))
         return d

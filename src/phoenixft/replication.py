@@ -12,9 +12,11 @@ recovery point exist for every combination of survivors).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,15 +72,18 @@ class Replicator:
         self._stop = False
         self.comm: EpochComm | None = None
         self.plan: ReplicaPlan | None = None
+        self.scheme: Any = None  # another redundancy scheme for this epoch (phoenixft.redundancy), or None
         self.stats = _Stats()
         self._thread = threading.Thread(target=self._run, name="phoenixft-replicator", daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------------- main-thread API
-    def configure(self, comm: EpochComm, plan: ReplicaPlan) -> None:
+    def configure(self, comm: EpochComm, plan: ReplicaPlan | None, scheme: Any = None) -> None:
+        """The epoch's groups and plan; with `scheme` (e.g. `redundancy.ErasureProtector`) each job
+        is `scheme.protect(self, step)` instead of sending replicas."""
         with self._cv:
             assert self._job is None, "reconfigure while a job runs"
-            self.comm, self.plan = comm, plan
+            self.comm, self.plan, self.scheme = comm, plan, scheme
             self._error = None
             self._done = -1
             self._abort.clear()
@@ -147,12 +152,43 @@ class Replicator:
             return "recovery started"
         return self._abort_check()
 
+    # ---------------------------------------------------------------- for a redundancy scheme's job
+    def wait_all(self, works: list[Any], what: str) -> None:
+        """Wait for a job's transfers (one deadline for all), giving up when a recovery starts."""
+        import time
+
+        deadline = time.monotonic() + self.timeout_s
+        for w in works:
+            wait_work(w, what, self._abort_reason, max(0.1, deadline - time.monotonic()))
+
+    @contextlib.contextmanager
+    def commit_guard(self, comm: EpochComm, step: int) -> Iterator[None]:
+        """Held while a job commits what it received; raises if a recovery superseded the job."""
+        with self._cv:
+            if self._abort.is_set() or self.comm is not comm:
+                raise PeerFailure(f"replication of step {step}: superseded by a recovery")
+            yield
+
+    def in_flight(self, step: int) -> None:
+        if self._on_in_flight is not None:
+            self._on_in_flight(step)
+
     def _replicate(self, step: int) -> None:
         import time
 
-        assert self.comm is not None and self.plan is not None
         t0 = time.perf_counter()
         c0 = time.thread_time()
+        if self.scheme is not None:  # parity instead of replicas: the scheme moves the bytes
+            sent, received = self.scheme.protect(self, step)
+            if self._after_commit is not None:
+                self._after_commit(step, received)
+            dt = time.perf_counter() - t0
+            self.stats.jobs += 1
+            self.stats.bytes_sent += sent
+            self.stats.seconds += dt
+            self.stats.last_job_s, self.stats.last_cpu_s, self.stats.last_bytes = dt, time.thread_time() - c0, sent
+            return
+        assert self.comm is not None and self.plan is not None
         comm, plan = self.comm, self.plan
         pg, world = comm.repl, comm.world
         half = self.state.half_with(step)

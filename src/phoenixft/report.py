@@ -3,7 +3,9 @@
 Report fields: `config`, `state`, `steps_completed`, `loss` (one value per step),
 `step_time_s` (median, p90; the first two steps are warm-up and left out), `final_state_sha256`,
 `recoveries` (one entry per recovery epoch: fault, class, action, epoch, detect_s, recovery_s,
-lost_steps, resumed_step, stage timings, invariants), `error` when the run failed.
+lost_steps, resumed_step, stage timings, invariants, bytes_moved, with `--redundancy ec:D+H` the
+shards `decoded` from their group, the pieces' bytes `bytes_decoded_from` and `decode_s`),
+`redundancy`, `error` when the run failed.
 """
 
 from __future__ import annotations
@@ -93,7 +95,12 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
                 "join_s": joined_at - rec["t_decided"],
                 "first_step_s": (first["t"] - joined_at) if first else None,
             },
-            "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) for j in joins),
+            "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) + j.get("bytes_ec", 0) for j in joins),
+            "redundancy": cfg.redundancy,
+            # ec:D+H: shards rebuilt from their group's pieces, the pieces' bytes, the slowest decode
+            "decoded": sorted({x for j in joins for x in j.get("decoded", [])}),
+            "bytes_decoded_from": sum(j.get("bytes_ec", 0) for j in joins),
+            "decode_s": max((j.get("decode_s", 0.0) for j in joins), default=0.0),
             "invariants": inv,
             "errors": rec.get("errors", []),
             "replicas_rejected": rec.get("replicas_rejected", []),
@@ -117,6 +124,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         "run_id": run_id,
         "state": state,
         "config": json.loads(cfg.to_json()),
+        "redundancy": cfg.redundancy,
         "steps_completed": final["step"] if final else (steps[-1]["step"] if steps else 0),
         "loss": [r["loss"] for r in steps],
         "lr": [r.get("lr") for r in steps],

@@ -1,7 +1,8 @@
 """Host shared memory of a run: segment names, owner records and the orphan sweep.
 
 Every segment of a run is a file `/dev/shm/phoenixft-<run>-<node>.<local rank>-g<gen>-<what>`
-(`<what>`: `params.0|1|tags`, `state.data|hdr`, `hold<s>.data|hdr`), so a run's segments, a
+(`<what>`: `params.0|1|tags`, `state.data|hdr`, `hold<s>.data|hdr`, with `--redundancy ec:D+H`
+`par<gid>.data|hdr|info`), so a run's segments, a
 node's and a worker's each share one prefix (`run_prefix`, `node_prefix`, `worker_base`).
 
 Ownership: the processes that may create or keep a run's segments (the launcher, each node
@@ -28,9 +29,9 @@ from typing import Any
 
 from phoenixft.procs import alive, cmdlines, start_time
 
-__all__ = ["SHM_DIR", "check_run_id", "run_prefix", "node_prefix", "worker_base", "holding_glob", "segments",
-           "unlink_segments", "owner_path", "register_owner", "unregister_owner", "live_owners", "run_is_live",
-           "SweepResult", "sweep"]
+__all__ = ["SHM_DIR", "check_run_id", "run_prefix", "node_prefix", "worker_base", "holding_glob", "parity_glob",
+           "segments", "unlink_segments", "owner_path", "register_owner", "unregister_owner", "live_owners",
+           "run_is_live", "SweepResult", "sweep"]
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "phoenixft-"
@@ -63,6 +64,11 @@ def worker_base(run_id: str, wid: str, gen: int) -> str:
 def holding_glob(run_id: str, wid: str, gen: int) -> str:
     """Glob (under SHM_DIR) of the replica holdings a worker keeps, one `.data` per shard."""
     return f"{PREFIX}{run_id}-{wid}-g{gen}-hold*.data"
+
+
+def parity_glob(run_id: str, wid: str, gen: int) -> str:
+    """Glob (under SHM_DIR) of the parity blocks a worker keeps (`ec:D+H`), one `.data` per group."""
+    return f"{PREFIX}{run_id}-{wid}-g{gen}-par*.data"
 
 
 def segments(run_id: str, node: str | None = None) -> list[Path]:

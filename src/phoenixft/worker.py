@@ -32,6 +32,7 @@ from phoenixft.parallel.layers import TPHandle
 from phoenixft.parallel.stage import StageSpec, WholeModel
 from phoenixft.protection import Protection
 from phoenixft.recovery import restore
+from phoenixft.redundancy.protect import ErasureProtector
 from phoenixft.replication import Replicator
 from phoenixft.topology import Topology
 from phoenixft.training import Trainer
@@ -72,12 +73,15 @@ class Worker:
         self.inject = FaultInjector(self)
         self.protection = Protection(self, store_addr, self._coll_timeout)
         self.repl, self.persister = self.protection.repl, self.protection.persister
+        self.ec: ErasureProtector | None = self.protection.ec  # --redundancy ec:D+H (phoenixft.redundancy)
         if self.repl is not None and self.trainer is not None:
             self.repl.state = self.trainer.state
         if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
             for f in shm.SHM_DIR.glob(shm.holding_glob(run_id, self.wid, gen)):
                 shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
                 self.repl.holding(shard)
+        if self.ec is not None and incarnation > 0:  # adopt the parity retained in shared memory
+            self.ec.adopt(shm.SHM_DIR.glob(shm.parity_glob(run_id, self.wid, gen)))
         self.comm: EpochComm | None = None
         self.topo: Topology | None = None
         self.epoch = -1
@@ -121,6 +125,8 @@ class Worker:
         if self.repl is not None:
             self.repl.state = self.trainer.state
             self.repl.holdings = {}
+        if self.ec is not None:
+            self.ec.parity = {}
         if old_shm and old_shm != self.shm:  # the old generation's segments are never used again
             for f in shm.SHM_DIR.glob(Path(old_shm).name + "-*"):
                 f.unlink(missing_ok=True)

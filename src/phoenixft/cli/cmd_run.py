@@ -15,6 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p)
     p.add_argument("--token", default="", help="the job token, for agents started by hand to join this run "
                                                "(default: $PHOENIXFT_TOKEN; else a random one)")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true",
+                   help="Start nothing: print the host memory each node needs (parameters, ping-pong halves, "
+                        "replicas or parity) and the bytes each rank sends per step, for these flags.")
     p.set_defaults(func=run)
 
 
@@ -26,5 +29,10 @@ def run(args: argparse.Namespace) -> int:
     if token:
         auth.check_token(token, "--token" if getattr(args, "token", "") else f"${auth.TOKEN_ENV}")
     cfg = config_from_args(args)
+    if getattr(args, "dry_run", False):
+        from phoenixft.redundancy.estimate import estimate_config, format_estimate
+
+        print(format_estimate(estimate_config(cfg), cfg))
+        return 0
     report = run_job(cfg, token=token)
     return 0 if report.get("state") == "done" else 1

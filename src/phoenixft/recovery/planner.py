@@ -15,6 +15,9 @@ thousands of generated fault schedules (tests/test_planner.py):
 - sources: for every member that lacks its shard or the parameters at r, a transfer from a
   member that has them, with the checksum the shard's owner committed for (shard, r), so the
   receiver verifies it (invariant I3); sources that already delivered a bad copy are excluded;
+- erasure-coded groups (`ec:D+H`): a shard with no copy left is still recoverable at a step where
+  its group holds d pieces of that step (`redundancy.decodable`); the plan then carries a decode
+  job (`meta["decode"]`: which pieces, from which ranks, rebuilt for which destination);
 - when no step is held by every shard: the newest complete persistent checkpoint (on whatever
   nodes are left, shrinking if spares are short), else a failure naming the lost shards.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from phoenixft.redundancy.decodable import DecodeJob, decode_options
 from phoenixft.topology import Topology
 
 __all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps"]
@@ -42,6 +46,7 @@ class Descriptor:
     stage: str = ""  # the (pp, tp) coordinate its parameters belong to, "pp0.tp0" when data-parallel only
     own: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> {step: crc}, its committed state
     holdings: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> {step: crc}, verified replicas
+    parity: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # ec: parity name -> {step: entry}
     rejected: list[tuple[str, int]] = field(default_factory=list)  # replicas whose checksum failed
     bad_sources: list[tuple[str, int, str]] = field(default_factory=list)  # (shard, step, wid) that sent bad data
     t: float = 0.0
@@ -55,14 +60,16 @@ class Descriptor:
         return cls(wid=d["wid"], params=[int(x) for x in d.get("params", [])], own=steps(d.get("own", {})),
                    holdings=steps(d.get("holdings", {})), rejected=[(a, int(b)) for a, b in d.get("rejected", [])],
                    bad_sources=[(a, int(b), c) for a, b, c in d.get("bad_sources", [])], t=float(d.get("t", 0.0)),
-                   error=str(d.get("error", "")), stage=str(d.get("stage", "")))
+                   error=str(d.get("error", "")), stage=str(d.get("stage", "")),
+                   parity={p: {int(k): v for k, v in x.items()} for p, x in d.get("parity", {}).items()})
 
     def to_json(self) -> dict[str, Any]:
         return {"wid": self.wid, "params": self.params,
                 "own": {s: {str(k): v for k, v in x.items()} for s, x in self.own.items()},
                 "holdings": {s: {str(k): v for k, v in x.items()} for s, x in self.holdings.items()},
                 "rejected": [list(x) for x in self.rejected], "bad_sources": [list(x) for x in self.bad_sources],
-                "t": self.t, "error": self.error, "stage": self.stage}
+                "t": self.t, "error": self.error, "stage": self.stage,
+                "parity": {p: {str(k): v for k, v in x.items()} for p, x in self.parity.items()}}
 
 
 @dataclass(kw_only=True)
@@ -116,11 +123,18 @@ def _stages(topo: Topology) -> list[str]:
     return sorted({lay.coord(r).name() for r in range(topo.world)})
 
 
+def _decodable(pi: PlanInput, copies: dict[str, dict[int, dict[str, int]]]) -> dict[str, dict[int, DecodeJob]]:
+    """shard -> step -> the decode job that rebuilds it from its group (ec), where it has no copy."""
+    bad = {(s, st, w) for d in pi.descs.values() for s, st, w in d.bad_sources}
+    return decode_options(copies, {w: d.parity for w, d in pi.descs.items() if d.parity}, bad)
+
+
 def feasible_steps(pi: PlanInput, shards: list[str]) -> set[int]:
-    """Steps at which every shard has a verified copy and, for every stage, some live member holds
-    that stage's parameters."""
+    """Steps at which every shard has a verified copy (or can be rebuilt from its group) and, for every
+    stage, some live member holds that stage's parameters."""
     copies = _copies(pi)
-    per_shard = [set(copies.get(s, {})) for s in shards]
+    dec = _decodable(pi, copies)
+    per_shard = [set(copies.get(s, {})) | set(dec.get(s, {})) for s in shards]
     common = set.intersection(*per_shard) if per_shard else set()
     for stage in _stages(pi.old):
         common &= {st for d in pi.descs.values() if _stage(d) == stage for st in d.params}
@@ -172,7 +186,8 @@ def plan_recovery(pi: PlanInput) -> Plan:
     # --- the recovery step
     copies = _copies(pi)
     steps = feasible_steps(pi, shards)
-    lost = [s for s in shards if not copies.get(s)]
+    dec = _decodable(pi, copies)
+    lost = [s for s in shards if not copies.get(s) and not dec.get(s)]
     if not steps:
         held = "; ".join(f"{s}: {sorted(copies.get(s, {}))}" for s in shards)
         what = f"lost shards: {', '.join(lost)}" if lost else f"no step is held by every shard ({held})"
@@ -233,6 +248,24 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
         if r in dd.params:
             by_stage.setdefault(_stage(dd), []).append(w)
     with_params = sorted(w for ws in by_stage.values() for w in ws)
+    dec = _decodable(pi, copies)
+    jobs: list[dict[str, Any]] = []  # meta["decode"]: the decode jobs this plan runs
+
+    def job_for(shard: str, dst: int) -> int:
+        """Index of the decode job that rebuilds `shard` for rank dst (one job per group and step)."""
+        job = dec[shard][r]
+        for x, j in enumerate(jobs):
+            if j["key"] == list(job.key):
+                j["to"][str(job.members.index(shard))] = dst
+                return x
+        ids = {old.shard_name(k): k for k in range(old.world)}
+        jobs.append({"key": list(job.key), "step": r, "gid": job.gid, "h": job.h, "world": old.world,
+                     "shards": [ids[x] for x in job.members], "mcrc": job.mcrc, "lost": job.lost,
+                     "pieces": [{"index": p.index, "name": p.name, "wid": p.holder, "crc": p.crc,
+                                 "src": new.rank_of(*_split(p.holder))} for p in job.pieces],
+                     "to": {str(job.members.index(shard)): dst}})
+        return len(jobs) - 1
+
     if len(nodes) == len(old.nodes):
         new = _new_topo(pi, nodes, r, {**base_meta, "generation": gen})
         lay = new.layout
@@ -246,12 +279,19 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
             has_params = d is not None and r in d.params and _stage(d) == stage
             if has_opt and has_params:
                 continue
-            opt_w, crc = _pick(copies[shard][r], rk, {wid})
             peers = by_stage[stage]
             par_src = -1 if has_params else new.rank_of(*_split(peers[rk % len(peers)]))
+            if r not in copies.get(shard, {}):  # no copy left anywhere: rebuilt from its group's pieces
+                x = job_for(shard, rk)
+                transfers.append({"dst": rk, "shard": rk, "param_src": par_src, "opt_src": -1,
+                                  "crc": dec[shard][r].mcrc[dec[shard][r].members.index(shard)], "decode": x})
+                continue
+            opt_w, crc = _pick(copies[shard][r], rk, {wid})
             transfers.append({"dst": rk, "shard": rk, "param_src": par_src,
                               "opt_src": new.rank_of(*_split(opt_w)), "crc": crc})
         new.transfers = transfers
+        if jobs:
+            new.meta["decode"] = jobs
         return Plan(ok=True, topo=new, klass=klass, action=action, resume_step=r, promoted=promoted,
                     dropped=dropped, rejected=rejected)
     # the world changes size: repartition (every old shard gets one provider in the new epoch)
@@ -260,6 +300,12 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
     for i in range(old.world):
         shard = old.shard_name(i)
         owner = _wid(old, i)
+        if r not in copies.get(shard, {}):  # rebuilt from its group by the holder of the first piece
+            job = dec[shard][r]
+            decoder = new.rank_of(*_split(job.pieces[0].holder))
+            job_for(shard, decoder)
+            providers[str(i)] = [decoder, "decode", job.mcrc[job.members.index(shard)]]
+            continue
         w, crc = _pick(copies[shard][r], i, {owner})
         providers[str(i)] = [new.rank_of(*_split(w)), "own" if shard in pi.descs[w].own else "replica", crc]
     params_to = {}
@@ -268,6 +314,8 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
         if d is None or r not in d.params:
             params_to[str(rk)] = new.rank_of(*_split(with_params[rk % len(with_params)]))
     new.meta["reshard"] = {"old_world": old.world, "providers": providers, "params_to": params_to}
+    if jobs:
+        new.meta["decode"] = jobs
     return Plan(ok=True, topo=new, klass=klass, action=action, resume_step=r, promoted=promoted,
                 dropped=dropped, rejected=rejected)
 

@@ -10,6 +10,9 @@ failed verification against the checksum its source committed (invariant I3):
 - `reshard`: the world changes size (shrink, grow): every old shard's provider sends it to all,
   each member cuts its new slice;
 - `restore_persistent`: every member reloads r from the persistent tier, cut for this world.
+
+With `ec:D+H` a shard that has no copy left is rebuilt from its group's pieces of step r (the
+plan's `meta["decode"]`, carried out by `redundancy.rebuild.run_decodes`) on the first two paths.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from phoenixft.comm import alltoallv
 from phoenixft.errors import RunAborted
 from phoenixft.parallel.logical import from_full
 from phoenixft.persist import load_full
+from phoenixft.redundancy import rebuild
 from phoenixft.reshard import gather_full_optimizer, old_shard_numel
 from phoenixft.snapshot import H_CRC, H_VALID, checksum
 from phoenixft.topology import Topology, shard_name
@@ -104,10 +108,11 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
                 payload = payload.clone()
                 payload.view(-1)[:: max(1, payload.numel() // 7)] += 1.0
             sends[t["dst"]] = payload
-    recv = {t["opt_src"]: tr.payload_rows * tr.flat.shard_numel for t in mine}
+    copied = [t for t in mine if t["opt_src"] >= 0]  # the others are rebuilt from their group (ec), below
+    recv = {t["opt_src"]: tr.payload_rows * tr.flat.shard_numel for t in copied}
     work, _, got = alltoallv(pg, w, sends, recv)
     m.wait(work, "optimizer-state transfer")
-    for t in mine:
+    for t in copied:
         buf = got[t["opt_src"]]
         name = topo.shard_name(t["shard"])
         if checksum(buf) != t["crc"]:
@@ -118,6 +123,13 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
         _commit_received(m, buf, r, t["crc"], t["shard"], w, topo.layout.dp_rank(t["shard"]))
         elem = torch.empty((), dtype=tr.flat.dtype).element_size()
         timings.update(bytes_params=tr.flat.total * elem if t["param_src"] >= 0 else 0, bytes_opt=buf.numel() * 4)
+    if topo.meta.get("decode"):  # ec: every rank takes part (it may hold a piece)
+        rebuilt = rebuild.run_decodes(m, topo, r, tr.payload_rows * tr.flat.shard_numel, timings, bad)
+        for shard, (payload, crc) in rebuilt.items():
+            _commit_received(m, payload, r, crc, shard, w, topo.layout.dp_rank(shard))
+        elem = torch.empty((), dtype=tr.flat.dtype).element_size()
+        if any(t["param_src"] >= 0 for t in mine if t["opt_src"] < 0):
+            timings["bytes_params"] = tr.flat.total * elem
     timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
 
 
@@ -143,8 +155,11 @@ def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str,
     old_world = meta["old_world"]
     providers = {int(k): v[0] for k, v in meta["providers"].items()}
     n_old = old_shard_numel(tr.flat.numel, old_world)
-    mine = {int(k): copy_of(m, int(k), old_world, r) for k, (prov, _kind, _crc) in meta["providers"].items()
-            if prov == me}
+    decoded = rebuild.run_decodes(m, topo, r, tr.payload_rows * n_old, timings, bad) \
+        if topo.meta.get("decode") else {}  # ec: shards with no copy left, rebuilt by their provider
+    mine = {int(k): (decoded[int(k)][0] if int(k) in decoded else torch.zeros(tr.payload_rows * n_old))
+            if kind == "decode" else copy_of(m, int(k), old_world, r)
+            for k, (prov, kind, _crc) in meta["providers"].items() if prov == me}
     full = gather_full_optimizer(pg, w, me, providers, mine, n_old, m.wait, rows=tr.payload_rows)
     for k, (prov, _kind, crc) in meta["providers"].items():  # I3: every old shard as its owner committed it
         i = int(k)
@@ -192,4 +207,7 @@ def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any
     if m.repl is not None:
         for h in m.repl.holdings.values():
             h.invalidate_after(-1)
+    if m.ec is not None:
+        for ph in m.ec.parity.values():
+            ph.invalidate_after(-1)
     timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0, bytes_params=full.numel() * 4)
