@@ -14,7 +14,10 @@ order every other round to cancel drift. For each run:
   metrics.jsonl) and, for all ranks, the estimator's figure (`phoenixft run --dry-run`), which
   the test suite checks against the real allocations;
 - failure-free overhead: the median step time (`dt` of rank 0, the first 3 steps dropped) of
-  the runs of a mode, pooled over rounds, divided by that of `--protect none`.
+  the runs of a mode, pooled over rounds, divided by that of `--protect none`; and, less at the
+  mercy of other jobs on a shared machine, what rank 0's protection job cost per step: the CPU
+  seconds its thread spent (copies, checksums, encoding, sends) and how long the training loop
+  waited for it before the gradient reduction (`repl_wait_s`: the critical-path part).
 
 Writes bench/results/redundancy.json.
 """
@@ -86,6 +89,7 @@ def one(tmp: Path, mode: str, a: argparse.Namespace, rnd: int) -> dict[str, Any]
     mets = steady(rep["metrics"])
     per_node = smp.nodes_of(rep["run_id"])
     return {"mode": mode, "round": rnd, "dts": [m["dt"] for m in mets],
+            "wait": [m.get("repl_wait_s", 0.0) for m in mets], "cpu": [m.get("protect_cpu_s", 0.0) for m in mets],
             "protect_bytes_rank0": statistics.median([m.get("protect_bytes", 0) for m in mets]) if mets else 0,
             "shm_per_node": per_node, "sha": rep["final_state_sha256"]}
 
@@ -149,14 +153,17 @@ def main() -> None:
         res[mode] = {"step_s_median": med, "overhead_ratio": med / base, "shm_per_node_max": mx,
                      "shm_per_node_mean": mean, "shm_per_node": nodes, "estimate": e,
                      "protect_bytes_rank0": statistics.median([r["protect_bytes_rank0"] for r in rs]),
+                     "protect_cpu_s_median": statistics.median([c for r in rs for c in r["cpu"]] or [0.0]),
+                     "repl_wait_s_median": statistics.median([c for r in rs for c in r["wait"]] or [0.0]),
                      "hashes": sorted({r["sha"] for r in rs})}
         mib = 2**20
         rows.append([mode, f"{mx / mib:.1f}", f"{mean / mib:.1f}", f"{e['protection_max'] / mib:.1f}",
                      f"{e['protection_mean'] / mib:.1f}", f"{res[mode]['protect_bytes_rank0'] / mib:.1f}",
-                     f"{e['send_per_rank_max'] / mib:.1f}", f"{med:.3f}", f"{med / base:.3f}"])
+                     f"{e['send_per_rank_max'] / mib:.1f}", f"{med:.3f}", f"{med / base:.3f}",
+                     f"{res[mode]['protect_cpu_s_median'] * 1e3:.0f}", f"{res[mode]['repl_wait_s_median'] * 1e3:.0f}"])
     table(f"redundancy schemes on {a.model}, {a.nodes} nodes x 1 worker, {a.steps} steps, {a.rounds} round(s)",
                 ["mode", "shm/node max MiB", "mean", "protection max", "mean", "sent/step rank0 MiB",
-                 "sent/step max rank", "step s", "vs none"], rows)  # prints it
+                 "sent/step max rank", "step s", "vs none", "protect cpu ms", "loop waited ms"], rows)  # prints it
     hashes = {h for v in res.values() for h in v["hashes"]}
     print(f"final state identical across all runs: {len(hashes) == 1}")
     write_json(Path(a.out), {"machine": machine_info(), "model": a.model, "nodes": a.nodes, "steps": a.steps,
