@@ -161,43 +161,50 @@ def test_the_store_listens_on_the_given_address_only() -> None:
 
 
 _LATE_PEER = r'''
-import os, sys, time, torch, torch.distributed as dist
+import sys, time, torch, torch.distributed as dist
 from phoenixft.comm import EpochComm
-r, port = int(sys.argv[1]), int(sys.argv[2])
-store = dist.TCPStore("127.0.0.1", port, is_master=False)
-comm = EpochComm(store, 0, r, 2, 30.0)
-buf = torch.full((1 << 18,), float(r))
-if r == 0:
-    work = comm.train.allreduce([buf])  # rank 1 is "cut off": it joins 2 s later
-    time.sleep(0.5)
-    comm.retire()                       # what recover() does
-    buf.fill_(7.0)                      # the buffer is reused by the next epoch
-    time.sleep(3.0)
-    print("R0", float(buf.min()), float(buf.max()), flush=True)
-else:
-    time.sleep(2.0)                     # the late peer (a healed partition) completes the old collective
-    try:
-        comm.train.allreduce([buf]).wait()
-        print("R1 completed", flush=True)
-    except Exception as e:
-        print("R1 failed", str(e)[:80], flush=True)
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
+comm = EpochComm(store, 0, 1, 2, 30.0)
+buf = torch.full((1 << 18,), 1.0)
+time.sleep(2.0)                         # the late peer (a healed partition) completes the old collective
+try:
+    comm.train.allreduce([buf]).wait()
+    print("R1 completed", flush=True)
+except Exception as e:
+    print("R1 failed", str(e)[:80], flush=True)
 '''
 
 
 def test_an_abandoned_collective_cannot_be_completed_by_a_late_peer(tmp_path: Path) -> None:
     """A peer that comes back after its epoch was retired (a healed partition) must not complete the old
-    all-reduce into the survivor's reused buffer (without the severing in EpochComm.retire it does)."""
+    all-reduce into the survivor's reused buffer (without the severing in EpochComm.retire it does: 8.0)."""
+    import torch
     import torch.distributed as dist
+
+    from phoenixft.comm import EpochComm
 
     script = tmp_path / "late_peer.py"
     script.write_text(_LATE_PEER)
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(server.port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert "R0 7.0 7.0" in outs[0], outs
-    assert "R1 failed" in outs[1], outs
+    peer = subprocess.Popen([sys.executable, str(script), str(server.port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        comm = EpochComm(dist.TCPStore("127.0.0.1", server.port, is_master=False), 0, 0, 2, 30.0)
+        buf = torch.full((1 << 18,), 0.0)
+        work = comm.train.allreduce([buf])  # rank 1 is "cut off": it joins 2 s later
+        time.sleep(0.5)
+        comm.retire()  # what Worker.recover() does
+        buf.fill_(7.0)  # the buffer is reused by the next epoch
+        out = peer.communicate(timeout=120)[0]
+        time.sleep(0.5)
+        assert (float(buf.min()), float(buf.max())) == (7.0, 7.0), "a retired collective wrote into a reused buffer"
+        assert "R1 failed" in out, out
+        assert work.is_completed()  # failed, not pending forever
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(timeout=10)
 
 
 def test_partition_faults_and_mode_errors_name_the_flag() -> None:
