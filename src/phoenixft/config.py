@@ -401,7 +401,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] 
     for f in dataclasses.fields(RunConfig):
         if f.name in exclude:
             continue
-        meta = f.metadata
+        meta = {**f.metadata, "help": f.metadata["help"].replace("%", "%%")}  # argparse formats help with %
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         default = defaults.get(f.name, f.default)
         action = meta.get("action")
