@@ -322,3 +322,38 @@ def test_gpu_check_harness_runs_on_cpu(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["pass"] and res["checks"]["hotswap"]["final_sha"] == res["checks"]["hotswap"]["reference_sha"]
     assert res["checks"]["overhead"]["ratio"] > 0
+
+
+class _Recorder(Device):
+    """A device that records the groups an epoch asks for instead of building them."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.made: list[tuple[str, str, int, int]] = []
+
+    def new_group(self, backend: str, store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+        self.made.append((backend, str(store), rank, size))
+        return object()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_epoch_groups_by_backend(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """With nccl, every group that carries device tensors is NCCL and `train`/`repl` stay gloo, on the
+    same prefixes and in the same global order as with gloo."""
+    import phoenixft.comm as comm_mod
+
+    monkeypatch.setattr(comm_mod.dist, "PrefixStore", lambda prefix, store: prefix)
+    monkeypatch.setattr(comm_mod, "_error_checked_wait", False)  # (restored after the test)
+    dev = _Recorder()
+    c = EpochComm(dist.HashStore(), 3, 5, 8, 30.0, backend=backend, layout=Layout(8, tp=2, pp=2), device=dev)
+    assert [(b, p) for b, p, _, _ in dev.made] == [
+        ("gloo", "e3/train"), ("gloo", "e3/repl"), (backend, "e3/dp/pp1.tp1"), (backend, "e3/tp/pp1.dp0"),
+        (backend, "e3/fwd0/dp0.tp1"), (backend, "e3/bwd0/dp0.tp1"), (backend, "e3/emb/dp0.tp1")]
+    assert c.dp is not c.train
+    trivial = _Recorder()
+    c1 = EpochComm(dist.HashStore(), 0, 1, 2, 30.0, backend=backend, device=trivial)
+    if backend == "gloo":  # data-parallel only on gloo: dp is train, as it always was
+        assert c1.dp is c1.train and len(trivial.made) == 2
+    else:
+        assert c1.dp is not c1.train and trivial.made[2][:2] == ("nccl", "e0/dp/pp0.tp0")
+        assert comm_mod._error_checked_wait  # completed works are now waited on the error-checking path

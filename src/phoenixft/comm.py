@@ -153,8 +153,6 @@ class EpochComm:
         to = timedelta(seconds=timeout_s)
         if backend not in BACKENDS:
             raise NotImplementedError(f"backend {backend!r}")
-        if backend == "nccl":
-            _error_checked_wait = True
         # NCCL's own watchdog must never time an op out before our polled wait gives up
         nccl_to = timedelta(seconds=2 * timeout_s + 60.0)
 
@@ -187,6 +185,8 @@ class EpochComm:
         # what the groups connected (gloo connects the full mesh now); of NCCL groups nothing: NCCL's
         # abort closes its own connections, and a socket NCCL keeps per process must not be cut
         self._sockets = set(_socket_fds()) - before if backend == "gloo" else gloo_sockets
+        if backend == "nccl":
+            _error_checked_wait = True
 
     def reduce_scatter(self, flat: torch.Tensor) -> Any:
         """Sum `flat` across ranks so that at least this rank's shard slice holds the sum.

@@ -382,6 +382,7 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str | bytes) -> RunConfig:
         data = json.loads(text)
+        data.setdefault("device", "cpu")  # written before --device existed: those runs trained on CPU
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 

@@ -218,9 +218,6 @@ class Device:
             return {k: self.move(v) for k, v in obj.items()}
         return obj
 
-    def zeros(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=dtype, device=self.torch)
-
     def put(self, t: torch.Tensor) -> torch.Tensor:
         """`t` contiguous on this device (a copy only when it is elsewhere)."""
         return t.to(self.torch).contiguous()
@@ -279,10 +276,6 @@ class Device:
             return
         dst.copy_(src)
 
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.torch)
-
     # ---------------------------------------------------------------- process groups
     def new_group(self, backend: str, store: Any, rank: int, size: int, timeout: timedelta) -> Any:
         """A process group on `store` (an epoch's PrefixStore), never registered with torch.
@@ -324,6 +317,7 @@ def place(kind: str, local_rank: int, node: str, nodes: int, workers_per_node: i
     index = gpu_index(local_rank, node, nodes, workers_per_node, torch.cuda.device_count(),
                       os.environ.get(PLACEMENT_ENV, "local-rank") or "local-rank")
     torch.cuda.set_device(index)
+    os.environ["LOCAL_RANK"] = str(local_rank)  # for workload code that looks for it
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
     return Device("cuda", index)
