@@ -1,14 +1,22 @@
 """Per-epoch communicators and interruptible waits.
 
 Every recovery opens a new *epoch*; its process groups are built directly under a fresh store
-prefix (`e{epoch}/train`, `e{epoch}/repl`) with `ProcessGroupGloo(PrefixStore(...))`: no
-`init_process_group`, no process restart. On GPU the same seam builds NCCL groups.
+prefix (`e{epoch}/train`, `e{epoch}/repl`, ...) with `ProcessGroupGloo(PrefixStore(...))`: no
+`init_process_group`, no process restart. With `--device cuda` the groups that carry device
+tensors (data-parallel, tensor-parallel, pipeline edges, tied embedding) are NCCL groups built
+the same way on the same prefixes (`Device.new_group`); the groups that carry host memory stay
+gloo: replication, and `train` (scalars, recovery transfers of the host snapshot, invariants).
 
 A gloo collective whose peer died raises at once only on the dead peer's neighbours; the others
 wait on live peers that have given up. So no wait here is a plain `work.wait()`: `wait_work`
 waits in short slices and between them checks an abort condition (the control plane's failure
 flag for this epoch), and gives up after a hard timeout. Abandoned groups are kept referenced
 (never destroyed while a stuck op may still run inside them) and aborted.
+
+NCCL: a work's `wait()` only orders the current CUDA stream after it and does not report an error
+the work ended with; so once a process has NCCL groups, a completed work is waited with a timeout,
+the path on which torch rethrows the work's error (`_error_checked_wait`). `alltoallv` is a
+host-memory transfer: device tensors handed to it are copied to the host first.
 """
 
 from __future__ import annotations
@@ -23,14 +31,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phoenixft.device import Device
 from phoenixft.errors import PeerFailure
 from phoenixft.parallel.layout import Layout
 
-__all__ = ["EpochComm", "wait_work", "connect_store", "alltoallv", "gloo_group", "sever", "BIND_ENV"]
+__all__ = ["EpochComm", "wait_work", "connect_store", "alltoallv", "gloo_group", "sever", "BIND_ENV", "BACKENDS"]
 
 POLL_S = 0.02
 BIND_ENV = "PHOENIXFT_BIND"
+BACKENDS = ("gloo", "nccl")
 _graveyard: list[Any] = []
+_error_checked_wait = False  # set once this process built NCCL groups (see the module docstring)
 
 
 def connect_store(addr: str, timeout_s: float = 30.0) -> Any:
@@ -76,7 +87,10 @@ def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: 
         if now > deadline:
             raise PeerFailure(f"{what}: timed out after {timeout_s:.1f}s")
     try:
-        work.wait()
+        if _error_checked_wait:  # completed: returns at once, or raises the error the work ended with
+            work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        else:
+            work.wait()
     except RuntimeError as e:
         raise PeerFailure(f"{what}: {str(e).splitlines()[0][:200]}") from None
 
@@ -96,6 +110,7 @@ def alltoallv(
     out_splits = [recv_numel.get(r, 0) for r in range(world)]
     parts = [sends[r].reshape(-1) for r in range(world) if r in sends]
     inp = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else torch.empty(0, dtype=dtype))
+    inp = inp.cpu()  # a host-memory transfer (a no-op for host tensors)
     total = sum(out_splits)
     if out is None or out.numel() != total:
         out = torch.empty(total, dtype=dtype)
@@ -115,7 +130,7 @@ class EpochComm:
     - `train`: every rank (restore transfers, invariants, loss and norm sums, the final gather);
     - `repl`: every rank (replication);
     - `dp`: the data-parallel peers at this rank's (pp, tp) (gradient buckets, ZeRO all-gather,
-      buffer broadcast); `train` itself when the layout is data-parallel only;
+      buffer broadcast); `train` itself when the layout is data-parallel only and on gloo;
     - `tp`: this rank's tensor-parallel group (None when tp = 1);
     - `edges`: pipeline edges, one 2-rank group per direction and stage boundary this rank touches,
       keyed ("fwd" | "bwd", boundary p between stage p and p+1): gloo's send/recv works never report
@@ -127,15 +142,23 @@ class EpochComm:
     """
 
     def __init__(self, store: dist.Store, epoch: int, rank: int, world: int, timeout_s: float,
-                 backend: str = "gloo", layout: Layout | None = None) -> None:
+                 backend: str = "gloo", layout: Layout | None = None, device: Device | None = None) -> None:
+        """`backend` is that of the training groups (dp, tp, edges, emb): gloo, or nccl with a CUDA
+        `device`; `train` and `repl` are gloo either way."""
+        global _error_checked_wait
         self.epoch, self.rank, self.world = epoch, rank, world
         self.layout = layout or Layout(world)
+        self.backend = backend
+        self.device = device or Device("cpu")
         to = timedelta(seconds=timeout_s)
-        if backend != "gloo":
+        if backend not in BACKENDS:
             raise NotImplementedError(f"backend {backend!r}")
+        # NCCL's own watchdog must never time an op out before our polled wait gives up
+        nccl_to = timedelta(seconds=2 * timeout_s + 60.0)
 
-        def group(name: str, members: list[int]) -> Any:
-            pg = gloo_group(dist.PrefixStore(f"e{epoch}/{name}", store), members.index(rank), len(members), to)
+        def group(name: str, members: list[int], kind: str = "gloo") -> Any:
+            pg = self.device.new_group(kind, dist.PrefixStore(f"e{epoch}/{name}", store), members.index(rank),
+                                       len(members), nccl_to if kind == "nccl" else to)
             self._groups.append(pg)
             return pg
 
@@ -143,19 +166,27 @@ class EpochComm:
         self._groups: list[Any] = []
         self.train: Any = group("train", list(range(world)))
         self.repl: Any = group("repl", list(range(world)))
+        gloo_sockets = set(_socket_fds()) - before
         lay, c = self.layout, self.layout.coord(rank)
-        self.dp: Any = self.train if lay.trivial else group(f"dp/{c.name()}", lay.dp_group(rank))
-        self.tp: Any = group(f"tp/pp{c.pp}.dp{c.dp}", lay.tp_group(rank)) if lay.tp > 1 else None
+        if lay.trivial and backend == "gloo":
+            self.dp: Any = self.train
+        else:
+            self.dp = group(f"dp/{c.name()}", lay.dp_group(rank), backend)
+        self.tp: Any = group(f"tp/pp{c.pp}.dp{c.dp}", lay.tp_group(rank), backend) if lay.tp > 1 else None
         self.edges: dict[tuple[str, int], Any] = {}
         col = lay.pp_group(rank)
         for p in range(lay.pp - 1):
             if c.pp in (p, p + 1):
                 for way in ("fwd", "bwd"):
-                    self.edges[(way, p)] = group(f"{way}{p}/dp{c.dp}.tp{c.tp}", [col[p], col[p + 1]])
+                    self.edges[(way, p)] = group(f"{way}{p}/dp{c.dp}.tp{c.tp}", [col[p], col[p + 1]], backend)
         self.emb: Any = None
         if lay.pp > 1 and c.pp in (0, lay.pp - 1):
-            self.emb = group(f"emb/dp{c.dp}.tp{c.tp}", lay.embedding_group(rank))
-        self._sockets = set(_socket_fds()) - before  # what the groups connected (gloo connects the full mesh now)
+            self.emb = group(f"emb/dp{c.dp}.tp{c.tp}", lay.embedding_group(rank), backend)
+        # what the groups connected (gloo connects the full mesh now); of NCCL groups nothing: NCCL's
+        # abort closes its own connections, and a socket NCCL keeps per process must not be cut
+        self._sockets = set(_socket_fds()) - before if backend == "gloo" else gloo_sockets
+        if backend == "nccl":
+            _error_checked_wait = True
 
     def reduce_scatter(self, flat: torch.Tensor) -> Any:
         """Sum `flat` across ranks so that at least this rank's shard slice holds the sum.

@@ -37,8 +37,12 @@ class RunConfig:
     """Everything a run needs; immutable once published to the store."""
 
     nodes: int = _f(2, "Number of active nodes (failure domains) at start.")
-    workers_per_node: int = _f(0, "Worker processes per node (one per accelerator; 0 = --tp, a node holds one "
-                                  "tensor-parallel group).", flag="--workers-per-node")
+    device: str = _f("auto", "Where the workers train: cpu (gloo groups), or cuda: one GPU per worker (its "
+                             "LOCAL_RANK), NCCL training groups, the optimizer shard copied into pinned host "
+                             "snapshots on a copy stream. auto = cuda when a CUDA device is available, else cpu.")
+    workers_per_node: int = _f(0, "Worker processes per node (one per accelerator; 0 = --tp on cpu, the GPUs of "
+                                  "this host on cuda when that is a multiple of --tp, else --tp).",
+                               flag="--workers-per-node")
     tp: int = _f(1, "Tensor-parallel size T: attention heads, MLP and vocabulary split over T ranks of one node "
                     "(Megatron-style column/row-parallel layers).")
     pp: int = _f(1, "Pipeline-parallel size P: the layers cut into P contiguous stages run with a 1F1B schedule; "
@@ -133,8 +137,21 @@ class RunConfig:
     timeout: float = _f(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            from phoenixft.device import resolve_device
+
+            self.device = resolve_device(self.device)
         if self.workers_per_node == 0:
             self.workers_per_node = max(1, self.tp)
+            if self.device == "cuda":  # one worker per GPU of this host (when a node holds whole TP groups)
+                from phoenixft.device import cuda_unavailable
+
+                if cuda_unavailable() is None:
+                    import torch
+
+                    gpus = torch.cuda.device_count()
+                    if gpus >= 1 and gpus % max(1, self.tp) == 0:
+                        self.workers_per_node = gpus
         # --replicas K is a shorthand for --redundancy replicas:K: the two fields always agree
         m = re.fullmatch(r"replicas:(\d+)", str(self.redundancy).strip())
         if m and int(m.group(1)) == 1 and self.replicas != 1:
@@ -173,6 +190,13 @@ class RunConfig:
             if not cond:
                 raise UserError(f"{flag}={value!r} is invalid: {valid}")
 
+        from phoenixft.device import DEVICES, cuda_unavailable
+
+        need(self.device in DEVICES, "--device", self.device, f"one of {', '.join(DEVICES)}")
+        if self.device == "cuda":
+            why = cuda_unavailable()
+            if why is not None:
+                raise UserError(f"--device=cuda is invalid: {why}; use --device cpu")
         need(self.nodes >= 1, "--nodes", self.nodes, "need at least 1 node")
         need(self.workers_per_node >= 1, "--workers-per-node", self.workers_per_node, "need at least 1")
         need(self.spares >= 0, "--spares", self.spares, "must be >= 0")
@@ -358,6 +382,7 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str | bytes) -> RunConfig:
         data = json.loads(text)
+        data.setdefault("device", "cpu")  # written before --device existed: those runs trained on CPU
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 

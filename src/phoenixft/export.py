@@ -47,13 +47,13 @@ def state_dict_from(model: torch.nn.Module, master: torch.Tensor,
             o, shape = offsets[id(t)]
             out[name] = master[o : o + t.numel()].reshape(shape).clone()
         elif id(t) in pids:  # frozen parameter: as built
-            out[name] = t.detach().clone()
+            out[name] = t.detach().to("cpu", copy=True)
         else:
             n = t.numel() * t.element_size()
             if buffers is not None and boff + n <= buffers.numel():
                 out[name] = buffers[boff : boff + n].clone().view(t.dtype).reshape(t.shape)
             else:
-                out[name] = t.detach().clone()
+                out[name] = t.detach().to("cpu", copy=True)
             boff += n
     return out
 

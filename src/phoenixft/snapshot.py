@@ -5,9 +5,13 @@
 point) and the other is *staging*: a failure in the middle of writing the staging half can never
 damage the committed one.
 
-- `ShardState` is a worker's own optimizer shard: rows [master, optimizer state...].
-  On CPU the optimizer step reads the committed half and writes its result straight into the
-  staging half, so the local snapshot costs no copy at all.
+- `ShardState` is a worker's own optimizer shard: rows [master, optimizer state...]. The
+  optimizer works on `dev`, the shard's working copy (device.py): on CPU that is the host halves
+  themselves, so the optimizer step reads the committed half and writes its result straight into
+  the staging half and the local snapshot costs no copy at all; on CUDA it is a pair of halves on
+  the GPU, and the updated half is copied into the (pinned) host half on a copy stream. Either
+  way the step's half is committed only once that copy completed (`commit_when`): a header is
+  never read before the copy it describes has settled.
 - `Holding` is a replica of a peer's shard that this worker keeps: the shard's payload rows
   (with fp32 parameters only the optimizer state: the parameters are already redundant across
   data-parallel peers; with bf16 parameters the fp32 master weights too).
@@ -19,10 +23,15 @@ worker process (the node agent can restart a crashed worker in place from them).
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
+
+if TYPE_CHECKING:
+    from phoenixft.device import Device, Pending
 
 __all__ = ["PingPong", "ShardState", "Holding", "checksum", "alloc", "INVALID"]
 
@@ -68,8 +77,12 @@ class PingPong:
             self.header[:, H_SHARD] = INVALID
             self.header[:, H_SHARDS] = 0
 
+    def _settle(self) -> None:
+        """Complete what must be complete before a header is read or written (ShardState: a copy)."""
+
     # -- header helpers
     def step_of(self, half: int) -> int:
+        self._settle()
         return int(self.header[half, 0]) if int(self.header[half, 2]) else INVALID
 
     def steps(self) -> list[int]:
@@ -92,10 +105,15 @@ class PingPong:
         return 0 if n is None else 1 - n
 
     def begin_write(self, half: int) -> None:
+        self._settle()
         self.header[half, 2] = 0  # torn until commit
 
     def commit(self, half: int, step: int, crc: int, shard: tuple[int, int] | None = None) -> None:
         """Mark `half` complete for `step` (crc 0 = not computed yet); `shard` = (index, count)."""
+        self._settle()
+        self._commit(half, step, crc, shard)
+
+    def _commit(self, half: int, step: int, crc: int, shard: tuple[int, int] | None) -> None:
         self.header[half, H_STEP] = step
         self.header[half, H_CRC] = crc
         if shard is not None:
@@ -108,6 +126,7 @@ class PingPong:
 
     def known_crc(self, half: int) -> int:
         """The committed checksum of `half`, computed now (and recorded) if it was not yet."""
+        self._settle()
         crc = int(self.header[half, H_CRC])
         if crc == 0:
             crc = checksum(self.payload(half))
@@ -120,6 +139,7 @@ class PingPong:
                 self.header[h, 2] = 0
 
     def verify(self, half: int) -> bool:
+        self._settle()
         return bool(int(self.header[half, 2])) and checksum(self.payload(half)) == int(self.header[half, 1])
 
     def payload(self, half: int) -> torch.Tensor:
@@ -127,6 +147,7 @@ class PingPong:
         return self.data[half]
 
     def crc_of(self, half: int) -> int:
+        self._settle()
         return int(self.header[half, 1])
 
 
@@ -135,14 +156,81 @@ class ShardState(PingPong):
 
     The replicated payload is the optimizer state, rows `payload_from`.. : from row 1 when the
     parameters are fp32 (every data-parallel peer already holds the master weights), from row 0
-    with bf16 parameters (the fp32 master weights exist only in the shard, so they are protected)."""
+    with bf16 parameters (the fp32 master weights exist only in the shard, so they are protected).
 
-    def __init__(self, numel: int, path: str | None = None, rows: int = 3, payload_from: int = 1) -> None:
+    `dev` is the working copy the optimizer reads and writes, half for half like `data`: the host
+    halves themselves on CPU, a pair of device halves on CUDA (`device.working_copy`). A step
+    writes `dev[dst]`, starts its copy into `data[dst]` (`device.d2h`) and, once the step is
+    complete, registers the commit with `commit_when`; the header of `dst` is written only when
+    the copy completed, and any read of a header first settles it (waiting at most
+    `SETTLE_TIMEOUT_S`; a copy that never completes leaves the half uncommitted). At most one copy
+    is in flight, so a device half is never rewritten while it is still being copied out.
+    After a restore, `load_device(step)` copies the host half holding `step` back (H2D)."""
+
+    SETTLE_TIMEOUT_S = 60.0
+    _pending: tuple[int, int, tuple[int, int] | None, Pending] | None = None
+
+    def __init__(self, numel: int, path: str | None = None, rows: int = 3, payload_from: int = 1,
+                 device: Device | None = None) -> None:
+        from phoenixft.device import Device
+
+        self.device = device or Device("cpu")
         super().__init__(rows, numel, path)
+        if self.device.is_cuda:
+            self.device.pin(self.data)
         self.payload_from = payload_from
+        self.dev = self.device.working_copy(self.data)
+        self._lock = threading.RLock()
+        self._pending: tuple[int, int, tuple[int, int] | None, Pending] | None = None
 
     def payload(self, half: int) -> torch.Tensor:
         return self.data[half, self.payload_from :]
+
+    # -- the working copy and its copy into the host halves
+    def copy_out(self, half: int) -> Pending:
+        """Start copying the working copy's `half` into the host's `half` (a no-op on CPU)."""
+        return self.device.d2h(self.data[half], self.dev[half])
+
+    def commit_when(self, half: int, step: int, shard: tuple[int, int] | None, copy: Pending) -> None:
+        """Commit `half` for `step` once `copy` (its D2H copy) completed: now if it has."""
+        with self._lock:
+            self._settle()
+            if copy.done():
+                self._commit(half, step, 0, shard)
+            else:
+                self._pending = (half, step, shard, copy)
+
+    def abandon(self, copy: Pending) -> None:
+        """A step failed after its copy started: let the copy finish (it writes the staging half,
+        which must not be written by anyone else meanwhile) and commit nothing."""
+        with self._lock:
+            if not copy.wait(self.SETTLE_TIMEOUT_S):
+                print(f"phoenixft: a snapshot copy did not complete in {self.SETTLE_TIMEOUT_S:.0f}s", file=sys.stderr)
+
+    def _settle(self) -> None:
+        if self._pending is None:  # the common case, and always on CPU: no lock taken
+            return
+        with self._lock:
+            p = self._pending
+            if p is None:
+                return
+            half, step, shard, copy = p
+            self._pending = None
+            if copy.wait(self.SETTLE_TIMEOUT_S):
+                self._commit(half, step, 0, shard)
+            else:
+                print(f"phoenixft: the snapshot copy of step {step} did not complete in "
+                      f"{self.SETTLE_TIMEOUT_S:.0f}s; it stays uncommitted", file=sys.stderr)
+
+    def load_device(self, step: int) -> bool:
+        """After a restore wrote the host halves: the working copy's half of `step` from its host
+        half (H2D on CUDA; nothing to do on CPU, where they are the same memory). False if no
+        committed half holds `step` (the invariant check after the restore reports it)."""
+        half = self.half_with(step)
+        if half is None:
+            return False
+        self.device.h2d(self.dev[half], self.data[half])
+        return True
 
 
 class Holding(PingPong):

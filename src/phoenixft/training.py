@@ -4,7 +4,9 @@
 it under 3D parallelism, see parallel/) as a `FlatModel` (parameters and buffers in flat ping-pong
 buffers), the rank's optimizer shard (`ShardState`: fp32 master weights + optimizer state in host
 shared memory, a 1/D slice of the stage's flat state over its data-parallel peers), the
-elementwise shard optimizer and the learning-rate schedule. A step:
+elementwise shard optimizer and the learning-rate schedule, all on the rank's `Device`
+(device.py: the model, gradients and the shard's working copy on the GPU with `--device cuda`,
+the snapshot halves in pinned host memory; on CPU the working copy *is* the host halves). A step:
 
 1. forward/backward of this data-parallel rank's microbatches through the pipeline (1F1B, see
    parallel/pipeline.py; one stage = the plain loop), bf16 gradients accumulated in fp32;
@@ -12,10 +14,13 @@ elementwise shard optimizer and the learning-rate schedule. A step:
 3. gradient sum over the data-parallel peers in buckets started from backward hooks; the tied
    embedding's two copies (first and last stage) summed; the loss summed over every rank;
 4. optional clipping by the global norm (each element counted once over the whole mesh);
-5. the optimizer reads the committed half of the shard and writes the staging half;
+5. the optimizer reads the committed half of the shard's working copy and writes the staging
+   half; the staging half's copy into host memory starts (CUDA: on the copy stream, overlapping
+   what follows; CPU: nothing to copy);
 6. model buffers broadcast from data-parallel rank 0 (as DistributedDataParallel does), then
    the updated master slices are all-gathered (cast to the parameter dtype) into the other flat
-   buffer, and only then the shard and the flat buffers commit the step.
+   buffer, and only then the flat buffers flip and the shard commits the step, at once on CPU,
+   once its copy completed on CUDA (`ShardState.commit_when`).
 
 `final_state()` gathers every shard's rows, maps every stage onto the full model (logical,
 layout-free order, parallel/logical.py) and returns the sha256 over the full, unsharded state
@@ -38,6 +43,7 @@ import torch.distributed as dist
 from phoenixft.buckets import GradBuckets
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
+from phoenixft.device import DONE, Device
 from phoenixft.errors import PeerFailure, Unhealable
 from phoenixft.optim import ElementwiseOptimizer, lr_at, make_optimizer
 from phoenixft.parallel.layout import Layout
@@ -64,9 +70,13 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, wl: Workload, stage: Stage, full_model: torch.nn.Module | None = None) -> None:
+    def __init__(self, cfg: RunConfig, wl: Workload, stage: Stage, full_model: torch.nn.Module | None = None,
+                 device: Device | None = None) -> None:
         self.cfg, self.wl, self.stage = cfg, wl, stage
+        self.device = device or Device("cpu")
         self.model = stage.module
+        if self.device.is_cuda:  # built on the CPU under the seed (the same weights on any device), then moved
+            self.model.to(self.device.torch)
         self.full_model = full_model if full_model is not None else stage.module  # structure of the whole model
         self.segs = segments(stage.pieces(), stage.full())  # this stage's elements in the full model
         self.full_numel = full_numel(stage.full())
@@ -75,6 +85,9 @@ class Trainer:
             cfg.optimizer, weight_decay=cfg.weight_decay, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
             momentum=cfg.momentum, nesterov=cfg.nesterov, custom=wl.optimizer)
         self.rows = 1 + len(self.opt.state_names)
+        # the host snapshot halves are protection: without it (--protect none) the working copy is not
+        # copied out (on CPU there is nothing to copy either way); headers then describe the working copy
+        self.snapshot = cfg.protect != "none"
         self.payload_from = 0 if self.dtype != torch.float32 else 1
         self.flat: FlatModel
         self.state: ShardState
@@ -99,7 +112,8 @@ class Trainer:
 
     def partition(self, world: int, shm: str | None, step: int = 0) -> None:
         """Flat parameters and the own optimizer shard for a `world`-way partition."""
-        self.flat = FlatModel(self.model, shards=world, path=shm and shm + "-params", step=step, dtype=self.dtype)
+        self.flat = FlatModel(self.model, shards=world, path=shm and shm + "-params", step=step, dtype=self.dtype,
+                              device=self.device.torch)
         self.buckets = GradBuckets(self.flat, self.cfg.bucket_mb)
         self.norm_mask = self._mask(self.stage.counted())
         self.tied_ranges = self._ranges(self.stage.tied())
@@ -108,7 +122,7 @@ class Trainer:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
             self._hooked = True
         self.state = ShardState(self.flat.shard_numel, shm and shm + "-state", rows=self.rows,
-                                payload_from=self.payload_from)
+                                payload_from=self.payload_from, device=self.device)
 
     def _ranges(self, flags: list[bool]) -> list[tuple[int, int]]:
         out, off = [], 0
@@ -122,7 +136,7 @@ class Trainer:
         """1.0 for the flat elements that count in the global gradient norm; None when all do."""
         if all(counted):
             return None
-        mask = torch.zeros(self.flat.padded, dtype=torch.float64)
+        mask = torch.zeros(self.flat.padded, dtype=torch.float64, device=self.device.torch)
         for lo, hi in self._ranges(counted):
             mask[lo:hi] = 1.0
         return mask
@@ -135,6 +149,10 @@ class Trainer:
         self.state.data[0, 1:].zero_()
         self.state.commit(0, 0, 0, (rank, world))
         self.state.begin_write(1)
+
+    def resume(self, step: int) -> None:
+        """After a restore wrote the host snapshot: the shard's working copy of `step` from it (H2D)."""
+        self.state.load_device(step)
 
     def lr(self, step: int) -> float:
         c = self.cfg
@@ -162,7 +180,7 @@ class Trainer:
             works.append(dp_pg.allreduce([grad[blo:bhi]]))
 
         def batch(j: int) -> Any:
-            return self.wl.batch(s, lo + j)
+            return self.device.move(self.wl.batch(s, lo + j))
 
         def forward(j: int, b: Any, inp: torch.Tensor | None) -> torch.Tensor:
             self.interrupt()
@@ -184,7 +202,7 @@ class Trainer:
                     torch.autograd.backward(out, g)
             self.buckets.end_microbatch()
 
-        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, flat.dtype)
+        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, flat.dtype, self.device.torch)
         loss_sum = pipe.train(hi - lo, batch, forward, backward)
         if nan:
             loss_sum = math.nan
@@ -221,19 +239,25 @@ class Trainer:
             raise RuntimeError(f"no committed optimizer state for step {s - 1}")
         dst = 1 - src
         lr = self.lr(s)
-        self.state.begin_write(dst)
-        rows_in, rows_out = self.state.data[src], self.state.data[dst]
+        st = self.state
+        st.begin_write(dst)
+        rows_in, rows_out = st.dev[src], st.dev[dst]  # the working copy (CPU: the host halves themselves)
         self.opt.update(rows_in[0], list(rows_in[1:]), gshard, s, lr, rows_out[0], list(rows_out[1:]),
                         hook=lambda: fault("optimizer"))
-        if flat.buffers:
-            raw = flat.buffer_bytes_now()
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0  # data-parallel rank 0's buffers, as DistributedDataParallel broadcasts them
-            wait(dp_pg.broadcast([raw], opts), f"buffer broadcast of step {s}")
-            flat.set_buffers(raw)
-        master = rows_out[0] if self.dtype == torch.float32 else rows_out[0].to(self.dtype)
-        wait(dp_pg._allgather_base(flat.begin_gather(), master), f"all-gather of step {s}")
-        self.state.commit(dst, s, 0, (rank, layout.world))
+        copy = st.copy_out(dst) if self.snapshot else DONE  # into the host half, off the compute stream
+        try:
+            if flat.buffers:
+                raw = flat.buffer_bytes_now(on_device=self.device.is_cuda)
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0  # data-parallel rank 0's buffers, as DistributedDataParallel broadcasts them
+                wait(dp_pg.broadcast([raw], opts), f"buffer broadcast of step {s}")
+                flat.set_buffers(raw)
+            master = rows_out[0] if self.dtype == torch.float32 else rows_out[0].to(self.dtype)
+            wait(dp_pg._allgather_base(flat.begin_gather(), master), f"all-gather of step {s}")
+        except BaseException:
+            st.abandon(copy)  # the copy still writes the staging half: let it finish before anyone else does
+            raise
+        st.commit_when(dst, s, (rank, layout.world), copy)
         flat.flip(s)
         val = self.evaluate(s, comm, rank, layout, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
         return StepResult(loss=float(lt) / m_total, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
@@ -263,10 +287,10 @@ class Trainer:
 
         def batch(j: int) -> Any:
             torch.manual_seed(_mix(self.cfg.seed, -1, mine[j]))
-            return eval_batch(mine[j])
+            return self.device.move(eval_batch(mine[j]))
 
         try:
-            pipe = Pipeline(self.stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype)
+            pipe = Pipeline(self.stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype, self.device.torch)
             with self._user_code(s, rank):
                 part = pipe.forward_only(len(mine), batch)
         finally:
@@ -283,11 +307,12 @@ class Trainer:
         half = self.state.half_with(step)
         assert half is not None
         flat = self.flat
-        rows = torch.empty(self.rows, flat.padded)
-        works = [comm.dp._allgather_base(rows[i], self.state.data[half, i].contiguous()) for i in range(self.rows)]
+        dev = self.device  # the data-parallel group is NCCL on CUDA: gather on the device, from the working copy
+        rows = torch.empty(self.rows, flat.padded, device=dev.torch)
+        works = [comm.dp._allgather_base(rows[i], dev.put(self.state.dev[half, i])) for i in range(self.rows)]
         for w in works:
             wait(w, "final gather")
-        local = rows[:, : flat.numel]
+        local = rows.cpu()[:, : flat.numel]
         if layout.trivial:
             full = local
         else:  # every (pp, tp) coordinate's data-parallel rank 0 sends its stage's rows to rank 0

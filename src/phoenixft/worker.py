@@ -1,4 +1,4 @@
-"""A training worker: one per accelerator (CPU + gloo here).
+"""A training worker: one per accelerator (a GPU with `--device cuda`, else a CPU process).
 
 Life of a worker: connect to the control-plane store, build the workload and its `Trainer` for
 its (pp, tp) stage (flat parameters, optimizer shard, optimizer: training.py), announce itself,
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from phoenixft import auth, keys, shm
+from phoenixft import auth, device, keys, shm
 from phoenixft.comm import EpochComm, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
@@ -52,6 +52,8 @@ class Worker:
         self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
         cfg = self.cfg
         torch.set_num_threads(threads)
+        # CUDA: the GPU of this LOCAL_RANK, NCCL set up to report (not punish) a dead peer
+        self.device = device.place(cfg.device, local_rank, node_id, cfg.nodes, cfg.workers_per_node)
         self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
         self.protect = cfg.protect == "phoenix"
         self.watcher = FailureWatcher(store_addr)
@@ -97,14 +99,14 @@ class Worker:
         torch.manual_seed(cfg.seed)
         full = self.wl.build_model()
         if cfg.tp == 1 and cfg.pp == 1:
-            tr = Trainer(cfg, self.wl, WholeModel(full, self.wl.loss))
+            tr = Trainer(cfg, self.wl, WholeModel(full, self.wl.loss), device=self.device)
         else:
             if self.wl.split is None:
                 raise Unhealable(f"--tp {cfg.tp} --pp {cfg.pp}: workload {cfg.workload} does not say how it splits")
             pp, tp = stage
             spec = StageSpec(pp=pp, pp_size=cfg.pp, tp=tp, tp_size=cfg.tp, handle=TPHandle(cfg.tp, tp))
             st = self.wl.split(full, spec)
-            tr = Trainer(cfg, self.wl, st, full_model=full.to("meta"))
+            tr = Trainer(cfg, self.wl, st, full_model=full.to("meta"), device=self.device)
         tr.watch(self.watcher.check)
         self.trainer, self.stage_of = tr, stage
         if self.repl is not None:
@@ -269,7 +271,8 @@ class Worker:
         self.topo, self.epoch = topo, topo.epoch
         self.rank = topo.rank_of(self.node_id, self.local_rank)
         lay = topo.layout
-        self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout, layout=lay)
+        self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout,
+                              backend=self.device.backend, layout=lay, device=self.device)
         t_pg = time.time()
         r = topo.resume_step
         timings: dict[str, Any] = {"reconfigure_s": t_pg - t0}
@@ -291,6 +294,7 @@ class Worker:
             tr.init_shard(lay.dp_rank(self.rank), self.rank, topo.world)
         else:
             restore.restore_in_place(self, topo, r, timings, bad)
+        tr.resume(r)  # the restored host snapshot into the shard's working copy (H2D on CUDA)
         self.protection.configure(topo, self.rank, r)
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)

@@ -15,6 +15,10 @@ Model buffers (running statistics, counters: the persistent entries of `state_di
 parameters) are state too. The model keeps its own buffer tensors; at each flip their bytes are
 copied into the tail of the new live flat buffer, so every flat buffer is a complete recovery
 point: a rollback or an installed peer copy restores them with the parameters.
+
+On CUDA every buffer lives on the worker's GPU (the parameters must be where the model computes),
+so nothing of it outlives the process: a worker restarted in place gets its parameters from a
+data-parallel peer, like a spare. On CPU they are shared-memory files the restarted worker adopts.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ class FlatModel:
     """A module whose parameters and gradients are views into flat buffers."""
 
     def __init__(self, model: torch.nn.Module, shards: int, path: str | None = None, step: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
-        """With `path`, both parameter buffers and their step tags live in shared memory; if they
-        already exist (a worker restarted in place) they are adopted instead of overwritten."""
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+        """With `path` (CPU only), both parameter buffers and their step tags live in shared memory;
+        if they already exist (a worker restarted in place) they are adopted instead of overwritten."""
         self.model = model
         self.dtype = dtype
+        self.device = device or torch.device("cpu")
+        if self.device.type != "cpu":
+            path = None  # device memory dies with the process: nothing to retain
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.shards = shards
@@ -56,11 +63,14 @@ class FlatModel:
         esize = torch.empty((), dtype=dtype).element_size()
         self.total = self.padded + math.ceil(self.buffer_bytes / esize)
         retained = path is not None and os.path.exists(path + ".tags")
-        self.bufs = [alloc(self.total, dtype, path and f"{path}.{i}") for i in (0, 1)]
+        if self.device.type == "cpu":
+            self.bufs = [alloc(self.total, dtype, path and f"{path}.{i}") for i in (0, 1)]
+        else:
+            self.bufs = [torch.zeros(self.total, dtype=dtype, device=self.device) for _ in (0, 1)]
         self.tags = alloc(3, torch.int64, path and path + ".tags")  # step of buffer 0, 1; live index
         # the fp32 values the model was built with: the master weights of step 0 (and of a fresh spare)
-        self.init_master = torch.cat([p.detach().reshape(-1).float() for p in self.params]) if self.params \
-            else torch.empty(0)
+        self.init_master = torch.cat([p.detach().reshape(-1).float() for p in self.params]).to(self.device) \
+            if self.params else torch.empty(0, device=self.device)
         if retained:
             self.live = int(self.tags[2])
         else:
@@ -68,8 +78,8 @@ class FlatModel:
             self.live = 0
             self.bufs[0][: self.numel].copy_(self.init_master)
             self._save_buffers(0)
-        self.grad = torch.zeros(self.padded, dtype=dtype)
-        self.grad32 = torch.zeros(self.padded) if dtype != torch.float32 else self.grad
+        self.grad = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        self.grad32 = torch.zeros(self.padded, device=self.device) if dtype != torch.float32 else self.grad
         self._bind(self.live)
         if retained:
             self._load_buffers(self.live)
@@ -117,15 +127,16 @@ class FlatModel:
             off += n
 
     def buffers_at(self, step: int) -> torch.Tensor | None:
-        """The buffers' bytes as committed with `step` (a copy), or None if no flat buffer holds it."""
+        """The buffers' bytes as committed with `step` (a host copy), or None if no flat buffer holds it."""
         for b in (0, 1):
             if self.buf_step[b] == step:
-                return self._tail(b).clone()
+                return self._tail(b).to("cpu", copy=True)
         return None
 
-    def buffer_bytes_now(self) -> torch.Tensor:
-        """The model's buffers as one uint8 tensor (a copy), e.g. to broadcast or hash."""
-        out = torch.empty(self.buffer_bytes, dtype=torch.uint8)
+    def buffer_bytes_now(self, on_device: bool = False) -> torch.Tensor:
+        """The model's buffers as one uint8 tensor (a copy), e.g. to hash (in host memory) or, with
+        `on_device`, to broadcast over the data-parallel group (where the parameters live)."""
+        out = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device if on_device else "cpu")
         off = 0
         for _, t in self.buffers:
             n = t.numel() * t.element_size()

@@ -36,13 +36,14 @@ class Pipeline:
     """One stage's view of the pipeline: its edges of this epoch and how it waits."""
 
     def __init__(self, stage: Stage, pp: int, pp_size: int, edges: dict[tuple[str, int], Any], wait: Wait,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | None = None) -> None:
         self.stage, self.p, self.P, self.edges, self.wait, self.dtype = stage, pp, pp_size, edges, wait, dtype
+        self.device = device or torch.device("cpu")  # where activations are received (the stage's device)
         self._sends: list[tuple[Any, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ transfers
     def _recv_act(self, batch: Any, j: int) -> torch.Tensor:
-        buf = torch.empty(self.stage.act_shape(batch), dtype=self.dtype)
+        buf = torch.empty(self.stage.act_shape(batch), dtype=self.dtype, device=self.device)
         what = f"activation of microbatch {j} from stage {self.p - 1}"
         self.wait(_bcast(self.edges[("fwd", self.p - 1)], buf, 0), what)
         return buf.requires_grad_()
@@ -53,7 +54,7 @@ class Pipeline:
         self._sends.append((_bcast(self.edges[(way, edge)], t, root), t))
 
     def _recv_grad(self, like: torch.Tensor, j: int) -> torch.Tensor:
-        buf = torch.empty(like.shape, dtype=like.dtype)
+        buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         self.wait(_bcast(self.edges[("bwd", self.p)], buf, 1), f"gradient of microbatch {j} from stage {self.p + 1}")
         return buf
 

@@ -1,0 +1,166 @@
+"""The CUDA path itself: pinned shared-memory snapshots, the copy stream and the deferred commit,
+NCCL groups on an epoch's store prefix, a peer's death surfacing as PeerFailure in a survivor that
+then builds the next epoch's NCCL group, and the training step on a GPU. Skipped without CUDA;
+bench/gpu_check.sh runs them on a GPU machine (and fails if they skip there)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS: before its first use
+
+from phoenixft.comm import EpochComm, connect_store, wait_work  # noqa: E402
+from phoenixft.device import Device, place  # noqa: E402
+from phoenixft.errors import PeerFailure  # noqa: E402
+from phoenixft.snapshot import ShardState  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _gpu() -> Device:
+    return place("cuda", 0, "n0", 1, 1)
+
+
+def test_snapshot_halves_are_pinned_shared_memory(tmp_path: Path) -> None:
+    d = _gpu()
+    path = Path("/dev/shm") / f"phoenixft-test-{os.getpid()}"
+    try:
+        st = ShardState(1 << 16, str(path), rows=3, device=d)
+        assert st.data.is_pinned() and not st.data.is_cuda and st.dev.is_cuda and st.dev.shape == st.data.shape
+        assert Path(str(path) + ".data").stat().st_size == 2 * 3 * (1 << 16) * 4
+        host = d.host(1024, torch.float32, None)
+        assert host.is_pinned()
+    finally:
+        for f in Path("/dev/shm").glob(path.name + "*"):
+            f.unlink()
+
+
+def test_copy_stream_orders_after_the_compute_and_commits_after_the_copy() -> None:
+    d = _gpu()
+    st = ShardState(1 << 20, None, rows=3, device=d)
+    st.dev[0].fill_(1.0)
+    st.data[0].copy_(st.dev[0].cpu())
+    st.commit(0, 0, 0, (0, 1))
+    st.begin_write(1)
+    x = torch.randn(2048, 2048, device=d.torch)
+    for _ in range(20):  # keep the compute stream busy: the copy must wait for the optimizer's last write
+        x = torch.tanh(x @ x)
+    st.dev[1].copy_(x.reshape(-1)[: st.dev[1].numel()].reshape(st.dev[1].shape) + 2.0)
+    copy = st.copy_out(1)
+    st.commit_when(1, 1, (0, 1), copy)
+    assert st.half_with(1) == 1  # settles: waits for the copy's event
+    assert copy.done() and torch.equal(st.data[1], st.dev[1].cpu())
+    # restore: the host half back into the working copy
+    st.data[1].fill_(5.0)
+    assert st.load_device(1) and torch.equal(st.dev[1].cpu(), st.data[1])
+
+
+def test_nccl_group_on_a_prefix_store_waits_polled_and_aborts() -> None:
+    d = _gpu()
+    assert d.backend == "nccl"
+    comm = EpochComm(dist.HashStore(), 0, 0, 1, 30.0, backend="nccl", device=d)
+    assert comm.dp is not comm.train  # data-parallel on NCCL, host transfers on gloo
+    t = torch.arange(8.0, device=d.torch)
+    wait_work(comm.dp.allreduce([t]), "allreduce", lambda: None, 30.0)
+    out = torch.empty(8, device=d.torch)
+    wait_work(comm.dp._allgather_base(out, t), "all-gather", lambda: None, 30.0)
+    assert torch.equal(out.cpu(), torch.arange(8.0))
+    comm.retire()  # abort() of every group returns
+
+
+def test_training_on_the_gpu_is_deterministic_and_close_to_the_cpu() -> None:
+    from test_device import _train
+
+    d = _gpu()
+    a = _train(d)
+    b = _train(d)
+    assert a == b  # bitwise: what a recovered run is compared with
+    cpu = _train(Device("cpu"))
+    for x, y in zip(a[1], cpu[1], strict=True):
+        assert abs(x - y) <= 1e-4 * abs(y), (a[1], cpu[1])
+
+
+# ------------------------------------------------------------------------------------ a peer dies
+def _member(addr: str, node: str, rank: int, epoch: int, q: Any) -> None:
+    """One process of the peer-death test: builds the epoch's NCCL group and sums its rank + 1."""
+    try:
+        os.environ.setdefault("PHOENIXFT_NCCL_HOSTID", "worker")  # several ranks may share one GPU
+        os.environ.setdefault("PHOENIXFT_GPU_PLACEMENT", "spread")
+        d = place("cuda", 0, node, 2, 1)
+        store = connect_store(addr)
+        comm = EpochComm(store, epoch, rank, 2, 30.0, backend="nccl", device=d)
+        t = torch.tensor([float(rank + 1)], device=d.torch)
+        wait_work(comm.dp.allreduce([t]), "allreduce", lambda: None, 30.0)
+        q.put((node, epoch, "sum", float(t.item())))
+        if node == "s0":  # the spare: joined epoch 1, done
+            comm.retire()
+            return
+        if node == "n1":  # the victim: SIGKILL while the survivor waits in its next collective
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        t2 = torch.ones(1 << 20, device=d.torch)
+        try:
+            def abort() -> str | None:
+                return "recovery requested" if store.check([f"dead/{epoch}"]) else None
+
+            wait_work(comm.dp.allreduce([t2]), "allreduce", abort, 60.0)
+            q.put((node, epoch, "second", "completed"))
+        except PeerFailure as e:
+            q.put((node, epoch, "second", f"PeerFailure: {e}"))
+            comm.retire()
+            q.put((node, epoch, "retired", "ok"))
+            comm2 = EpochComm(store, epoch + 1, rank, 2, 30.0, backend="nccl", device=d)  # the next epoch
+            t3 = torch.tensor([float(rank + 1)], device=d.torch)
+            wait_work(comm2.dp.allreduce([t3]), "allreduce", lambda: None, 30.0)
+            q.put((node, epoch + 1, "sum", float(t3.item())))
+            comm2.retire()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        q.put((node, epoch, "error", f"{type(e).__name__}: {e}"))
+
+
+def test_a_dead_peer_raises_in_the_survivor_which_builds_the_next_epoch() -> None:
+    """Epoch 0: n0 and n1 on NCCL; n1 is SIGKILLed while n0 waits in an all-reduce; the control
+    plane's flag (set here once n1 is gone) or NCCL's own error ends n0's wait as PeerFailure, not
+    as the death of n0; n0 aborts its groups and forms epoch 1 with a spare s0 on NCCL."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    addr = f"127.0.0.1:{server.port}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    n0 = ctx.Process(target=_member, args=(addr, "n0", 0, 0, q))
+    n1 = ctx.Process(target=_member, args=(addr, "n1", 1, 0, q))
+    n0.start()
+    n1.start()
+    n1.join(120)
+    assert n1.exitcode == -signal.SIGKILL
+    server.set("dead/0", "1")  # what the coordinator does when the agent reports the exit
+    s0 = ctx.Process(target=_member, args=(addr, "s0", 1, 1, q))
+    s0.start()
+    n0.join(180)
+    s0.join(60)
+    got = []
+    while True:
+        try:
+            got.append(q.get(timeout=2))
+        except Exception:  # noqa: BLE001 - queue.Empty: everything was read
+            break
+    for p in (n0, s0):
+        if p.is_alive():
+            p.kill()
+    errors = [g for g in got if g[2] == "error"]
+    assert not errors, got
+    assert ("n0", 0, "sum", 3.0) in got and ("n1", 0, "sum", 3.0) in got, got
+    second = [g for g in got if g[0] == "n0" and g[2] == "second"]
+    assert second and str(second[0][3]).startswith("PeerFailure"), got
+    assert ("n0", 0, "retired", "ok") in got, got
+    assert ("n0", 1, "sum", 3.0) in got and ("s0", 1, "sum", 3.0) in got, got
+    assert n0.exitcode == 0, got
