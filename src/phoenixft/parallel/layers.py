@@ -85,27 +85,25 @@ def reduce_from_tp(x: torch.Tensor, h: TPHandle) -> torch.Tensor:
     return _ReduceFromTP.apply(x, h) if h.size > 1 else x
 
 
-class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T + b_local, W's output rows split over the group (given as the local slice)."""
+class _TPLinear(nn.Module):
+    """A linear layer's local slice (weight, optional bias), copied from the full layer's tensors."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, h: TPHandle) -> None:
         super().__init__()
         self.h = h
         self.weight = nn.Parameter(weight.detach().clone())
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+
+class ColumnParallelLinear(_TPLinear):
+    """y_local = x W_local^T + b_local, W's output rows split over the group (given as the local slice)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.h), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TPLinear):
     """y = sum over the group of x_local W_local^T, then + b (replicated, added once)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, h: TPHandle) -> None:
-        super().__init__()
-        self.h = h
-        self.weight = nn.Parameter(weight.detach().clone())
-        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.h)
