@@ -204,7 +204,8 @@ class FlatModel:
             if self.buf_step[b] == step:
                 self._bind(b)
                 self._load_buffers(b)
-                self._tag(1 - b, INVALID)
+                if self.buf_step[1 - b] > step:  # a newer, interrupted step is discarded; an older committed
+                    self._tag(1 - b, INVALID)  # one stays a recovery point (a cascade may need it)
                 return True
         return False
 
