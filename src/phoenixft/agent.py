@@ -77,21 +77,32 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
 
 
 def probe_store(addr: str, timeout_s: float, flag: str = "--store") -> tuple[str, int, str]:
-    """Wait (at most timeout_s) until something accepts TCP connections at HOST:PORT; UserError if not.
+    """Wait (at most timeout_s) until something accepts TCP connections at HOST:PORT (for an
+    etcd:// URL: at any of its endpoints); UserError if not.
     Returns (host, port, the local address this host reaches it from)."""
-    host, sep, port = addr.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"{flag}={addr!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:29500")
-    host = host.strip("[]")
+    if addr.startswith("etcd://"):
+        from phoenixft.controlplane import parse_etcd_url
+
+        try:
+            eps, _ = parse_etcd_url(addr)
+        except ValueError as e:
+            raise UserError(f"{flag}={addr!r} is invalid: {e}") from None
+    else:
+        host, sep, port = addr.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"{flag}={addr!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:29500, or "
+                            "etcd://HOST:PORT[,HOST:PORT...]/PREFIX")
+        eps = [(host.strip("[]"), int(port))]
     deadline = time.monotonic() + timeout_s
     why = "no answer"
     while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, left))) as s:
-                return host, int(port), str(s.getsockname()[0])
-        except OSError as e:
-            why = e.strerror or type(e).__name__
+        for host, p in eps:
+            left = deadline - time.monotonic()
+            try:
+                with socket.create_connection((host, p), timeout=max(0.1, min(2.0, left))) as s:
+                    return host, p, str(s.getsockname()[0])
+            except OSError as e:
+                why = e.strerror or type(e).__name__
         if time.monotonic() + 0.2 > deadline:
             raise UserError(f"{flag}={addr}: no phoenixft store is reachable there ({why}; waited "
                             f"{timeout_s:g}s, see --connect-timeout)")
@@ -240,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.workers):
         children[_fork_worker(a.store, node, i, run_id, a.threads)] = i
     restarts = {i: 0 for i in range(a.workers)}
+    from phoenixft.controlplane import Heartbeat
+
+    beat: Heartbeat | None = None
     worst = 0
     last_ok = time.monotonic()
     while children:
@@ -250,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
                 fenced = True
                 stop(signal.SIGTERM, None)
-            store.set(keys.heartbeat(node), str(time.time()))
+            if beat is None or beat.store is not store:
+                beat = Heartbeat(store, keys.heartbeat(node), cfg.failure_timeout)  # a lease on etcd
+            beat.beat(str(time.time()))
             injector.tick(store)
             last_ok = time.monotonic()
         except Exception:  # noqa: BLE001 - control plane gone: keep supervising for a bounded time

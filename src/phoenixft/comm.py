@@ -45,9 +45,10 @@ _error_checked_wait = False  # set once this process built NCCL groups (see the 
 
 
 def connect_store(addr: str, timeout_s: float = 30.0) -> Any:
-    host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """A client of the control-plane store at `addr` (HOST:PORT of a TCPStore, or an etcd:// URL)."""
+    from phoenixft.controlplane import connect
+
+    return connect(addr, timeout_s)
 
 
 def gloo_group(store: Any, rank: int, world: int, timeout: timedelta) -> Any:

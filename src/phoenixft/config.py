@@ -119,6 +119,13 @@ class RunConfig:
                              flag="--repair-after")
     join_timeout: float = _f(600.0, "Seconds to wait at the start for the --nodes active nodes to join and be ready; "
                              "then the run fails naming who is missing.", flag="--join-timeout")
+    control_plane: str = _f("tcpstore", "Where the control plane keeps its state: tcpstore (torch's TCPStore in the "
+                            "launcher's process: zero set-up, but the job depends on that process and host), etcd "
+                            "(a local 3-member etcd cluster started for the run) or etcd://HOST:PORT[,HOST:PORT...] "
+                            "(an existing etcd cluster: no single process or host whose loss ends the job).",
+                            flag="--control-plane")
+    coordinators: int = _f(1, "Coordinator processes: one leads, the others stand by and take over within a few "
+                           "seconds of its death (more than 1 needs --control-plane etcd).", flag="--coordinators")
     failure_timeout: float = _f(10.0, "Seconds without a heartbeat or answer before a node is declared failed.",
                                 flag="--failure-timeout")
     fence_kill: bool = _f(True, "Fence a failed node by SIGKILL of its process group in local runs, besides the "
@@ -273,6 +280,14 @@ class RunConfig:
             )
         need(self.repair_after >= 0, "--repair-after", self.repair_after, "must be >= 0 seconds (0 = never)")
         need(self.failure_timeout > 0, "--failure-timeout", self.failure_timeout, "must be > 0 seconds")
+        from phoenixft.controlplane import validate_spec
+
+        why = validate_spec(self.control_plane)
+        need(why is None, "--control-plane", self.control_plane, why or "")
+        need(1 <= self.coordinators <= 9, "--coordinators", self.coordinators, "must be in 1..9")
+        need(self.coordinators == 1 or self.control_plane != "tcpstore", "--coordinators", self.coordinators,
+             "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
+             "store lives in the launcher's process, so a standby would not remove the single point of failure)")
         need(self.join_timeout > 0, "--join-timeout", self.join_timeout, "must be > 0 seconds")
         need(self.threads >= 0, "--threads", self.threads, "must be >= 0")
         need(self.chunk_mb > 0, "--chunk-mb", self.chunk_mb, "must be > 0")
@@ -291,6 +306,10 @@ class RunConfig:
                 need(1 <= f.step <= self.steps, "--inject", f.text, f"step must be in 1..{self.steps}")
             if f.recovery is not None:
                 need(f.recovery >= 1, "--inject", f.text, "recovery must be >= 1 (the first recovery is 1)")
+            if f.etcd is not None:
+                need(self.control_plane == "etcd", "--inject", f.text,
+                     "an etcd member can be killed only in the cluster the run starts itself: --control-plane etcd")
+                need(f.etcd < 3, "--inject", f.text, "the run's etcd cluster has members 0, 1, 2")
             if f.kind in ("kill", "hang", "crash", "corrupt", "partition"):
                 need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")

@@ -45,6 +45,7 @@ from typing import Any
 
 from phoenixft import auth, keys
 from phoenixft.config import RunConfig
+from phoenixft.controlplane import Election, guarded_set, is_etcd, poll_interval
 from phoenixft.persist import latest_manifest
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
 from phoenixft.topology import Topology
@@ -59,18 +60,29 @@ ADMIT_POLL_S = 0.02  # join requests are looked at this often (one counter read)
 _ID = re.compile(r"^([ns])(\d+)$")
 
 
+def _deposed() -> None:
+    """This process no longer leads (its lease expired): another coordinator may act already."""
+    print("phoenixft coordinator: lost the leadership (lease expired); exiting so the leader acts alone",
+          file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 def _index(node: str) -> int:
     m = _ID.match(node)
     return int(m.group(2)) if m else 1 << 30
 
 
 class Coordinator:
-    def __init__(self, store: Any, journal: str | None = None, token: str = "") -> None:
+    def __init__(self, store: Any, journal: str | None = None, token: str = "",
+                 election: Election | None = None) -> None:
         if not token:
             raise ValueError("the coordinator needs the job token (it signs what it publishes)")
         self.store = store
         self.journal = journal
         self.token = token
+        self.election = election  # etcd: this process acts only while it leads
+        self.poll_s = poll_interval(store, POLL_S)  # steady state (etcd: 50 ms; a TCPStore: 3 ms)
+        self.gather_poll_s = min(self.poll_s, 0.01)  # while a recovery waits for descriptors
         self.cfg = RunConfig.from_json(self._wait(keys.CONFIG, 120.0))
         self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
         self.g = self.cfg.workers_per_node
@@ -89,7 +101,9 @@ class Coordinator:
         self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
         self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
         self._last_admit = 0.0
-        for _, req, verdict in self.desk.admitted():  # a restarted coordinator: admissions stand
+
+    def _load_members(self) -> None:
+        for _, req, verdict in self.desk.admitted():  # a restarted coordinator or a new leader: admissions stand
             self._add_member(str(verdict["node"]), req, quiet=True)
 
     # ------------------------------------------------------------------ helpers
@@ -166,36 +180,46 @@ class Coordinator:
         self.store.set(keys.RUN_STATE, "failed")
 
     def publish(self, topo: Topology, replay: bool = False) -> None:
-        """Journal first (write-ahead, fsynced), then publish: a restarted coordinator finishes
-        publishing whatever it had decided, and never decides the same epoch twice."""
+        """Journal first, then publish: a restarted coordinator (or the standby that takes over)
+        finishes publishing whatever was decided, and never decides the same epoch twice. The
+        journal record is a store key written with the topology (on etcd: in one transaction that
+        succeeds only while this process leads); a local journal file, fsynced first, is kept too
+        when given."""
+        record = json.dumps({"topo": json.loads(topo.to_json()), "spare_pool": self.spare_pool,
+                             "dead": sorted(self.dead)})
         if self.journal and not replay:
             with open(self.journal, "a") as f:
-                f.write(json.dumps({"topo": json.loads(topo.to_json()), "spare_pool": self.spare_pool,
-                                    "dead": sorted(self.dead)}) + "\n")
+                f.write(record + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        self.topo = topo
         raw = topo.to_json()
-        self.store.set(keys.topo_sig(topo.epoch), auth.sign_topology(self.token, topo.epoch, raw))  # first
-        self.store.set(keys.topo(topo.epoch), raw)
-        self.store.set(keys.EPOCH, str(topo.epoch))
+        names = [keys.topo_sig(topo.epoch), keys.topo(topo.epoch), keys.EPOCH]  # the signature first
+        values = [auth.sign_topology(self.token, topo.epoch, raw), raw, str(topo.epoch)]
         for s in topo.meta.get("promoted", []):
-            self.store.set(keys.assign(s), str(topo.epoch))
+            names.append(keys.assign(s))
+            values.append(str(topo.epoch))
+        if not replay:
+            names.insert(0, keys.JOURNAL)
+            values.insert(0, record)
+        if not guarded_set(self.store, self.election, names, values):
+            _deposed()
+        self.topo = topo
         if not replay:
             self._event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world, resume_step=topo.resume_step)
 
     def _reload(self) -> bool:
         """Restore membership, epoch and spare pool from the journal; True if there was one."""
-        if not self.journal or not os.path.exists(self.journal):
-            return False
         last = None
-        with open(self.journal) as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        last = json.loads(line)
-                    except ValueError:
-                        break  # a torn last line: the decision before it stands
+        if self.store.check([keys.JOURNAL]):
+            last = json.loads(self.store.get(keys.JOURNAL))
+        elif self.journal and os.path.exists(self.journal):
+            with open(self.journal) as f:
+                for line in f:
+                    if line.strip():
+                        try:
+                            last = json.loads(line)
+                        except ValueError:
+                            break  # a torn last line: the decision before it stands
         if last is None:
             return False
         self.dead = set(last["dead"])
@@ -207,11 +231,29 @@ class Coordinator:
         return True
 
     # ------------------------------------------------------------------ main loop
+    def _lead(self) -> bool:
+        """Stand by until this process leads (etcd); False if the run ended meanwhile."""
+        if self.election is None:
+            return True
+        t0 = time.monotonic()
+        was = self.election.leader()
+        while not self.election.campaign(timeout_s=2.0):
+            if self.store.check([keys.RUN_STATE]):
+                return False
+        if was is not None:
+            self._event("coordinator_takeover", previous=was, leader=self.election.ident,
+                        standby_s=round(time.monotonic() - t0, 3))
+        return True
+
     def run(self) -> None:
+        if not self._lead():
+            return
+        self._load_members()
         self.store.set(keys.COORDINATOR_PID, str(os.getpid()))
         if self._reload():
             assert self.topo is not None
-            self._event("coordinator_restarted", epoch=self.topo.epoch, spare_pool=self.spare_pool)
+            self._event("coordinator_restarted", epoch=self.topo.epoch, spare_pool=self.spare_pool,
+                        **({"leader": self.election.ident} if self.election is not None else {}))
             self.store.set("coordinator/ready", str(time.time()))
             self._loop()
             return
@@ -251,7 +293,7 @@ class Coordinator:
             if self._failure_pending():
                 self.recover()
             else:
-                time.sleep(POLL_S)
+                time.sleep(self.poll_s)
             if time.monotonic() - last_whole > 0.25:
                 last_whole = time.monotonic()
                 self._publish_whole()
@@ -423,7 +465,7 @@ class Coordinator:
                 fenced |= unresponsive  # fence the whole node
                 dead |= unresponsive
                 break
-            time.sleep(POLL_S)
+            time.sleep(self.gather_poll_s)
         return dead, fenced, restarted
 
     def recover(self) -> None:
@@ -508,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port-file", default="", help="where to write the port of the store it hosts")
     ap.add_argument("--journal", default="", help="write-ahead journal of membership, epochs and spare pool")
     ap.add_argument("--run-id", default="", help="the run's id (unused here; makes the process findable by it)")
+    ap.add_argument("--lease-ttl", type=int, default=2, help="etcd: seconds of the leader's lease (a standby takes "
+                    "over at most this long after the leader's death)")
     a = ap.parse_args(argv)
     token = os.environ.get(auth.TOKEN_ENV, "")
     if not token:
@@ -528,8 +572,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(tmp, "w") as f:
                 f.write(str(server.port))
             os.replace(tmp, a.port_file)
+    election = Election(store, ttl_s=a.lease_ttl, on_lost=_deposed) if is_etcd(store) else None
     try:
-        Coordinator(store, a.journal or None, token).run()
+        Coordinator(store, a.journal or None, token, election).run()
     except TimeoutError as e:
         print(str(e), file=sys.stderr)
     if not a.store:  # keep serving the store until the launcher has read the results and stops us

@@ -70,9 +70,12 @@ class Display:
             self._err(f"   epoch {ev['epoch']}: resume from step {ev['resume_step']}, promoted {ev['promoted']} "
                       f"(decided in {ev['decide_s'] * 1e3:.0f} ms)")
         elif k == "coordinator_exited":
-            self._err("!! coordinator exited: restarting it from its journal (training continues)")
+            how = "a standby takes over, it restarts as a standby" if ev.get("standbys") else \
+                "restarting it from its journal"
+            self._err(f"!! coordinator exited: {how} (training continues)")
         elif k == "coordinator_restarted":
-            self._err(f"   coordinator back at epoch {ev['epoch']}, spare pool {ev['spare_pool']}")
+            who = "a standby coordinator leads now" if ev.get("leader") else "coordinator back"
+            self._err(f"   {who} at epoch {ev['epoch']}, spare pool {ev['spare_pool']}")
         elif k == "fallback_persistent":
             self._err(f"!! in-memory state lost ({ev['reason']}): falling back to the persistent checkpoint of "
                       f"step {ev['step']}")

@@ -6,7 +6,12 @@
                                           the node in slot I may be the promoted spare itself)
     kill:node=I@step=S,phase=recovery     SIGKILL slot I during the state transfer of the first recovery
                                           whose resume step is >= S-1 (no epoch number needed)
-    kill:coordinator@step=S               SIGKILL the coordinator process (the launcher restarts it)
+    kill:coordinator@step=S               SIGKILL the coordinator process (the launcher restarts it); with
+                                          --coordinators N the one that leads at that moment (a standby
+                                          takes over)
+    kill:etcd=I@step=S                    SIGKILL member I of the etcd cluster the run started
+                                          (--control-plane etcd); kill:etcd=leader@step=S: its raft leader.
+                                          Fired by the launcher once the job has completed step S-1
     hang:node=I@step=S[,phase=P]          SIGSTOP every process of node I (only a timeout finds it)
     crash:rank=R@step=S[,phase=P]         worker R exits with an error; its node stays healthy
     corrupt:node=I@step=S                 flip bytes in the replicas node I received during step S
@@ -43,7 +48,7 @@ SPECIAL_PHASES = {"kill": ("recovery",), "corrupt": ("transfer",)}
 FAULT_KINDS = ("kill", "hang", "crash", "corrupt", "nan", "partition")
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):(?:(?P<target>[^@]+)@)?(?P<when>.+)$")
 _VALID = ("expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, kill:node=I@recovery=N, "
-          "kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
+          "kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, kill:etcd=I|leader@step=S, "
           "hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S or "
           "partition:node=I@step=S[,for=SECONDS]")
 
@@ -60,6 +65,7 @@ class FaultSpec:
     recovery: int | None = None
     phase: str = "forward"
     coordinator: bool = False
+    etcd: int | None = None  # kill:etcd=I: member I of the run's local etcd cluster (-1: its raft leader)
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
     duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
 
@@ -88,8 +94,14 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     nodes: tuple[int, ...] = ()
     rack = rank = None
     coordinator = False
+    etcd: int | None = None
     if m["target"] == "coordinator" and kind == "kill":
         coordinator = True
+    elif kind == "kill" and m["target"] and m["target"].startswith("etcd="):
+        v = m["target"][len("etcd="):]
+        if v != "leader" and not v.isdigit():
+            raise _bad(text, f"etcd={v!r}: expected a member index (0, 1, 2) or leader")
+        etcd = -1 if v == "leader" else int(v)
     elif m["target"]:
         key, _, value = m["target"].partition("=")
         if key == "node":
@@ -120,14 +132,17 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         raise _bad(text, f"phase={phase!r}, valid phases: {', '.join(valid)}")
     if phase == "recovery" and (not nodes or "step" not in when):  # it fires only for node slots, by step
         raise _bad(text, "phase=recovery is only for kill:node=I@step=S,phase=recovery")
-    need_target = {"kill": nodes or rack is not None or coordinator, "hang": len(nodes) == 1, "crash": rank is not None,
-                   "corrupt": len(nodes) == 1, "nan": not m["target"], "partition": len(nodes) == 1}
+    need_target = {"kill": nodes or rack is not None or coordinator or etcd is not None, "hang": len(nodes) == 1,
+                   "crash": rank is not None, "corrupt": len(nodes) == 1, "nan": not m["target"],
+                   "partition": len(nodes) == 1}
     if not need_target[kind]:
         raise _bad(text, _VALID)
     if recovery is not None and kind != "kill":
         raise _bad(text, "only kill faults can fire during a recovery (@recovery=N)")
     if coordinator and step is None:
         raise _bad(text, "kill:coordinator needs @step=S")
+    if etcd is not None and (step is None or "phase" in when or "wait" in when):
+        raise _bad(text, "expected kill:etcd=I@step=S or kill:etcd=leader@step=S (no phase, no wait)")
     wait = 0.0
     if "wait" in when:
         try:
@@ -145,4 +160,4 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         if not duration > 0:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
-                     recovery=recovery, phase=phase, coordinator=coordinator, wait=wait, duration=duration)
+                     recovery=recovery, phase=phase, coordinator=coordinator, etcd=etcd, wait=wait, duration=duration)

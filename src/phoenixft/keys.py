@@ -9,6 +9,7 @@ EVENTS = "events"  # newline-separated JSON records, appended
 PROGRESS = "progress"
 FINAL = "final"
 EPOCH = "epoch"
+JOURNAL = "coordinator/journal"  # the coordinator's last decision (topology, spare pool, dead nodes), write-ahead
 COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)
 WORKER_EXITS = "wexits"  # counter an agent bumps after writing `wexit/<wid>` (a worker restarted in place)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)

@@ -34,6 +34,7 @@ from typing import Any
 
 from phoenixft import auth, keys, shm
 from phoenixft.config import RunConfig
+from phoenixft.controlplane import LogReader, exists_many, get_nowait, is_etcd
 from phoenixft.display import Display
 from phoenixft.errors import UserError
 from phoenixft.procs import group_members
@@ -77,13 +78,15 @@ class LocalJob:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.display = display or Display(quiet=cfg.quiet, json_events=cfg.json_events, steps=cfg.steps)
         self.display.joins = not local
-        self.coord: subprocess.Popen[bytes] | None = None
+        self.coords: dict[int, subprocess.Popen[bytes]] = {}  # --coordinators: one leads, the others stand by
+        self.etcd: Any = None  # --control-plane etcd: the local cluster this job started
+        self._etcd_fired: set[int] = set()
+        self._log: Any = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.exited: set[str] = set()
         self.fenced: set[str] = set()
         self.store: Any = None
         self.addr = ""
-        self._events_off = 0
         self._torn_down = False
         self._server: Any = None
         self._coord_pids: list[int] = []
@@ -126,18 +129,24 @@ class LocalJob:
         if wl.prepare is not None and self.local:
             wl.prepare()  # e.g. build the corpus cache once, before the workers map it
         self.display.tokens_per_step = wl.tokens_per_microbatch * self.cfg.total_microbatches
-        # The store is served from this process (its server thread needs no GIL), so that the
-        # coordinator's logic can crash and be restarted without taking the store with it. It listens
-        # on the address given only (see store_server).
-        self._server = serve_store(self.host, self.port)
-        self.addr = self._server.addr
-        (self.run_dir / "coordinator.port").write_text(str(self._server.port))
+        if self.cfg.control_plane == "tcpstore":
+            # The store is served from this process (its server thread needs no GIL), so that the
+            # coordinator's logic can crash and be restarted without taking the store with it. It
+            # listens on the address given only (see store_server).
+            self._server = serve_store(self.host, self.port)
+            self.addr = self._server.addr
+            (self.run_dir / "coordinator.port").write_text(str(self._server.port))
+        else:
+            self.addr = self._etcd_address()
+            (self.run_dir / "control_plane").write_text(self.addr)
         self.store = connect_store(self.addr)
+        self._log = LogReader(self.store, keys.EVENTS)
         self.store.set(keys.CONFIG, self.cfg.to_json())
         self.store.set(keys.RUN_ID, self.run_id)
         if self.local:  # rank 0 writes the final model there: only where it shares this filesystem
             self.store.set(keys.RUN_DIR, str(self.run_dir.resolve()))
-        self._start_coordinator()
+        for i in range(self.cfg.coordinators):
+            self._start_coordinator(i)
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
         if self.local:
             nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
@@ -162,13 +171,33 @@ class LocalJob:
              "--threads", str(self._threads()), "--run-id", self.run_id, "--parent-pid", str(os.getpid())],
             f"{node}.log")
 
-    def _start_coordinator(self) -> None:
+    def _etcd_address(self) -> str:
+        """The job's etcd URL: the cluster given (or a local one started now), keys under
+        `<prefix>/<run id>` (prefix `/phoenixft` unless the URL names one)."""
+        from phoenixft.controlplane import parse_etcd_url
+        from phoenixft.controlplane.etcd_cluster import EtcdCluster
+
+        url = self.cfg.control_plane
+        if url == "etcd":
+            try:
+                self.etcd = EtcdCluster(3, log_dir=str(self.run_dir / "logs"), tag=self.run_id).start()
+            except (FileNotFoundError, RuntimeError, TimeoutError) as e:
+                raise UserError(f"--control-plane=etcd: could not start a local etcd cluster ({e})") from None
+            url = self.etcd.url
+            self.display.info(f"started a local 3-member etcd cluster for this run: {url}")
+        eps, prefix = parse_etcd_url(url)
+        return "etcd://" + ",".join(f"{h}:{p}" for h, p in eps) + f"{prefix or '/phoenixft'}/{self.run_id}"
+
+    def _start_coordinator(self, i: int = 0) -> None:
         # it dies with the launcher (which serves the store it needs); --run-id makes it findable
-        self.coord = self._spawn(["phoenixft.procs", "--parent", str(os.getpid()), "--signal",
-                                  str(int(signal.SIGKILL)), "phoenixft.coordinator", "--store", self.addr,
-                                  "--journal", str(self.run_dir / "coordinator.journal"), "--run-id", self.run_id],
-                                 "coordinator.log")
-        self._coord_pids.append(self.coord.pid)
+        journal = ["--journal", str(self.run_dir / "coordinator.journal")] if self.cfg.control_plane == "tcpstore" \
+            else []  # on etcd the journal is in etcd (a standby on another host reads it)
+        p = self._spawn(["phoenixft.procs", "--parent", str(os.getpid()), "--signal",
+                         str(int(signal.SIGKILL)), "phoenixft.coordinator", "--store", self.addr,
+                         *journal, "--run-id", self.run_id],
+                        "coordinator.log" if i == 0 else f"coordinator{i}.log")
+        self.coords[i] = p
+        self._coord_pids.append(p.pid)
 
     def _kill_group(self, node: str, sig: int = signal.SIGKILL) -> None:
         p = self.agents.get(node)
@@ -181,18 +210,20 @@ class LocalJob:
 
     # ------------------------------------------------------------------ monitoring
     def _poll_events(self) -> None:
-        if not self.store.check([keys.EVENTS]):
-            return
-        raw = self.store.get(keys.EVENTS).decode()
-        new, self._events_off = raw[self._events_off :], len(raw)
-        for line in new.splitlines():
+        for line in self._log.read().splitlines():
             if line.strip():
                 self.display.event(json.loads(line))
 
     def monitor(self) -> str:
         deadline = time.monotonic() + self.cfg.timeout
         last_progress = -1
+        # on etcd every look is a network round trip that the cluster's leader serves: look less often,
+        # and at the fences and the run state in one request
+        poll = 0.01 if not is_etcd(self.store) else 0.05
         while True:
+            unfenced = [n for n in self.agents if n not in self.fenced]
+            *fences, over = exists_many(self.store, [keys.fence(n) for n in unfenced] + [keys.RUN_STATE])
+            fenced_now = {n for n, f in zip(unfenced, fences, strict=True) if f}
             for n, p in self.agents.items():  # (the head has none: remote agents are judged by heartbeats)
                 if n not in self.exited and p.poll() is not None:
                     self.exited.add(n)
@@ -200,26 +231,34 @@ class LocalJob:
                     self.store.add("exits", 1)
                     self._reap_async(n)
                     self.repair.lost(n)
-                if n not in self.fenced and self.store.check([keys.fence(n)]):
+                if n in fenced_now:
                     self.fenced.add(n)
                     if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
                         self._kill_group(n)
                     self.repair.lost(n)
             if self.local:
                 self._start_repaired()
-            if self.coord is not None and self.coord.poll() is not None and not self.store.check([keys.RUN_STATE]):
+            for i, cp in list(self.coords.items()):
+                if cp.poll() is None or over or self.store.check([keys.RUN_STATE]):
+                    continue
                 now_m = time.monotonic()
                 self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
-                if len(self._coord_exits) > 5:
+                if len(self._coord_exits) > 5 * self.cfg.coordinators:
                     return "failed: the coordinator keeps exiting (6 times within a minute)"
-                self.coord_restarts += 1  # control-plane failure: restart it; it reloads its journal
-                self.store.delete_key(keys.COORDINATOR_PID)
+                # control-plane failure: restart it; it reloads its journal (a standby takes over meanwhile)
+                self.coord_restarts += 1
+                self.store.compare_set(keys.COORDINATOR_PID, str(cp.pid), "")
+                if self.store.get(keys.COORDINATOR_PID) == b"":
+                    self.store.delete_key(keys.COORDINATOR_PID)
                 t = time.time()
-                self._start_coordinator()
+                self._start_coordinator(i)
                 self.store.append(keys.EVENTS, json.dumps({"t": t, "kind": "coordinator_exited", "by": "launcher",
-                                                           "code": self.coord.returncode}) + "\n")
-            if self.store.check([keys.PROGRESS]):
-                prog = int(self.store.get(keys.PROGRESS))
+                                                           "code": cp.returncode, "pid": cp.pid,
+                                                           "standbys": self.cfg.coordinators - 1}) + "\n")
+            raw_prog = get_nowait(self.store, keys.PROGRESS)
+            if raw_prog is not None:
+                prog = int(raw_prog)
+                self._fire_etcd_faults(prog)
                 late = self.cfg.spare_arrives_at_step
                 if late and prog >= late and f"s{self.cfg.spares}" not in self.agents:
                     self._start_agent(f"s{self.cfg.spares}")
@@ -227,13 +266,28 @@ class LocalJob:
                     last_progress = prog
                     self.display.progress(json.loads(self.store.get(keys.step(prog))))
             self._poll_events()
-            if self.store.check([keys.RUN_STATE]):
+            if over:
                 return self.store.get(keys.RUN_STATE).decode()
             if time.monotonic() > deadline:
                 return f"failed: timeout after {self.cfg.timeout:.0f}s"
             if self.local and all(n in self.exited for n in self.agents):
                 return "failed: every node exited"
-            time.sleep(0.01)
+            time.sleep(poll)
+
+    def _fire_etcd_faults(self, progress: int) -> None:
+        """kill:etcd=I|leader@step=S: SIGKILL a member of the run's own etcd cluster during step S."""
+        for f in self.cfg.faults:
+            if f.etcd is None or f.index in self._etcd_fired or f.step is None or progress < f.step - 1:
+                continue
+            self._etcd_fired.add(f.index)
+            assert self.etcd is not None  # validated: kill:etcd needs --control-plane etcd
+            i = f.etcd if f.etcd >= 0 else self.etcd.leader_index()
+            rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "kill",
+                   "node": f"etcd member m{i}" + (" (raft leader)" if f.etcd < 0 else ""), "step": f.step,
+                   "phase": "control plane", "by": "launcher"}
+            self.store.set(keys.fault(f.index), json.dumps(rec))
+            self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+            self.etcd.kill(i)
 
     # ------------------------------------------------------------------ node cleanup
     def _reap_async(self, node: str) -> None:
@@ -301,7 +355,7 @@ class LocalJob:
         deadline = time.monotonic() + STOP_GRACE_S
         if not self.local:
             self._await_remote_agents(deadline)
-        for p in [*self.agents.values(), *([self.coord] if self.coord else [])]:
+        for p in [*self.agents.values(), *self.coords.values()]:
             try:
                 p.wait(timeout=max(0.05, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -328,9 +382,9 @@ class LocalJob:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        if self.coord is not None:
+        for cp in self.coords.values():
             try:
-                self.coord.wait(timeout=5)
+                cp.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
         for n in self.agents:
@@ -342,6 +396,13 @@ class LocalJob:
                 self.leaks["removed_segments"].append(name)
         if self._owner:
             shm.unregister_owner(self.run_id)
+        if is_etcd(self.store):  # every process of the run is gone: leave nothing of it in etcd
+            try:
+                self.store.delete_prefix()
+            except Exception:  # noqa: BLE001 - the cluster is gone: nothing to clean there
+                pass
+        if self.etcd is not None:
+            self.etcd.stop()
 
     def _await_remote_agents(self, deadline: float) -> None:
         """Head: keep serving the store until every admitted node that is not fenced has left (its agent
@@ -357,7 +418,7 @@ class LocalJob:
         self.leaks["not_left"] = waiting
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.agents.values()] + ([self.coord.pid] if self.coord else [])
+        return [p.pid for p in self.agents.values()] + [p.pid for p in self.coords.values()]
 
 
 @contextlib.contextmanager

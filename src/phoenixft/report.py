@@ -63,7 +63,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         # the fault a recovery answers: the latest one before its first report that needed one (a coordinator
         # kill is the control plane's, a corruption at rest is answered by the kill it comes with)
         cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
-                 and not f["spec"].startswith(("kill:coordinator", "corrupt:"))]
+                 and not f["spec"].startswith(("kill:coordinator", "kill:etcd", "corrupt:"))]
         fault = max(cands, key=lambda f: f["t"]) if cands else None
         if fault:
             used.add(fault["index"])
@@ -116,10 +116,13 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         if store.check([keys.EVENTS]) else []
     control_plane = []
     for f in faults:
+        if f["spec"].startswith("kill:etcd"):
+            control_plane.append({"fault": f["spec"], "t": f["t"], "member": f["node"]})
         if f["spec"].startswith("kill:coordinator"):
-            back = [ev["t"] for ev in events if ev["kind"] == "coordinator_restarted" and ev["t"] >= f["t"]]
-            down = (min(back) - f["t"]) if back else None
-            control_plane.append({"fault": f["spec"], "t": f["t"], "downtime_s": down})
+            back = [ev for ev in events if ev["kind"] == "coordinator_restarted" and ev["t"] >= f["t"]]
+            first = min(back, key=lambda ev: ev["t"]) if back else None
+            control_plane.append({"fault": f["spec"], "t": f["t"], "downtime_s": first["t"] - f["t"] if first else None,
+                                  "new_leader": first.get("leader") if first else None})
     report: dict[str, Any] = {
         "run_id": run_id,
         "state": state,

@@ -86,11 +86,21 @@ def _why(e: BaseException) -> str:
 
 def connect(addr: str, timeout_s: float) -> Any:
     """A client of the coordinator's store; UserError (naming --coordinator) when it cannot be reached."""
-    host, port = parse_address(addr)
+    if addr.startswith("etcd://"):
+        from phoenixft.controlplane import parse_etcd_url
+
+        try:
+            parse_etcd_url(addr)
+        except ValueError as e:
+            raise UserError(f"--coordinator={addr!r} is invalid: {e}") from None
+        target = addr
+    else:
+        host, port = parse_address(addr)
+        target = f"{host}:{port}"
     from phoenixft.comm import connect_store
 
     def attempt() -> Any:
-        store = connect_store(f"{host}:{port}", timeout_s)
+        store = connect_store(target, timeout_s)
         store.check([keys.CONFIG])  # a round trip: something that is not a TCPStore fails here
         return store
 

@@ -44,6 +44,10 @@ class FailureWatcher:
         self._epoch = -1
         self._raised.clear()
 
+    def flagged(self, epoch: int) -> bool:
+        """The failure flag of `epoch` is set (and this watcher watches that epoch)."""
+        return self._raised.is_set() and self._epoch == epoch
+
     def check(self) -> None:
         if self._raised.is_set():
             raise PeerFailure("recovery requested by the control plane (noticed mid-step)")

@@ -24,6 +24,7 @@ import torch
 from phoenixft import auth, device, keys, shm
 from phoenixft.comm import EpochComm, connect_store, wait_work
 from phoenixft.config import RunConfig
+from phoenixft.controlplane import exists_many, is_etcd
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.faultinject import FaultInjector
 from phoenixft.faults import FaultSpec
@@ -38,6 +39,8 @@ from phoenixft.topology import Topology
 from phoenixft.training import Trainer
 from phoenixft.watcher import FailureWatcher
 from phoenixft.workload import WorkloadContext, load_workload
+
+ABORT_CHECK_ETCD_S = 0.2
 
 __all__ = ["Worker", "worker_main"]
 
@@ -57,6 +60,8 @@ class Worker:
         self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
         self.protect = cfg.protect == "phoenix"
         self.watcher = FailureWatcher(store_addr)
+        self._abort_checked = 0.0
+        self._abort_every = ABORT_CHECK_ETCD_S if is_etcd(self.store) else 0.0
         self.trainer: Trainer = None  # type: ignore[assignment]  # built for this rank's stage (_build)
         self.stage_of: tuple[int, int] | None = None  # the (pp, tp) coordinate the trainer was built for
         self.shm: str | None = None
@@ -139,9 +144,19 @@ class Worker:
         return max(60.0, 6 * self.cfg.failure_timeout)
 
     def _abort_reason(self) -> str | None:
-        if self.store.check([keys.failflag(self.epoch)]):
+        """Why a wait for a collective should give up, or None: the epoch's failure flag (the watcher
+        sees it without a round trip) or the end of the run. On etcd the store is asked at most every
+        ABORT_CHECK_ETCD_S (one request for both keys): a round trip there costs the cluster's leader CPU."""
+        if self.watcher.flagged(self.epoch):
             return "recovery requested by the control plane"
-        if self.store.check([keys.RUN_STATE]):
+        now = time.monotonic()
+        if now - self._abort_checked < self._abort_every:
+            return None
+        self._abort_checked = now
+        failed, over = exists_many(self.store, [keys.failflag(self.epoch), keys.RUN_STATE])
+        if failed:
+            return "recovery requested by the control plane"
+        if over:
             raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
         return None
 

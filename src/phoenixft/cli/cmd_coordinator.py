@@ -31,7 +31,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "`phoenixft run` does. The store (torch's TCPStore) has no authentication of its own: keep its port on a "
         "private network.",
     )
-    p.add_argument("--host", required=True, metavar="ADDR", help="address to serve on (an address of this host)")
+    p.add_argument("--host", default="", metavar="ADDR", help="address to serve on (an address of this host; "
+                   "required unless --standby)")
+    p.add_argument("--standby", default="", metavar="ETCD_URL",
+                   help="run only a standby coordinator for the job at this etcd URL (the job's URL as its head "
+                        "prints it, etcd://HOST:PORT[,...]/phoenixft/RUN_ID): it takes over if the leader dies, "
+                        "also when the head's host is lost; the job's flags come from etcd (other flags are ignored)")
     p.add_argument("--port", type=int, default=29500, metavar="P", help="port to serve on (default 29500; 0 = any)")
     p.add_argument("--token", default="", help="the job token (default: $PHOENIXFT_TOKEN; else one is generated "
                                                "and printed); prefer the environment: a flag shows in `ps`")
@@ -44,6 +49,11 @@ def coordinator(args: argparse.Namespace) -> int:
     from phoenixft.errors import UserError
     from phoenixft.launcher import run_job
 
+    if args.standby:
+        return standby(args.standby, args.token)
+    if not args.host:
+        raise UserError("--host is required: the address to serve on (or --standby ETCD_URL for a standby "
+                        "coordinator)")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port={args.port} is invalid: must be in 0..65535 (0 = any free port)")
     token = auth.resolve_token(args.token)
@@ -52,3 +62,41 @@ def coordinator(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     report = run_job(cfg, host=args.host, port=args.port, token=token, local=False)
     return 0 if report.get("state") == "done" else 1
+
+
+def standby(url: str, token_flag: str) -> int:
+    """A standby coordinator on this host for the job at `url` (etcd): it campaigns for the
+    leadership and, once it leads, carries the job on from etcd's state; it ends with the run."""
+    import os
+
+    from phoenixft import auth, keys
+    from phoenixft.controlplane import connect, parse_etcd_url
+    from phoenixft.errors import UserError
+
+    try:
+        _, prefix = parse_etcd_url(url)
+    except ValueError as e:
+        raise UserError(f"--standby={url!r} is invalid: {e}") from None
+    if not prefix:
+        raise UserError(f"--standby={url!r} is invalid: it must name the job (etcd://HOST:PORT/phoenixft/RUN_ID, "
+                        "as the head prints it)")
+    token = auth.resolve_token(token_flag)
+    if not token:
+        raise UserError(f"--standby needs the job token (--token or ${auth.TOKEN_ENV}): it verifies and signs "
+                        "what it publishes")
+    auth.check_token(token, "--token" if token_flag else f"${auth.TOKEN_ENV}")
+    try:
+        store = connect(url, 10.0)
+        found = store.check([keys.CONFIG])
+    except Exception as e:  # noqa: BLE001 - EtcdUnavailable, EtcdError, OSError
+        raise UserError(f"--standby={url}: etcd is not reachable there ({str(e).splitlines()[0][:160]})") from None
+    if not found:
+        raise UserError(f"--standby={url}: no phoenixft job there (no config under that prefix; use the URL the "
+                        "head prints)")
+    if store.check([keys.RUN_STATE]):
+        raise UserError(f"--standby={url}: that job has ended ({store.get(keys.RUN_STATE).decode()})")
+    os.environ[auth.TOKEN_ENV] = token
+    print(f"phoenixft coordinator: standing by for the job at {url} (takes over if the leader dies)", flush=True)
+    from phoenixft.coordinator import main as coordinator_main
+
+    return coordinator_main(["--store", url])

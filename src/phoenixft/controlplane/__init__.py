@@ -1,0 +1,198 @@
+"""The control-plane seam: where the coordinator, agents and workers share state.
+
+Two backends, chosen by `--control-plane`:
+
+- `tcpstore` (default): torch's `TCPStore`, served by the launcher's process (zero set-up; the
+  job depends on that process and its host);
+- `etcd://HOST:PORT[,HOST:PORT...][/PREFIX]`: an etcd cluster (`EtcdStore`): no single process or
+  host whose loss ends the job; `etcd` alone starts a local 3-member cluster for the run.
+
+Both are c10d stores (so process groups rendezvous on either); what only etcd has (leases,
+transactions) is reached through the helpers here, which fall back to plain store calls on a
+TCPStore: `Heartbeat` (a key that expires with its writer on etcd), `Election` (etcd's lease-based
+leader election, for standby coordinators), `guarded_set` (writes that succeed only while the writer
+still leads), `LogReader` (an incremental read of an appended key), `exists_many`, `get_nowait`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable, parse_etcd_url
+
+__all__ = ["connect", "is_etcd", "validate_spec", "Heartbeat", "Election", "guarded_set", "LogReader",
+           "exists_many", "get_nowait", "EtcdStore", "EtcdError", "EtcdUnavailable", "parse_etcd_url",
+           "LEADER_KEY", "poll_interval"]
+
+LEADER_KEY = "coordinator/leader"
+
+
+def validate_spec(value: str) -> str | None:
+    """Why `--control-plane=value` is invalid, or None."""
+    if value in ("tcpstore", "etcd"):
+        return None
+    if value.startswith("etcd://"):
+        try:
+            parse_etcd_url(value)
+        except ValueError as e:
+            return str(e)
+        return None
+    return ("valid: tcpstore (embedded, the default), etcd (a local 3-member etcd cluster started for the run) "
+            "or etcd://HOST:PORT[,HOST:PORT...] (an existing cluster)")
+
+
+def connect(addr: str, timeout_s: float = 30.0) -> Any:
+    """A client of the store at `addr`: `HOST:PORT` (a TCPStore) or an `etcd://` URL."""
+    if addr.startswith("etcd://"):
+        eps, prefix = parse_etcd_url(addr)
+        return EtcdStore(eps, prefix or "/phoenixft/default", timeout_s)
+    import torch.distributed as dist
+
+    host, port = addr.rsplit(":", 1)
+    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def is_etcd(store: Any) -> bool:
+    return isinstance(store, EtcdStore)
+
+
+def poll_interval(store: Any, tcp_s: float) -> float:
+    """How often a loop should poll `store`: a TCPStore answers in ~0.1 ms, etcd in ~1-2 ms."""
+    return max(tcp_s, store.poll_s) if is_etcd(store) else tcp_s
+
+
+def exists_many(store: Any, names: Sequence[str]) -> list[bool]:
+    """Whether each key exists (one request on etcd)."""
+    if is_etcd(store):
+        return store.exists_many(names)
+    return [bool(store.check([k])) for k in names]
+
+
+def get_nowait(store: Any, key: str) -> bytes | None:
+    if is_etcd(store):
+        return store.get_nowait(key)
+    return bytes(store.get(key)) if store.check([key]) else None
+
+
+class LogReader:
+    """Read what was appended to `key` since the last read (events)."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key
+        self._cursor = 0
+
+    def read(self) -> str:
+        if is_etcd(self.store):
+            raw, self._cursor = self.store.read_appended(self.key, self._cursor)
+            return bytes(raw).decode()
+        if not self.store.check([self.key]):
+            return ""
+        raw = bytes(self.store.get(self.key)).decode()
+        new, self._cursor = raw[self._cursor:], len(raw)
+        return new
+
+
+class Heartbeat:
+    """`beat(value)` writes the key; on etcd the key is bound to a lease of `ttl_s` that each beat
+    refreshes, so etcd deletes it once its writer has been silent for the TTL (a dead host's
+    heartbeat disappears without anyone judging clocks)."""
+
+    def __init__(self, store: Any, key: str, ttl_s: float) -> None:
+        self.store, self.key = store, key
+        self.ttl = max(2, math.ceil(ttl_s))
+        self._lease = 0
+
+    def beat(self, value: str) -> None:
+        if not is_etcd(self.store):
+            self.store.set(self.key, value)
+            return
+        if self._lease and self.store.lease_keepalive(self._lease, timeout_s=self.ttl) > 0:
+            self.store.put_leased(self.key, value, self._lease)
+            return
+        self._lease = self.store.lease_grant(self.ttl)
+        self.store.put_leased(self.key, value, self._lease)
+
+
+def guarded_set(store: Any, guard: Any, names: Sequence[str], values: Sequence[str | bytes]) -> bool:
+    """Write `names` atomically if `guard` (an `Election` or None) still leads; False if not."""
+    if guard is None or not is_etcd(store):
+        store.multi_set(list(names), list(values))
+        return True
+    ops = [{"request_put": {"key": k, "value": v}} for k, v in zip(names, values, strict=True)]
+    r = store.txn([{"key": guard.key, "target": "VALUE", "result": "EQUAL", "value": guard.ident}], ops)
+    return bool(r.get("succeeded"))
+
+
+class Election:
+    """Leader election on etcd's leases: the leader holds `key` bound to its lease and keeps the
+    lease alive from a thread; a standby waits for the key to go (its leader's lease expired:
+    killed, stopped or cut off for `ttl_s`) and takes it in one transaction. `on_lost` runs if this
+    leader's lease expires under it (it must stop acting at once: another may lead already)."""
+
+    def __init__(self, store: Any, ident: str = "", ttl_s: int = 2, key: str = LEADER_KEY,
+                 on_lost: Callable[[], None] | None = None) -> None:
+        if not is_etcd(store):
+            raise ValueError("leader election needs the etcd control plane (--control-plane etcd://...)")
+        self.store: EtcdStore = store
+        self.key = key
+        self.ttl = max(1, int(ttl_s))
+        self.ident = ident or f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+        self.on_lost = on_lost
+        self.lease = 0
+        self.leading = False
+        self._stop = threading.Event()
+
+    def leader(self) -> str | None:
+        v = self.store.get_nowait(self.key)
+        return v.decode() if v is not None else None
+
+    def campaign(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> bool:
+        """Block until this process leads (True) or `timeout_s` passes / `should_stop()` (False)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not should_stop():
+            if not self.lease or self.store.lease_keepalive(self.lease, timeout_s=self.ttl) <= 0:
+                self.lease = self.store.lease_grant(self.ttl)
+            r = self.store.txn([{"key": self.key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                               [{"request_put": {"key": self.key, "value": self.ident, "lease": str(self.lease)}}],
+                               [{"request_range": {"key": self.key}}])
+            if r.get("succeeded"):
+                self.leading = True
+                threading.Thread(target=self._keep, name="phoenixft-election", daemon=True).start()
+                return True
+            # someone leads: look again after a fraction of the TTL (its lease ends at most ttl after its death)
+            time.sleep(min(0.2, self.ttl / 8))
+        return False
+
+    def _keep(self) -> None:
+        period = self.ttl / 4
+        last_ok = time.monotonic()
+        while not self._stop.wait(period):
+            try:
+                left = self.store.lease_keepalive(self.lease, timeout_s=period)
+            except (EtcdError, EtcdUnavailable, OSError):
+                left = -1
+            now = time.monotonic()
+            if left > 0:
+                last_ok = now
+            if left == 0 or now - last_ok >= self.ttl * 0.75:  # expired, or may expire before we hear back
+                self.leading = False
+                if self.on_lost is not None:
+                    self.on_lost()
+                return
+
+    def resign(self) -> None:
+        self._stop.set()
+        if self.lease:
+            try:
+                self.store.lease_revoke(self.lease)
+            except (EtcdError, EtcdUnavailable):
+                pass
+        self.leading = False

@@ -1,0 +1,200 @@
+"""Start and stop a local etcd cluster (the Debian package `etcd-server`, etcd 3.4), for tests,
+benchmarks and `phoenixft run --control-plane etcd`.
+
+Every member runs in its own session (so a SIGKILL to its process group ends only it), listens on
+loopback (or the address given) on free ports, keeps its data under a directory this object
+removes on `stop()`, and is tuned for a LAN: heartbeat 50 ms, election timeout 500 ms (etcd's
+defaults, 100/1000 ms, are for WANs; a leader's death then costs ~0.5 s of write unavailability).
+
+    with EtcdCluster(members=3) as c:
+        print(c.url)          # etcd://127.0.0.1:P0,127.0.0.1:P1,127.0.0.1:P2
+        c.kill(1)             # SIGKILL member 1; the other two keep a quorum
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["EtcdCluster", "etcd_binary"]
+
+
+def etcd_binary() -> str | None:
+    """Path of the `etcd` server binary, or None."""
+    return shutil.which("etcd") or next((p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if os.path.exists(p)),
+                                        None)
+
+
+def _free_ports(host: str, n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class EtcdCluster:
+    """A `members`-member etcd cluster of local processes (see the module docstring)."""
+
+    def __init__(self, members: int = 3, host: str = "127.0.0.1", base_dir: str | None = None,
+                 log_dir: str | None = None, tag: str = "") -> None:
+        if members < 1:
+            raise ValueError(f"members={members}: an etcd cluster needs at least 1 member (3 tolerate one loss)")
+        binary = etcd_binary()
+        if binary is None:
+            raise FileNotFoundError("no `etcd` binary on PATH: install the Debian package etcd-server "
+                                    "(apt-get install etcd-server) or point --control-plane at an existing cluster")
+        self.binary = binary
+        self.members = members
+        self.host = host
+        self._own_dir = base_dir is None
+        self.dir = Path(base_dir or tempfile.mkdtemp(prefix=f"phoenixft-etcd-{tag + '-' if tag else ''}"))
+        self.log_dir = Path(log_dir) if log_dir else self.dir
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
+        ports = _free_ports(host, 2 * members)
+        self.client_ports = ports[:members]
+        self.peer_ports = ports[members:]
+        self._token = f"phoenixft-{os.getpid()}-{int(time.time() * 1000)}"
+
+    # ------------------------------------------------------------------ addresses
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"{self.host}:{p}" for p in self.client_ports]
+
+    @property
+    def url(self) -> str:
+        """The `--control-plane` value that reaches this cluster."""
+        return "etcd://" + ",".join(self.endpoints)
+
+    # ------------------------------------------------------------------ life cycle
+    def _cmd(self, i: int, state: str) -> list[str]:
+        h = self.host
+        cluster = ",".join(f"m{j}=http://{h}:{p}" for j, p in enumerate(self.peer_ports))
+        return [self.binary, "--name", f"m{i}", "--data-dir", str(self.dir / f"m{i}.etcd"),
+                "--listen-client-urls", f"http://{h}:{self.client_ports[i]}",
+                "--advertise-client-urls", f"http://{h}:{self.client_ports[i]}",
+                "--listen-peer-urls", f"http://{h}:{self.peer_ports[i]}",
+                "--initial-advertise-peer-urls", f"http://{h}:{self.peer_ports[i]}",
+                "--initial-cluster", cluster, "--initial-cluster-state", state,
+                "--initial-cluster-token", self._token,
+                "--heartbeat-interval", "50", "--election-timeout", "500",
+                "--logger", "zap", "--log-level", "warn", "--quota-backend-bytes", str(2 << 30)]
+
+    def start_member(self, i: int, state: str = "new") -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"etcd-m{i}.log", "ab") as log:
+            self.procs[i] = subprocess.Popen(self._cmd(i, state), stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def start(self, timeout_s: float = 30.0) -> EtcdCluster:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for i in range(self.members):
+                self.start_member(i)
+            self.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def healthy(self, i: int, timeout_s: float = 1.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.client_ports[i]}/health", timeout=timeout_s) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+    def wait_healthy(self, timeout_s: float = 30.0, members: list[int] | None = None) -> None:
+        todo = list(range(self.members)) if members is None else list(members)
+        deadline = time.monotonic() + timeout_s
+        while todo:
+            for i in list(todo):
+                p = self.procs[i]
+                if p is not None and p.poll() is not None:
+                    log = (self.log_dir / f"etcd-m{i}.log")
+                    tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
+                    raise RuntimeError(f"etcd member m{i} exited with {p.returncode} while starting: {tail}")
+                if self.healthy(i):
+                    todo.remove(i)
+            if todo and time.monotonic() > deadline:
+                raise TimeoutError(f"etcd members {todo} not healthy within {timeout_s:g}s (logs in {self.log_dir})")
+            if todo:
+                time.sleep(0.05)
+
+    def leader_index(self, timeout_s: float = 10.0) -> int:
+        """Index of the member that is the raft leader now."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i, p in enumerate(self.client_ports):
+                if self.procs[i] is None or self.procs[i].poll() is not None:  # type: ignore[union-attr]
+                    continue
+                try:
+                    req = urllib.request.Request(f"http://{self.host}:{p}/v3/maintenance/status", data=b"{}",
+                                                 headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=1.0) as r:
+                        st = json.loads(r.read())
+                except OSError:
+                    continue
+                if st.get("leader") and st.get("leader") == st.get("header", {}).get("member_id"):
+                    return i
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no etcd member says it leads within {timeout_s:g}s")
+            time.sleep(0.05)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Signal member i (its process group: etcd runs in a session of its own)."""
+        p = self.procs[i]
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def restart(self, i: int, timeout_s: float = 30.0) -> None:
+        """Start member i again on its old data directory (it rejoins the cluster)."""
+        self.kill(i)
+        self.start_member(i, state="existing")
+        self.wait_healthy(timeout_s, [i])
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        for i, p in enumerate(self.procs):
+            if p is None:
+                continue
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill(i)
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,428 @@
+"""The control-plane seam: one contract suite run against both backends (torch's TCPStore and a real
+3-member etcd cluster), leader election and leases on etcd, and whole runs that lose their leading
+coordinator, a node and an etcd member (real processes, real SIGKILLs).
+
+Needs the `etcd` binary (Debian: etcd-server; `.ci/run` installs it). Without it these tests skip,
+except on CI (CI=true), where a missing etcd is a failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import processes_with, run
+
+from phoenixft.controlplane import (
+    Election,
+    EtcdUnavailable,
+    Heartbeat,
+    LogReader,
+    connect,
+    exists_many,
+    get_nowait,
+    guarded_set,
+    validate_spec,
+)
+from phoenixft.controlplane.etcd_cluster import EtcdCluster, etcd_binary
+from phoenixft.errors import UserError
+
+if etcd_binary() is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI: no etcd binary (apt-get install etcd-server): the etcd control plane is untested")
+    pytest.skip("no etcd binary (apt-get install etcd-server)", allow_module_level=True)
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[EtcdCluster]:
+    c = EtcdCluster(3, tag="pytest")
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+    assert not c.dir.exists(), "the cluster's data directory outlived it"
+
+
+@pytest.fixture(scope="module")
+def tcp_server() -> Iterator[Any]:
+    from phoenixft.store_server import serve_store
+
+    s = serve_store("127.0.0.1", 0)
+    yield s
+
+
+@pytest.fixture(params=["tcpstore", "etcd"])
+def addr(request: pytest.FixtureRequest, cluster: EtcdCluster, tcp_server: Any) -> str:
+    """A fresh, empty namespace on either backend (TCPStore: a key prefix; etcd: a URL prefix)."""
+    if request.param == "etcd":
+        return f"{cluster.url}/contract/{uuid.uuid4().hex[:8]}"
+    return tcp_server.addr
+
+
+@pytest.fixture
+def clients(addr: str) -> Any:
+    """A factory of clients of one fresh namespace (a TCPStore client serves one thread at a time)."""
+    import torch.distributed as dist
+
+    pre = uuid.uuid4().hex[:8]
+
+    def make(timeout_s: float = 10.0) -> Any:
+        s = connect(addr, timeout_s=timeout_s)
+        return s if addr.startswith("etcd://") else dist.PrefixStore(pre, s)
+
+    return make
+
+
+@pytest.fixture
+def store(clients: Any) -> Any:
+    return clients()
+
+
+# ---------------------------------------------------------------------- the contract (both backends)
+def test_set_get_check_delete(store: Any) -> None:
+    assert not store.check(["a"])
+    store.set("a", "1")
+    store.set("b", b"\x00\xffbin")
+    assert store.get("a") == b"1" and store.get("b") == b"\x00\xffbin"
+    assert store.check(["a", "b"]) and not store.check(["a", "nope"])
+    assert store.delete_key("a") and not store.check(["a"]) and not store.delete_key("a")
+
+
+def test_get_blocks_until_set_and_wait_times_out(clients: Any) -> None:
+    store, other = clients(), clients()
+    threading.Timer(0.3, lambda: other.set("late", "here")).start()
+    t = time.monotonic()
+    assert store.get("late") == b"here"
+    assert 0.2 < time.monotonic() - t < 5.0
+    t = time.monotonic()
+    with pytest.raises(Exception, match="(?i)timeout"):
+        store.wait(["never"], timedelta(seconds=0.5))
+    assert time.monotonic() - t < 3.0
+
+
+def test_add_is_atomic_across_clients(clients: Any) -> None:
+    def client() -> Any:
+        return clients(20.0)
+
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def bump() -> None:
+        s = client()
+        for _ in range(15):
+            v = s.add("n", 1)
+            with lock:
+                results.append(v)
+
+    ts = [threading.Thread(target=bump) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert sorted(results) == list(range(1, 61))  # every value handed out exactly once
+    assert client().add("n", 0) == 60 and client().get("n") == b"60"
+
+
+def test_append_multi_and_compare_set(store: Any) -> None:
+    store.append("log", "x\n")
+    store.append("log", "y\n")
+    assert store.get("log") == b"x\ny\n" and store.check(["log"])
+    store.multi_set(["p", "q"], ["1", "2"])
+    assert store.multi_get(["p", "q", "log"]) == [b"1", b"2", b"x\ny\n"]
+    assert store.compare_set("c", "", "v1") == b"v1"
+    assert store.compare_set("c", "other", "v2") == b"v1"
+    assert store.compare_set("c", "v1", "v3") == b"v3" and store.get("c") == b"v3"
+
+
+def test_helpers_read_without_blocking(addr: str) -> None:
+    s = connect(addr, timeout_s=10.0)
+    key = f"h{uuid.uuid4().hex[:8]}"
+    assert get_nowait(s, key) is None
+    s.set(key, "v")
+    assert get_nowait(s, key) == b"v"
+    assert exists_many(s, [key, key + "x", key]) == [True, False, True]
+    log = LogReader(s, key + "/events")
+    assert log.read() == ""
+    s.append(key + "/events", "a\n")
+    s.append(key + "/events", "b\n")
+    assert log.read() == "a\nb\n"
+    s.append(key + "/events", "c\n")
+    assert log.read() == "c\n" and log.read() == ""
+
+
+_RDZV = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    sys.path.insert(0, {src!r})
+    from phoenixft.controlplane import connect
+    rank, addr, pre = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    s = connect(addr, 20.0)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(pre, s), rank, 3, timedelta(seconds=20))
+    x = torch.full((4,), float(rank + 1))
+    pg.allreduce([x]).wait()
+    print("SUM", x[0].item(), flush=True)
+""")
+
+
+def test_gloo_rendezvous_on_the_store(addr: str, tmp_path: Path) -> None:
+    """Process groups meet through either backend (3 processes, one all-reduce)."""
+    script = tmp_path / "rdzv.py"
+    script.write_text(_RDZV.format(src=SRC))
+    pre = uuid.uuid4().hex[:8]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), addr, pre], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True) for r in range(3)]
+    try:
+        outs = [p.communicate(timeout=60)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert all("SUM 6.0" in o for o in outs), outs
+
+
+def test_etcd_client_survives_fork(cluster: EtcdCluster) -> None:
+    """A client used before fork() works in the child and, after, in the parent (agents fork workers)."""
+    import torch.distributed as dist
+
+    s = connect(f"{cluster.url}/fork/{uuid.uuid4().hex[:8]}", timeout_s=10.0)
+    key = f"f{uuid.uuid4().hex[:8]}"
+    s.set(key, "parent")
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            ok = s.get(key) == b"parent"
+            s.set(key + "c", "child")
+        except BaseException:  # noqa: BLE001
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert s.get(key + "c") == b"child" and s.get(key) == b"parent"
+    assert isinstance(s, dist.Store)
+
+
+# ---------------------------------------------------------------------- etcd only: leases, election, failover
+def test_heartbeat_lease_expires_with_its_writer(cluster: EtcdCluster) -> None:
+    s = connect(f"{cluster.url}/hb/{uuid.uuid4().hex[:8]}", 10.0)
+    hb = Heartbeat(s, "hb/n0", ttl_s=2)
+    for _ in range(4):
+        hb.beat(str(time.time()))
+        time.sleep(0.5)
+    assert s.check(["hb/n0"])  # kept alive by the beats (longer than its TTL)
+    deadline = time.monotonic() + 6.0
+    while s.check(["hb/n0"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not s.check(["hb/n0"]), "the heartbeat key outlived its silent writer's lease"
+
+
+def test_election_one_leader_and_fenced_writes(cluster: EtcdCluster) -> None:
+    url = f"{cluster.url}/el/{uuid.uuid4().hex[:8]}"
+    a, b = connect(url, 10.0), connect(url, 10.0)
+    ea, eb = Election(a, "A", ttl_s=2), Election(b, "B", ttl_s=2)
+    assert ea.campaign(timeout_s=5.0)
+    assert not eb.campaign(timeout_s=0.5)  # A leads: B stands by
+    assert eb.leader() == "A"
+    assert guarded_set(a, ea, ["topo"], ["from A"]) and a.get("topo") == b"from A"
+    assert not guarded_set(b, eb, ["topo"], ["from B"]) and a.get("topo") == b"from A"
+    ea.resign()
+    assert eb.campaign(timeout_s=5.0) and eb.leader() == "B"
+    assert not guarded_set(a, ea, ["topo"], ["stale A"]), "a deposed leader's write went through"
+    assert b.get("topo") == b"from A"
+    eb.resign()
+
+
+_CAMPAIGN = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {src!r})
+    from phoenixft.controlplane import Election, connect
+    s = connect(sys.argv[1], 10.0)
+    e = Election(s, sys.argv[2], ttl_s=2, on_lost=lambda: print("LOST", flush=True))
+    while not e.campaign(timeout_s=1.0):
+        pass
+    print("LEADER", sys.argv[2], flush=True)
+    time.sleep(120)
+""")
+
+
+def test_standby_takes_over_when_the_leader_is_killed(cluster: EtcdCluster, tmp_path: Path) -> None:
+    url = f"{cluster.url}/el/{uuid.uuid4().hex[:8]}"
+    script = tmp_path / "campaign.py"
+    script.write_text(_CAMPAIGN.format(src=SRC))
+    procs = {n: subprocess.Popen([sys.executable, str(script), url, n], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True) for n in ("P", "Q")}
+    try:
+        s = connect(url, 10.0)
+        deadline = time.monotonic() + 30
+        while get_nowait(s, "coordinator/leader") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        leader = (get_nowait(s, "coordinator/leader") or b"").decode()
+        assert leader in procs
+        other = "Q" if leader == "P" else "P"
+        t_kill = time.monotonic()
+        os.killpg(procs[leader].pid, signal.SIGKILL)
+        while get_nowait(s, "coordinator/leader") != other.encode() and time.monotonic() < t_kill + 15:
+            time.sleep(0.02)
+        took = time.monotonic() - t_kill
+        assert get_nowait(s, "coordinator/leader") == other.encode(), "the standby never took over"
+        assert took < 5.0, f"takeover took {took:.1f}s (lease TTL 2s)"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def test_client_fails_over_when_a_member_dies() -> None:
+    with EtcdCluster(3, tag="pytest-failover") as c:
+        s = connect(f"{c.url}/fo", 15.0)
+        s.set("k", "before")
+        victim = c.leader_index()
+        c.kill(victim)
+        t = time.monotonic()
+        for i in range(20):  # writes keep working on the two members left (a new raft leader is elected)
+            s.set(f"k{i}", str(i))
+        assert s.get("k") == b"before" and s.get("k19") == b"19"
+        assert time.monotonic() - t < 10.0
+        c.restart(victim)  # the member rejoins on its old data
+        c.kill((victim + 1) % 3)
+        assert s.get("k5") == b"5"
+        c.kill((victim + 2) % 3)  # no quorum left: a bounded error, naming the cluster
+        s2 = connect(f"{c.url}/fo", 2.0)
+        t = time.monotonic()
+        with pytest.raises((EtcdUnavailable, TimeoutError)):
+            s2.set("k", "no quorum")
+        assert time.monotonic() - t < 6.0
+
+
+def test_control_plane_flag_validation() -> None:
+    from phoenixft.config import RunConfig
+
+    assert validate_spec("tcpstore") is None and validate_spec("etcd") is None
+    assert validate_spec("etcd://127.0.0.1:2379,10.0.0.2:2379/jobs") is None
+    assert "HOST:PORT" in (validate_spec("etcd://127.0.0.1") or "")
+    assert "tcpstore" in (validate_spec("zookeeper://x:1") or "")
+    with pytest.raises(UserError, match="--control-plane"):
+        RunConfig(control_plane="etcd://nohost").validate()
+    with pytest.raises(UserError, match="--coordinators.*etcd"):
+        RunConfig(coordinators=2).validate()
+    with pytest.raises(UserError, match="--inject.*--control-plane etcd"):
+        RunConfig(control_plane="etcd://127.0.0.1:2379", inject=["kill:etcd=0@step=2"]).validate()
+    with pytest.raises(UserError, match="members 0, 1, 2"):
+        RunConfig(control_plane="etcd", inject=["kill:etcd=5@step=2"]).validate()
+
+
+# ---------------------------------------------------------------------- whole runs
+def test_standby_coordinator_takes_over_then_a_node_is_hot_swapped(cluster: EtcdCluster, tmp_path: Path,
+                                                                  reference: Any) -> None:
+    """The issue's run: the leading coordinator is SIGKILLed at step 6, a node at step 11; a standby
+    leads from etcd's state, the node is hot-swapped, and the run ends bitwise equal to a
+    failure-free one. Nothing of the job is left in etcd."""
+    ref = reference(nodes=4, steps=16)
+    rep = run(tmp_path, nodes=4, spares=1, steps=16, control_plane=cluster.url, coordinators=2,
+              inject=["kill:coordinator@step=6", "kill:node=2@step=11"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (cp,) = rep["control_plane"]
+    assert cp["new_leader"], cp  # a standby took over (not a restart of the killed one)
+    assert cp["downtime_s"] is not None and cp["downtime_s"] < 10.0, cp
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["promoted"] == ["s0"] and rec["lost_steps"] <= 1
+    assert all(rec["invariants"].values())
+    assert connect(f"{cluster.url}/phoenixft/{rep['run_id']}", 5.0).num_keys() == 0, "the job's keys outlived it"
+
+
+def test_etcd_member_killed_mid_run_is_not_noticed(tmp_path: Path, reference: Any) -> None:
+    """`--control-plane etcd` starts a local 3-member cluster; its raft leader is SIGKILLed at step 5:
+    no recovery, no lost step, the same final state; the cluster is gone after the run."""
+    ref = reference(nodes=4, steps=16)
+    rep = run(tmp_path, nodes=4, spares=1, steps=16, control_plane="etcd", coordinators=2,
+              inject=["kill:etcd=leader@step=5"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert rep["recoveries"] == [] and rep["steps_completed"] == 16
+    (cp,) = rep["control_plane"]
+    assert "raft leader" in cp["member"]
+    assert processes_with(f"phoenixft-etcd-{rep['run_id']}") == [], "etcd members outlived the run"
+    assert sorted(Path("/tmp").glob(f"phoenixft-etcd-{rep['run_id']}-*")) == []
+
+
+def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_path: Path, reference: Any) -> None:
+    """Multi-host shape on loopback: a head (`phoenixft coordinator --control-plane etcd://...`), a
+    standby coordinator started by hand elsewhere (`--standby URL`), two nodes and a spare joined
+    with `phoenixft agent`. The head's whole process group (launcher, its coordinator) is SIGKILLed
+    mid-run: the standby leads from etcd, a node is then killed and hot-swapped, and the run ends
+    with the failure-free hash - no process of the job survived on the head's "host"."""
+    from phoenixft.auth import TOKEN_ENV, generate_token
+
+    ref = reference(nodes=2, steps=40)
+    env = dict(os.environ, **{TOKEN_ENV: generate_token()}, PYTHONPATH=SRC)
+    exe = [sys.executable, "-m", "phoenixft"]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(name: str, *args: str) -> None:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            procs[name] = subprocess.Popen([*exe, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           stdin=subprocess.DEVNULL, start_new_session=True)
+
+    url = ""
+    try:
+        start("head", "coordinator", "--host", "127.0.0.1", "--port", "0", "--control-plane", cluster.url,
+              "--nodes", "2", "--spares", "0", "--steps", "40", "--model", "tiny", "--failure-timeout", "5",
+              "--run-dir", str(tmp_path / "run"), "--quiet")
+        _wait_for(lambda: (tmp_path / "run" / "control_plane").exists(), 60, "the head to publish its URL")
+        url = (tmp_path / "run" / "control_plane").read_text().strip()
+        s = connect(url, 10.0)
+        start("standby", "coordinator", "--standby", url)
+        for name, extra in (("a", ()), ("b", ()), ("spare", ("--spare",))):
+            start(name, "agent", "--coordinator", url, "--node", name, "--workers", "1", *extra)
+        _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 5, 120, "step 5")
+        first_leader = get_nowait(s, "coordinator/leader")
+        os.killpg(procs["head"].pid, signal.SIGKILL)  # the head host's launcher (its coordinator dies with it)
+        procs["head"].wait(timeout=10)
+        _wait_for(lambda: get_nowait(s, "coordinator/leader") not in (None, first_leader), 30,
+                  "the standby to take over")
+        os.killpg(procs["b"].pid, signal.SIGKILL)  # then a node: the new leader must hot-swap it
+        _wait_for(lambda: get_nowait(s, "run/state") is not None, 180, "the end of the run")
+        assert get_nowait(s, "run/state") == b"done", get_nowait(s, "run/error")
+        import json
+
+        final = json.loads(s.get("final"))
+        assert final["sha256"] == ref["final_state_sha256"]
+        assert final["epoch"] == 1  # one recovery: the hot-swap the standby decided
+        rec = json.loads(s.get("recovery/1"))
+        members = json.loads(s.get("members"))
+        b_id = next(n for n, m in members.items() if m["name"] == "b")
+        assert rec["action"] == "hotswap" and rec["promoted"] == ["s0"] and rec["dead"] == [b_id]
+        for name in ("a", "spare", "standby"):
+            procs[name].wait(timeout=60)  # everything else ends with the run
+            assert procs[name].returncode == 0, (name, (tmp_path / f"{name}.log").read_text()[-2000:])
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        if url:
+            connect(url, 5.0).delete_prefix()
