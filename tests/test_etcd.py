@@ -32,6 +32,7 @@ from phoenixft.controlplane import (
     exists_many,
     get_nowait,
     guarded_set,
+    multi_get_nowait,
     validate_spec,
 )
 from phoenixft.controlplane.etcd_cluster import EtcdCluster, etcd_binary
@@ -154,6 +155,9 @@ def test_helpers_read_without_blocking(addr: str) -> None:
     s.set(key, "v")
     assert get_nowait(s, key) == b"v"
     assert exists_many(s, [key, key + "x", key]) == [True, False, True]
+    assert multi_get_nowait(s, [key]) == [b"v"]
+    if addr.startswith("etcd://"):  # keys can vanish there (leases): a missing one reads as None, at once
+        assert multi_get_nowait(s, [key, key + "x"]) == [b"v", None]
     log = LogReader(s, key + "/events")
     assert log.read() == ""
     s.append(key + "/events", "a\n")
@@ -373,8 +377,9 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
     """Multi-host shape on loopback: a head (`phoenixft coordinator --control-plane etcd://...`), a
     standby coordinator started by hand elsewhere (`--standby URL`), two nodes and a spare joined
     with `phoenixft agent`. The head's whole process group (launcher, its coordinator) is SIGKILLed
-    mid-run: the standby leads from etcd, a node is then killed and hot-swapped, and the run ends
-    with the failure-free hash - no process of the job survived on the head's "host"."""
+    mid-run: the standby leads from etcd; a node fault at step 25 that waits for the job to be whole
+    fires once the new leader says so; the new leader hot-swaps the node and the run ends with the
+    failure-free hash."""
     from phoenixft.auth import TOKEN_ENV, generate_token
 
     ref = reference(nodes=2, steps=40)
@@ -391,20 +396,30 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
     try:
         start("head", "coordinator", "--host", "127.0.0.1", "--port", "0", "--control-plane", cluster.url,
               "--nodes", "2", "--spares", "0", "--steps", "40", "--model", "tiny", "--failure-timeout", "5",
-              "--run-dir", str(tmp_path / "run"), "--quiet")
+              "--inject", "kill:node=1@step=25,wait=90", "--run-dir", str(tmp_path / "run"), "--quiet")
         _wait_for(lambda: (tmp_path / "run" / "control_plane").exists(), 60, "the head to publish its URL")
         url = (tmp_path / "run" / "control_plane").read_text().strip()
         s = connect(url, 10.0)
+        # the head's coordinator leads first (else the standby would lead and the head's loss be trivial)
+        _wait_for(lambda: get_nowait(s, "coordinator/leader") is not None, 60, "the head's coordinator to lead")
         start("standby", "coordinator", "--standby", url)
         for name, extra in (("a", ()), ("b", ()), ("spare", ("--spare",))):
             start(name, "agent", "--coordinator", url, "--node", name, "--workers", "1", *extra)
-        _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 5, 120, "step 5")
+        _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 3, 120, "step 3")
         first_leader = get_nowait(s, "coordinator/leader")
+        old_pid = int(get_nowait(s, "coordinator/pid") or 0)
+        assert int(get_nowait(s, "progress") or 0) < 20, "too late: the fault may have fired before the head died"
         os.killpg(procs["head"].pid, signal.SIGKILL)  # the head host's launcher (its coordinator dies with it)
         procs["head"].wait(timeout=10)
+        _wait_for(lambda: not Path(f"/proc/{old_pid}").exists(), 10, "the head's coordinator to die")
+        # the node fault at step 25 waits (,wait=90) until the job is whole: only a new leader says so now
+        s.delete_key("job/whole")
         _wait_for(lambda: get_nowait(s, "coordinator/leader") not in (None, first_leader), 30,
                   "the standby to take over")
-        os.killpg(procs["b"].pid, signal.SIGKILL)  # then a node: the new leader must hot-swap it
+        st = subprocess.run([*exe, "status", "--coordinator", url, "--json"], capture_output=True, env=env,
+                            timeout=60)  # anyone can still look at the job, through etcd
+        assert st.returncode == 0, st.stderr.decode()
+        assert '"epoch": ' in st.stdout.decode()
         _wait_for(lambda: get_nowait(s, "run/state") is not None, 180, "the end of the run")
         assert get_nowait(s, "run/state") == b"done", get_nowait(s, "run/error")
         import json
@@ -415,8 +430,9 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
         rec = json.loads(s.get("recovery/1"))
         members = json.loads(s.get("members"))
         b_id = next(n for n, m in members.items() if m["name"] == "b")
-        assert rec["action"] == "hotswap" and rec["promoted"] == ["s0"] and rec["dead"] == [b_id]
-        for name in ("a", "spare", "standby"):
+        assert rec["action"] == "hotswap" and rec["promoted"] == ["s0"] and rec["dead"] == ["n1"]
+        b_slot_agent = "b" if b_id == "n1" else "a"  # the fault killed slot 1
+        for name in ({"a", "b"} - {b_slot_agent}) | {"spare", "standby"}:
             procs[name].wait(timeout=60)  # everything else ends with the run
             assert procs[name].returncode == 0, (name, (tmp_path / f"{name}.log").read_text()[-2000:])
     finally:

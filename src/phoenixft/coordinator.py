@@ -45,7 +45,7 @@ from typing import Any
 
 from phoenixft import auth, keys
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Election, guarded_set, is_etcd, poll_interval
+from phoenixft.controlplane import Election, guarded_set, is_etcd, multi_get_nowait, poll_interval
 from phoenixft.persist import latest_manifest
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
 from phoenixft.topology import Topology
@@ -101,6 +101,7 @@ class Coordinator:
         self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
         self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
         self._last_admit = 0.0
+        self._load_members()  # (again once this process leads: a standby's view is old by then)
 
     def _load_members(self) -> None:
         for _, req, verdict in self.desk.admitted():  # a restarted coordinator or a new leader: admissions stand
@@ -166,13 +167,17 @@ class Coordinator:
         have = [n for n in nodes if n in self._hb_seen]
         if not have:
             return set()
-        beats = self.store.multi_get([keys.heartbeat(n) for n in have])
+        beats = multi_get_nowait(self.store, [keys.heartbeat(n) for n in have])
         seen = time.monotonic()  # judged on this clock: a heartbeat's value is another host's wall time
+        gone = set()  # etcd: the key expired with its agent's lease (silent for --failure-timeout)
         for n, b in zip(have, beats, strict=True):
+            if b is None:
+                gone.add(n)
+                continue
             last = self._hb_last.get(n)
             if last is None or last[0] != b:
                 self._hb_last[n] = (bytes(b), seen)
-        return {n for n in have if seen - self._hb_last[n][1] > self.cfg.failure_timeout}
+        return gone | {n for n in have if n not in gone and seen - self._hb_last[n][1] > self.cfg.failure_timeout}
 
     def _fail_run(self, why: str) -> None:
         self.store.set(keys.RUN_ERROR, why)

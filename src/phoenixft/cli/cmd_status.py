@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "For a local run the port is in RUN_DIR/coordinator.port.",
     )
     p.add_argument(
-        "--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator's store"
+        "--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator's store (or the job's etcd:// URL)"
     )
     p.add_argument(
         "--events", type=int, default=10, metavar="N", help="how many of the last events to show (10)"
@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def status(args: argparse.Namespace) -> int:
     from phoenixft.status import connect, format_status, parse_address, read_status
 
-    parse_address(args.coordinator)
+    if not args.coordinator.startswith("etcd://"):
+        parse_address(args.coordinator)  # (an etcd URL is checked by connect)
     if not args.timeout > 0:
         raise UserError(f"--timeout={args.timeout} must be > 0")
     if args.events < 0:

@@ -28,8 +28,8 @@ from typing import Any
 from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable, parse_etcd_url
 
 __all__ = ["connect", "is_etcd", "validate_spec", "Heartbeat", "Election", "guarded_set", "LogReader",
-           "exists_many", "get_nowait", "EtcdStore", "EtcdError", "EtcdUnavailable", "parse_etcd_url",
-           "LEADER_KEY", "poll_interval"]
+           "exists_many", "get_nowait", "multi_get_nowait", "EtcdStore", "EtcdError", "EtcdUnavailable",
+           "parse_etcd_url", "LEADER_KEY", "poll_interval"]
 
 LEADER_KEY = "coordinator/leader"
 
@@ -80,6 +80,14 @@ def get_nowait(store: Any, key: str) -> bytes | None:
     if is_etcd(store):
         return store.get_nowait(key)
     return bytes(store.get(key)) if store.check([key]) else None
+
+
+def multi_get_nowait(store: Any, names: Sequence[str]) -> list[bytes | None]:
+    """Values of keys that may have gone (an expired lease): None for those (never blocks on etcd;
+    on a TCPStore, where keys never expire, a plain multi_get of keys known to exist)."""
+    if is_etcd(store):
+        return store.multi_get_nowait(names)
+    return [bytes(b) for b in store.multi_get(list(names))]
 
 
 class LogReader:
