@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "For a local run the port is in RUN_DIR/coordinator.port.",
     )
     p.add_argument(
-        "--coordinator", required=True, metavar="HOST:PORT", help="address of the coordinator's store (or the job's etcd:// URL)"
+        "--coordinator", required=True, metavar="HOST:PORT",
+        help="address of the coordinator's store (or the job's etcd:// URL)",
     )
     p.add_argument(
         "--events", type=int, default=10, metavar="N", help="how many of the last events to show (10)"
