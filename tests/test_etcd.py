@@ -328,6 +328,12 @@ def test_control_plane_flag_validation() -> None:
         RunConfig(control_plane="etcd://127.0.0.1:2379", inject=["kill:etcd=0@step=2"]).validate()
     with pytest.raises(UserError, match="members 0, 1, 2"):
         RunConfig(control_plane="etcd", inject=["kill:etcd=5@step=2"]).validate()
+    with pytest.raises(UserError, match="kill:etcd=I@step=S"):
+        RunConfig(control_plane="etcd", inject=["kill:etcd=1@step=2,phase=backward"]).validate()
+    from phoenixft.launcher import check_mode
+
+    with pytest.raises(UserError, match="--control-plane=etcd is invalid here.*etcd://"):
+        check_mode(RunConfig(control_plane="etcd"), local=False)
 
 
 # ---------------------------------------------------------------------- whole runs

@@ -57,6 +57,10 @@ def check_mode(cfg: RunConfig, local: bool) -> None:
         if not local and f.coordinator:
             raise UserError(f"--inject={f.text!r} is invalid here: the workers that fire it sit on other hosts "
                             "than the coordinator (use `phoenixft run` for coordinator kills)")
+    if not local and cfg.control_plane == "etcd":
+        raise UserError("--control-plane=etcd is invalid here: it starts a cluster on this host's loopback, which "
+                        "agents on other hosts cannot reach; run etcd on your hosts and give "
+                        "--control-plane etcd://HOST:PORT,HOST:PORT,HOST:PORT")
     if not local:
         for flag, v in (("--repair-after", cfg.repair_after), ("--spare-arrives-at-step", cfg.spare_arrives_at_step)):
             if v:
