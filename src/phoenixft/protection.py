@@ -11,12 +11,14 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phoenixft import keys
 from phoenixft.comm import connect_store
+from phoenixft.controlplane import is_etcd
 from phoenixft.persist import Persister
 from phoenixft.recovery.planner import Descriptor
 from phoenixft.redundancy.parity import ParityHolding, parity_name
@@ -61,8 +63,16 @@ class Protection:
 
     def _flag_check(self, store_addr: str) -> Any:
         store = connect_store(store_addr)  # the replication thread's own client
+        every = 0.2 if is_etcd(store) else 0.0  # an etcd round trip costs its leader CPU: the watcher sees it first
+        last = [0.0]
 
         def check() -> str | None:
+            if self.w.watcher.flagged(self.w.epoch):
+                return "recovery requested"
+            now = time.monotonic()
+            if now - last[0] < every:
+                return None
+            last[0] = now
             return "recovery requested" if store.check([keys.failflag(self.w.epoch)]) else None
 
         return check
