@@ -10,7 +10,8 @@ from conftest import processes_with, run
 
 @pytest.mark.parametrize(
     "phase,node",
-    [pytest.param("forward", 0, marks=pytest.mark.slow), ("backward", 1), ("replicate", 1), ("optimizer", 0),
+    [pytest.param("forward", 0, marks=pytest.mark.slow), ("backward", 1),
+     pytest.param("replicate", 1, marks=pytest.mark.slow), ("optimizer", 0),
      pytest.param("optimizer", 1, marks=pytest.mark.slow)],
 )
 def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, phase: str, node: int) -> None:  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 from conftest import processes_with, run
 
@@ -37,6 +38,7 @@ def test_survivor_dies_while_another_node_is_recovered(tmp_path: Path, reference
     assert all(second["invariants"].values()) and second["lost_steps"] <= 1
 
 
+@pytest.mark.slow  # (fallback: test_persistent.py; shrink: test_elastic.py)
 def test_lost_replicas_with_too_few_spares_fall_back_and_shrink(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """Issue 11 case 2: owner and replica holder die, one spare for two nodes: the persistent tier on
     three nodes, with the same global batch (growing back is tests/test_elastic.py's)."""

@@ -170,6 +170,7 @@ def test_3d_checkpoint_resumes_bitwise_on_its_layout(tmp_path: Path, reference) 
     assert again["final_state_sha256"] == reference(**MESH)["final_state_sha256"]
 
 
+@pytest.mark.slow
 def test_3d_without_spares_waits_for_the_repaired_node(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """A mesh cannot drop a node: with no spare ready it waits for the lost node to come back repaired
     (`--repair-after`) and hot-swaps it in, instead of losing the run."""

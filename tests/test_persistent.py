@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import run
 
 from phoenixft.persist import latest_manifest
@@ -34,6 +35,7 @@ def test_torn_checkpoint_is_never_loaded(tmp_path: Path) -> None:
     assert latest_manifest(ckpt)["step"] == 4  # type: ignore[index]
 
 
+@pytest.mark.slow  # (a 3D checkpoint resumed data-parallel: tests/test_mesh.py covers a resume on another layout)
 def test_resume_onto_a_different_node_count(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ckpt = tmp_path / "ckpt"
     # the global batch must be the same on both sides: 12 microbatches split over 4, then over 3 ranks

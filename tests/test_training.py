@@ -37,7 +37,7 @@ def single_process_losses(steps: int, microbatches: int, micro_batch: int = 8, s
     return losses
 
 
-@pytest.mark.parametrize("nodes,workers", [(2, 1), (2, 2)], ids=["dp2", "dp4"])
+@pytest.mark.parametrize("nodes,workers", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow)], ids=["dp2", "dp4"])
 def test_distributed_optimizer_matches_torch_adamw(tmp_path: Path, reference, nodes: int, workers: int) -> None:  # type: ignore[no-untyped-def]
     rep = reference(nodes=nodes, workers_per_node=workers, steps=20)
     assert rep["state"] == "done"
