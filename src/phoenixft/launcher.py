@@ -2,7 +2,9 @@
 (the head of a job whose nodes are on other hosts).
 
 It serves the control-plane store on the address given (127.0.0.1 for `run`; `--host/--port` for
-the head), starts the coordinator (restarting it if it dies: it reloads its journal), publishes the
+the head) or, with `--control-plane etcd[://...]`, uses an etcd cluster (starting a local one for
+`etcd`) under the job's own prefix, which it deletes at the end; it starts `--coordinators`
+coordinator processes (restarting any that dies: it reloads its journal, or stands by), publishes the
 config and the run id, and gives both the job token through the environment (never the command
 line, the store, the run directory or a log). `phoenixft run` then starts one agent per node and
 per spare node (each in its own session, so a node is one process group) and watches them: agent
