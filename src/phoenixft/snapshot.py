@@ -33,7 +33,7 @@ import xxhash
 if TYPE_CHECKING:
     from phoenixft.device import Device, Pending
 
-__all__ = ["PingPong", "ShardState", "Holding", "checksum", "alloc", "INVALID"]
+__all__ = ["PingPong", "ShardState", "Holding", "checksum", "StreamChecksum", "alloc", "INVALID"]
 
 INVALID = -1
 _MASK63 = (1 << 63) - 1
@@ -46,6 +46,28 @@ def checksum(t: torch.Tensor) -> int:
     GB/s, xxh3 27 GB/s); a 63-bit hash detects flipped bits and torn copies at least as well as CRC32."""
     arr: Any = t.contiguous().view(torch.uint8).numpy()
     return xxhash.xxh3_64_intdigest(memoryview(arr)) & _MASK63
+
+
+class StreamChecksum:
+    """`checksum` of a tensor fed in consecutive ranges (e.g. as a transfer's chunks arrive): the same
+    value as `checksum(whole)`, with no second pass over the bytes once the last range is in."""
+
+    def __init__(self, whole: torch.Tensor) -> None:
+        self._bytes: Any = whole.view(-1).view(torch.uint8).numpy()
+        self._per = whole.element_size()
+        self._h = xxhash.xxh3_64()
+        self._next = 0
+
+    def update(self, lo: int, hi: int) -> None:
+        """Feed elements [lo, hi): they must follow the ones fed before."""
+        if lo != self._next:
+            raise ValueError(f"ranges must be consecutive: expected {self._next}, got {lo}")
+        self._h.update(memoryview(self._bytes[lo * self._per : hi * self._per]))
+        self._next = hi
+
+    def value(self, numel: int) -> int | None:
+        """The checksum, or None if fewer than `numel` elements were fed."""
+        return self._h.intdigest() & _MASK63 if self._next == numel else None
 
 
 def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
