@@ -148,3 +148,27 @@ def test_transfers_between_processes_land_in_place_bit_for_bit() -> None:
         assert isinstance(out, list), f"rank {r}: {out}"
         assert all(a and b for a, b in out), f"rank {r}: {out}"
     assert sum(len(v) for v in res.values()) == sum(len(p) for p in PLANS)
+
+
+def test_verified_memo_is_dropped_when_the_half_changes() -> None:
+    """A recovery's sender skips re-hashing a holding only while it is exactly what `verify` saw."""
+    from phoenixft.snapshot import H_CRC, H_VALID, Holding
+
+    h = Holding(1000, rows=2)
+    h.begin_write(0)
+    h.payload(0).normal_()
+    h.commit(0, 5, checksum(h.payload(0)), (1, 2))
+    assert not h.verified(0)  # never verified
+    assert h.verify(0) and h.verified(0)
+    h.header[0, H_CRC] = 123  # another step's checksum in the header: not the half that was verified
+    assert not h.verified(0)
+    h.header[0, H_CRC] = checksum(h.payload(0))
+    assert h.verify(0) and h.verified(0)
+    h.header[0, H_VALID] = 0
+    assert not h.verified(0)
+    h.header[0, H_VALID] = 1
+    h.begin_write(0)  # rewritten: verified again only after a new verify
+    h.commit(0, 5, checksum(h.payload(0)), (1, 2))
+    assert not h.verified(0)
+    h.payload(0)[0, 0] += 1.0  # corrupted at rest: verify fails and sets no memo
+    assert not h.verify(0) and not h.verified(0)

@@ -92,6 +92,7 @@ class PingPong:
         self.rows, self.numel = rows, numel
         self.data = alloc(2 * rows * numel, torch.float32, path and path + ".data").view(2, rows, numel)
         self.header = alloc(2 * 5, torch.int64, path and path + ".hdr").view(2, 5)
+        self._verified: dict[int, tuple[int, int]] = {}  # half -> (step, crc) it was last verified at
         if path is None or int(self.header[:, H_VALID].sum()) == 0 and int(self.header[:, H_STEP].sum()) == 0:
             self.header[:, H_STEP] = INVALID
             self.header[:, H_CRC] = 0
@@ -128,6 +129,7 @@ class PingPong:
 
     def begin_write(self, half: int) -> None:
         self._settle()
+        self._verified.pop(half, None)
         self.header[half, 2] = 0  # torn until commit
 
     def commit(self, half: int, step: int, crc: int, shard: tuple[int, int] | None = None) -> None:
@@ -162,7 +164,17 @@ class PingPong:
 
     def verify(self, half: int) -> bool:
         self._settle()
-        return bool(int(self.header[half, 2])) and checksum(self.payload(half)) == int(self.header[half, 1])
+        ok = bool(int(self.header[half, 2])) and checksum(self.payload(half)) == int(self.header[half, 1])
+        if ok:
+            self._verified[half] = (int(self.header[half, H_STEP]), int(self.header[half, H_CRC]))
+        return ok
+
+    def verified(self, half: int) -> bool:
+        """`half` passed `verify` and was not rewritten since (its header still says the same step and
+        checksum): a recovery's sender need not hash it again right after its descriptor did (the
+        receiver checks every byte it gets against the committed checksum anyway)."""
+        return bool(int(self.header[half, H_VALID])) and \
+            self._verified.get(half) == (int(self.header[half, H_STEP]), int(self.header[half, H_CRC]))
 
     def payload(self, half: int) -> torch.Tensor:
         """What the checksum covers (and what is replicated)."""

@@ -47,7 +47,7 @@ def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:
     if m.repl is not None and shard in m.repl.holdings:
         h = m.repl.holdings[shard]
         hh = h.half_with(r)
-        if hh is not None and h.verify(hh):
+        if hh is not None and (h.verified(hh) or h.verify(hh)):  # the descriptor just verified it, as a rule
             return h.payload(hh)
     name = shard_name(shard, shards, m.cfg.tp, m.cfg.pp)
     raise RunAborted(f"rank {m.rank} holds no verified copy of {name} at step {r}")
