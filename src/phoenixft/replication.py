@@ -7,8 +7,9 @@ half of the matching `Holding`. A received replica is committed only after its c
 sender's, so a torn or corrupted transfer is never used. The staging half is received into in place
 (no private buffer, no copy): it is marked torn before the transfer starts, so a transfer that fails
 or is abandoned leaves it invalid and the committed half untouched; a recovery retires the epoch's
-groups (aborted, their sockets shut down) before anything reads or rewrites a holding, and a holding
-is verified against its checksum again whenever a recovery sends it. Before the gradient reduce-scatter of
+groups (aborted, their sockets shut down) before anything reads or rewrites a holding, and whatever a
+recovery sends from a holding is checked by its receiver against the committed checksum. Before the
+gradient reduce-scatter of
 step s+1 the training loop calls `wait(s)`: a rank that entered the reduce-scatter has therefore
 always committed its replicas on both sides (see DESIGN: this is what makes a consistent
 recovery point exist for every combination of survivors).
