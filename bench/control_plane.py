@@ -9,7 +9,8 @@ its own process (`python -m phoenixft.coordinator --store ...`, own session, kil
 `finally`), W/G active nodes and one spare node of G workers each. Every node's agent is a thread
 that first gets itself admitted (the job token's HMAC challenge-response, `phoenixft.auth`), then
 heartbeats `hb/<node>` every 0.25 s and checks its fence, as `phoenixft.agent` does; every
-worker is a thread with its own store client that does what `phoenixft.worker` does on the store:
+node's workers are one thread with one store client that does, for each worker in turn (with
+`--thread-per-worker`: a thread and client per worker), what `phoenixft.worker` does on the store:
 `ready/<wid>`, wait for the topology of epoch 0 (a spare: for `assign/s0`, then its topology),
 wait for the failure flag (as the `FailureWatcher`: a server-side `wait`), then the store calls of
 `Worker.recover()` - fence check, set the flag, append a `failure_detected` event, post its
