@@ -9,7 +9,8 @@ its own process (`python -m phoenixft.coordinator --store ...`, own session, kil
 `finally`), W/G active nodes and one spare node of G workers each. Every node's agent is a thread
 that first gets itself admitted (the job token's HMAC challenge-response, `phoenixft.auth`), then
 heartbeats `hb/<node>` every 0.25 s and checks its fence, as `phoenixft.agent` does; every
-worker is a thread with its own store client that does what `phoenixft.worker` does on the store:
+node's workers are one thread with one store client that does, for each worker in turn (with
+`--thread-per-worker`: a thread and client per worker), what `phoenixft.worker` does on the store:
 `ready/<wid>`, wait for the topology of epoch 0 (a spare: for `assign/s0`, then its topology),
 wait for the failure flag (as the `FailureWatcher`: a server-side `wait`), then the store calls of
 `Worker.recover()` - fence check, set the flag, append a `failure_detected` event, post its
@@ -74,6 +75,7 @@ STEP = 7  # the step every survivor holds (and STEP - 1, the other ping-pong hal
 HB_S = 0.25  # the agent's heartbeat period
 WAIT_SLICE_S = 30.0  # server-side waits in long slices: thousands of timed-out waits a second starve the GIL
 CONNECTS_AT_ONCE = 64
+THREAD_PER_WORKER = False  # --thread-per-worker: the first harness (4,096 threads at W = 4,096)
 
 
 def crc(shard: str, step: int) -> int:
@@ -204,6 +206,58 @@ def _worker(addr: str, wid: str, sh: Shared, deadline: float) -> None:
                 sh.errors.append(f"worker {wid}: {type(e).__name__}: {e}")
 
 
+def _node(addr: str, node: str, sh: Shared, deadline: float) -> None:
+    """The store traffic of one node's G workers from one thread and client, each worker's calls in
+    turn (the same calls, keys and order as `_worker`; G times fewer threads, so that W = 4,096 does
+    not mean 4,096 threads woken at once on one interpreter lock). A real node's workers make these
+    calls in parallel, so this is, if anything, slower than the real thing."""
+    wids = [f"{node}.{i}" for i in range(G)]
+    try:
+        c = _connect(addr, sh)
+        for wid in wids:
+            c.set(keys.ready(wid), str(time.time()))
+        if node.startswith("s"):  # a spare: wait, warm, to be promoted
+            e = _wait_get(c, keys.assign(node), sh, deadline)
+            if e is None or _wait_get(c, keys.topo(int(e)), sh, deadline) is None:
+                return
+            for wid in wids:
+                _read1(sh, wid, bytes(c.get(keys.topo(int(e)))))
+            return
+        raw = _wait_get(c, keys.topo(0), sh, deadline)
+        if raw is None:
+            return
+        topo = Topology.from_json(raw)
+        descs = {wid: descriptor(topo, wid) for wid in wids}
+        with sh.lock:
+            sh.read0 += G
+        if _wait_get(c, keys.failflag(0), sh, deadline) is None or (node == KILLED and sh.killed.is_set()):
+            return
+        for wid in wids:  # --- each worker's store calls of Worker.recover(), in its order
+            desc = descs[wid]
+            desc["t"] = time.time()
+            with sh.lock:
+                sh.woke[wid] = desc["t"]
+            c.check([keys.fence(node)])
+            c.set(keys.failflag(0), "1")
+            rec = {"t": desc["t"], "kind": "failure_detected", "wid": wid, "epoch": 0, "error": desc["error"],
+                   "rank": topo.rank_of(node, int(wid.rsplit(".", 1)[1]))}
+            c.append(keys.EVENTS, json.dumps(rec) + "\n")
+            c.set(keys.desc(0, wid), json.dumps(desc))
+            c.add(keys.desc_posted(0), 1)
+            with sh.lock:
+                sh.posted[wid] = time.time()
+        if _wait_get(c, keys.topo(1), sh, deadline) is None:
+            return
+        for wid in wids:
+            raw = bytes(c.get(keys.topo(1)))
+            c.check([keys.fence(node)])
+            _read1(sh, wid, raw)
+    except Exception as e:  # noqa: BLE001 - reported, the run then misses its checks
+        if not sh.stop.is_set():
+            with sh.lock:
+                sh.errors.append(f"node {node}: {type(e).__name__}: {e}")
+
+
 def _read1(sh: Shared, wid: str, raw: bytes) -> None:
     t = time.time()
     nodes = Topology.from_json(raw).nodes
@@ -265,8 +319,11 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0) -> dict[str, A
                         "--budget", str(budget)], workdir / f"agents-w{w}.log", env=env)
         t_setup = time.monotonic()
         for n in nodes:
-            threads += [threading.Thread(target=_worker, args=(addr, f"{n}.{i}", sh, deadline), daemon=True)
-                        for i in range(G)]
+            if THREAD_PER_WORKER:
+                threads += [threading.Thread(target=_worker, args=(addr, f"{n}.{i}", sh, deadline), daemon=True)
+                            for i in range(G)]
+            else:
+                threads.append(threading.Thread(target=_node, args=(addr, n, sh, deadline), daemon=True))
         for t in threads:
             t.start()
         _until(lambda: sh.read0 == w or bool(sh.errors), deadline, "every worker to read epoch 0", coord, coord_log,
@@ -314,6 +371,7 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0) -> dict[str, A
         "descriptors": len(sh.posted), "members_read": len(sh.read1), "members": len(members),
         "promoted": rec["promoted"], "dead": rec["dead"], "action": rec["action"],
         "spare_in_slot": read_ok, "errors": sh.errors[:5],
+        "harness": "thread per worker" if THREAD_PER_WORKER else "thread per node (its workers' calls in turn)",
     }
 
 
@@ -361,7 +419,11 @@ def main() -> int:
     ap.add_argument("--agents", default="", help=argparse.SUPPRESS)  # internal: run these nodes' agents
     ap.add_argument("--store", default="", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=60.0, help=argparse.SUPPRESS)
+    ap.add_argument("--thread-per-worker", action="store_true",
+                    help="one harness thread per simulated worker (default: one per node, its workers in turn)")
     a = ap.parse_args()
+    global THREAD_PER_WORKER
+    THREAD_PER_WORKER = a.thread_per_worker
     if a.agents:
         return agents_main(a.store, a.agents.split(","), a.budget)
     sizes = tuple(int(x) for x in a.sizes.split(",") if x.strip()) or None

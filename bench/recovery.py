@@ -66,10 +66,12 @@ def phoenix_recovery(
     extra_steps: int = 3,
     micro_batch: int = 8,
     replicas: int = 1,
+    wait_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One hot-swap: kill node 1 after the forward pass of `kill_step`; returns the measured entry."""
+    """One hot-swap: kill node 1 after the forward pass of `kill_step`; returns the measured entry.
+    `wait_s` > 0: the fault waits (at most that long) until the spare is warm (large models)."""
     steps = kill_step + extra_steps
-    spec = f"kill:node=1@step={kill_step},phase=backward"
+    spec = f"kill:node=1@step={kill_step},phase=backward" + (f",wait={wait_s:g}" if wait_s > 0 else "")
     rep = phoenix_run(
         work,
         probe=False,
@@ -115,6 +117,7 @@ def phoenix_recovery(
         "lost_steps": rec["lost_steps"],
         "stages": rec["stages"],
         "bytes_moved": rec["bytes_moved"],
+        "per_rank": rec.get("per_rank"),
         "invariants": rec["invariants"],
         "step_time_s": median(pre),
         "action": rec["action"],

@@ -10,13 +10,15 @@ recovery.py (time-to-resume vs torchrun + DCP checkpoint-restart), torchft_peer.
 replica groups: survivor stall and heal), scaling.py (recovery stages vs world and model size),
 recipe.py (failure-free step-time cost of bf16, clipping, sgd, lion, a cosine schedule; it runs
 last, after the quick budget of the others, and adds about 1.5 min to `--quick`).
-control_plane.py (the coordinator's detect / decide / publish with up to 4,096 simulated workers).
+control_plane.py (the coordinator's detect / decide / publish with up to 4,096 simulated workers),
+transfer.py (bytes / seconds of a hot-swap's state transfer on `medium`; `small` with --quick).
 
 latest.json holds the machine, every part's full result under `parts`, and the figures the
 README and the simulator read at the top level: overhead_ratio_dp2, baseline_vs_ddp_dp2,
 dcp_sync_ratio_dp2, dcp_async_ratio_dp2, resume_speedup_k10, resume_speedup_k50,
 torchft_heal_s (or null, with torchft_note), recipe_ratios (mode -> step-time ratio to fp32
-adamw), control_plane_decide_s ({W: s}), recovery (list of {world_size, recovery_s, ...}),
+adamw), control_plane_decide_s ({W: s}), recovery_transfer_gbps_medium,
+recovery (list of {world_size, recovery_s, ...}),
 checkpoint_restart (list of {world_size, time_to_resume_s, restart_s, k, ...}) and `targets`
 (each of the issue's numbers, hit or miss). Also writes bench/results/summary.md.
 """
@@ -31,7 +33,7 @@ from typing import Any
 
 from benchlib import RESULTS, log, machine_info, write_json
 
-PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane", "mesh")
+PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane", "mesh", "transfer")
 QUICK_BUDGET_S = 180.0
 
 
@@ -48,7 +50,7 @@ def _g(d: dict[str, Any] | None, *path: Any) -> Any:
 
 
 def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str, Any]) -> dict[str, Any]:
-    ov, rc, tf, sc, rp, cp, ms = (parts.get(k) or {} for k in PARTS)
+    ov, rc, tf, sc, rp, cp, ms, tr = (parts.get(k) or {} for k in PARTS)
     c2 = next((c for c in ov.get("configs", []) if c["dp"] == 2), None)
     c4 = next((c for c in ov.get("configs", []) if c["dp"] == 4), None)
     calib_model = "tiny"
@@ -67,6 +69,10 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         "recovery_transfer_gbps": ((_g(rc, "headline", "phoenix_bytes_moved") or 0)
                                    / (_g(rc, "headline", "phoenix_transfer_s") or 1) / 1e9) or None,
         "recovery_transfer_model": _g(rc, "headline", "model"),
+        # a hot-swap on `medium` (bench/transfer.py; --quick measures `small` and leaves this None)
+        "recovery_transfer_gbps_medium": tr.get("recovery_transfer_gbps_medium"),
+        "recovery_transfer_gbps_transfer_part": tr.get("recovery_transfer_gbps"),
+        "recovery_transfer_part_model": tr.get("model"),
         "mesh_recovery_s": {k: _g(ms, "hotswap", k, "recovery_s") for k in ("dp", "3d")} if ms else None,
         "overhead_model": ov.get("model"),
         "overhead_ratio_dp2_ci95": _g(c2, "ci95", "phoenix_r1"),
@@ -249,6 +255,15 @@ def summary_md(res: dict[str, Any]) -> str:
             f"`python bench/recipe.py{flag}` (model {res.get('recipe_model')}; bf16: no bf16 units on this CPU)",
         ),
         (
+            "Hot-swap state transfer, bytes / transfer seconds "
+            f"(GB/s, model {res.get('recovery_transfer_part_model')})",
+            f(res.get("recovery_transfer_gbps_transfer_part"), 2),
+            ">= 2.0 (medium)",
+            hm(None if res.get("recovery_transfer_gbps_medium") is None
+               else res["recovery_transfer_gbps_medium"] >= 2.0),
+            f"`python bench/transfer.py{flag}`",
+        ),
+        (
             "Recovery vs world size, power-law exponent b (y = a W^b)",
             f(_g(sc, "fits", "recovery_s", "power", "b"), 2),
             "< 1",
@@ -344,6 +359,10 @@ def main() -> int:
                 import mesh
 
                 parts[name] = mesh.run(a.quick, out=out)
+            elif name == "transfer":
+                import transfer
+
+                parts[name] = transfer.run(a.quick, out=out)
         except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
             traceback.print_exc()
             parts[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}

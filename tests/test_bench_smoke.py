@@ -103,3 +103,18 @@ def test_run_all_merge_keeps_the_top_level_keys(
     text = run_all.summary_md(res)
     assert "| Figure |" in text and "overhead.py" in text
     json.dumps(res)  # serialisable
+
+
+def test_run_all_merge_reports_the_transfer_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/transfer.py's figure reaches latest.json: on `medium` under its issue-14 key, on `small`
+    (--quick) only under the part's own key."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import run_all
+
+    machine = {"date": "x", "cpu_count": 2, "cpu_model": "x", "torch": "x"}
+    for model, want in (("medium", 1.5), ("small", None)):
+        tr = {"model": model, "recovery_transfer_gbps": 1.5, f"recovery_transfer_gbps_{model}": 1.5}
+        res = run_all.merge({"transfer": tr}, model == "small", time.time(), dict(machine))
+        assert res["recovery_transfer_gbps_medium"] == want
+        assert res["recovery_transfer_gbps_transfer_part"] == 1.5 and res["recovery_transfer_part_model"] == model
+        assert "transfer" in run_all.summary_md(res)

@@ -181,6 +181,12 @@ def check(pi: PlanInput) -> str:
         else:
             src_d = pi.descs[wid_of(topo, t["param_src"])]
             assert r in src_d.params and src_d.stage == stage, f"{w} ({stage}) gets parameters of {src_d.stage}"
+            # striped parameter transfers: every source holds this stage's parameters at r, the primary is one
+            assert t["param_src"] in t["param_srcs"] and rk not in t["param_srcs"]
+            assert t["param_srcs"] == sorted(set(t["param_srcs"]))
+            for s in t["param_srcs"]:
+                sd = pi.descs[wid_of(topo, s)]
+                assert r in sd.params and sd.stage == stage, f"{w} ({stage}) gets a stripe from {sd.stage}"
     return "in-memory"
 
 

@@ -4,7 +4,12 @@ After step s commits, `start(s)` hands the job to a background thread that sends
 half's payload (exp_avg, exp_avg_sq; never the parameters) to each holder, in chunks, over the
 epoch's dedicated replication process group, and receives the peers' payloads into the staging
 half of the matching `Holding`. A received replica is committed only after its checksum matches the
-sender's, so a torn or corrupted transfer is never used. Before the gradient reduce-scatter of
+sender's, so a torn or corrupted transfer is never used. The staging half is received into in place
+(no private buffer, no copy): it is marked torn before the transfer starts, so a transfer that fails
+or is abandoned leaves it invalid and the committed half untouched; a recovery retires the epoch's
+groups (aborted, their sockets shut down) before anything reads or rewrites a holding, and whatever a
+recovery sends from a holding is checked by its receiver against the committed checksum. Before the
+gradient reduce-scatter of
 step s+1 the training loop calls `wait(s)`: a rank that entered the reduce-scatter has therefore
 always committed its replicas on both sides (see DESIGN: this is what makes a consistent
 recovery point exist for every combination of survivors).
@@ -200,18 +205,26 @@ class Replicator:
         self.state.header[half, 1] = crc
         hdr = torch.tensor([plan.shard, step, crc, n], dtype=torch.int64)
         works: list[object] = []
-        incoming: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (shard, header, payload buffer)
+        incoming: list[tuple[int, torch.Tensor, Holding, int]] = []  # (shard, header, holding, its staging half)
         for dst, (src, shard) in zip(plan.send_to, plan.recv_from, strict=True):
             w, rhdr, _ = alltoallv(pg, world, {dst: hdr}, {src: 4}, dtype=torch.int64)
             works.append(w)
-            buf = torch.empty(n)  # private: an abandoned transfer can never write into a holding
+            # received straight into the holding's staging half, marked torn until its checksum matched:
+            # the committed half stays the recovery point whatever happens to this transfer
+            h = self.holding(shard)
+            half = h.staging()
+            h.begin_write(half)
+            buf = h.payload(half).view(-1)
+            if buf.numel() != n:
+                raise PeerFailure(f"replication of step {step}: holding of shard {shard} has {buf.numel()} "
+                                  f"elements, the shard {n}")
             for i, off in enumerate(range(0, n, self.chunk)):
                 m = min(self.chunk, n - off)
                 w, _, _ = alltoallv(pg, world, {dst: payload[off : off + m]}, {src: m}, out=buf[off : off + m])
                 works.append(w)
                 if i == 0 and self._on_in_flight is not None:
                     self._on_in_flight(step)
-            incoming.append((shard, rhdr, buf))
+            incoming.append((shard, rhdr, h, half))
         deadline = time.monotonic() + self.timeout_s
         for w in works:
             wait_work(w, f"replication of step {step}", self._abort_reason, max(0.1, deadline - time.monotonic()))
@@ -219,18 +232,14 @@ class Replicator:
         with self._cv:
             if self._abort.is_set() or self.comm is not comm:
                 raise PeerFailure(f"replication of step {step}: superseded by a recovery")
-            for shard, rhdr, buf in incoming:
+            for shard, rhdr, h, half in incoming:
                 r_shard, r_step, r_crc, r_numel = (int(x) for x in rhdr.tolist())
-                if r_shard != shard or r_numel != n or checksum(buf) != r_crc:
+                if r_shard != shard or r_numel != n or checksum(h.payload(half)) != r_crc:
                     # never committed (the other half stays the recovery point), and never silent:
                     # a recovery epoch re-forms the groups and the next step replicates afresh
                     self.stats.checksum_failures += 1
                     raise PeerFailure(f"replica of shard {shard} (step {r_step}) failed its checksum on receipt")
-                h = self.holding(shard)
-                dst_half = h.staging()
-                h.begin_write(dst_half)
-                h.payload(dst_half).view(-1).copy_(buf)
-                h.commit(dst_half, r_step, r_crc, (shard, world))
+                h.commit(half, r_step, r_crc, (shard, world))
                 committed[shard] = h
         if self._after_commit is not None:
             self._after_commit(step, committed)

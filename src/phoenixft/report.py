@@ -96,6 +96,8 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
                 "first_step_s": (first["t"] - joined_at) if first else None,
             },
             "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) + j.get("bytes_ec", 0) for j in joins),
+            # each member's own stage timings (the stages above are the slowest member's)
+            "per_rank": {str(j.get("rank")): {k: v for k, v in j.items() if k.endswith("_s")} for j in joins},
             "redundancy": cfg.redundancy,
             # ec:D+H: shards rebuilt from their group's pieces, the pieces' bytes, the slowest decode
             "decoded": sorted({x for j in joins for x in j.get("decoded", [])}),

@@ -33,7 +33,7 @@ import xxhash
 if TYPE_CHECKING:
     from phoenixft.device import Device, Pending
 
-__all__ = ["PingPong", "ShardState", "Holding", "checksum", "alloc", "INVALID"]
+__all__ = ["PingPong", "ShardState", "Holding", "checksum", "StreamChecksum", "alloc", "INVALID"]
 
 INVALID = -1
 _MASK63 = (1 << 63) - 1
@@ -46,6 +46,28 @@ def checksum(t: torch.Tensor) -> int:
     GB/s, xxh3 27 GB/s); a 63-bit hash detects flipped bits and torn copies at least as well as CRC32."""
     arr: Any = t.contiguous().view(torch.uint8).numpy()
     return xxhash.xxh3_64_intdigest(memoryview(arr)) & _MASK63
+
+
+class StreamChecksum:
+    """`checksum` of a tensor fed in consecutive ranges (e.g. as a transfer's chunks arrive): the same
+    value as `checksum(whole)`, with no second pass over the bytes once the last range is in."""
+
+    def __init__(self, whole: torch.Tensor) -> None:
+        self._bytes: Any = whole.view(-1).view(torch.uint8).numpy()
+        self._per = whole.element_size()
+        self._h = xxhash.xxh3_64()
+        self._next = 0
+
+    def update(self, lo: int, hi: int) -> None:
+        """Feed elements [lo, hi): they must follow the ones fed before."""
+        if lo != self._next:
+            raise ValueError(f"ranges must be consecutive: expected {self._next}, got {lo}")
+        self._h.update(memoryview(self._bytes[lo * self._per : hi * self._per]))
+        self._next = hi
+
+    def value(self, numel: int) -> int | None:
+        """The checksum, or None if fewer than `numel` elements were fed."""
+        return self._h.intdigest() & _MASK63 if self._next == numel else None
 
 
 def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
@@ -70,6 +92,7 @@ class PingPong:
         self.rows, self.numel = rows, numel
         self.data = alloc(2 * rows * numel, torch.float32, path and path + ".data").view(2, rows, numel)
         self.header = alloc(2 * 5, torch.int64, path and path + ".hdr").view(2, 5)
+        self._verified: dict[int, tuple[int, int]] = {}  # half -> (step, crc) it was last verified at
         if path is None or int(self.header[:, H_VALID].sum()) == 0 and int(self.header[:, H_STEP].sum()) == 0:
             self.header[:, H_STEP] = INVALID
             self.header[:, H_CRC] = 0
@@ -106,6 +129,7 @@ class PingPong:
 
     def begin_write(self, half: int) -> None:
         self._settle()
+        self._verified.pop(half, None)
         self.header[half, 2] = 0  # torn until commit
 
     def commit(self, half: int, step: int, crc: int, shard: tuple[int, int] | None = None) -> None:
@@ -140,7 +164,17 @@ class PingPong:
 
     def verify(self, half: int) -> bool:
         self._settle()
-        return bool(int(self.header[half, 2])) and checksum(self.payload(half)) == int(self.header[half, 1])
+        ok = bool(int(self.header[half, 2])) and checksum(self.payload(half)) == int(self.header[half, 1])
+        if ok:
+            self._verified[half] = (int(self.header[half, H_STEP]), int(self.header[half, H_CRC]))
+        return ok
+
+    def verified(self, half: int) -> bool:
+        """`half` passed `verify` and was not rewritten since (its header still says the same step and
+        checksum): a recovery's sender need not hash it again right after its descriptor did (the
+        receiver checks every byte it gets against the committed checksum anyway)."""
+        return bool(int(self.header[half, H_VALID])) and \
+            self._verified.get(half) == (int(self.header[half, H_STEP]), int(self.header[half, H_CRC]))
 
     def payload(self, half: int) -> torch.Tensor:
         """What the checksum covers (and what is replicated)."""

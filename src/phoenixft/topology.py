@@ -34,7 +34,7 @@ class Topology:
     replicas: int
     resume_step: int
     racks: int = 1
-    transfers: list[dict[str, int]] = field(default_factory=list)  # dst, shard, param_src, opt_src
+    transfers: list[dict[str, Any]] = field(default_factory=list)  # dst, shard, param_src(s), opt_src, crc
     meta: dict[str, Any] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
@@ -51,7 +51,17 @@ class Topology:
         return self.layout.shard_name(rank)
 
     def slot_of(self, node: str) -> int:
-        return self.nodes.index(node)
+        """The node's slot, from an index built once (a plan asks this for every rank: O(1), not O(W));
+        the cached answer is checked against `nodes`, and the index rebuilt when `nodes` changed."""
+        idx: dict[str, int] | None = self.__dict__.get("_slot_index")
+        i = idx.get(node) if idx is not None else None
+        if i is None or i >= len(self.nodes) or self.nodes[i] != node:
+            idx = {n: k for k, n in reversed(list(enumerate(self.nodes)))}  # the first slot, as list.index
+            self.__dict__["_slot_index"] = idx
+            if node not in idx:
+                raise ValueError(f"{node!r} is not in list")
+            i = idx[node]
+        return i
 
     def rank_of(self, node: str, local_rank: int) -> int:
         return self.slot_of(node) * self.workers_per_node + local_rank

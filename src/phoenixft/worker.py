@@ -76,6 +76,8 @@ class Worker:
         elif cfg.tp == 1 and cfg.pp == 1:  # data-parallel only: every rank's stage is the whole model, built warm
             self._build((0, 0))
             self._partition(world, gen)
+            if node_id.startswith("s") and self.protect:  # a spare: the memory it will receive into, touched now
+                self.trainer.prefault()
         self.faults: list[FaultSpec] = cfg.faults
         self.inject = FaultInjector(self)
         self.protection = Protection(self, store_addr, self._coll_timeout)

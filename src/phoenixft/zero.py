@@ -220,6 +220,20 @@ class FlatModel:
         self._load_buffers(self.live)
         self._tag(1 - self.live, INVALID)
 
+    def receive_buffer(self) -> torch.Tensor:
+        """The non-live flat buffer, untagged, for a peer's copy to be received into in place (what
+        `install` would copy it into); `adopt_received` makes it live."""
+        self._tag(1 - self.live, INVALID)
+        return self.bufs[1 - self.live]
+
+    def adopt_received(self, step: int) -> None:
+        """The buffer of `receive_buffer` holds a peer's whole buffer (parameters and buffer tail) of
+        `step`: make it live, as `install` does after its copy."""
+        self._tag(1 - self.live, step)
+        self._bind(1 - self.live)
+        self._load_buffers(self.live)
+        self._tag(1 - self.live, INVALID)
+
     def zero_grad(self) -> None:
         self.grad.zero_()
         if self.grad32 is not self.grad:

@@ -34,7 +34,9 @@ from typing import Any
 from phoenixft.redundancy.decodable import DecodeJob, decode_options
 from phoenixft.topology import Topology
 
-__all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps"]
+__all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps", "STRIPES"]
+
+STRIPES = 4  # at most this many peers send a member its parameters, a stripe each (recovery/transfer.py)
 
 
 @dataclass(kw_only=True)
@@ -281,13 +283,19 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
                 continue
             peers = by_stage[stage]
             par_src = -1 if has_params else new.rank_of(*_split(peers[rk % len(peers)]))
+            # members holding this stage's parameters at r send a stripe each (they are identical): the
+            # primary and the next ones round the stage, at most STRIPES (a receiver's link saturates)
+            par_srcs = [] if has_params else sorted({new.rank_of(*_split(p)) for p in
+                                                     (peers[(rk + i) % len(peers)] for i in range(STRIPES))
+                                                     if p != wid})
             if r not in copies.get(shard, {}):  # no copy left anywhere: rebuilt from its group's pieces
                 x = job_for(shard, rk)
-                transfers.append({"dst": rk, "shard": rk, "param_src": par_src, "opt_src": -1,
-                                  "crc": dec[shard][r].mcrc[dec[shard][r].members.index(shard)], "decode": x})
+                transfers.append({"dst": rk, "shard": rk, "param_src": par_src, "param_srcs": par_srcs,
+                                  "opt_src": -1, "crc": dec[shard][r].mcrc[dec[shard][r].members.index(shard)],
+                                  "decode": x})
                 continue
             opt_w, crc = _pick(copies[shard][r], rk, {wid})
-            transfers.append({"dst": rk, "shard": rk, "param_src": par_src,
+            transfers.append({"dst": rk, "shard": rk, "param_src": par_src, "param_srcs": par_srcs,
                               "opt_src": new.rank_of(*_split(opt_w)), "crc": crc})
         new.transfers = transfers
         if jobs:

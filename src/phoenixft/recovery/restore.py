@@ -26,9 +26,10 @@ from phoenixft.comm import alltoallv
 from phoenixft.errors import RunAborted
 from phoenixft.parallel.logical import from_full
 from phoenixft.persist import load_full
+from phoenixft.recovery import transfer
 from phoenixft.redundancy import rebuild
 from phoenixft.reshard import gather_full_optimizer, old_shard_numel
-from phoenixft.snapshot import H_CRC, H_VALID, checksum
+from phoenixft.snapshot import H_CRC, H_VALID, StreamChecksum, checksum
 from phoenixft.topology import Topology, shard_name
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:
     if m.repl is not None and shard in m.repl.holdings:
         h = m.repl.holdings[shard]
         hh = h.half_with(r)
-        if hh is not None and h.verify(hh):
+        if hh is not None and (h.verified(hh) or h.verify(hh)):  # the descriptor just verified it, as a rule
             return h.payload(hh)
     name = shard_name(shard, shards, m.cfg.tp, m.cfg.pp)
     raise RunAborted(f"rank {m.rank} holds no verified copy of {name} at step {r}")
@@ -88,49 +89,87 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
             raise RunAborted(f"rank {me} has no optimizer state for step {r}")
         if int(tr.state.header[half, H_CRC]) and not tr.state.verify(half):
             bad.append(f"own {topo.shard_name(me)} at step {r} does not match its committed checksum")
-    # 1. parameters
+    # who holds what is settled: wait until every member is here (so the transfer times below are the
+    # bytes moving, not a peer still rolling back), then move the parameters, then the optimizer shards
+    t0 = time.time()
+    m.wait(pg.allreduce([torch.zeros(1)]), "recovery transfer start")
+    # 1. parameters, striped over every peer that holds them at r (bitwise identical there)
     t1 = time.time()
-    sends = {t["dst"]: tr.flat.whole for t in topo.transfers if t["param_src"] == me}
-    recv = {t["param_src"]: tr.flat.total for t in mine if t["param_src"] >= 0}
-    work, _, got = alltoallv(pg, w, sends, recv, dtype=tr.flat.dtype)
-    m.wait(work, "parameter transfer")
-    for t in mine:
-        if t["param_src"] >= 0:
-            tr.flat.install(got[t["param_src"]], r)
+    flat = tr.flat
+    elem = torch.empty((), dtype=flat.dtype).element_size()
+    chunk = transfer.chunk_numel(elem)
+    need = {t["dst"]: list(t.get("param_srcs") or [t["param_src"]]) for t in topo.transfers if t["param_src"] >= 0}
+    rounds = transfer.schedule(need, flat.total, chunk)
+    on_host = flat.device.type == "cpu"
+    sends: dict[int, torch.Tensor] = {}
+    if any(p.src == me for rd in rounds for p in rd):
+        src_buf = flat.whole if on_host else flat.whole.cpu()
+        sends = {d: src_buf for d in need}
+    into = (flat.receive_buffer() if on_host else torch.empty(flat.total, dtype=flat.dtype)) if need_params else None
+    works = transfer.post(pg, w, me, rounds, sends, into, dtype=flat.dtype)
+    transfer.wait_all(works, m.wait, "parameter transfer")
+    t_moved = time.time()
+    if into is not None:
+        if on_host:
+            flat.adopt_received(r)
+        else:
+            flat.install(into, r)
     t2 = time.time()
+    timings.update(params_moved_s=t_moved - t1, params_adopt_s=t2 - t_moved)
     m.inject.in_recovery(topo)
-    # 2. optimizer shard from a verified copy
+    # 2. optimizer shard from a verified copy, received straight into the staging half, checksummed
+    # chunk by chunk as it arrives
     sends = {}
     for t in topo.transfers:
         if t["opt_src"] == me:
-            payload = copy_of(m, t["shard"], w, r)
+            payload = copy_of(m, t["shard"], w, r).reshape(-1)
             if m.inject.corrupts_transfers(topo):  # fault injection: corruption in flight
                 payload = payload.clone()
-                payload.view(-1)[:: max(1, payload.numel() // 7)] += 1.0
+                payload[:: max(1, payload.numel() // 7)] += 1.0
             sends[t["dst"]] = payload
     copied = [t for t in mine if t["opt_src"] >= 0]  # the others are rebuilt from their group (ec), below
-    recv = {t["opt_src"]: tr.payload_rows * tr.flat.shard_numel for t in copied}
-    work, _, got = alltoallv(pg, w, sends, recv)
-    m.wait(work, "optimizer-state transfer")
+    n_opt = tr.payload_rows * flat.shard_numel
+    rounds = transfer.schedule({t["dst"]: [t["opt_src"]] for t in topo.transfers if t["opt_src"] >= 0}, n_opt,
+                               transfer.chunk_numel(4))
+    st = tr.state
+    half, buf = -1, None
+    if copied:
+        half = st.staging()
+        if int(st.header[half, H_VALID]):  # it holds a committed step: keep it until the copy verified
+            buf = torch.empty(n_opt)
+        else:
+            st.begin_write(half)
+            buf = st.payload(half).reshape(-1)
+    hasher = StreamChecksum(buf) if buf is not None else None
+    t_post = time.time()
+    works = transfer.post(pg, w, me, rounds, sends, buf)
+    in_place = buf is not None and buf.data_ptr() == st.payload(half).data_ptr()
+    if in_place and tr.payload_from == 1:  # the master row from the parameters, while the shard is moving
+        (t,) = copied
+        st.data[half, 0].copy_(flat.flat[flat.shard_slice(topo.layout.dp_rank(t["shard"]))])
+    transfer.wait_all(works, m.wait, "optimizer-state transfer", hasher.update if hasher is not None else None)
+    timings.update(opt_prepare_s=t_post - t2, opt_moved_s=time.time() - t_post)
     for t in copied:
-        buf = got[t["opt_src"]]
+        assert buf is not None and hasher is not None
         name = topo.shard_name(t["shard"])
-        if checksum(buf) != t["crc"]:
+        if hasher.value(n_opt) != t["crc"]:
             src = f"{topo.node_of_rank(t['opt_src'])}.{t['opt_src'] % topo.workers_per_node}"
             bad.append(f"{name} from {src} does not match the checksum committed for step {r}")
             m.bad_sources.append((name, r, src))
             continue
-        _commit_received(m, buf, r, t["crc"], t["shard"], w, topo.layout.dp_rank(t["shard"]))
-        elem = torch.empty((), dtype=tr.flat.dtype).element_size()
-        timings.update(bytes_params=tr.flat.total * elem if t["param_src"] >= 0 else 0, bytes_opt=buf.numel() * 4)
+        if in_place:  # the half holds the payload and its master row: commit it
+            st.commit(half, r, t["crc"], (t["shard"], w))
+            st.header[1 - half, H_VALID] = 0
+        else:
+            _commit_received(m, buf, r, t["crc"], t["shard"], w, topo.layout.dp_rank(t["shard"]))
+        timings.update(bytes_params=flat.total * elem if t["param_src"] >= 0 else 0, bytes_opt=buf.numel() * 4)
     if topo.meta.get("decode"):  # ec: every rank takes part (it may hold a piece)
         rebuilt = rebuild.run_decodes(m, topo, r, tr.payload_rows * tr.flat.shard_numel, timings, bad)
         for shard, (payload, crc) in rebuilt.items():
             _commit_received(m, payload, r, crc, shard, w, topo.layout.dp_rank(shard))
-        elem = torch.empty((), dtype=tr.flat.dtype).element_size()
         if any(t["param_src"] >= 0 for t in mine if t["opt_src"] < 0):
             timings["bytes_params"] = tr.flat.total * elem
-    timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
+    timings.update(transfer_sync_s=t1 - t0, restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
 
 
 def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str, Any], bad: list[str]) -> None:
