@@ -47,12 +47,13 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from typing import Any
 
 from phoenixft import auth, keys
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Election, guarded_set, is_etcd, multi_get_nowait, poll_interval
+from phoenixft.controlplane import Election, exists_many, guarded_set, is_etcd, multi_get_nowait, poll_interval
 from phoenixft.persist import latest_manifest
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
 from phoenixft.topology import Topology
@@ -88,7 +89,8 @@ class Coordinator:
         self.journal = journal
         self.token = token
         self.election = election  # etcd: this process acts only while it leads
-        self.poll_s = poll_interval(store, POLL_S)  # steady state (etcd: 50 ms; a TCPStore: 3 ms)
+        self.poll_s = poll_interval(store, POLL_S)  # steady state (etcd: 150 ms, woken by a watch; a TCPStore: 3 ms)
+        self._wake = threading.Event()
         self.gather_poll_s = min(self.poll_s, 0.01)  # while a recovery waits for descriptors
         self.cfg = RunConfig.from_json(self._wait(keys.CONFIG, 120.0))
         self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
@@ -300,15 +302,43 @@ class Coordinator:
 
     def _loop(self) -> None:
         last_whole = 0.0
-        while not self.store.check([keys.RUN_STATE]):
+        if is_etcd(self.store):  # poll slowly, but wake at once when the epoch's failure flag is set
+            threading.Thread(target=self._watch_flags, name="phoenixft-flag-watch", daemon=True).start()
+        while True:
+            assert self.topo is not None
+            over, flagged = exists_many(self.store, [keys.RUN_STATE, keys.failflag(self.topo.epoch)])  # one request
+            if over:
+                break
             self._admit()
-            if self._failure_pending():
+            if flagged or self._failure_pending():
                 self.recover()
             else:
-                time.sleep(self.poll_s)
+                self._wake.wait(self.poll_s)
+                self._wake.clear()
             if time.monotonic() - last_whole > 0.25:
                 last_whole = time.monotonic()
                 self._publish_whole()
+
+    def _watch_flags(self) -> None:
+        """etcd: block in a watch on the current epoch's failure flag (its own connection) and wake the
+        loop when it is set, so that the loop can poll slowly without noticing failures late."""
+        from datetime import timedelta
+
+        from phoenixft.controlplane import connect
+
+        store = connect(self.store.url, 30.0)
+        while True:
+            topo = self.topo
+            if topo is None:
+                time.sleep(0.05)
+                continue
+            try:
+                store.wait([keys.failflag(topo.epoch)], timedelta(seconds=5))
+            except Exception:  # noqa: BLE001 - not set within the slice, or the cluster is briefly away
+                continue
+            self._wake.set()
+            while self.topo is topo:  # until the recovery has published the next epoch
+                time.sleep(0.02)
 
     def _recovery_loop(self, descs: dict[str, Descriptor]) -> bool:
         """Stop a run that recovers again and again without completing a step (a fault the planner
@@ -328,9 +358,10 @@ class Coordinator:
         self._refresh_pool()
         whole = len(self.topo.nodes) == self.cfg.nodes and any(
             self._node_ready(s) for s in self.spare_pool if s not in self.dead)
-        if whole:
+        there = exists_many(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
+        if whole and not there:
             self.store.set(keys.JOB_WHOLE, "1")
-        elif self.store.check([keys.JOB_WHOLE]):
+        elif not whole and there:
             self.store.delete_key(keys.JOB_WHOLE)
 
     def _refresh_pool(self) -> None:
@@ -417,8 +448,6 @@ class Coordinator:
 
     def _failure_pending(self) -> bool:
         assert self.topo is not None
-        if self.store.check([keys.failflag(self.topo.epoch)]):
-            return True
         now = time.time()
         if len(self.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
             self._last_grow_check = now

@@ -70,9 +70,9 @@ def poll_interval(store: Any, tcp_s: float) -> float:
 
 
 def exists_many(store: Any, names: Sequence[str]) -> list[bool]:
-    """Whether each key exists (one request on etcd)."""
+    """Whether each key exists (a poll: one serializable request on etcd)."""
     if is_etcd(store):
-        return store.exists_many(names)
+        return store.exists_many(names, serializable=True)
     return [bool(store.check([k])) for k in names]
 
 

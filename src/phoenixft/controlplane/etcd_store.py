@@ -98,7 +98,7 @@ class EtcdStore(dist.Store):
         self._ep = random.randrange(len(self.endpoints))  # spread clients over the members
         self._seq = 0
         self._seq_lock = threading.Lock()
-        self.poll_s = 0.05  # how often steady-state loops should look (a round trip is ~1-2 ms of the leader's CPU)
+        self.poll_s = 0.15  # how often steady-state loops look (reads cost the cluster CPU; flags are watched)
 
     # ------------------------------------------------------------------ transport
     @property
@@ -179,8 +179,8 @@ class EtcdStore(dist.Store):
     def set(self, key: str, value: Any) -> None:
         self.call("/v3/kv/put", {"key": _b(self._k(key)), "value": _b(_bytes(value))})
 
-    def _read(self, key: str) -> tuple[bytes | None, int]:
-        r = self.call("/v3/kv/range", self._range_req(key))
+    def _read(self, key: str, serializable: bool = False) -> tuple[bytes | None, int]:
+        r = self.call("/v3/kv/range", self._range_req(key, **({"serializable": True} if serializable else {})))
         kvs = r.get("kvs") or []
         return (self._join(kvs) if kvs else None), int(r["header"]["revision"])
 
@@ -193,22 +193,25 @@ class EtcdStore(dist.Store):
             self._watch(key, rev + 1, deadline)
 
     def get_nowait(self, key: str) -> bytes | None:
-        """The value, or None if the key does not exist (no blocking)."""
-        return self._read(key)[0]
+        """The value, or None if the key does not exist (no blocking). Serializable: answered by the
+        member this client talks to, without the leader's quorum round of a linearizable read (a
+        poll may see a write a few milliseconds late; every poller here tolerates that)."""
+        return self._read(key, serializable=True)[0]
 
     def check(self, keys: list[str]) -> bool:
         return all(self.exists_many(keys))
 
-    def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key exists, in one request per 128 keys."""
+    def exists_many(self, keys: Sequence[str], serializable: bool = False) -> list[bool]:
+        """Whether each key exists, in one request per 128 keys (`serializable`: see get_nowait)."""
         out: list[bool] = []
         for i in range(0, len(keys), MAX_TXN_OPS):
             chunk = keys[i:i + MAX_TXN_OPS]
             if len(chunk) == 1:
-                r = self.call("/v3/kv/range", self._range_req(chunk[0], count_only=True))
+                r = self.call("/v3/kv/range", self._range_req(chunk[0], count_only=True, serializable=serializable))
                 out.append(int(r.get("count", 0)) > 0)
                 continue
-            r = self._txn([{"request_range": self._range_req(k, count_only=True)} for k in chunk])
+            r = self._txn([{"request_range": self._range_req(k, count_only=True, serializable=serializable)}
+                           for k in chunk])
             out.extend(int(x["response_range"].get("count", 0)) > 0 for x in r.get("responses", []))
         return out
 
@@ -221,10 +224,11 @@ class EtcdStore(dist.Store):
         return [v if v is not None else self.get(k) for k, v in zip(keys, got, strict=True)]
 
     def multi_get_nowait(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values or None, never blocking; serializable (see get_nowait)."""
         out: list[bytes | None] = []
         for i in range(0, len(keys), MAX_TXN_OPS):
             chunk = keys[i:i + MAX_TXN_OPS]
-            r = self._txn([{"request_range": self._range_req(k)} for k in chunk])
+            r = self._txn([{"request_range": self._range_req(k, serializable=True)} for k in chunk])
             for x in r.get("responses", []):
                 kvs = x["response_range"].get("kvs") or []
                 out.append(self._join(kvs) if kvs else None)
@@ -239,7 +243,9 @@ class EtcdStore(dist.Store):
     def add(self, key: str, amount: int) -> int:
         k = _b(self._k(key))
         while True:
-            r = self.call("/v3/kv/range", {"key": k})
+            # add(key, 0) is how pollers read a counter: serializable (see get_nowait); a real add reads
+            # linearizably, and its compare-and-swap would fail on a stale read anyway
+            r = self.call("/v3/kv/range", {"key": k, **({"serializable": True} if amount == 0 else {})})
             kvs = r.get("kvs") or []
             if kvs:
                 cur = int(_unb(kvs[0].get("value", "")) or b"0")
@@ -263,7 +269,8 @@ class EtcdStore(dist.Store):
     def read_appended(self, key: str, after_revision: int) -> tuple[bytes, int]:
         """What was appended to `key` (and the key's own value) since `after_revision`, and the
         revision to pass next time: an incremental read of a growing log."""
-        r = self.call("/v3/kv/range", self._range_req(key, min_create_revision=str(after_revision + 1)))
+        r = self.call("/v3/kv/range", self._range_req(key, min_create_revision=str(after_revision + 1),
+                                                      serializable=True))
         kvs = r.get("kvs") or []
         return self._join(kvs), int(r["header"]["revision"])
 
