@@ -11,6 +11,7 @@ replica groups: survivor stall and heal), scaling.py (recovery stages vs world a
 recipe.py (failure-free step-time cost of bf16, clipping, sgd, lion, a cosine schedule; it runs
 last, after the quick budget of the others, and adds about 1.5 min to `--quick`).
 control_plane.py (the coordinator's detect / decide / publish with up to 4,096 simulated workers),
+etcd.py (the etcd control plane against the TCPStore: step time, rendezvous, takeover, member loss),
 transfer.py (bytes / seconds of a hot-swap's state transfer on `medium`; `small` with --quick).
 
 latest.json holds the machine, every part's full result under `parts`, and the figures the
@@ -33,7 +34,7 @@ from typing import Any
 
 from benchlib import RESULTS, log, machine_info, write_json
 
-PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane", "mesh", "transfer")
+PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane", "mesh", "transfer", "etcd")
 QUICK_BUDGET_S = 180.0
 
 
@@ -50,7 +51,7 @@ def _g(d: dict[str, Any] | None, *path: Any) -> Any:
 
 
 def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str, Any]) -> dict[str, Any]:
-    ov, rc, tf, sc, rp, cp, ms, tr = (parts.get(k) or {} for k in PARTS)
+    ov, rc, tf, sc, rp, cp, ms, tr, et = (parts.get(k) or {} for k in PARTS)
     c2 = next((c for c in ov.get("configs", []) if c["dp"] == 2), None)
     c4 = next((c for c in ov.get("configs", []) if c["dp"] == 4), None)
     calib_model = "tiny"
@@ -59,6 +60,11 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         "machine": machine,
         "overhead_ratio_dp2": ov.get("overhead_ratio_dp2"),
         "mesh_step_ratio_3d_vs_dp": ms.get("step_time_ratio_3d_vs_dp"),
+        # issue 17: the etcd control plane against the embedded TCPStore
+        "etcd_step_ratio_vs_tcpstore": et.get("step_time_ratio_etcd_vs_tcpstore"),
+        "etcd_server_cpu_cores": et.get("etcd_server_cpu_cores"),
+        "etcd_takeover_s": _g(et, "takeover", "downtime_s"),
+        "etcd_rendezvous_s": et.get("rendezvous_s"),
         # issue 14's keys (None where this mode did not measure them: the `small` headline needs a full run)
         "phoenix_resume_s_small_dp2": _g(rc, "headline", "phoenix_time_to_resume_s")
         if _g(rc, "headline", "model") == "small" else None,
@@ -363,6 +369,10 @@ def main() -> int:
                 import transfer
 
                 parts[name] = transfer.run(a.quick, out=out)
+            elif name == "etcd":
+                import etcd
+
+                parts[name] = etcd.run(a.quick, out=out)
         except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
             traceback.print_exc()
             parts[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}

@@ -118,3 +118,17 @@ def test_run_all_merge_reports_the_transfer_part(monkeypatch: pytest.MonkeyPatch
         assert res["recovery_transfer_gbps_medium"] == want
         assert res["recovery_transfer_gbps_transfer_part"] == 1.5 and res["recovery_transfer_part_model"] == model
         assert "transfer" in run_all.summary_md(res)
+
+
+def test_run_all_merge_reports_the_etcd_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/etcd.py's figures (issue 17) reach latest.json's top level."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import run_all
+
+    machine = {"date": "x", "cpu_count": 2, "cpu_model": "x", "torch": "x"}
+    et = {"step_time_ratio_etcd_vs_tcpstore": 1.01, "etcd_server_cpu_cores": 0.06,
+          "takeover": {"downtime_s": 2.1}, "rendezvous_s": {"tcpstore": 0.04, "etcd": 0.07}}
+    res = run_all.merge({"etcd": et}, False, time.time(), dict(machine))
+    assert res["etcd_step_ratio_vs_tcpstore"] == 1.01 and res["etcd_takeover_s"] == 2.1
+    assert res["etcd_server_cpu_cores"] == 0.06 and res["etcd_rendezvous_s"]["etcd"] == 0.07
+    json.dumps(res)
