@@ -93,7 +93,9 @@ class EtcdCluster:
                 "--initial-cluster", cluster, "--initial-cluster-state", state,
                 "--initial-cluster-token", self._token,
                 "--heartbeat-interval", "100", "--election-timeout", "1000",
-                "--logger", "zap", "--log-level", "warn", "--quota-backend-bytes", str(2 << 30)]
+                "--logger", "zap", "--log-level", "warn", "--quota-backend-bytes", str(2 << 30),
+                # a long run writes a revision per step and per event: keep 10 minutes of history
+                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m"]
 
     def start_member(self, i: int, state: str = "new") -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
