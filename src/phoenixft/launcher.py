@@ -284,6 +284,8 @@ class LocalJob:
             if time.monotonic() > deadline:
                 return f"failed: timeout after {self.cfg.timeout:.0f}s"
             if self.local and all(n in self.exited for n in self.agents):
+                if self.store.check([keys.RUN_STATE]):  # the run ended, then its nodes: looked at since `over`
+                    return self.store.get(keys.RUN_STATE).decode()
                 return "failed: every node exited"
             time.sleep(0.01)
 
