@@ -336,6 +336,17 @@ def test_control_plane_flag_validation() -> None:
         check_mode(RunConfig(control_plane="etcd"), local=False)
 
 
+def test_unreachable_etcd_is_one_line(tmp_path: Path) -> None:
+    """A wrong --control-plane address: one line naming the flag, exit code 2, within the probe's bound."""
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "run", "--control-plane", "etcd://127.0.0.1:1",
+                        "--steps", "2", "--quiet", "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=SRC))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "--control-plane=etcd://127.0.0.1:1: no etcd cluster answered" in p.stderr
+    assert "Traceback" not in p.stderr and time.monotonic() - t < 60
+
+
 # ---------------------------------------------------------------------- whole runs
 def test_standby_coordinator_takes_over_then_a_node_is_hot_swapped(cluster: EtcdCluster, tmp_path: Path,
                                                                   reference: Any) -> None:

@@ -45,6 +45,7 @@ from phoenixft.report import build_report
 
 __all__ = ["LocalJob", "run_job", "check_mode", "STOP_GRACE_S"]
 
+ETCD_PROBE_S = 10.0  # how long an etcd:// control plane may take to answer before the run is refused
 STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
 
 
@@ -192,7 +193,16 @@ class LocalJob:
             url = self.etcd.url
             self.display.info(f"started a local 3-member etcd cluster for this run: {url}")
         eps, prefix = parse_etcd_url(url)
-        return "etcd://" + ",".join(f"{h}:{p}" for h, p in eps) + f"{prefix or '/phoenixft'}/{self.run_id}"
+        addr = "etcd://" + ",".join(f"{h}:{p}" for h, p in eps) + f"{prefix or '/phoenixft'}/{self.run_id}"
+        from phoenixft.controlplane import EtcdError, EtcdUnavailable, connect
+
+        try:  # one bounded look before anything starts: a wrong address is one line, not a 30 s traceback
+            connect(addr, ETCD_PROBE_S).num_keys()
+        except (EtcdUnavailable, EtcdError) as e:
+            raise UserError(f"--control-plane={self.cfg.control_plane}: no etcd cluster answered there within "
+                            f"{ETCD_PROBE_S:g}s ({str(e).rsplit('(last: ', 1)[-1].rstrip(')')}); give the client "
+                            "URLs of a running cluster, or --control-plane etcd to start one here") from None
+        return addr
 
     def _start_coordinator(self, i: int = 0) -> None:
         # it dies with the launcher (which serves the store it needs); --run-id makes it findable
