@@ -183,19 +183,7 @@ def _worker(addr: str, wid: str, sh: Shared, deadline: float) -> None:
             sh.read0 += 1
         if _wait_get(c, keys.failflag(0), sh, deadline) is None or (node == KILLED and sh.killed.is_set()):
             return
-        # --- the store calls of Worker.recover(), in its order
-        desc["t"] = time.time()
-        with sh.lock:
-            sh.woke[wid] = desc["t"]
-        c.check([keys.fence(node)])
-        c.set(keys.failflag(0), "1")
-        rec = {"t": desc["t"], "kind": "failure_detected", "wid": wid, "epoch": 0, "error": desc["error"],
-               "rank": topo.rank_of(node, int(wid.rsplit(".", 1)[1]))}
-        c.append(keys.EVENTS, json.dumps(rec) + "\n")
-        c.set(keys.desc(0, wid), json.dumps(desc))
-        c.add(keys.desc_posted(0), 1)
-        with sh.lock:
-            sh.posted[wid] = time.time()
+        _post_descriptor(c, sh, topo, node, wid, desc)
         raw = _wait_get(c, keys.topo(1), sh, deadline)
         c.check([keys.fence(node)])
         if raw is not None:
@@ -204,6 +192,22 @@ def _worker(addr: str, wid: str, sh: Shared, deadline: float) -> None:
         if not sh.stop.is_set():
             with sh.lock:
                 sh.errors.append(f"worker {wid}: {type(e).__name__}: {e}")
+
+
+def _post_descriptor(c: Any, sh: Shared, topo: Topology, node: str, wid: str, desc: dict[str, Any]) -> None:
+    """One worker's store calls of Worker.recover(), in its order: notice, flag, event, descriptor."""
+    desc["t"] = time.time()
+    with sh.lock:
+        sh.woke[wid] = desc["t"]
+    c.check([keys.fence(node)])
+    c.set(keys.failflag(0), "1")
+    rec = {"t": desc["t"], "kind": "failure_detected", "wid": wid, "epoch": 0, "error": desc["error"],
+           "rank": topo.rank_of(node, int(wid.rsplit(".", 1)[1]))}
+    c.append(keys.EVENTS, json.dumps(rec) + "\n")
+    c.set(keys.desc(0, wid), json.dumps(desc))
+    c.add(keys.desc_posted(0), 1)
+    with sh.lock:
+        sh.posted[wid] = time.time()
 
 
 def _node(addr: str, node: str, sh: Shared, deadline: float) -> None:
@@ -232,20 +236,8 @@ def _node(addr: str, node: str, sh: Shared, deadline: float) -> None:
             sh.read0 += G
         if _wait_get(c, keys.failflag(0), sh, deadline) is None or (node == KILLED and sh.killed.is_set()):
             return
-        for wid in wids:  # --- each worker's store calls of Worker.recover(), in its order
-            desc = descs[wid]
-            desc["t"] = time.time()
-            with sh.lock:
-                sh.woke[wid] = desc["t"]
-            c.check([keys.fence(node)])
-            c.set(keys.failflag(0), "1")
-            rec = {"t": desc["t"], "kind": "failure_detected", "wid": wid, "epoch": 0, "error": desc["error"],
-                   "rank": topo.rank_of(node, int(wid.rsplit(".", 1)[1]))}
-            c.append(keys.EVENTS, json.dumps(rec) + "\n")
-            c.set(keys.desc(0, wid), json.dumps(desc))
-            c.add(keys.desc_posted(0), 1)
-            with sh.lock:
-                sh.posted[wid] = time.time()
+        for wid in wids:
+            _post_descriptor(c, sh, topo, node, wid, descs[wid])
         if _wait_get(c, keys.topo(1), sh, deadline) is None:
             return
         for wid in wids:

@@ -342,8 +342,8 @@ class EtcdStore(dist.Store):
                 if any(ev.get("type", "PUT") == "PUT" for ev in res.get("events") or []):
                     return
         except (OSError, http.client.HTTPException):
-            if time.monotonic() < deadline - 0.01:
-                self._ep = (self._ep + 1) % len(self.endpoints) if self._watch_failed(h, p) else self._ep
+            if time.monotonic() < deadline - 0.01 and self._watch_failed(h, p):
+                self._ep = (self._ep + 1) % len(self.endpoints)
             return
         finally:
             conn.close()
