@@ -13,7 +13,7 @@ node's workers are one thread with one store client that does, for each worker i
 `--thread-per-worker`: a thread and client per worker), what `phoenixft.worker` does on the store:
 `ready/<wid>`, wait for the topology of epoch 0 (a spare: for `assign/s0`, then its topology),
 wait for the failure flag (as the `FailureWatcher`: a server-side `wait`), then the store calls of
-`Worker.recover()` - fence check, set the flag, append a `failure_detected` event, post its
+`Worker.recover()` - fence check, append a `failure_detected` event, post its
 descriptor (`desc/<e>/<wid>`, built with `recovery.planner.Descriptor` from the topology: the two
 ping-pong steps of its parameters, its own shard and the replicas of its ring sources, with crcs)
 and bump `desc_posted/<e>` - and reads the next topology. Workers wait with the store's
@@ -195,12 +195,11 @@ def _worker(addr: str, wid: str, sh: Shared, deadline: float) -> None:
 
 
 def _post_descriptor(c: Any, sh: Shared, topo: Topology, node: str, wid: str, desc: dict[str, Any]) -> None:
-    """One worker's store calls of Worker.recover(), in its order: notice, flag, event, descriptor."""
+    """One worker's store calls of Worker.recover(), in its order: notice, event, descriptor."""
     desc["t"] = time.time()
     with sh.lock:
         sh.woke[wid] = desc["t"]
-    c.check([keys.fence(node)])
-    c.set(keys.failflag(0), "1")
+    c.check([keys.fence(node)])  # (the flag is not set again: a worker woken by it leaves it be)
     rec = {"t": desc["t"], "kind": "failure_detected", "wid": wid, "epoch": 0, "error": desc["error"],
            "rank": topo.rank_of(node, int(wid.rsplit(".", 1)[1]))}
     c.append(keys.EVENTS, json.dumps(rec) + "\n")

@@ -38,6 +38,7 @@ def test_ec31_node_killed_mid_run_is_bitwise_invisible(tmp_path: Path, reference
     assert rec["dead"] == ["n2"] and rec["promoted"] == ["s0"] and rec["lost_steps"] <= 1
 
 
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_ec22_two_members_of_one_group_killed_in_the_same_step(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     # n0 and n2 form one group: both its data shards are rebuilt from the two Reed-Solomon parity blocks
     ref = reference(nodes=4, steps=12)

@@ -348,6 +348,7 @@ def test_unreachable_etcd_is_one_line(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- whole runs
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_standby_coordinator_takes_over_then_a_node_is_hot_swapped(cluster: EtcdCluster, tmp_path: Path,
                                                                   reference: Any) -> None:
     """The issue's run: the leading coordinator is SIGKILLed at step 6, a node at step 11; a standby
@@ -367,6 +368,7 @@ def test_standby_coordinator_takes_over_then_a_node_is_hot_swapped(cluster: Etcd
     assert connect(f"{cluster.url}/phoenixft/{rep['run_id']}", 5.0).num_keys() == 0, "the job's keys outlived it"
 
 
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_etcd_member_killed_mid_run_is_not_noticed(tmp_path: Path, reference: Any) -> None:
     """`--control-plane etcd` starts a local 3-member cluster; its raft leader is SIGKILLed at step 5:
     no recovery, no lost step, the same final state; the cluster is gone after the run."""

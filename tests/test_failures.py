@@ -11,6 +11,7 @@ import pytest
 from conftest import processes_with, run
 
 
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_worker_crash_is_restarted_in_place(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=12)
     rep = run(tmp_path, nodes=3, spares=1, steps=12, inject=["crash:rank=1@step=6,phase=backward"])
@@ -50,6 +51,7 @@ def test_rack_failure_with_rack_aware_replicas(tmp_path: Path, reference) -> Non
     assert rec["dead"] == ["n0", "n1"]
 
 
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_owner_and_replica_lost_stops_with_named_shards(tmp_path: Path) -> None:
     # without racks, node 1 keeps node 0's replica: both die in one step
     rep = run(tmp_path, nodes=4, spares=2, replicas=1, steps=12, inject=["kill:node=0,1@step=6,phase=backward"])

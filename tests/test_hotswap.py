@@ -10,7 +10,7 @@ from conftest import processes_with, run
 
 @pytest.mark.parametrize(
     "phase,node",
-    [pytest.param("forward", 0, marks=pytest.mark.slow), ("backward", 1),
+    [pytest.param("forward", 0, marks=pytest.mark.slow), pytest.param("backward", 1, marks=pytest.mark.slow),
      pytest.param("replicate", 1, marks=pytest.mark.slow), ("optimizer", 0),
      pytest.param("optimizer", 1, marks=pytest.mark.slow)],
 )
@@ -30,6 +30,7 @@ def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, pha
     assert rec["detect_s"] >= 0 and rec["recovery_s"] > rec["detect_s"]
 
 
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_four_node_hotswap_under_two_seconds(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=1, steps=12, inject=["kill:node=2@step=6,phase=backward"])

@@ -274,6 +274,7 @@ def ref_other(reference: Any) -> Path:
     return Path(reference(nodes=1, microbatches=3, steps=STEPS, seed=4321)["run_dir"])
 
 
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_reference_overlay_from_independent_failure_free_run(
     run2: Path, report: dict[str, Any], ref_clean: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

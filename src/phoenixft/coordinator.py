@@ -150,19 +150,22 @@ class Coordinator:
         if exits != self._exits_seen:
             self._exits_seen = exits
             self._exit_checked.clear()
+        elif self._exit_checked.issuperset(nodes):  # nothing moved: O(1) amortised per poll
+            return self._exited_nodes.intersection(nodes)
         todo = [n for n in nodes if n not in self._exit_checked and n not in self._exited_nodes]
         self._exited_nodes |= {n for n in todo if self.store.check([keys.node_exit(n)])}
-        self._exit_checked.update(todo)
-        return self._exited_nodes & set(nodes)
+        self._exit_checked.update(nodes)
+        return self._exited_nodes.intersection(nodes)
 
-    def _restarts(self, wids: list[str]) -> set[str]:
-        """Those of `wids` that their agent restarted in place (`wexit/<wid>`, deleted once a recovery
-        has dealt with it). Single keys are looked at only when the agents' restart counter moved."""
+    def _restarts(self, nodes: list[str]) -> set[str]:
+        """Those workers of `nodes` that their agent restarted in place (`wexit/<wid>`, deleted once a
+        recovery has dealt with it). Single keys are looked at (and the worker ids listed) only when
+        the agents' restart counter moved: a poll that finds it unchanged costs one store call."""
         n = self.store.add(keys.WORKER_EXITS, 0)
         if n == self._restarts_seen:
             return set()
         self._restarts_seen = n
-        return {w for w in wids if self.store.check([keys.worker_exit(w)])}
+        return {w for node in nodes for w in self._wids(node) if self.store.check([keys.worker_exit(w)])}
 
     def _stale(self, nodes: list[str], now: float) -> set[str]:
         """Those of `nodes` whose last heartbeat is older than the failure timeout: one `multi_get`
@@ -483,7 +486,7 @@ class Coordinator:
         while True:
             dead |= self._exited(nodes)
             live = [n for n in nodes if n not in dead]
-            new = self._restarts([w for n in live for w in self._wids(n)]) - restarted
+            new = self._restarts(live) - restarted
             if new:
                 restarted |= new  # its agent restarts it in place: give it the full timeout again
                 deadline = time.monotonic() + self.cfg.failure_timeout

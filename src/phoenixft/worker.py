@@ -255,8 +255,8 @@ class Worker:
         t_err = time.time()
         self.watcher.disarm()
         self._check_fence()
-        self.store.set(keys.failflag(e), "1")
-        if "requested by the control plane" not in err:
+        if "requested by the control plane" not in err:  # else the flag is set already: no round trip
+            self.store.set(keys.failflag(e), "1")
             self.store.set(keys.failflag(e) + "/by-worker", "1")
         self.event("failure_detected", epoch=e, error=err[:300], rank=self.rank)
         if self.repl is not None:
