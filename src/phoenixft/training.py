@@ -34,7 +34,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import full_numel, segments, to_full
 from phoenixft.parallel.pipeline import Pipeline
 from phoenixft.parallel.stage import Stage
+from phoenixft.shard_gather import gather_shards
 from phoenixft.snapshot import H_VALID, INVALID, ShardState
 from phoenixft.workload import Workload
 from phoenixft.zero import DTYPES, FlatModel
@@ -67,6 +68,7 @@ class StepResult:
     compute_s: float
     repl_wait_s: float
     val_loss: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # reduce_s, optimizer_s, gather_s: after compute
 
 
 class Trainer:
@@ -227,6 +229,7 @@ class Trainer:
         w_loss = comm.train.allreduce([lt])
         for w in works:
             wait(w, f"gradient reduction of step {s}")
+        t_reduced = time.perf_counter()
         if self.tied_ranges and comm.emb is not None:  # the tied embedding: both copies get the summed gradient
             for tlo, thi in self.tied_ranges:
                 wait(comm.emb.allreduce([grad[tlo:thi]]), f"tied-embedding gradient of step {s}")
@@ -256,6 +259,7 @@ class Trainer:
         rows_in, rows_out = st.dev[src], st.dev[dst]  # the working copy (CPU: the host halves themselves)
         self.opt.update(rows_in[0], list(rows_in[1:]), gshard, s, lr, rows_out[0], list(rows_out[1:]),
                         hook=lambda: fault("optimizer"))
+        t_opt = time.perf_counter()
         copy = st.copy_out(dst) if self.snapshot else DONE  # into the host half, off the compute stream
         try:
             if flat.buffers:
@@ -265,15 +269,21 @@ class Trainer:
                 wait(dp_pg.broadcast([raw], opts), f"buffer broadcast of step {s}")
                 flat.set_buffers(raw)
             master = rows_out[0] if self.dtype == torch.float32 else rows_out[0].to(self.dtype)
-            wait(dp_pg._allgather_base(flat.begin_gather(), master), f"all-gather of step {s}")
+            if self.device.is_cuda:
+                gathered = dp_pg._allgather_base(flat.begin_gather(), master)
+            else:  # gloo: all-to-all rounds, 5x gloo's all-gather here (shard_gather.py)
+                gathered = gather_shards(dp_pg, flat.begin_gather(), master)
+            wait(gathered, f"all-gather of step {s}")
         except BaseException:
             st.abandon(copy)  # the copy still writes the staging half: let it finish before anyone else does
             raise
         st.commit_when(dst, s, (rank, layout.world), copy)
         flat.flip(s)
+        t_end = time.perf_counter()
         val = self.evaluate(s, comm, rank, layout, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
+        phases = {"reduce_s": t_reduced - t0 - t_compute, "optimizer_s": t_opt - t_reduced, "gather_s": t_end - t_opt}
         return StepResult(loss=float(lt) / m_total, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
-                          val_loss=val)
+                          val_loss=val, phases=phases)
 
     @staticmethod
     @contextlib.contextmanager

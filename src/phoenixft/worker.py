@@ -185,7 +185,7 @@ class Worker:
             now = time.time()
             rec = {"step": s, "loss": res.loss, "lr": res.lr, "dt": time.perf_counter() - t0, "t_end": now,
                    "epoch": self.epoch, "world": self.topo.world, "compute_s": res.compute_s,
-                   "repl_wait_s": res.repl_wait_s}
+                   "repl_wait_s": res.repl_wait_s, **{k: round(v, 6) for k, v in res.phases.items()}}
             if repl is not None:  # the protection work of the previous step's replication, on this rank
                 rec.update(protect_bytes=repl.stats.last_bytes, protect_s=repl.stats.last_job_s,
                            protect_cpu_s=repl.stats.last_cpu_s)

@@ -1,0 +1,85 @@
+"""gather_shards (the ZeRO-1 parameter gather on gloo) against gloo's own all-gather, bit for bit,
+between real processes: three ranks, fp32 and bf16, shards that the chunk size does not divide,
+special values (-0.0, NaN, inf) included."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from phoenixft.shard_gather import Works, gather_shards
+
+
+def _shard(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(numel, generator=g).to(dtype)
+    x[:4] = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")]).to(dtype)
+    return x
+
+
+def _worker(rank: int, world: int, port: int, q: mp.Queue) -> None:  # type: ignore[type-arg]
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+        pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=60))
+        out = []
+        for dtype, numel, chunk in ((torch.float32, 10_007, 4096), (torch.bfloat16, 3_001, 1000),
+                                    (torch.float32, 5, 1 << 20)):
+            mine = _shard(rank, numel, dtype)
+            ref = torch.empty(world * numel, dtype=dtype)
+            pg._allgather_base(ref, mine).wait()
+            got = torch.full((world * numel,), 7.0, dtype=dtype)
+            w = gather_shards(pg, got, mine, chunk_bytes=chunk)
+            assert isinstance(w, Works)
+            while not w.is_completed():
+                pass
+            w.wait()
+            out.append(bool(torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                        ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))))
+        q.put((rank, out))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        q.put((rank, repr(e)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_gather_shards_equals_gloo_allgather_bitwise() -> None:
+    world = 3
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        res = dict(q.get(timeout=120) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    assert res == {r: [True, True, True] for r in range(world)}, res
+
+
+def test_gather_shards_refuses_a_wrong_output_size() -> None:
+    class OneRank:
+        def size(self) -> int:
+            return 2
+
+        def rank(self) -> int:
+            return 0
+
+    try:
+        gather_shards(OneRank(), torch.empty(5), torch.empty(3))
+    except ValueError as e:
+        assert "expected 2 x 3" in str(e)
+    else:
+        raise AssertionError("no error for a wrong output size")
