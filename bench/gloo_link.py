@@ -2,6 +2,10 @@
 
     python bench/gloo_link.py              # 400 MB (medium's parameters), 16 MiB rounds, 2 trials
     python bench/gloo_link.py --mb 86 --chunk-mb 4
+    python bench/gloo_link.py --gather --mb 21.6 --chunk-mb 4   # the ZeRO-1 parameter gather, DP=2
+
+`--gather`: both ranks exchange an `--mb` shard, gloo's `_allgather_base` against
+`phoenixft.shard_gather.gather_shards` (all-to-all rounds), alternated; checks they agree bitwise.
 
 Two processes, one gloo group on a TCPStore, the sender's tensor in /dev/shm (as a worker's flat
 buffer is), received into a pre-touched /dev/shm tensor, in rounds of `--chunk-mb` posted at once
@@ -65,14 +69,36 @@ def _body(rank: int, port: int, n: int, chunk: int, trials: int) -> None:
     _wait(pg.allreduce([torch.zeros(1)]))
 
 
+def _gather_body(rank: int, port: int, n: int, chunk: int, trials: int) -> None:
+    from phoenixft.shard_gather import gather_shards
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("gather", store), rank, 2, timedelta(seconds=120))
+    mine = _shm(n, "mine").normal_()
+    outs = {"allgather": _shm(2 * n, "a"), "gather_shards": _shm(2 * n, "b")}
+    for trial in range(trials):
+        for name, out in outs.items():
+            _wait(pg.allreduce([torch.zeros(1)]))
+            t = time.perf_counter()
+            _wait(pg._allgather_base(out, mine) if name == "allgather" else gather_shards(pg, out, mine, chunk * 4))
+            dt = time.perf_counter() - t
+            if rank == 0:
+                print(f"trial {trial} {name}: {n * 4 / 1e6:.1f} MB per rank in {dt * 1e3:.1f} ms = "
+                      f"{n * 4 / dt / 1e9:.2f} GB/s per direction (load average {os.getloadavg()[0]:.1f})", flush=True)
+    assert torch.equal(outs["allgather"].view(torch.int32), outs["gather_shards"].view(torch.int32))
+    _wait(pg.allreduce([torch.zeros(1)]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=400.0)
     ap.add_argument("--chunk-mb", type=float, default=16.0)
     ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--gather", action="store_true", help="the parameter gather: all-gather vs gather_shards")
     a = ap.parse_args()
     n, chunk = int(a.mb * 1e6 / 4), max(1, int(a.chunk_mb * (1 << 20) / 4))
-    mp.spawn(_body, args=(29000 + os.getpid() % 2000, n, chunk, a.trials), nprocs=2)
+    mp.spawn(_gather_body if a.gather else _body, args=(29000 + os.getpid() % 2000, n, chunk, a.trials), nprocs=2)
     return 0
 
 

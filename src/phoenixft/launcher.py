@@ -233,9 +233,9 @@ class LocalJob:
     def monitor(self) -> str:
         deadline = time.monotonic() + self.cfg.timeout
         last_progress = -1
-        # Local processes are looked at every 10 ms; the store, on etcd, every 250 ms (every read costs
-        # the cluster CPU on the machines that train; its fences and the run state in one request)
-        store_every = 0.0 if not is_etcd(self.store) else 0.25
+        # Local processes are looked at every 10 ms; the store every 50 ms, on etcd every 250 ms (every
+        # read costs CPU on the machines that train; its fences and the run state in one request)
+        store_every = 0.05 if not is_etcd(self.store) else 0.25
         last_look = 0.0
         over = False
         while True:

@@ -50,7 +50,7 @@ from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import full_numel, segments, to_full
 from phoenixft.parallel.pipeline import Pipeline
 from phoenixft.parallel.stage import Stage
-from phoenixft.shard_gather import gather_shards
+from phoenixft.shard_gather import CHUNK_BYTES, ShardGather
 from phoenixft.snapshot import H_VALID, INVALID, ShardState
 from phoenixft.workload import Workload
 from phoenixft.zero import DTYPES, FlatModel
@@ -257,8 +257,20 @@ class Trainer:
         st = self.state
         st.begin_write(dst)
         rows_in, rows_out = st.dev[src], st.dev[dst]  # the working copy (CPU: the host halves themselves)
-        self.opt.update(rows_in[0], list(rows_in[1:]), gshard, s, lr, rows_out[0], list(rows_out[1:]),
-                        hook=lambda: fault("optimizer"))
+        gather = None
+        if self.device.is_cuda:
+            self.opt.update(rows_in[0], list(rows_in[1:]), gshard, s, lr, rows_out[0], list(rows_out[1:]),
+                            hook=lambda: fault("optimizer"))
+        else:  # gloo: the update in chunks, each chunk's parameter gather posted as soon as it is computed
+            gather = ShardGather(dp_pg, flat.begin_gather(), gshard.numel())
+            n, chunk = gshard.numel(), CHUNK_BYTES // 4
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                self.opt.update(rows_in[0][lo:hi], [x[lo:hi] for x in rows_in[1:]], gshard[lo:hi], s, lr,
+                                rows_out[0][lo:hi], [x[lo:hi] for x in rows_out[1:]],
+                                hook=(lambda: fault("optimizer")) if lo == 0 else None)
+                part = rows_out[0][lo:hi]
+                gather.post(part if self.dtype == torch.float32 else part.to(self.dtype), lo)
         t_opt = time.perf_counter()
         copy = st.copy_out(dst) if self.snapshot else DONE  # into the host half, off the compute stream
         try:
@@ -268,12 +280,11 @@ class Trainer:
                 opts.rootRank = 0  # data-parallel rank 0's buffers, as DistributedDataParallel broadcasts them
                 wait(dp_pg.broadcast([raw], opts), f"buffer broadcast of step {s}")
                 flat.set_buffers(raw)
-            master = rows_out[0] if self.dtype == torch.float32 else rows_out[0].to(self.dtype)
-            if self.device.is_cuda:
-                gathered = dp_pg._allgather_base(flat.begin_gather(), master)
-            else:  # gloo: all-to-all rounds, 5x gloo's all-gather here (shard_gather.py)
-                gathered = gather_shards(dp_pg, flat.begin_gather(), master)
-            wait(gathered, f"all-gather of step {s}")
+            if gather is None:
+                master = rows_out[0] if self.dtype == torch.float32 else rows_out[0].to(self.dtype)
+                wait(dp_pg._allgather_base(flat.begin_gather(), master), f"all-gather of step {s}")
+            else:  # gloo: all-to-all rounds, 2x gloo's all-gather here (shard_gather.py)
+                wait(gather.pending(), f"all-gather of step {s}")
         except BaseException:
             st.abandon(copy)  # the copy still writes the staging half: let it finish before anyone else does
             raise
