@@ -49,6 +49,7 @@ def test_two_faults_two_spares(tmp_path: Path, reference) -> None:  # type: igno
     assert [r["fault"] for r in rep["recoveries"]] == [f["spec"] for f in rep["faults"]]
 
 
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_corrupt_replica_is_never_loaded(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=10)
     # with --replicas 2, nodes 1 and 2 keep node 0's replicas. The copy node 1 received during step 5

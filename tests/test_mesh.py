@@ -133,6 +133,7 @@ def test_3d_kill_in_each_phase_is_bitwise_invisible(tmp_path: Path, reference) -
     assert all(r["lost_steps"] <= 1 and all(r["invariants"].values()) for r in recs), recs
 
 
+@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_3d_crash_in_place_and_kill_during_recovery(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(**MESH)
     # node 2 (stage 1) dies, and node 1 (stage 0) during that recovery: each stage keeps one data-parallel copy
