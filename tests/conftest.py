@@ -68,3 +68,33 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return _refs[key]
 
     return get
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(target: Any, world: int, timeout_s: float = 120.0) -> dict[int, Any]:
+    """Run `target(rank, world, port, queue)` in `world` spawned processes (a TCPStore port free on
+    127.0.0.1 for them); each puts (rank, result) on the queue. Returns {rank: result}; every
+    process is joined, or killed, before it returns."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(q.get(timeout=timeout_s) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -4,12 +4,12 @@ special values (-0.0, NaN, inf) included."""
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import run_ranks
 
 from phoenixft.shard_gather import Works, gather_shards
 
@@ -44,28 +44,9 @@ def _worker(rank: int, world: int, port: int, q: mp.Queue) -> None:  # type: ign
         q.put((rank, repr(e)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_gather_shards_equals_gloo_allgather_bitwise() -> None:
     world = 3
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        res = dict(q.get(timeout=120) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    res = run_ranks(_worker, world)
     assert res == {r: [True, True, True] for r in range(world)}, res
 
 

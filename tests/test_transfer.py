@@ -5,7 +5,6 @@ landing in place, bit for bit."""
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from datetime import timedelta
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import run_ranks
 
 from phoenixft.recovery.transfer import Piece, post, schedule, wait_all
 from phoenixft.snapshot import StreamChecksum, checksum
@@ -129,21 +129,7 @@ def _worker(rank: int, world: int, port: int, q: mp.Queue) -> None:  # type: ign
 
 
 def test_transfers_between_processes_land_in_place_bit_for_bit() -> None:
-    world = 4
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = 20000 + os.getpid() % 20000
-    procs = [ctx.Process(target=_worker, args=(r, world, port, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        res = dict(q.get(timeout=120) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    res = run_ranks(_worker, 4)
     for r, out in res.items():
         assert isinstance(out, list), f"rank {r}: {out}"
         assert all(a and b for a, b in out), f"rank {r}: {out}"
