@@ -15,12 +15,14 @@ the snapshot halves in pinned host memory; on CPU the working copy *is* the host
    embedding's two copies (first and last stage) summed; the loss summed over every rank;
 4. optional clipping by the global norm (each element counted once over the whole mesh);
 5. the optimizer reads the committed half of the shard's working copy and writes the staging
-   half; the staging half's copy into host memory starts (CUDA: on the copy stream, overlapping
-   what follows; CPU: nothing to copy);
+   half (on gloo in 4 MiB chunks, each chunk's parameter gather posted as soon as it is computed:
+   shard_gather.py); the staging half's copy into host memory starts (CUDA: on the copy stream,
+   overlapping what follows; CPU: nothing to copy);
 6. model buffers broadcast from data-parallel rank 0 (as DistributedDataParallel does), then
-   the updated master slices are all-gathered (cast to the parameter dtype) into the other flat
-   buffer, and only then the flat buffers flip and the shard commits the step, at once on CPU,
-   once its copy completed on CUDA (`ShardState.commit_when`).
+   the updated master slices are gathered (cast to the parameter dtype) into the other flat
+   buffer (NCCL: its all-gather; gloo: the rounds posted in 5), and only then the flat buffers
+   flip and the shard commits the step, at once on CPU, once its copy completed on CUDA
+   (`ShardState.commit_when`).
 
 `final_state()` gathers every shard's rows, maps every stage onto the full model (logical,
 layout-free order, parallel/logical.py) and returns the sha256 over the full, unsharded state
