@@ -335,9 +335,7 @@ class Coordinator:
 
         if is_etcd(self.store):
             store, slice_s = connect(self.store.url, 30.0), 5.0
-        elif not isinstance(self.store, dist.TCPStore):  # (another Store in a test: the loop's polls suffice)
-            return
-        else:  # a timed-out TCPStore wait logs a c10d warning: wait long
+        else:  # a TCPStore; a timed-out wait logs a c10d warning: wait long
             store, slice_s = dist.TCPStore(self.store.host, self.store.port, is_master=False,
                                            timeout=timedelta(seconds=30)), 600.0
         while True:

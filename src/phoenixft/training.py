@@ -70,7 +70,9 @@ class StepResult:
     compute_s: float
     repl_wait_s: float
     val_loss: float | None = None
-    phases: dict[str, float] = field(default_factory=dict)  # reduce_s, optimizer_s, gather_s: after compute
+    # after compute: reduce_s (the gradient buckets' wait), optimizer_s (tied-embedding sum, loss wait,
+    # clipping, the update; on gloo also posting the gather), gather_s (the rest until the flip)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class Trainer:
