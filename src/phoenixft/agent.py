@@ -241,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         if res.segments:
             print(f"phoenixft agent: removed {res.segments} orphaned shared-memory segment(s), "
                   f"{res.bytes / 2**20:.1f} MiB, of run(s) {', '.join(res.runs)}", file=sys.stderr)
+    registered = True  # first: a signal during the registration must still unregister (a no-op if absent)
     shm.register_owner(run_id, f"agent {node}")
-    registered = True
 
     import torch  # noqa: F401 - warm the image the workers are forked from
 

@@ -50,10 +50,14 @@ def start_time(pid: int) -> int | None:
     return int(f[19]) if f else None  # field 22 overall; f[0] is field 3
 
 
+PF_EXITING = 0x4  # /proc/PID/stat flags: the process is on its way out (it will never act again)
+
+
 def alive(pid: int, start: int | None) -> bool:
-    """True if the process `pid` that started at `start` still runs (and is not a zombie)."""
+    """True if the process `pid` that started at `start` still runs (not a zombie, not exiting: a
+    SIGKILLed process with many threads or much memory takes a while to become a zombie)."""
     f = _stat_fields(pid)
-    if not f or f[0] in ("Z", "X"):
+    if not f or f[0] in ("Z", "X") or int(f[6]) & PF_EXITING:
         return False
     return start is None or int(f[19]) == start
 
