@@ -9,6 +9,7 @@ import torch
 
 from phoenixft.errors import UserError
 from phoenixft.optim import SGD, Adam, AdamW, ElementwiseOptimizer, Lion, check_elementwise, lr_at, make_optimizer
+from phoenixft.parallel.layout import SHARD_ALIGN, shard_numel_of
 
 
 def _ours(opt: ElementwiseOptimizer, p: torch.Tensor, grads: list[torch.Tensor], lrs: list[float]) -> torch.Tensor:
@@ -23,7 +24,8 @@ def _ours(opt: ElementwiseOptimizer, p: torch.Tensor, grads: list[torch.Tensor],
 def _torch(make: type[torch.optim.Optimizer], kw: dict[str, object], p: torch.Tensor, grads: list[torch.Tensor],
            lrs: list[float]) -> torch.Tensor:
     q = torch.nn.Parameter(p.clone())
-    opt = make([q], lr=lrs[0], foreach=False, **kw)  # type: ignore[call-arg]
+    kw = {"foreach": False, **kw}
+    opt = make([q], lr=lrs[0], **kw)  # type: ignore[call-arg]
     for g, lr in zip(grads, lrs, strict=True):
         for grp in opt.param_groups:
             grp["lr"] = lr
@@ -39,15 +41,63 @@ def test_bitwise_equal_to_torch(name: str) -> None:
     grads = [torch.randn(1000, generator=gen) for _ in range(6)]
     lrs = [1e-2 * (k + 1) / 6 for k in range(6)]  # a schedule: the rate changes every step
     if name == "adamw":
-        ours, ref = AdamW(weight_decay=0.1, beta1=0.9, beta2=0.95), (torch.optim.AdamW,
-                                                                     {"betas": (0.9, 0.95), "weight_decay": 0.1})
+        ours, ref = AdamW(weight_decay=0.1, beta1=0.9, beta2=0.95), (
+            torch.optim.AdamW, {"betas": (0.9, 0.95), "weight_decay": 0.1, "fused": True, "foreach": None})
     elif name == "adam":
-        ours, ref = Adam(weight_decay=0.01), (torch.optim.Adam, {"betas": (0.9, 0.95), "weight_decay": 0.01})
+        ours, ref = Adam(weight_decay=0.01), (torch.optim.Adam, {"betas": (0.9, 0.95), "weight_decay": 0.01,
+                                                                  "fused": True, "foreach": None})
     else:
         nest = name == "sgd-nesterov"
         ours, ref = SGD(momentum=0.9, nesterov=nest, weight_decay=0.01), (
             torch.optim.SGD, {"momentum": 0.9, "nesterov": nest, "weight_decay": 0.01})
     assert torch.equal(_ours(ours, p, grads, lrs), _torch(ref[0], ref[1], p, grads, lrs))  # type: ignore[arg-type]
+
+
+def _update(opt: ElementwiseOptimizer, p: torch.Tensor, s: list[torch.Tensor], g: torch.Tensor, step: int, lr: float,
+            lo: int, hi: int) -> list[torch.Tensor]:
+    po, so = torch.empty(hi - lo), [torch.empty(hi - lo) for _ in s]
+    opt.update(p[lo:hi], [x[lo:hi] for x in s], g[lo:hi], step, lr, po, so)
+    return [po, *so]
+
+
+@pytest.mark.parametrize("opt", [AdamW(), Adam(weight_decay=0.01)], ids=["adamw", "adam"])
+def test_fused_update_is_the_same_however_the_shard_is_cut(opt: ElementwiseOptimizer) -> None:
+    """Property, 300 cases: lengths and cuts at multiples of SHARD_ALIGN (as shards and the step's
+    chunks are), special values included, 1 and 2 intra-op threads: every piece updated alone gives
+    bitwise what the whole update gives."""
+    gen = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    try:
+        for case in range(300):
+            torch.set_num_threads(1 + case % 2)
+            n = SHARD_ALIGN * int(torch.randint(1, 400, (1,), generator=gen))
+            p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+            s = [torch.randn(n, generator=gen), torch.rand(n, generator=gen)]
+            if case % 3 == 0:
+                p[:: 7] = 0.0
+                g[:: 5] = 0.0
+                g[1:: 11] = 1e-30
+                s[1][:: 13] = 0.0
+            cuts = sorted({SHARD_ALIGN * int(c) for c in torch.randint(0, n // SHARD_ALIGN + 1, (3,), generator=gen)}
+                          | {0, n})
+            step, lr = 1 + case % 9, 1e-3 * (1 + case % 4)
+
+            whole = _update(opt, p, s, g, step, lr, 0, n)
+            parts = [_update(opt, p, s, g, step, lr, a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+            for w, got in zip(whole, zip(*parts, strict=True), strict=True):
+                assert torch.equal(w.view(torch.int32), torch.cat(got).view(torch.int32)), (case, n, cuts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_shards_are_aligned() -> None:
+    """Property: every shard length is the smallest multiple of SHARD_ALIGN that covers numel."""
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3000):
+        numel = int(torch.randint(1, 10**8, (1,), generator=gen))
+        shards = int(torch.randint(1, 5000, (1,), generator=gen))
+        k = shard_numel_of(numel, shards)
+        assert k % SHARD_ALIGN == 0 and k * shards >= numel and (k - SHARD_ALIGN) * shards < numel
 
 
 def test_lion_against_its_definition() -> None:

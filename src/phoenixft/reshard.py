@@ -12,19 +12,19 @@ the new world (uneven counts allowed), so every step still sees the same samples
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from phoenixft.comm import alltoallv
+from phoenixft.parallel.layout import shard_numel_of
 
 __all__ = ["gather_full_optimizer", "old_shard_numel"]
 
 
 def old_shard_numel(numel: int, old_world: int) -> int:
-    return math.ceil(numel / old_world)
+    return shard_numel_of(numel, old_world)
 
 
 def gather_full_optimizer(

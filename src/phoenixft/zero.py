@@ -28,9 +28,11 @@ import os
 
 import torch
 
+from phoenixft.parallel.layout import shard_numel_of
 from phoenixft.snapshot import INVALID, alloc
 
 __all__ = ["FlatModel", "DTYPES"]
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -50,7 +52,7 @@ class FlatModel:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.shards = shards
-        self.shard_numel = math.ceil(self.numel / shards)
+        self.shard_numel = shard_numel_of(self.numel, shards)
         self.padded = self.shard_numel * shards
         pnames = {id(p) for p in model.parameters()}
         sd = model.state_dict(keep_vars=True)

@@ -50,7 +50,14 @@ def _hook(h: Callable[[], None] | None) -> None:
 
 @dataclass
 class AdamW(ElementwiseOptimizer):
-    """Same arithmetic as torch.optim.AdamW (single-tensor path)."""
+    """torch.optim.AdamW's arithmetic: on CPU its fused kernel's (`fused=True`: one vectorized pass,
+    5x faster here than the single-tensor path), elsewhere the single-tensor path's.
+
+    The fused kernel updates in place, so the committed half is first copied into the staging half
+    and the kernel runs there. Its vector body and its scalar tail round differently, so an update is
+    elementwise (the same however the shard is cut) only on lengths and offsets that are multiples of
+    16 elements: shards are multiples of `parallel.layout.SHARD_ALIGN` (64), and so are the chunks
+    Trainer.step updates. `check_elementwise` tests that on 64-element pieces."""
 
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -64,6 +71,15 @@ class AdamW(ElementwiseOptimizer):
                p_out: torch.Tensor, s_out: list[torch.Tensor], hook: Callable[[], None] | None = None) -> None:
         m0, v0 = s_in
         m1, v1 = s_out
+        if p_out.device.type == "cpu" and p_out.dtype == torch.float32:
+            m1.copy_(m0)
+            v1.copy_(v0)
+            _hook(hook)
+            p_out.copy_(p_in)
+            fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+            fused([p_out], [grad], [m1], [v1], [], [torch.tensor(float(step))], lr=lr, beta1=self.beta1,
+                  beta2=self.beta2, weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
+            return
         if not self.decoupled and self.weight_decay:
             grad = grad.add(p_in, alpha=self.weight_decay)
         torch.lerp(m0, grad, 1 - self.beta1, out=m1)
@@ -158,8 +174,9 @@ def make_optimizer(name: str, *, weight_decay: float, beta1: float, beta2: float
     raise UserError(f"--optimizer={name!r} is invalid: one of {', '.join(OPTIMIZERS)}")
 
 
-def check_elementwise(opt: ElementwiseOptimizer, n: int = 96) -> None:
-    """Refuse an optimizer whose update of a whole shard differs from the updates of its pieces."""
+def check_elementwise(opt: ElementwiseOptimizer, n: int = 192) -> None:
+    """Refuse an optimizer whose update of a whole shard differs from the updates of its pieces
+    (pieces of 64 and 128 elements: shards and chunks are multiples of SHARD_ALIGN)."""
     if not opt.state_names and type(opt).update is ElementwiseOptimizer.update:
         raise UserError(f"the workload's optimizer {opt.describe()!r} does not implement update()")
     g = torch.Generator().manual_seed(7)

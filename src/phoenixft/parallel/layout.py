@@ -9,9 +9,21 @@ data-parallel peers of a rank (same pp and tp) sit on other nodes. The layout is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["Layout", "Coord"]
+__all__ = ["Layout", "Coord", "SHARD_ALIGN", "shard_numel_of"]
+
+#: every shard's length is a multiple of this many elements (and so is every shard's offset): a
+#: vectorized optimizer kernel (torch's fused AdamW on CPU) then never reaches its scalar tail, whose
+#: rounding differs from its vector body, and an update is bitwise the same however the flat buffer
+#: is cut into shards (any world size) or into the chunks Trainer.step updates (a multiple of it)
+SHARD_ALIGN = 64
+
+
+def shard_numel_of(numel: int, shards: int) -> int:
+    """The length of each of `shards` equal shards covering `numel` elements, a multiple of SHARD_ALIGN."""
+    return math.ceil(numel / shards / SHARD_ALIGN) * SHARD_ALIGN
 
 
 @dataclass(frozen=True)

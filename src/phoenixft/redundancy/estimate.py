@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from phoenixft.parallel.layout import shard_numel_of
 from phoenixft.redundancy.placement import Group, RingRank, place_groups
 from phoenixft.redundancy.scheme import Redundancy
 
@@ -73,7 +74,7 @@ def estimate(*, nodes: int, workers_per_node: int, racks: int, scheme: Redundanc
              buffer_bytes: int, rows: int, payload_rows: int, param_bytes: int = 4) -> Estimate:
     """Costs of one configuration (sizes in bytes; `param_bytes` 4 for fp32, 2 for bf16)."""
     g, world = workers_per_node, nodes * workers_per_node
-    shard = math.ceil(numel / world)
+    shard = shard_numel_of(numel, world)
     padded = shard * world
     total = padded + math.ceil(buffer_bytes / param_bytes)
     payload = payload_rows * shard * 4
