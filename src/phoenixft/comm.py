@@ -35,9 +35,11 @@ from phoenixft.device import Device
 from phoenixft.errors import PeerFailure
 from phoenixft.parallel.layout import Layout
 
-__all__ = ["EpochComm", "wait_work", "connect_store", "alltoallv", "gloo_group", "sever", "BIND_ENV", "BACKENDS"]
+__all__ = ["EpochComm", "XFER_LANES", "wait_work", "connect_store", "alltoallv", "gloo_group", "sever", "BIND_ENV",
+           "BACKENDS"]
 
 POLL_S = 0.02
+XFER_LANES = 2  # connections per pair of the recovery-transfer group (see gloo_group)
 BIND_ENV = "PHOENIXFT_BIND"
 BACKENDS = ("gloo", "nccl")
 _graveyard: list[Any] = []
@@ -51,14 +53,23 @@ def connect_store(addr: str, timeout_s: float = 30.0) -> Any:
     return connect(addr, timeout_s)
 
 
-def gloo_group(store: Any, rank: int, world: int, timeout: timedelta) -> Any:
-    """A gloo process group on `store`, listening on this host's `PHOENIXFT_BIND` address if set."""
+def gloo_group(store: Any, rank: int, world: int, timeout: timedelta, lanes: int = 1, threads: int = 2) -> Any:
+    """A gloo process group on `store`, listening on this host's `PHOENIXFT_BIND` address if set.
+
+    `lanes` > 1: that many gloo devices, i.e. that many TCP connections per pair, collectives taking
+    them in turn, and `threads` worker threads to drive them; a bulk transfer posted as several
+    rounds then moves over parallel connections (bench/gloo_link.py --lanes: 400 MB between two
+    processes here, 1.7-1.9 GB/s on one connection, 2.7-3.0 GB/s on two with four threads)."""
+    if lanes < 1 or threads < 1:
+        raise ValueError(f"a gloo group needs lanes >= 1 and threads >= 1, got {lanes} and {threads}")
     bind = os.environ.get(BIND_ENV, "")
-    if not bind:
+    if not bind and lanes == 1 and threads == 2:
         return dist.ProcessGroupGloo(store, rank, world, timeout)
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+    opts._threads = threads
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind
+                     else dist.ProcessGroupGloo.create_default_device() for _ in range(lanes)]
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
@@ -128,8 +139,11 @@ def alltoallv(
 class EpochComm:
     """The process groups of one epoch, built on the epoch's store prefix, never registered with torch:
 
-    - `train`: every rank (restore transfers, invariants, loss and norm sums, the final gather);
+    - `train`: every rank (invariants, loss and norm sums, the final gather, ec decodes, reshards);
     - `repl`: every rank (replication);
+    - `xfer`: only in an epoch whose plan moves state to a member (`transfer_members`: the ranks that
+      send or receive, in rank order), those ranks, over `XFER_LANES` connections per pair: the
+      recovery transfers of recovery/transfer.py (None on every other rank and epoch);
     - `dp`: the data-parallel peers at this rank's (pp, tp) (gradient buckets, ZeRO all-gather,
       buffer broadcast); `train` itself when the layout is data-parallel only and on gloo;
     - `tp`: this rank's tensor-parallel group (None when tp = 1);
@@ -143,7 +157,8 @@ class EpochComm:
     """
 
     def __init__(self, store: dist.Store, epoch: int, rank: int, world: int, timeout_s: float,
-                 backend: str = "gloo", layout: Layout | None = None, device: Device | None = None) -> None:
+                 backend: str = "gloo", layout: Layout | None = None, device: Device | None = None,
+                 transfer_members: list[int] | None = None) -> None:
         """`backend` is that of the training groups (dp, tp, edges, emb): gloo, or nccl with a CUDA
         `device`; `train` and `repl` are gloo either way."""
         global _error_checked_wait
@@ -167,6 +182,12 @@ class EpochComm:
         self._groups: list[Any] = []
         self.train: Any = group("train", list(range(world)))
         self.repl: Any = group("repl", list(range(world)))
+        self.xfer_members = sorted(set(transfer_members or []))
+        self.xfer: Any = None
+        if rank in self.xfer_members:
+            self.xfer = gloo_group(dist.PrefixStore(f"e{epoch}/xfer", store), self.xfer_members.index(rank),
+                                   len(self.xfer_members), to, lanes=XFER_LANES, threads=2 * XFER_LANES)
+            self._groups.append(self.xfer)
         gloo_sockets = set(_socket_fds()) - before
         lay, c = self.layout, self.layout.coord(rank)
         if lay.trivial and backend == "gloo":

@@ -50,6 +50,24 @@ class Topology:
     def shard_name(self, rank: int) -> str:
         return self.layout.shard_name(rank)
 
+    def param_need(self) -> dict[int, list[int]]:
+        """Receiver rank -> the ranks it takes the parameters from (striped), for this plan's transfers."""
+        return {t["dst"]: sorted(set(t.get("param_srcs") or [t["param_src"]]))
+                for t in self.transfers if t["param_src"] >= 0}
+
+    def opt_need(self) -> dict[int, list[int]]:
+        """Receiver rank -> the one rank it takes its optimizer shard from, for this plan's transfers."""
+        return {t["dst"]: [t["opt_src"]] for t in self.transfers if t["opt_src"] >= 0}
+
+    def transfer_ranks(self) -> list[int]:
+        """The ranks that send or receive in this plan's recovery transfers, in rank order."""
+        ranks: set[int] = set()
+        for need in (self.param_need(), self.opt_need()):
+            for dst, srcs in need.items():
+                ranks.add(dst)
+                ranks.update(srcs)
+        return sorted(ranks)
+
     def slot_of(self, node: str) -> int:
         """The node's slot, from an index built once (a plan asks this for every rank: O(1), not O(W));
         the cached answer is checked against `nodes`, and the index rebuilt when `nodes` changed."""

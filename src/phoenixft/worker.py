@@ -289,7 +289,8 @@ class Worker:
         self.rank = topo.rank_of(self.node_id, self.local_rank)
         lay = topo.layout
         self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout,
-                              backend=self.device.backend, layout=lay, device=self.device)
+                              backend=self.device.backend, layout=lay, device=self.device,
+                              transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None)
         t_pg = time.time()
         r = topo.resume_step
         timings: dict[str, Any] = {"reconfigure_s": t_pg - t0}
@@ -303,11 +304,12 @@ class Worker:
         if "reshard" not in topo.meta and tr.flat.shards != lay.dp:
             # a spare built for the initial world, promoted into a resized one: it holds nothing yet
             self.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
-        if "reshard" in topo.meta:
+        path = restore.path_of(topo)
+        if path == "reshard":
             restore.reshard(self, topo, r, old_rank, timings, bad)
-        elif topo.meta.get("restore") == "persistent":
+        elif path == "persistent":
             restore.restore_persistent(self, topo, r, timings, bad)
-        elif topo.epoch == 0:
+        elif path == "init":
             tr.init_shard(lay.dp_rank(self.rank), self.rank, topo.world)
         else:
             restore.restore_in_place(self, topo, r, timings, bad)

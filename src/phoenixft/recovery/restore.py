@@ -35,7 +35,16 @@ from phoenixft.topology import Topology, shard_name
 if TYPE_CHECKING:
     from phoenixft.worker import Worker
 
-__all__ = ["restore_in_place", "reshard", "restore_persistent", "copy_of"]
+__all__ = ["path_of", "restore_in_place", "reshard", "restore_persistent", "copy_of"]
+
+
+def path_of(topo: Topology) -> str:
+    """Which restore an epoch's plan takes: "reshard", "persistent", "init" (epoch 0) or "in_place"."""
+    if "reshard" in topo.meta:
+        return "reshard"
+    if topo.meta.get("restore") == "persistent":
+        return "persistent"
+    return "init" if topo.epoch == 0 else "in_place"
 
 
 def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:
@@ -93,32 +102,31 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
     # bytes moving, not a peer still rolling back), then move the parameters, then the optimizer shards
     t0 = time.time()
     m.wait(pg.allreduce([torch.zeros(1)]), "recovery transfer start")
-    # 1. parameters, striped over every peer that holds them at r (bitwise identical there)
+    # the transfers run in the epoch's transfer group (only the ranks that send or receive, several
+    # connections per pair): ranks below are that group's
+    xg, members = m.comm.xfer, m.comm.xfer_members
+    local = {rk: i for i, rk in enumerate(members)}
+    xme, xw = local.get(me, -1), len(members)
+
+    def in_group(need: dict[int, list[int]]) -> dict[int, list[int]]:
+        return {local[d]: [local[s] for s in srcs] for d, srcs in need.items()}
+
+    # both transfers are posted at once, so that the link never idles between them: 1. parameters,
+    # striped over every peer that holds them at r (bitwise identical there); 2. the optimizer shard
+    # from a verified copy, received straight into the staging half and checksummed chunk by chunk as
+    # it arrives. Every member posts the same rounds in the same order (gloo matches them by order).
     t1 = time.time()
-    flat = tr.flat
+    flat, st = tr.flat, tr.state
     elem = torch.empty((), dtype=flat.dtype).element_size()
-    chunk = transfer.chunk_numel(elem)
-    need = {t["dst"]: list(t.get("param_srcs") or [t["param_src"]]) for t in topo.transfers if t["param_src"] >= 0}
-    rounds = transfer.schedule(need, flat.total, chunk)
+    need = in_group(topo.param_need())
+    rounds = transfer.schedule(need, flat.total, transfer.chunk_numel(elem))
     on_host = flat.device.type == "cpu"
     sends: dict[int, torch.Tensor] = {}
-    if any(p.src == me for rd in rounds for p in rd):
+    if any(p.src == xme for rd in rounds for p in rd):
         src_buf = flat.whole if on_host else flat.whole.cpu()
         sends = {d: src_buf for d in need}
     into = (flat.receive_buffer() if on_host else torch.empty(flat.total, dtype=flat.dtype)) if need_params else None
-    works = transfer.post(pg, w, me, rounds, sends, into, dtype=flat.dtype)
-    transfer.wait_all(works, m.wait, "parameter transfer")
-    t_moved = time.time()
-    if into is not None:
-        if on_host:
-            flat.adopt_received(r)
-        else:
-            flat.install(into, r)
-    t2 = time.time()
-    timings.update(params_moved_s=t_moved - t1, params_adopt_s=t2 - t_moved)
-    m.inject.in_recovery(topo)
-    # 2. optimizer shard from a verified copy, received straight into the staging half, checksummed
-    # chunk by chunk as it arrives
+    p_works = transfer.post(xg, xw, xme, rounds, sends, into, dtype=flat.dtype) if xg is not None else []
     sends = {}
     for t in topo.transfers:
         if t["opt_src"] == me:
@@ -126,12 +134,10 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
             if m.inject.corrupts_transfers(topo):  # fault injection: corruption in flight
                 payload = payload.clone()
                 payload[:: max(1, payload.numel() // 7)] += 1.0
-            sends[t["dst"]] = payload
+            sends[local[t["dst"]]] = payload
     copied = [t for t in mine if t["opt_src"] >= 0]  # the others are rebuilt from their group (ec), below
     n_opt = tr.payload_rows * flat.shard_numel
-    rounds = transfer.schedule({t["dst"]: [t["opt_src"]] for t in topo.transfers if t["opt_src"] >= 0}, n_opt,
-                               transfer.chunk_numel(4))
-    st = tr.state
+    rounds = transfer.schedule(in_group(topo.opt_need()), n_opt, transfer.chunk_numel(4))
     half, buf = -1, None
     if copied:
         half = st.staging()
@@ -141,14 +147,24 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
             st.begin_write(half)
             buf = st.payload(half).reshape(-1)
     hasher = StreamChecksum(buf) if buf is not None else None
-    t_post = time.time()
-    works = transfer.post(pg, w, me, rounds, sends, buf)
+    o_works = transfer.post(xg, xw, xme, rounds, sends, buf) if xg is not None else []
+    t_posted = time.time()
+    transfer.wait_all(p_works, m.wait, "parameter transfer")
+    t_moved = time.time()
+    if into is not None:
+        if on_host:
+            flat.adopt_received(r)
+        else:
+            flat.install(into, r)
+    t2 = time.time()
+    m.inject.in_recovery(topo)  # (the optimizer shards are still moving)
     in_place = buf is not None and buf.data_ptr() == st.payload(half).data_ptr()
     if in_place and tr.payload_from == 1:  # the master row from the parameters, while the shard is moving
         (t,) = copied
         st.data[half, 0].copy_(flat.flat[flat.shard_slice(topo.layout.dp_rank(t["shard"]))])
-    transfer.wait_all(works, m.wait, "optimizer-state transfer", hasher.update if hasher is not None else None)
-    timings.update(opt_prepare_s=t_post - t2, opt_moved_s=time.time() - t_post)
+    transfer.wait_all(o_works, m.wait, "optimizer-state transfer", hasher.update if hasher is not None else None)
+    timings.update(transfer_post_s=t_posted - t1, params_moved_s=t_moved - t1, params_adopt_s=t2 - t_moved,
+                   opt_moved_s=time.time() - t2)
     for t in copied:
         assert buf is not None and hasher is not None
         name = topo.shard_name(t["shard"])

@@ -22,6 +22,7 @@ issues a rank's rounds; every rank of the group calls it with the same schedule.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ import torch.distributed as dist
 
 __all__ = ["Piece", "CHUNK_BYTES", "schedule", "post", "wait_all", "chunk_numel"]
 
+BULK_NAP_S = 0.002
+BULK_NAP_WINDOW_S = 0.02
 CHUNK_BYTES = 16 << 20  # gloo on loopback: 16 MiB chunks moved 43 MB at 4.7 GB/s, 4 MiB chunks at half that
 
 
@@ -133,6 +136,12 @@ def wait_all(works: list[tuple[Any, int, int]], wait: Callable[[Any, str], None]
     """Wait for the rounds in order; `on_range(lo, hi)` after each round that filled part of `recv`
     (e.g. to checksum it while the later rounds are still moving)."""
     for work, lo, hi in works:
+        # a round takes milliseconds: nap in steps of BULK_NAP_S first (a 0.5 ms poll would wake this
+        # thread thousands of times a transfer, CPU the link's copies need on a small host), then the
+        # full wait (failure flag, timeout) - at most BULK_NAP_WINDOW_S later than it would have
+        until = time.monotonic() + BULK_NAP_WINDOW_S
+        while not work.is_completed() and time.monotonic() < until:
+            time.sleep(BULK_NAP_S)
         wait(work, what)
         if on_range is not None and hi > lo:
             on_range(lo, hi)
