@@ -3,6 +3,7 @@
     python bench/gloo_link.py              # 400 MB (medium's parameters), 16 MiB rounds, 2 trials
     python bench/gloo_link.py --mb 86 --chunk-mb 4
     python bench/gloo_link.py --gather --mb 21.6 --chunk-mb 4   # the ZeRO-1 parameter gather, DP=2
+    python bench/gloo_link.py --lanes 1,2,3   # 1, 2 and 3 connections per pair (2 threads per lane)
 
 `--gather`: both ranks exchange an `--mb` shard, gloo's `_allgather_base` against
 `phoenixft.shard_gather.gather_shards` (all-to-all rounds), alternated; checks they agree bitwise.
@@ -19,6 +20,7 @@ import argparse
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,30 +45,38 @@ def _wait(w: object) -> None:
     w.wait()  # type: ignore[attr-defined]
 
 
-def _body(rank: int, port: int, n: int, chunk: int, trials: int) -> None:
+def _body(rank: int, port: int, n: int, chunk: int, trials: int, lanes: list[int]) -> None:
+    from phoenixft.comm import gloo_group
+
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("link", store), rank, 2, timedelta(seconds=120))
+    groups = {k: gloo_group(dist.PrefixStore(f"link{k}", store), rank, 2, timedelta(seconds=120), lanes=k,
+                            threads=2 * k) for k in lanes}
     src = _shm(n, "src").normal_() if rank == 0 else torch.empty(0)
     dst = _shm(n, "dst") if rank == 1 else torch.empty(0)
-    empty = torch.empty(0)
     for trial in range(trials):
-        _wait(pg.allreduce([torch.zeros(1)]))
-        t = time.perf_counter()
-        works = []
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
-            if rank == 0:
-                works.append(pg.alltoall_base(empty, src[lo:hi], [0, 0], [0, hi - lo], dist.AllToAllOptions()))
-            else:
-                works.append(pg.alltoall_base(dst[lo:hi], empty, [hi - lo, 0], [0, 0], dist.AllToAllOptions()))
-        for w in works:
-            _wait(w)
-        dt = time.perf_counter() - t
-        if rank == 1:
-            print(f"trial {trial}: {n * 4 / 1e6:.0f} MB in {dt:.3f} s = {n * 4 / dt / 1e9:.2f} GB/s "
-                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+        for k, pg in groups.items():
+            _trial(rank, pg, n, chunk, src, dst, f"trial {trial}, {k} lane(s)")
+    _wait(groups[lanes[0]].allreduce([torch.zeros(1)]))
+
+
+def _trial(rank: int, pg: Any, n: int, chunk: int, src: torch.Tensor, dst: torch.Tensor, what: str) -> None:
+    empty = torch.empty(0)
     _wait(pg.allreduce([torch.zeros(1)]))
+    t = time.perf_counter()
+    works = []
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        if rank == 0:
+            works.append(pg.alltoall_base(empty, src[lo:hi], [0, 0], [0, hi - lo], dist.AllToAllOptions()))
+        else:
+            works.append(pg.alltoall_base(dst[lo:hi], empty, [hi - lo, 0], [0, 0], dist.AllToAllOptions()))
+    for w in works:
+        _wait(w)
+    dt = time.perf_counter() - t
+    if rank == 1:
+        print(f"{what}: {n * 4 / 1e6:.0f} MB in {dt:.3f} s = {n * 4 / dt / 1e9:.2f} GB/s "
+              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
 
 
 def _gather_body(rank: int, port: int, n: int, chunk: int, trials: int) -> None:
@@ -96,9 +106,21 @@ def main() -> int:
     ap.add_argument("--chunk-mb", type=float, default=16.0)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--gather", action="store_true", help="the parameter gather: all-gather vs gather_shards")
+    ap.add_argument("--lanes", default="1,2", help="comma-separated connections per pair to compare (gloo devices; "
+                    "the recovery transfer uses phoenixft.comm.XFER_LANES), each with 2 threads per lane")
     a = ap.parse_args()
+    try:
+        lanes = [int(x) for x in a.lanes.split(",")]
+        if not lanes or min(lanes) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--lanes={a.lanes!r} is invalid: comma-separated integers >= 1, e.g. 1,2")
     n, chunk = int(a.mb * 1e6 / 4), max(1, int(a.chunk_mb * (1 << 20) / 4))
-    mp.spawn(_gather_body if a.gather else _body, args=(29000 + os.getpid() % 2000, n, chunk, a.trials), nprocs=2)
+    port = 29000 + os.getpid() % 2000
+    if a.gather:
+        mp.spawn(_gather_body, args=(port, n, chunk, a.trials), nprocs=2)
+    else:
+        mp.spawn(_body, args=(port, n, chunk, a.trials, lanes), nprocs=2)
     return 0
 
 
