@@ -53,6 +53,7 @@ from phoenixft.parallel.logical import full_numel, segments, to_full
 from phoenixft.parallel.pipeline import Pipeline
 from phoenixft.parallel.stage import Stage
 from phoenixft.shard_gather import CHUNK_BYTES, ShardGather
+from phoenixft.shard_reduce import ShardReduce
 from phoenixft.snapshot import H_VALID, INVALID, ShardState
 from phoenixft.workload import Workload
 from phoenixft.zero import DTYPES, FlatModel
@@ -100,6 +101,7 @@ class Trainer:
         self.interrupt: Callable[[], None] = lambda: None  # raises PeerFailure when a recovery started
         self.buckets: GradBuckets
         self._hooked = False
+        self._rs: ShardReduce | None = None  # the gradient reduce-scatter of the current group and buffer
 
     def watch(self, interrupt: Callable[[], None]) -> None:
         """Leave the step within one layer when a recovery starts: `interrupt` is called between
@@ -188,14 +190,15 @@ class Trainer:
         m_total = cfg.total_microbatches
         lo, hi = microbatches
         grad = flat.grad32
-        works: list[Any] = []
+        works: list[tuple[int, Any]] = []
         waited = [0.0]
+        rs = self._reduce_scatter(dp_pg, grad)
 
         def launch(b: int) -> None:  # a bucket's gradients are complete on the last microbatch
             if not works:
                 waited[0] = before_reduce()  # replication of the previous step committed before any reduction
             blo, bhi = self.buckets.ranges[b]
-            works.append(dp_pg.allreduce([grad[blo:bhi]]))
+            works.append((b, rs.post(b, blo, bhi) if rs is not None else dp_pg.allreduce([grad[blo:bhi]])))
 
         def batch(j: int) -> Any:
             return self.device.move(self.wl.batch(s, lo + j))
@@ -231,8 +234,10 @@ class Trainer:
         mine = loss_sum if (stage.last and c.tp == 0) or math.isnan(loss_sum) else 0.0  # each loss counted once
         lt = torch.tensor([mine], dtype=torch.float64)
         w_loss = comm.train.allreduce([lt])
-        for w in works:
+        for b, w in works:
             wait(w, f"gradient reduction of step {s}")
+            if rs is not None:
+                rs.finish(b)
         t_reduced = time.perf_counter()
         if self.tied_ranges and comm.emb is not None:  # the tied embedding: both copies get the summed gradient
             for tlo, thi in self.tied_ranges:
@@ -299,6 +304,17 @@ class Trainer:
         phases = {"reduce_s": t_reduced - t0 - t_compute, "optimizer_s": t_opt - t_reduced, "gather_s": t_end - t_opt}
         return StepResult(loss=float(lt) / m_total, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
                           val_loss=val, phases=phases)
+
+    def _reduce_scatter(self, dp_pg: Any, grad: torch.Tensor) -> ShardReduce | None:
+        """The gradient reduction as a reduce-scatter (shard_reduce.py) on gloo; None: an all-reduce
+        (NCCL, whose own collectives stay; and pipelines with a tied embedding, whose copies are summed
+        over the whole tied range after the data-parallel reduction)."""
+        if self.device.is_cuda or self.tied_ranges:
+            return None
+        rs = self._rs
+        if rs is None or rs.pg is not dp_pg or rs.grad is not grad:
+            rs = self._rs = ShardReduce(dp_pg, grad, self.flat.shard_numel)
+        return rs
 
     @staticmethod
     @contextlib.contextmanager
