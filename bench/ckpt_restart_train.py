@@ -63,6 +63,9 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=0, help="0 = cores / world, at least 1 (as phoenixft)")
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="torch.optim.AdamW(fused=True) instead of the default (the single-tensor path on CPU; "
+                         "phoenixft's AdamW runs the fused kernel)")
     ap.add_argument("--ckpt-dir", default="")
     ap.add_argument("--ckpt-every", type=int, default=0, help="K: persistent checkpoint every K steps (0 = never)")
     ap.add_argument("--ckpt-offset", type=int, default=1, help="first checkpoint after this step")
@@ -101,7 +104,8 @@ def main() -> int:
     torch.manual_seed(a.seed)
     model = GPT(PRESETS[a.model])
     ddp = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay,
+                            fused=True if a.fused_adamw else None)
     t_model = time.time()
 
     ckpt_dir = Path(a.ckpt_dir) if a.ckpt_dir else None
