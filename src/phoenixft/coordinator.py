@@ -43,12 +43,15 @@ PHOENIXFT_TOKEN (the launcher and `phoenixft coordinator` do this).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -75,6 +78,22 @@ def _deposed() -> None:
     print("phoenixft coordinator: lost the leadership (lease expired); exiting so the leader acts alone",
           file=sys.stderr, flush=True)
     os._exit(3)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the burst of allocation between a recovery's gather and
+    its publish (W descriptors parsed, a plan over them): a collection walks every object of the
+    process (torch's modules included), and at W = 4,096 the burst set off collections that took as
+    long as the plan itself (bench/control_plane.py). What the burst drops is freed by reference counting; the collector
+    runs again once the epoch is published."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _index(node: str) -> int:
@@ -528,6 +547,12 @@ class Coordinator:
         self.store.set(keys.failflag(e), "1")
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
         dead, fenced, restarted = self._gather(e, old.nodes)
+        with _gc_paused():
+            self._decide(old, t_start, dead, fenced, restarted)
+
+    def _decide(self, old: Topology, t_start: float, dead: set[str], fenced: set[str], restarted: set[str]) -> None:
+        """The gather is done: fence the dead, fetch and parse the descriptors, plan, publish."""
+        e = old.epoch
         for w in restarted:
             self.store.delete_key(keys.worker_exit(w))
         restarted = {w for w in restarted if w.split(".")[0] not in dead}
@@ -625,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(str(server.port))
             os.replace(tmp, a.port_file)
     election = Election(store, ttl_s=a.lease_ttl, on_lost=_deposed) if is_etcd(store) else None
+    gc.freeze()  # start-up's objects (torch's modules, ~250k) are never garbage: no collection walks them again
     try:
         Coordinator(store, a.journal or None, token, election).run()
     except TimeoutError as e:
