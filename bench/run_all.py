@@ -154,12 +154,39 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         ),
         "recovery_sublinear_in_world": sc.get("recovery_sublinear"),
         "hotswap_sublinear_in_world": sc.get("hotswap_sublinear"),
+        # issue 14's must-shows
+        "overhead_dp2_le_1.03": _le(out["overhead_ratio_dp2"], 1.03),
+        "baseline_vs_ddp_dp2_le_1.00": _le(out["baseline_vs_ddp_dp2"], 1.00),
+        "resume_small_dp2_le_0.35s": _le(out["phoenix_resume_s_small_dp2"], 0.35),
+        "decide_small_dp2_le_0.05s": _le(out["decide_s_small_dp2"], 0.05),
+        "transfer_medium_ge_2gbps": None if out["recovery_transfer_gbps_medium"] is None
+        else out["recovery_transfer_gbps_medium"] >= 2.0,
+        "control_plane_1024_le_1s": _le(_at(out.get("control_plane_decide_s") or {}, 1024), 1.0),
+        "control_plane_linear_1024_4096": _linear(out.get("control_plane_decide_s") or {}),
     }
     out["errors"] = {k: v["error"] for k, v in parts.items() if isinstance(v, dict) and "error" in v and k != "torchft"}
     out["elapsed_s"] = {k: (v or {}).get("elapsed_s") for k, v in parts.items()}
     out["elapsed_s"]["total"] = round(time.time() - started, 1)
     out["parts"] = parts
     return out
+
+
+def _le(x: float | None, bound: float) -> bool | None:
+    return None if x is None else x <= bound
+
+
+#: "growing at most linearly": decide(4096) / decide(1024) <= 4 x this (the 2 shared cores move a single
+#: run's figures by about 10%)
+LINEAR_SLACK = 1.1
+
+
+def _at(decide: dict[Any, float], w: int) -> float | None:
+    return decide.get(str(w), decide.get(w))  # int keys in process, str keys once through JSON
+
+
+def _linear(decide: dict[Any, float]) -> bool | None:
+    a, b = _at(decide, 1024), _at(decide, 4096)
+    return None if not a or not b else b / a <= 4 * LINEAR_SLACK
 
 
 def summary_md(res: dict[str, Any]) -> str:
@@ -192,9 +219,25 @@ def summary_md(res: dict[str, Any]) -> str:
         (
             "`--protect none` vs plain DDP + AdamW, DP=2",
             f(res["baseline_vs_ddp_dp2"], 3),
-            "",
-            "",
+            "<= 1.00",
+            hm(t.get("baseline_vs_ddp_dp2_le_1.00")),
             f"`python bench/overhead.py{flag}`",
+        ),
+        (
+            "Issue 14: overhead DP=2 / resume / decide (small, DP=2)",
+            f"{f(res['overhead_ratio_dp2'], 3)} / {f(res.get('phoenix_resume_s_small_dp2'), 3, ' s')} / "
+            f"{f(res.get('decide_s_small_dp2'), 3, ' s')}",
+            "<= 1.03 / <= 0.35 s / <= 0.05 s",
+            " / ".join(hm(t.get(k)) for k in ("overhead_dp2_le_1.03", "resume_small_dp2_le_0.35s",
+                                               "decide_small_dp2_le_0.05s")),
+            f"`python bench/overhead.py{flag}`, `python bench/recovery.py{flag}`",
+        ),
+        (
+            "Control plane decide at W = 1024 / 4096 simulated workers",
+            " / ".join(f(_at(res.get("control_plane_decide_s") or {}, w), 3, " s") for w in (1024, 4096)),
+            f"1024 <= 1.0 s; 4096 / 1024 <= {4 * LINEAR_SLACK:.1f}",
+            f"{hm(t.get('control_plane_1024_le_1s'))} / {hm(t.get('control_plane_linear_1024_4096'))}",
+            f"`python bench/control_plane.py{flag}`",
         ),
         (
             "DCP `save` every step / plain DDP, DP=2",

@@ -15,8 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import run_ranks
 
+from phoenixft.comm import XFER_LANES, gloo_group
 from phoenixft.recovery.transfer import Piece, post, schedule, wait_all
 from phoenixft.snapshot import StreamChecksum, checksum
+from phoenixft.topology import Topology
 
 
 def _check(need: dict[int, list[int]], numel: int, chunk: int, rounds: list[list[Piece]]) -> None:
@@ -103,7 +105,10 @@ def _data(src: int) -> torch.Tensor:
 def _worker(rank: int, world: int, port: int, q: mp.Queue) -> None:  # type: ignore[type-arg]
     try:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, world, timedelta(seconds=30))
+        one = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, world, timedelta(seconds=30))
+        # what a recovery uses: the transfer group's XFER_LANES connections per pair, rounds taking them in turn
+        lanes = gloo_group(dist.PrefixStore("x", store), rank, world, timedelta(seconds=30), lanes=XFER_LANES,
+                           threads=2 * XFER_LANES)
 
         def wait(work: object, what: str) -> None:
             deadline = time.monotonic() + 30
@@ -114,7 +119,7 @@ def _worker(rank: int, world: int, port: int, q: mp.Queue) -> None:  # type: ign
             work.wait()  # type: ignore[attr-defined]
 
         out = []
-        for need in PLANS:
+        for pg, need in [(g, n) for g in (one, lanes) for n in PLANS]:
             rounds = schedule(need, NUMEL, 100_000)
             srcs = {s for v in need.values() for s in v}
             send = {d: _data(rank) for d in need} if rank in srcs else {}
@@ -133,7 +138,29 @@ def test_transfers_between_processes_land_in_place_bit_for_bit() -> None:
     for r, out in res.items():
         assert isinstance(out, list), f"rank {r}: {out}"
         assert all(a and b for a, b in out), f"rank {r}: {out}"
-    assert sum(len(v) for v in res.values()) == sum(len(p) for p in PLANS)
+    assert sum(len(v) for v in res.values()) == 2 * sum(len(p) for p in PLANS)
+
+
+def test_transfer_members_are_every_sender_and_receiver() -> None:
+    """Property: the ranks a plan's transfer group is built on are exactly those that send or receive
+    in its parameter or optimizer rounds (a rank missing would hang the group; an extra one costs
+    connections), over generated plans."""
+    rng = random.Random(6)
+    for _ in range(2000):
+        world = rng.randint(2, 12)
+        topo = Topology(epoch=1, nodes=[f"n{i}" for i in range(world)], workers_per_node=1, replicas=1,
+                        resume_step=3)
+        for dst in rng.sample(range(world), rng.randint(0, world - 1)):
+            others = [r for r in range(world) if r != dst]
+            psrcs = rng.sample(others, rng.randint(1, min(4, len(others)))) if rng.random() < 0.7 else []
+            topo.transfers.append({"dst": dst, "shard": dst, "param_src": psrcs[0] if psrcs else -1,
+                                   "param_srcs": sorted(psrcs), "opt_src": rng.choice([-1, *others]), "crc": 0})
+        used = set()
+        for need in (topo.param_need(), topo.opt_need()):
+            for rd in schedule(need, 1000, 300):
+                used.update(r for p in rd for r in (p.src, p.dst))
+        assert set(topo.transfer_ranks()) == used
+        assert topo.transfer_ranks() == sorted(used)
 
 
 def test_verified_memo_is_dropped_when_the_half_changes() -> None:
@@ -158,3 +185,4 @@ def test_verified_memo_is_dropped_when_the_half_changes() -> None:
     assert not h.verified(0)
     h.payload(0)[0, 0] += 1.0  # corrupted at rest: verify fails and sets no memo
     assert not h.verify(0) and not h.verified(0)
+

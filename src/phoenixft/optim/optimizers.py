@@ -51,7 +51,8 @@ def _hook(h: Callable[[], None] | None) -> None:
 @dataclass
 class AdamW(ElementwiseOptimizer):
     """torch.optim.AdamW's arithmetic: on CPU its fused kernel's (`fused=True`: one vectorized pass,
-    5x faster here than the single-tensor path), elsewhere the single-tensor path's.
+    2.4x faster out of place here than the single-tensor arithmetic: `python bench/optim_step.py`),
+    elsewhere the single-tensor path's.
 
     The fused kernel updates in place, so the committed half is first copied into the staging half
     and the kernel runs there. Its vector body and its scalar tail round differently, so an update is
