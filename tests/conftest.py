@@ -70,6 +70,19 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
+class FakeGroup:
+    """A process group's `size()` and `rank()` only: for argument checks made before any collective."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
 def free_port() -> int:
     import socket
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import run_ranks
+from conftest import FakeGroup, run_ranks
 
 from phoenixft.shard_gather import Works, gather_shards
 
@@ -51,15 +51,8 @@ def test_gather_shards_equals_gloo_allgather_bitwise() -> None:
 
 
 def test_gather_shards_refuses_a_wrong_output_size() -> None:
-    class OneRank:
-        def size(self) -> int:
-            return 2
-
-        def rank(self) -> int:
-            return 0
-
     try:
-        gather_shards(OneRank(), torch.empty(5), torch.empty(3))
+        gather_shards(FakeGroup(2), torch.empty(5), torch.empty(3))
     except ValueError as e:
         assert "expected 2 x 3" in str(e)
     else:

@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import run_ranks
+from conftest import FakeGroup, run_ranks
 
 from phoenixft.shard_reduce import ShardReduce
 
@@ -68,15 +68,8 @@ def test_reduce_scatter_three_ranks_is_the_rank_order_sum() -> None:
 
 
 def test_reduce_scatter_refuses_a_wrong_gradient_size() -> None:
-    class TwoRanks:
-        def size(self) -> int:
-            return 2
-
-        def rank(self) -> int:
-            return 0
-
     try:
-        ShardReduce(TwoRanks(), torch.empty(5), 3)
+        ShardReduce(FakeGroup(2), torch.empty(5), 3)
     except ValueError as e:
         assert "expected 2 x 3" in str(e)
     else:
