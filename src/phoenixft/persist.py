@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import to_full
@@ -35,6 +34,14 @@ from phoenixft.snapshot import checksum
 __all__ = ["Persister", "latest_manifest", "load_full"]
 
 KEEP = 2  # complete checkpoints kept on disk
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use: it costs ~1 s of CPU at import, which
+    every worker and coordinator start would otherwise pay even without a persistent tier."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _quiet() -> Any:
@@ -77,7 +84,7 @@ def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, l
             sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, man["shard_numel"])}
             if r == 0 and man.get("buffer_bytes"):
                 sd["buffers"] = torch.empty(int(man["buffer_bytes"]), dtype=torch.uint8)
-            dcp.load(sd, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
+            _dcp().load(sd, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
             if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
                 bad.append(r)
             rows.append(sd["shard"])
@@ -104,7 +111,7 @@ def _load_mesh(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, 
                     sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, shard_numel)}
                     if nsegs:
                         sd["segments"] = torch.empty(nsegs * 3, dtype=torch.int64)
-                    dcp.load(sd, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
+                    _dcp().load(sd, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
                     if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
                         bad.append(r)
                     parts.append(sd["shard"])
@@ -152,6 +159,7 @@ class Persister:
     def _run(self) -> None:
         import time
 
+        _dcp()  # import here, off the training thread's path, before the first checkpoint is due
         while True:
             job = self._q.get()
             if job is None:
@@ -165,7 +173,7 @@ class Persister:
             try:
                 sd: dict[str, torch.Tensor] = {"shard": data}
                 sd.update({k: meta[k] for k in ("buffers", "segments") if k in meta})
-                dcp.save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
+                _dcp().save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
             except Exception:  # noqa: BLE001 - a failed write only means this checkpoint never completes
                 continue
             finally:
