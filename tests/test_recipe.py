@@ -117,7 +117,8 @@ def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch
         assert p.returncode == 0, p.stderr
         model = wl.build_model()
         model.load_state_dict(torch.load(out))
-        assert all(torch.equal(model.state_dict()[k], a[k]) for k in a)
+        differ = [k for k in a if not torch.equal(model.state_dict()[k], a[k])]
+        assert not differ, (src, differ)
     val = [json.loads(x).get("val_loss") for x in (tmp_path / "swap" / "metrics.jsonl").read_text().splitlines()]
     assert val[4] is not None and val[9] is not None and val[0] is None
 

@@ -132,6 +132,9 @@ class Persister:
         self.root, self.every, self.store = Path(root), every, store
         self._fenced = fenced
         self.root.mkdir(parents=True, exist_ok=True)
+        # imported now, on the caller's thread: imported by the writer thread instead it took seconds while
+        # training held the GIL, and the checkpoints staged meanwhile were dropped (the queue was full)
+        _dcp()
         self._q: queue.Queue[tuple[int, torch.Tensor, dict[str, Any]] | None] = queue.Queue(maxsize=2)
         self.saved: list[float] = []
         self._t = threading.Thread(target=self._run, name="phoenixft-persist", daemon=True)
@@ -149,7 +152,8 @@ class Persister:
         try:
             self._q.put_nowait((step, committed_half.clone(), meta))
         except queue.Full:  # the disk is slower than K steps: skip this one rather than stall training
-            pass
+            print(f"phoenixft persist: checkpoint of step {step} skipped: the previous ones are still being "
+                  "written (the disk is slower than --persist-every steps)", flush=True)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the writes already staged, then stop."""
@@ -159,7 +163,6 @@ class Persister:
     def _run(self) -> None:
         import time
 
-        _dcp()  # import here, off the training thread's path, before the first checkpoint is due
         while True:
             job = self._q.get()
             if job is None:
@@ -174,7 +177,9 @@ class Persister:
                 sd: dict[str, torch.Tensor] = {"shard": data}
                 sd.update({k: meta[k] for k in ("buffers", "segments") if k in meta})
                 _dcp().save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
-            except Exception:  # noqa: BLE001 - a failed write only means this checkpoint never completes
+            except Exception as e:  # noqa: BLE001 - a failed write only means this checkpoint never completes
+                print(f"phoenixft persist: checkpoint of step {step} (rank {meta['rank']}) not written: "
+                      f"{type(e).__name__}: {e}", flush=True)
                 continue
             finally:
                 cm.__exit__(None, None, None)
