@@ -73,7 +73,8 @@ def gloo_group(store: Any, rank: int, world: int, timeout: timedelta, lanes: int
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: float) -> None:
+def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: float,
+              max_nap_s: float = 0.0005) -> None:
     """Wait for a c10d collective; raise PeerFailure on error, on abort, or after timeout_s.
 
     Gloo works cannot be waited in slices: a `work.wait(timeout)` that expires while the data
@@ -88,7 +89,7 @@ def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: 
     nap = 0.00005
     while not work.is_completed():
         time.sleep(nap)
-        nap = min(2 * nap, 0.0005)
+        nap = min(2 * nap, max_nap_s)
         now = time.monotonic()
         if now - last < POLL_S:
             continue

@@ -261,7 +261,9 @@ class Trainer:
         src = self.state.half_with(s - 1)
         if src is None:
             raise RuntimeError(f"no committed optimizer state for step {s - 1}")
-        dst = 1 - src
+        # the update goes to the other half, so that the committed one stays the recovery point; with
+        # nothing to recover (--protect none) an optimizer that allows it updates the state in place
+        dst = src if not self.snapshot and self.opt.in_place else 1 - src
         lr = self.lr(s)
         st = self.state
         st.begin_write(dst)

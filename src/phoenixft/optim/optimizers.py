@@ -30,10 +30,15 @@ __all__ = ["ElementwiseOptimizer", "AdamW", "Adam", "SGD", "Lion", "OPTIMIZERS",
 
 class ElementwiseOptimizer:
     """Contract: `update` writes `p_out` and every `s_out[i]` from `p_in`, `s_in`, `grad` (all 1-D fp32,
-    same length), element by element. It must not modify its inputs. `s_in` is all zeros at step 1."""
+    same length), element by element. It must not modify its inputs. `s_in` is all zeros at step 1.
+
+    `in_place = True` declares that it is also right when every output is its input (`p_out is p_in`,
+    `s_out[i] is s_in[i]`): then the trainer updates in place where nothing needs the old state
+    (`--protect none`). A custom optimizer is not assumed to be."""
 
     name: str = "custom"
     state_names: tuple[str, ...] = ()
+    in_place: bool = False
 
     def update(self, p_in: torch.Tensor, s_in: list[torch.Tensor], grad: torch.Tensor, step: int, lr: float,
                p_out: torch.Tensor, s_out: list[torch.Tensor], hook: Callable[[], None] | None = None) -> None:
@@ -67,16 +72,19 @@ class AdamW(ElementwiseOptimizer):
     name = "adamw"
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = True
+    in_place = True  # each output element is written after its inputs are read
 
     def update(self, p_in: torch.Tensor, s_in: list[torch.Tensor], grad: torch.Tensor, step: int, lr: float,
                p_out: torch.Tensor, s_out: list[torch.Tensor], hook: Callable[[], None] | None = None) -> None:
         m0, v0 = s_in
         m1, v1 = s_out
         if p_out.device.type == "cpu" and p_out.dtype == torch.float32:
-            m1.copy_(m0)
-            v1.copy_(v0)
+            for dst, src in ((m1, m0), (v1, v0)):
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
             _hook(hook)
-            p_out.copy_(p_in)
+            if p_out.data_ptr() != p_in.data_ptr():
+                p_out.copy_(p_in)
             fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
             fused([p_out], [grad], [m1], [v1], [], [torch.tensor(float(step))], lr=lr, beta1=self.beta1,
                   beta2=self.beta2, weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
@@ -116,6 +124,7 @@ class SGD(ElementwiseOptimizer):
     weight_decay: float = 0.0
     name = "sgd"
     state_names = ("momentum_buffer",)
+    in_place = True
 
     def update(self, p_in: torch.Tensor, s_in: list[torch.Tensor], grad: torch.Tensor, step: int, lr: float,
                p_out: torch.Tensor, s_out: list[torch.Tensor], hook: Callable[[], None] | None = None) -> None:
@@ -137,6 +146,7 @@ class Lion(ElementwiseOptimizer):
     beta2: float = 0.99
     name = "lion"
     state_names = ("exp_avg",)
+    in_place = True
 
     def update(self, p_in: torch.Tensor, s_in: list[torch.Tensor], grad: torch.Tensor, step: int, lr: float,
                p_out: torch.Tensor, s_out: list[torch.Tensor], hook: Callable[[], None] | None = None) -> None:
