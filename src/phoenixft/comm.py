@@ -80,8 +80,9 @@ def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: 
     Gloo works cannot be waited in slices: a `work.wait(timeout)` that expires while the data
     is moving fails the collective (seen here for all-reduce and all-to-all), and `abort()` does
     not wake a blocked wait. So the work is polled with `is_completed()` (naps growing from
-    50 us to 0.5 ms) and every 20 ms the abort condition - the control plane's failure flag of
-    this epoch - is checked.
+    50 us to `max_nap_s`: 0.5 ms on the training thread; background work, which has a step's time,
+    naps longer so that its polls take less of the training thread's GIL) and every 20 ms the abort
+    condition - the control plane's failure flag of this epoch - is checked.
     """
     start = time.monotonic()
     deadline = start + timeout_s
