@@ -34,18 +34,22 @@ def _torch(make: type[torch.optim.Optimizer], kw: dict[str, object], p: torch.Te
     return q.detach()
 
 
-@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "sgd-nesterov"])
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "sgd-nesterov", "adamw-single", "adam-single"])
 def test_bitwise_equal_to_torch(name: str) -> None:
+    """Ours against torch's optimizer: AdamW/Adam's fused CPU path against `fused=True`, their
+    single-tensor arithmetic (what CUDA runs) against torch's single-tensor path."""
     gen = torch.Generator().manual_seed(3)
     p = torch.randn(1000, generator=gen)
     grads = [torch.randn(1000, generator=gen) for _ in range(6)]
     lrs = [1e-2 * (k + 1) / 6 for k in range(6)]  # a schedule: the rate changes every step
-    if name == "adamw":
-        ours, ref = AdamW(weight_decay=0.1, beta1=0.9, beta2=0.95), (
-            torch.optim.AdamW, {"betas": (0.9, 0.95), "weight_decay": 0.1, "fused": True, "foreach": None})
-    elif name == "adam":
-        ours, ref = Adam(weight_decay=0.01), (torch.optim.Adam, {"betas": (0.9, 0.95), "weight_decay": 0.01,
-                                                                  "fused": True, "foreach": None})
+    fused = not name.endswith("-single")
+    torch_kw: dict[str, object] = {"fused": True, "foreach": None} if fused else {"foreach": False}
+    if name.startswith("adamw"):
+        ours, ref = AdamW(weight_decay=0.1, beta1=0.9, beta2=0.95, fused=fused), (
+            torch.optim.AdamW, {"betas": (0.9, 0.95), "weight_decay": 0.1, **torch_kw})
+    elif name.startswith("adam"):
+        ours, ref = Adam(weight_decay=0.01, fused=fused), (torch.optim.Adam, {"betas": (0.9, 0.95),
+                                                                               "weight_decay": 0.01, **torch_kw})
     else:
         nest = name == "sgd-nesterov"
         ours, ref = SGD(momentum=0.9, nesterov=nest, weight_decay=0.01), (
@@ -90,8 +94,10 @@ def test_fused_update_is_the_same_however_the_shard_is_cut(opt: ElementwiseOptim
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("opt", [AdamW(), Adam(weight_decay=0.01), SGD(weight_decay=0.01), SGD(nesterov=True),
-                                 Lion()], ids=["adamw", "adam", "sgd", "sgd-nesterov", "lion"])
+@pytest.mark.parametrize("opt", [AdamW(), Adam(weight_decay=0.01), AdamW(fused=False),
+                                 Adam(weight_decay=0.01, fused=False), SGD(weight_decay=0.01), SGD(nesterov=True),
+                                 Lion()],
+                         ids=["adamw", "adam", "adamw-single", "adam-single", "sgd", "sgd-nesterov", "lion"])
 def test_in_place_update_equals_out_of_place(opt: ElementwiseOptimizer) -> None:
     """An optimizer that declares `in_place` (the trainer then updates in place under --protect none)
     gives bitwise the same when its outputs are its inputs, over 50 random cases."""

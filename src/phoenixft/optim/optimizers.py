@@ -69,6 +69,7 @@ class AdamW(ElementwiseOptimizer):
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    fused: bool = True  # CPU fp32: torch's fused kernel; False: the single-tensor arithmetic (CUDA's; tests)
     name = "adamw"
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = True
@@ -78,7 +79,7 @@ class AdamW(ElementwiseOptimizer):
                p_out: torch.Tensor, s_out: list[torch.Tensor], hook: Callable[[], None] | None = None) -> None:
         m0, v0 = s_in
         m1, v1 = s_out
-        if p_out.device.type == "cpu" and p_out.dtype == torch.float32:
+        if self.fused and p_out.device.type == "cpu" and p_out.dtype == torch.float32:
             for dst, src in ((m1, m0), (v1, v0)):
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
