@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 from conftest import run
 
-from phoenixft.persist import latest_manifest
+from phoenixft import keys, persist
+from phoenixft.persist import Persister, latest_manifest
 
 
 def test_owner_and_replica_lost_falls_back_to_persistent_tier(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -29,10 +39,31 @@ def test_owner_and_replica_lost_falls_back_to_persistent_tier(tmp_path: Path, re
 
 def test_torn_checkpoint_is_never_loaded(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    run(tmp_path / "a", nodes=2, spares=0, steps=8, persist_every=4, persist_dir=str(ckpt))
+    rep = run(tmp_path / "a", nodes=2, spares=0, steps=8, persist_every=4, persist_dir=str(ckpt))
     assert latest_manifest(ckpt)["step"] == 8  # type: ignore[index]
+    assert rep["persist_problems"] == []
     (ckpt / "step_00000008" / "MANIFEST.json").unlink()  # as if the write of step 8 had been torn
     assert latest_manifest(ckpt)["step"] == 4  # type: ignore[index]
+    # a shard file lost from a complete checkpoint: exporting it is one line naming the file, exit 2
+    (ckpt / "step_00000004" / "rank1" / ".metadata").unlink()
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(ckpt), "--out", str(tmp_path / "m.pt"),
+                        "--format", "pt"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "step_00000004/rank1 could not be read" in p.stderr, p.stderr
+
+
+def test_a_checkpoint_that_cannot_be_written_is_in_the_report(tmp_path: Path) -> None:
+    """The disk refuses step 4's checkpoint (a file where its directory goes): the run goes on, step 8's
+    checkpoint completes, and the report names step 4 for every rank (persist_problems)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step_00000004").write_text("not a directory")
+    rep = run(tmp_path / "a", nodes=2, spares=0, steps=8, persist_every=4, persist_dir=str(ckpt))
+    assert rep["state"] == "done", rep.get("error")
+    assert latest_manifest(ckpt)["step"] == 8  # type: ignore[index]
+    assert sorted((p["kind"], p["step"], p["rank"]) for p in rep["persist_problems"]) == [
+        ("persist_failed", 4, 0), ("persist_failed", 4, 1)], rep["persist_problems"]
 
 
 @pytest.mark.slow  # (a 3D checkpoint resumed data-parallel: tests/test_mesh.py covers a resume on another layout)
@@ -49,3 +80,82 @@ def test_resume_onto_a_different_node_count(tmp_path: Path, reference) -> None: 
     assert abs(a - b) <= 1e-5 * abs(b), (a, b)
     cfg = json.loads((tmp_path / "b" / "config.json").read_text())
     assert cfg["nodes"] == 3
+
+
+def test_skipped_and_failed_checkpoints_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint staged while the writer is still busy with two is skipped, and one whose write
+    raises never completes: each becomes an event the report lists (never silent), and the ones
+    written complete."""
+    gate, saved = threading.Event(), []
+
+    class SlowDisk:
+        def save(self, sd: dict[str, Any], checkpoint_id: str, no_dist: bool) -> None:
+            assert gate.wait(30)
+            if "step_00000003" in checkpoint_id:
+                raise OSError("No space left on device")
+            Path(checkpoint_id).mkdir(parents=True)
+            saved.append(checkpoint_id)
+
+    monkeypatch.setattr(persist, "_dcp", lambda: SlowDisk())
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    p = Persister(str(tmp_path), 1, store)
+    meta = {"rank": 0, "shards": 1, "numel": 4, "shard_numel": 64, "epoch": 0, "seed": 1}
+    try:
+        for step in (1, 2, 3, 4):  # 1 is being written, 2 and 3 wait, 4 finds the queue full
+            p.stage(step, torch.zeros(3, 64), meta)
+            if step == 1:
+                for _ in range(200):  # until the writer took step 1 off the queue
+                    if p._q.empty():
+                        break
+                    threading.Event().wait(0.01)
+    finally:
+        gate.set()
+        p.close(timeout_s=30)
+    events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines()]
+    assert [(e["kind"], e["step"]) for e in events] == [("persist_skipped", 4), ("persist_failed", 3)]
+    assert "No space left" in events[1]["why"] and "slower than --persist-every" in events[0]["why"]
+    assert len(saved) == 2 and latest_manifest(tmp_path)["step"] == 2  # type: ignore[index]
+
+
+def test_the_writer_outlives_a_failed_checkpoint_and_close_is_bounded(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error after the shard was saved (here: its directory is gone when the manifest is written)
+    costs that checkpoint only: the writer goes on with the next one. And `close` returns within its
+    timeout even when a write never ends."""
+    stuck, calls = threading.Event(), []
+
+    class Disk:
+        def save(self, sd: dict[str, Any], checkpoint_id: str, no_dist: bool) -> None:
+            calls.append(checkpoint_id)
+            if "step_00000003" in checkpoint_id:
+                assert not stuck.wait(60)  # a write that never ends (until the test lets it go)
+            elif "step_00000002" in checkpoint_id:
+                Path(checkpoint_id).mkdir(parents=True)
+            # step 1: nothing created, so writing its manifest fails after the save
+
+    monkeypatch.setattr(persist, "_dcp", lambda: Disk())
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    p = Persister(str(tmp_path), 1, store)
+    meta = {"rank": 0, "shards": 1, "numel": 4, "shard_numel": 64, "epoch": 0, "seed": 1}
+    try:
+        for step in (1, 2):
+            p.stage(step, torch.zeros(3, 64), meta)
+        for _ in range(500):
+            if latest_manifest(tmp_path):
+                break
+            threading.Event().wait(0.01)
+        assert latest_manifest(tmp_path)["step"] == 2  # type: ignore[index]
+        events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines()]
+        assert [(e["kind"], e["step"]) for e in events] == [("persist_failed", 1)], events
+        p.stage(3, torch.zeros(3, 64), meta)
+        p.stage(4, torch.zeros(3, 64), meta)
+        p.stage(5, torch.zeros(3, 64), meta)  # the queue holds 4 and 5 while 3 never ends
+        closer = threading.Thread(target=p.close, kwargs={"timeout_s": 1.0}, daemon=True)  # a hang fails, not hangs
+        t = time.monotonic()
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive() and time.monotonic() - t < 5.0
+    finally:
+        stuck.set()
+        p._q.put(None, timeout=10)  # let the writer end (close gave up on it)
+        p._t.join(timeout=10)

@@ -101,7 +101,10 @@ def _from_checkpoint(root: Path, step: int | None) -> dict[str, torch.Tensor]:
         for b in model.buffers():
             if b.is_floating_point():
                 b.data = b.data.to(torch.bfloat16)
-    full, buffers, bad = load_full(man)
+    try:
+        full, buffers, bad = load_full(man)
+    except OSError as e:
+        raise UserError(f"SRC={str(root)!r}: {e}") from None
     if bad:
         raise UserError(f"SRC={str(root)!r}: shards {bad} of step {man['step']} do not match their checksums")
     return state_dict_from(model, full[0], buffers)

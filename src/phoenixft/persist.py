@@ -5,6 +5,9 @@ exp_avg_sq) as it was *committed* in memory: the replication thread copies the c
 (which stays untouched until that thread finishes), and a persist thread writes it with
 `dcp.save` to `DIR/step_<s>/rank<i>`. The last rank to finish writes `DIR/step_<s>/MANIFEST.json`
 (atomically, last), so a torn checkpoint is never loaded: only directories with a manifest count.
+A checkpoint that is skipped (the previous ones are still being written) or fails to write is never
+silent: it is printed to the node's log and recorded as a `persist_skipped` / `persist_failed`
+event, which the run's report lists under `persist_problems`.
 
 Loading reassembles the full parameter and optimizer vectors in logical order from every shard
 file, so a checkpoint written by D ranks loads onto any other number (resharding). Under 3D
@@ -16,10 +19,12 @@ into the full model, so a checkpoint written by one layout loads onto any other.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import shutil
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +32,7 @@ from typing import Any
 
 import torch
 
+from phoenixft import keys
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import to_full
 from phoenixft.snapshot import checksum
@@ -44,11 +50,54 @@ def _dcp() -> Any:
     return dcp
 
 
-def _quiet() -> Any:
-    cm = warnings.catch_warnings()
-    cm.__enter__()
-    warnings.simplefilter("ignore")
-    return cm
+def _load(sd: dict[str, torch.Tensor], path: str) -> None:
+    """`dcp.load` into `sd`; its failures (DCP raises a CheckpointException, a BaseException, which
+    `except Exception` handlers would let through) as an OSError naming the shard file."""
+    try:
+        _dcp().load(sd, checkpoint_id=path, no_dist=True)
+    except Exception as e:
+        raise OSError(f"checkpoint shard {path} could not be read: {type(e).__name__}: {e}") from None
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        lines = str(e).strip().splitlines()
+        raise OSError(f"checkpoint shard {path} could not be read: {lines[-1] if lines else type(e).__name__}") \
+            from None
+
+
+class _DcpLogFilter(logging.Filter):
+    """Drops the records torch.distributed.checkpoint logs (on the root logger) while phoenixft calls it."""
+
+    active = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.active and "distributed/checkpoint" in record.pathname.replace("\\", "/"))
+
+
+_DCP_LOG = _DcpLogFilter()
+
+
+class _Quiet:
+    """DCP's warnings and its logged tracebacks (a missing metadata file is logged twice, with its
+    traceback, before the error is raised) are silenced while phoenixft calls it: its failures reach
+    the user as one line (the caller's)."""
+
+    def __init__(self) -> None:
+        self._warn = warnings.catch_warnings()
+        self._warn.__enter__()
+        warnings.simplefilter("ignore")
+        root = logging.getLogger()
+        if _DCP_LOG not in root.filters:
+            root.addFilter(_DCP_LOG)
+        _DcpLogFilter.active += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _DcpLogFilter.active -= 1
+        self._warn.__exit__(*exc)
+
+
+def _quiet() -> _Quiet:
+    return _Quiet()
 
 
 def latest_manifest(root: str | os.PathLike[str], max_step: int | None = None) -> dict[str, Any] | None:
@@ -84,7 +133,7 @@ def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, l
             sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, man["shard_numel"])}
             if r == 0 and man.get("buffer_bytes"):
                 sd["buffers"] = torch.empty(int(man["buffer_bytes"]), dtype=torch.uint8)
-            _dcp().load(sd, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
+            _load(sd, os.path.join(man["path"], f"rank{r}"))
             if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
                 bad.append(r)
             rows.append(sd["shard"])
@@ -111,7 +160,7 @@ def _load_mesh(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, 
                     sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, shard_numel)}
                     if nsegs:
                         sd["segments"] = torch.empty(nsegs * 3, dtype=torch.int64)
-                    _dcp().load(sd, checkpoint_id=os.path.join(man["path"], f"rank{r}"), no_dist=True)
+                    _load(sd, os.path.join(man["path"], f"rank{r}"))
                     if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
                         bad.append(r)
                     parts.append(sd["shard"])
@@ -152,54 +201,73 @@ class Persister:
         try:
             self._q.put_nowait((step, committed_half.clone(), meta))
         except queue.Full:  # the disk is slower than K steps: skip this one rather than stall training
-            print(f"phoenixft persist: checkpoint of step {step} skipped: the previous ones are still being "
-                  "written (the disk is slower than --persist-every steps)", flush=True)
+            self._problem("persist_skipped", step, meta.get("rank"),
+                          "the previous checkpoints are still being written (the disk is slower than "
+                          "--persist-every steps)")
+
+    def _problem(self, kind: str, step: int, rank: Any, why: str) -> None:
+        """Say that the checkpoint of `step` will not complete: in the node's log and as a run event."""
+        print(f"phoenixft persist: checkpoint of step {step} (rank {rank}) "
+              f"{'skipped' if kind == 'persist_skipped' else 'not written'}: {why}", flush=True)
+        try:
+            self.store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": kind, "step": step, "rank": rank,
+                                                       "why": why}) + "\n")
+        except Exception:  # noqa: BLE001 - the control plane is gone: the log line is all there is
+            pass
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Finish the writes already staged, then stop."""
-        self._q.put(None)
-        self._t.join(timeout=timeout_s)
+        """Finish the writes already staged (at most `timeout_s`), then stop."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            if self._t.is_alive():
+                self._q.put(None, timeout=timeout_s)
+        except queue.Full:
+            print(f"phoenixft persist: the checkpoint writer did not finish within {timeout_s:g}s; the "
+                  "checkpoints still queued are not written", flush=True)
+            return
+        self._t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
-        import time
-
         while True:
             job = self._q.get()
             if job is None:
                 return
             step, data, meta = job
-            if self._fenced():  # a fenced node never writes into the job's checkpoints again
-                continue
-            t0 = time.perf_counter()
-            d = self.root / f"step_{step:08d}"
-            cm = _quiet()
-            try:
-                sd: dict[str, torch.Tensor] = {"shard": data}
-                sd.update({k: meta[k] for k in ("buffers", "segments") if k in meta})
-                _dcp().save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
-            except Exception as e:  # noqa: BLE001 - a failed write only means this checkpoint never completes
-                print(f"phoenixft persist: checkpoint of step {step} (rank {meta['rank']}) not written: "
-                      f"{type(e).__name__}: {e}", flush=True)
-                continue
-            finally:
-                cm.__exit__(None, None, None)
-            self.saved.append(time.perf_counter() - t0)
-            key = f"persist/{meta['epoch']}/{step}"
-            self.store.set(f"{key}/crc/{meta['rank']}", str(checksum(data)))
-            nsegs = int(meta["segments"].numel() // 3) if "segments" in meta else 0
-            self.store.set(f"{key}/info/{meta['rank']}", json.dumps([meta["numel"], meta["shard_numel"], nsegs]))
-            if self.store.add(key, 1) == meta["shards"] and not self._fenced():  # last one in writes the manifest
-                crcs = {str(r): int(self.store.get(f"{key}/crc/{r}")) for r in range(meta["shards"])}
-                man = {"step": step, "shards": meta["shards"], "numel": meta.get("full_numel", meta["numel"]),
-                       "shard_numel": meta["shard_numel"], "epoch": meta["epoch"], "seed": meta["seed"],
-                       "rows": int(data.shape[0]), "buffer_bytes": meta.get("buffer_bytes", 0), "crc": crcs,
-                       "config": meta.get("config"), "tp": meta.get("tp", 1), "pp": meta.get("pp", 1)}
-                if man["tp"] * man["pp"] > 1:
-                    man["ranks"] = {str(r): json.loads(self.store.get(f"{key}/info/{r}"))
-                                    for r in range(meta["shards"])}
-                tmp = d / "MANIFEST.json.tmp"
-                tmp.write_text(json.dumps(man))
-                os.replace(tmp, d / "MANIFEST.json")
-                done = sorted(p.parent for p in self.root.glob("step_*/MANIFEST.json"))
-                for old in done[:-KEEP]:
-                    shutil.rmtree(old, ignore_errors=True)
+            try:  # whatever goes wrong with one checkpoint, the writer lives on for the next ones
+                self._write(step, data, meta)
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                self._problem("persist_failed", step, meta.get("rank"), f"{type(e).__name__}: {why}"[:300])
+
+    def _write(self, step: int, data: torch.Tensor, meta: dict[str, Any]) -> None:
+        if self._fenced():  # a fenced node never writes into the job's checkpoints again
+            return
+        t0 = time.perf_counter()
+        d = self.root / f"step_{step:08d}"
+        cm = _quiet()
+        try:
+            sd: dict[str, torch.Tensor] = {"shard": data}
+            sd.update({k: meta[k] for k in ("buffers", "segments") if k in meta})
+            _dcp().save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
+        finally:
+            cm.__exit__(None, None, None)
+        self.saved.append(time.perf_counter() - t0)
+        key = f"persist/{meta['epoch']}/{step}"
+        self.store.set(f"{key}/crc/{meta['rank']}", str(checksum(data)))
+        nsegs = int(meta["segments"].numel() // 3) if "segments" in meta else 0
+        self.store.set(f"{key}/info/{meta['rank']}", json.dumps([meta["numel"], meta["shard_numel"], nsegs]))
+        if self.store.add(key, 1) == meta["shards"] and not self._fenced():  # last one in writes the manifest
+            crcs = {str(r): int(self.store.get(f"{key}/crc/{r}")) for r in range(meta["shards"])}
+            man = {"step": step, "shards": meta["shards"], "numel": meta.get("full_numel", meta["numel"]),
+                   "shard_numel": meta["shard_numel"], "epoch": meta["epoch"], "seed": meta["seed"],
+                   "rows": int(data.shape[0]), "buffer_bytes": meta.get("buffer_bytes", 0), "crc": crcs,
+                   "config": meta.get("config"), "tp": meta.get("tp", 1), "pp": meta.get("pp", 1)}
+            if man["tp"] * man["pp"] > 1:
+                man["ranks"] = {str(r): json.loads(self.store.get(f"{key}/info/{r}"))
+                                for r in range(meta["shards"])}
+            tmp = d / "MANIFEST.json.tmp"
+            tmp.write_text(json.dumps(man))
+            os.replace(tmp, d / "MANIFEST.json")
+            done = sorted(p.parent for p in self.root.glob("step_*/MANIFEST.json"))
+            for old in done[:-KEEP]:
+                shutil.rmtree(old, ignore_errors=True)

@@ -142,6 +142,10 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         "faults": faults,
         "recoveries": recoveries,
         "control_plane": control_plane,
+        # persistent checkpoints that will not complete: skipped (the disk was slower than --persist-every)
+        # or failed to write, per rank (persist.py)
+        "persist_problems": [{k: ev.get(k) for k in ("kind", "step", "rank", "why")} for ev in events
+                             if ev.get("kind") in ("persist_skipped", "persist_failed")],
         "run_dir": str(run_dir),
     }
     if store.check([keys.RUN_ERROR]):

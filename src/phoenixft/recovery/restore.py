@@ -243,7 +243,10 @@ def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any
     man = topo.meta["manifest"]
     if topo.layout.dp != tr.flat.shards:
         m.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
-    full, buffers, mismatched = load_full(man)  # (rows, full numel), shards whose checksum does not match
+    try:
+        full, buffers, mismatched = load_full(man)  # (rows, full numel), shards whose checksum does not match
+    except OSError as e:
+        raise RunAborted(f"the persistent checkpoint of step {r} could not be loaded: {e}") from None
     bad.extend(f"persistent shard {x} of step {r} does not match its checksum" for x in mismatched)
     flat, st = tr.flat, tr.state
     if full.shape[0] != tr.rows:
