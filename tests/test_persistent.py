@@ -82,6 +82,26 @@ def test_resume_onto_a_different_node_count(tmp_path: Path, reference) -> None: 
     assert cfg["nodes"] == 3
 
 
+_META = {"rank": 0, "shards": 1, "numel": 4, "shard_numel": 64, "epoch": 0, "seed": 1}
+
+
+def _persister(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: object) -> tuple[Persister, Any]:
+    """A Persister of one rank writing every step through `disk` (DCP's `save`), on a real TCPStore."""
+    monkeypatch.setattr(persist, "_dcp", lambda: disk)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    return Persister(str(tmp_path), 1, store), store
+
+
+def _events(store: Any) -> list[tuple[str, int]]:
+    return [(e["kind"], e["step"]) for e in map(json.loads, store.get(keys.EVENTS).decode().splitlines())]
+
+
+def _until(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_skipped_and_failed_checkpoints_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint staged while the writer is still busy with two is skipped, and one whose write
     raises never completes: each becomes an event the report lists (never silent), and the ones
@@ -96,24 +116,18 @@ def test_skipped_and_failed_checkpoints_are_reported(tmp_path: Path, monkeypatch
             Path(checkpoint_id).mkdir(parents=True)
             saved.append(checkpoint_id)
 
-    monkeypatch.setattr(persist, "_dcp", lambda: SlowDisk())
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
-    p = Persister(str(tmp_path), 1, store)
-    meta = {"rank": 0, "shards": 1, "numel": 4, "shard_numel": 64, "epoch": 0, "seed": 1}
+    p, store = _persister(tmp_path, monkeypatch, SlowDisk())
     try:
-        for step in (1, 2, 3, 4):  # 1 is being written, 2 and 3 wait, 4 finds the queue full
-            p.stage(step, torch.zeros(3, 64), meta)
-            if step == 1:
-                for _ in range(200):  # until the writer took step 1 off the queue
-                    if p._q.empty():
-                        break
-                    threading.Event().wait(0.01)
+        p.stage(1, torch.zeros(3, 64), _META)
+        _until(p._q.empty)  # the writer took step 1 and waits on the disk
+        for step in (2, 3, 4):  # 2 and 3 wait in the queue, 4 finds it full
+            p.stage(step, torch.zeros(3, 64), _META)
     finally:
         gate.set()
         p.close(timeout_s=30)
-    events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines()]
-    assert [(e["kind"], e["step"]) for e in events] == [("persist_skipped", 4), ("persist_failed", 3)]
-    assert "No space left" in events[1]["why"] and "slower than --persist-every" in events[0]["why"]
+    assert _events(store) == [("persist_skipped", 4), ("persist_failed", 3)]
+    why = [json.loads(x)["why"] for x in store.get(keys.EVENTS).decode().splitlines()]
+    assert "slower than --persist-every" in why[0] and "No space left" in why[1]
     assert len(saved) == 2 and latest_manifest(tmp_path)["step"] == 2  # type: ignore[index]
 
 
@@ -122,34 +136,25 @@ def test_the_writer_outlives_a_failed_checkpoint_and_close_is_bounded(tmp_path: 
     """An error after the shard was saved (here: its directory is gone when the manifest is written)
     costs that checkpoint only: the writer goes on with the next one. And `close` returns within its
     timeout even when a write never ends."""
-    stuck, calls = threading.Event(), []
+    stuck = threading.Event()
 
     class Disk:
         def save(self, sd: dict[str, Any], checkpoint_id: str, no_dist: bool) -> None:
-            calls.append(checkpoint_id)
             if "step_00000003" in checkpoint_id:
                 assert not stuck.wait(60)  # a write that never ends (until the test lets it go)
             elif "step_00000002" in checkpoint_id:
                 Path(checkpoint_id).mkdir(parents=True)
             # step 1: nothing created, so writing its manifest fails after the save
 
-    monkeypatch.setattr(persist, "_dcp", lambda: Disk())
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
-    p = Persister(str(tmp_path), 1, store)
-    meta = {"rank": 0, "shards": 1, "numel": 4, "shard_numel": 64, "epoch": 0, "seed": 1}
+    p, store = _persister(tmp_path, monkeypatch, Disk())
     try:
         for step in (1, 2):
-            p.stage(step, torch.zeros(3, 64), meta)
-        for _ in range(500):
-            if latest_manifest(tmp_path):
-                break
-            threading.Event().wait(0.01)
+            p.stage(step, torch.zeros(3, 64), _META)
+        _until(lambda: latest_manifest(tmp_path) is not None)
         assert latest_manifest(tmp_path)["step"] == 2  # type: ignore[index]
-        events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines()]
-        assert [(e["kind"], e["step"]) for e in events] == [("persist_failed", 1)], events
-        p.stage(3, torch.zeros(3, 64), meta)
-        p.stage(4, torch.zeros(3, 64), meta)
-        p.stage(5, torch.zeros(3, 64), meta)  # the queue holds 4 and 5 while 3 never ends
+        assert _events(store) == [("persist_failed", 1)]
+        for step in (3, 4, 5):  # the queue holds 4 and 5 while 3 never ends
+            p.stage(step, torch.zeros(3, 64), _META)
         closer = threading.Thread(target=p.close, kwargs={"timeout_s": 1.0}, daemon=True)  # a hang fails, not hangs
         t = time.monotonic()
         closer.start()

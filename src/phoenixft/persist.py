@@ -18,6 +18,7 @@ into the full model, so a checkpoint written by one layout loads onto any other.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,21 +51,6 @@ def _dcp() -> Any:
     return dcp
 
 
-def _load(sd: dict[str, torch.Tensor], path: str) -> None:
-    """`dcp.load` into `sd`; its failures (DCP raises a CheckpointException, a BaseException, which
-    `except Exception` handlers would let through) as an OSError naming the shard file."""
-    try:
-        _dcp().load(sd, checkpoint_id=path, no_dist=True)
-    except Exception as e:
-        raise OSError(f"checkpoint shard {path} could not be read: {type(e).__name__}: {e}") from None
-    except BaseException as e:
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        lines = str(e).strip().splitlines()
-        raise OSError(f"checkpoint shard {path} could not be read: {lines[-1] if lines else type(e).__name__}") \
-            from None
-
-
 class _DcpLogFilter(logging.Filter):
     """Drops the records torch.distributed.checkpoint logs (on the root logger) while phoenixft calls it."""
 
@@ -77,27 +63,40 @@ class _DcpLogFilter(logging.Filter):
 _DCP_LOG = _DcpLogFilter()
 
 
-class _Quiet:
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
     """DCP's warnings and its logged tracebacks (a missing metadata file is logged twice, with its
-    traceback, before the error is raised) are silenced while phoenixft calls it: its failures reach
-    the user as one line (the caller's)."""
-
-    def __init__(self) -> None:
-        self._warn = warnings.catch_warnings()
-        self._warn.__enter__()
-        warnings.simplefilter("ignore")
-        root = logging.getLogger()
-        if _DCP_LOG not in root.filters:
-            root.addFilter(_DCP_LOG)
-        _DcpLogFilter.active += 1
-
-    def __exit__(self, *exc: Any) -> None:
+    traceback, before the error is raised) silenced while phoenixft calls it: its failures reach the
+    user as one line (the caller's)."""
+    root = logging.getLogger()
+    if _DCP_LOG not in root.filters:
+        root.addFilter(_DCP_LOG)
+    _DcpLogFilter.active += 1
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
         _DcpLogFilter.active -= 1
-        self._warn.__exit__(*exc)
 
 
-def _quiet() -> _Quiet:
-    return _Quiet()
+def _reason(e: BaseException) -> str:
+    """One line for a DCP failure: its type and the last line of its message (DCP's CheckpointException
+    carries each rank's traceback)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
+
+
+def _load(sd: dict[str, torch.Tensor], path: str) -> None:
+    """`dcp.load` into `sd`; a failure as an OSError naming the shard file (DCP raises CheckpointException,
+    a BaseException, which `except Exception` handlers would let through)."""
+    try:
+        with _quiet():
+            _dcp().load(sd, checkpoint_id=path, no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - see above
+        raise OSError(f"checkpoint shard {path} could not be read: {_reason(e)}") from None
 
 
 def latest_manifest(root: str | os.PathLike[str], max_step: int | None = None) -> dict[str, Any] | None:
@@ -127,20 +126,16 @@ def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, l
     crcs = man.get("crc", {})
     nrows = int(man.get("rows", 3))
     buffers = None
-    cm = _quiet()
-    try:
-        for r in range(man["shards"]):
-            sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, man["shard_numel"])}
-            if r == 0 and man.get("buffer_bytes"):
-                sd["buffers"] = torch.empty(int(man["buffer_bytes"]), dtype=torch.uint8)
-            _load(sd, os.path.join(man["path"], f"rank{r}"))
-            if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
-                bad.append(r)
-            rows.append(sd["shard"])
-            if "buffers" in sd:
-                buffers = sd["buffers"]
-    finally:
-        cm.__exit__(None, None, None)
+    for r in range(man["shards"]):
+        sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, man["shard_numel"])}
+        if r == 0 and man.get("buffer_bytes"):
+            sd["buffers"] = torch.empty(int(man["buffer_bytes"]), dtype=torch.uint8)
+        _load(sd, os.path.join(man["path"], f"rank{r}"))
+        if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
+            bad.append(r)
+        rows.append(sd["shard"])
+        if "buffers" in sd:
+            buffers = sd["buffers"]
     return torch.cat(rows, dim=1)[:, : man["numel"]].contiguous(), buffers, bad
 
 
@@ -150,27 +145,23 @@ def _load_mesh(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, 
     nrows, crcs, info = int(man.get("rows", 3)), man.get("crc", {}), man["ranks"]
     full = torch.zeros(nrows, int(man["numel"]))
     bad: list[int] = []
-    cm = _quiet()
-    try:
-        for p in range(lay.pp):
-            for t in range(lay.tp):
-                parts, segs = [], None
-                for r in lay.dp_group(lay.rank(p, 0, t)):
-                    numel, shard_numel, nsegs = info[str(r)]
-                    sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, shard_numel)}
-                    if nsegs:
-                        sd["segments"] = torch.empty(nsegs * 3, dtype=torch.int64)
-                    _load(sd, os.path.join(man["path"], f"rank{r}"))
-                    if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
-                        bad.append(r)
-                    parts.append(sd["shard"])
-                    if "segments" in sd:
-                        segs = [tuple(x) for x in sd["segments"].view(-1, 3).tolist()]
-                if segs is None:
-                    raise ValueError(f"checkpoint {man['path']}: stage pp{p}.tp{t} has no map onto the full model")
-                to_full(torch.cat(parts, dim=1)[:, :numel], segs, full)
-    finally:
-        cm.__exit__(None, None, None)
+    for p in range(lay.pp):
+        for t in range(lay.tp):
+            parts, segs = [], None
+            for r in lay.dp_group(lay.rank(p, 0, t)):
+                numel, shard_numel, nsegs = info[str(r)]
+                sd: dict[str, torch.Tensor] = {"shard": torch.empty(nrows, shard_numel)}
+                if nsegs:
+                    sd["segments"] = torch.empty(nsegs * 3, dtype=torch.int64)
+                _load(sd, os.path.join(man["path"], f"rank{r}"))
+                if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
+                    bad.append(r)
+                parts.append(sd["shard"])
+                if "segments" in sd:
+                    segs = [tuple(x) for x in sd["segments"].view(-1, 3).tolist()]
+            if segs is None:
+                raise ValueError(f"checkpoint {man['path']}: stage pp{p}.tp{t} has no map onto the full model")
+            to_full(torch.cat(parts, dim=1)[:, :numel], segs, full)
     return full, None, bad
 
 
@@ -236,21 +227,17 @@ class Persister:
             try:  # whatever goes wrong with one checkpoint, the writer lives on for the next ones
                 self._write(step, data, meta)
             except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-                why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-                self._problem("persist_failed", step, meta.get("rank"), f"{type(e).__name__}: {why}"[:300])
+                self._problem("persist_failed", step, meta.get("rank"), _reason(e)[:300])
 
     def _write(self, step: int, data: torch.Tensor, meta: dict[str, Any]) -> None:
         if self._fenced():  # a fenced node never writes into the job's checkpoints again
             return
         t0 = time.perf_counter()
         d = self.root / f"step_{step:08d}"
-        cm = _quiet()
-        try:
-            sd: dict[str, torch.Tensor] = {"shard": data}
-            sd.update({k: meta[k] for k in ("buffers", "segments") if k in meta})
+        sd: dict[str, torch.Tensor] = {"shard": data}
+        sd.update({k: meta[k] for k in ("buffers", "segments") if k in meta})
+        with _quiet():
             _dcp().save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
-        finally:
-            cm.__exit__(None, None, None)
         self.saved.append(time.perf_counter() - t0)
         key = f"persist/{meta['epoch']}/{step}"
         self.store.set(f"{key}/crc/{meta['rank']}", str(checksum(data)))
