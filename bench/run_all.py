@@ -78,6 +78,9 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         # a hot-swap on `medium` (bench/transfer.py; --quick measures `small` and leaves this None)
         "recovery_transfer_gbps_medium": tr.get("recovery_transfer_gbps_medium"),
         "recovery_transfer_gbps_transfer_part": tr.get("recovery_transfer_gbps"),
+        # the same bytes between two bare processes right after each hot-swap (bench/gloo_link.py), and the share
+        "recovery_transfer_link_gbps": tr.get("recovery_transfer_link_gbps"),
+        "recovery_transfer_vs_link": tr.get("recovery_transfer_vs_link"),
         "recovery_transfer_part_model": tr.get("model"),
         "mesh_recovery_s": {k: _g(ms, "hotswap", k, "recovery_s") for k in ("dp", "3d")} if ms else None,
         "overhead_model": ov.get("model"),
@@ -311,6 +314,14 @@ def summary_md(res: dict[str, Any]) -> str:
             hm(None if res.get("recovery_transfer_gbps_medium") is None
                else res["recovery_transfer_gbps_medium"] >= 2.0),
             f"`python bench/transfer.py{flag}`",
+        ),
+        (
+            "Hot-swap transfer / the bare link's GB/s for the same bytes, measured right after each hot-swap",
+            f(res.get("recovery_transfer_vs_link"), 2),
+            "",
+            "",
+            f"`python bench/transfer.py{flag}` (bare link {f(res.get('recovery_transfer_link_gbps'), 2)} GB/s, "
+            "bench/gloo_link.py)",
         ),
         (
             "Recovery vs world size, power-law exponent b (y = a W^b)",

@@ -113,10 +113,12 @@ def test_run_all_merge_reports_the_transfer_part(monkeypatch: pytest.MonkeyPatch
 
     machine = {"date": "x", "cpu_count": 2, "cpu_model": "x", "torch": "x"}
     for model, want in (("medium", 1.5), ("small", None)):
-        tr = {"model": model, "recovery_transfer_gbps": 1.5, f"recovery_transfer_gbps_{model}": 1.5}
+        tr = {"model": model, "recovery_transfer_gbps": 1.5, f"recovery_transfer_gbps_{model}": 1.5,
+              "recovery_transfer_link_gbps": 2.5, "recovery_transfer_vs_link": 0.6}
         res = run_all.merge({"transfer": tr}, model == "small", time.time(), dict(machine))
         assert res["recovery_transfer_gbps_medium"] == want
         assert res["recovery_transfer_gbps_transfer_part"] == 1.5 and res["recovery_transfer_part_model"] == model
+        assert res["recovery_transfer_link_gbps"] == 2.5 and res["recovery_transfer_vs_link"] == 0.6
         assert "transfer" in run_all.summary_md(res)
 
 
@@ -132,3 +134,13 @@ def test_run_all_merge_reports_the_etcd_part(monkeypatch: pytest.MonkeyPatch) ->
     assert res["etcd_step_ratio_vs_tcpstore"] == 1.01 and res["etcd_takeover_s"] == 2.1
     assert res["etcd_server_cpu_cores"] == 0.06 and res["etcd_rendezvous_s"]["etcd"] == 0.07
     json.dumps(res)
+
+
+def test_transfer_link_floor_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/transfer.py's same-run link floor: bench/gloo_link.py really moves the bytes between two
+    processes and its GB/s is parsed (a parse that silently gave None would drop the ratio)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import transfer
+
+    gbps = transfer.link_gbps(8_000_000)
+    assert _pos(gbps), gbps
