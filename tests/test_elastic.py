@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -34,4 +35,27 @@ def test_shrink_then_grow_back(tmp_path: Path, reference) -> None:  # type: igno
     shrink, grow = rep["recoveries"]
     assert shrink["action"] == "shrink" and grow["action"] == "grow" and grow["promoted"] == ["s0"]
     assert all(grow["invariants"].values())
+    _close(rep["loss"], ref["loss"], 1e-4)
+
+
+def test_gated_faults_hold_only_until_the_job_is_whole(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """`,wait=S` with no spares and --repair-after (what `phoenixft chaos --spares 0` draws): a job
+    without spares is whole at full size, so the first kill fires at once (it used to wait its full 60 s
+    for a warm spare that cannot exist); the second, due in a phase a one-node job never reaches
+    (replicate), is held before its step until the repaired node is grown back in, then fires (it used
+    to be skipped). Holding happens before the step on every rank: no collective times out meanwhile."""
+    ref = reference(nodes=2, steps=10, microbatches=2)
+    rep = run(tmp_path, nodes=2, spares=0, steps=10, microbatches=2, repair_after=1.0,
+              inject=["kill:node=1@step=3,phase=backward,wait=60", "kill:node=1@step=5,phase=replicate,wait=60"])
+    assert rep["state"] == "done", rep.get("error")
+    ev = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines() if x.strip()]
+    start = min(e["t"] for e in ev if e.get("kind") == "epoch")
+    fired = {e["spec"]: e for e in ev if e.get("kind") == "fault"}
+    assert len(fired) == 2, f"faults fired: {sorted(fired)}"
+    first = fired["kill:node=1@step=3,phase=backward,wait=60"]
+    assert first["t"] - start < 20.0, f"the first kill was held {first['t'] - start:.1f}s for nothing"
+    actions = [r["action"] for r in rep["recoveries"]]
+    assert actions[:3] == ["shrink", "grow", "shrink"], actions
+    assert all(r["class"] != "transient" for r in rep["recoveries"]), "a held step timed a collective out"
+    assert all(all(r["invariants"].values()) for r in rep["recoveries"])
     _close(rep["loss"], ref["loss"], 1e-4)

@@ -256,9 +256,9 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
 
 
 def _gated(spec: str) -> str:
-    """Node faults at a step hold that step until the job is whole again (full size, a warm spare
-    ready), at most FAULT_WAIT_S: a cluster with --repair-after repairs between faults, as a real one
-    mostly is, rather than a burst that outruns the repairs by construction."""
+    """Node faults at a step hold that step until the job is whole again (full size, and a warm spare
+    ready if the job has spares), at most FAULT_WAIT_S: a cluster with --repair-after repairs between
+    faults, as a real one mostly is, rather than a burst that outruns the repairs by construction."""
     if spec.startswith(("kill:node", "hang:", "crash:", "corrupt:")) and "phase=recovery" not in spec:
         return f"{spec},wait={FAULT_WAIT_S:g}"
     return spec

@@ -383,11 +383,13 @@ class Coordinator:
         return True
 
     def _publish_whole(self) -> None:
-        """`job/whole`: the job has its full size and at least one warm spare (what `,wait=S` faults wait for)."""
+        """`job/whole`: the job has its full size and, if it was given spares, at least one warm spare
+        (what `,wait=S` faults wait for). A job run without spares (--spares 0, e.g. with --repair-after:
+        a repaired node returns as a spare and is grown in at once) is whole at its full size."""
         assert self.topo is not None
         self._refresh_pool()
-        whole = len(self.topo.nodes) == self.cfg.nodes and any(
-            self._node_ready(s) for s in self.spare_pool if s not in self.dead)
+        whole = len(self.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or any(
+            self._node_ready(s) for s in self.spare_pool if s not in self.dead))
         there = exists_many(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
         if whole and not there:
             self.store.set(keys.JOB_WHOLE, "1")

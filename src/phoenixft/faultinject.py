@@ -6,7 +6,8 @@ the replication thread) replicate; `in_recovery(topo)` in the middle of a recove
 `nan_at(step)` poisons a loss; `corrupt_replicas` flips bits of a received replica at rest, and
 `corrupts_transfers` corrupts a copy in flight. A fault is claimed once per run through the store,
 recorded as an event, then carried out with a real SIGKILL / SIGSTOP / exit of the node's process
-group, or of the coordinator. `,wait=S` holds the step until the job is whole (its spares warm).
+group, or of the coordinator. `,wait=S` holds the step on every rank, before it begins (`hold`),
+until the job is whole (full size, and a warm spare if the job has spares), at most S seconds.
 """
 
 from __future__ import annotations
@@ -32,17 +33,27 @@ class FaultInjector:
     def __init__(self, worker: Worker) -> None:
         self.w = worker
 
+    def hold(self, step: int) -> None:
+        """`,wait=S`: before step `step`, on every rank, hold until the job is whole (at most S) while a
+        gated fault due now has not fired: a kill, hang or crash in this step, a corruption at rest in
+        the next (it hits the replicas received during it, those of this step).
+
+        Every rank holds, before any collective of the step, so no peer waits inside one meanwhile: a
+        hold as long as the collective timeout would otherwise fail the step it means to protect
+        (the peer's gloo send times out, a spurious recovery replays the step, which holds again)."""
+        if self.w.topo is None:
+            return
+        for f in self.w.faults:
+            due = f.step == step + 1 if f.kind == "corrupt" else f.step == step
+            if (f.wait and due and f.kind in ("kill", "hang", "crash", "corrupt") and f.phase != "transfer"
+                    and not self.w.store.check([keys.fault(f.index) + "/fired"])):
+                self._wait_whole(f)
+
     def at(self, step: int, phase: str) -> None:
         if self.w.topo is None:
             return
         slot = self.w.topo.slot_of(self.w.node_id)
         for f in self.w.faults:
-            if (f.kind == "corrupt" and f.wait and f.phase != "transfer" and f.step == step + 1
-                    and phase == "forward" and self.w.rank == 0):
-                # a gated corruption at rest hits the replication of this step: hold this step instead
-                if not self.w.store.check([keys.fault(f.index) + "/fired"]):
-                    self._wait_whole(f)
-                continue
             if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
                 continue
             if f.coordinator:
@@ -53,11 +64,7 @@ class FaultInjector:
                 hit = self.w.topo.rack_of(slot) == f.rack
             else:
                 hit = slot in f.nodes
-            # `,wait=S`: rank 0 holds the step too (the target may be a slot the job lost, back after the
-            # grow this waits for); a fault that already fired holds nothing when its step is replayed
-            if f.wait and (hit or self.w.rank == 0) and not self.w.store.check([keys.fault(f.index) + "/fired"]):
-                self._wait_whole(f)
-            if hit:
+            if hit:  # (a `,wait=S` fault held the step before it began: `hold`)
                 self.fire(f, step=step, phase=phase)
 
     def fire(self, f: FaultSpec, **where: Any) -> None:
@@ -101,7 +108,8 @@ class FaultInjector:
             arrived = self.w.store.add(key, 0)
 
     def _wait_whole(self, f: FaultSpec) -> None:
-        """`,wait=S`: hold this step (the peers wait at their next collective) until the job is whole."""
+        """Hold (at most `,wait=S`) until the job is whole; a recovery meanwhile (the grow it waits for)
+        takes the step over."""
         deadline = time.monotonic() + f.wait
         while not self.w.store.check([keys.JOB_WHOLE]) and time.monotonic() < deadline:
             self.w.watcher.check()  # a recovery (the grow this waits for) takes the step over

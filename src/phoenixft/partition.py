@@ -9,7 +9,7 @@ takes the link that carries the agent's address down (`ip link set dev IF down`)
 live on, but nothing reaches them and nothing leaves. After T seconds (`for=`) a timer brings the
 link back up; without `for=` it stays down until the agent gives up on the control plane
 (`--control-plane-timeout`) and exits, which brings it back up on the way out. With `wait=W` the
-fault first holds its step until the job is whole (full size and a warm spare), at most W seconds,
+fault first holds its step until the job is whole (full size, and a warm spare if it has spares), at most W seconds,
 by pausing the node's workers (SIGSTOP; the peers wait at their next collective), as `wait=` does
 for the faults workers fire.
 

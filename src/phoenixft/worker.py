@@ -172,6 +172,7 @@ class Worker:
     # ------------------------------------------------------------------ training
     def train_step(self, s: int) -> None:
         assert self.comm is not None and self.topo is not None
+        self.inject.hold(s)  # `,wait=S` faults: before any collective of the step, on every rank
         t0 = time.perf_counter()
         repl = self.repl
         res = self.trainer.step(

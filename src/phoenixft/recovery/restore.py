@@ -233,7 +233,26 @@ def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str,
         st.data[0, 0].copy_(flat.flat[sl])
     st.commit(0, r, 0, (me, w))
     st.header[1, H_VALID] = 0
+    _hold_resharded(m, topo, r, rows)
     timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2, bytes_opt=full.numel() * 4)
+
+
+def _hold_resharded(m: Worker, topo: Topology, r: int, rows: torch.Tensor) -> None:
+    """After a reshard every member holds the whole optimizer state of step r (`rows`, padded to the new
+    partition): it keeps, at once, the replicas the new epoch's ring gives it, so each new shard has its
+    copies on other nodes before training resumes. Otherwise the new shards would exist only on their
+    owners until the first replication of the new epoch lands, and a node lost in that window (a
+    repaired node that dies again right after it was grown back in) would lose the run. Parity
+    (`--redundancy ec`) is encoded by its next job instead (it needs the group's exchange)."""
+    if m.repl is None or m.ec is not None:
+        return
+    flat, lay = m.trainer.flat, topo.layout
+    for src in topo.sources(m.rank):
+        h = m.repl.holding(src)
+        h.begin_write(0)
+        h.payload(0).view(rows.shape[0], -1).copy_(rows[:, flat.shard_slice(lay.dp_rank(src))])
+        h.commit(0, r, checksum(h.payload(0)), (src, topo.world))
+        h.header[1, H_VALID] = 0
 
 
 def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
