@@ -233,16 +233,17 @@ def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str,
         st.data[0, 0].copy_(flat.flat[sl])
     st.commit(0, r, 0, (me, w))
     st.header[1, H_VALID] = 0
-    _hold_resharded(m, topo, r, rows)
+    _replicas_from_whole_state(m, topo, r, rows)
     timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2, bytes_opt=full.numel() * 4)
 
 
-def _hold_resharded(m: Worker, topo: Topology, r: int, rows: torch.Tensor) -> None:
-    """After a reshard every member holds the whole optimizer state of step r (`rows`, padded to the new
-    partition): it keeps, at once, the replicas the new epoch's ring gives it, so each new shard has its
-    copies on other nodes before training resumes. Otherwise the new shards would exist only on their
-    owners until the first replication of the new epoch lands, and a node lost in that window (a
-    repaired node that dies again right after it was grown back in) would lose the run. Parity
+def _replicas_from_whole_state(m: Worker, topo: Topology, r: int, rows: torch.Tensor) -> None:
+    """After a reshard or a reload from the persistent tier every member has the whole optimizer state
+    of step r (`rows`: the payload rows, padded to the new partition): it keeps, at once, the replicas
+    the new epoch's ring gives it, so each new shard has its copies on other nodes before training
+    resumes. Otherwise the new shards would exist only on their owners until the first replication of
+    the new epoch lands, and a node lost in that window (a repaired node that dies again right after
+    it was grown back in) would lose the run (or, after a reload, take it back to the disk). Parity
     (`--redundancy ec`) is encoded by its next job instead (it needs the group's exchange)."""
     if m.repl is None or m.ec is not None:
         return
@@ -287,4 +288,5 @@ def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any
     if m.ec is not None:
         for ph in m.ec.parity.values():
             ph.invalidate_after(-1)
+    _replicas_from_whole_state(m, topo, r, padded[tr.payload_from :])
     timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0, bytes_params=full.numel() * 4)
