@@ -312,6 +312,7 @@ class Worker:
             restore.restore_persistent(self, topo, r, timings, bad)
         elif path == "init":
             tr.init_shard(lay.dp_rank(self.rank), self.rank, topo.world)
+            restore.init_replicas(self, topo)
         else:
             restore.restore_in_place(self, topo, r, timings, bad)
         tr.resume(r)  # the restored host snapshot into the shard's working copy (H2D on CUDA)

@@ -237,6 +237,30 @@ def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str,
     timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2, bytes_opt=full.numel() * 4)
 
 
+def init_replicas(m: Worker, topo: Topology) -> None:
+    """Epoch 0, a fresh start: the state of step 0 is the model as built under the seed (which every
+    member has) and a zero optimizer state, so each member writes the replicas the ring gives it
+    itself, as `Trainer.init_shard` writes its own shard. Without them a node lost during step 1,
+    before the first replication landed, lost the run ("in-memory state lost" at step 0)."""
+    if m.repl is None or m.ec is not None:
+        return
+    tr, lay = m.trainer, topo.layout
+    flat = tr.flat
+    master = None
+    if tr.payload_from == 0:  # the fp32 master weights are part of the payload (bf16 parameters)
+        master = torch.zeros(flat.padded)
+        master[: flat.numel] = flat.init_master.cpu()
+    for src in topo.sources(m.rank):
+        h = m.repl.holding(src)
+        h.begin_write(0)
+        rows = h.payload(0).view(tr.payload_rows, -1)
+        rows.zero_()
+        if master is not None:
+            rows[0].copy_(master[flat.shard_slice(lay.dp_rank(src))])
+        h.commit(0, 0, checksum(h.payload(0)), (src, topo.world))
+        h.header[1, H_VALID] = 0
+
+
 def _replicas_from_whole_state(m: Worker, topo: Topology, r: int, rows: torch.Tensor) -> None:
     """After a reshard or a reload from the persistent tier every member has the whole optimizer state
     of step r (`rows`: the payload rows, padded to the new partition): it keeps, at once, the replicas
