@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from phoenixft import auth, keys, shm
+from phoenixft import auth, keys, rundir, shm
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import LogReader, exists_many, get_nowait, is_etcd
 from phoenixft.display import Display
@@ -81,9 +81,10 @@ class LocalJob:
         self.token_generated = token is None
         self.run_id = uuid.uuid4().hex[:10]
         self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{self.run_id}"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "logs").mkdir(exist_ok=True)
+        replaced = rundir.prepare(self.run_dir)  # a previous run's files there are removed (a live run's: refused)
         self.display = display or Display(quiet=cfg.quiet, json_events=cfg.json_events, steps=cfg.steps)
+        if replaced:
+            self.display.info(replaced)
         self.display.joins = not local
         self.coords: dict[int, subprocess.Popen[bytes]] = {}  # --coordinators: one leads, the others stand by
         self.etcd: Any = None  # --control-plane etcd: the local cluster this job started
@@ -206,7 +207,7 @@ class LocalJob:
 
     def _start_coordinator(self, i: int = 0) -> None:
         # it dies with the launcher (which serves the store it needs); --run-id makes it findable
-        journal = ["--journal", str(self.run_dir / "coordinator.journal")] if self.cfg.control_plane == "tcpstore" \
+        journal = ["--journal", rundir.journal_path(self.run_dir)] if self.cfg.control_plane == "tcpstore" \
             else []  # on etcd the journal is in etcd (a standby on another host reads it)
         p = self._spawn(["phoenixft.procs", "--parent", str(os.getpid()), "--signal",
                          str(int(signal.SIGKILL)), "phoenixft.coordinator", "--store", self.addr,

@@ -1,0 +1,70 @@
+"""A run's directory (`--run-dir`): created, or taken over from the run that used it before.
+
+A run writes config.json, its coordinator's journal, the event and metric logs, report.json, the
+process logs and the final model there. A directory that holds another run's files is reused: those
+files are removed first (the coordinator would otherwise take the old journal for its own history
+and refuse every node as "already started", and the logs would interleave two runs). A directory
+whose run is still alive (a process names its journal) is refused with one line instead.
+
+    phoenixft run --run-dir runs/exp1 ...   # again later: the second run replaces the first's files
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from phoenixft.errors import UserError
+from phoenixft.procs import cmdlines
+
+__all__ = ["RUN_FILES", "JOURNAL", "journal_path", "prepare"]
+
+JOURNAL = "coordinator.journal"
+# what a run writes at the top of its directory (report.html: `phoenixft report`); logs/ and final/ too
+RUN_FILES = ("config.json", JOURNAL, "coordinator.port", "control_plane", "events.jsonl", "metrics.jsonl",
+             "report.json", "report.html")
+
+
+def journal_path(run_dir: Path) -> str:
+    """The journal's path as the coordinator is given it (absolute: how a live run is recognised)."""
+    return str(run_dir.resolve() / JOURNAL)
+
+
+def _previous_run_id(run_dir: Path) -> str:
+    try:
+        return str(json.loads((run_dir / "report.json").read_text()).get("run_id") or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def prepare(run_dir: Path) -> str | None:
+    """Create `run_dir` (and logs/), or clear the files of the run that used it before; returns a line
+    saying what was replaced (None for a new or empty directory). Raises UserError if it cannot be
+    created, or if the run that uses it is still alive."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir}: cannot create it ({e.strerror or e}); give a writable path") \
+            from None
+    found = [n for n in RUN_FILES if (run_dir / n).exists()]
+    logs = sorted((run_dir / "logs").glob("*.log"))
+    if not found and not logs and not (run_dir / "final").exists():
+        return None
+    journal = journal_path(run_dir)
+    live = [pid for pid, argv in cmdlines().items() if journal in argv]
+    if live:
+        raise UserError(f"--run-dir {run_dir}: a run that is still alive uses it (its coordinator is process "
+                        f"{live[0]}); give another directory, or stop that run first")
+    old = _previous_run_id(run_dir)
+    try:
+        for n in found:
+            (run_dir / n).unlink()
+        for f in logs:
+            f.unlink()
+        shutil.rmtree(run_dir / "final", ignore_errors=True)
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir}: cannot remove the previous run's files ({e})") from None
+    return (f"--run-dir {run_dir}: replaced the files of the run that used it before"
+            f"{f' (run {old})' if old else ''}")

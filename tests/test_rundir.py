@@ -1,0 +1,73 @@
+"""`--run-dir`: a directory another run used is taken over (its files replaced), a live run's is
+refused, one that cannot be created is one line (phoenixft.rundir)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run
+
+from phoenixft import rundir
+from phoenixft.errors import UserError
+
+
+def _old_run(d: Path) -> None:
+    (d / "logs").mkdir(parents=True)
+    (d / "final").mkdir()
+    (d / "final" / "model.safetensors").write_bytes(b"x")
+    (d / "logs" / "n0.log").write_text("old\n")
+    (d / rundir.JOURNAL).write_text('{"topo": {}}\n')
+    (d / "report.json").write_text(json.dumps({"run_id": "0123456789"}))
+    (d / "keep.txt").write_text("the user's")
+
+
+def test_new_directory_is_created(tmp_path: Path) -> None:
+    assert rundir.prepare(tmp_path / "a" / "b") is None
+    assert (tmp_path / "a" / "b" / "logs").is_dir()
+
+
+def test_previous_runs_files_are_replaced(tmp_path: Path) -> None:
+    _old_run(tmp_path)
+    note = rundir.prepare(tmp_path)
+    assert note is not None and "0123456789" in note
+    assert not (tmp_path / rundir.JOURNAL).exists() and not (tmp_path / "report.json").exists()
+    assert not (tmp_path / "final").exists() and list((tmp_path / "logs").iterdir()) == []
+    assert (tmp_path / "keep.txt").read_text() == "the user's"  # only a run's own files go
+
+
+def test_live_runs_directory_is_refused(tmp_path: Path) -> None:
+    _old_run(tmp_path)
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", rundir.journal_path(tmp_path)],
+                         start_new_session=True)
+    try:
+        with pytest.raises(UserError, match="still alive"):
+            rundir.prepare(tmp_path)
+        assert (tmp_path / rundir.JOURNAL).exists()  # nothing of the live run was touched
+    finally:
+        os.killpg(p.pid, 9)
+        p.wait(timeout=10)
+
+
+def test_uncreatable_directory_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"--run-dir .*file/x: cannot create it"):
+        rundir.prepare(tmp_path / "file" / "x")
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "run", "--run-dir", str(tmp_path / "file" / "x"),
+                        "--steps", "1", "--quiet"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")))
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "cannot create it" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_run_directory_can_be_used_again(tmp_path: Path) -> None:
+    """The second run in the same directory used to load the first's coordinator journal and refuse
+    every node ("the job has started")."""
+    a = run(tmp_path, nodes=2, spares=0, protect="none", steps=2)
+    b = run(tmp_path, nodes=2, spares=0, protect="none", steps=2)
+    assert a["state"] == b["state"] == "done", b.get("error")
+    assert a["run_id"] != b["run_id"]
+    assert json.loads((tmp_path / "report.json").read_text())["run_id"] == b["run_id"]
