@@ -114,6 +114,8 @@ class Display:
                       f"params {fmt(st['restore_params_s'])}, optimizer {fmt(st['restore_optimizer_s'])}, "
                       f"first step {fmt(st['first_step_s'])}), lost {r['lost_steps']} step(s), "
                       f"invariants {self._inv(r)}")
+        for spec in report.get("faults_not_fired", []):
+            self._err(f"!! fault never fired: {spec} (its node, rank or phase was not in the job when its step came)")
         state = report.get("state")
         self._err(f"{state}: {report.get('steps_completed', 0)} steps, final state sha256 "
                   f"{(report.get('final_state_sha256') or '-')[:16]}, report in {report.get('run_dir', '-')}")

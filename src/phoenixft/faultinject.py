@@ -140,11 +140,22 @@ class FaultInjector:
 
     def corrupts_transfers(self, topo: Topology) -> bool:
         slot = topo.slot_of(self.w.node_id)
-        return any(f.kind == "corrupt" and f.phase == "transfer" and slot in f.nodes and f.step is not None
-                   and topo.resume_step >= f.step - 1 for f in self.w.faults)
+        hits = [f for f in self.w.faults if f.kind == "corrupt" and f.phase == "transfer" and slot in f.nodes
+                and f.step is not None and topo.resume_step >= f.step - 1]
+        for f in hits:
+            self._fired(f)
+        return bool(hits)
 
     def nan_at(self, step: int) -> bool:
-        return self.w.rank == 0 and any(f.kind == "nan" and f.step == step for f in self.w.faults)
+        hits = [f for f in self.w.faults if f.kind == "nan" and f.step == step] if self.w.rank == 0 else []
+        for f in hits:
+            self._fired(f)
+        return bool(hits)
+
+    def _fired(self, f: FaultSpec) -> None:
+        """Mark a fault that acts without `fire` (a corruption, a NaN) as fired: the report lists the
+        `--inject` specs that never did (`faults_not_fired`)."""
+        self.w.store.add(keys.fault(f.index) + "/fired", 1)
 
     def corrupt_replicas(self, step: int, received: dict[int, Holding]) -> None:
         if self.w.topo is None:
@@ -157,5 +168,5 @@ class FaultInjector:
                     if half is not None:
                         h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
                         self.w.event("corrupted_replica", shard=shard, step=step, spec=f.text)
-                        self.w.store.add(keys.fault(f.index) + "/fired", 1)
+                        self._fired(f)
 

@@ -311,6 +311,7 @@ class LocalJob:
             rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "kill",
                    "node": f"etcd member m{i}" + (" (raft leader)" if f.etcd < 0 else ""), "step": f.step,
                    "phase": "control plane", "by": "launcher"}
+            self.store.add(keys.fault(f.index) + "/fired", 1)
             self.store.set(keys.fault(f.index), json.dumps(rec))
             self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
             self.etcd.kill(i)

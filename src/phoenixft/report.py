@@ -140,6 +140,9 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
                         "p90": percentile(dts, 0.9) if dts else None},
         "final_state_sha256": final["sha256"] if final else None,
         "faults": faults,
+        # --inject specs that never acted (their node, rank or phase was not in the job when their step came)
+        "faults_not_fired": [spec for i, spec in enumerate(cfg.inject or [])
+                             if not store.check([keys.fault(i) + "/fired"]) and not store.check([keys.fault(i)])],
         "recoveries": recoveries,
         "control_plane": control_plane,
         # persistent checkpoints that will not complete: skipped (the disk was slower than --persist-every)

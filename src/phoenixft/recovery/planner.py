@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixft.redundancy.decodable import DecodeJob, decode_options
-from phoenixft.topology import Topology
+from phoenixft.topology import Topology, shard_name
 
 __all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps", "STRIPES"]
 
@@ -188,6 +188,15 @@ def plan_recovery(pi: PlanInput) -> Plan:
     # --- the recovery step
     copies = _copies(pi)
     steps = feasible_steps(pi, shards)
+    src_world = old.world
+    if not steps and "reshard" in old.meta:
+        # the last epoch's repartition did not complete (a member lost during it): the state is still in
+        # the layout it came from, so plan from that one, as a repartition onto the nodes left
+        prev = int(old.meta["reshard"]["old_world"])
+        prev_shards = [shard_name(i, prev, old.tp, old.pp) for i in range(prev)]
+        prev_steps = feasible_steps(pi, prev_shards)
+        if prev_steps:
+            shards, steps, src_world = prev_shards, prev_steps, prev
     dec = _decodable(pi, copies)
     lost = [s for s in shards if not copies.get(s) and not dec.get(s)]
     if not steps:
@@ -204,7 +213,7 @@ def plan_recovery(pi: PlanInput) -> Plan:
                         lost=lost, rejected=rejected)
         return _persistent(pi, nodes, promoted, dropped, klass, what, rejected, lost)
     r = max(steps)
-    return _in_memory(pi, r, copies, nodes, promoted, dropped, klass, action, rejected, g)
+    return _in_memory(pi, r, copies, nodes, promoted, dropped, klass, action, rejected, g, src_world)
 
 
 def _new_topo(pi: PlanInput, nodes: list[str], r: int, meta: dict[str, Any],
@@ -240,8 +249,12 @@ def _pick(candidates: dict[str, int], k: int, prefer: set[str]) -> tuple[str, in
 
 def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]]], nodes: list[str],
                promoted: list[str], dropped: list[str], klass: str, action: str,
-               rejected: list[tuple[str, int]], g: int) -> Plan:
+               rejected: list[tuple[str, int]], g: int, src_world: int | None = None) -> Plan:
+    """The plan from in-memory copies of step r. `src_world`: the data-parallel world whose layout the
+    state is in (the last topology's unless its repartition did not complete); when it differs, the
+    state is repartitioned onto the new nodes, whatever their number."""
     old = pi.old
+    src_world = old.world if src_world is None else src_world
     gen = int(old.meta.get("generation", 0))
     base_meta: dict[str, Any] = {"dead": sorted(pi.dead), "promoted": promoted, "class": klass, "action": action,
                                  "dropped": dropped}
@@ -268,7 +281,7 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
                      "to": {str(job.members.index(shard)): dst}})
         return len(jobs) - 1
 
-    if len(nodes) == len(old.nodes):
+    if len(nodes) == len(old.nodes) and src_world == old.world:
         new = _new_topo(pi, nodes, r, {**base_meta, "generation": gen})
         lay = new.layout
         transfers = []
@@ -305,9 +318,9 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
     # the world changes size: repartition (every old shard gets one provider in the new epoch)
     new = _new_topo(pi, nodes, r, {**base_meta, "generation": gen + 1})
     providers: dict[str, list[Any]] = {}
-    for i in range(old.world):
-        shard = old.shard_name(i)
-        owner = _wid(old, i)
+    for i in range(src_world):
+        shard = shard_name(i, src_world, old.tp, old.pp)
+        owner = _wid(old, i) if src_world == old.world else ""  # (the source layout's owners are not known)
         if r not in copies.get(shard, {}):  # rebuilt from its group by the holder of the first piece
             job = dec[shard][r]
             decoder = new.rank_of(*_split(job.pieces[0].holder))
@@ -321,7 +334,7 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
         d = pi.descs.get(_wid(new, rk))
         if d is None or r not in d.params:
             params_to[str(rk)] = new.rank_of(*_split(with_params[rk % len(with_params)]))
-    new.meta["reshard"] = {"old_world": old.world, "providers": providers, "params_to": params_to}
+    new.meta["reshard"] = {"old_world": src_world, "providers": providers, "params_to": params_to}
     if jobs:
         new.meta["decode"] = jobs
     return Plan(ok=True, topo=new, klass=klass, action=action, resume_step=r, promoted=promoted,

@@ -207,6 +207,7 @@ def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str,
     if me in params_to:
         tr.flat.install_packed(got[params_to[me]], r)
     t2 = time.time()
+    m.inject.in_recovery(topo)  # kill:...@recovery=N: between the parameters and the optimizer state
     old_world = meta["old_world"]
     providers = {int(k): v[0] for k, v in meta["providers"].items()}
     n_old = old_shard_numel(tr.flat.numel, old_world)
@@ -287,6 +288,7 @@ def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any
     man = topo.meta["manifest"]
     if topo.layout.dp != tr.flat.shards:
         m.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
+    m.inject.in_recovery(topo)  # kill:...@recovery=N: before the reload
     try:
         full, buffers, mismatched = load_full(man)  # (rows, full numel), shards whose checksum does not match
     except OSError as e:
