@@ -94,8 +94,41 @@ def test_bad_campaigns_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -
     assert main(["chaos", "--nodes", "3", "--steps", "10", "--faults", "5"]) == 2
     assert main(["chaos", "--faults", "0"]) == 2
     assert main(["chaos", "--repair-after", "-1"]) == 2
+    assert main(["chaos", "--nodes", "1"]) == 2  # the campaign's own message, not --replicas' (need replicas < 1)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(ln.startswith("phoenixft chaos: error: ") for ln in err), err
+    assert len(err) == 4 and all(ln.startswith("phoenixft chaos: error: ") for ln in err), err
+    assert "--nodes=1 is invalid: a chaos campaign needs at least 2 nodes" in err[-1], err[-1]
+
+
+@pytest.mark.parametrize(
+    "kw,needles,wrong",
+    [
+        # a tensor-parallel job cannot shrink: it needs a warm spare per lost node, more nodes would not help
+        (dict(nodes=4, tp=2, spares=1), ["2x1 (tp x pp) mesh cannot shrink", "(use --spares >= 2, or"],
+         ["--nodes >= 4", "persistent"]),
+        # a persistent tier is configured: the fallback lacks the spares to refill the job after losing two
+        (dict(nodes=3, spares=1, persist_every=4, persist_dir="ckpt"),
+         ["--persist-every 4) needs a spare per lost node to refill the job (2), but --spares is 1",
+          "(use more --nodes or --replicas, --spares >= 2, or"], ["no persistent tier", "--nodes >= 4"]),
+        (dict(nodes=3, spares=2), ["losing any two nodes loses every copy of a shard with --replicas 1",
+                                   "no persistent tier", "(use more --nodes or --replicas, --persist-every, or"],
+         ["--spares >= 2"]),
+        (dict(nodes=3, spares=1), ["no persistent tier", "--persist-every with --spares >= 2"], []),
+        # the only checkpoint is not complete before the last step a fault can come at
+        (dict(nodes=3, spares=2, persist_every=56, persist_dir="ckpt"),
+         ["no persistent checkpoint (--persist-every 56) is complete before step 58",
+          "a smaller --persist-every or more --steps"], ["no persistent tier", "--spares >= 2"]),
+    ],
+    ids=["tp2-spares1", "persist-spares1", "no-tier", "no-tier-spares1", "persist-too-late"],
+)
+def test_note_on_two_nodes_says_the_real_condition(kw: dict[str, object], needles: list[str],
+                                                   wrong: list[str]) -> None:
+    sched = make_schedule(_cfg(steps=60, **kw), 5, 1)
+    (note,) = [n for n in sched.notes if n.startswith("'two nodes at once' not drawn")]
+    assert all(x in note for x in needles), note
+    assert not any(x in note for x in wrong), note
+    why = unsurvivable_reason(_cfg(steps=60, **kw), (0, 1), 58)
+    assert why and ("mesh cannot drop a node, so it needs a warm spare per lost node (2)" in why) == ("tp" in kw)
 
 
 def test_recovery_phase_fault_spec() -> None:

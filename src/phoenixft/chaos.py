@@ -44,8 +44,8 @@ from phoenixft.topology import Topology, shard_name
 
 __all__ = [
     "KINDS", "MIN_GAP", "FIRST_STEP", "SHRINK_REL_TOL", "MAX_COORDINATOR_KILLS", "ChaosFault", "Schedule",
-    "make_schedule", "format_schedule", "unsurvivable_reason", "judge", "format_verdict", "run_campaign",
-    "EXIT_CODES",
+    "make_schedule", "format_schedule", "unsurvivable_reason", "check_campaign", "judge", "format_verdict",
+    "run_campaign", "EXIT_CODES",
 ]
 
 KINDS = ("kill", "crash", "hang", "corrupt", "kill_during_recovery", "kill_coordinator", "two_nodes")
@@ -115,35 +115,90 @@ def _persistent_ok(cfg: RunConfig, step: int, lost: int) -> bool:
     return bool(cfg.persist_every) and step >= cfg.persist_every + PERSIST_MARGIN and cfg.spares >= lost
 
 
+# why a loss is unsurvivable by design: the mesh cannot shrink and lacks spares, or a shard lost every copy and
+# the persistent tier cannot stand in, because there is none, too few spares to refill the job, or no complete
+# checkpoint yet
+MESH, NO_TIER, FEW_SPARES, NOT_YET = "mesh", "no persistent tier", "too few spares", "no checkpoint yet"
+
+
+def _cause(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: int) -> str | None:
+    """The condition that makes losing node slots `lost` at `step` unsurvivable by design (None: survivable)."""
+    if cfg.tp * cfg.pp > 1 and len(lost) > cfg.spares:
+        return MESH
+    if not _lost_shards(_ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp), set(lost)):
+        return None
+    if _persistent_ok(cfg, step, len(lost)):
+        return None
+    if not cfg.persist_every:
+        return NO_TIER
+    return FEW_SPARES if cfg.spares < len(lost) else NOT_YET
+
+
 def unsurvivable_reason(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: int) -> str | None:
     """Why losing node slots `lost` at `step` cannot be survived by design (None: it can)."""
-    if cfg.tp * cfg.pp > 1 and len(lost) > cfg.spares:
-        return (f"nodes {', '.join(str(x) for x in sorted(lost))} die together: a {cfg.tp}x{cfg.pp} (tp x pp) mesh "
-                f"cannot drop a node and has --spares {cfg.spares}")
-    ring = _ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp)
-    gone = _lost_shards(ring, set(lost))
-    if not gone or _persistent_ok(cfg, step, len(lost)):
+    cause = _cause(cfg, lost, step)
+    if cause is None:
         return None
+    who = ", ".join(str(x) for x in sorted(lost))
+    if cause == MESH:
+        return (f"nodes {who} die together: a {cfg.tp}x{cfg.pp} (tp x pp) mesh cannot drop a node, so it needs a "
+                f"warm spare per lost node ({len(lost)}) and has --spares {cfg.spares}")
+    ring = _ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp)
     held = "; ".join(f"node {d}'s shard {shard_name(d, cfg.nodes)} lives only on node {d} and its replica "
-                     f"holder(s) {', '.join(str(h) for h in ring.holders(d))}" for d in gone)
-    if not cfg.persist_every:
+                     f"holder(s) {', '.join(str(h) for h in ring.holders(d))}" for d in _lost_shards(ring, set(lost)))
+    if cause == NO_TIER:
         tier = "no persistent tier (--persist-every)"
-    elif cfg.spares < len(lost):
-        tier = f"the persistent fallback needs {len(lost)} spares (--spares {cfg.spares})"
+    elif cause == FEW_SPARES:
+        tier = (f"the persistent fallback needs a spare per lost node to refill the job, {len(lost)} spares "
+                f"(--spares {cfg.spares})")
     else:
         tier = f"no complete persistent checkpoint yet at step {step} (--persist-every {cfg.persist_every})"
-    return (f"nodes {', '.join(str(x) for x in sorted(lost))} die together with --replicas {cfg.replicas}: {held}; "
-            f"{tier}")
+    return f"nodes {who} die together with --replicas {cfg.replicas}: {held}; {tier}"
+
+
+def _pairs_note(cfg: RunConfig, pairs: list[tuple[int, int]], step: int) -> str:
+    """Why 'two nodes at once' is not drawn, and what would change that: derived from the cause that makes
+    every pair unsurvivable at `step` (the most permissive step of the campaign)."""
+    causes = {_cause(cfg, p, step) for p in pairs} - {None}
+    why, fixes = [], []
+    if MESH in causes:
+        why.append(f"a {cfg.tp}x{cfg.pp} (tp x pp) mesh cannot shrink, so it needs a warm spare per lost node and has "
+                   f"--spares {cfg.spares}")
+        fixes.append("--spares >= 2")
+    if causes - {MESH}:
+        where = "two nodes" if cfg.pp == 1 else "two nodes of a pipeline stage"
+        why.append(f"losing any {where} loses every copy of a shard with --replicas {cfg.replicas}")
+        fixes.append("more --nodes or --replicas")
+    if NO_TIER in causes:
+        why.append("there is no persistent tier to fall back to")
+        fixes.append("--persist-every" + (" with --spares >= 2" if cfg.spares < 2 else ""))
+    if FEW_SPARES in causes:
+        why.append(f"falling back to the persistent tier (--persist-every {cfg.persist_every}) needs a spare per lost "
+                   f"node to refill the job (2), but --spares is {cfg.spares}")
+        fixes.append("--spares >= 2")
+    if NOT_YET in causes:
+        why.append(f"no persistent checkpoint (--persist-every {cfg.persist_every}) is complete before step {step}")
+        fixes.append("a smaller --persist-every or more --steps")
+    return (f"'two nodes at once' not drawn: no two of {cfg.nodes} nodes survive together: {'; '.join(why)} (use "
+            f"{', '.join(dict.fromkeys(fixes))}, or --allow-unsurvivable); 'kill during recovery' kills the promoted "
+            "spare itself")
 
 
 # ---------------------------------------------------------------------------------------------- the schedule
-def _check(cfg: RunConfig, faults: int) -> tuple[int, int]:
+def check_campaign(cfg: RunConfig, faults: int) -> None:
+    """What a campaign needs, whatever else the flags say: checked before `cfg.validate()`, whose messages
+    about a run (e.g. --replicas for one node) would send a chaos user the wrong way."""
     if faults < 1:
         raise UserError(f"--faults={faults} is invalid: must be >= 1")
     if cfg.protect != "phoenix":
         raise UserError(f"--protect={cfg.protect!r} is invalid: chaos injects faults, which need --protect phoenix")
     if cfg.nodes < 2:
-        raise UserError(f"--nodes={cfg.nodes} is invalid: chaos needs at least 2 nodes")
+        raise UserError(f"--nodes={cfg.nodes} is invalid: a chaos campaign needs at least 2 nodes (a killed node's "
+                        "shard must survive as a replica on another node)")
+
+
+def _check(cfg: RunConfig, faults: int) -> tuple[int, int]:
+    check_campaign(cfg, faults)
     if cfg.inject:
         raise UserError("--inject is invalid here: the campaign draws its faults from --seed")
     if cfg.scheme.is_ec:  # its survivability oracle knows replica placement only (issue 15 leaves chaos out)
@@ -202,9 +257,7 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
     available = list(KINDS)
     if not ok_pairs(last):  # the most permissive step (a persistent checkpoint exists by then, if any)
         available.remove("two_nodes")
-        notes.append(f"'two nodes at once' not drawn: no two of {n} nodes survive together with --replicas "
-                     f"{cfg.replicas} and no persistent tier (use --nodes >= 4, more --replicas, --persist-every, "
-                     "or --allow-unsurvivable); 'kill during recovery' kills the promoted spare itself")
+        notes.append(_pairs_note(cfg, pairs, last))
     kinds = _kinds(rng, faults, available)
     steps = _steps(rng, faults, first, last)
     out: list[ChaosFault] = []

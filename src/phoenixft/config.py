@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import tempfile
@@ -197,6 +198,10 @@ class RunConfig:
             if not cond:
                 raise UserError(f"{flag}={value!r} is invalid: {valid}")
 
+        def real(x: float, ok: bool, flag: str, valid: str) -> None:
+            """A float flag: finite (inf and nan make no sense for any of them) and in its range."""
+            need(math.isfinite(x) and ok, flag, x, f"must be a finite number {valid}")
+
         from phoenixft.device import DEVICES, cuda_unavailable
 
         need(self.device in DEVICES, "--device", self.device, f"one of {', '.join(DEVICES)}")
@@ -231,21 +236,21 @@ class RunConfig:
             self.microbatches,
             f"must be a multiple of {dpw} = {self.dp} so every rank gets the same count",
         )
-        need(self.lr > 0, "--lr", self.lr, "must be > 0")
-        need(self.weight_decay >= 0, "--weight-decay", self.weight_decay, "must be >= 0")
+        real(self.lr, self.lr > 0, "--lr", "> 0")
+        real(self.weight_decay, self.weight_decay >= 0, "--weight-decay", ">= 0")
         from phoenixft.optim import OPTIMIZERS, SCHEDULES
 
         need(self.optimizer in OPTIMIZERS, "--optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
-        need(0 <= self.beta1 < 1, "--beta1", self.beta1, "must be in [0, 1)")
-        need(0 <= self.beta2 < 1, "--beta2", self.beta2, "must be in [0, 1)")
-        need(self.eps > 0, "--eps", self.eps, "must be > 0")
-        need(0 <= self.momentum < 1, "--momentum", self.momentum, "must be in [0, 1)")
+        real(self.beta1, 0 <= self.beta1 < 1, "--beta1", "in [0, 1)")
+        real(self.beta2, 0 <= self.beta2 < 1, "--beta2", "in [0, 1)")
+        real(self.eps, self.eps > 0, "--eps", "> 0")
+        real(self.momentum, 0 <= self.momentum < 1, "--momentum", "in [0, 1)")
         need(self.lr_schedule in SCHEDULES, "--lr-schedule", self.lr_schedule, f"one of {', '.join(SCHEDULES)}")
         need(0 <= self.warmup_steps <= self.steps, "--warmup-steps", self.warmup_steps,
              f"must be in 0..--steps ({self.steps})")
-        need(0 <= self.min_lr <= self.lr, "--min-lr", self.min_lr, f"must be in 0..--lr ({self.lr})")
+        real(self.min_lr, 0 <= self.min_lr <= self.lr, "--min-lr", f"in 0..--lr ({self.lr})")
         need(self.decay_steps >= 0, "--decay-steps", self.decay_steps, "must be >= 0")
-        need(self.clip_grad_norm >= 0, "--clip-grad-norm", self.clip_grad_norm, "must be >= 0 (0 = off)")
+        real(self.clip_grad_norm, self.clip_grad_norm >= 0, "--clip-grad-norm", ">= 0 (0 = off)")
         need(self.precision in ("fp32", "bf16"), "--precision", self.precision, "one of fp32, bf16")
         need(self.eval_every >= 0, "--eval-every", self.eval_every, "must be >= 0 (0 = never)")
         need(self.eval_batches >= 1, "--eval-batches", self.eval_batches, "must be >= 1")
@@ -278,8 +283,14 @@ class RunConfig:
                 self.replicas,
                 f"replicas live on other {where}, so need replicas < {ring}",
             )
-        need(self.repair_after >= 0, "--repair-after", self.repair_after, "must be >= 0 seconds (0 = never)")
-        need(self.failure_timeout > 0, "--failure-timeout", self.failure_timeout, "must be > 0 seconds")
+        real(self.repair_after, self.repair_after >= 0, "--repair-after", ">= 0 seconds (0 = never)")
+        real(self.failure_timeout, self.failure_timeout > 0, "--failure-timeout", "> 0 seconds")
+        # the launcher starts the late spare once step N has completed: after the last step nothing is left to join
+        late = ("0 (never) or a step in 1.." + str(self.steps - 1)) if self.steps > 1 else "0 (never)"
+        need(self.spare_arrives_at_step == 0 or 1 <= self.spare_arrives_at_step < self.steps,
+             "--spare-arrives-at-step", self.spare_arrives_at_step,
+             f"must be {late}: the spare starts once that step has completed, and after the last step (--steps "
+             f"{self.steps}) there is nothing left for it to join")
         from phoenixft.controlplane import validate_spec
 
         why = validate_spec(self.control_plane)
@@ -288,11 +299,11 @@ class RunConfig:
         need(self.coordinators == 1 or self.control_plane != "tcpstore", "--coordinators", self.coordinators,
              "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
              "store lives in the launcher's process, so a standby would not remove the single point of failure)")
-        need(self.join_timeout > 0, "--join-timeout", self.join_timeout, "must be > 0 seconds")
+        real(self.join_timeout, self.join_timeout > 0, "--join-timeout", "> 0 seconds")
         need(self.threads >= 0, "--threads", self.threads, "must be >= 0")
-        need(self.chunk_mb > 0, "--chunk-mb", self.chunk_mb, "must be > 0")
-        need(self.bucket_mb > 0, "--bucket-mb", self.bucket_mb, "must be > 0")
-        need(self.timeout > 0, "--timeout", self.timeout, "must be > 0 seconds")
+        real(self.chunk_mb, self.chunk_mb > 0, "--chunk-mb", "> 0 (MiB)")
+        real(self.bucket_mb, self.bucket_mb > 0, "--bucket-mb", "> 0 (MiB)")
+        real(self.timeout, self.timeout > 0, "--timeout", "> 0 seconds")
         need(1 <= self.racks <= self.nodes and self.nodes % self.racks == 0, "--racks", self.racks,
              f"must divide --nodes={self.nodes} (racks are equal blocks of nodes)")
         for f in self.faults:  # parse errors raise UserError themselves
@@ -338,6 +349,7 @@ class RunConfig:
             if numel is not None and int(man.get("numel", numel)) != numel:
                 raise UserError(f"--resume={self.resume}: checkpoint has {int(man['numel']):,} parameters, "
                                 f"{self._model_name()} has {numel:,}")
+            self._check_resume_rows(man)
         if self.data:
             from phoenixft.data import check_data
 
@@ -346,6 +358,54 @@ class RunConfig:
             check_data(self.data, self.data_dtype, block)
         else:
             need(self.data_dtype in ("uint16", "uint32"), "--data-dtype", self.data_dtype, "one of uint16, uint32")
+
+    def _check_resume_rows(self, man: dict[str, Any]) -> None:
+        """--resume: the checkpoint's state rows (master weights + one per optimizer state tensor, whatever
+        the precision) must be the rows of this run's optimizer, or the restore fails once the job runs."""
+        from phoenixft.optim import OPTIMIZERS
+
+        def names(states: tuple[str, ...]) -> str:
+            return ", ".join(("param", *states))
+
+        rows = int(man.get("rows", 3))  # checkpoints that predate the key held AdamW's 3 rows (as load_full reads)
+        opt = self._run_optimizer()
+        if opt is None:
+            return
+        flag, value, what, mine = opt
+        if 1 + len(mine) == rows:
+            return
+        wrote = (man.get("config") or {}).get("optimizer")
+        by = f"--optimizer {wrote}, " if isinstance(wrote, str) else ""
+        if isinstance(wrote, str) and wrote in OPTIMIZERS and 1 + len(_states(wrote)) == rows:
+            by += f"{rows} state rows ({names(_states(wrote))})"
+        else:
+            by += f"{rows} state rows"
+        same = [n for n in OPTIMIZERS if 1 + len(_states(n)) == rows]
+        valid = (f"resume it with --optimizer {' or '.join(same)}" if same else
+                 "no built-in optimizer keeps that many rows (the workload that wrote it brought its own)")
+        raise UserError(f"{flag}={value!r} is invalid with --resume={self.resume}: its checkpoint of step "
+                        f"{man['step']} was written with {by}; {what} keeps {1 + len(mine)} rows ({names(mine)}); "
+                        f"{valid}")
+
+    def _run_optimizer(self) -> tuple[str, str, str, tuple[str, ...]] | None:
+        """(flag, value, description, state names) of this run's optimizer: --optimizer, or the workload's
+        own; None if the workload cannot be loaded here or brings an invalid optimizer (its workers report it)."""
+        from phoenixft.optim import ElementwiseOptimizer
+
+        by_flag = ("--optimizer", self.optimizer, self.optimizer, _states(self.optimizer))
+        if self.workload == "phoenixft.gpt:workload":
+            return by_flag
+        try:
+            from phoenixft.workload import WorkloadContext, load_workload
+
+            own = load_workload(self.workload, WorkloadContext.from_config(self)).optimizer
+        except Exception:  # noqa: BLE001 - user code: the workers will report its errors properly
+            return None
+        if own is None:
+            return by_flag
+        if not isinstance(own, ElementwiseOptimizer):
+            return None
+        return "--workload", self.workload, f"its optimizer {own.describe()}", tuple(own.state_names)
 
     def _check_split(self) -> None:
         """--tp/--pp > 1: the workload must say how its model splits, and this split must be valid."""
@@ -406,6 +466,13 @@ class RunConfig:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+def _states(optimizer: str) -> tuple[str, ...]:
+    """The state tensors a built-in --optimizer keeps per parameter (its shard rows after the master weights)."""
+    from phoenixft.optim import OPTIMIZERS
+
+    return tuple(getattr(OPTIMIZERS[optimizer], "state_names", ()))
+
+
 def checkpoint_bytes(numel: int) -> int:
     """Estimated size of one persistent checkpoint: param, exp_avg and exp_avg_sq in float32, plus
     DCP metadata (5%)."""
@@ -462,8 +529,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] 
                                 help=f"{meta['help']} (default: {default!r})")
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
+def config_from_args(args: argparse.Namespace, validate: bool = True) -> RunConfig:
+    """The RunConfig of parsed flags, validated unless `validate` is False (the caller then checks its own
+    requirements first and calls `validate()` itself)."""
     names = [f.name for f in dataclasses.fields(RunConfig)]
     cfg = RunConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})
-    cfg.validate()
+    if validate:
+        cfg.validate()
     return cfg

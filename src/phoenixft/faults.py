@@ -37,6 +37,7 @@ most once per (fault, node): the first process that reaches it claims it atomica
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -86,6 +87,34 @@ def _ints(text: str, value: str, what: str) -> tuple[int, ...]:
         raise _bad(text, f"{what} must be integers, got {value!r}") from None
 
 
+def _distinct(text: str, value: str, what: str) -> tuple[int, ...]:
+    """A target list (node=I,J,...): each member once, or "several at once" would wait for arrivals that never come."""
+    got = _ints(text, value, what)
+    dup = sorted({x for x in got if got.count(x) > 1})
+    if dup:
+        raise _bad(text, f"{what}={value} names {what} {', '.join(map(str, dup))} more than once; list each {what} "
+                         f"once, e.g. {what}={','.join(map(str, dict.fromkeys(got)))}")
+    return got
+
+
+def _one(text: str, value: str, what: str, kind: str) -> int:
+    """A single-valued target (rack=A, rank=R): a list is refused rather than cut to its first member."""
+    got = _ints(text, value, what)
+    if len(got) != 1:
+        raise _bad(text, f"{what}={value}: a {kind} fault takes one {what}; give one --inject per {what}")
+    return got[0]
+
+
+def _seconds(text: str, key: str, value: str, valid: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise _bad(text, f"{key} must be seconds, got {value!r}") from None
+    if not math.isfinite(x):
+        raise _bad(text, f"{key}={value} must be a finite number of seconds {valid}")
+    return x
+
+
 def parse_fault(text: str, index: int = 0) -> FaultSpec:
     m = _SPEC.match(text.strip())
     if not m or m["kind"] not in FAULT_KINDS:
@@ -106,11 +135,11 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     elif m["target"]:
         key, _, value = m["target"].partition("=")
         if key == "node":
-            nodes = _ints(text, value, "node")
+            nodes = _distinct(text, value, "node")
         elif key == "rack" and kind == "kill":
-            rack = _ints(text, value, "rack")[0]
+            rack = _one(text, value, "rack", kind)
         elif key == "rank" and kind == "crash":
-            rank = _ints(text, value, "rank")[0]
+            rank = _one(text, value, "rank", kind)
         else:
             raise _bad(text, f"target {m['target']!r}; {_VALID}")
     when: dict[str, str] = {}
@@ -146,18 +175,21 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         raise _bad(text, "expected kill:etcd=I@step=S or kill:etcd=leader@step=S (no phase, no wait)")
     wait = 0.0
     if "wait" in when:
-        try:
-            wait = float(when["wait"])
-        except ValueError:
-            raise _bad(text, f"wait must be seconds, got {when['wait']!r}") from None
-        if wait < 0 or step is None or phase in ("recovery", "transfer") or kind == "nan":
-            raise _bad(text, "wait=SECONDS (>= 0) is for kill, hang, crash and corrupt faults at a step")
+        wait = _seconds(text, "wait", when["wait"], ">= 0")
+        if wait < 0:
+            raise _bad(text, f"wait={when['wait']} must be >= 0 seconds")
+        if kind == "nan":
+            raise _bad(text, "wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan")
+        if step is None:
+            raise _bad(text, "wait=SECONDS cannot be combined with recovery=N: that fault fires in the middle of a "
+                             "recovery, not at a step boundary where training could hold; drop wait")
+        if phase in ("recovery", "transfer"):
+            raise _bad(text, f"wait=SECONDS cannot be combined with phase={phase}: that fault fires in the middle of "
+                             "a recovery's state transfer, not at a step boundary where training could hold; drop "
+                             f"wait or phase={phase}")
     duration = 0.0
     if "for" in when:
-        try:
-            duration = float(when["for"])
-        except ValueError:
-            raise _bad(text, f"for must be seconds, got {when['for']!r}") from None
+        duration = _seconds(text, "for", when["for"], "> 0 (leave it out: until the agent gives up)")
         if not duration > 0:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,

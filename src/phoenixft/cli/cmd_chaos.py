@@ -42,9 +42,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def chaos(args: argparse.Namespace) -> int:
-    from phoenixft.chaos import EXIT_CODES, run_campaign
+    from phoenixft.chaos import EXIT_CODES, check_campaign, run_campaign
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, validate=False)
+    check_campaign(cfg, args.faults)  # the campaign's own needs first: clearer than what a run would say
+    cfg.validate()
     result = run_campaign(cfg, args.faults, args.seed, allow_unsurvivable=args.allow_unsurvivable,
                           report=args.report)
     return EXIT_CODES.get(result["verdict"], 1)

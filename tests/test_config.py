@@ -1,0 +1,120 @@
+"""RunConfig.validate(): bad flags are one line naming the flag, the value and what would be valid."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import run
+
+from phoenixft.cli.main import main
+from phoenixft.config import RunConfig
+from phoenixft.errors import UserError
+
+FLOATS = [f for f in dataclasses.fields(RunConfig) if str(f.type) == "float"]
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return str(f.metadata.get("flag", "--" + f.name.replace("_", "-")))
+
+
+def _refused(needle: str, **kw: object) -> str:
+    with pytest.raises(UserError) as e:
+        RunConfig(**kw).validate()
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg, msg
+    return msg
+
+
+def test_every_float_flag_is_checked() -> None:
+    assert {f.name for f in FLOATS} >= {"lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "momentum",
+                                        "clip_grad_norm", "repair_after", "join_timeout", "failure_timeout",
+                                        "chunk_mb", "bucket_mb", "timeout"}
+    RunConfig().validate()  # the defaults are valid
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("f", FLOATS, ids=lambda f: f.name)
+def test_non_finite_float_flags_are_refused(f: dataclasses.Field, value: float) -> None:
+    _refused(f"{_flag(f)}={value!r} is invalid: must be a finite number", **{f.name: value})
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_non_finite_lr_from_the_command_line_is_one_line(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--dry-run", "--nodes", "2", "--lr", value]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"--lr={value} is invalid: must be a finite number > 0" in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("late", [-1, 8, 99])
+def test_spare_arrives_at_step_out_of_range(late: int) -> None:
+    msg = _refused(f"--spare-arrives-at-step={late} is invalid: must be 0 (never) or a step in 1..7", steps=8,
+                   spare_arrives_at_step=late)
+    assert "--steps 8" in msg
+
+
+@pytest.mark.parametrize("late", [0, 1, 7])
+def test_spare_arrives_at_step_in_range(late: int) -> None:
+    RunConfig(steps=8, spare_arrives_at_step=late).validate()
+
+
+def test_spare_arrives_at_step_of_a_one_step_run() -> None:
+    _refused("--spare-arrives-at-step=1 is invalid: must be 0 (never):", steps=1, spare_arrives_at_step=1)
+
+
+# ------------------------------------------------------------------ --resume with another optimizer
+def _manifest(root: Path, step: int, rows: int, optimizer: str | None) -> None:
+    d = root / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    man = {"step": step, "shards": 2, "shard_numel": 1, "rows": rows,
+           "config": {"optimizer": optimizer} if optimizer else None}
+    (d / "MANIFEST.json").write_text(json.dumps(man))
+
+
+def test_resume_refuses_an_optimizer_with_other_state_rows(tmp_path: Path) -> None:
+    _manifest(tmp_path, 4, 2, "sgd")
+    msg = _refused(f"--optimizer='adamw' is invalid with --resume={tmp_path}: its checkpoint of step 4 was written "
+                   "with --optimizer sgd, 2 state rows (param, momentum_buffer); adamw keeps 3 rows (param, exp_avg, "
+                   "exp_avg_sq); resume it with --optimizer sgd or lion", steps=8, resume=str(tmp_path))
+    assert msg.count("\n") == 0
+    RunConfig(steps=8, resume=str(tmp_path), optimizer="lion").validate()  # the same rows: loads
+
+
+def test_resume_without_the_writers_config_still_names_the_rows(tmp_path: Path) -> None:
+    _manifest(tmp_path, 4, 3, None)
+    _refused("--optimizer='sgd' is invalid with --resume=", steps=8, resume=str(tmp_path), optimizer="sgd")
+    msg = _refused("written with 3 state rows; sgd keeps 2 rows", steps=8, resume=str(tmp_path), optimizer="sgd")
+    assert "resume it with --optimizer adamw or adam" in msg
+
+
+@pytest.fixture(scope="module")
+def adamw_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real checkpoint of step 4, written by --optimizer adamw (the default)."""
+    tmp = tmp_path_factory.mktemp("adamw")
+    rep = run(tmp / "run", nodes=2, spares=0, steps=4, persist_every=4, persist_dir=str(tmp / "ckpt"))
+    assert rep["state"] == "done", rep.get("error")
+    return tmp / "ckpt"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lion"])
+def test_resume_of_a_real_checkpoint_with_another_optimizer_is_refused_up_front(
+        adamw_checkpoint: Path, optimizer: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(f"--optimizer={optimizer!r} is invalid with --resume={adamw_checkpoint}: its checkpoint of step 4 was "
+             "written with --optimizer adamw, 3 state rows (param, exp_avg, exp_avg_sq)", nodes=2, spares=0, steps=8,
+             resume=str(adamw_checkpoint), optimizer=optimizer)
+    assert main(["run", "--dry-run", "--nodes", "2", "--spares", "0", "--steps", "8", "--resume",
+                 str(adamw_checkpoint), "--optimizer", optimizer]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "resume it with --optimizer adamw or adam" in lines[0], lines
+
+
+@pytest.mark.parametrize("kw", [dict(optimizer="adamw"), dict(optimizer="adam"),
+                                dict(optimizer="adamw", precision="bf16")], ids=["adamw", "adam", "adamw-bf16"])
+def test_resume_of_a_real_checkpoint_with_the_same_state_rows_is_valid(adamw_checkpoint: Path,
+                                                                        kw: dict[str, str]) -> None:
+    RunConfig(nodes=2, spares=0, steps=8, resume=str(adamw_checkpoint), **kw).validate()

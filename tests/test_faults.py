@@ -1,0 +1,55 @@
+"""`--inject` fault specs: what parses, and one-line errors that say what is actually wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from phoenixft.cli.main import main
+from phoenixft.errors import UserError
+from phoenixft.faults import parse_fault
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        # a node listed twice: "several nodes at once" would wait for an arrival that never comes
+        ("kill:node=1,1@step=4", "node=1,1 names node 1 more than once; list each node once, e.g. node=1"),
+        ("kill:node=0,2,0@step=4,phase=backward", "names node 0 more than once; list each node once, e.g. node=0,2"),
+        # single-valued targets are refused as lists instead of silently cut to their first member
+        ("kill:rack=0,1@step=3", "rack=0,1: a kill fault takes one rack; give one --inject per rack"),
+        ("crash:rank=1,2@step=3", "rank=1,2: a crash fault takes one rank; give one --inject per rank"),
+        # wait=SECONDS: the message names what is actually wrong
+        ("kill:node=1@step=5,phase=recovery,wait=5",
+         "wait=SECONDS cannot be combined with phase=recovery: that fault fires in the middle of a recovery's state "
+         "transfer, not at a step boundary"),
+        ("corrupt:node=1@step=5,phase=transfer,wait=5", "wait=SECONDS cannot be combined with phase=transfer"),
+        ("kill:node=1@recovery=2,wait=5",
+         "wait=SECONDS cannot be combined with recovery=N: that fault fires in the middle of a recovery"),
+        ("nan:step=3,wait=5", "wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"),
+        ("kill:node=1@step=3,wait=-1", "wait=-1 must be >= 0 seconds"),
+        ("kill:node=1@step=3,wait=inf", "wait=inf must be a finite number of seconds >= 0"),
+        ("hang:node=1@step=3,wait=nan", "wait=nan must be a finite number of seconds >= 0"),
+        ("partition:node=1@step=3,for=inf", "for=inf must be a finite number of seconds > 0"),
+    ],
+)
+def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> None:
+    with pytest.raises(UserError) as e:
+        parse_fault(spec)
+    msg = str(e.value)
+    assert msg.startswith(f"--inject={spec!r} is invalid: ") and needle in msg and "\n" not in msg, msg
+    assert "is for kill, hang, crash and corrupt faults at a step" not in msg  # the old, misleading message
+
+
+@pytest.mark.parametrize("spec", ["kill:node=0,1@step=4", "kill:node=1,0,2@step=4,wait=5", "kill:rack=1@step=3",
+                                  "crash:rank=3@step=3,wait=0", "kill:node=1@step=5,phase=recovery",
+                                  "partition:node=1@step=3,for=2.5,wait=10"])
+def test_good_specs_still_parse(spec: str) -> None:
+    parse_fault(spec)
+
+
+def test_duplicate_node_from_the_command_line_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--dry-run", "--nodes", "2", "--inject", "kill:node=1,1@step=4"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--inject='kill:node=1,1@step=4' is invalid: node=1,1 names node 1" in lines[0], err
+    assert "Traceback" not in err
