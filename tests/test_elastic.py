@@ -64,8 +64,8 @@ def test_gated_faults_hold_only_until_the_job_is_whole(tmp_path: Path, reference
 def test_kill_during_a_grow_fires_and_is_recovered(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """`kill:node=I@recovery=N` fires in a reshard (here the grow that brings the repaired node back)
     as in a hot-swap's transfer: it used to be skipped without a word on every path but the hot-swap."""
-    ref = reference(nodes=3, steps=60, microbatches=6)  # long enough for the repaired node to come back
-    rep = run(tmp_path, nodes=3, spares=0, steps=60, microbatches=6, repair_after=1.0,
+    ref = reference(nodes=3, steps=40, microbatches=6)  # long enough for the repaired node to come back
+    rep = run(tmp_path, nodes=3, spares=0, steps=40, microbatches=6, repair_after=1.0,
               inject=["kill:node=1@step=3,phase=optimizer", "kill:node=0@recovery=2"])
     assert rep["state"] == "done", rep.get("error")
     assert rep["faults_not_fired"] == [] and len(rep["faults"]) == 2
