@@ -64,17 +64,20 @@ def test_gated_faults_hold_only_until_the_job_is_whole(tmp_path: Path, reference
 def test_kill_during_a_grow_fires_and_is_recovered(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """`kill:node=I@recovery=N` fires in a reshard (here the grow that brings the repaired node back)
     as in a hot-swap's transfer: it used to be skipped without a word on every path but the hot-swap."""
-    ref = reference(nodes=3, steps=40, microbatches=6)  # long enough for the repaired node to come back
-    rep = run(tmp_path, nodes=3, spares=0, steps=40, microbatches=6, repair_after=1.0,
-              inject=["kill:node=1@step=3,phase=optimizer", "kill:node=0@recovery=2"])
+    ref = reference(nodes=3, steps=16, microbatches=6)
+    # the crash at step 12 holds its step until the job is whole again (wait=60): the repairs and both
+    # grows happen before the run ends, however fast the steps are
+    rep = run(tmp_path, nodes=3, spares=0, steps=16, microbatches=6, repair_after=1.0,
+              inject=["kill:node=1@step=3,phase=optimizer", "kill:node=0@recovery=2",
+                      "crash:rank=1@step=12,wait=60"])
     assert rep["state"] == "done", rep.get("error")
-    assert rep["faults_not_fired"] == [] and len(rep["faults"]) == 2
+    assert rep["faults_not_fired"] == [] and len(rep["faults"]) == 3
     grow = [r for r in rep["recoveries"] if r["epoch"] == 2]
     assert grow and grow[0]["action"] == "grow", [(r["epoch"], r["action"]) for r in rep["recoveries"]]
     assert rep["faults"][1]["recovery"] == 2
     # the grow was cut short by the kill: its state was still in the 2-node layout, and the next epoch
     # repartitioned from that one (it used to declare every shard of the 3-node layout lost)
-    assert grow[0]["completed_in_epoch"] == 3
+    assert grow[0]["completed_in_epoch"] > 2
     assert all(all(r["invariants"].values()) for r in rep["recoveries"] if r["completed_in_epoch"] == r["epoch"])
     _close(rep["loss"], ref["loss"], 1e-4)
 
