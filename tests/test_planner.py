@@ -259,3 +259,75 @@ def test_lost_replicas_fall_back_to_persistent_and_shrink_if_short(spares: int) 
     assert plan.ok and plan.action == "persistent" and plan.resume_step == 10
     assert plan.topo is not None and len(plan.topo.nodes) == 2 + spares
     assert plan.topo.meta["generation"] == 1 and plan.lost == ["pp0.tp0.dp1of4"]
+
+
+def make_unfinished_reshard(rng: random.Random) -> tuple[PlanInput, int]:
+    """The last epoch repartitioned a `p`-rank state onto `q` nodes and a member was lost before it
+    finished: the survivors still hold the state in the p-rank layout (own shards and ring replicas),
+    the new members nothing. Returns the plan input and p."""
+    p, q = rng.randint(1, 5), rng.randint(2, 6)
+    while q == p:
+        q = rng.randint(2, 6)
+    nodes = [f"n{i}" for i in range(q)]
+    old = Topology(epoch=rng.randint(1, 5), nodes=nodes, workers_per_node=1, replicas=1, racks=1, resume_step=0,
+                   meta={"generation": 1, "reshard": {"old_world": p, "providers": {}, "params_to": {}}})
+    src = Topology(epoch=0, nodes=[f"x{i}" for i in range(p)], workers_per_node=1, replicas=min(1, p - 1),
+                   racks=1, resume_step=0)
+    s = rng.randint(3, 30)
+    holders = rng.sample(nodes, min(p, q))  # the members that were in the source layout (rank i of it each)
+    dead = set(rng.sample(nodes, rng.randint(1, q - 1)))
+    descs: dict[str, Descriptor] = {}
+    for n in nodes:
+        if n in dead:
+            continue
+        d = Descriptor(wid=f"{n}.0", stage="pp0.tp0")
+        if n in holders:
+            i = holders.index(n)
+            d.params = sorted({s, s - 1} if rng.random() < 0.7 else {s})
+            name = shard_name(i, p)
+            d.own[name] = {st: crc_of(name, st) for st in (s, s - 1) if rng.random() < 0.8}
+            for j in src.sources(i) if p > 1 else []:
+                name = shard_name(j, p)
+                d.holdings[name] = {st: crc_of(name, st) for st in (s, s - 1) if rng.random() < 0.6}
+        descs[d.wid] = d
+    return PlanInput(old=old, dead=dead, restarted=set(), descs=descs, pool=[], target_nodes=q, replicas=1,
+                     racks=1, manifest=None), p
+
+
+def test_planner_after_an_unfinished_repartition() -> None:
+    """A member lost during a shrink or grow: the state is still in the layout it came from. The planner
+    must plan from that layout (a repartition of every source shard onto the nodes left) whenever a
+    step has a copy of every source shard, pick the newest such step, and name a provider that holds
+    each shard at it; it declares the state lost only when no such step exists."""
+    rng = random.Random(7)
+    seen = {"planned": 0, "lost": 0}
+    for _ in range(2000):
+        pi, p = make_unfinished_reshard(rng)
+        names = [shard_name(i, p) for i in range(p)]
+        copies: dict[str, set[int]] = {}
+        for d in pi.descs.values():
+            for srcs in (d.own, d.holdings):
+                for name, steps in srcs.items():
+                    copies.setdefault(name, set()).update(steps)
+        params = {st for d in pi.descs.values() for st in d.params}
+        ok = {st for st in params if all(st in copies.get(x, set()) for x in names)}
+        plan = plan_recovery(pi)
+        if not ok:
+            assert not plan.ok and "in-memory state lost" in plan.error, plan
+            seen["lost"] += 1
+            continue
+        assert plan.ok, f"declared lost although steps {sorted(ok)} are recoverable: {plan.error}"
+        assert plan.resume_step == max(ok)
+        assert plan.topo is not None
+        meta = plan.topo.meta["reshard"]
+        assert meta["old_world"] == p and sorted(meta["providers"], key=int) == [str(i) for i in range(p)]
+        for i, (rank, _kind, crc) in meta["providers"].items():
+            w = f"{plan.topo.node_of_rank(rank)}.0"
+            name = shard_name(int(i), p)
+            held = {**pi.descs[w].own.get(name, {}), **pi.descs[w].holdings.get(name, {})}
+            assert plan.resume_step in held and crc == held[plan.resume_step], (i, w)
+        for rk, src in meta["params_to"].items():
+            assert plan.resume_step in pi.descs[f"{plan.topo.node_of_rank(src)}.0"].params
+            assert plan.resume_step not in pi.descs[f"{plan.topo.node_of_rank(int(rk))}.0"].params
+        seen["planned"] += 1
+    assert seen["planned"] > 300 and seen["lost"] > 100, seen
