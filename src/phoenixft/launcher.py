@@ -463,6 +463,22 @@ def _signals_held() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _interrupted_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
+    """The report of a run stopped by Ctrl-C, SIGTERM or SIGHUP: what it did up to then (steps, faults,
+    recoveries, events.jsonl and metrics.jsonl), read from the store, which is still served until the
+    teardown that follows; just the state if the run had not started or the store no longer answers."""
+    base = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id, "run_dir": str(job.run_dir)}
+    if job.store is None:
+        return base
+    try:
+        with _signals_held():  # a second signal must not cut this short either
+            job._poll_events()
+            return build_report(job.store, cfg, state, job.run_dir, job.run_id)
+    except Exception as e:  # noqa: BLE001 - the teardown must still run; the report says why it is short
+        base["report_error"] = f"{type(e).__name__}: {e}"
+        return base
+
+
 def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.0.0.1", port: int = 0,
             token: str | None = None, local: bool = True) -> dict[str, Any]:
     """Run a job end to end; returns the report (also written to the run dir and --report).
@@ -487,7 +503,7 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
             report["members"] = json.loads(job.store.get(keys.MEMBERS))
     except KeyboardInterrupt:
         state = "failed: interrupted"
-        report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}
+        report = _interrupted_report(job, cfg, state)
     finally:
         with _signals_held():  # a second Ctrl-C / SIGHUP must not cut the teardown short
             job.teardown()
