@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from conftest import run
 
 from phoenixft import rundir
 from phoenixft.errors import UserError
+from phoenixft.procs import cmdlines
 
 
 def _old_run(d: Path) -> None:
@@ -45,6 +47,10 @@ def test_live_runs_directory_is_refused(tmp_path: Path) -> None:
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", rundir.journal_path(tmp_path)],
                          start_new_session=True)
     try:
+        deadline = time.monotonic() + 30  # until it has exec'd (before, /proc shows the parent's command line)
+        while rundir.journal_path(tmp_path) not in cmdlines().get(p.pid, []):
+            assert time.monotonic() < deadline, "the stand-in process never started"
+            time.sleep(0.02)
         with pytest.raises(UserError, match="still alive"):
             rundir.prepare(tmp_path)
         assert (tmp_path / rundir.JOURNAL).exists()  # nothing of the live run was touched
