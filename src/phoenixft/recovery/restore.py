@@ -18,6 +18,7 @@ plan's `meta["decode"]`, carried out by `redundancy.rebuild.run_decodes`) on the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -243,23 +244,19 @@ def init_replicas(m: Worker, topo: Topology) -> None:
     member has) and a zero optimizer state, so each member writes the replicas the ring gives it
     itself, as `Trainer.init_shard` writes its own shard. Without them a node lost during step 1,
     before the first replication landed, lost the run ("in-memory state lost" at step 0)."""
-    if m.repl is None or m.ec is not None:
-        return
-    tr, lay = m.trainer, topo.layout
+    tr = m.trainer
     flat = tr.flat
     master = None
     if tr.payload_from == 0:  # the fp32 master weights are part of the payload (bf16 parameters)
         master = torch.zeros(flat.padded)
         master[: flat.numel] = flat.init_master.cpu()
-    for src in topo.sources(m.rank):
-        h = m.repl.holding(src)
-        h.begin_write(0)
-        rows = h.payload(0).view(tr.payload_rows, -1)
+
+    def fill(rows: torch.Tensor, sl: slice) -> None:
         rows.zero_()
         if master is not None:
-            rows[0].copy_(master[flat.shard_slice(lay.dp_rank(src))])
-        h.commit(0, 0, checksum(h.payload(0)), (src, topo.world))
-        h.header[1, H_VALID] = 0
+            rows[0].copy_(master[sl])
+
+    _keep_replicas(m, topo, 0, fill)
 
 
 def _replicas_from_whole_state(m: Worker, topo: Topology, r: int, rows: torch.Tensor) -> None:
@@ -268,15 +265,21 @@ def _replicas_from_whole_state(m: Worker, topo: Topology, r: int, rows: torch.Te
     the new epoch's ring gives it, so each new shard has its copies on other nodes before training
     resumes. Otherwise the new shards would exist only on their owners until the first replication of
     the new epoch lands, and a node lost in that window (a repaired node that dies again right after
-    it was grown back in) would lose the run (or, after a reload, take it back to the disk). Parity
-    (`--redundancy ec`) is encoded by its next job instead (it needs the group's exchange)."""
+    it was grown back in) would lose the run (or, after a reload, take it back to the disk)."""
+    _keep_replicas(m, topo, r, lambda out, sl: out.copy_(rows[:, sl]))
+
+
+def _keep_replicas(m: Worker, topo: Topology, r: int, fill: Callable[[torch.Tensor, slice], Any]) -> None:
+    """Commit, as step r, the replica of every shard the ring gives this rank: `fill(rows, slice)` writes
+    the shard's payload rows (`slice`: its range of the padded flat state). Parity (`--redundancy ec`)
+    is encoded by its next job instead (it needs the group's exchange)."""
     if m.repl is None or m.ec is not None:
         return
-    flat, lay = m.trainer.flat, topo.layout
+    tr, lay = m.trainer, topo.layout
     for src in topo.sources(m.rank):
         h = m.repl.holding(src)
         h.begin_write(0)
-        h.payload(0).view(rows.shape[0], -1).copy_(rows[:, flat.shard_slice(lay.dp_rank(src))])
+        fill(h.payload(0).view(tr.payload_rows, -1), tr.flat.shard_slice(lay.dp_rank(src)))
         h.commit(0, r, checksum(h.payload(0)), (src, topo.world))
         h.header[1, H_VALID] = 0
 
