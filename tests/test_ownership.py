@@ -151,12 +151,12 @@ def test_agent_sigkilled_mid_run_leaves_no_memory_of_its_node(tmp_path: Path) ->
     seen: dict[str, Any] = {}
 
     def killer() -> None:
-        me = str(os.getpid())
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not seen:
             if _progress(tmp_path) >= 3:
+                store = f"127.0.0.1:{(tmp_path / 'coordinator.port').read_text().strip()}"
                 for pid, argv in cmdlines().items():
-                    if "phoenixft.agent" in argv and "n1" in argv and me in argv:  # our own run's node n1
+                    if "phoenixft.agent" in argv and "n1" in argv and store in argv:  # our own run's node n1
                         run_id = argv[argv.index("--run-id") + 1]
                         assert _segments(run_id, "n1")
                         os.kill(pid, signal.SIGKILL)

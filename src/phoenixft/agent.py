@@ -1,7 +1,8 @@
 """The node agent: one per node (failure domain), supervising the node's G workers.
 
 It imports torch once and forks its workers from that warm image (so a node of G workers
-pays one `import torch`), heartbeats to the control plane, and reports worker exits.
+pays one `import torch`; a local run's agents are themselves forked from the launcher's warm
+zygote, `phoenixft.zygote`, and pay none), heartbeats to the control plane, and reports worker exits.
 A spare node is the same agent started with `--spare`: its workers build the model and wait,
 warm, for promotion. The agent and its workers share one process group (the agent is a
 session leader), so a node is killed, or fenced, as one unit.

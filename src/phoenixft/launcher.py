@@ -17,6 +17,11 @@ results from the store, write the run directory and the report, and tear everyth
 teardown is idempotent and runs on every exit path, so no process of theirs outlives a run (the
 head also waits, bounded, for every live node's agent to say it left before it stops serving the
 store).
+
+The processes it starts are forked from a warm zygote (`phoenixft.zygote`: one `import torch` per
+launching process instead of one per coordinator and agent), each set up as a fresh `python -m`
+would be (own session, log, environment, command line); `PHOENIXFT_ZYGOTE=0`, or a zygote that
+fails, starts them fresh.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from phoenixft import auth, keys, rundir, shm
+from phoenixft import auth, keys, rundir, shm, zygote
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import LogReader, exists_many, get_nowait, is_etcd
 from phoenixft.display import Display
@@ -46,6 +51,8 @@ from phoenixft.report import build_report
 __all__ = ["LocalJob", "run_job", "check_mode", "STOP_GRACE_S"]
 
 ETCD_PROBE_S = 10.0  # how long an etcd:// control plane may take to answer before the run is refused
+PARENT = "{parent}"  # in a spawned command line: the PID of the process it must not outlive
+Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
 STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
 
 
@@ -86,11 +93,12 @@ class LocalJob:
         if replaced:
             self.display.info(replaced)
         self.display.joins = not local
-        self.coords: dict[int, subprocess.Popen[bytes]] = {}  # --coordinators: one leads, the others stand by
+        self.coords: dict[int, Proc] = {}  # --coordinators: one leads, the others stand by
         self.etcd: Any = None  # --control-plane etcd: the local cluster this job started
         self._etcd_fired: set[int] = set()
         self._log: Any = None
-        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.agents: dict[str, Proc] = {}
+        self._zygote_error: str | None = None
         self.exited: set[str] = set()
         self.fenced: set[str] = set()
         self.store: Any = None
@@ -109,11 +117,23 @@ class LocalJob:
         self.repair = RepairQueue(cfg.repair_after, cfg.spares + (1 if cfg.spare_arrives_at_step else 0))
 
     # ------------------------------------------------------------------ processes
-    def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
-        out = open(self.run_dir / "logs" / log, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{auth.TOKEN_ENV: self.token})
-        return subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    def _spawn(self, args: list[str], log: str) -> Proc:
+        """Start `python -m args...` in its own session, logging to logs/`log`: forked from the warm
+        zygote (phoenixft.zygote), or fresh if that is off or failed. PARENT in `args` is replaced by
+        the PID of its parent (the process whose death it must follow)."""
+        path = self.run_dir / "logs" / log
+        extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token}
+        if zygote.enabled() and self._zygote_error is None:
+            try:
+                z = zygote.Zygote.shared()
+                return z.spawn([str(z.pid) if a == PARENT else a for a in args], path, extra)
+            except zygote.ZygoteError as e:
+                self._zygote_error = str(e)
+                self.display.info(f"starting processes fresh: the warm zygote failed ({e})")
+        out = open(path, "ab")
+        return subprocess.Popen([sys.executable, "-m", *[str(os.getpid()) if a == PARENT else a for a in args]],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=dict(os.environ, **extra))
 
     def _threads(self) -> int:
         if self.cfg.threads:
@@ -176,7 +196,7 @@ class LocalJob:
     def _start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
             ["phoenixft.agent", "--store", self.addr, "--node", node, "--workers", str(self.cfg.workers_per_node),
-             "--threads", str(self._threads()), "--run-id", self.run_id, "--parent-pid", str(os.getpid())],
+             "--threads", str(self._threads()), "--run-id", self.run_id, "--parent-pid", PARENT],
             f"{node}.log")
 
     def _etcd_address(self) -> str:
@@ -209,7 +229,7 @@ class LocalJob:
         # it dies with the launcher (which serves the store it needs); --run-id makes it findable
         journal = ["--journal", rundir.journal_path(self.run_dir)] if self.cfg.control_plane == "tcpstore" \
             else []  # on etcd the journal is in etcd (a standby on another host reads it)
-        p = self._spawn(["phoenixft.procs", "--parent", str(os.getpid()), "--signal",
+        p = self._spawn(["phoenixft.procs", "--parent", PARENT, "--signal",
                          str(int(signal.SIGKILL)), "phoenixft.coordinator", "--store", self.addr,
                          *journal, "--run-id", self.run_id],
                         "coordinator.log" if i == 0 else f"coordinator{i}.log")

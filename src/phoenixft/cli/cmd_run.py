@@ -22,8 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from phoenixft import auth
-    from phoenixft.launcher import run_job
+    from phoenixft import auth, zygote
 
     token = auth.resolve_token(getattr(args, "token", ""))
     if token:
@@ -34,5 +33,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_estimate(estimate_config(cfg), cfg))
         return 0
+    if zygote.enabled():  # its `import torch` overlaps this process's own (phoenixft.launcher's)
+        zygote.Zygote.shared()
+    from phoenixft.launcher import run_job
+
     report = run_job(cfg, token=token)
     return 0 if report.get("state") == "done" else 1

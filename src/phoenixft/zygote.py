@@ -1,0 +1,357 @@
+"""A warm image for a run's local processes: one `import torch`, then one fork per process.
+
+A local run starts a coordinator and one agent per node. Started fresh (`python -m ...`), each of
+them paid its own `import torch` (about 2 s of CPU here, and four to six of them at once at every
+start, on 2 cores: agents were admitted 5-7 s after the launch of a 3-step `tiny` run). A zygote
+pays it once per launching process: `python -m phoenixft.zygote` imports torch and the modules those
+processes run, then forks a child per request.
+
+Each child is set up as `subprocess.Popen([python, "-m", module, *args], start_new_session=True,
+stdin=DEVNULL, stdout=log, stderr=STDOUT, env=os.environ | env)` would set it up: its own session
+(so a node is killed as one process group), the log on stdout and stderr, unbuffered, descriptors
+above 2 closed, the environment, signal dispositions as a fresh interpreter has them, and its
+command line (/proc/PID/cmdline, what `ps`, `phoenixft gc`, `rundir` and the tests read) rewritten
+to that argv, in room the zygote's own command line reserved (a title that does not fit is exec'd
+fresh instead). The zygote runs one thread and never runs a torch operation, so forking it is as
+safe as the agents' own forking of their workers.
+
+The zygote reaps its children and reports every exit (the code, or minus the signal, as Popen
+does) on its reply pipe; `Child` is the Popen-like handle the launcher keeps (pid, poll, wait,
+returncode). It dies with the thread that started it (`PR_SET_PDEATHSIG`: the handle's reader
+thread, which lives as long as the zygote), and exits when its request pipe closes (the launching
+process ended). Its children take the zygote as their parent (`--parent-pid`, `procs --parent`):
+when it dies they stop, as they did when the launcher died.
+
+`Zygote.shared()` is the launching process's zygote (started on first use, replaced if it died):
+the chaos campaign and the tests run many jobs in one process and pay the import once.
+`PHOENIXFT_ZYGOTE=0` starts every process fresh instead (Popen), as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import json
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Zygote", "Child", "ZygoteError", "enabled", "set_title"]
+
+ROOM = 8192  # bytes of command line the zygote reserves for its children's titles
+PRELOAD = ("torch", "torch.distributed", "phoenixft.worker", "phoenixft.agent", "phoenixft.coordinator",
+           "phoenixft.procs")
+READY_TIMEOUT_S = 180.0  # the zygote's own start (one `import torch`) on a loaded machine
+SPAWN_TIMEOUT_S = 30.0  # one fork, once it is ready
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not start or answer; the caller starts the process fresh instead."""
+
+
+def enabled() -> bool:
+    return os.environ.get("PHOENIXFT_ZYGOTE", "1") not in ("0", "false", "no", "off")
+
+
+# ---------------------------------------------------------------------------- command lines
+def _argv_area() -> tuple[int, int]:
+    """Addresses [start, end) of this process's argv strings (/proc/self/stat fields 48 and 49)."""
+    raw = Path("/proc/self/stat").read_text()
+    f = raw[raw.rfind(")") + 2 :].split()  # f[0] is field 3
+    return int(f[45]), int(f[46])
+
+
+def set_title(argv: list[str]) -> bool:
+    """Rewrite /proc/self/cmdline to `argv` in place (NUL padded); False if it does not fit."""
+    start, end = _argv_area()
+    data = b"\0".join(a.encode() for a in argv) + b"\0"
+    room = end - start
+    if len(data) > room:
+        return False
+    ctypes.memmove(start, data + b"\0" * (room - len(data)), room)
+    return True
+
+
+# ---------------------------------------------------------------------------- the zygote process
+def _child(req: dict[str, Any], keep: list[int]) -> None:
+    """In the forked child: become the requested process (never returns)."""
+    code: object = 1
+    try:
+        for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.set_wakeup_fd(-1)
+        os.setsid()
+        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        for fd in (log, null, *keep):
+            os.close(fd)
+        os.closerange(3, 1 << 16)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")
+        os.environ.clear()
+        os.environ.update(req["env"])
+        with contextlib.suppress(OSError):  # (a working directory removed meanwhile: stay where we are)
+            os.chdir(req["cwd"])
+            sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
+        module, args = req["argv"][0], list(req["argv"][1:])
+        if not set_title([sys.executable, "-m", module, *args]):
+            os.execv(sys.executable, [sys.executable, "-m", module, *args])
+        import runpy
+        import warnings
+
+        # the module was preloaded here; `python -m` runs a second copy as __main__ all the same
+        warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                                category=RuntimeWarning)
+        sys.argv = [module, *args]
+        code = 0
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+    except BaseException:  # noqa: BLE001 - as a fresh interpreter would: the traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    from phoenixft.procs import exit_now
+
+    exit_now(code)
+
+
+def _serve(parent: int) -> int:
+    from phoenixft.procs import die_with_parent
+
+    die_with_parent(signal.SIGKILL, parent)
+    set_title([sys.executable, "-m", "phoenixft.zygote", "--parent", str(parent)])
+    out = os.fdopen(1, "w", buffering=1)
+
+    def reply(msg: dict[str, Any]) -> None:
+        out.write(json.dumps(msg) + "\n")
+
+    try:
+        import importlib
+
+        for m in PRELOAD:
+            importlib.import_module(m)
+    except BaseException as e:  # noqa: BLE001 - the launcher starts its processes fresh then
+        reply({"error": f"preloading failed: {type(e).__name__}: {e}"})
+        return 1
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    reply({"ready": os.getpid()})
+    buf = b""
+    while True:
+        while True:  # reap and report every child that exited
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        try:
+            ready, _, _ = select.select([0, wake_r], [], [], 1.0)
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        if 0 not in ready:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:  # the launching process closed the pipe (or ended): nothing more to start
+            return 0
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            try:
+                req = json.loads(line)
+                pid = os.fork()
+            except (ValueError, OSError) as e:
+                reply({"error": f"{type(e).__name__}: {e}"})
+                continue
+            if pid == 0:
+                _child(req, [wake_r, wake_w])
+            reply({"pid": pid})
+
+
+# ---------------------------------------------------------------------------- the launcher's side
+class Child:
+    """A process the zygote forked: the part of `subprocess.Popen` the launcher uses."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]) -> None:
+        self._z, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+        from phoenixft.procs import start_time
+
+        self._start = start_time(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._z._eof:
+            from phoenixft.procs import alive
+
+            # the zygote is gone, so nobody reports this child's exit: it ended once it no longer runs
+            if not alive(self.pid, self._start):
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            with self._z._cv:
+                self._z._cv.wait(timeout=0.05 if left is None else min(0.05, left))
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Zygote:
+    _shared: dict[tuple[int, str], Zygote] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> Zygote:
+        """This process's zygote: started on first use, replaced if it is gone. One per PYTHONPATH
+        (its preloaded modules come from there); an idle zygote costs nothing but its memory."""
+        key = (os.getpid(), os.environ.get("PYTHONPATH", ""))
+        with cls._shared_lock:
+            z = cls._shared.get(key)
+            if z is None or not z.alive():
+                z = cls._shared[key] = cls()
+            return z
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._exits: dict[int, int] = {}  # exits of children not registered yet
+        self._children: dict[int, Child] = {}  # running children by pid
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._lock = threading.Lock()  # one request in flight
+        self._eof = False
+        self._ready = threading.Event()
+        self._error: str | None = None
+        self._started = threading.Event()
+        self.proc: subprocess.Popen[bytes] | None = None
+        # the zygote dies with the thread that started it (PR_SET_PDEATHSIG): that is the reader,
+        # which lives exactly as long as the zygote does
+        self._thread = threading.Thread(target=self._read, name="phoenixft-zygote", daemon=True)
+        self._thread.start()
+        self._started.wait(timeout=30.0)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and not self._eof and self._error is None
+
+    def _read(self) -> None:
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "phoenixft.zygote", "--parent", str(os.getpid()), "--room=" + "." * ROOM],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            self._error = f"could not start: {e}"
+            self._started.set()
+            return
+        self._started.set()
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            if "exit" in msg:
+                with self._cv:
+                    pid, code = int(msg["exit"]), int(msg["code"])
+                    child = self._children.pop(pid, None)
+                    if child is not None:
+                        child.returncode = code
+                    else:  # it exited before its handle was registered
+                        self._exits[pid] = code
+                    self._cv.notify_all()
+            elif "ready" in msg:
+                self._ready.set()
+            else:
+                if "error" in msg:
+                    self._error = str(msg["error"])
+                    self._ready.set()
+                self._replies.put(msg)
+        with self._cv:
+            self._eof = True
+            self._cv.notify_all()
+        self._ready.set()
+        self._replies.put({"error": "the zygote exited"})
+
+    def spawn(self, argv: list[str], log: str | os.PathLike[str], env: dict[str, str]) -> Child:
+        """Fork `python -m argv[0] argv[1:]` (see the module docstring); ZygoteError if it cannot."""
+        if not self._ready.wait(timeout=READY_TIMEOUT_S):
+            raise ZygoteError(f"not ready after {READY_TIMEOUT_S:g}s")
+        if not self.alive():
+            raise ZygoteError(self._error or "the zygote exited")
+        with self._lock:
+            proc = self.proc
+            assert proc is not None and proc.stdin is not None
+            try:
+                req = {"argv": argv, "log": str(log), "env": dict(os.environ, **env), "cwd": os.getcwd()}
+                proc.stdin.write((json.dumps(req) + "\n").encode())
+                proc.stdin.flush()
+                msg = self._replies.get(timeout=SPAWN_TIMEOUT_S)
+            except (OSError, queue.Empty) as e:
+                raise ZygoteError(f"no answer to a spawn request ({type(e).__name__})") from None
+        if "pid" not in msg:
+            raise ZygoteError(str(msg.get("error", msg)))
+        child = Child(self, int(msg["pid"]), [sys.executable, "-m", *argv])
+        with self._cv:
+            if child.pid in self._exits:
+                child.returncode = self._exits.pop(child.pid)
+            else:
+                self._children[child.pid] = child
+        return child
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the zygote (its children are not touched)."""
+        if self.proc is None:
+            return
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(timeout=timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m phoenixft.zygote")
+    ap.add_argument("--parent", type=int, required=True, help="die with this process")
+    ap.add_argument("--room", default="", help="filler: room for the children's command lines")
+    a = ap.parse_args(argv)
+    return _serve(a.parent)
+
+
+if __name__ == "__main__":
+    from phoenixft.procs import exit_now
+
+    exit_now(main())
