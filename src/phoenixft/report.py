@@ -2,9 +2,11 @@
 
 Report fields: `config`, `state`, `steps_completed`, `loss` (one value per step),
 `step_time_s` (median, p90; the first two steps are warm-up and left out), `final_state_sha256`,
-`recoveries` (one entry per recovery epoch: fault, class, action, epoch, detect_s, recovery_s,
-lost_steps, resumed_step, stage timings, invariants, bytes_moved, with `--redundancy ec:D+H` the
-shards `decoded` from their group, the pieces' bytes `bytes_decoded_from` and `decode_s`),
+`recoveries` (one entry per recovery epoch: faults (every fault it answers: those that hit a node
+it found lost or restarted, or else the latest one before it), fault (the latest of them), class,
+action, epoch, detect_s and recovery_s (from the first of them), lost_steps, resumed_step, stage
+timings, invariants, bytes_moved, with `--redundancy ec:D+H` the shards `decoded` from their group,
+the pieces' bytes `bytes_decoded_from` and `decode_s`),
 `redundancy`, `error` when the run failed.
 """
 
@@ -60,19 +62,24 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             topo_done = _get(store, keys.topo(done_epoch))
             joins = [j for j in (_get(store, keys.join(done_epoch, f"{n}.{i}")) for n in topo_done["nodes"]
                                  for i in range(cfg.workers_per_node)) if j]
-        # the fault a recovery answers: the latest one before its first report that needed one (a coordinator
-        # kill is the control plane's, a corruption at rest is answered by the kill it comes with)
+        # the faults a recovery answers: those before its first report that hit a node it found dead,
+        # restarted or unresponsive (a kill and a crash handled in one epoch are both its own); else the
+        # latest one before it (a NaN, a corruption in flight). A coordinator kill is the control plane's,
+        # a corruption at rest is answered by the kill it comes with.
         cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
                  and not f["spec"].startswith(("kill:coordinator", "kill:etcd", "corrupt:"))]
-        fault = max(cands, key=lambda f: f["t"]) if cands else None
-        if fault:
-            used.add(fault["index"])
-        t0 = fault["t"] if fault else rec["t_first_report"]
+        hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", [])]}
+        answered = sorted([f for f in cands if f.get("node") in hit]
+                          or ([max(cands, key=lambda f: f["t"])] if cands else []), key=lambda f: f["t"])
+        used.update(f["index"] for f in answered)
+        fault = answered[-1] if answered else None
+        t0 = answered[0]["t"] if answered else rec["t_first_report"]  # from the first of them
         joined_at = max((j["t"] for j in joins), default=rec["t_decided"])
         inv = {k: all(j["invariants"].get(k, False) for j in own_joins) and len(own_joins) == len(topo["nodes"])
                * cfg.workers_per_node for k in ("I1", "I2", "I3", "I4")}
         recoveries.append({
-            "fault": fault["spec"] if fault else None,
+            "fault": fault["spec"] if fault else None,  # the latest it answers; all of them in `faults`
+            "faults": [f["spec"] for f in answered],
             "fault_step": fault.get("step") if fault else None,
             "class": rec["class"],
             "action": rec["action"],

@@ -1,0 +1,77 @@
+"""The report's attribution of faults to recoveries (report.build_report), on a store written the way
+the coordinator and the workers write it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from phoenixft import keys
+from phoenixft.config import RunConfig
+from phoenixft.report import build_report
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: Any) -> None:
+        self.kv[key] = (value if isinstance(value, str) else json.dumps(value)).encode()
+
+    def check(self, ks: list[str]) -> bool:
+        return all(k in self.kv for k in ks)
+
+    def get(self, key: str) -> bytes:
+        return self.kv[key]
+
+
+def _job(tmp: Path, faults: list[dict[str, Any]], recoveries: list[dict[str, Any]], nodes: int = 3) -> dict[str, Any]:
+    cfg = RunConfig(nodes=nodes, spares=2, steps=8, inject=[f["spec"] for f in faults])
+    st = DictStore()
+    for s in range(1, 9):
+        st.set(keys.step(s), {"step": s, "loss": 1.0 / s, "dt": 0.1})
+    st.set(keys.FINAL, {"step": 8, "sha256": "ab"})
+    for i, f in enumerate(faults):
+        st.set(keys.fault(i), {"index": i, "kind": "fault", **f})
+    names = [f"n{i}" for i in range(nodes)]
+    for e, r in enumerate(recoveries, start=1):
+        st.set(keys.recovery(e), {"t_start": r["t"], "t_first_report": r["t"], "t_decided": r["t"] + 0.01,
+                                  "dead": [], "fenced": [], "unresponsive": [], "restarted": [], "promoted": [],
+                                  "resume_step": 3, "max_committed": 3, "class": "permanent", "action": "hot-swap",
+                                  **{k: v for k, v in r.items() if k != "t"}})
+        st.set(keys.topo(e), {"nodes": names})
+        for n in names:
+            st.set(keys.join(e, f"{n}.0"), {"t": r["t"] + 0.02, "rank": names.index(n), "reconfigure_s": 0.01,
+                                            "invariants": {k: True for k in ("I1", "I2", "I3", "I4")}})
+        st.set(keys.first_step(e), {"t": r["t"] + 0.05})
+    return build_report(st, cfg, "done", tmp, "rid")
+
+
+def test_a_kill_and_a_crash_handled_in_one_recovery_are_both_its_own(tmp_path: Path) -> None:
+    rep = _job(tmp_path, [{"spec": "kill:node=1@step=3", "node": "n1", "t": 100.0},
+                {"spec": "crash:node=2@step=3", "node": "n2", "t": 100.2}],
+               [{"t": 100.5, "dead": ["n1"], "restarted": ["n2.0"]}])
+    (r,) = rep["recoveries"]
+    assert r["faults"] == ["kill:node=1@step=3", "crash:node=2@step=3"]
+    assert r["fault"] == "crash:node=2@step=3"  # the latest of them
+    assert abs(r["detect_s"] - 0.5) < 1e-9 and abs(r["recovery_s"] - 0.55) < 1e-9  # from the first of them
+
+
+def test_each_recovery_takes_the_fault_of_the_node_it_found_dead(tmp_path: Path) -> None:
+    # a hang noticed late: the kill after it is recovered first, then the hang, each with its own fault
+    rep = _job(tmp_path, [{"spec": "hang:node=2@step=2", "node": "n2", "t": 50.0},
+                {"spec": "kill:node=1@step=3", "node": "n1", "t": 51.0}],
+               [{"t": 51.1, "dead": ["n1"]}, {"t": 60.0, "dead": [], "unresponsive": ["n2"]}])
+    first, second = rep["recoveries"]
+    assert first["faults"] == ["kill:node=1@step=3"] and second["faults"] == ["hang:node=2@step=2"]
+    assert abs(second["detect_s"] - 10.0) < 1e-9
+
+
+def test_a_fault_on_no_lost_node_goes_to_the_next_recovery(tmp_path: Path) -> None:
+    # a NaN loses no node: the recovery after it answers it (the latest fault before its first report)
+    rep = _job(tmp_path, [{"spec": "nan@step=2", "node": "n0", "t": 10.0},
+                {"spec": "kill:coordinator@step=2", "node": "n0", "t": 10.1}],
+               [{"t": 10.3, "class": "transient", "action": "rollback"}])
+    (r,) = rep["recoveries"]
+    assert r["faults"] == ["nan@step=2"] and r["fault"] == "nan@step=2"
