@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run
 
 from phoenixft import zygote
 from phoenixft.procs import alive, cmdlines, start_time
@@ -102,3 +103,23 @@ def test_the_zygote_is_shared_and_replaced_when_it_died(z: zygote.Zygote, tmp_pa
     z2 = zygote.Zygote.shared()
     assert z2 is not z and z2.alive()
     assert z2.spawn(["zchild", "exit", "0"], tmp_path / "ok.log", {}).wait(timeout=120) == 0
+
+
+def _no_spawn(*_: object, **__: object) -> zygote.Child:
+    raise AssertionError("the zygote was used")
+
+
+def test_phoenixft_zygote_0_starts_every_process_fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHOENIXFT_ZYGOTE", "0")
+    monkeypatch.setattr(zygote.Zygote, "spawn", _no_spawn)
+    rep = run(tmp_path, nodes=2, spares=0, steps=2, model="tiny")
+    assert rep["state"] == "done" and rep["steps_completed"] == 2
+
+
+def test_a_failed_zygote_falls_back_to_fresh_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object, **__: object) -> zygote.Child:
+        raise zygote.ZygoteError("broken on purpose")
+
+    monkeypatch.setattr(zygote.Zygote, "spawn", broken)
+    rep = run(tmp_path, nodes=2, spares=0, steps=2, model="tiny")
+    assert rep["state"] == "done" and rep["steps_completed"] == 2
