@@ -51,6 +51,27 @@ def test_schedule_is_deterministic_spaced_and_valid(kw: dict[str, object]) -> No
     assert make_schedule(cfg, n, 1).inject != make_schedule(cfg, n, 2).inject
 
 
+@pytest.mark.parametrize("kw", [dict(nodes=3, replicas=1), dict(nodes=4, replicas=2), dict(nodes=5, replicas=2),
+                                dict(nodes=6, replicas=1, racks=2)], ids=str)
+def test_kill_during_recovery_without_spares_strikes_a_survivor_by_its_slot_after_the_shrink(
+        kw: dict[str, object]) -> None:
+    # no spare is promoted into the lost node's slot: the job shrinks and the survivors keep their order, so
+    # the second kill must name the slot its node holds after the shrink, and that loss must be survivable
+    cfg = _cfg(spares=0, steps=40, **kw)
+    drawn = 0
+    for seed in range(400):
+        for f in make_schedule(cfg, 4, seed).faults:
+            if f.kind != "kill_during_recovery":
+                continue
+            drawn += 1
+            first, second = (parse_fault(x, i) for i, x in enumerate(f.specs))
+            (j,), (slot,) = first.nodes, second.nodes
+            other = slot + 1 if slot >= j else slot  # the node in that slot once j is dropped
+            assert other != j and f.lost == tuple(sorted((j, other)))
+            assert unsurvivable_reason(cfg, f.lost, f.step) is None, f
+    assert drawn > 0 or kw["replicas"] == 1  # (with one replica no two nodes can be lost: a plain kill instead)
+
+
 def test_every_kind_is_drawn_and_counts_are_exact() -> None:
     cfg = _cfg(nodes=4, spares=2, steps=400)
     for seed in range(300):

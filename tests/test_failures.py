@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,6 +50,17 @@ def test_rack_failure_with_rack_aware_replicas(tmp_path: Path, reference) -> Non
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
     assert rec["dead"] == ["n0", "n1"]
+
+
+def test_a_rack_fault_strikes_its_rack_once_even_after_a_shrink_renumbers_the_racks(tmp_path: Path) -> None:
+    # no spares: the rack's two nodes are dropped, the job shrinks to 2 nodes whose slots fall in
+    # "rack 1" again when the step is replayed; the fault must not strike them (it struck n1 too)
+    rep = run(tmp_path, nodes=4, spares=0, racks=2, steps=8, inject=["kill:rack=1@step=4,phase=backward"])
+    assert rep["state"] == "done", rep.get("error")
+    (rec,) = rep["recoveries"]
+    assert rec["dead"] == ["n2", "n3"] and rec["action"] == "shrink"
+    struck = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert sorted(e["node"] for e in struck if e["kind"] == "fault") == ["n2", "n3"]
 
 
 @pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)

@@ -12,6 +12,9 @@ from phoenixft.faults import parse_fault
 @pytest.mark.parametrize(
     "spec,needle",
     [
+        # a key given twice: the last one used to win silently
+        ("kill:node=1@step=4,phase=forward,phase=optimizer", "phase= is given twice; give it once"),
+        ("hang:node=0@step=3,wait=5,wait=9", "wait= is given twice; give it once"),
         # a node listed twice: "several nodes at once" would wait for an arrival that never comes
         ("kill:node=1,1@step=4", "node=1,1 names node 1 more than once; list each node once, e.g. node=1"),
         ("kill:node=0,2,0@step=4,phase=backward", "names node 0 more than once; list each node once, e.g. node=0,2"),
@@ -53,3 +56,32 @@ def test_duplicate_node_from_the_command_line_exits_2(capsys: pytest.CaptureFixt
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "--inject='kill:node=1,1@step=4' is invalid: node=1,1 names node 1" in lines[0], err
     assert "Traceback" not in err
+
+
+def test_a_recovery_phase_kill_waits_for_the_recovery_of_a_failure_not_a_planned_grow() -> None:
+    from types import SimpleNamespace
+
+    from phoenixft.faultinject import FaultInjector
+    from phoenixft.topology import Topology
+
+    spec = parse_fault("kill:node=0@step=7,phase=recovery", 0)
+    fired: list[int] = []
+    inj = FaultInjector(SimpleNamespace(faults=[spec], node_id="n2"))  # type: ignore[arg-type]
+    inj.fire = lambda f, **where: fired.append(where["recovery"])  # type: ignore[method-assign]
+
+    def recovery(epoch: int, klass: str, resume: int) -> None:
+        inj.in_recovery(Topology(epoch=epoch, nodes=["n2", "n3"], workers_per_node=1, replicas=1, racks=1,
+                                 resume_step=resume, transfers=[], meta={"class": klass}, tp=1, pp=1))
+
+    recovery(1, "permanent", 5)  # before step 7: not yet
+    recovery(2, "planned", 6)  # a grow that resumes from step 6 answers no failure
+    assert fired == []
+    recovery(3, "permanent", 6)  # the recovery of the failure at step 7
+    assert fired == [3]
+
+
+def test_the_same_fault_given_twice_is_refused() -> None:
+    from phoenixft.config import RunConfig
+
+    with pytest.raises(UserError, match="given twice: each fault fires once per run"):
+        RunConfig(nodes=2, steps=8, inject=["kill:node=1@step=4", " kill:node=1@step=4"]).validate()

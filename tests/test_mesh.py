@@ -181,3 +181,15 @@ def test_3d_without_spares_waits_for_the_repaired_node(tmp_path: Path, reference
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
     assert rec["action"] == "hotswap" and rec["promoted"] and all(rec["invariants"].values()), rec
+
+
+def test_3d_node_lost_while_the_late_spare_starts_waits_for_it(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """`--spare-arrives-at-step`: the spare the launcher has started but that is not ready yet is waited
+    for (a mesh cannot drop a node), not written off ("no spare ready")."""
+    ref = reference(nodes=4, pp=2, steps=8)
+    rep = run(tmp_path, nodes=4, pp=2, steps=8, spares=0, spare_arrives_at_step=2,
+              inject=["kill:node=1@step=3,phase=forward"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["promoted"] == ["s0"] and all(rec["invariants"].values()), rec

@@ -180,8 +180,9 @@ def _pairs_note(cfg: RunConfig, pairs: list[tuple[int, int]], step: int) -> str:
         why.append(f"no persistent checkpoint (--persist-every {cfg.persist_every}) is complete before step {step}")
         fixes.append("a smaller --persist-every or more --steps")
     return (f"'two nodes at once' not drawn: no two of {cfg.nodes} nodes survive together: {'; '.join(why)} (use "
-            f"{', '.join(dict.fromkeys(fixes))}, or --allow-unsurvivable); 'kill during recovery' kills the promoted "
-            "spare itself")
+            f"{', '.join(dict.fromkeys(fixes))}, or --allow-unsurvivable); " + (
+                "'kill during recovery' kills the promoted spare itself" if cfg.spares else
+                "'kill during recovery' is a plain kill (no spare is promoted, and no survivor can be lost too)"))
 
 
 # ---------------------------------------------------------------------------------------------- the schedule
@@ -288,12 +289,21 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
         elif kind == "kill_during_recovery":
             j = rng.randrange(n)
             mates = [b if a == j else a for a, b in ok_pairs(s) if j in (a, b)]
-            other = rng.choice(mates) if mates else j
-            who = f"node {other}" if other != j else f"the spare promoted into slot {j}"
-            f = ChaosFault(i, kind, s, (f"kill:node={j}@step={s},phase=optimizer",
-                                        f"kill:node={other}@step={s},phase=recovery"),
-                           f"SIGKILL node {j} in its optimizer phase, then {who} during that recovery's state "
-                           "transfer", tuple(sorted({j, other})))
+            if cfg.spares == 0 and not mates:  # no spare to promote into slot j, no survivor whose loss is survivable
+                kind, node = "kill", j
+                f = ChaosFault(i, kind, s, (f"kill:node={node}@step={s},phase={phase}",),
+                               f"SIGKILL node {node} in its {phase} phase", (node,))
+            else:
+                other = rng.choice(mates) if mates else j
+                # with spares the lost node's slot is taken by a spare and the others keep theirs; without, the
+                # job shrinks: the survivors keep their order, so node `other` is in slot `other - 1` past j
+                slot = other - 1 if cfg.spares == 0 and other > j else other
+                who = (f"node {other}" + (f" (slot {slot} once the job has shrunk)" if slot != other else "")
+                       if other != j else f"the spare promoted into slot {j}")
+                f = ChaosFault(i, kind, s, (f"kill:node={j}@step={s},phase=optimizer",
+                                            f"kill:node={slot}@step={s},phase=recovery"),
+                               f"SIGKILL node {j} in its optimizer phase, then {who} during that recovery's state "
+                               "transfer", tuple(sorted({j, other})))
         elif kind == "kill_coordinator":
             f = ChaosFault(i, kind, s, (f"kill:coordinator@step={s},phase={phase}",),
                            f"SIGKILL the coordinator when rank 0 is in its {phase} phase (restarted from its "

@@ -306,7 +306,11 @@ class RunConfig:
         real(self.timeout, self.timeout > 0, "--timeout", "> 0 seconds")
         need(1 <= self.racks <= self.nodes and self.nodes % self.racks == 0, "--racks", self.racks,
              f"must divide --nodes={self.nodes} (racks are equal blocks of nodes)")
+        seen: set[str] = set()
         for f in self.faults:  # parse errors raise UserError themselves
+            need(f.text.strip() not in seen, "--inject", f.text,
+                 "given twice: each fault fires once per run; give it once")
+            seen.add(f.text.strip())
             for n in f.nodes:
                 need(0 <= n < self.nodes, "--inject", f.text, f"node must be in 0..{self.nodes - 1}")
             if f.rack is not None:

@@ -396,6 +396,15 @@ class Coordinator:
         elif not whole and there:
             self.store.delete_key(keys.JOB_WHOLE)
 
+    def _spare_coming(self, pool: list[str]) -> bool:
+        """The spare of `--spare-arrives-at-step` was started (the run reached that step) and is not
+        ready yet: it will be, within its start-up."""
+        late = self.cfg.spare_arrives_at_step
+        if not late or not self.store.check([keys.PROGRESS]) or int(self.store.get(keys.PROGRESS)) < late:
+            return False
+        sid = f"s{self.cfg.spares}"  # the id the launcher starts it with
+        return sid not in pool and sid not in self.dead and (self.topo is None or sid not in self.topo.nodes)
+
     def _refresh_pool(self) -> None:
         """Spares admitted since (`phoenixft agent --spare`, or a repaired node) are in the pool already."""
         self._admit()
@@ -579,8 +588,10 @@ class Coordinator:
                                            racks=self.cfg.racks, manifest=man, grow_only=grow_only))
 
         plan = decide()
-        if not plan.ok and old.tp * old.pp > 1 and self.cfg.repair_after > 0 and len(dead) > len(pool):
-            # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares
+        coming = self._spare_coming(pool)
+        if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
+            # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or
+            # for the spare that is starting (--spare-arrives-at-step) to be ready
             self._event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
             deadline = time.monotonic() + self.cfg.repair_after + 2 * self.cfg.failure_timeout + 30.0
             while len(pool) < len(dead) and time.monotonic() < deadline:

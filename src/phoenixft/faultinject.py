@@ -67,13 +67,31 @@ class FaultInjector:
             if hit:  # (a `,wait=S` fault held the step before it began: `hold`)
                 self.fire(f, step=step, phase=phase)
 
+    def _targets(self, f: FaultSpec) -> list[str]:
+        """The node ids fault f strikes: fixed by its first firing, from the topology of that moment.
+
+        A fault fires once per run: the step it names is replayed after the recovery it caused, in a
+        topology whose slots may hold other nodes (a shrink renumbers them, and re-derives the racks),
+        and those must not be struck again."""
+        assert self.w.topo is not None
+        topo, n = self.w.topo, len(self.w.topo.nodes)
+        if f.coordinator or f.kind == "crash":
+            mine = [self.w.node_id]
+        elif f.rack is not None:
+            mine = [topo.nodes[s] for s in range(n) if topo.rack_of(s) == f.rack]
+        else:
+            mine = [topo.nodes[s] for s in f.nodes if s < n]
+        key = keys.fault_targets(f.index)
+        return list(json.loads(self.w.store.compare_set(key, "", json.dumps(mine))))  # the first to fire sets them
+
     def fire(self, f: FaultSpec, **where: Any) -> None:
         """Claim fault f for this node (once per run), record it, then act with a real signal."""
         assert self.w.topo is not None
         slot = self.w.topo.slot_of(self.w.node_id)
-        if self.w.store.add(keys.fault_claim(f.index, slot), 1) != 1:
+        targets = self._targets(f)
+        if self.w.node_id not in targets or self.w.store.add(keys.fault_claim(f.index, self.w.node_id), 1) != 1:
             return
-        self._together(f)
+        self._together(f, len(targets))
         rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
                "node": self.w.node_id, "slot": slot, "rank": self.w.rank, "epoch": self.w.epoch, **where}
         if self.w.store.add(keys.fault(f.index) + "/fired", 1) == 1:
@@ -88,22 +106,16 @@ class FaultInjector:
         elif f.kind == "crash":
             os._exit(17)
 
-    def _together(self, f: FaultSpec, timeout_s: float = 10.0) -> None:
+    def _together(self, f: FaultSpec, targets: int, timeout_s: float = 10.0) -> None:
         """A fault on several nodes (`node=I,J`, `rack=A`) strikes them in the same instant: the first
         to arrive waits (bounded) for the others, which are in the same step, before any dies, so no
         survivor notices the first death and leaves the step before the others are hit."""
-        assert self.w.topo is not None
-        n = len(self.w.topo.nodes)
-        if f.rack is not None:
-            targets = [s for s in range(n) if self.w.topo.rack_of(s) == f.rack]
-        else:
-            targets = [s for s in f.nodes if s < n]
-        if len(targets) < 2:
+        if targets < 2:
             return
         key = keys.fault(f.index) + "/together"
         arrived = self.w.store.add(key, 1)
         deadline = time.monotonic() + timeout_s
-        while arrived < len(targets) and time.monotonic() < deadline:
+        while arrived < targets and time.monotonic() < deadline:
             time.sleep(0.002)
             arrived = self.w.store.add(key, 0)
 
@@ -134,8 +146,9 @@ class FaultInjector:
         for f in self.w.faults:
             if f.kind != "kill" or slot not in f.nodes:
                 continue
+            # by step: the recovery of a failure at step S, not a planned grow that happens to resume there
             if f.recovery == topo.epoch or (f.phase == "recovery" and f.step is not None
-                                            and topo.resume_step >= f.step - 1):
+                                            and topo.resume_step >= f.step - 1 and topo.meta.get("class") != "planned"):
                 self.fire(f, recovery=topo.epoch)
 
     def corrupts_transfers(self, topo: Topology) -> bool:

@@ -5,7 +5,8 @@
     kill:node=I@recovery=N                SIGKILL slot I during the N-th recovery (its state transfer;
                                           the node in slot I may be the promoted spare itself)
     kill:node=I@step=S,phase=recovery     SIGKILL slot I during the state transfer of the first recovery
-                                          whose resume step is >= S-1 (no epoch number needed)
+                                          of a failure (not a planned grow) whose resume step is >= S-1
+                                          (no epoch number needed)
     kill:coordinator@step=S               SIGKILL the coordinator process (the launcher restarts it); with
                                           --coordinators N the one that leads at that moment (a standby
                                           takes over)
@@ -147,6 +148,8 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         k, sep, v = item.partition("=")
         if not sep:
             raise _bad(text, f"expected key=value, got {item!r}")
+        if k.strip() in when:
+            raise _bad(text, f"{k.strip()}= is given twice; give it once")
         when[k.strip()] = v.strip()
     if set(when) - {"step", "phase", "recovery", "wait", "for"} or ("step" in when) == ("recovery" in when):
         raise _bad(text, _VALID)

@@ -78,8 +78,14 @@ def fault(index: int) -> str:
     return f"fault/{index}"
 
 
-def fault_claim(index: int, slot: int) -> str:
-    return f"fault/{index}/claim/{slot}"
+def fault_claim(index: int, who: int | str) -> str:
+    """Claimed once by each node a fault strikes (by node id; a partition by its slot)."""
+    return f"fault/{index}/claim/{who}"
+
+
+def fault_targets(index: int) -> str:
+    """JSON list of the node ids a fault strikes, fixed by its first firing (faultinject.py)."""
+    return f"fault/{index}/targets"
 
 
 def worker_exit(wid: str) -> str:
