@@ -123,3 +123,56 @@ def test_a_failed_zygote_falls_back_to_fresh_processes(tmp_path: Path, monkeypat
     monkeypatch.setattr(zygote.Zygote, "spawn", broken)
     rep = run(tmp_path, nodes=2, spares=0, steps=2, model="tiny")
     assert rep["state"] == "done" and rep["steps_completed"] == 2
+
+
+def test_a_handle_is_a_named_process_group_at_once(z: zygote.Zygote, tmp_path: Path) -> None:
+    # the zygote answers only once the child has its session and title: what killpg and `ps` act on
+    for i in range(10):
+        c = z.spawn(["zchild", "sleep", "30", f"--tag-{i}"], tmp_path / f"g{i}.log", {})
+        assert cmdlines()[c.pid][-1] == f"--tag-{i}"
+        os.killpg(c.pid, signal.SIGKILL)
+        assert c.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_spawn_given_up_on_never_hands_its_process_to_the_next(z: zygote.Zygote, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    assert z.spawn(["zchild", "exit", "0"], tmp_path / "warm.log", {}).wait(timeout=30) == 0  # ready
+    monkeypatch.setattr(zygote, "SPAWN_TIMEOUT_S", 0.5)
+    os.kill(z.pid, signal.SIGSTOP)  # the answer comes after the spawn gave up
+    try:
+        with pytest.raises(zygote.ZygoteError, match="no answer"):
+            z.spawn(["zchild", "sleep", "30", "first"], tmp_path / "first.log", {})
+    finally:
+        os.kill(z.pid, signal.SIGCONT)
+    monkeypatch.setattr(zygote, "SPAWN_TIMEOUT_S", 30.0)
+    second = z.spawn(["zchild", "sleep", "30", "second"], tmp_path / "second.log", {})
+    assert cmdlines()[second.pid][-1] == "second"
+    _wait_for(tmp_path / "first.log", "")  # it was started, late (it opened its log); nobody holds it: ended
+    deadline = time.monotonic() + 10
+    while any(a[-1:] == ["first"] and "zchild" in a for a in cmdlines().values()):
+        assert time.monotonic() < deadline, "the abandoned child lives on"
+        time.sleep(0.05)
+    os.killpg(second.pid, signal.SIGKILL)
+    assert second.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_child_that_cannot_set_up_is_an_error_and_the_zygote_stays(z: zygote.Zygote, tmp_path: Path) -> None:
+    with pytest.raises(zygote.ZygoteError, match="No such file or directory"):
+        z.spawn(["zchild", "exit", "0"], tmp_path / "no" / "such" / "dir.log", {})
+    assert z.alive() and zygote.Zygote.shared() is z
+    odd = os.fsdecode(b"caf\xe9")  # a command line that is not UTF-8 (a latin-1 path)
+    c = z.spawn(["zchild", "info", odd], tmp_path / "odd.log", {})
+    assert c.wait(timeout=30) == 0
+    assert json.loads((tmp_path / "odd.log").read_text().splitlines()[0])["argv"] == ["info", odd]
+
+
+def test_a_zygote_that_cannot_start_is_a_zygote_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*_: object, **__: object) -> None:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(zygote.subprocess, "Popen", fail)
+    z = zygote.Zygote()
+    with pytest.raises(zygote.ZygoteError, match="could not start"):
+        _ = z.pid
+    with pytest.raises(zygote.ZygoteError, match="could not start"):
+        z.spawn(["zchild", "exit", "0"], "/dev/null", {})

@@ -15,16 +15,23 @@ to that argv, in room the zygote's own command line reserved (a title that does 
 fresh instead). The zygote runs one thread and never runs a torch operation, so forking it is as
 safe as the agents' own forking of their workers.
 
+Requests carry an id and the zygote answers only once the child has its session, log and title (a
+handle's pid is at once a process group that `ps` names); a child that could not set itself up is
+an error answer (the launcher then starts that process fresh), and a child whose spawn was given up
+on (a timeout, Ctrl-C) is killed when its late answer comes, never handed to the next request.
 The zygote reaps its children and reports every exit (the code, or minus the signal, as Popen
-does) on its reply pipe; `Child` is the Popen-like handle the launcher keeps (pid, poll, wait,
+does) on its own reply pipe; `Child` is the Popen-like handle the launcher keeps (pid, poll, wait,
 returncode). It dies with the thread that started it (`PR_SET_PDEATHSIG`: the handle's reader
 thread, which lives as long as the zygote), and exits when its request pipe closes (the launching
 process ended). Its children take the zygote as their parent (`--parent-pid`, `procs --parent`):
-when it dies they stop, as they did when the launcher died.
+when it dies they stop, as they did when the launcher died. It is part of the launcher: a zygote
+killed on its own (it is idle and small, not what an OOM killer picks) stops the run's processes
+as the launcher's death would.
 
-`Zygote.shared()` is the launching process's zygote (started on first use, replaced if it died):
-the chaos campaign and the tests run many jobs in one process and pay the import once.
-`PHOENIXFT_ZYGOTE=0` starts every process fresh instead (Popen), as before.
+`Zygote.shared()` is the launching process's zygote for its environment (started on first use,
+replaced if it died; what the interpreter and native libraries read at start, `PYTHON*`, `OMP_*`,
+`LD_*`..., is part of the key): the chaos campaign and the tests run many jobs in one process and
+pay the import once. `PHOENIXFT_ZYGOTE=0` starts every process fresh instead (Popen), as before.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ import ctypes
 import io
 import json
 import os
-import queue
 import select
 import signal
 import subprocess
@@ -47,11 +53,12 @@ from typing import Any
 
 __all__ = ["Zygote", "Child", "ZygoteError", "enabled", "set_title"]
 
-ROOM = 8192  # bytes of command line the zygote reserves for its children's titles
+ROOM = 2048  # bytes of command line the zygote reserves for its children's titles (longer ones: exec'd)
 PRELOAD = ("torch", "torch.distributed", "phoenixft.worker", "phoenixft.agent", "phoenixft.coordinator",
            "phoenixft.procs")
 READY_TIMEOUT_S = 180.0  # the zygote's own start (one `import torch`) on a loaded machine
 SPAWN_TIMEOUT_S = 30.0  # one fork, once it is ready
+SETUP_TIMEOUT_S = 10.0  # a forked child setting up its session, log and title
 
 
 class ZygoteError(RuntimeError):
@@ -73,7 +80,7 @@ def _argv_area() -> tuple[int, int]:
 def set_title(argv: list[str]) -> bool:
     """Rewrite /proc/self/cmdline to `argv` in place (NUL padded); False if it does not fit."""
     start, end = _argv_area()
-    data = b"\0".join(a.encode() for a in argv) + b"\0"
+    data = b"\0".join(os.fsencode(a) for a in argv) + b"\0"
     room = end - start
     if len(data) > room:
         return False
@@ -82,9 +89,10 @@ def set_title(argv: list[str]) -> bool:
 
 
 # ---------------------------------------------------------------------------- the zygote process
-def _child(req: dict[str, Any], keep: list[int]) -> None:
-    """In the forked child: become the requested process (never returns)."""
-    code: object = 1
+def _child(req: dict[str, Any], ready: int) -> None:
+    """In the forked child: become the requested process (never returns). The zygote answers its
+    launcher only once this child has its session, log and title (`ready` closed), or failed to
+    get them (the traceback written to `ready`): a handle's pid is a process group that `ps` names."""
     try:
         for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_DFL)
@@ -96,23 +104,35 @@ def _child(req: dict[str, Any], keep: list[int]) -> None:
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        for fd in (log, null, *keep):
-            os.close(fd)
-        os.closerange(3, 1 << 16)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                      errors="backslashreplace")
+        os.close(log)
+        os.close(null)
         os.environ.clear()
         os.environ.update(req["env"])
         with contextlib.suppress(OSError):  # (a working directory removed meanwhile: stay where we are)
             os.chdir(req["cwd"])
-            sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
+            if not sys.flags.safe_path:
+                sys.path[0] = req["cwd"]  # `python -m` puts the working directory first
         module, args = req["argv"][0], list(req["argv"][1:])
-        if not set_title([sys.executable, "-m", module, *args]):
-            os.execv(sys.executable, [sys.executable, "-m", module, *args])
+        argv = [sys.executable, "-m", module, *args]
+        titled = set_title(argv)
+    except BaseException:  # noqa: BLE001 - the zygote reports it, the launcher starts the process fresh
+        os.write(ready, b"E" + traceback.format_exc().encode(errors="replace")[-4000:])
+        os._exit(1)
+    os.closerange(3, ready)  # nothing of the zygote's (its pipes) stays open in the child
+    os.closerange(ready + 1, 1 << 16)
+    if not titled:  # no room for this command line: start it fresh (`ready` closes on exec)
+        os.execv(sys.executable, argv)
+    os.close(ready)
+    code: object = 1
+    try:
+        import multiprocessing
         import runpy
         import warnings
 
+        multiprocessing.current_process().authkey = os.urandom(32)  # not the zygote's, shared by all
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")
         # the module was preloaded here; `python -m` runs a second copy as __main__ all the same
         warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
                                 category=RuntimeWarning)
@@ -122,6 +142,11 @@ def _child(req: dict[str, Any], keep: list[int]) -> None:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as e:
             code = e.code
+    except KeyboardInterrupt:  # as a fresh interpreter: ended by SIGINT
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - as a fresh interpreter would: the traceback, exit 1
         traceback.print_exc()
         code = 1
@@ -130,12 +155,26 @@ def _child(req: dict[str, Any], keep: list[int]) -> None:
     exit_now(code)
 
 
-def _serve(parent: int) -> int:
+def _read_until_eof(fd: int, timeout_s: float) -> bytes:
+    out = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not r:
+            break
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def _serve(parent: int, reply_fd: int) -> int:
     from phoenixft.procs import die_with_parent
 
     die_with_parent(signal.SIGKILL, parent)
     set_title([sys.executable, "-m", "phoenixft.zygote", "--parent", str(parent)])
-    out = os.fdopen(1, "w", buffering=1)
+    out = os.fdopen(reply_fd, "w", buffering=1)
 
     def reply(msg: dict[str, Any]) -> None:
         out.write(json.dumps(msg) + "\n")
@@ -146,7 +185,7 @@ def _serve(parent: int) -> int:
         for m in PRELOAD:
             importlib.import_module(m)
     except BaseException as e:  # noqa: BLE001 - the launcher starts its processes fresh then
-        reply({"error": f"preloading failed: {type(e).__name__}: {e}"})
+        reply({"fatal": f"preloading failed: {type(e).__name__}: {e}"})
         return 1
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -177,15 +216,26 @@ def _serve(parent: int) -> int:
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
+            rid = None
             try:
                 req = json.loads(line)
+                rid = req.get("id")
+                rd, wr = os.pipe()
                 pid = os.fork()
-            except (ValueError, OSError) as e:
-                reply({"error": f"{type(e).__name__}: {e}"})
+            except (ValueError, AttributeError, OSError) as e:
+                reply({"id": rid, "error": f"{type(e).__name__}: {e}"})
                 continue
             if pid == 0:
-                _child(req, [wake_r, wake_w])
-            reply({"pid": pid})
+                os.close(rd)
+                _child(req, wr)
+            os.close(wr)
+            err = _read_until_eof(rd, SETUP_TIMEOUT_S)
+            os.close(rd)
+            if err.startswith(b"E"):  # it could not set itself up, and exits: reaped here, not reported
+                os.waitpid(pid, 0)
+                reply({"id": rid, "error": err[1:].decode(errors="replace").strip().splitlines()[-1]})
+            else:
+                reply({"id": rid, "pid": pid})
 
 
 # ---------------------------------------------------------------------------- the launcher's side
@@ -227,16 +277,25 @@ class Child:
                 pass
 
 
+# what the interpreter or a native library reads once, at start: a zygote serves only the environment it
+# started in (another one is started for another)
+_AT_START = ("PYTHON", "OMP_", "MKL_", "GOMP_", "KMP_", "LD_", "MALLOC_", "TORCH_", "CUDA_")
+
+
 class Zygote:
-    _shared: dict[tuple[int, str], Zygote] = {}
+    _shared: dict[tuple[Any, ...], Zygote] = {}
     _shared_lock = threading.Lock()
 
     @classmethod
     def shared(cls) -> Zygote:
-        """This process's zygote: started on first use, replaced if it is gone. One per PYTHONPATH
-        (its preloaded modules come from there); an idle zygote costs nothing but its memory."""
-        key = (os.getpid(), os.environ.get("PYTHONPATH", ""))
+        """This process's zygote for the current environment: started on first use, replaced if it is
+        gone; one that no environment uses any more is ended once its children have."""
+        key = (os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_AT_START))))
         with cls._shared_lock:
+            for k, old in list(cls._shared.items()):
+                if k != key and (not old.alive() or not old.busy()):
+                    old.close()
+                    del cls._shared[k]
             z = cls._shared.get(key)
             if z is None or not z.alive():
                 z = cls._shared[key] = cls()
@@ -244,10 +303,13 @@ class Zygote:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
+        self._seq = 0
+        self._replies: dict[int, dict[str, Any]] = {}  # request id -> the zygote's answer
+        self._abandoned: set[int] = set()  # request ids whose spawn gave up waiting
+        self._discard: set[int] = set()  # pids of children nobody holds a handle of: their exits are dropped
         self._exits: dict[int, int] = {}  # exits of children not registered yet
         self._children: dict[int, Child] = {}  # running children by pid
-        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._lock = threading.Lock()  # one request in flight
+        self._wlock = threading.Lock()  # one request written at a time
         self._eof = False
         self._ready = threading.Event()
         self._error: str | None = None
@@ -261,46 +323,80 @@ class Zygote:
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None
+        if self.proc is None:
+            raise ZygoteError(self._error or "not started")
         return self.proc.pid
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and not self._eof and self._error is None
 
+    def busy(self) -> bool:
+        """Some child of it still runs (ending it would stop them: they follow it as their parent)."""
+        with self._cv:
+            return bool(self._children)
+
     def _read(self) -> None:
+        rd, wr = os.pipe()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "phoenixft.zygote", "--parent", str(os.getpid()), "--room=" + "." * ROOM],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
-        except OSError as e:
-            self._error = f"could not start: {e}"
-            self._started.set()
-            return
-        self._started.set()
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            msg = json.loads(line)
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "phoenixft.zygote", "--parent", str(os.getpid()), "--reply-fd", str(wr),
+                     "--room=" + "." * ROOM],
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    start_new_session=True, pass_fds=(wr,))
+            except OSError as e:
+                self._error = f"could not start: {e}"
+                return
+            finally:
+                os.close(wr)
+                self._started.set()
+            with os.fdopen(rd, "rb") as replies:
+                rd = -1
+                for line in replies:
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue
+                    self._handle(msg)
+        finally:
+            if rd >= 0:
+                os.close(rd)
+            with self._cv:
+                self._eof = True
+                self._cv.notify_all()
+            self._ready.set()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        with self._cv:
             if "exit" in msg:
-                with self._cv:
-                    pid, code = int(msg["exit"]), int(msg["code"])
-                    child = self._children.pop(pid, None)
-                    if child is not None:
-                        child.returncode = code
-                    else:  # it exited before its handle was registered
-                        self._exits[pid] = code
-                    self._cv.notify_all()
+                pid, code = int(msg["exit"]), int(msg["code"])
+                child = self._children.pop(pid, None)
+                if child is not None:
+                    child.returncode = code
+                elif pid in self._discard:
+                    self._discard.discard(pid)
+                else:  # it exited before its handle was registered
+                    self._exits[pid] = code
             elif "ready" in msg:
                 self._ready.set()
-            else:
-                if "error" in msg:
-                    self._error = str(msg["error"])
-                    self._ready.set()
-                self._replies.put(msg)
-        with self._cv:
-            self._eof = True
+            elif "fatal" in msg:
+                self._error = str(msg["fatal"])
+                self._ready.set()
+            elif "id" in msg:
+                rid = msg["id"]
+                if rid in self._abandoned:  # nobody waits for it any more: the process must not live on
+                    self._abandoned.discard(rid)
+                    if "pid" in msg:
+                        self._orphan(int(msg["pid"]))
+                else:
+                    self._replies[rid] = msg
             self._cv.notify_all()
-        self._ready.set()
-        self._replies.put({"error": "the zygote exited"})
+
+    def _orphan(self, pid: int) -> None:
+        """A child whose spawn was given up on (timeout, Ctrl-C): end it, forget its exit."""
+        self._discard.add(pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
     def spawn(self, argv: list[str], log: str | os.PathLike[str], env: dict[str, str]) -> Child:
         """Fork `python -m argv[0] argv[1:]` (see the module docstring); ZygoteError if it cannot."""
@@ -308,16 +404,34 @@ class Zygote:
             raise ZygoteError(f"not ready after {READY_TIMEOUT_S:g}s")
         if not self.alive():
             raise ZygoteError(self._error or "the zygote exited")
-        with self._lock:
-            proc = self.proc
-            assert proc is not None and proc.stdin is not None
-            try:
-                req = {"argv": argv, "log": str(log), "env": dict(os.environ, **env), "cwd": os.getcwd()}
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None
+        with self._cv:
+            self._seq += 1
+            rid = self._seq
+        req = {"id": rid, "argv": argv, "log": str(log), "env": dict(os.environ, **env), "cwd": os.getcwd()}
+        msg: dict[str, Any] | None = None
+        try:
+            with self._wlock:
                 proc.stdin.write((json.dumps(req) + "\n").encode())
                 proc.stdin.flush()
-                msg = self._replies.get(timeout=SPAWN_TIMEOUT_S)
-            except (OSError, queue.Empty) as e:
-                raise ZygoteError(f"no answer to a spawn request ({type(e).__name__})") from None
+            deadline = time.monotonic() + SPAWN_TIMEOUT_S
+            with self._cv:
+                while rid not in self._replies and not self._eof and time.monotonic() < deadline:
+                    self._cv.wait(timeout=0.05)
+                msg = self._replies.pop(rid, None)
+        except OSError as e:
+            raise ZygoteError(f"the request could not be sent ({e})") from None
+        finally:
+            if msg is None:  # given up (a timeout, the zygote gone, or an exception such as Ctrl-C)
+                with self._cv:
+                    late = self._replies.pop(rid, None)
+                    if late is not None and "pid" in late:
+                        self._orphan(int(late["pid"]))
+                    elif late is None:
+                        self._abandoned.add(rid)
+        if msg is None:
+            raise ZygoteError("the zygote exited" if self._eof else f"no answer within {SPAWN_TIMEOUT_S:g}s")
         if "pid" not in msg:
             raise ZygoteError(str(msg.get("error", msg)))
         child = Child(self, int(msg["pid"]), [sys.executable, "-m", *argv])
@@ -329,7 +443,8 @@ class Zygote:
         return child
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """End the zygote (its children are not touched)."""
+        """End the zygote. The children that follow it as their parent (`--parent-pid`, `procs --parent`:
+        everything the launcher starts) stop with it."""
         if self.proc is None:
             return
         try:
@@ -346,9 +461,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m phoenixft.zygote")
     ap.add_argument("--parent", type=int, required=True, help="die with this process")
+    ap.add_argument("--reply-fd", type=int, required=True, help="where to write replies (a pipe)")
     ap.add_argument("--room", default="", help="filler: room for the children's command lines")
     a = ap.parse_args(argv)
-    return _serve(a.parent)
+    return _serve(a.parent, a.reply_fd)
 
 
 if __name__ == "__main__":
