@@ -38,7 +38,6 @@ def test_ec31_node_killed_mid_run_is_bitwise_invisible(tmp_path: Path, reference
     assert rec["dead"] == ["n2"] and rec["promoted"] == ["s0"] and rec["lost_steps"] <= 1
 
 
-@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_ec22_two_members_of_one_group_killed_in_the_same_step(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     # n0 and n2 form one group: both its data shards are rebuilt from the two Reed-Solomon parity blocks
     ref = reference(nodes=4, steps=12)
@@ -51,7 +50,6 @@ def test_ec22_two_members_of_one_group_killed_in_the_same_step(tmp_path: Path, r
     assert rec["dead"] == ["n0", "n2"] and sorted(rec["promoted"]) == ["s0", "s1"]
 
 
-@pytest.mark.slow
 def test_ec_shrink_rebuilds_then_repartitions(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=0, steps=12, redundancy="ec:3+1",
@@ -64,7 +62,6 @@ def test_ec_shrink_rebuilds_then_repartitions(tmp_path: Path, reference) -> None
         assert abs(x - y) <= 1e-4 * abs(y), f"step {s}: {x} vs {y}"
 
 
-@pytest.mark.slow
 def test_ec22_corrupt_parity_is_never_used(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     # the parity block n1 received during step 5 (that of step 4, the newest) is corrupted at rest; n0 then
     # dies inside its optimizer step 5: its shard must be rebuilt from n2 and the *other* parity block (n3)
@@ -79,7 +76,6 @@ def test_ec22_corrupt_parity_is_never_used(tmp_path: Path, reference) -> None:  
     assert ["parity0:pp0.tp0.dp0of4,pp0.tp0.dp2of4", 4] in rec["replicas_rejected"], rec
 
 
-@pytest.mark.slow
 def test_ec_cascade_spare_killed_during_its_rebuild(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=2, steps=12, redundancy="ec:3+1",
@@ -91,7 +87,6 @@ def test_ec_cascade_spare_killed_during_its_rebuild(tmp_path: Path, reference) -
     _ok(second, "hotswap", ["pp0.tp0.dp3of4"])
 
 
-@pytest.mark.slow
 def test_ec_in_place_restart_then_node_loss(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     # n1 (which keeps the parity of {n0, n2}) crashes and is restarted in place from shared memory,
     # adopting its parity block; later n0 dies and is rebuilt from n2 and that parity

@@ -8,11 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from conftest import processes_with, run
 
 
-@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_worker_crash_is_restarted_in_place(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=12)
     rep = run(tmp_path, nodes=3, spares=1, steps=12, inject=["crash:rank=1@step=6,phase=backward"])
@@ -33,7 +31,6 @@ def test_hung_node_is_detected_fenced_and_swapped(tmp_path: Path, reference) -> 
     assert processes_with(rep["run_id"]) == []  # the stopped node was fenced (killed), not left behind
 
 
-@pytest.mark.slow
 def test_two_nodes_in_one_step_with_two_replicas(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=2, replicas=2, steps=12, inject=["kill:node=1,2@step=6,phase=backward"])
@@ -42,7 +39,6 @@ def test_two_nodes_in_one_step_with_two_replicas(tmp_path: Path, reference) -> N
     assert rec["dead"] == ["n1", "n2"] and sorted(rec["promoted"]) == ["s0", "s1"]
 
 
-@pytest.mark.slow
 def test_rack_failure_with_rack_aware_replicas(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     # nodes 0 and 1 share rack 0; with --racks 2 their replicas live in rack 1, so one replica suffices
@@ -63,7 +59,6 @@ def test_a_rack_fault_strikes_its_rack_once_even_after_a_shrink_renumbers_the_ra
     assert sorted(e["node"] for e in struck if e["kind"] == "fault") == ["n2", "n3"]
 
 
-@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_owner_and_replica_lost_stops_with_named_shards(tmp_path: Path) -> None:
     # without racks, node 1 keeps node 0's replica: both die in one step
     rep = run(tmp_path, nodes=4, spares=2, replicas=1, steps=12, inject=["kill:node=0,1@step=6,phase=backward"])

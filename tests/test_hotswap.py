@@ -10,9 +10,7 @@ from conftest import processes_with, run
 
 @pytest.mark.parametrize(
     "phase,node",
-    [pytest.param("forward", 0, marks=pytest.mark.slow), pytest.param("backward", 1, marks=pytest.mark.slow),
-     pytest.param("replicate", 1, marks=pytest.mark.slow), ("optimizer", 0),
-     pytest.param("optimizer", 1, marks=pytest.mark.slow)],
+    [("forward", 0), ("backward", 1), ("replicate", 1), ("optimizer", 0), ("optimizer", 1)],
 )
 def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, phase: str, node: int) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=12)
@@ -30,7 +28,7 @@ def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, pha
     assert rec["detect_s"] >= 0 and rec["recovery_s"] > rec["detect_s"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_kill_in_the_first_step_resumes_from_the_initial_state(tmp_path: Path, reference, precision: str) -> None:  # type: ignore[no-untyped-def]
     """A node lost in step 1, before the first replication can have landed: its shard of step 0 is kept
     by its ring peer from the start (the model as built under the seed, a zero optimizer state), so the
@@ -51,7 +49,6 @@ def test_kill_in_the_first_step_resumes_from_the_initial_state(tmp_path: Path, r
         assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(rep["loss"], ref["loss"], strict=True))
 
 
-@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_four_node_hotswap_under_two_seconds(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=1, steps=12, inject=["kill:node=2@step=6,phase=backward"])
@@ -60,7 +57,6 @@ def test_four_node_hotswap_under_two_seconds(tmp_path: Path, reference) -> None:
     assert rec["recovery_s"] < 2.0, rec
 
 
-@pytest.mark.slow
 def test_two_faults_two_spares(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=12)
     rep = run(tmp_path, nodes=3, spares=2, steps=12,
@@ -70,7 +66,6 @@ def test_two_faults_two_spares(tmp_path: Path, reference) -> None:  # type: igno
     assert [r["fault"] for r in rep["recoveries"]] == [f["spec"] for f in rep["faults"]]
 
 
-@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_corrupt_replica_is_never_loaded(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=10)
     # with --replicas 2, nodes 1 and 2 keep node 0's replicas. The copy node 1 received during step 5

@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch.distributed as dist
 from conftest import processes_with, run
 
@@ -27,7 +26,6 @@ def _close(a: list[float], b: list[float], rel: float) -> float:
     return worst
 
 
-@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_survivor_dies_while_another_node_is_recovered(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """Issue 11 case 1: the spare promoted in epoch 1 never received shard 3; node 0 keeps its replica."""
     ref = reference(nodes=4, steps=12)
@@ -39,7 +37,6 @@ def test_survivor_dies_while_another_node_is_recovered(tmp_path: Path, reference
     assert all(second["invariants"].values()) and second["lost_steps"] <= 1
 
 
-@pytest.mark.slow  # (fallback: test_persistent.py; shrink: test_elastic.py)
 def test_lost_replicas_with_too_few_spares_fall_back_and_shrink(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """Issue 11 case 2: owner and replica holder die, one spare for two nodes: the persistent tier on
     three nodes, with the same global batch (growing back is tests/test_elastic.py's)."""
@@ -73,7 +70,6 @@ def test_corrupted_transfer_is_caught_and_the_other_replica_used(tmp_path: Path,
     assert all(second["invariants"].values()) and second["resumed_step"] == 4
 
 
-@pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_corrupted_transfer_with_no_other_copy_stops_clearly(tmp_path: Path) -> None:
     rep = run(tmp_path, nodes=3, spares=1, steps=10,
               inject=["corrupt:node=1@step=5,phase=transfer", "kill:node=0@step=5,phase=optimizer"])

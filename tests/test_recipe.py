@@ -35,8 +35,7 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n.startswith("adamw") else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in RECIPES])
+@pytest.mark.parametrize("name", list(RECIPES))
 def test_recipe_survives_a_node_kill_bitwise(tmp_path: Path, reference, name: str) -> None:  # type: ignore[no-untyped-def]
     kw: dict[str, Any] = RECIPES[name]
     ref = reference(nodes=2, steps=10, **kw)
