@@ -257,3 +257,15 @@ def test_a_local_run_refuses_an_agent_without_the_token(tmp_path: Path) -> None:
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "refused to admit 's7'" in p.stderr and "presented no token" in p.stderr, p.stderr
     assert rep["state"] == "done" and "s7" not in rep.get("members", {})
+
+
+def test_an_agent_waiting_for_admission_stops_when_the_run_ends() -> None:
+    # a run stopped (Ctrl-C, SIGTERM) while its agents were joining: they must not wait out --join-timeout
+    # (forked from the warm zygote they reach the store before the coordinator admits anyone)
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    store.set(keys.RUN_STATE, "aborted")
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"ended \(aborted\) before 'n0' was admitted"):
+        auth.request_admission(store, {"name": "n0", "host": "127.0.0.1"}, TOKEN, 60.0, "127.0.0.1:1")
+    assert time.monotonic() - t0 < 5.0

@@ -113,17 +113,29 @@ def verified_topology(store: Any, epoch: int, raw: bytes, timeout_s: float = 30.
 
 
 # ---------------------------------------------------------------------------------------- admission
+class RunEnded(Exception):
+    """The run ended (its final state is in the store) while this agent waited to be admitted."""
+
+
 def _wait_key(store: Any, key: str, deadline: float, what: str) -> bytes:
     """Poll (every 20 ms; no server-side wait, whose timeouts c10d logs as warnings) until `key`
-    exists; TimeoutError at the deadline. A failing store call is retried until then."""
+    exists; TimeoutError at the deadline, RunEnded as soon as the run has a final state (an agent
+    started just before the run was stopped must not wait out its join timeout). A failing store
+    call is retried until then."""
+    polls = 0
     while True:
         try:
             if store.check([key]):
                 return bytes(store.get(key))
+            if polls % 10 == 0 and store.check([keys.RUN_STATE]):
+                raise RunEnded(store.get(keys.RUN_STATE).decode())
+        except RunEnded:
+            raise
         except Exception:  # noqa: BLE001 - a call that failed or timed out: retry until the deadline
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(what)
+        polls += 1
         time.sleep(0.02)
 
 
@@ -148,6 +160,8 @@ def request_admission(store: Any, request: dict[str, Any], token: str | None, ti
         raw_verdict = _wait_key(store, keys.admit_verdict(seq), deadline, late)
     except TimeoutError:
         raise UserError(late) from None
+    except RunEnded as e:
+        raise UserError(f"the run at {where} ended ({e}) before {request['name']!r} was admitted") from None
     try:
         verdict = json.loads(raw_verdict)
         if not isinstance(verdict, dict):
