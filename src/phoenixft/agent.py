@@ -323,4 +323,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())  # its files are closed and its memory freed: no need for a slow interpreter teardown
+    try:
+        rc = main()
+    except UserError as e:  # one line, as `phoenixft agent` prints it (e.g. the run ended while it joined)
+        print(f"phoenixft agent: {e}", file=sys.stderr)
+        rc = 2
+    exit_now(rc)  # its files are closed and its memory freed: no need for a slow interpreter teardown
