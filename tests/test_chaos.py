@@ -72,6 +72,36 @@ def test_kill_during_recovery_without_spares_strikes_a_survivor_by_its_slot_afte
     assert drawn > 0 or kw["replicas"] == 1  # (with one replica no two nodes can be lost: a plain kill instead)
 
 
+@pytest.mark.parametrize("kw", [dict(nodes=4, spares=0), dict(nodes=3, spares=1), dict(nodes=5, spares=1, replicas=2),
+                                dict(nodes=4, spares=0, racks=2)], ids=str)
+def test_without_repairs_faults_are_drawn_against_the_job_the_earlier_ones_leave(kw: dict[str, object]) -> None:
+    # --repair-after 0: a loss takes a spare while there is one, then shrinks the job for good; a fault that
+    # names a slot the job no longer has never fires (the campaign FAILed), and a gated one waits in vain
+    cfg = _cfg(steps=40, repair_after=0.0, **kw)
+    for seed in range(300):
+        nodes, spares, gated_after_loss = cfg.nodes, cfg.spares, False
+        for f in make_schedule(cfg, 5, seed).faults:
+            for i, x in enumerate(f.specs):
+                spec = parse_fault(x, i)
+                assert all(slot < nodes for slot in spec.nodes), (seed, f, nodes)
+                assert spec.rank is None or spec.rank < nodes * cfg.workers_per_node, (seed, f)
+                gated_after_loss |= nodes < cfg.nodes and spec.wait > 0
+            lost = {"kill": 1, "hang": 1, "corrupt": 1, "two_nodes": 2, "kill_during_recovery": 2}.get(f.kind, 0)
+            nodes -= max(0, lost - spares)
+            spares = max(0, spares - lost)
+            assert nodes >= 2, (seed, f)
+        assert not gated_after_loss, seed
+
+
+def test_a_mesh_with_repairs_survives_losses_without_spares() -> None:
+    cfg = _cfg(nodes=4, pp=2, spares=0, steps=40)  # the coordinator waits for the repaired node (--repair-after 5)
+    assert unsurvivable_reason(cfg, (1,), 10) is None
+    assert "repairs (--repair-after 0)" in (unsurvivable_reason(_cfg(nodes=4, pp=2, spares=0, steps=40,
+                                                                     repair_after=0.0), (1,), 10) or "")
+    for seed in range(100):
+        assert not make_schedule(cfg, 4, seed).unsurvivable
+
+
 def test_every_kind_is_drawn_and_counts_are_exact() -> None:
     cfg = _cfg(nodes=4, spares=2, steps=400)
     for seed in range(300):
@@ -124,8 +154,10 @@ def test_bad_campaigns_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize(
     "kw,needles,wrong",
     [
-        # a tensor-parallel job cannot shrink: it needs a warm spare per lost node, more nodes would not help
-        (dict(nodes=4, tp=2, spares=1), ["2x1 (tp x pp) mesh cannot shrink", "(use --spares >= 2, or"],
+        # a tensor-parallel job cannot shrink: without repairs it needs a warm spare per lost node, more nodes
+        # would not help
+        (dict(nodes=4, tp=2, spares=1, repair_after=0.0), ["2x1 (tp x pp) mesh cannot shrink",
+                                                            "(use --spares >= 2 or --repair-after S, or"],
          ["--nodes >= 4", "persistent"]),
         # a persistent tier is configured: the fallback lacks the spares to refill the job after losing two
         (dict(nodes=3, spares=1, persist_every=4, persist_dir="ckpt"),

@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 KINDS = ("kill", "crash", "hang", "corrupt", "kill_during_recovery", "kill_coordinator", "two_nodes")
+LOSSES = {"kill": 1, "crash": 0, "hang": 1, "corrupt": 1, "kill_during_recovery": 2, "kill_coordinator": 0,
+          "two_nodes": 2}  # nodes each kind takes out of the job
 LABELS = {"kill": "kill", "crash": "crash", "hang": "hang", "corrupt": "corrupt replica",
           "kill_during_recovery": "kill during recovery", "kill_coordinator": "coordinator kill",
           "two_nodes": "two nodes at once"}
@@ -123,7 +125,7 @@ MESH, NO_TIER, FEW_SPARES, NOT_YET = "mesh", "no persistent tier", "too few spar
 
 def _cause(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: int) -> str | None:
     """The condition that makes losing node slots `lost` at `step` unsurvivable by design (None: survivable)."""
-    if cfg.tp * cfg.pp > 1 and len(lost) > cfg.spares:
+    if cfg.tp * cfg.pp > 1 and len(lost) > cfg.spares and not cfg.repair_after:  # (with repairs it waits for them)
         return MESH
     if not _lost_shards(_ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp), set(lost)):
         return None
@@ -142,7 +144,7 @@ def unsurvivable_reason(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: 
     who = ", ".join(str(x) for x in sorted(lost))
     if cause == MESH:
         return (f"nodes {who} die together: a {cfg.tp}x{cfg.pp} (tp x pp) mesh cannot drop a node, so it needs a "
-                f"warm spare per lost node ({len(lost)}) and has --spares {cfg.spares}")
+                f"warm spare per lost node ({len(lost)}) and has --spares {cfg.spares}, or repairs (--repair-after 0)")
     ring = _ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp)
     held = "; ".join(f"node {d}'s shard {shard_name(d, cfg.nodes)} lives only on node {d} and its replica "
                      f"holder(s) {', '.join(str(h) for h in ring.holders(d))}" for d in _lost_shards(ring, set(lost)))
@@ -163,8 +165,8 @@ def _pairs_note(cfg: RunConfig, pairs: list[tuple[int, int]], step: int) -> str:
     why, fixes = [], []
     if MESH in causes:
         why.append(f"a {cfg.tp}x{cfg.pp} (tp x pp) mesh cannot shrink, so it needs a warm spare per lost node and has "
-                   f"--spares {cfg.spares}")
-        fixes.append("--spares >= 2")
+                   f"--spares {cfg.spares}, or repairs (--repair-after 0)")
+        fixes.append("--spares >= 2 or --repair-after S")
     if causes - {MESH}:
         where = "two nodes" if cfg.pp == 1 else "two nodes of a pipeline stage"
         why.append(f"losing any {where} loses every copy of a shard with --replicas {cfg.replicas}")
@@ -247,23 +249,31 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
     """
     first, last = _check(cfg, faults)
     rng = random.Random(f"phoenixft-chaos/{seed}")
-    n, world = cfg.nodes, cfg.world
-    ring = _ring(n, cfg.replicas, cfg.racks, cfg.pp)
-    pairs = list(itertools.combinations(range(n), 2))
+    pairs0 = list(itertools.combinations(range(cfg.nodes), 2))
     notes: list[str] = []
+    # without repairs (--repair-after 0) a lost node is replaced by a spare while there is one, else the job
+    # shrinks for good: later faults are drawn against the job as it will be then (its slots, its spares)
+    no_repair = not cfg.repair_after
+    cur = cfg
 
     def ok_pairs(step: int) -> list[tuple[int, int]]:
-        return [p for p in pairs if allow_unsurvivable or unsurvivable_reason(cfg, p, step) is None]
+        pairs = list(itertools.combinations(range(cur.nodes), 2))
+        return [p for p in pairs if allow_unsurvivable or unsurvivable_reason(cur, p, step) is None]
 
     available = list(KINDS)
     if not ok_pairs(last):  # the most permissive step (a persistent checkpoint exists by then, if any)
         available.remove("two_nodes")
-        notes.append(_pairs_note(cfg, pairs, last))
+        notes.append(_pairs_note(cfg, pairs0, last))
     kinds = _kinds(rng, faults, available)
     steps = _steps(rng, faults, first, last)
     out: list[ChaosFault] = []
+    whole = True  # before the first loss without repairs, a gated fault can wait for the job to be whole
     for i, (kind, s) in enumerate(zip(kinds, steps, strict=True), 1):
+        n, world, ring = cur.nodes, cur.nodes * cur.workers_per_node, _ring(cur.nodes, cur.replicas, cur.racks, cur.pp)
         phase = rng.choice(KILL_PHASES)
+        if no_repair and LOSSES[kind] and (cur.nodes - max(0, LOSSES[kind] - cur.spares) < 2 or cur.tp * cur.pp > 1
+                                           and LOSSES[kind] > cur.spares):
+            kind = "crash"  # no repairs: a loss now would leave one node (or shrink a mesh); lose nothing instead
         if kind == "two_nodes" and not ok_pairs(s):
             kind = "kill"  # no survivable pair this early (the first persistent checkpoint is not written yet)
         if kind == "kill":
@@ -289,7 +299,7 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
         elif kind == "kill_during_recovery":
             j = rng.randrange(n)
             mates = [b if a == j else a for a, b in ok_pairs(s) if j in (a, b)]
-            if cfg.spares == 0 and not mates:  # no spare to promote into slot j, no survivor whose loss is survivable
+            if cur.spares == 0 and not mates:  # no spare to promote into slot j, no survivor whose loss is survivable
                 kind, node = "kill", j
                 f = ChaosFault(i, kind, s, (f"kill:node={node}@step={s},phase={phase}",),
                                f"SIGKILL node {node} in its {phase} phase", (node,))
@@ -297,7 +307,7 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
                 other = rng.choice(mates) if mates else j
                 # with spares the lost node's slot is taken by a spare and the others keep theirs; without, the
                 # job shrinks: the survivors keep their order, so node `other` is in slot `other - 1` past j
-                slot = other - 1 if cfg.spares == 0 and other > j else other
+                slot = other - 1 if cur.spares == 0 and other > j else other
                 who = (f"node {other}" + (f" (slot {slot} once the job has shrunk)" if slot != other else "")
                        if other != j else f"the spare promoted into slot {j}")
                 f = ChaosFault(i, kind, s, (f"kill:node={j}@step={s},phase=optimizer",
@@ -313,8 +323,17 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
             ph = rng.choice(_PAIR_PHASES)
             f = ChaosFault(i, kind, s, (f"kill:node={a},{b}@step={s},phase={ph}",),
                            f"SIGKILL nodes {a} and {b} in the same step ({ph} phase)", (a, b))
-        why = unsurvivable_reason(cfg, f.lost, s) if f.lost else None
-        out.append(dataclasses.replace(f, unsurvivable=why, specs=tuple(_gated(x) for x in f.specs)))
+        why = unsurvivable_reason(cur, f.lost, s) if f.lost else None
+        out.append(dataclasses.replace(f, unsurvivable=why, specs=tuple(_gated(x) if whole else x for x in f.specs)))
+        if no_repair and LOSSES[f.kind]:
+            whole = False  # it never is again: a gated fault would wait out its whole hold
+            nodes = cur.nodes - max(0, LOSSES[f.kind] - cur.spares)
+            cur = dataclasses.replace(cur, nodes=nodes, spares=max(0, cur.spares - LOSSES[f.kind]),
+                                      replicas=min(cur.replicas, nodes // cur.pp - 1),
+                                      racks=cur.racks if nodes % cur.racks == 0 else 1)
+    if no_repair and cur is not cfg:
+        notes.append(f"no repairs (--repair-after 0): the job ends with {cur.nodes} node(s) and {cur.spares} spare(s); "
+                     "each fault is drawn against the job as the faults before it leave it")
     return Schedule(seed=seed, faults=out, notes=notes)
 
 
