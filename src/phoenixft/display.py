@@ -111,7 +111,8 @@ class Display:
             fmt = lambda x: "-" if x is None else f"{x * 1e3:.0f}ms"  # noqa: E731
             # (one whose epoch was superseded by another recovery completed in that one)
             failed = not all(r["invariants"].values()) and r.get("completed_in_epoch", r["epoch"]) == r["epoch"]
-            what = " + ".join(r.get("faults") or []) or r["fault"] or "failure"
+            what = " + ".join(r.get("faults") or []) or r["fault"] or (
+                "no fault (a planned grow)" if r.get("class") == "planned" else "failure")
             self._err(f"   {'not recovered' if failed else 'recovered'} {what}: {r['action']} in "
                       f"{fmt(r['recovery_s'])} "
                       f"(detect {fmt(st['detect_s'])}, reconfigure {fmt(st['reconfigure_s'])}, "

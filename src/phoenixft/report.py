@@ -64,8 +64,8 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
                                  for i in range(cfg.workers_per_node)) if j]
         # the faults a recovery answers: those before its first report that hit a node it found dead,
         # restarted or unresponsive (a kill and a crash handled in one epoch are both its own); else the
-        # latest one before it (a NaN, a corruption in flight). A coordinator kill is the control plane's,
-        # a corruption at rest is answered by the kill it comes with.
+        # latest one before it (a NaN). A coordinator kill is the control plane's, a corruption at rest is
+        # answered by the kill it comes with (corruptions are not fault records: they kill nothing).
         cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
                  and not f["spec"].startswith(("kill:coordinator", "kill:etcd", "corrupt:"))]
         hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", [])]}
