@@ -242,6 +242,15 @@ def _kinds(rng: random.Random, n: int, available: list[str]) -> list[str]:
     return kinds
 
 
+def _after_losses(cur: RunConfig, lost: int) -> RunConfig:
+    """The job after losing `lost` nodes without repairs: spares replace them while there are any, then it
+    shrinks (replicas and racks as the planner re-derives them for the smaller ring)."""
+    nodes = cur.nodes - max(0, lost - cur.spares)
+    return dataclasses.replace(cur, nodes=nodes, spares=max(0, cur.spares - lost),
+                               replicas=min(cur.replicas, nodes // cur.pp - 1),
+                               racks=cur.racks if nodes % cur.racks == 0 else 1)
+
+
 def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bool = False) -> Schedule:
     """Draw `faults` faults for this configuration, deterministically from `seed` (no I/O, no clock).
 
@@ -271,9 +280,10 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
     for i, (kind, s) in enumerate(zip(kinds, steps, strict=True), 1):
         n, world, ring = cur.nodes, cur.nodes * cur.workers_per_node, _ring(cur.nodes, cur.replicas, cur.racks, cur.pp)
         phase = rng.choice(KILL_PHASES)
-        if no_repair and LOSSES[kind] and (cur.nodes - max(0, LOSSES[kind] - cur.spares) < 2 or cur.tp * cur.pp > 1
-                                           and LOSSES[kind] > cur.spares):
-            kind = "crash"  # no repairs: a loss now would leave one node (or shrink a mesh); lose nothing instead
+        if no_repair and LOSSES[kind]:
+            after = _after_losses(cur, LOSSES[kind])
+            if after.nodes < 2 or cur.tp * cur.pp > 1 and after.nodes < cur.nodes:
+                kind = "crash"  # no repairs: a loss now would leave one node (or shrink a mesh); lose nothing instead
         if kind == "two_nodes" and not ok_pairs(s):
             kind = "kill"  # no survivable pair this early (the first persistent checkpoint is not written yet)
         if kind == "kill":
@@ -327,10 +337,7 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
         out.append(dataclasses.replace(f, unsurvivable=why, specs=tuple(_gated(x) if whole else x for x in f.specs)))
         if no_repair and LOSSES[f.kind]:
             whole = False  # it never is again: a gated fault would wait out its whole hold
-            nodes = cur.nodes - max(0, LOSSES[f.kind] - cur.spares)
-            cur = dataclasses.replace(cur, nodes=nodes, spares=max(0, cur.spares - LOSSES[f.kind]),
-                                      replicas=min(cur.replicas, nodes // cur.pp - 1),
-                                      racks=cur.racks if nodes % cur.racks == 0 else 1)
+            cur = _after_losses(cur, LOSSES[f.kind])
     if no_repair and cur is not cfg:
         notes.append(f"no repairs (--repair-after 0): the job ends with {cur.nodes} node(s) and {cur.spares} spare(s); "
                      "each fault is drawn against the job as the faults before it leave it")

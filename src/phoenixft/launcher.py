@@ -123,17 +123,20 @@ class LocalJob:
         the PID of its parent (the process whose death it must follow)."""
         path = self.run_dir / "logs" / log
         extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token}
+
+        def under(parent: int) -> list[str]:
+            return [str(parent) if a == PARENT else a for a in args]
+
         if zygote.enabled() and self._zygote_error is None:
             try:
                 z = zygote.Zygote.shared()
-                return z.spawn([str(z.pid) if a == PARENT else a for a in args], path, extra)
+                return z.spawn(under(z.pid), path, extra)
             except zygote.ZygoteError as e:
                 self._zygote_error = str(e)
                 self.display.info(f"starting processes fresh: the warm zygote failed ({e})")
         out = open(path, "ab")
-        return subprocess.Popen([sys.executable, "-m", *[str(os.getpid()) if a == PARENT else a for a in args]],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=dict(os.environ, **extra))
+        return subprocess.Popen([sys.executable, "-m", *under(os.getpid())], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, **extra))
 
     def _threads(self) -> int:
         if self.cfg.threads:

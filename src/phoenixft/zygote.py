@@ -269,13 +269,6 @@ class Child:
         assert self.returncode is not None
         return self.returncode
 
-    def kill(self) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
 
 # what the interpreter or a native library reads once, at start: a zygote serves only the environment it
 # started in (another one is started for another)
