@@ -29,6 +29,7 @@ from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.faultinject import FaultInjector
 from phoenixft.faults import FaultSpec
 from phoenixft.invariants import check_invariants
+from phoenixft.optim import native
 from phoenixft.parallel.layers import TPHandle
 from phoenixft.parallel.stage import StageSpec, WholeModel
 from phoenixft.protection import Protection
@@ -57,6 +58,10 @@ class Worker:
         torch.set_num_threads(threads)
         # CUDA: the GPU of this LOCAL_RANK, NCCL set up to report (not punish) a dead peer
         self.device = device.place(cfg.device, local_rank, node_id, cfg.nodes, cfg.workers_per_node)
+        if not self.device.is_cuda and cfg.optimizer in ("adamw", "adam"):  # built or loaded now, not in step 1
+            line = native.status()
+            if local_rank == 0 and incarnation == 0:
+                print(f"phoenixft worker {self.wid}: optimizer update: {line}", flush=True)
         self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
         self.protect = cfg.protect == "phoenix"
         self.watcher = FailureWatcher(store_addr)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from phoenixft.errors import UserError
+from phoenixft.optim.native import ALIGN, adam_out_of_place
 
 __all__ = ["ElementwiseOptimizer", "AdamW", "Adam", "SGD", "Lion", "OPTIMIZERS", "make_optimizer",
            "check_elementwise"]
@@ -59,11 +60,13 @@ class AdamW(ElementwiseOptimizer):
     2.4x faster out of place here than the single-tensor arithmetic: `python bench/optim_step.py`),
     elsewhere the single-tensor path's.
 
-    The fused kernel updates in place, so the committed half is first copied into the staging half
-    and the kernel runs there. Its vector body and its scalar tail round differently, so an update is
-    elementwise (the same however the shard is cut) only on lengths and offsets that are multiples of
-    16 elements: shards are multiples of `parallel.layout.SHARD_ALIGN` (64), and so are the chunks
-    Trainer.step updates. `check_elementwise` tests that on 64-element pieces."""
+    torch's fused kernel updates in place. Where a C compiler is available, `optim/native.py` builds a
+    kernel with its exact arithmetic that reads the committed half and writes the staging half in one
+    pass; elsewhere the committed half is first copied into the staging half and torch's kernel runs
+    there (the same bits either way). The fused kernel's vector body and its scalar tail round
+    differently, so an update is elementwise (the same however the shard is cut) only on lengths and
+    offsets that are multiples of 16 elements: shards are multiples of `parallel.layout.SHARD_ALIGN`
+    (64), and so are the chunks Trainer.step updates. `check_elementwise` tests that on 64-element pieces."""
 
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -80,6 +83,9 @@ class AdamW(ElementwiseOptimizer):
         m0, v0 = s_in
         m1, v1 = s_out
         if self.fused and p_out.device.type == "cpu" and p_out.dtype == torch.float32:
+            if p_out.data_ptr() != p_in.data_ptr() and self._out_of_place(p_in, m0, v0, grad, p_out, m1, v1, step, lr,
+                                                                          hook):
+                return
             for dst, src in ((m1, m0), (v1, v0)):
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
@@ -104,6 +110,33 @@ class AdamW(ElementwiseOptimizer):
         bc2 = 1 - self.beta2**step
         denom = (v1.sqrt() / math.sqrt(bc2)).add_(self.eps)
         p_out.addcdiv_(m1, denom, value=-lr / bc1)
+
+    def _out_of_place(self, p_in: torch.Tensor, m0: torch.Tensor, v0: torch.Tensor, grad: torch.Tensor,
+                      p_out: torch.Tensor, m1: torch.Tensor, v1: torch.Tensor, step: int, lr: float,
+                      hook: Callable[[], None] | None) -> bool:
+        """The fused kernel's arithmetic read from one half, written to the other, no copy (native.py);
+        False when it does not apply here (then nothing was written and the hook has not run)."""
+        ts = (p_in, m0, v0, grad, p_out, m1, v1)
+
+        def run(lo: int, hi: int) -> bool:
+            return adam_out_of_place(*(t[lo:hi] for t in ts), step=step, lr=lr, beta1=self.beta1, beta2=self.beta2,
+                                     weight_decay=self.weight_decay, eps=self.eps, decoupled=self.decoupled)
+
+        n = p_in.numel()
+        if hook is None:
+            return run(0, n)
+        cut = n // 2 // ALIGN * ALIGN  # the hook fires with the output half written (a fault "inside" the update)
+        if cut == 0:
+            if not run(0, n):
+                return False
+            hook()
+            return True
+        if not run(0, cut):
+            return False
+        hook()
+        if not run(cut, n):
+            raise RuntimeError("the out-of-place AdamW kernel applied to the first part of a shard but not the rest")
+        return True
 
 
 @dataclass
