@@ -5,7 +5,9 @@
 
 Times (best and median of `--repeat`):
 - phoenixft's `AdamW.update` as Trainer.step calls it: out of place (committed half -> staging half),
-  in 4 MiB chunks (on CPU it copies the state and runs torch's fused kernel in place);
+  in 4 MiB chunks: with the run-time-built kernel of `phoenixft/optim/native.py` (one pass, torch's
+  fused arithmetic), and without it (`PHOENIXFT_NATIVE=0`: the state copied, then torch's fused
+  kernel in place), with the bits of both compared;
 - the same arithmetic as the single-tensor path (what it ran before: lerp, mul, addcmul, sqrt, div,
   addcdiv, each a pass over memory), by `--numel` elements at once, for the before/after;
 - torch.optim.AdamW over twice as many elements (DDP's replicated update at DP=2), default
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 from benchlib import RESULTS, machine_info, write_json
 
-from phoenixft.optim import AdamW
+from phoenixft.optim import AdamW, native
 from phoenixft.shard_gather import CHUNK_BYTES
 
 
@@ -74,6 +76,15 @@ def main() -> int:
             opt.update(ri[0][lo:hi], [ri[1][lo:hi], ri[2][lo:hi]], g[lo:hi], 5, 1e-3, ro[0][lo:hi],
                        [ro[1][lo:hi], ro[2][lo:hi]])
 
+    def copied() -> None:
+        saved = dict(native._state)
+        native._state.update(fn=None, why="off for the comparison")
+        try:
+            ours()
+        finally:
+            native._state.clear()
+            native._state.update(saved)
+
     def before() -> None:
         _single_tensor(ri[0], ri[1], ri[2], g, 5, 1e-3, ro[0], ro[1], ro[2])
 
@@ -81,8 +92,16 @@ def main() -> int:
     p.grad = torch.randn(2 * n)
     default = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     fused = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    kernel = native.status()
+    print(f"optimizer update: {kernel}")
+    ours()
+    out_native = ro.clone()
+    copied()
+    same_bits = bool(torch.equal(out_native.view(torch.int32), ro.view(torch.int32)))
+    print(f"native kernel and copy + fused give the same bits: {same_bits}")
     rows = {
-        f"phoenixft AdamW.update, {n:,} elements (fused kernel, 4 MiB chunks)": _time(ours, a.repeat),
+        f"phoenixft AdamW.update, {n:,} elements (4 MiB chunks; native kernel if built)": _time(ours, a.repeat),
+        f"phoenixft AdamW.update, {n:,} elements (4 MiB chunks; copy + torch fused)": _time(copied, a.repeat),
         f"single-tensor arithmetic out of place, {n:,} elements (phoenixft before)": _time(before, a.repeat),
         f"torch.optim.AdamW default, {2 * n:,} elements (DDP at DP=2)": _time(default.step, a.repeat),
         f"torch.optim.AdamW(fused=True), {2 * n:,} elements": _time(fused.step, a.repeat),
@@ -90,6 +109,7 @@ def main() -> int:
     for name, r in rows.items():
         print(f"{name:78s} best {r['best_ms']:7.1f} ms   median {r['median_ms']:7.1f} ms")
     write_json(Path(a.out) / "optim_step.json", {"part": "optim_step", "numel": n, "threads": 1, "rows": rows,
+                                                 "kernel": kernel, "same_bits": same_bits,
                                                  "machine": machine_info()})
     return 0
 
