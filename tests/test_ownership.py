@@ -145,6 +145,34 @@ def test_sigkill_of_the_launcher_leaves_nothing(launcher: Any) -> None:
     _assert_nothing_left(run_id)
 
 
+def test_the_zygote_sigkilled_mid_run_takes_nothing_with_it(launcher: Any, reference: Any) -> None:
+    """The warm zygote forked the coordinator and the agents, but they follow the launcher: killing
+    the zygote alone (an OOM killer's pick) loses nothing, and the run ends as a failure-free one."""
+    ln = launcher("--nodes", "2", "--spares", "1", "--steps", "60", "--model", "tiny")
+    run_id = ln.wait_training()
+
+    def zygotes() -> list[int]:
+        out = []
+        for pid, cmd in cmdlines().items():
+            if "phoenixft.zygote" in " ".join(cmd):
+                try:
+                    if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == ln.p.pid:
+                        out.append(pid)
+                except (OSError, IndexError, ValueError):
+                    pass
+        return out
+
+    (z,) = zygotes()
+    os.kill(z, signal.SIGKILL)
+    assert ln.p.wait(timeout=120) == 0, ln.log.read_text()[-3000:]
+    rep = json.loads((ln.run_dir / "report.json").read_text())
+    assert rep["state"] == "done" and rep["steps_completed"] == 60, rep["state"]
+    assert rep["recoveries"] == [], rep["recoveries"]
+    assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
+    assert rep["final_state_sha256"] == reference(nodes=2, steps=60, model="tiny")["final_state_sha256"]
+    _assert_nothing_left(run_id)
+
+
 def test_agent_sigkilled_mid_run_leaves_no_memory_of_its_node(tmp_path: Path) -> None:
     """Only the agent is killed; its workers die with it, the launcher frees the node's memory
     at once, a spare takes over, and the run finishes clean."""

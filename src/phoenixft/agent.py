@@ -9,10 +9,11 @@ session leader), so a node is killed, or fenced, as one unit.
 
 The agent owns its node's host shared memory (`phoenixft.shm`): it is listed in the run's owner
 record, its workers die with it (`PR_SET_PDEATHSIG`), and when it ends - normally, on SIGTERM,
-SIGHUP or SIGINT, when the launcher that started it dies (`--parent-pid`: the kernel sends it
-SIGTERM), or after losing the control plane for `--control-plane-timeout` seconds - it kills its
-workers, waits for them, and unlinks the node's segments. A worker that dies while the agent
-lives is restarted in place and finds the segments it left.
+SIGHUP or SIGINT, when the launcher that started it dies (`--parent-pid`: SIGTERM, from the kernel
+or, when the launcher's zygote forked it, from a thread watching the launcher), or after losing
+the control plane for `--control-plane-timeout` seconds - it kills its workers, waits for them,
+and unlinks the node's segments. A worker that dies while the agent lives is restarted in place and
+finds the segments it left.
 
 Joining: the agent proves to the coordinator that it holds the job token (HMAC challenge-response,
 `phoenixft.auth`) before it is admitted; the coordinator names its node id (`n<i>` for an active

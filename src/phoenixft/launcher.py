@@ -120,22 +120,20 @@ class LocalJob:
     def _spawn(self, args: list[str], log: str) -> Proc:
         """Start `python -m args...` in its own session, logging to logs/`log`: forked from the warm
         zygote (phoenixft.zygote), or fresh if that is off or failed. PARENT in `args` is replaced by
-        the PID of its parent (the process whose death it must follow)."""
+        this process's PID: it follows the launcher, whether its parent is the launcher or the zygote
+        (procs.die_with_parent), so a zygote that dies takes nothing with it."""
         path = self.run_dir / "logs" / log
         extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token}
 
-        def under(parent: int) -> list[str]:
-            return [str(parent) if a == PARENT else a for a in args]
-
+        argv = [str(os.getpid()) if a == PARENT else a for a in args]
         if zygote.enabled() and self._zygote_error is None:
             try:
-                z = zygote.Zygote.shared()
-                return z.spawn(under(z.pid), path, extra)
+                return zygote.Zygote.shared().spawn(argv, path, extra)
             except zygote.ZygoteError as e:
                 self._zygote_error = str(e)
                 self.display.info(f"starting processes fresh: the warm zygote failed ({e})")
         out = open(path, "ab")
-        return subprocess.Popen([sys.executable, "-m", *under(os.getpid())], stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, **extra))
 
     def _threads(self) -> int:

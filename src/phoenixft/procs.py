@@ -1,7 +1,9 @@
 """Process lifetime helpers: parent-death signals, process identity that survives PID reuse.
 
-- `die_with_parent(sig, parent)`: ask the kernel to send `sig` to this process when its parent
-  dies (`PR_SET_PDEATHSIG`), and act at once if the parent is already gone.
+- `die_with_parent(sig, parent)`: receive `sig` when the process `parent` dies: from the kernel
+  (`PR_SET_PDEATHSIG`) when it is our parent, from a watcher thread on a pidfd when it is an
+  ancestor (a process forked by the launcher's zygote follows the launcher, not the zygote), and
+  at once if it is already gone.
 - `start_time(pid)`: the process's start time in clock ticks since boot (`/proc/PID/stat`
   field 22); a (pid, start time) pair names one process, never a later one that reuses the PID.
 - `group_members(pgid)`: live (not zombie) processes of a process group.
@@ -25,14 +27,52 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(sig: int, parent: int) -> None:
-    """Receive `sig` when the parent (the thread that forked us) dies; if `parent` is already
-    gone (we were reparented before this call), send it to ourselves now."""
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:
+    """Receive `sig` when the process `parent` dies. Our parent (the thread that forked us): the
+    kernel's parent-death signal. An ancestor that started before us (the launcher, when its zygote
+    forked us): a daemon thread waiting on a pidfd of it, so that the zygote's own death changes
+    nothing. Already gone (we were reparented before this call): `sig` now."""
+    if os.getppid() == parent:
+        if sys.platform == "linux":
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # it died meanwhile
+            os.kill(os.getpid(), sig)
+        return
+    born, mine = start_time(parent), start_time(os.getpid())
+    if born is None or mine is None or born > mine or not alive(parent, born):  # gone, or its PID reused
         os.kill(os.getpid(), sig)
+        return
+    _watch(parent, born, sig)
+
+
+def _watch(pid: int, born: int, sig: int) -> None:
+    """Send `sig` to this process once `pid` (started at `born`) has exited."""
+    import threading
+
+    fd = -1
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): poll
+        pass
+    if fd >= 0 and not alive(pid, born):  # it exited, or its PID was reused, before the pidfd was opened
+        os.close(fd)
+        os.kill(os.getpid(), sig)
+        return
+
+    def wait() -> None:
+        import select
+
+        if fd >= 0:
+            select.select([fd], [], [])  # readable once the process has exited
+        else:
+            import time
+
+            while alive(pid, born):
+                time.sleep(0.2)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=wait, name=f"phoenixft-follow-{pid}", daemon=True).start()
 
 
 def _stat_fields(pid: int) -> list[str] | None:

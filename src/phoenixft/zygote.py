@@ -23,10 +23,10 @@ The zygote reaps its children and reports every exit (the code, or minus the sig
 does) on its own reply pipe; `Child` is the Popen-like handle the launcher keeps (pid, poll, wait,
 returncode). It dies with the thread that started it (`PR_SET_PDEATHSIG`: the handle's reader
 thread, which lives as long as the zygote), and exits when its request pipe closes (the launching
-process ended). Its children take the zygote as their parent (`--parent-pid`, `procs --parent`):
-when it dies they stop, as they did when the launcher died. It is part of the launcher: a zygote
-killed on its own (it is idle and small, not what an OOM killer picks) stops the run's processes
-as the launcher's death would.
+process ended). Its children follow the launcher, not the zygote (`--parent-pid`, `procs --parent`
+name the launcher; `procs.die_with_parent` watches it through a pidfd): a zygote killed on its own
+takes none of the run's processes with it, the launcher keeps their handles (a `Child` whose zygote
+is gone is polled by pid and start time) and starts the next process from a new zygote.
 
 `Zygote.shared()` is the launching process's zygote for its environment (started on first use,
 replaced if it died; what the interpreter and native libraries read at start, `PYTHON*`, `OMP_*`,
@@ -436,8 +436,7 @@ class Zygote:
         return child
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """End the zygote. The children that follow it as their parent (`--parent-pid`, `procs --parent`:
-        everything the launcher starts) stop with it."""
+        """End the zygote (its children follow the launcher, not it: they keep running)."""
         if self.proc is None:
             return
         try:
