@@ -211,3 +211,12 @@ def test_the_cache_is_built_once_and_reused(fresh_state: dict[str, Any], monkeyp
     fresh_state.clear()
     assert native.kernel() is not None
     assert built[0].stat().st_mtime_ns == mtime
+
+
+def test_an_unwritable_cache_falls_back_to_the_temporary_directory(fresh_state: dict[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("PHOENIXFT_CACHE", "/proc/phoenixft-cache-cannot-exist")
+    assert native.kernel() is not None, native.status()
+    assert "phoenixft-cache-" in native.status()

@@ -123,10 +123,22 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), cc, _cpu_key(), platform.machine()]).encode())
-    out = _cache_dir() / f"adam_oop-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    name = f"adam_oop-{key.hexdigest()[:16]}.so"
+    dirs = [_cache_dir(), Path(tempfile.gettempdir()) / f"phoenixft-cache-{os.getuid()}"]
+    for d in dirs:
+        if (d / name).exists():
+            return d / name
+    for d in dirs:  # a cache that cannot be written (a read-only home): the machine's temporary directory
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return _compile(cc, d / name)
+        except OSError:
+            continue
+    raise RuntimeError(f"no writable cache directory ({', '.join(map(str, dirs))})")
+
+
+def _compile(cc: str, out: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
         src = Path(tmp) / "adam_oop.c"
         src.write_text(_SOURCE)
