@@ -33,6 +33,9 @@ from phoenixft.faults import parse_fault
         ("kill:node=1@step=3,wait=inf", "wait=inf must be a finite number of seconds >= 0"),
         ("hang:node=1@step=3,wait=nan", "wait=nan must be a finite number of seconds >= 0"),
         ("partition:node=1@step=3,for=inf", "for=inf must be a finite number of seconds > 0"),
+        # a phase that means nothing for the kind was accepted and ignored
+        ("corrupt:node=1@step=3,phase=optimizer", "a corruption is at rest (no phase"),
+        ("nan:step=3,phase=backward", "nan:step=S takes no phase"),
     ],
 )
 def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> None:
@@ -45,7 +48,8 @@ def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> No
 
 @pytest.mark.parametrize("spec", ["kill:node=0,1@step=4", "kill:node=1,0,2@step=4,wait=5", "kill:rack=1@step=3",
                                   "crash:rank=3@step=3,wait=0", "kill:node=1@step=5,phase=recovery",
-                                  "partition:node=1@step=3,for=2.5,wait=10"])
+                                  "partition:node=1@step=3,for=2.5,wait=10", "corrupt:node=1@step=3,phase=transfer",
+                                  "corrupt:node=1@step=3,wait=5"])
 def test_good_specs_still_parse(spec: str) -> None:
     parse_fault(spec)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import processes_with, run
@@ -80,6 +82,24 @@ def test_corrupt_replica_is_never_loaded(tmp_path: Path, reference) -> None:  # 
     assert ["pp0.tp0.dp0of4", 4] in rec["replicas_rejected"], rec
     assert rec["resumed_step"] == 4 and rec["lost_steps"] == 0, rec
     assert all(rec["invariants"].values())
+
+
+def test_a_corruption_at_rest_fires_once_even_when_its_step_is_replayed(tmp_path: Path, reference: Any) -> None:
+    """The crash restarts rank 3 in step 4, so the replication of step 3 is repeated: the corruption
+    must not hit the repeated copy (it did: a fault fires once per run), and it is reported like
+    every other fault (the live line, the report's `faults`)."""
+    ref = reference(nodes=4, steps=8)
+    spec = "corrupt:node=2@step=4"
+    rep = run(tmp_path, nodes=4, spares=1, steps=8,
+              inject=[spec, "crash:rank=3@step=4,phase=optimizer", "kill:node=1@step=5,phase=forward"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    hits = [e for e in events if e.get("kind") == "corrupted_replica" and e.get("spec") == spec]
+    assert len(hits) == 1, hits  # replicas 1: node 2 holds one shard's replica
+    (rec,) = [f for f in rep["faults"] if f["spec"] == spec]
+    assert rec["fault"] == "corrupt" and rec["phase"] == "at rest" and rec["replicas_of_step"] == 3, rec
+    assert rep["faults_not_fired"] == []
 
 
 def test_both_halves_corrupt_fails_clearly(tmp_path: Path) -> None:

@@ -84,19 +84,32 @@ class FaultInjector:
         key = keys.fault_targets(f.index)
         return list(json.loads(self.w.store.compare_set(key, "", json.dumps(mine))))  # the first to fire sets them
 
-    def fire(self, f: FaultSpec, **where: Any) -> None:
-        """Claim fault f for this node (once per run), record it, then act with a real signal."""
-        assert self.w.topo is not None
-        slot = self.w.topo.slot_of(self.w.node_id)
+    def _claim(self, f: FaultSpec) -> int:
+        """Claim fault f for this node, once per run: the number of nodes it strikes, 0 if not this one
+        (or already claimed here: a replayed step never fires it again)."""
         targets = self._targets(f)
         if self.w.node_id not in targets or self.w.store.add(keys.fault_claim(f.index, self.w.node_id), 1) != 1:
-            return
-        self._together(f, len(targets))
+            return 0
+        return len(targets)
+
+    def _record(self, f: FaultSpec, **where: Any) -> None:
+        """The fault's record (its first firing: the report's `faults`) and its event (the live line)."""
+        assert self.w.topo is not None
         rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
-               "node": self.w.node_id, "slot": slot, "rank": self.w.rank, "epoch": self.w.epoch, **where}
+               "node": self.w.node_id, "slot": self.w.topo.slot_of(self.w.node_id), "rank": self.w.rank,
+               "epoch": self.w.epoch, **where}
         if self.w.store.add(keys.fault(f.index) + "/fired", 1) == 1:
             self.w.store.set(keys.fault(f.index), json.dumps(rec))
         self.w.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+
+    def fire(self, f: FaultSpec, **where: Any) -> None:
+        """Claim fault f for this node (once per run), record it, then act with a real signal."""
+        assert self.w.topo is not None
+        targets = self._claim(f)
+        if not targets:
+            return
+        self._together(f, targets)
+        self._record(f, **where)
         if f.coordinator:
             self._kill_coordinator()
         elif f.kind == "kill":
@@ -171,15 +184,22 @@ class FaultInjector:
         self.w.store.add(keys.fault(f.index) + "/fired", 1)
 
     def corrupt_replicas(self, step: int, received: dict[int, Holding]) -> None:
+        """corrupt:node=I@step=S: flip bytes of the replicas the node in slot I received for step S-1
+        (during step S), once per run: the replication of S-1 repeated after a recovery is left intact."""
         if self.w.topo is None:
             return
         for f in self.w.faults:
             if (f.kind == "corrupt" and f.phase != "transfer" and f.step == step + 1
                     and f.node == self.w.topo.slot_of(self.w.node_id)):
+                halves: dict[int, tuple[Holding, int]] = {}
                 for shard, h in received.items():
                     half = h.half_with(step)
                     if half is not None:
-                        h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
-                        self.w.event("corrupted_replica", shard=shard, step=step, spec=f.text)
-                        self._fired(f)
+                        halves[shard] = (h, half)
+                if not halves or not self._claim(f):
+                    continue
+                self._record(f, step=f.step, phase="at rest", replicas_of_step=step, shards=sorted(halves))
+                for shard, (h, half) in halves.items():
+                    h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
+                    self.w.event("corrupted_replica", shard=shard, step=step, spec=f.text)
 

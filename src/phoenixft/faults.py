@@ -25,12 +25,12 @@
                                           Fired by that host's agent, so it needs hosts with their own
                                           addresses (`phoenixft coordinator` + agents), not `phoenixft run`
 
-P is one of forward, backward, replicate, optimizer (default forward); recovery for kill, transfer
-for corrupt. `,wait=SECONDS` (kill, hang, crash, corrupt, partition at a step): the fault holds its
-step (a corruption at rest: the step before, whose replication it corrupts; every rank waits before
-the step begins; a partition: the agent pauses its node's workers with SIGSTOP) - training pauses
-there - until the job is whole again (full size, and a warm spare ready if the job was given spares),
-at most that long, then fires;
+P is one of forward, backward, replicate, optimizer (default forward); recovery for kill; a corrupt
+fault takes none (at rest) or transfer; nan takes none. `,wait=SECONDS` (kill, hang, crash,
+corrupt, partition at a step): the fault holds its step (a corruption at rest: the step before,
+whose replication it corrupts; every rank waits before the step begins; a partition: the agent
+pauses its node's workers with SIGSTOP) - training pauses there - until the job is whole again
+(full size, and a warm spare ready if the job was given spares), at most that long, then fires;
 `phoenixft chaos` uses it so that repaired spares can return between faults. A fault fires at
 most once per (fault, node): the first process that reaches it claims it atomically in the store
 (`store.add`), records the time, and only then acts, so a replayed step never fires it again.
@@ -159,6 +159,11 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         raise _bad(text, "for=SECONDS is only for partition faults (how long the host stays cut off)")
     step = _ints(text, when["step"], "step")[0] if "step" in when else None
     recovery = _ints(text, when["recovery"], "recovery")[0] if "recovery" in when else None
+    if "phase" in when and kind == "corrupt" and when["phase"] != "transfer":
+        raise _bad(text, f"phase={when['phase']!r}: a corruption is at rest (no phase: the replicas node I received "
+                         "during step S) or in flight (phase=transfer)")
+    if "phase" in when and kind == "nan":
+        raise _bad(text, "nan:step=S takes no phase (the loss of step S is NaN)")
     phase = when.get("phase", "forward")
     valid = KILL_PHASES + SPECIAL_PHASES.get(kind, ())
     if phase not in valid:
