@@ -118,3 +118,12 @@ def test_resume_of_a_real_checkpoint_with_another_optimizer_is_refused_up_front(
 def test_resume_of_a_real_checkpoint_with_the_same_state_rows_is_valid(adamw_checkpoint: Path,
                                                                         kw: dict[str, str]) -> None:
     RunConfig(nodes=2, spares=0, steps=8, resume=str(adamw_checkpoint), **kw).validate()
+
+
+def test_one_node_per_replica_ring_says_what_would_work() -> None:
+    """The advice used to be "need replicas < 1", which --replicas 0 then refused too."""
+    msg = _refused("give --nodes >= 2 or --protect none", nodes=1)
+    assert "replicas < 1" not in msg
+    _refused("give --nodes >= 4 (2 or more per pipeline stage) or --protect none", nodes=2, pp=2, workers_per_node=2)
+    _refused("need replicas < 3", nodes=3, replicas=3)
+    RunConfig(nodes=1, protect="none").validate()

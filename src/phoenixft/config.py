@@ -281,7 +281,9 @@ class RunConfig:
                 self.replicas < ring,
                 "--replicas",
                 self.replicas,
-                f"replicas live on other {where}, so need replicas < {ring}",
+                f"replicas live on other {where}, so need replicas < {ring}" if ring > 1 else
+                f"replicas live on other {where} and there is only one: give --nodes >= {2 * self.pp}"
+                + (" (2 or more per pipeline stage)" if self.pp > 1 else "") + " or --protect none (no protection)",
             )
         real(self.repair_after, self.repair_after >= 0, "--repair-after", ">= 0 seconds (0 = never)")
         real(self.failure_timeout, self.failure_timeout > 0, "--failure-timeout", "> 0 seconds")
