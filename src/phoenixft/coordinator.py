@@ -60,7 +60,7 @@ from phoenixft import auth, keys
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Election, exists_many, guarded_set, is_etcd, multi_get_nowait, poll_interval
 from phoenixft.persist import latest_manifest
-from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
+from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
 from phoenixft.topology import Topology
 
 __all__ = ["Coordinator", "main"]
@@ -550,6 +550,33 @@ class Coordinator:
             time.sleep(self.gather_poll_s)
         return dead, fenced, restarted
 
+    def _progress(self) -> int:
+        return int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
+
+    def _fresh_start(self, old: Topology, dead: set[str], descs: dict[str, Descriptor], pool: list[str],
+                     progress: int) -> Plan | None:
+        """A node lost before the run's first step committed anywhere (e.g. dead before its groups were
+        built): nothing is lost, since step 0 is the model as the seed builds it, which every node can
+        rebuild. So the run starts afresh with ready spares in the dead nodes' slots (no shrink: the
+        layout stays the configured one). None when that does not apply (the planner's answer stands)."""
+        started_fresh = (old.epoch == 0 or old.meta.get("restore") == "init") and "reshard" not in old.meta \
+            and old.meta.get("restore") != "persistent"  # recovery.restore.path_of(old) == "init"
+        if self.cfg.resume or not started_fresh or old.resume_step != 0 or progress > 0:
+            return None
+        held = [st for d in descs.values() for st in d.params] + [
+            st for d in descs.values() for src in (d.own, d.holdings) for steps in src.values() for st in steps]
+        if any(st > 0 for st in held) or len(pool) < len(dead):
+            return None
+        spares = list(pool)
+        nodes = [spares.pop(0) if n in dead else n for n in old.nodes]
+        promoted = [n for n in nodes if n not in old.nodes]
+        topo = Topology(epoch=old.epoch + 1, nodes=nodes, workers_per_node=self.g, replicas=self.cfg.replicas,
+                        racks=self.cfg.racks, resume_step=0, tp=old.tp, pp=old.pp,
+                        meta={"restore": "init", "dead": sorted(dead), "promoted": promoted, "class": "permanent",
+                              "action": "hotswap", "generation": int(old.meta.get("generation", 0)), "dropped": []})
+        return Plan(ok=True, topo=topo, klass="permanent", action="hotswap (fresh start: nothing committed yet)",
+                    resume_step=0, promoted=promoted)
+
     def recover(self) -> None:
         assert self.topo is not None
         old = self.topo
@@ -599,6 +626,8 @@ class Coordinator:
                 self._refresh_pool()
                 pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
             plan = decide()
+        if not plan.ok:
+            plan = self._fresh_start(old, dead, descs, pool, progress=self._progress()) or plan
         if not plan.ok or plan.topo is None:
             self._fail_run(f"{plan.error} (epoch {e})")
             return
@@ -613,7 +642,7 @@ class Coordinator:
             self._event("fallback_persistent", epoch=e, reason=topo.meta["reason"], step=plan.persistent_step,
                         path=topo.meta["manifest"]["path"])
         max_committed = max((max(d.params) for d in descs.values() if d.params), default=plan.resume_step)
-        progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
+        progress = self._progress()
         self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
                     **{"class": plan.klass}, action=plan.action)
         t_decided = time.time()

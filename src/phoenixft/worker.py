@@ -15,6 +15,7 @@ training resumes at the recovery step. Faults are injected by faultinject.py. Ru
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,8 @@ class Worker:
         self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
         self.protect = cfg.protect == "phoenix"
         self.watcher = FailureWatcher(store_addr)
+        self._store_addr = store_addr
+        self._side_store: Any = None  # a second client, for polls while the first is busy (_build_comm)
         self._abort_checked = 0.0
         self._abort_every = ABORT_CHECK_ETCD_S if is_etcd(self.store) else 0.0
         self.trainer: Trainer = None  # type: ignore[assignment]  # built for this rank's stage (_build)
@@ -279,6 +282,52 @@ class Worker:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
         return self.join(topo)
 
+    def _build_comm(self, topo: Topology) -> EpochComm:
+        """The epoch's process groups. Their rendezvous waits for every member (up to the collective
+        timeout, a minute or more), so a member that dies meanwhile would keep this worker from posting
+        its descriptor within the coordinator's failure timeout, and it would be fenced as unresponsive
+        (with a node killed before the first step: every survivor, and the run lost). So the groups are
+        built on a thread (the rendezvous releases the GIL) while this one watches the epoch's failure
+        flag; when it is set the build is abandoned (its thread ends with the rendezvous' timeout)."""
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                box["comm"] = EpochComm(
+                    self.store, topo.epoch, self.rank, topo.world, self._coll_timeout, backend=self.device.backend,
+                    layout=topo.layout, device=self.device,
+                    transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None)
+            except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+                box["error"] = e
+
+        if self._side_store is None:  # the rendezvous blocks this worker's store client: poll on another,
+            # connected before the build (EpochComm takes the sockets opened while it builds for its own)
+            self._side_store = connect_store(self._store_addr)
+        t = threading.Thread(target=build, name=f"phoenixft-groups-e{topo.epoch}", daemon=True)
+        t.start()
+        every, last = (ABORT_CHECK_ETCD_S if is_etcd(self._side_store) else 0.02), 0.0
+        while t.is_alive():
+            t.join(0.005)
+            if not t.is_alive() or time.monotonic() - last < every:
+                continue
+            last = time.monotonic()
+            failed, over = exists_many(self._side_store, [keys.failflag(topo.epoch), keys.RUN_STATE])
+            if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
+                self.store, self._side_store = self._side_store, None
+            if over:
+                raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
+            if failed:
+                raise PeerFailure(f"recovery requested by the control plane while the process groups of epoch "
+                                  f"{topo.epoch} were being built (a member did not arrive)")
+        if "error" in box:
+            e = box["error"]
+            if isinstance(e, (PeerFailure, RunAborted, Unhealable)):
+                raise e
+            raise PeerFailure(f"building the process groups of epoch {topo.epoch}: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        comm: EpochComm = box["comm"]
+        return comm
+
     def _recover_until_joined(self, err: str) -> int:
         """A failure during a recovery (cascading) restarts the recovery in the next epoch."""
         while True:
@@ -294,9 +343,8 @@ class Worker:
         self.topo, self.epoch = topo, topo.epoch
         self.rank = topo.rank_of(self.node_id, self.local_rank)
         lay = topo.layout
-        self.comm = EpochComm(self.store, topo.epoch, self.rank, topo.world, self._coll_timeout,
-                              backend=self.device.backend, layout=lay, device=self.device,
-                              transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None)
+        self.comm = None
+        self.comm = self._build_comm(topo)
         t_pg = time.time()
         r = topo.resume_step
         timings: dict[str, Any] = {"reconfigure_s": t_pg - t0}

@@ -45,7 +45,7 @@ def path_of(topo: Topology) -> str:
         return "reshard"
     if topo.meta.get("restore") == "persistent":
         return "persistent"
-    return "init" if topo.epoch == 0 else "in_place"
+    return "init" if topo.epoch == 0 or topo.meta.get("restore") == "init" else "in_place"
 
 
 def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:

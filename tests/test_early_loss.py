@@ -1,0 +1,73 @@
+"""A node lost before the run's first step, in a hand-started deployment (`phoenixft coordinator` +
+`phoenixft agent` processes on 127.0.0.1): the survivor was blocked building the epoch's process
+groups with a member that never came, so it was fenced as unresponsive and the run was lost with a
+ready spare waiting. Now the build is abandoned when the failure flag is set, and since nothing was
+committed yet the run starts afresh with the spare in the dead node's slot."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import free_port
+
+PY = sys.executable
+TOKEN = "5eed" * 8
+
+
+def _wait_for(path: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in {path} within {timeout_s}s:\n{path.read_text(errors='replace')[-2000:]}")
+
+
+def test_a_node_lost_before_the_first_step_is_replaced_by_the_spare(tmp_path: Path, reference: Any) -> None:
+    port = free_port()
+    env = dict(os.environ, PHOENIXFT_TOKEN=TOKEN)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(log: str, *args: str) -> subprocess.Popen[bytes]:
+        out = open(tmp_path / log, "wb")
+        p = subprocess.Popen([PY, "-m", "phoenixft", *args], stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        procs.append(p)
+        return p
+
+    addr = f"127.0.0.1:{port}"
+    try:
+        coord = start("coordinator.log", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2",
+                      "--workers-per-node", "1", "--spares", "1", "--steps", "8", "--model", "tiny",
+                      "--failure-timeout", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "120",
+                      "--join-timeout", "90")
+        early = start("early.log", "agent", "--coordinator", addr, "--node", "early", "--workers", "1")
+        _wait_for(tmp_path / "early.log", "admitted", 60.0)
+        time.sleep(1.0)  # its worker is up and ready
+        os.killpg(early.pid, signal.SIGKILL)  # dead before the job has all its nodes
+        start("spare.log", "agent", "--coordinator", addr, "--node", "sp", "--workers", "1", "--spare")
+        _wait_for(tmp_path / "spare.log", "admitted", 60.0)
+        time.sleep(1.0)
+        start("late.log", "agent", "--coordinator", addr, "--node", "late", "--workers", "1")
+        assert coord.wait(timeout=180) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+        rep = json.loads((tmp_path / "run" / "report.json").read_text())
+        assert rep["state"] == "done" and rep["steps_completed"] == 8, rep.get("error")
+        assert rep["final_state_sha256"] == reference(nodes=2, steps=8, model="tiny")["final_state_sha256"]
+        (rec,) = rep["recoveries"]
+        assert rec["resumed_step"] == 0 and rec["lost_steps"] == 0, rec
+        assert rec["action"].startswith("hotswap") and rec["fenced"] == ["n0"], rec
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(timeout=30)
