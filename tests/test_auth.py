@@ -269,3 +269,20 @@ def test_an_agent_waiting_for_admission_stops_when_the_run_ends() -> None:
     with pytest.raises(UserError, match=r"ended \(aborted\) before 'n0' was admitted"):
         auth.request_admission(store, {"name": "n0", "host": "127.0.0.1"}, TOKEN, 60.0, "127.0.0.1:1")
     assert time.monotonic() - t0 < 5.0
+
+
+def test_an_agent_for_another_run_is_refused_before_it_asks_to_join() -> None:
+    """--run-id was checked only once admitted, so a refused agent held an active slot and the job
+    waited for it until --join-timeout ("only 2 of 2 node(s) joined")."""
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    store.set(keys.CONFIG, RunConfig(nodes=2).to_json())
+    store.set(keys.RUN_ID, "0123abcd45")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "agent", "--coordinator", server.addr, "--node", "x",
+                        "--workers", "1", "--run-id", "ffff", "--join-timeout", "60"],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PHOENIXFT_TOKEN=TOKEN))
+    assert p.returncode == 2, p.stderr
+    assert "--run-id=ffff is not the run of the coordinator" in p.stderr and "(0123abcd45)" in p.stderr, p.stderr
+    assert time.monotonic() - t0 < 30.0  # refused at once, not after waiting to be admitted
+    assert not store.check([keys.ADMIT_SEQ])  # it never asked
