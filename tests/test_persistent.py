@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -64,6 +65,103 @@ def test_a_checkpoint_that_cannot_be_written_is_in_the_report(tmp_path: Path) ->
     assert latest_manifest(ckpt)["step"] == 8  # type: ignore[index]
     assert sorted((p["kind"], p["step"], p["rank"]) for p in rep["persist_problems"]) == [
         ("persist_failed", 4, 0), ("persist_failed", 4, 1)], rep["persist_problems"]
+
+
+def _flip(f: Path) -> None:
+    """Two bytes in the middle of `f` inverted (what a bad disk or a stray write leaves)."""
+    b = bytearray(f.read_bytes())
+    i = len(b) // 2
+    b[i] ^= 0xFF
+    b[i + 1] ^= 0xFF
+    f.write_bytes(b)
+
+
+def _damage(f: Path, how: str) -> str:
+    """Damage a checkpoint file; returns what the skip line must say about it."""
+    if how == "flipped":
+        _flip(f)
+        return "does not match the checksum written with it"
+    if how == "truncated":
+        os.truncate(f, 1000)
+        return "is truncated (1000 bytes"
+    f.unlink()
+    return "is missing"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints of steps 4 and 8 of a failure-free 2-node run (copied by each test that damages them)."""
+    base = tmp_path_factory.mktemp("ckpt")
+    rep = run(base / "run", nodes=2, spares=0, steps=8, persist_every=4, persist_dir=str(base / "ckpt"))
+    assert rep["state"] == "done", rep.get("error")
+    assert sorted(p.parent.name for p in (base / "ckpt").glob("step_*/MANIFEST.json")) == [
+        "step_00000004", "step_00000008"]
+    return base / "ckpt"
+
+
+def _skip_events(run_dir: Path) -> list[dict[str, Any]]:
+    evs = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    return [e for e in evs if e["kind"] == "checkpoint_skipped"]
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "missing"])
+def test_resume_skips_a_damaged_checkpoint_for_the_newest_that_verifies(  # type: ignore[no-untyped-def]
+        tmp_path: Path, checkpoints: Path, reference, how: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The newest checkpoint's shard file has flipped bytes, is truncated or is missing: --resume never
+    loads it, says so in one line (step, file, why; also an event), resumes from the older one that
+    verifies, and ends bitwise where the failure-free run of the same steps ends."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints, ckpt)
+    bad = ckpt / "step_00000008" / "rank1" / "__0_0.distcp"
+    why = _damage(bad, how)
+    capsys.readouterr()
+    rep = run(tmp_path / "run", nodes=2, spares=0, steps=10, resume=str(ckpt))
+    err = capsys.readouterr().err
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["first_step"] == 5  # from step 4: step 8 was skipped
+    assert rep["final_state_sha256"] == reference(nodes=2, steps=10)["final_state_sha256"]
+    assert rep["recoveries"] == []  # nothing was installed and then thrown away
+    lines = [x for x in err.splitlines() if "skipped" in x]
+    assert len(lines) == 1 and "step 8" in lines[0] and str(bad) in lines[0] and why in lines[0] \
+        and "using step 4" in lines[0], err
+    (ev,) = _skip_events(tmp_path / "run")
+    assert (ev["step"], ev["file"], ev["using"]) == (8, str(bad), 4) and why in ev["why"], ev
+
+
+def test_resume_fails_in_one_line_when_no_checkpoint_verifies(tmp_path: Path, checkpoints: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints, ckpt)
+    newest = ckpt / "step_00000008" / "rank0" / "__0_0.distcp"
+    _damage(newest, "truncated")
+    _flip(ckpt / "step_00000004" / "rank1" / "__0_0.distcp")
+    rep = run(tmp_path / "run", nodes=2, spares=0, steps=10, resume=str(ckpt))
+    assert rep["state"] == "failed"
+    err = rep["error"]
+    assert "\n" not in err and "in-memory state lost" not in err, err
+    assert err == (f"--resume {ckpt}: no checkpoint verifies (the newest, step 8: {newest} is truncated "
+                   "(1000 bytes, 5007401 expected))"), err
+    assert [(e["step"], e["using"]) for e in _skip_events(tmp_path / "run")] == [(8, None), (4, None)]
+
+
+def test_fallback_skips_a_corrupt_checkpoint(tmp_path: Path, checkpoints: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """In-run fallback (both nodes lost with their replicas): the newest complete checkpoint in
+    --persist-dir does not verify (flipped bytes); the fallback skips it for the newest that does."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    # a complete checkpoint newer than any this run will have written by the fallback, with bad bytes
+    fake = ckpt / "step_00000009"
+    shutil.copytree(checkpoints / "step_00000008", fake)
+    man = json.loads((fake / "MANIFEST.json").read_text())
+    (fake / "MANIFEST.json").write_text(json.dumps({**man, "step": 9}))
+    _flip(fake / "rank0" / "__0_0.distcp")
+    rep = run(tmp_path / "run", nodes=2, spares=2, replicas=1, steps=12, persist_every=4, persist_dir=str(ckpt),
+              inject=["kill:node=0,1@step=10,phase=backward"])
+    assert rep["state"] == "done", rep.get("error")
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "persistent" and rec["persistent_step"] in (4, 8), rec
+    assert rep["final_state_sha256"] == reference(nodes=2, steps=12)["final_state_sha256"]
+    (ev,) = _skip_events(tmp_path / "run")
+    assert (ev["step"], ev["file"]) == (9, str(fake / "rank0" / "__0_0.distcp")) and "checksum" in ev["why"], ev
 
 
 @pytest.mark.slow  # (a 3D checkpoint resumed data-parallel: tests/test_mesh.py covers a resume on another layout)

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from phoenixft import auth, keys
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Election, exists_many, guarded_set, is_etcd, multi_get_nowait, poll_interval
-from phoenixft.persist import latest_manifest
+from phoenixft.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
 from phoenixft.topology import Topology
 
@@ -212,6 +212,16 @@ class Coordinator:
                 self._hb_last[n] = (bytes(b), seen)
         return gone | {n for n in have if n not in gone and seen - self._hb_last[n][1] > self.cfg.failure_timeout}
 
+    def _verified(self, root: str, exclude: dict[str, str] | None = None) -> tuple[dict[str, Any] | None,
+                                                                                  list[dict[str, Any]]]:
+        """The newest checkpoint under `root` that verifies (persist.verified_manifest); each newer one
+        skipped is said, in one line, as a `checkpoint_skipped` event."""
+        man, skipped = verified_manifest(root, exclude=exclude)
+        for sk in skipped:
+            self._event("checkpoint_skipped", **sk,
+                        using=man["step"] if man is not None else None, line=skipped_line(sk))
+        return man, skipped
+
     def _fail_run(self, why: str) -> None:
         self.store.set(keys.RUN_ERROR, why)
         self._event("run_failed", error=why)
@@ -314,9 +324,11 @@ class Coordinator:
         self._event("run_start", nodes=active, spares=self.spare_pool)
         start, meta = 0, {}
         if self.cfg.resume:
-            man = latest_manifest(self.cfg.resume)
+            man, skipped = self._verified(self.cfg.resume)
             if man is None:
-                self._fail_run(f"--resume {self.cfg.resume}: no complete checkpoint")
+                why = (f"no checkpoint verifies (the newest, step {skipped[0]['step']}: {skipped[0]['file']} "
+                       f"{skipped[0]['why']})" if skipped else "no complete checkpoint")
+                self._fail_run(f"--resume {self.cfg.resume}: {why}")
                 return
             start, meta = man["step"], {"restore": "persistent", "manifest": man}
         self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
@@ -607,12 +619,35 @@ class Coordinator:
         pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
         grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
-        man = latest_manifest(self.cfg.persist_dir) if self.cfg.persist_dir else None
+        tier, exclude = self.cfg.persist_dir, {}
+        refused = next((d.error for d in descs.values() if d.error.startswith(NOT_INSTALLED)), "")
+        if refused and old.meta.get("restore") == "persistent":
+            # the workers refused the checkpoint this epoch restored (it changed after it was verified):
+            # never again, and the newest other one from the same directory (--resume's, or --persist-dir)
+            was = str(old.meta["manifest"]["path"])
+            tier = tier or os.path.dirname(was)
+            exclude[was] = f"was refused by the workers ({refused.split(': ', 1)[-1][:200]})"
+        man = latest_manifest(tier) if tier else None
+        verified: list[Any] = []  # [(manifest, skipped)] once the persistent tier was verified
 
         def decide() -> Any:
-            return plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
-                                           target_nodes=self.cfg.nodes, replicas=self.cfg.replicas,
-                                           racks=self.cfg.racks, manifest=man, grow_only=grow_only))
+            nonlocal man
+
+            def plan_with(m: dict[str, Any] | None) -> Any:
+                return plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
+                                               target_nodes=self.cfg.nodes, replicas=self.cfg.replicas,
+                                               racks=self.cfg.racks, manifest=m, grow_only=grow_only))
+
+            p = plan_with(man)
+            if p.persistent_step is not None and not verified:
+                # the plan falls back to the persistent tier: only to a checkpoint whose files verify (read
+                # only now: a recovery from memory never waits for the disk)
+                good, _ = self._verified(tier, exclude)
+                verified.append((good, _))
+                if good is None or man is None or good["path"] != man["path"]:
+                    man = good
+                    p = plan_with(man)
+            return p
 
         plan = decide()
         coming = self._spare_coming(pool)
@@ -629,7 +664,13 @@ class Coordinator:
         if not plan.ok:
             plan = self._fresh_start(old, dead, descs, pool, progress=self._progress()) or plan
         if not plan.ok or plan.topo is None:
-            self._fail_run(f"{plan.error} (epoch {e})")
+            error = plan.error
+            skipped = verified[0][1] if verified else []
+            if skipped:  # every complete checkpoint was skipped: say why the newest one was
+                why = f"(the newest, step {skipped[0]['step']}: {skipped[0]['file']} {skipped[0]['why']})"
+                error = (f"{refused}; no other persistent checkpoint verifies {why}" if refused and exclude else
+                         f"{error} that verifies {why}")
+            self._fail_run(f"{error} (epoch {e})")
             return
         topo = plan.topo
         for s in plan.promoted:

@@ -79,6 +79,9 @@ class Display:
         elif k == "fallback_persistent":
             self._err(f"!! in-memory state lost ({ev['reason']}): falling back to the persistent checkpoint of "
                       f"step {ev['step']}")
+        elif k == "checkpoint_skipped":
+            using = f"using step {ev['using']}" if ev.get("using") is not None else "no older one verifies"
+            self._err(f"!! {ev['line']}; {using}")
         elif k == "spare_repaired":
             self._err(f"   {ev['replaces']} repaired: back as spare {ev['node']} (--repair-after)")
         elif k == "run_failed":

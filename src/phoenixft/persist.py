@@ -5,6 +5,9 @@ exp_avg_sq) as it was *committed* in memory: the replication thread copies the c
 (which stays untouched until that thread finishes), and a persist thread writes it with
 `dcp.save` to `DIR/step_<s>/rank<i>`. The last rank to finish writes `DIR/step_<s>/MANIFEST.json`
 (atomically, last), so a torn checkpoint is never loaded: only directories with a manifest count.
+The manifest also carries the CRC-32 of every file each rank wrote (`files`) and the checksum of
+each rank's shard (`crc`): `verified_manifest` returns the newest checkpoint whose files are all
+there, whole and matching them, and says which newer ones it skipped and why (`check`).
 A checkpoint that is skipped (the previous ones are still being written) or fails to write is never
 silent: it is printed to the node's log and recorded as a `persist_skipped` / `persist_failed`
 event, which the run's report lists under `persist_problems`.
@@ -27,6 +30,7 @@ import shutil
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,9 +42,12 @@ from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import to_full
 from phoenixft.snapshot import checksum
 
-__all__ = ["Persister", "latest_manifest", "load_full"]
+__all__ = ["NOT_INSTALLED", "Persister", "latest_manifest", "verified_manifest", "check", "load_full"]
 
 KEEP = 2  # complete checkpoints kept on disk
+
+#: how a worker's failure report starts when it refused to install the persistent checkpoint it was given
+NOT_INSTALLED = "the persistent checkpoint was not installed"
 
 
 def _dcp() -> Any:
@@ -100,19 +107,129 @@ def _load(sd: dict[str, torch.Tensor], path: str) -> None:
 
 
 def latest_manifest(root: str | os.PathLike[str], max_step: int | None = None) -> dict[str, Any] | None:
-    """The newest complete checkpoint under `root` (optionally at or before `max_step`)."""
-    best = None
+    """The newest complete checkpoint under `root` (optionally at or before `max_step`), not verified
+    (`verified_manifest` reads its files)."""
+    mans = _manifests(root, max_step)
+    return mans[0] if mans else None
+
+
+def _manifests(root: str | os.PathLike[str], max_step: int | None = None) -> list[dict[str, Any]]:
+    """Every complete checkpoint under `root` (optionally at or before `max_step`), newest first."""
+    out = []
     for m in Path(root).glob("step_*/MANIFEST.json"):
         try:
             man = json.loads(m.read_text())
-        except (OSError, ValueError):
+            step = int(man["step"])
+        except (OSError, ValueError, KeyError, TypeError):
             continue
-        if max_step is not None and man["step"] > max_step:
+        if max_step is not None and step > max_step:
             continue
-        if best is None or man["step"] > best["step"]:
-            man["path"] = str(m.parent)
-            best = man
-    return best
+        man["path"] = str(m.parent)
+        out.append(man)
+    return sorted(out, key=lambda x: int(x["step"]), reverse=True)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _file_crcs(d: Path) -> dict[str, int]:
+    """CRC-32 of every file one rank's save wrote (its data files and DCP's `.metadata`)."""
+    return {p.name: _crc32(p) for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _template(man: dict[str, Any], r: int) -> dict[str, torch.Tensor]:
+    """The state dict rank r of this checkpoint saved (empty tensors of its shapes)."""
+    nrows = int(man.get("rows", 3))
+    if int(man.get("tp", 1)) * int(man.get("pp", 1)) > 1:
+        _numel, shard_numel, nsegs = man["ranks"][str(r)]
+        sd = {"shard": torch.empty(nrows, shard_numel)}
+        if nsegs:
+            sd["segments"] = torch.empty(nsegs * 3, dtype=torch.int64)
+        return sd
+    sd = {"shard": torch.empty(nrows, man["shard_numel"])}
+    if r == 0 and man.get("buffer_bytes"):
+        sd["buffers"] = torch.empty(int(man["buffer_bytes"]), dtype=torch.uint8)
+    return sd
+
+
+def check(man: dict[str, Any]) -> tuple[str, str] | None:
+    """The first reason not to load this complete checkpoint, as (file, why), or None when it verifies:
+    a rank's files must all be there and whole (the sizes DCP's metadata gives them), and match the
+    checksums written with them (the CRC-32 of each file; a manifest without them: each shard is read and
+    compared with its writer's checksum)."""
+    root = Path(man["path"])
+    files = {k: int(v) for k, v in man.get("files", {}).items()}
+    crcs = man.get("crc", {})
+    for r in range(int(man["shards"])):
+        d = root / f"rank{r}"
+        meta_file = d / ".metadata"
+        if not meta_file.is_file():
+            return str(meta_file), "is missing"
+        try:
+            with _quiet():
+                meta = _dcp().FileSystemReader(str(d)).read_metadata()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            return str(meta_file), f"cannot be read ({_reason(e)[:200]})"
+        shard_file = None
+        for idx, info in meta.storage_data.items():
+            f = d / info.relative_path
+            if getattr(idx, "fqn", "") == "shard":
+                shard_file = f
+            try:
+                size = f.stat().st_size
+            except FileNotFoundError:
+                return str(f), "is missing"
+            except OSError as e:
+                return str(f), f"cannot be read ({e.strerror or e})"
+            if size < info.offset + info.length:
+                return str(f), f"is truncated ({size} bytes, {info.offset + info.length} expected)"
+        mine = {k.split("/", 1)[1]: v for k, v in files.items() if k.startswith(f"rank{r}/")}
+        for name, want in sorted(mine.items()):
+            f = d / name
+            try:
+                got = _crc32(f)
+            except FileNotFoundError:
+                return str(f), "is missing"
+            except OSError as e:
+                return str(f), f"cannot be read ({e.strerror or e})"
+            if got != want:
+                return str(f), "does not match the checksum written with it (its bytes changed)"
+        if mine:
+            continue
+        sd = _template(man, r)  # a checkpoint written before file checksums: read the shard, compare
+        try:
+            _load(sd, str(d))
+        except OSError as e:
+            return str(shard_file or d), f"cannot be read ({str(e).split(': ', 1)[-1][:200]})"
+        if str(r) in crcs and checksum(sd["shard"]) != int(crcs[str(r)]):
+            return str(shard_file or d), "does not match the checksum written with it (its bytes changed)"
+    return None
+
+
+def verified_manifest(root: str | os.PathLike[str], max_step: int | None = None,
+                      exclude: dict[str, str] | None = None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The newest complete checkpoint under `root` that verifies (`check`), and the newer complete ones
+    skipped on the way: [{"step", "path", "file", "why"}], newest first. `exclude`: checkpoint paths not to
+    use, with the reason (one the workers could not load)."""
+    skipped: list[dict[str, Any]] = []
+    for man in _manifests(root, max_step):
+        bad = (man["path"], exclude[man["path"]]) if exclude and man["path"] in exclude else check(man)
+        if bad is None:
+            return man, skipped
+        skipped.append({"step": int(man["step"]), "path": man["path"], "file": bad[0], "why": bad[1]})
+    return None, skipped
+
+
+def skipped_line(s: dict[str, Any]) -> str:
+    """One line for a checkpoint `verified_manifest` skipped."""
+    return f"the persistent checkpoint of step {s['step']} is skipped: {s['file']} {s['why']}"
 
 
 def load_full(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -236,11 +353,16 @@ class Persister:
         d = self.root / f"step_{step:08d}"
         sd: dict[str, torch.Tensor] = {"shard": data}
         sd.update({k: meta[k] for k in ("buffers", "segments") if k in meta})
+        rank_dir = d / f"rank{meta['rank']}"
         with _quiet():
-            _dcp().save(sd, checkpoint_id=str(d / f"rank{meta['rank']}"), no_dist=True)
+            _dcp().save(sd, checkpoint_id=str(rank_dir), no_dist=True)
         self.saved.append(time.perf_counter() - t0)
+        # the CRC-32 of every file written (read back from the page cache, off the critical path): a
+        # checkpoint whose bytes change on disk is never loaded (`check`)
+        files = _file_crcs(rank_dir) if rank_dir.is_dir() else {}
         key = f"persist/{meta['epoch']}/{step}"
         self.store.set(f"{key}/crc/{meta['rank']}", str(checksum(data)))
+        self.store.set(f"{key}/files/{meta['rank']}", json.dumps(files))
         nsegs = int(meta["segments"].numel() // 3) if "segments" in meta else 0
         self.store.set(f"{key}/info/{meta['rank']}", json.dumps([meta["numel"], meta["shard_numel"], nsegs]))
         if self.store.add(key, 1) == meta["shards"] and not self._fenced():  # last one in writes the manifest
@@ -249,6 +371,8 @@ class Persister:
                    "shard_numel": meta["shard_numel"], "epoch": meta["epoch"], "seed": meta["seed"],
                    "rows": int(data.shape[0]), "buffer_bytes": meta.get("buffer_bytes", 0), "crc": crcs,
                    "config": meta.get("config"), "tp": meta.get("tp", 1), "pp": meta.get("pp", 1)}
+            man["files"] = {f"rank{r}/{name}": crc for r in range(meta["shards"])
+                            for name, crc in json.loads(self.store.get(f"{key}/files/{r}")).items()}
             if man["tp"] * man["pp"] > 1:
                 man["ranks"] = {str(r): json.loads(self.store.get(f"{key}/info/{r}"))
                                 for r in range(meta["shards"])}

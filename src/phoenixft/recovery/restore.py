@@ -9,7 +9,8 @@ failed verification against the checksum its source committed (invariant I3):
   them from the members the plan names (targeted all-to-all transfers);
 - `reshard`: the world changes size (shrink, grow): every old shard's provider sends it to all,
   each member cuts its new slice;
-- `restore_persistent`: every member reloads r from the persistent tier, cut for this world.
+- `restore_persistent`: every member reloads r from the persistent tier, cut for this world (a
+  checkpoint that cannot be read or does not match its checksums is never installed).
 
 With `ec:D+H` a shard that has no copy left is rebuilt from its group's pieces of step r (the
 plan's `meta["decode"]`, carried out by `redundancy.rebuild.run_decodes`) on the first two paths.
@@ -24,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phoenixft.comm import alltoallv
-from phoenixft.errors import RunAborted
+from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.parallel.logical import from_full
-from phoenixft.persist import load_full
+from phoenixft.persist import NOT_INSTALLED, load_full
 from phoenixft.recovery import transfer
 from phoenixft.redundancy import rebuild
 from phoenixft.reshard import gather_full_optimizer, old_shard_numel
@@ -292,11 +293,16 @@ def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any
     if topo.layout.dp != tr.flat.shards:
         m.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
     m.inject.in_recovery(topo)  # kill:...@recovery=N: before the reload
+    # the coordinator verified the checkpoint before choosing it (persist.check); should it have changed
+    # since, nothing of it is installed: the recovery starts again and the coordinator, told by this error
+    # (its descriptor), chooses the newest checkpoint that verifies other than this one
     try:
         full, buffers, mismatched = load_full(man)  # (rows, full numel), shards whose checksum does not match
     except OSError as e:
-        raise RunAborted(f"the persistent checkpoint of step {r} could not be loaded: {e}") from None
-    bad.extend(f"persistent shard {x} of step {r} does not match its checksum" for x in mismatched)
+        raise PeerFailure(f"{NOT_INSTALLED} (step {r}): {e}") from None
+    if mismatched:
+        raise PeerFailure(f"{NOT_INSTALLED} (step {r}): shard(s) {mismatched} in {man['path']} do not match "
+                          "their checksums")
     flat, st = tr.flat, tr.state
     if full.shape[0] != tr.rows:
         raise RunAborted(f"the checkpoint of step {r} has {full.shape[0]} state rows, this run's optimizer "
