@@ -409,8 +409,11 @@ class Coordinator:
             self.store.delete_key(keys.JOB_WHOLE)
 
     def _spare_coming(self, pool: list[str]) -> bool:
-        """The spare of `--spare-arrives-at-step` was started (the run reached that step) and is not
-        ready yet: it will be, within its start-up."""
+        """A spare is on its way: one admitted that is still starting (not ready yet: a fault in the
+        run's first steps), or the spare of `--spare-arrives-at-step`, started once the run reached that
+        step. It will be ready within its start-up."""
+        if any(s not in pool and s not in self.dead and not self._node_ready(s) for s in self.spare_pool):
+            return True
         late = self.cfg.spare_arrives_at_step
         if not late or not self.store.check([keys.PROGRESS]) or int(self.store.get(keys.PROGRESS)) < late:
             return False

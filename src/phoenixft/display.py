@@ -123,7 +123,20 @@ class Display:
                       f"first step {fmt(st['first_step_s'])}), lost {r['lost_steps']} step(s), "
                       f"invariants {self._inv(r)}")
         for spec in report.get("faults_not_fired", []):
-            self._err(f"!! fault never fired: {spec} (its node, rank or phase was not in the job when its step came)")
+            self._err(f"!! fault never fired: {spec} ({_why_not_fired(spec)})")
         state = report.get("state")
         self._err(f"{state}: {report.get('steps_completed', 0)} steps, final state sha256 "
                   f"{(report.get('final_state_sha256') or '-')[:16]}, report in {report.get('run_dir', '-')}")
+
+
+def _why_not_fired(spec: str) -> str:
+    """Why an `--inject` spec can end a run without having fired, by its kind."""
+    if spec.startswith("corrupt:") and "phase=transfer" in spec:
+        return "no recovery at or after its step took a copy of the optimizer state from its node"
+    if spec.startswith("corrupt:"):
+        return "its node received no replica during its step (not in the job, or the run ended first)"
+    if spec.startswith("kill:") and ("@recovery=" in spec or "phase=recovery" in spec):
+        return "no recovery of a failure (at or after its step) moved state through its node"
+    if spec.startswith("nan:"):
+        return "the run ended before its step"
+    return "its node, rank or phase was not in the job when its step came"

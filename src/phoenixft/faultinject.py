@@ -32,6 +32,7 @@ __all__ = ["FaultInjector"]
 class FaultInjector:
     def __init__(self, worker: Worker) -> None:
         self.w = worker
+        self._struck: list[str] = []  # the node ids the fault claimed last strikes (all of a rack's)
 
     def hold(self, step: int) -> None:
         """`,wait=S`: before step `step`, on every rank, hold until the job is whole (at most S) while a
@@ -90,14 +91,15 @@ class FaultInjector:
         targets = self._targets(f)
         if self.w.node_id not in targets or self.w.store.add(keys.fault_claim(f.index, self.w.node_id), 1) != 1:
             return 0
+        self._struck = targets
         return len(targets)
 
     def _record(self, f: FaultSpec, **where: Any) -> None:
         """The fault's record (its first firing: the report's `faults`) and its event (the live line)."""
         assert self.w.topo is not None
         rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
-               "node": self.w.node_id, "slot": self.w.topo.slot_of(self.w.node_id), "rank": self.w.rank,
-               "epoch": self.w.epoch, **where}
+               "node": self.w.node_id, "nodes": self._struck, "slot": self.w.topo.slot_of(self.w.node_id),
+               "rank": self.w.rank, "epoch": self.w.epoch, **where}
         if self.w.store.add(keys.fault(f.index) + "/fired", 1) == 1:
             self.w.store.set(keys.fault(f.index), json.dumps(rec))
         self.w.store.append(keys.EVENTS, json.dumps(rec) + "\n")

@@ -69,7 +69,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
                  and not f["spec"].startswith(("kill:coordinator", "kill:etcd", "corrupt:"))]
         hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", [])]}
-        answered = sorted([f for f in cands if f.get("node") in hit]
+        answered = sorted([f for f in cands if f.get("node") in hit or hit.intersection(f.get("nodes") or [])]
                           or ([max(cands, key=lambda f: f["t"])] if cands else []), key=lambda f: f["t"])
         used.update(f["index"] for f in answered)
         fault = answered[-1] if answered else None
