@@ -293,6 +293,8 @@ class Worker:
 
         def build() -> None:
             try:
+                if self.device.is_cuda:  # the current CUDA device is per thread: this worker's GPU here too
+                    torch.cuda.set_device(self.device.torch)
                 box["comm"] = EpochComm(
                     self.store, topo.epoch, self.rank, topo.world, self._coll_timeout, backend=self.device.backend,
                     layout=topo.layout, device=self.device,
