@@ -217,9 +217,12 @@ def test_the_cache_is_built_once_and_reused(fresh_state: dict[str, Any], monkeyp
 
 
 def test_an_unwritable_cache_falls_back_to_the_temporary_directory(fresh_state: dict[str, Any],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Any) -> None:
     if native._compiler() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("PHOENIXFT_CACHE", "/proc/phoenixft-cache-cannot-exist")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert native.kernel() is not None, native.status()
-    assert "phoenixft-cache-" in native.status()
+    assert str(tmp_path / "phoenixft-cache-") in native.status()
+    assert list(tmp_path.glob("phoenixft-cache-*/adam_oop-*.so"))
