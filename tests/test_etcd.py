@@ -7,6 +7,7 @@ except on CI (CI=true), where a missing etcd is a failure."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -291,6 +292,30 @@ def test_standby_takes_over_when_the_leader_is_killed(cluster: EtcdCluster, tmp_
             p.wait(timeout=10)
 
 
+def test_a_standby_campaign_outlives_a_lost_quorum() -> None:
+    """A standby's campaign while etcd has no quorum (2 of 3 members killed for a while, longer than a
+    call's 2 s) is no error: it returns False at its own deadline, and wins once the cluster is back
+    and the leader is gone."""
+    with EtcdCluster(3, tag="pytest-campaign") as c:
+        url = f"{c.url}/el/{uuid.uuid4().hex[:8]}"
+        ea, eb = Election(connect(url, 10.0), "A", ttl_s=2), Election(connect(url, 10.0), "B", ttl_s=2)
+        assert ea.campaign(timeout_s=5.0)
+        assert not eb.campaign(timeout_s=0.5)
+        down = [c.leader_index()]
+        down.append((down[0] + 1) % 3)
+        for i in down:
+            c.kill(i)
+        t = time.monotonic()
+        assert not eb.campaign(timeout_s=3.0)  # no quorum: nobody can lead, and standing by goes on
+        assert not eb.campaign(timeout_s=1.0)
+        assert time.monotonic() - t < 8.0
+        for i in down:
+            c.restart(i)
+        ea.resign()
+        assert eb.campaign(timeout_s=20.0) and eb.leader() == "B"
+        eb.resign()
+
+
 def test_client_fails_over_when_a_member_dies() -> None:
     with EtcdCluster(3, tag="pytest-failover") as c:
         s = connect(f"{c.url}/fo", 15.0)
@@ -461,3 +486,157 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
             p.wait(timeout=10)
         if url:
             connect(url, 5.0).delete_prefix()
+
+
+# ---------------------------------------------------------------------- a standby's token, etcd failures under a job
+class _Procs:
+    """The `phoenixft` processes of a multi-host job on loopback (each in its own session, logged to
+    tmp/NAME.log); `close()` kills whatever is still running, by process group."""
+
+    def __init__(self, tmp: Path, token: str) -> None:
+        from phoenixft.auth import TOKEN_ENV
+
+        self.tmp, self.procs = tmp, {}  # type: dict[str, subprocess.Popen[bytes]]
+        self.env = dict(os.environ, **{TOKEN_ENV: token}, PYTHONPATH=SRC)
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with open(self.tmp / f"{name}.log", "wb") as log:
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "phoenixft", *args], stdout=log,
+                                                stderr=subprocess.STDOUT, env=env or self.env,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return self.procs[name]
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def head(self, cluster_url: str, steps: int, *extra: str) -> tuple[str, Any]:
+        """Start the head on `cluster_url`; its job URL and a client, once its coordinator leads."""
+        self.start("head", "coordinator", "--host", "127.0.0.1", "--port", "0", "--control-plane", cluster_url,
+                   "--nodes", "2", "--spares", "0", "--steps", str(steps), "--model", "tiny",
+                   "--run-dir", str(self.tmp / "run"), "--quiet", *extra)
+        _wait_for(lambda: (self.tmp / "run" / "control_plane").exists(), 60, "the head to publish its URL")
+        url = (self.tmp / "run" / "control_plane").read_text().strip()
+        s = connect(url, 10.0)
+        _wait_for(lambda: get_nowait(s, "coordinator/leader") is not None, 60, "the head's coordinator to lead")
+        return url, s
+
+    def agents(self, url: str) -> None:
+        for name in ("a", "b"):
+            self.start(name, "agent", "--coordinator", url, "--node", name, "--workers", "1")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def test_a_standby_with_another_token_is_refused(cluster: EtcdCluster, tmp_path: Path) -> None:
+    """A standby whose token is not the job's would lead with topologies no worker accepts: it is
+    refused at start (one line, exit 2), on the config the head signed; the right token stands by."""
+    from phoenixft.auth import TOKEN_ENV, generate_token
+
+    jp = _Procs(tmp_path, generate_token())
+    url = ""
+    try:
+        url, s = jp.head(cluster.url, 8, "--join-timeout", "120")
+        t = time.monotonic()
+        wrong = jp.start("wrong", "coordinator", "--standby", url,
+                         env=dict(jp.env, **{TOKEN_ENV: "0123456789abcdef0123456789abcdef"}))
+        try:
+            rc = wrong.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a standby with a wrong token was not refused: {jp.log('wrong')[-1000:]}") from None
+        out = jp.log("wrong").strip()
+        assert rc == 2, (rc, out)
+        assert len(out.splitlines()) == 1 and "not this job's token" in out and "Traceback" not in out, out
+        assert "standing by" not in out and time.monotonic() - t < 60
+        assert get_nowait(s, "coordinator/leader") is not None  # the head's coordinator still leads
+        assert get_nowait(s, "config/sig"), "the head did not sign the config"
+        good = jp.start("good", "coordinator", "--standby", url)
+        _wait_for(lambda: "standing by" in jp.log("good"), 60, "the standby with the job's token to stand by")
+        assert good.poll() is None, jp.log("good")
+        jp.procs["head"].send_signal(signal.SIGTERM)  # the head tears the job down; the standby ends with it
+        assert jp.procs["head"].wait(timeout=60) != 0
+        assert good.wait(timeout=60) == 0, jp.log("good")  # it never led: the run's end is not its failure
+    finally:
+        jp.close()
+        if url:
+            connect(url, 5.0).delete_prefix()
+
+
+def test_the_standby_outlives_raft_leader_kills(tmp_path: Path) -> None:
+    """The etcd raft leader is SIGKILLed twice (restarted in between) while a standby coordinator
+    stands by: the standby keeps standing by (its calls fail over to the members left and retry), the
+    run completes, and every process ends with rc 0."""
+    from phoenixft.auth import generate_token
+
+    steps = 200  # (~60 ms a step here, and the kills stall it: the run must outlive them, ~12 s)
+    jp = _Procs(tmp_path, generate_token())
+    with EtcdCluster(3, tag="pytest-standby") as c:
+        try:
+            url, s = jp.head(c.url, steps)
+            standby = jp.start("standby", "coordinator", "--standby", url)
+            _wait_for(lambda: "standing by" in jp.log("standby"), 60, "the standby to stand by")
+            jp.agents(url)
+            _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 2, 120, "step 2")
+            for _ in range(2):
+                victim = c.leader_index()
+                c.kill(victim)
+                time.sleep(4.0)  # the members left elect a leader; the standby's lease calls wait for it
+                assert get_nowait(s, "run/state") is None, "the run ended before the kills: make it longer"
+                assert standby.poll() is None, f"the standby died: {jp.log('standby')[-2000:]}"
+                c.restart(victim)
+            # (the head removes the job's keys from etcd at its end: its report says how the run went)
+            assert jp.procs["head"].wait(timeout=240) == 0, jp.log("head")[-3000:]
+            import json
+
+            rep = json.loads((tmp_path / "run" / "report.json").read_text())
+            assert rep["state"] == "done" and rep["steps_completed"] == steps, rep["state"]
+            for name in ("standby", "a", "b"):
+                assert jp.procs[name].wait(timeout=60) == 0, (name, jp.log(name)[-2000:])
+            assert "Traceback" not in jp.log("standby")
+        finally:
+            jp.close()
+
+
+def test_quorum_lost_mid_run_fails_the_head_in_one_line(tmp_path: Path) -> None:
+    """2 of 3 etcd members SIGKILLed mid-run: the head says in one line that the control plane is lost,
+    exits non-zero within a bound, and writes report.json (state failed) and events.jsonl from what it
+    had seen; the agents stop by themselves; nothing of the run is left running."""
+    import json
+
+    from phoenixft.auth import generate_token
+
+    jp = _Procs(tmp_path, generate_token())
+    with EtcdCluster(3, tag="pytest-quorum") as c:
+        try:
+            url, s = jp.head(c.url, 400)
+            jp.agents(url)
+            _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 2, 120, "step 2")
+            run_id = s.get("run/id").decode()
+            t = time.monotonic()
+            c.kill(c.leader_index())
+            c.kill(next(i for i in range(3) if c.procs[i] is not None and c.procs[i].poll() is None))
+            try:
+                rc = jp.procs["head"].wait(timeout=75)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the head did not end within 75s of losing etcd's quorum: "
+                                     f"{jp.log('head')[-2000:]}") from None
+            took = time.monotonic() - t
+            out = jp.log("head")
+            assert rc != 0 and took < 75, (rc, took)
+            assert "Traceback" not in out, out[-3000:]
+            lost = [ln for ln in out.splitlines() if "control plane lost" in ln]
+            assert len(lost) == 1, out[-3000:]
+            rep = json.loads((tmp_path / "run" / "report.json").read_text())
+            assert rep["state"].startswith("failed: control plane lost"), rep["state"]
+            assert rep["run_id"] == run_id and "control plane lost" in rep["error"]
+            assert (tmp_path / "run" / "events.jsonl").read_text().strip(), "no events written"
+            for name in ("a", "b"):  # the agents stop their nodes after --control-plane-timeout (15 s)
+                assert jp.procs[name].wait(timeout=60) != 0
+            _wait_for(lambda: processes_with(run_id) == [], 20, "every process of the run to end")
+            assert sorted(Path("/dev/shm").glob(f"phoenixft-{run_id}[-.]*")) == [], "shared memory outlived the run"
+        finally:
+            jp.close()

@@ -18,6 +18,11 @@ verdict's MAC lets the agent check that it was admitted by a holder of the token
 restarted coordinator rebuild the membership from the store without trusting it. Every wait is
 bounded.
 
+The config: the launcher writes `config/sig` = HMAC(token, "config", config JSON) before `config`. A
+coordinator that joins a running job (`phoenixft coordinator --standby`) checks its token on it
+(`token_matches_job`) before it stands by: one with another token would sign topologies that no
+worker accepts.
+
 Topologies: the coordinator writes `topo/<e>/sig` = HMAC(token, "topology", e, topology JSON)
 before `topo/<e>`; workers (`verified_topology`) act only on a topology whose signature verifies
 with the token their agent put in their environment (`PHOENIXFT_TOKEN`).
@@ -43,8 +48,8 @@ from phoenixft import keys
 from phoenixft.errors import RunAborted, UserError
 
 __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "resolve_token", "generate_token", "check_token", "mac",
-           "sign_topology", "verified_topology", "request_admission", "Application", "AdmissionDesk",
-           "NAME_RE"]
+           "sign_topology", "verified_topology", "sign_config", "token_matches_job", "request_admission",
+           "Application", "AdmissionDesk", "NAME_RE"]
 
 TOKEN_ENV = "PHOENIXFT_TOKEN"
 MIN_TOKEN_CHARS = 16
@@ -110,6 +115,23 @@ def verified_topology(store: Any, epoch: int, raw: bytes, timeout_s: float = 30.
                              "refusing to act on it (something other than the coordinator wrote it)")
         time.sleep(0.05)
         raw = store.get(keys.topo(epoch))
+
+
+def sign_config(token: str, raw: str | bytes) -> str:
+    return mac(token, "config", raw if isinstance(raw, bytes) else raw.encode())
+
+
+def token_matches_job(store: Any, token: str) -> bool | None:
+    """Whether `token` is the token of the job in `store`: its signed config verifies with it (else
+    the signature of its latest topology, for a job whose head wrote no config signature). None if
+    the store holds nothing signed to check it on."""
+    if store.check([keys.CONFIG_SIG]):
+        return _same(bytes(store.get(keys.CONFIG_SIG)), sign_config(token, bytes(store.get(keys.CONFIG))))
+    if store.check([keys.EPOCH]):
+        e = int(bytes(store.get(keys.EPOCH)))
+        if store.check([keys.topo_sig(e), keys.topo(e)]):
+            return _same(bytes(store.get(keys.topo_sig(e))), sign_topology(token, e, bytes(store.get(keys.topo(e)))))
+    return None
 
 
 # ---------------------------------------------------------------------------------------- admission

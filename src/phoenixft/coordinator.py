@@ -58,7 +58,16 @@ import torch.distributed as dist
 
 from phoenixft import auth, keys
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Election, exists_many, guarded_set, is_etcd, multi_get_nowait, poll_interval
+from phoenixft.controlplane import (
+    Election,
+    EtcdUnavailable,
+    exists_many,
+    get_nowait,
+    guarded_set,
+    is_etcd,
+    multi_get_nowait,
+    poll_interval,
+)
 from phoenixft.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
 from phoenixft.topology import Topology
@@ -71,6 +80,15 @@ HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
 HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
 ADMIT_POLL_S = 0.025  # join requests are looked at this often (one counter read) while training
 _ID = re.compile(r"^([ns])(\d+)$")
+STANDBY_GIVE_UP_S = 60.0  # a standby whose etcd has had no quorum for this long stops (no job outlives that)
+
+
+class ControlPlaneLost(RuntimeError):
+    """etcd has not answered for too long: nothing this process could do would reach anyone."""
+
+
+class WrongToken(RuntimeError):
+    """This process's job token is not the job's: what it signed, no worker would accept."""
 
 
 def _deposed() -> None:
@@ -113,7 +131,12 @@ class Coordinator:
         self.poll_s = poll_interval(store, POLL_S)  # steady state (etcd: 150 ms, woken by a watch; a TCPStore: 3 ms)
         self._wake = threading.Event()
         self.gather_poll_s = min(self.poll_s, 0.01)  # while a recovery waits for descriptors
-        self.cfg = RunConfig.from_json(self._wait(keys.CONFIG, 120.0))
+        raw_cfg = self._wait(keys.CONFIG, 120.0)
+        if auth.token_matches_job(store, token) is False:
+            raise WrongToken(f"${auth.TOKEN_ENV} is not this job's token: the job's config is not signed with it")
+        self.cfg = RunConfig.from_json(raw_cfg)
+        self.final_state: str | None = None  # the run's final state, once this process has seen it
+        self.led = False  # this process acted as the job's coordinator (a standby: once it took over)
         self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
         self.g = self.cfg.workers_per_node
         self.desk = auth.AdmissionDesk(store, token)
@@ -226,6 +249,14 @@ class Coordinator:
         self.store.set(keys.RUN_ERROR, why)
         self._event("run_failed", error=why)
         self.store.set(keys.RUN_STATE, "failed")
+        self.final_state = "failed"
+
+    def _over(self) -> bool:
+        """The run has a final state (kept in `final_state`)."""
+        v = get_nowait(self.store, keys.RUN_STATE)
+        if v is not None:
+            self.final_state = bytes(v).decode(errors="replace")
+        return v is not None
 
     def publish(self, topo: Topology, replay: bool = False) -> None:
         """Journal first, then publish: a restarted coordinator (or the standby that takes over)
@@ -279,23 +310,60 @@ class Coordinator:
         return True
 
     # ------------------------------------------------------------------ main loop
-    def _lead(self) -> bool:
-        """Stand by until this process leads (etcd); False if the run ended meanwhile."""
+    def _lead(self, announce: str = "") -> bool:
+        """Stand by until this process leads (etcd); False if the run ended meanwhile. `announce` is
+        printed once this process stands by (its token checked, the job's config loaded)."""
         if self.election is None:
             return True
+        if announce:
+            print(announce, flush=True)
         t0 = time.monotonic()
-        was = self.election.leader()
+        try:
+            was = self.election.leader()
+        except (EtcdUnavailable, OSError):
+            was = "(unknown: etcd did not answer)"
         while not self.election.campaign(timeout_s=2.0):
-            if self.store.check([keys.RUN_STATE]):
+            if self._job_ended(serializable=True):
                 return False
+            if time.monotonic() - self.election.last_contact > STANDBY_GIVE_UP_S:
+                raise ControlPlaneLost(f"no etcd quorum for {STANDBY_GIVE_UP_S:g}s at {self.store.url}: the job "
+                                       "cannot go on without one; stopping")
+        if self._job_ended(serializable=False):  # it ended meanwhile: never lead a job whose keys are gone
+            self.election.resign()
+            return False
         if was is not None:
             self._event("coordinator_takeover", previous=was, leader=self.election.ident,
                         standby_s=round(time.monotonic() - t0, 3))
         return True
 
-    def run(self) -> None:
-        if not self._lead():
+    def _job_ended(self, serializable: bool) -> bool:
+        """The run has a final state, or its keys are gone (it ended and its head removed them). A
+        member that answers a serializable read may be behind (one just restarted): that the keys are
+        gone is believed only from a linearizable read. etcd not answering: not ended (stand by on)."""
+        try:
+            over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG], serializable=serializable)
+            if over:
+                self._over()
+                print(f"phoenixft coordinator: the run ended ({self.final_state or '?'}); standing down", flush=True)
+                return True
+            if not there and serializable:
+                over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG])
+                if over:
+                    self._over()
+                    print(f"phoenixft coordinator: the run ended ({self.final_state or '?'}); standing down",
+                          flush=True)
+                    return True
+            if not there:
+                print(f"phoenixft coordinator: the job's keys are gone from {self.store.url} (it ended); "
+                      "standing down", file=sys.stderr, flush=True)
+            return not there
+        except (EtcdUnavailable, OSError):
+            return False
+
+    def run(self, announce: str = "") -> None:
+        if not self._lead(announce):
             return
+        self.led = True
         self._load_members()
         self.store.set(keys.COORDINATOR_PID, str(os.getpid()))
         if self._reload():
@@ -311,7 +379,7 @@ class Coordinator:
             active = sorted((n for n in self.members if n.startswith("n")), key=_index)
             if len(active) == self.cfg.nodes and self._ready(active):
                 break
-            if self.store.check([keys.RUN_STATE]):
+            if self._over():
                 return
             if time.monotonic() > deadline:
                 waiting = [n for n in active if not self._node_ready(n)]
@@ -345,6 +413,7 @@ class Coordinator:
             assert self.topo is not None
             over, flagged = exists_many(self.store, [keys.RUN_STATE, keys.failflag(self.topo.epoch)])  # one request
             if over:
+                self._over()
                 break
             self._admit()
             if flagged or self._failure_pending():
@@ -715,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", default="", help="the run's id (unused here; makes the process findable by it)")
     ap.add_argument("--lease-ttl", type=int, default=2, help="etcd: seconds of the leader's lease (a standby takes "
                     "over at most this long after the leader's death)")
+    ap.add_argument("--announce", default="", help="a line to print once this coordinator stands by (etcd)")
     a = ap.parse_args(argv)
     token = os.environ.get(auth.TOKEN_ENV, "")
     if not token:
@@ -737,14 +807,27 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(tmp, a.port_file)
     election = Election(store, ttl_s=a.lease_ttl, on_lost=_deposed) if is_etcd(store) else None
     gc.freeze()  # start-up's objects (torch's modules, ~250k) are never garbage: no collection walks them again
+    coord: Coordinator | None = None
+    rc = 0
     try:
-        Coordinator(store, a.journal or None, token, election).run()
+        coord = Coordinator(store, a.journal or None, token, election)
+        coord.run(a.announce)
     except TimeoutError as e:
         print(str(e), file=sys.stderr)
+    except WrongToken as e:
+        print(f"phoenixft coordinator: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except ControlPlaneLost as e:
+        print(f"phoenixft coordinator: error: {e}", file=sys.stderr, flush=True)
+        rc = 1
     if not a.store:  # keep serving the store until the launcher has read the results and stops us
         while True:
             time.sleep(3600)
-    return 0
+    if coord is not None and coord.led and coord.final_state not in (None, "done"):
+        # the run this process led (or ended up leading) failed: say so to whoever started it
+        print(f"phoenixft coordinator: the run ended {coord.final_state}", file=sys.stderr, flush=True)
+        rc = 1
+    return rc
 
 
 if __name__ == "__main__":

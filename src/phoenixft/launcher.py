@@ -41,7 +41,7 @@ from typing import Any
 
 from phoenixft import auth, keys, rundir, shm, zygote
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import LogReader, exists_many, get_nowait, is_etcd
+from phoenixft.controlplane import EtcdUnavailable, LogReader, exists_many, get_nowait, is_etcd
 from phoenixft.display import Display
 from phoenixft.errors import UserError
 from phoenixft.procs import group_members
@@ -54,6 +54,8 @@ ETCD_PROBE_S = 10.0  # how long an etcd:// control plane may take to answer befo
 PARENT = "{parent}"  # in a spawned command line: the PID of the process it must not outlive
 Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
 STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
+CONTROL_PLANE_TIMEOUT_S = 15.0  # etcd: no answer for this long and the run is failed (agents' default too)
+LOST_TEARDOWN_CALL_S = 2.0  # etcd lost: each store call of the teardown gets this long (if it is back: cleaned)
 
 
 def check_mode(cfg: RunConfig, local: bool) -> None:
@@ -113,6 +115,10 @@ class LocalJob:
         self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
         self.stopped_starting: list[str] = []  # agents stopped before they reached the control plane
         self._owner = False
+        self.events_seen: list[str] = []  # the events read so far (what is written if the store is lost)
+        self.control_plane_lost: str | None = None  # why the store no longer answers, once it has not for too long
+        self._unreported: list[str] = []  # agent exits not yet told to the control plane
+        self.last_step_shown = 0
         # --repair-after: a lost node comes back as a fresh spare (ids past the configured ones)
         self.repair = RepairQueue(cfg.repair_after, cfg.spares + (1 if cfg.spare_arrives_at_step else 0))
 
@@ -168,9 +174,11 @@ class LocalJob:
         else:
             self.addr = self._etcd_address()
             (self.run_dir / "control_plane").write_text(self.addr)
-        self.store = connect_store(self.addr)
+        # on etcd a call that no member answers fails after CONTROL_PLANE_TIMEOUT_S (the monitor then fails the run)
+        self.store = connect_store(self.addr, CONTROL_PLANE_TIMEOUT_S if self.addr.startswith("etcd://") else 30.0)
         self._log = LogReader(self.store, keys.EVENTS)
-        self.store.set(keys.CONFIG, self.cfg.to_json())
+        raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
+        self.store.multi_set([keys.CONFIG_SIG, keys.CONFIG], [auth.sign_config(self.token, raw_cfg), raw_cfg])
         self.store.set(keys.RUN_ID, self.run_id)
         if self.local:  # rank 0 writes the final model there: only where it shares this filesystem
             self.store.set(keys.RUN_DIR, str(self.run_dir.resolve()))
@@ -250,6 +258,7 @@ class LocalJob:
     def _poll_events(self) -> None:
         for line in self._log.read().splitlines():
             if line.strip():
+                self.events_seen.append(line)
                 self.display.event(json.loads(line))
 
     def monitor(self) -> str:
@@ -260,66 +269,84 @@ class LocalJob:
         store_every = 0.05 if not is_etcd(self.store) else 0.25
         last_look = 0.0
         over = False
+        last_ok = time.monotonic()  # when the store last answered every call of a look
         while True:
-            look = time.monotonic() - last_look >= store_every
-            fenced_now: set[str] = set()
-            if look:
-                last_look = time.monotonic()
-                unfenced = [n for n in self.agents if n not in self.fenced]
-                *fences, over = exists_many(self.store, [keys.fence(n) for n in unfenced] + [keys.RUN_STATE])
-                fenced_now = {n for n, f in zip(unfenced, fences, strict=True) if f}
-            for n, p in self.agents.items():  # (the head has none: remote agents are judged by heartbeats)
-                if n not in self.exited and p.poll() is not None:
-                    self.exited.add(n)
-                    self.store.set(keys.node_exit(n), str(time.time()))
+            try:
+                look = time.monotonic() - last_look >= store_every
+                fenced_now: set[str] = set()
+                if look:
+                    last_look = time.monotonic()
+                    unfenced = [n for n in self.agents if n not in self.fenced]
+                    *fences, over = exists_many(self.store, [keys.fence(n) for n in unfenced] + [keys.RUN_STATE])
+                    fenced_now = {n for n, f in zip(unfenced, fences, strict=True) if f}
+                for n, p in self.agents.items():  # (the head has none: remote agents are judged by heartbeats)
+                    if n not in self.exited and p.poll() is not None:
+                        self.exited.add(n)
+                        self._unreported.append(n)
+                        self._reap_async(n)
+                        self.repair.lost(n)
+                    if n in fenced_now:
+                        self.fenced.add(n)
+                        if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
+                            self._kill_group(n)
+                        self.repair.lost(n)
+                while self._unreported:  # (told once the store answers, if it did not at first)
+                    self.store.set(keys.node_exit(self._unreported[0]), str(time.time()))
                     self.store.add("exits", 1)
-                    self._reap_async(n)
-                    self.repair.lost(n)
-                if n in fenced_now:
-                    self.fenced.add(n)
-                    if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
-                        self._kill_group(n)
-                    self.repair.lost(n)
-            if self.local:
-                self._start_repaired()
-            for i, cp in list(self.coords.items()):
-                if cp.poll() is None or over or self.store.check([keys.RUN_STATE]):
-                    continue
-                now_m = time.monotonic()
-                self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
-                if len(self._coord_exits) > 5 * self.cfg.coordinators:
-                    return "failed: the coordinator keeps exiting (6 times within a minute)"
-                # control-plane failure: restart it; it reloads its journal (a standby takes over meanwhile)
-                self.coord_restarts += 1
-                self.store.compare_set(keys.COORDINATOR_PID, str(cp.pid), "")
-                if self.store.get(keys.COORDINATOR_PID) == b"":
-                    self.store.delete_key(keys.COORDINATOR_PID)
-                t = time.time()
-                self._start_coordinator(i)
-                self.store.append(keys.EVENTS, json.dumps({"t": t, "kind": "coordinator_exited", "by": "launcher",
-                                                           "code": cp.returncode, "pid": cp.pid,
-                                                           "standbys": self.cfg.coordinators - 1}) + "\n")
-            raw_prog = get_nowait(self.store, keys.PROGRESS) if look else None
-            if raw_prog is not None:
-                prog = int(raw_prog)
-                self._fire_etcd_faults(prog)
-                late = self.cfg.spare_arrives_at_step
-                if late and prog >= late and f"s{self.cfg.spares}" not in self.agents:
-                    self._start_agent(f"s{self.cfg.spares}")
-                if prog != last_progress and self.store.check([keys.step(prog)]):
-                    last_progress = prog
-                    self.display.progress(json.loads(self.store.get(keys.step(prog))))
-            if look:
-                self._poll_events()
-            if over:
-                return self.store.get(keys.RUN_STATE).decode()
-            if time.monotonic() > deadline:
-                return f"failed: timeout after {self.cfg.timeout:.0f}s"
-            if self.local and all(n in self.exited for n in self.agents):
-                if self.store.check([keys.RUN_STATE]):  # the run ended, then its nodes: looked at since `over`
+                    self._unreported.pop(0)
+                if self.local:
+                    self._start_repaired()
+                for i, cp in list(self.coords.items()):
+                    if cp.poll() is None or over or self.store.check([keys.RUN_STATE]):
+                        continue
+                    now_m = time.monotonic()
+                    self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
+                    if len(self._coord_exits) > 5 * self.cfg.coordinators:
+                        return "failed: the coordinator keeps exiting (6 times within a minute)"
+                    # control-plane failure: restart it; it reloads its journal (a standby takes over meanwhile)
+                    self.coord_restarts += 1
+                    self.store.compare_set(keys.COORDINATOR_PID, str(cp.pid), "")
+                    if self.store.get(keys.COORDINATOR_PID) == b"":
+                        self.store.delete_key(keys.COORDINATOR_PID)
+                    t = time.time()
+                    self._start_coordinator(i)
+                    self.store.append(keys.EVENTS, json.dumps({"t": t, "kind": "coordinator_exited", "by": "launcher",
+                                                               "code": cp.returncode, "pid": cp.pid,
+                                                               "standbys": self.cfg.coordinators - 1}) + "\n")
+                raw_prog = get_nowait(self.store, keys.PROGRESS) if look else None
+                if raw_prog is not None:
+                    prog = int(raw_prog)
+                    self._fire_etcd_faults(prog)
+                    late = self.cfg.spare_arrives_at_step
+                    if late and prog >= late and f"s{self.cfg.spares}" not in self.agents:
+                        self._start_agent(f"s{self.cfg.spares}")
+                    if prog != last_progress and self.store.check([keys.step(prog)]):
+                        last_progress = self.last_step_shown = prog
+                        self.display.progress(json.loads(self.store.get(keys.step(prog))))
+                if look:
+                    self._poll_events()
+                if over:
                     return self.store.get(keys.RUN_STATE).decode()
-                return "failed: every node exited"
-            time.sleep(0.01)
+                if time.monotonic() > deadline:
+                    return f"failed: timeout after {self.cfg.timeout:.0f}s"
+                if self.local and all(n in self.exited for n in self.agents):
+                    if self.store.check([keys.RUN_STATE]):  # the run ended, then its nodes: looked at since `over`
+                        return self.store.get(keys.RUN_STATE).decode()
+                    return "failed: every node exited"
+                time.sleep(0.01)
+                if look:
+                    last_ok = time.monotonic()
+            except (EtcdUnavailable, TimeoutError, ConnectionError) as e:
+                if not is_etcd(self.store):
+                    raise
+                # every call retries over the members until its deadline: this one found none for that long
+                if time.monotonic() - last_ok >= CONTROL_PLANE_TIMEOUT_S:
+                    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    why = why.rsplit("(last: ", 1)[-1].rstrip(")") if "(last: " in why else why
+                    self.control_plane_lost = (f"etcd at {self.addr} did not answer for "
+                                               f"{time.monotonic() - last_ok:.0f}s (last: {why[:200]})")
+                    return f"failed: control plane lost: {self.control_plane_lost}"
+                time.sleep(0.25)
 
     def _fire_etcd_faults(self, progress: int) -> None:
         """kill:etcd=I|leader@step=S: SIGKILL a member of the run's own etcd cluster during step S."""
@@ -500,6 +527,21 @@ def _interrupted_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, 
         return base
 
 
+def _lost_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
+    """The report of a run whose control plane stopped answering: what the launcher saw itself (the
+    events it had read, written to events.jsonl, and the last step it showed); nothing is read from
+    the store. Its teardown gives each store call LOST_TEARDOWN_CALL_S (etcd may be back: then the
+    run's end is still announced and its keys removed)."""
+    if is_etcd(job.store):
+        job.store.timeout_s = LOST_TEARDOWN_CALL_S
+    (job.run_dir / "events.jsonl").write_text("".join(line + "\n" for line in job.events_seen))
+    return {"run_id": job.run_id, "state": state, "config": json.loads(cfg.to_json()),
+            "error": f"control plane lost: {job.control_plane_lost}",
+            "steps_completed": job.last_step_shown,
+            "final_state_sha256": None, "recoveries": [], "faults": [], "run_dir": str(job.run_dir),
+            "report_partial": "the control plane was lost: this report holds only what the launcher had seen"}
+
+
 def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.0.0.1", port: int = 0,
             token: str | None = None, local: bool = True) -> dict[str, Any]:
     """Run a job end to end; returns the report (also written to the run dir and --report).
@@ -518,10 +560,13 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
     try:
         job.start()
         state = job.monitor()
-        job._poll_events()
-        report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
-        if job.store.check([keys.MEMBERS]):
-            report["members"] = json.loads(job.store.get(keys.MEMBERS))
+        if job.control_plane_lost is not None:
+            report = _lost_report(job, cfg, state)
+        else:
+            job._poll_events()
+            report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
+            if job.store.check([keys.MEMBERS]):
+                report["members"] = json.loads(job.store.get(keys.MEMBERS))
     except KeyboardInterrupt:
         state = "failed: interrupted"
         report = _interrupted_report(job, cfg, state)

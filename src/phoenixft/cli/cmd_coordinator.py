@@ -95,8 +95,19 @@ def standby(url: str, token_flag: str) -> int:
                         "head prints)")
     if store.check([keys.RUN_STATE]):
         raise UserError(f"--standby={url}: that job has ended ({store.get(keys.RUN_STATE).decode()})")
+    source = "--token" if token_flag else f"${auth.TOKEN_ENV}"
+    try:
+        matches = auth.token_matches_job(store, token)
+    except Exception as e:  # noqa: BLE001 - EtcdUnavailable, EtcdError, OSError
+        raise UserError(f"--standby={url}: etcd is not reachable there ({str(e).splitlines()[0][:160]})") from None
+    if matches is None:
+        raise UserError(f"--standby={url}: the job there has nothing signed to check the job token ({source}) on "
+                        "(its head is an older phoenixft): refusing to stand by unverified")
+    if not matches:
+        raise UserError(f"{source} is not this job's token: the config of the job at {url} is not signed with it "
+                        "(a standby with another token would publish topologies that no worker accepts)")
     os.environ[auth.TOKEN_ENV] = token
-    print(f"phoenixft coordinator: standing by for the job at {url} (takes over if the leader dies)", flush=True)
     from phoenixft.coordinator import main as coordinator_main
 
-    return coordinator_main(["--store", url])
+    return coordinator_main(["--store", url, "--announce", f"phoenixft coordinator: standing by for the job at "
+                             f"{url} (takes over if the leader dies)"])

@@ -156,6 +156,7 @@ class Election:
         self.on_lost = on_lost
         self.lease = 0
         self.leading = False
+        self.last_contact = time.monotonic()  # when etcd last answered a campaign
         self._stop = threading.Event()
 
     def leader(self) -> str | None:
@@ -163,21 +164,48 @@ class Election:
         return v.decode() if v is not None else None
 
     def campaign(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> bool:
-        """Block until this process leads (True) or `timeout_s` passes / `should_stop()` (False)."""
+        """Block until this process leads (True) or `timeout_s` passes / `should_stop()` (False).
+
+        A cluster that does not answer in time (a member killed, a raft election under way, even its
+        quorum lost for a while) is looked at again until then, never an error: standing by outlives
+        what etcd outlives. `last_contact` says when etcd last answered (monotonic clock), for a
+        caller that gives up on a cluster gone for good."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not should_stop():
-            if not self.lease or self.store.lease_keepalive(self.lease, timeout_s=self.ttl) <= 0:
-                self.lease = self.store.lease_grant(self.ttl)
-            r = self.store.txn([{"key": self.key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
-                               [{"request_put": {"key": self.key, "value": self.ident, "lease": str(self.lease)}}],
-                               [{"request_range": {"key": self.key}}])
-            if r.get("succeeded"):
+            per_call = max(0.5, deadline - time.monotonic())
+            try:
+                if not self.lease or self.store.lease_keepalive(self.lease, timeout_s=per_call) <= 0:
+                    self.lease = self.store.lease_grant(self.ttl, timeout_s=per_call)
+                r = self.store.txn([{"key": self.key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                                   [{"request_put": {"key": self.key, "value": self.ident, "lease": str(self.lease)}}],
+                                   [{"request_range": {"key": self.key}}], timeout_s=per_call)
+            except (EtcdUnavailable, OSError):
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                continue
+            except EtcdError as e:
+                if "lease not found" not in str(e):
+                    raise
+                self.lease = 0  # it expired between its keep-alive and the transaction: take a new one
+                continue
+            self.last_contact = time.monotonic()
+            if r.get("succeeded") or self._holder(r) == self.ident:  # (a retried transaction that went through)
                 self.leading = True
                 threading.Thread(target=self._keep, name="phoenixft-election", daemon=True).start()
                 return True
             # someone leads: look again after a fraction of the TTL (its lease ends at most ttl after its death)
             time.sleep(min(0.2, self.ttl / 8))
         return False
+
+    @staticmethod
+    def _holder(r: dict[str, Any]) -> str | None:
+        """Who holds the key, from a failed campaign transaction's range answer."""
+        import base64
+
+        try:
+            kvs = r["responses"][0]["response_range"].get("kvs") or []
+            return base64.b64decode(kvs[0].get("value", "")).decode() if kvs else None
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
 
     def _keep(self) -> None:
         period = self.ttl / 4

@@ -102,6 +102,15 @@ class EtcdStore(dist.Store):
 
     # ------------------------------------------------------------------ transport
     @property
+    def timeout_s(self) -> float:
+        """The deadline of one call (a request retried over the members until then)."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = float(value)
+
+    @property
     def url(self) -> str:
         return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.prefix.rstrip("/")
 
@@ -360,8 +369,8 @@ class EtcdStore(dist.Store):
             return True
 
     # ------------------------------------------------------------------ leases
-    def lease_grant(self, ttl_s: int) -> int:
-        r = self.call("/v3/lease/grant", {"TTL": str(int(ttl_s)), "ID": "0"})
+    def lease_grant(self, ttl_s: int, timeout_s: float | None = None) -> int:
+        r = self.call("/v3/lease/grant", {"TTL": str(int(ttl_s)), "ID": "0"}, timeout_s)
         return int(r["ID"])
 
     def lease_keepalive(self, lease: int, timeout_s: float | None = None) -> int:
@@ -379,12 +388,13 @@ class EtcdStore(dist.Store):
         self.call("/v3/kv/put", {"key": _b(self._k(key)), "value": _b(_bytes(value)), "lease": str(lease)})
 
     def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
-            failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """A raw transaction; keys in compare/success/failure are job keys (prefixed and encoded here)."""
+            failure: list[dict[str, Any]] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        """A raw transaction; keys in compare/success/failure are job keys (prefixed and encoded here);
+        `timeout_s`: this call's deadline (default: the client's)."""
         def fix(op: dict[str, Any]) -> dict[str, Any]:
             (kind, body), = op.items()
             return {kind: {**body, "key": _b(self._k(body["key"])),
                            **({"value": _b(_bytes(body["value"]))} if "value" in body else {})}}
         cmp = [{**c, "key": _b(self._k(c["key"])), **({"value": _b(_bytes(c["value"]))} if "value" in c else {})}
                for c in compare]
-        return self._txn([fix(o) for o in success], cmp, [fix(o) for o in failure or []])
+        return self._txn([fix(o) for o in success], cmp, [fix(o) for o in failure or []], timeout_s)
