@@ -566,6 +566,7 @@ def test_a_standby_with_another_token_is_refused(cluster: EtcdCluster, tmp_path:
             connect(url, 5.0).delete_prefix()
 
 
+@pytest.mark.slow  # (suite time; the campaign's retries: test_a_standby_campaign_outlives_a_lost_quorum)
 def test_the_standby_outlives_raft_leader_kills(tmp_path: Path) -> None:
     """The etcd raft leader is SIGKILLed twice (restarted in between) while a standby coordinator
     stands by: the standby keeps standing by (its calls fail over to the members left and retry), the

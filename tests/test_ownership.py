@@ -148,7 +148,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(launcher: Any) -> None:
 def test_the_zygote_sigkilled_mid_run_takes_nothing_with_it(launcher: Any, reference: Any) -> None:
     """The warm zygote forked the coordinator and the agents, but they follow the launcher: killing
     the zygote alone (an OOM killer's pick) loses nothing, and the run ends as a failure-free one."""
-    ln = launcher("--nodes", "2", "--spares", "1", "--steps", "60", "--model", "tiny")
+    ln = launcher("--nodes", "2", "--spares", "1", "--steps", "30", "--model", "tiny")
     run_id = ln.wait_training()
 
     def zygotes() -> list[int]:
@@ -166,10 +166,10 @@ def test_the_zygote_sigkilled_mid_run_takes_nothing_with_it(launcher: Any, refer
     os.kill(z, signal.SIGKILL)
     assert ln.p.wait(timeout=120) == 0, ln.log.read_text()[-3000:]
     rep = json.loads((ln.run_dir / "report.json").read_text())
-    assert rep["state"] == "done" and rep["steps_completed"] == 60, rep["state"]
+    assert rep["state"] == "done" and rep["steps_completed"] == 30, rep["state"]
     assert rep["recoveries"] == [], rep["recoveries"]
     assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
-    assert rep["final_state_sha256"] == reference(nodes=2, steps=60, model="tiny")["final_state_sha256"]
+    assert rep["final_state_sha256"] == reference(nodes=2, steps=30, model="tiny")["final_state_sha256"]
     _assert_nothing_left(run_id)
 
 

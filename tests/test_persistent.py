@@ -104,7 +104,8 @@ def _skip_events(run_dir: Path) -> list[dict[str, Any]]:
     return [e for e in evs if e["kind"] == "checkpoint_skipped"]
 
 
-@pytest.mark.parametrize("how", ["flipped", "truncated", "missing"])
+@pytest.mark.parametrize("how", ["flipped", "truncated",
+                                 pytest.param("missing", marks=pytest.mark.slow)])  # (suite time)
 def test_resume_skips_a_damaged_checkpoint_for_the_newest_that_verifies(  # type: ignore[no-untyped-def]
         tmp_path: Path, checkpoints: Path, reference, how: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The newest checkpoint's shard file has flipped bytes, is truncated or is missing: --resume never
