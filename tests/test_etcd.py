@@ -602,6 +602,7 @@ def test_the_standby_outlives_raft_leader_kills(tmp_path: Path) -> None:
             jp.close()
 
 
+@pytest.mark.slow  # (suite time: it waits out the 15 s control-plane timeout; `make test-all` runs it)
 def test_quorum_lost_mid_run_fails_the_head_in_one_line(tmp_path: Path) -> None:
     """2 of 3 etcd members SIGKILLed mid-run: the head says in one line that the control plane is lost,
     exits non-zero within a bound, and writes report.json (state failed) and events.jsonl from what it
