@@ -226,3 +226,26 @@ def test_an_unwritable_cache_falls_back_to_the_temporary_directory(fresh_state: 
     assert native.kernel() is not None, native.status()
     assert str(tmp_path / "phoenixft-cache-") in native.status()
     assert list(tmp_path.glob("phoenixft-cache-*/adam_oop-*.so"))
+
+
+def test_thread_splits_off_the_vector_width_take_torchs_kernel(fresh_state: dict[str, Any]) -> None:
+    """torch's kernel cuts a chunk over its threads (ceil(n / threads) each) and rounds each piece's
+    tail differently: where a piece is not a multiple of 16 the kernel declines (the same bits as
+    without a compiler), and where every piece is, it runs."""
+    _kernel()
+    kw = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, decoupled=True)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        n = 16 * 100  # ceil(1600 / 3) = 534: not a multiple of 16
+        ins = [torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)]
+        assert not native.adam_out_of_place(*ins, *[torch.empty(n) for _ in range(3)], **kw)
+        n = 16 * 99  # 528 per thread
+        ins = [torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n)]
+        outs = [torch.empty(n) for _ in range(3)]
+        assert native.adam_out_of_place(*ins, *outs, **kw)
+        ref = [ins[0].clone(), ins[1].clone(), ins[2].clone()]
+        native._torch_fused(*ref, ins[3], 3, 1e-3, 0.9, 0.95, 0.1, 1e-8, True)
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(outs, ref, strict=True))
+    finally:
+        torch.set_num_threads(old)

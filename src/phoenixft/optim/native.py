@@ -15,7 +15,9 @@ found. torch 2.13's fused vector body computes, per element, in float32 with flo
 and the C below is compiled with `-ffp-contract=off` so that the compiler fuses nothing else.
 Its scalar tail (the last length % vector-width elements of each thread's range) rounds with double
 constants instead, so this kernel is used only on lengths that are multiples of 16 elements (shards
-and update chunks are multiples of 64: `parallel.layout.SHARD_ALIGN`).
+and update chunks are multiples of 64: `parallel.layout.SHARD_ALIGN`) and that torch's threads would
+split into chunks of multiples of 16 (with `--threads` 3 or 6, say, some chunks are not: then
+torch's kernel runs, as it would without a compiler).
 
 Nothing is assumed: on first use it is compiled with the system's C compiler (`$CC`, else `cc`/`gcc`)
 into a cache directory (`$PHOENIXFT_CACHE`, else `$XDG_CACHE_HOME/phoenixft`, else
@@ -255,6 +257,11 @@ def adam_out_of_place(p_in: torch.Tensor, m_in: torch.Tensor, v_in: torch.Tensor
     is a multiple of ALIGN, outputs disjoint from inputs); False: nothing was done, use the fallback."""
     ts = (p_in, m_in, v_in, grad, p_out, m_out, v_out)
     n = p_in.numel()
+    threads = torch.get_num_threads()
+    if threads > 1 and -(-n // threads) % ALIGN:
+        # torch's kernel splits n over its threads in chunks of ceil(n / threads), each with its own
+        # scalar tail: with chunks off the vector width its bits differ from one pass, so it runs instead
+        return False
     if n == 0 or n % ALIGN or any(t.numel() != n or t.dtype != torch.float32 or t.device.type != "cpu"
                                    or not t.is_contiguous() for t in ts):
         return False
