@@ -342,17 +342,12 @@ class Coordinator:
         gone is believed only from a linearizable read. etcd not answering: not ended (stand by on)."""
         try:
             over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG], serializable=serializable)
+            if not over and not there and serializable:
+                over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG])
             if over:
                 self._over()
                 print(f"phoenixft coordinator: the run ended ({self.final_state or '?'}); standing down", flush=True)
                 return True
-            if not there and serializable:
-                over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG])
-                if over:
-                    self._over()
-                    print(f"phoenixft coordinator: the run ended ({self.final_state or '?'}); standing down",
-                          flush=True)
-                    return True
             if not there:
                 print(f"phoenixft coordinator: the job's keys are gone from {self.store.url} (it ended); "
                       "standing down", file=sys.stderr, flush=True)
@@ -643,9 +638,7 @@ class Coordinator:
         built): nothing is lost, since step 0 is the model as the seed builds it, which every node can
         rebuild. So the run starts afresh with ready spares in the dead nodes' slots (no shrink: the
         layout stays the configured one). None when that does not apply (the planner's answer stands)."""
-        started_fresh = (old.epoch == 0 or old.meta.get("restore") == "init") and "reshard" not in old.meta \
-            and old.meta.get("restore") != "persistent"  # recovery.restore.path_of(old) == "init"
-        if self.cfg.resume or not started_fresh or old.resume_step != 0 or progress > 0:
+        if self.cfg.resume or old.restore_path != "init" or old.resume_step != 0 or progress > 0:
             return None
         held = [st for d in descs.values() for st in d.params] + [
             st for d in descs.values() for src in (d.own, d.holdings) for steps in src.values() for st in steps]

@@ -59,6 +59,16 @@ class Topology:
         """Receiver rank -> the one rank it takes its optimizer shard from, for this plan's transfers."""
         return {t["dst"]: [t["opt_src"]] for t in self.transfers if t["opt_src"] >= 0}
 
+    @property
+    def restore_path(self) -> str:
+        """Which restore this epoch's plan takes: "reshard", "persistent", "init" (epoch 0, or a fresh
+        start with nothing committed) or "in_place" (recovery/restore.py)."""
+        if "reshard" in self.meta:
+            return "reshard"
+        if self.meta.get("restore") == "persistent":
+            return "persistent"
+        return "init" if self.epoch == 0 or self.meta.get("restore") == "init" else "in_place"
+
     def transfer_ranks(self) -> list[int]:
         """The ranks that send or receive in this plan's recovery transfers, in rank order."""
         ranks: set[int] = set()

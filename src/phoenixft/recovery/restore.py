@@ -41,12 +41,8 @@ __all__ = ["path_of", "restore_in_place", "reshard", "restore_persistent", "copy
 
 
 def path_of(topo: Topology) -> str:
-    """Which restore an epoch's plan takes: "reshard", "persistent", "init" (epoch 0) or "in_place"."""
-    if "reshard" in topo.meta:
-        return "reshard"
-    if topo.meta.get("restore") == "persistent":
-        return "persistent"
-    return "init" if topo.epoch == 0 or topo.meta.get("restore") == "init" else "in_place"
+    """Which restore an epoch's plan takes (`Topology.restore_path`)."""
+    return topo.restore_path
 
 
 def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:
