@@ -37,12 +37,13 @@ if str(BENCH_DIR) not in sys.path:
 # ---------------------------------------------------------------------------- machine
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
-    model = ""
+    model, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not model:
                 model = line.split(":", 1)[1].strip()
-                break
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     mem_gib = None
@@ -61,6 +62,8 @@ def machine_info() -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(),
         "cpu_model": model,
+        # bf16 arithmetic in hardware (else `--precision bf16` is emulated, and slower than fp32)
+        "cpu_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}),
         "mem_gib": mem_gib,
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -18,7 +18,7 @@ nodes dealt round-robin over them, each process driving its nodes from `--thread
 `--thread-per-worker`: a thread and client per worker), what `phoenixft.worker` does on the store:
 `ready/<wid>`, wait for the topology of epoch 0 (a spare: for `assign/s0`, then its topology),
 wait for the failure flag (as the `FailureWatcher`: a server-side `wait`), then the store calls of
-`Worker.recover()` - fence check, append a `failure_detected` event, post its
+`Worker.recover()` - fence check, post its
 descriptor (`desc/<e>/<wid>`, built with `recovery.planner.Descriptor` from the topology: the two
 ping-pong steps of its parameters, its own shard and the replicas of its ring sources, with crcs)
 and bump `desc_posted/<e>` - and reads the next topology. A thread takes its nodes one after the
@@ -265,14 +265,11 @@ def _worker(addr: str, wid: str, sh: Shared, deadline: float) -> None:
 
 
 def _post_descriptor(c: Any, sh: Shared, topo: Topology, node: str, wid: str, desc: dict[str, Any]) -> None:
-    """One worker's store calls of Worker.recover(), in its order: notice, event, descriptor."""
+    """One worker's store calls of Worker.recover(), in its order: fence check, descriptor, counter."""
     desc["t"] = time.time()
     with sh.lock:
         sh.woke[wid] = desc["t"]
     c.check([keys.fence(node)])  # (the flag is not set again: a worker woken by it leaves it be)
-    rec = {"t": desc["t"], "kind": "failure_detected", "wid": wid, "epoch": 0, "error": desc["error"],
-           "rank": topo.rank_of(node, int(wid.rsplit(".", 1)[1]))}
-    c.append(keys.EVENTS, json.dumps(rec) + "\n")
     c.set(keys.desc(0, wid), json.dumps(desc))
     c.add(keys.desc_posted(0), 1)
     with sh.lock:

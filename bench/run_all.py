@@ -304,7 +304,8 @@ def summary_md(res: dict[str, Any]) -> str:
             " / ".join(f(v, 2) for k, v in (res.get("recipe_ratios") or {}).items() if k != "baseline") or "-",
             "",
             "",
-            f"`python bench/recipe.py{flag}` (model {res.get('recipe_model')}; bf16: no bf16 units on this CPU)",
+            f"`python bench/recipe.py{flag}` (model {res.get('recipe_model')}; bf16: "
+            f"{'this CPU has bf16 units' if res.get('machine', {}).get('cpu_bf16') else 'no bf16 units on this CPU'})",
         ),
         (
             "Hot-swap state transfer, bytes / transfer seconds "

@@ -68,6 +68,25 @@ def test_replicas_on_data_parallel_peers_of_other_nodes() -> None:
                 assert topo.sources(h)[j] == r
 
 
+def test_replica_rounds_whole_racks_away_first_then_the_nearest_nodes() -> None:
+    """The ring offsets of the replica rounds over thousands of generated rings: the other racks' first
+    nodes first, then the nearest other nodes, each offset once, never 0 (the owner's own node)."""
+    rng = random.Random(5)
+    for _ in range(3000):
+        racks = rng.randint(1, 6)
+        n = racks * rng.randint(1, 40)
+        k = rng.randint(1, max(1, min(n - 1, 8)))
+        if n < 2:
+            continue
+        topo = Topology(epoch=0, nodes=[f"n{i}" for i in range(n)], workers_per_node=1, replicas=k,
+                        resume_step=0, racks=racks)
+        offs = topo._offsets()
+        block = n // racks
+        far = [block * j for j in range(1, racks)]
+        assert offs == (far + [o for o in range(1, n) if o not in far])[:k], (n, racks, k)
+        assert len(set(offs)) == len(offs) == k and 0 not in offs
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1), (2, 2), (4, 2), (2, 4)])
 def test_gpt_stages_cover_the_full_model_once(tp: int, pp: int) -> None:
     torch.manual_seed(0)

@@ -51,7 +51,7 @@ def test_torn_checkpoint_is_never_loaded(tmp_path: Path) -> None:
                         "--format", "pt"], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")))
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert "step_00000004/rank1 could not be read" in p.stderr, p.stderr
+    assert f"{ckpt / 'step_00000004' / 'rank1' / '.metadata'} is missing" in p.stderr, p.stderr
 
 
 def test_a_checkpoint_that_cannot_be_written_is_in_the_report(tmp_path: Path) -> None:
@@ -142,6 +142,25 @@ def test_resume_fails_in_one_line_when_no_checkpoint_verifies(tmp_path: Path, ch
     assert err == (f"--resume {ckpt}: no checkpoint verifies (the newest, step 8: {newest} is truncated "
                    "(1000 bytes, 5007401 expected))"), err
     assert [(e["step"], e["using"]) for e in _skip_events(tmp_path / "run")] == [(8, None), (4, None)]
+
+
+def test_export_never_writes_a_checkpoint_that_does_not_verify(tmp_path: Path, checkpoints: Path) -> None:
+    """Flipped bytes in the newest checkpoint's rank-0 file (which also holds the model's buffers, not
+    covered by the shard's checksum): `phoenixft export` refuses it in one line naming the file and the
+    newest checkpoint that verifies, and exports that one when asked for it."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints, ckpt)
+    bad = ckpt / "step_00000008" / "rank0" / "__0_0.distcp"
+    _flip(bad)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    out = tmp_path / "m.safetensors"
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(ckpt), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and not out.exists(), p.stderr[-2000:]
+    assert f"{bad} does not match the checksum written with it" in p.stderr and "(--step 4)" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(ckpt), "--out", str(out), "--step", "4"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and out.exists(), p.stderr[-2000:]
 
 
 def test_fallback_skips_a_corrupt_checkpoint(tmp_path: Path, checkpoints: Path, reference) -> None:  # type: ignore[no-untyped-def]

@@ -680,6 +680,9 @@ class Coordinator:
         if self._recovery_loop(descs):
             return
         t_first = min([d.t for d in descs.values()] + [t_start])
+        first = min(descs.values(), key=lambda d: d.t, default=None)
+        self._event("failures_reported", epoch=e, reports=len(descs), first=first.wid if first else None,
+                    t_first=t_first, errors=sorted({d.error[:300] for d in descs.values()})[:5])
         self._refresh_pool()
         pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
         grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes

@@ -83,13 +83,20 @@ def write_final(run_dir: str, trainer: Any, master: torch.Tensor, cfg: Any, sha:
 
 def _from_checkpoint(root: Path, step: int | None) -> dict[str, torch.Tensor]:
     from phoenixft.config import RunConfig
-    from phoenixft.persist import latest_manifest, load_full
+    from phoenixft.persist import check, latest_manifest, load_full, verified_manifest
     from phoenixft.workload import WorkloadContext, load_workload
 
     man = latest_manifest(root, max_step=step)
     if man is None or (step is not None and man["step"] != step):
         what = f"no complete checkpoint of step {step}" if step is not None else "no complete checkpoint"
         raise UserError(f"SRC={str(root)!r} is invalid: {what} (step_*/MANIFEST.json) there")
+    bad_file = check(man)
+    if bad_file is not None:  # never export bytes that changed since they were written
+        good, _ = verified_manifest(root, max_step=man["step"] - 1)
+        hint = (f"; the newest checkpoint that verifies is step {good['step']} (--step {good['step']})"
+                if good is not None else "; no older checkpoint there verifies either")
+        raise UserError(f"SRC={str(root)!r}: the checkpoint of step {man['step']} does not verify: {bad_file[0]} "
+                        f"{bad_file[1]}{hint}")
     if not man.get("config"):
         raise UserError(f"SRC={str(root)!r}: the checkpoint of step {man['step']} predates exports (no configuration "
                         "in its manifest)")

@@ -115,8 +115,13 @@ class Topology:
         racks = self.racks if self.pp == 1 else 1
         block = n // racks
         far = [block * j for j in range(1, racks)]
-        near = [o for o in range(1, n) if o not in far]
-        return (far + near)[: self.replicas]
+        out = far[: self.replicas]
+        o = 1  # then the nearest others, only as many as needed (this runs per rank: O(W) calls)
+        while len(out) < self.replicas and o < n:
+            if o not in far:
+                out.append(o)
+            o += 1
+        return out
 
     def _ring(self, rank: int) -> tuple[int, int, int]:
         """(first slot of rank's stage ring, rank's position in it, local rank)."""

@@ -267,7 +267,8 @@ class Worker:
         if "requested by the control plane" not in err:  # else the flag is set already: no round trip
             self.store.set(keys.failflag(e), "1")
             self.store.set(keys.failflag(e) + "/by-worker", "1")
-        self.event("failure_detected", epoch=e, error=err[:300], rank=self.rank)
+        # (no event of its own: the descriptor carries the error and its time, and the coordinator logs one
+        # `failures_reported` event for all of them: W appends to one key would be W more store round trips)
         if self.repl is not None:
             self.repl.abort()
         if self.comm is not None:
