@@ -195,7 +195,9 @@ def plan_recovery(pi: PlanInput) -> Plan:
         prev = int(old.meta["reshard"]["old_world"])
         prev_shards = [shard_name(i, prev, old.tp, old.pp) for i in range(prev)]
         prev_steps = feasible_steps(pi, prev_shards)
-        if prev_steps:
+        if prev_steps or not any(copies.get(s) for s in shards):
+            # (and when no step is recoverable either, what is lost is named in that layout: no member
+            # holds any shard of the new one yet, so naming those would call every shard lost)
             shards, steps, src_world = prev_shards, prev_steps, prev
     dec = _decodable(pi, copies)
     lost = [s for s in shards if not copies.get(s) and not dec.get(s)]
