@@ -720,7 +720,7 @@ class Coordinator:
             # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or
             # for the spare that is starting (--spare-arrives-at-step) to be ready
             self._event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
-            deadline = time.monotonic() + self.cfg.repair_after + 2 * self.cfg.failure_timeout + 30.0
+            deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
             while len(pool) < len(dead) and time.monotonic() < deadline:
                 time.sleep(0.1)
                 self._refresh_pool()
