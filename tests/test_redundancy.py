@@ -420,6 +420,56 @@ def test_planner_decodes_in_the_layout_of_an_incomplete_repartition() -> None:
     assert topo.meta["reshard"]["providers"]["2"][1] == "decode"
 
 
+def test_planner_with_parity_groups_after_generated_unfinished_repartitions() -> None:
+    """Generated: a p-node state protected by ec groups, repartitioned onto q nodes, a member lost before it
+    finished. The planner never raises (a KeyError here crash-looped the coordinator), and every decode job
+    it emits names shards, world and pieces of the p-node layout, the one the state is in."""
+    rng = random.Random(2024)
+    decoded = 0
+    for _ in range(1500):
+        p, q = rng.sample(range(2, 8), 2)
+        nodes = [f"n{i}" for i in range(q)]
+        old = Topology(epoch=3, nodes=nodes, workers_per_node=1, replicas=1, resume_step=0,
+                       meta={"generation": 1, "reshard": {"old_world": p, "providers": {}, "params_to": {}}})
+        src = Topology(epoch=2, nodes=[f"x{i}" for i in range(p)], workers_per_node=1, replicas=1, resume_step=0)
+        groups = ec_groups(src, Redundancy("ec", d=rng.randint(1, 3), h=rng.randint(1, 2)))
+        s = rng.randint(3, 20)
+        dead = set(rng.sample(nodes, rng.randint(1, q - 1)))
+        holders = rng.sample(nodes, min(p, q))  # holders[i] was rank i of the p-node layout
+        descs: dict[str, Descriptor] = {}
+        for n in nodes:
+            if n in dead:
+                continue
+            d = descs[f"{n}.0"] = Descriptor(wid=f"{n}.0", params=sorted({s, s - 1} if rng.random() < 0.7 else {s}))
+            if n not in holders:
+                continue
+            i = holders.index(n)
+            name = shard_name(i, p)
+            d.own[name] = {st: crc_of(name, st) for st in (s, s - 1) if rng.random() < 0.85}
+            for gid, grp in enumerate(groups):
+                names = [shard_name(m, p) for m in grp.members]
+                for j, holder in enumerate(grp.parity):
+                    if holder == i:
+                        pn = parity_name(names, j)
+                        d.parity[pn] = {st: {"crc": crc_of(pn, st), "j": j, "h": grp.h, "gid": gid, "members": names,
+                                             "mcrc": [crc_of(x, st) for x in names]}
+                                        for st in (s, s - 1) if rng.random() < 0.8}
+        plan = plan_recovery(PlanInput(old=old, dead=dead, restarted=set(), descs=descs, pool=[],
+                                       target_nodes=max(p, q), replicas=1, racks=1))
+        if not plan.ok:
+            continue
+        assert plan.topo is not None
+        for job in plan.topo.meta.get("decode", []):
+            decoded += 1
+            assert plan.topo.meta["reshard"]["old_world"] == p and job["world"] == p
+            assert all(0 <= x < p for x in job["shards"])
+            for piece in job["pieces"]:
+                held = descs[piece["wid"]]
+                got = (held.own if piece["index"] < len(job["shards"]) else held.parity)[piece["name"]][job["step"]]
+                assert (got if isinstance(got, int) else got["crc"]) == piece["crc"]
+    assert decoded > 100, decoded
+
+
 # ---------------------------------------------------------------------------------------------- estimator
 
 
