@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import run
 
+from phoenixft.config import RunConfig
 from phoenixft.gpt import GPT, PRESETS
 from phoenixft.parallel.layers import TPHandle
 from phoenixft.parallel.layout import Layout
@@ -212,3 +213,19 @@ def test_3d_node_lost_while_the_late_spare_starts_waits_for_it(tmp_path: Path, r
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
     assert rec["action"] == "hotswap" and rec["promoted"] == ["s0"] and all(rec["invariants"].values()), rec
+
+
+@pytest.mark.parametrize("kw", [{}, {"repair_after": 70.0, "failure_timeout": 2.0}, {"repair_after": 600.0},
+                                {"tp": 2, "pp": 1, "repair_after": 120.0}])
+def test_survivors_wait_for_the_next_epoch_while_the_coordinator_waits_for_a_spare(kw: dict[str, float]) -> None:
+    """A mesh that lost a node with no spare ready waits (bounded: mesh_spare_wait_s) for the repaired one.
+    The survivors' wait for the next epoch must outlast it and the gather before it: it was a fixed
+    3 x --failure-timeout + 60 s, so with --repair-after 70 --failure-timeout 2 every survivor gave up
+    after 66 s ("no answer from the control plane for 'topo/1'"), exited, and was restarted in place,
+    spending one of its three restarts per wait (a longer repair lost the run)."""
+    cfg = RunConfig(**{"nodes": 4, "pp": 2, "spares": 0, **kw})  # type: ignore[arg-type]
+    cfg.validate()
+    gather = 3 * cfg.failure_timeout  # the coordinator's gather of the descriptors, at most
+    assert cfg.next_epoch_wait_s > gather + cfg.mesh_spare_wait_s
+    dp = RunConfig(nodes=4, spares=0, repair_after=kw.get("repair_after", 0.0))  # a data-parallel job shrinks
+    assert dp.next_epoch_wait_s == 3 * dp.failure_timeout + 60.0

@@ -184,6 +184,22 @@ def test_fallback_skips_a_corrupt_checkpoint(tmp_path: Path, checkpoints: Path, 
     assert (ev["step"], ev["file"]) == (9, str(fake / "rank0" / "__0_0.distcp")) and "checksum" in ev["why"], ev
 
 
+def test_a_resumed_run_falls_back_to_the_checkpoint_it_resumed_from(tmp_path: Path, checkpoints: Path,  # type: ignore[no-untyped-def]
+                                                                    reference) -> None:
+    """Resumed from step 8, both nodes (every copy of both shards) lost at step 10, before --persist-dir
+    holds a checkpoint of this run: the newest state on disk is the one --resume loaded, and the run falls
+    back to it. The persistent tier used to be --persist-dir alone, and the run was lost ("in-memory state
+    lost ... and no complete persistent checkpoint"); without --persist-every, too."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints, ckpt)
+    rep = run(tmp_path / "run", nodes=2, spares=2, steps=12, resume=str(ckpt), persist_every=5,
+              persist_dir=str(tmp_path / "new"), inject=["kill:node=0,1@step=10,phase=backward"])
+    assert rep["state"] == "done", rep.get("error")
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "persistent" and rec["persistent_step"] == 8 and rec["resumed_step"] == 8, rec
+    assert rep["final_state_sha256"] == reference(nodes=2, steps=12)["final_state_sha256"]
+
+
 @pytest.mark.slow  # (a 3D checkpoint resumed data-parallel: tests/test_mesh.py covers a resume on another layout)
 def test_resume_onto_a_different_node_count(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ckpt = tmp_path / "ckpt"

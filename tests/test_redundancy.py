@@ -387,6 +387,89 @@ def test_planner_with_parity_groups_against_generated_schedules() -> None:
         assert seen.get(outcome, 0) >= 300, seen
 
 
+def test_planner_decodes_in_the_layout_of_an_incomplete_repartition() -> None:
+    """A grow (3 -> 4 nodes) whose repartition a node loss interrupted: the state is still in the 3-node
+    layout, and the lost node's shard of it is rebuilt from its group. The decode job must name the
+    shards (and their world) of that layout; it looked them up in the 4-node one, and the coordinator
+    crashed on a KeyError on every restart (the run lost: "the coordinator keeps exiting")."""
+    prev = Topology(epoch=1, nodes=["n0", "n2", "n3"], workers_per_node=1, replicas=1, resume_step=3)
+    old = Topology(epoch=2, nodes=["n0", "n2", "n3", "s0"], workers_per_node=1, replicas=1, resume_step=7,
+                   meta={"reshard": {"old_world": 3, "providers": {}, "params_to": {}}, "generation": 2})
+    r, dead = 7, {"n3"}
+    descs = {w: Descriptor(wid=w, params=[r]) for w in ("n0.0", "n2.0", "s0.0")}
+    for slot, node in enumerate(prev.nodes):  # the shards of the 3-node layout, on their owners
+        if node not in dead:
+            name = shard_name(slot, 3)
+            descs[f"{node}.0"].own[name] = {r: crc_of(name, r)}
+    for gid, grp in enumerate(ec_groups(prev, Redundancy("ec", d=2, h=1))):
+        names = [shard_name(m, 3) for m in grp.members]
+        for j, holder in enumerate(grp.parity):
+            if prev.nodes[holder] not in dead:
+                pn = parity_name(names, j)
+                descs[f"{prev.nodes[holder]}.0"].parity[pn] = {r: {
+                    "crc": crc_of(pn, r), "j": j, "h": grp.h, "gid": gid, "members": names,
+                    "mcrc": [crc_of(x, r) for x in names]}}
+    plan = plan_recovery(PlanInput(old=old, dead=dead, restarted=set(), descs=descs, pool=[], target_nodes=4,
+                                   replicas=1, racks=1))
+    assert plan.ok, plan.error
+    topo = plan.topo
+    assert topo is not None and plan.resume_step == r and topo.meta["reshard"]["old_world"] == 3
+    (job,) = topo.meta["decode"]
+    lost = shard_name(2, 3)  # n3's shard of the 3-node layout
+    assert job["world"] == 3 and lost in [shard_name(i, 3) for i in job["shards"]]
+    assert topo.meta["reshard"]["providers"]["2"][1] == "decode"
+
+
+def test_planner_with_parity_groups_after_generated_unfinished_repartitions() -> None:
+    """Generated: a p-node state protected by ec groups, repartitioned onto q nodes, a member lost before it
+    finished. The planner never raises (a KeyError here crash-looped the coordinator), and every decode job
+    it emits names shards, world and pieces of the p-node layout, the one the state is in."""
+    rng = random.Random(2024)
+    decoded = 0
+    for _ in range(1500):
+        p, q = rng.sample(range(2, 8), 2)
+        nodes = [f"n{i}" for i in range(q)]
+        old = Topology(epoch=3, nodes=nodes, workers_per_node=1, replicas=1, resume_step=0,
+                       meta={"generation": 1, "reshard": {"old_world": p, "providers": {}, "params_to": {}}})
+        src = Topology(epoch=2, nodes=[f"x{i}" for i in range(p)], workers_per_node=1, replicas=1, resume_step=0)
+        groups = ec_groups(src, Redundancy("ec", d=rng.randint(1, 3), h=rng.randint(1, 2)))
+        s = rng.randint(3, 20)
+        dead = set(rng.sample(nodes, rng.randint(1, q - 1)))
+        holders = rng.sample(nodes, min(p, q))  # holders[i] was rank i of the p-node layout
+        descs: dict[str, Descriptor] = {}
+        for n in nodes:
+            if n in dead:
+                continue
+            d = descs[f"{n}.0"] = Descriptor(wid=f"{n}.0", params=sorted({s, s - 1} if rng.random() < 0.7 else {s}))
+            if n not in holders:
+                continue
+            i = holders.index(n)
+            name = shard_name(i, p)
+            d.own[name] = {st: crc_of(name, st) for st in (s, s - 1) if rng.random() < 0.85}
+            for gid, grp in enumerate(groups):
+                names = [shard_name(m, p) for m in grp.members]
+                for j, holder in enumerate(grp.parity):
+                    if holder == i:
+                        pn = parity_name(names, j)
+                        d.parity[pn] = {st: {"crc": crc_of(pn, st), "j": j, "h": grp.h, "gid": gid, "members": names,
+                                             "mcrc": [crc_of(x, st) for x in names]}
+                                        for st in (s, s - 1) if rng.random() < 0.8}
+        plan = plan_recovery(PlanInput(old=old, dead=dead, restarted=set(), descs=descs, pool=[],
+                                       target_nodes=max(p, q), replicas=1, racks=1))
+        if not plan.ok:
+            continue
+        assert plan.topo is not None
+        for job in plan.topo.meta.get("decode", []):
+            decoded += 1
+            assert plan.topo.meta["reshard"]["old_world"] == p and job["world"] == p
+            assert all(0 <= x < p for x in job["shards"])
+            for piece in job["pieces"]:
+                held = descs[piece["wid"]]
+                got = (held.own if piece["index"] < len(job["shards"]) else held.parity)[piece["name"]][job["step"]]
+                assert (got if isinstance(got, int) else got["crc"]) == piece["crc"]
+    assert decoded > 100, decoded
+
+
 # ---------------------------------------------------------------------------------------------- estimator
 
 

@@ -187,6 +187,20 @@ class RunConfig:
         return self.microbatches or self.dp * self.pp
 
     @property
+    def mesh_spare_wait_s(self) -> float:
+        """At most how long the coordinator waits for a spare when a --tp/--pp mesh (which cannot drop a
+        node) lost one and none is ready: the repair (--repair-after) and the spare's start-up."""
+        return self.repair_after + 2 * self.failure_timeout + 30.0
+
+    @property
+    def next_epoch_wait_s(self) -> float:
+        """How long a survivor waits for the next epoch's topology before it takes the control plane for
+        gone: the coordinator's gather and decision, and on a mesh its wait for a spare (mesh_spare_wait_s).
+        Shorter, the survivors of a mesh gave up while the coordinator still waited for the repaired node,
+        and each such exit spent one of the worker's in-place restarts (the run lost after a few)."""
+        return 3 * self.failure_timeout + 60.0 + (self.mesh_spare_wait_s if self.tp * self.pp > 1 else 0.0)
+
+    @property
     def faults(self) -> list[FaultSpec]:
         return [parse_fault(s, i) for i, s in enumerate(self.inject or [])]
 

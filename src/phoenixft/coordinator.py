@@ -235,14 +235,23 @@ class Coordinator:
                 self._hb_last[n] = (bytes(b), seen)
         return gone | {n for n in have if n not in gone and seen - self._hb_last[n][1] > self.cfg.failure_timeout}
 
-    def _verified(self, root: str, exclude: dict[str, str] | None = None) -> tuple[dict[str, Any] | None,
-                                                                                  list[dict[str, Any]]]:
-        """The newest checkpoint under `root` that verifies (persist.verified_manifest); each newer one
-        skipped is said, in one line, as a `checkpoint_skipped` event."""
-        man, skipped = verified_manifest(root, exclude=exclude)
-        for sk in skipped:
-            self._event("checkpoint_skipped", **sk,
-                        using=man["step"] if man is not None else None, line=skipped_line(sk))
+    def _verified(self, roots: str | list[str], exclude: dict[str, str] | None = None
+                  ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The newest checkpoint under `roots` (a directory, or several) that verifies
+        (persist.verified_manifest); each newer one skipped is said, in one line, as a `checkpoint_skipped`
+        event."""
+        man: dict[str, Any] | None = None
+        found: list[dict[str, Any]] = []
+        for root in [roots] if isinstance(roots, str) else roots:
+            m, sk = verified_manifest(root, exclude=exclude)
+            found += sk
+            if m is not None and (man is None or int(m["step"]) > int(man["step"])):
+                man = m
+        # newest first, and only those newer than the one used (an older one of another directory was not)
+        skipped = sorted((x for x in found if man is None or x["step"] > int(man["step"])), key=lambda x: -x["step"])
+        for x in skipped:
+            self._event("checkpoint_skipped", **x,
+                        using=man["step"] if man is not None else None, line=skipped_line(x))
         return man, skipped
 
     def _fail_run(self, why: str) -> None:
@@ -687,15 +696,20 @@ class Coordinator:
         pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
         grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
-        tier, exclude = self.cfg.persist_dir, {}
+        # the persistent tier: --persist-dir's checkpoints, and the one --resume started from (until this
+        # run has written a newer one, it is the newest state on disk: without it, losing a shard's every
+        # copy before the first new checkpoint lost a run that had just been resumed)
+        tiers = [t for t in dict.fromkeys((self.cfg.persist_dir, self.cfg.resume)) if t]
+        exclude: dict[str, str] = {}
         refused = next((d.error for d in descs.values() if d.error.startswith(NOT_INSTALLED)), "")
         if refused and old.meta.get("restore") == "persistent":
             # the workers refused the checkpoint this epoch restored (it changed after it was verified):
-            # never again, and the newest other one from the same directory (--resume's, or --persist-dir)
+            # never again, and the newest other one
             was = str(old.meta["manifest"]["path"])
-            tier = tier or os.path.dirname(was)
+            tiers = tiers or [os.path.dirname(was)]
             exclude[was] = f"was refused by the workers ({refused.split(': ', 1)[-1][:200]})"
-        man = latest_manifest(tier) if tier else None
+        man = max((m for m in map(latest_manifest, tiers) if m is not None), key=lambda m: int(m["step"]),
+                  default=None)
         verified: list[Any] = []  # [(manifest, skipped)] once the persistent tier was verified
 
         def decide() -> Any:
@@ -710,7 +724,7 @@ class Coordinator:
             if p.persistent_step is not None and not verified:
                 # the plan falls back to the persistent tier: only to a checkpoint whose files verify (read
                 # only now: a recovery from memory never waits for the disk)
-                good, _ = self._verified(tier, exclude)
+                good, _ = self._verified(tiers, exclude)
                 verified.append((good, _))
                 if good is None or man is None or good["path"] != man["path"]:
                     man = good
@@ -723,7 +737,7 @@ class Coordinator:
             # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or
             # for the spare that is starting (--spare-arrives-at-step) to be ready
             self._event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
-            deadline = time.monotonic() + self.cfg.repair_after + 2 * self.cfg.failure_timeout + 30.0
+            deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
             while len(pool) < len(dead) and time.monotonic() < deadline:
                 time.sleep(0.1)
                 self._refresh_pool()

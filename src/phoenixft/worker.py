@@ -276,8 +276,7 @@ class Worker:
         desc = self.protection.descriptor(err, t_err)
         self.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         self.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
-        topo = auth.verified_topology(self.store, e + 1, self._wait_key(keys.topo(e + 1),
-                                                                        3 * self.cfg.failure_timeout + 60.0))
+        topo = auth.verified_topology(self.store, e + 1, self._wait_key(keys.topo(e + 1), self.cfg.next_epoch_wait_s))
         self._check_fence()
         if self.node_id not in topo.nodes:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")

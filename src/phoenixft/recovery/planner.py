@@ -195,7 +195,9 @@ def plan_recovery(pi: PlanInput) -> Plan:
         prev = int(old.meta["reshard"]["old_world"])
         prev_shards = [shard_name(i, prev, old.tp, old.pp) for i in range(prev)]
         prev_steps = feasible_steps(pi, prev_shards)
-        if prev_steps:
+        if prev_steps or not any(copies.get(s) for s in shards):
+            # (and when no step is recoverable either, what is lost is named in that layout: no member
+            # holds any shard of the new one yet, so naming those would call every shard lost)
             shards, steps, src_world = prev_shards, prev_steps, prev
     dec = _decodable(pi, copies)
     lost = [s for s in shards if not copies.get(s) and not dec.get(s)]
@@ -273,8 +275,10 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
             if j["key"] == list(job.key):
                 j["to"][str(job.members.index(shard))] = dst
                 return x
-        ids = {old.shard_name(k): k for k in range(old.world)}
-        jobs.append({"key": list(job.key), "step": r, "gid": job.gid, "h": job.h, "world": old.world,
+        # the shards are named in the layout the state is in: after a repartition that did not complete,
+        # the one it came from (src_world), not the last topology's
+        ids = {shard_name(k, src_world, old.tp, old.pp): k for k in range(src_world)}
+        jobs.append({"key": list(job.key), "step": r, "gid": job.gid, "h": job.h, "world": src_world,
                      "shards": [ids[x] for x in job.members], "mcrc": job.mcrc, "lost": job.lost,
                      "pieces": [{"index": p.index, "name": p.name, "wid": p.holder, "crc": p.crc,
                                  "src": new.rank_of(*_split(p.holder))} for p in job.pieces],
