@@ -283,3 +283,18 @@ def test_unsurvivable_schedule_is_reported_as_such(tmp_path: Path) -> None:
     assert "UNSURVIVABLE BY DESIGN" in p.stdout and "chaos verdict: UNSURVIVABLE-BY-DESIGN" in p.stdout
     assert rep["run"]["state"] == "failed" and "lost shards: pp0.tp0.dp0of3" in rep["run"]["error"]
     assert rep["reference"]["state"] == "skipped"  # nothing to compare: it can never be a pass
+
+
+def test_a_resumed_campaign_draws_its_faults_after_the_checkpoint_and_counts_it_as_a_tier() -> None:
+    """`phoenixft chaos --resume DIR`: the run starts after the checkpoint's step, so faults drawn before it
+    never fired and failed the campaign ("never fired: its node ... was not in the job"); and the checkpoint
+    the run resumed from is a persistent tier (the fallback uses it), so pairs are survivable with spares."""
+    cfg = _cfg(nodes=3, spares=2, steps=40, resume="ckpt")
+    for seed in range(200):
+        sched = make_schedule(cfg, 6, seed, start=12)
+        assert all(f.step >= 12 + 3 for f in sched.faults), [f.step for f in sched.faults]
+        assert not sched.unsurvivable
+    assert unsurvivable_reason(cfg, (0, 1), 15) is None  # every copy of a shard lost: back to --resume's step
+    assert unsurvivable_reason(_cfg(nodes=3, spares=2, steps=40), (0, 1), 15) is not None
+    with pytest.raises(UserError, match="--resume starts after step 30"):
+        make_schedule(cfg, 6, 1, start=30)

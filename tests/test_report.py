@@ -75,3 +75,16 @@ def test_a_fault_on_no_lost_node_goes_to_the_next_recovery(tmp_path: Path) -> No
                [{"t": 10.3, "class": "transient", "action": "rollback"}])
     (r,) = rep["recoveries"]
     assert r["faults"] == ["nan@step=2"] and r["fault"] == "nan@step=2"
+
+
+def test_a_resumed_run_that_failed_before_its_first_step_reports_the_checkpoint_step(tmp_path: Path) -> None:
+    """Resumed from step 6, the run failed in step 7: it holds step 6, not 0 ("failed: 0 steps" said the
+    state was the model as initialised)."""
+    cfg = RunConfig(nodes=2, spares=0, steps=12)
+    st = DictStore()
+    st.set(keys.topo(0), {"epoch": 0, "nodes": ["n0", "n1"], "resume_step": 6})
+    rep = build_report(st, cfg, "failed", tmp_path, "rid")
+    assert rep["steps_completed"] == 6 and rep["loss"] == [] and rep["first_step"] is None
+    fresh = DictStore()  # a run that failed before its first step, from the start
+    fresh.set(keys.topo(0), {"epoch": 0, "nodes": ["n0", "n1"], "resume_step": 0})
+    assert build_report(fresh, cfg, "failed", tmp_path, "rid")["steps_completed"] == 0

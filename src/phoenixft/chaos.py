@@ -113,8 +113,10 @@ def _lost_shards(ring: Topology, lost: set[int]) -> list[int]:
 
 
 def _persistent_ok(cfg: RunConfig, step: int, lost: int) -> bool:
-    """A complete persistent checkpoint exists before `step`, and the fallback gets a spare per lost node."""
-    return bool(cfg.persist_every) and step >= cfg.persist_every + PERSIST_MARGIN and cfg.spares >= lost
+    """A complete persistent checkpoint exists before `step` (--resume's, from the start; else one of
+    --persist-every), and the fallback gets a spare per lost node."""
+    written = bool(cfg.resume) or bool(cfg.persist_every) and step >= cfg.persist_every + PERSIST_MARGIN
+    return written and cfg.spares >= lost
 
 
 # why a loss is unsurvivable by design: the mesh cannot shrink and lacks spares, or a shard lost every copy and
@@ -131,7 +133,7 @@ def _cause(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: int) -> str |
         return None
     if _persistent_ok(cfg, step, len(lost)):
         return None
-    if not cfg.persist_every:
+    if not cfg.persist_every and not cfg.resume:
         return NO_TIER
     return FEW_SPARES if cfg.spares < len(lost) else NOT_YET
 
@@ -200,18 +202,19 @@ def check_campaign(cfg: RunConfig, faults: int) -> None:
                         "shard must survive as a replica on another node)")
 
 
-def _check(cfg: RunConfig, faults: int) -> tuple[int, int]:
+def _check(cfg: RunConfig, faults: int, start: int = 0) -> tuple[int, int]:
     check_campaign(cfg, faults)
     if cfg.inject:
         raise UserError("--inject is invalid here: the campaign draws its faults from --seed")
     if cfg.scheme.is_ec:  # its survivability oracle knows replica placement only (issue 15 leaves chaos out)
         raise UserError(f"--redundancy={cfg.redundancy!r} is invalid here: chaos campaigns support replicas:K only "
                         "for now; run ec:D+H faults with `phoenixft run --inject`")
-    first, last = FIRST_STEP, cfg.steps - 2
-    need = FIRST_STEP + 1 + faults * MIN_GAP
+    first, last = start + FIRST_STEP, cfg.steps - 2
+    need = first + 1 + faults * MIN_GAP
     if last - first + 1 < faults * MIN_GAP:
+        since = f" (--resume starts after step {start})" if start else ""
         raise UserError(f"--steps={cfg.steps} is too short for --faults {faults}: faults are at least {MIN_GAP} "
-                        f"steps apart from step {FIRST_STEP} on, so need --steps >= {need}")
+                        f"steps apart from step {first} on{since}, so need --steps >= {need}")
     return first, last
 
 
@@ -251,12 +254,15 @@ def _after_losses(cur: RunConfig, lost: int) -> RunConfig:
                                racks=cur.racks if nodes % cur.racks == 0 else 1)
 
 
-def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bool = False) -> Schedule:
+def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bool = False, start: int = 0
+                  ) -> Schedule:
     """Draw `faults` faults for this configuration, deterministically from `seed` (no I/O, no clock).
+    `start`: the step the run starts after (--resume's checkpoint): faults come after it, or they would
+    never fire (and fail the campaign).
 
     Raises UserError for a configuration a campaign cannot run on (too few steps or nodes, no protection).
     """
-    first, last = _check(cfg, faults)
+    first, last = _check(cfg, faults, start)
     rng = random.Random(f"phoenixft-chaos/{seed}")
     pairs0 = list(itertools.combinations(range(cfg.nodes), 2))
     notes: list[str] = []
@@ -515,11 +521,13 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
     (its `seed` is used for the training too). Returns the campaign report (also written to `report`)."""
     from phoenixft.display import Display
     from phoenixft.launcher import run_job
+    from phoenixft.persist import latest_manifest
 
     out = out or sys.stdout
     t0 = time.monotonic()
     cfg = dataclasses.replace(cfg, seed=seed, inject=[], report="")
-    sched = make_schedule(cfg, faults, seed, allow_unsurvivable)
+    man = latest_manifest(cfg.resume) if cfg.resume else None  # (the run itself refuses one that is not there)
+    sched = make_schedule(cfg, faults, seed, allow_unsurvivable, start=int(man["step"]) if man else 0)
     root = Path(cfg.run_dir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S"))
     persist_dir = str(Path(cfg.persist_dir) / f"chaos-{uuid.uuid4().hex[:8]}") if cfg.persist_every else ""
     camp = dataclasses.replace(cfg, inject=sched.inject, run_dir=str(root / "campaign"), persist_dir=persist_dir)

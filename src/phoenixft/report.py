@@ -43,6 +43,8 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             steps.append(rec)
     dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
     final = _get(store, keys.FINAL)
+    first_topo = _get(store, keys.topo(0))
+    start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
     faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
     recoveries = []
     e = 1
@@ -137,7 +139,9 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         "state": state,
         "config": json.loads(cfg.to_json()),
         "redundancy": cfg.redundancy,
-        "steps_completed": final["step"] if final else (steps[-1]["step"] if steps else 0),
+        # the last step the run holds: its final step, its last step record, or (a resumed run that failed
+        # before its first step) the step of the checkpoint it resumed from, never 0
+        "steps_completed": final["step"] if final else (steps[-1]["step"] if steps else start),
         "loss": [r["loss"] for r in steps],
         "lr": [r.get("lr") for r in steps],
         "grad_norm": [r.get("grad_norm") for r in steps],
