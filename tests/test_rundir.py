@@ -77,3 +77,21 @@ def test_a_run_directory_can_be_used_again(tmp_path: Path) -> None:
     assert a["state"] == b["state"] == "done", b.get("error")
     assert a["run_id"] != b["run_id"]
     assert json.loads((tmp_path / "report.json").read_text())["run_id"] == b["run_id"]
+
+
+def test_a_directory_taken_by_a_run_that_is_starting_is_refused(tmp_path: Path) -> None:
+    """Two runs started at once with one --run-dir: neither's coordinator was up yet when the other looked,
+    so both took the directory, wrote one journal, appended to the same logs and overwrote each other's
+    report. The first launcher now holds the directory (a lock, from its start to its report)."""
+    from phoenixft.config import RunConfig
+    from phoenixft.launcher import LocalJob
+
+    cfg = RunConfig(nodes=2, spares=0, steps=1, device="cpu", run_dir=str(tmp_path / "r"), quiet=True)
+    first = LocalJob(cfg)  # (its processes not started yet: what the second launcher used to see)
+    try:
+        with pytest.raises(UserError, match=r"--run-dir .*r: another run that is still alive uses it"):
+            LocalJob(cfg)
+    finally:
+        rundir.release(first.dir_lock)
+    again = LocalJob(cfg)  # once the first run has ended, the directory is free
+    rundir.release(again.dir_lock)

@@ -14,7 +14,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.display import Display
-from phoenixft.launcher import run_job
+from phoenixft.launcher import INTERRUPTED, run_job
 
 __all__ = ["demo"]
 
@@ -40,6 +40,8 @@ def demo(*, steps: int, nodes: int, model: str, kill_step: int, kill_node: int, 
     for i, (name, cfg) in enumerate(plan, 1):
         print(f"[{i}/3] {name} ...", file=sys.stderr, flush=True)
         reports.append(run_job(cfg, Display(quiet=True, steps=cfg.steps)))
+        if reports[-1].get("state") == INTERRUPTED:  # Ctrl-C stops the demo, not just this one of its runs
+            raise KeyboardInterrupt
     ref, clean, faulty = reports
     ok = all(r.get("state") == "done" for r in reports)
     same = ok and ref["final_state_sha256"] == faulty["final_state_sha256"] == clean["final_state_sha256"]

@@ -14,6 +14,7 @@ is built by its workload and the flat master weights and buffers are put back un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -116,6 +117,10 @@ def export(src: str, out: str, fmt: str = "safetensors", step: int | None = None
         raise UserError(f"--format={fmt!r} is invalid: one of safetensors, pt")
     if not root.exists():
         raise UserError(f"SRC={src!r} does not exist: give a run directory or a persistent checkpoint directory")
+    from phoenixft.config import check_output_file
+
+    check_output_file("--out", out)  # before the model is loaded: a wrong path is one line, not a traceback
+    path = Path(out)
     final = root / "final" / "model.safetensors"
     if final.exists() and step is None:
         from safetensors.torch import load_file
@@ -123,11 +128,22 @@ def export(src: str, out: str, fmt: str = "safetensors", step: int | None = None
         sd = load_file(str(final))
     elif any(root.glob("step_*/MANIFEST.json")) or (root / "MANIFEST.json").exists():
         sd = _from_checkpoint(root if any(root.glob("step_*/MANIFEST.json")) else root.parent, step)
+    elif final.exists():
+        raise UserError(f"--step={step} is invalid for SRC={src!r}: a run directory holds only its final model; "
+                        "--step picks a checkpoint of a persistent checkpoint directory (--persist-dir), or leave "
+                        "it out")
     else:
         raise UserError(f"SRC={src!r} is invalid: neither a run directory with final/model.safetensors (a run that "
                         "completed) nor a checkpoint directory with step_*/MANIFEST.json")
-    path = Path(out)
-    _save(sd, path, fmt)
+    from safetensors import SafetensorError
+
+    try:
+        _save(sd, path, fmt)
+    except (OSError, SafetensorError) as e:  # e.g. the disk filled up meanwhile
+        with contextlib.suppress(OSError):  # (a half-written temporary file)
+            path.with_name(path.name + ".tmp").unlink()
+        raise UserError(f"--out={out!r} is invalid: cannot write it ({getattr(e, 'strerror', None) or e}); give a "
+                        "writable file path") from None
     return path
 
 

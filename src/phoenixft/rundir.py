@@ -11,16 +11,20 @@ whose run is still alive (a process names its journal) is refused with one line 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import shutil
 from pathlib import Path
 
 from phoenixft.errors import UserError
 from phoenixft.procs import cmdlines
 
-__all__ = ["RUN_FILES", "JOURNAL", "journal_path", "prepare"]
+__all__ = ["RUN_FILES", "JOURNAL", "LOCK", "journal_path", "claim", "release", "prepare"]
 
 JOURNAL = "coordinator.journal"
+LOCK = ".phoenixft.lock"  # held (flock) by the launcher that uses the directory, from its start to its report
 # what a run writes at the top of its directory (report.html: `phoenixft report`); logs/ and final/ too
 RUN_FILES = ("config.json", JOURNAL, "coordinator.port", "control_plane", "events.jsonl", "metrics.jsonl",
              "report.json", "report.html")
@@ -36,6 +40,36 @@ def _previous_run_id(run_dir: Path) -> str:
         return str(json.loads((run_dir / "report.json").read_text()).get("run_id") or "")
     except (OSError, ValueError, AttributeError):
         return ""
+
+
+def claim(run_dir: Path) -> int:
+    """Take the directory for this process: an exclusive lock on `run_dir/.phoenixft.lock`, held until
+    `release` (or the process's end, however it ends). Raises UserError if another launcher holds it:
+    two runs started at the same moment with one --run-dir would otherwise both take it (neither's
+    coordinator is up yet to be seen) and remove or interleave each other's journal, logs and report."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir}: cannot create it ({e.strerror or e}); give a writable path") \
+            from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise UserError(f"--run-dir {run_dir}: another run that is still alive uses it; give another "
+                            "directory, or stop that run first") from None
+        raise UserError(f"--run-dir {run_dir}: cannot lock it ({e.strerror or e})") from None
+    return fd
+
+
+def release(fd: int) -> None:
+    """Give the directory taken by `claim` back."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def prepare(run_dir: Path) -> str | None:
