@@ -144,3 +144,12 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path
             assert len(err) == 1 and f"--report='{bad}' is invalid" in err[0], err
     assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()  # nothing started
     RunConfig(nodes=2, report=str(tmp_path / "new" / "r.json")).validate()  # created at the end: fine
+
+
+@pytest.mark.parametrize("value", [1e20, 357913.0])
+def test_a_failure_timeout_too_large_for_the_collectives_is_refused(value: float) -> None:
+    """--failure-timeout 1e20 was accepted, then every epoch failed to build its process groups (OverflowError:
+    the collectives wait 6x it, in milliseconds gloo keeps in an int): 13 spurious recoveries, a failed run."""
+    _refused(f"--failure-timeout={value!r} is invalid: must be a finite number > 0 and at most 86400 seconds",
+             failure_timeout=value)
+    RunConfig(failure_timeout=86400.0).validate()

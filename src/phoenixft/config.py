@@ -27,6 +27,7 @@ __all__ = ["RunConfig", "add_run_arguments", "config_from_args", "checkpoint_byt
            "PROTECT_MODES"]
 
 PROTECT_MODES = ("phoenix", "none")
+MAX_FAILURE_TIMEOUT_S = 86400.0  # larger ones overflow the collectives' timeouts (gloo: int milliseconds)
 _NUMEL: dict[tuple[Any, ...], int | None] = {}
 
 
@@ -287,7 +288,9 @@ class RunConfig:
                 + (" (2 or more per pipeline stage)" if self.pp > 1 else "") + " or --protect none (no protection)",
             )
         real(self.repair_after, self.repair_after >= 0, "--repair-after", ">= 0 seconds (0 = never)")
-        real(self.failure_timeout, self.failure_timeout > 0, "--failure-timeout", "> 0 seconds")
+        # (the collectives wait up to 6x this, in milliseconds that gloo keeps in a 32-bit int)
+        real(self.failure_timeout, 0 < self.failure_timeout <= MAX_FAILURE_TIMEOUT_S, "--failure-timeout",
+             f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
         # the launcher starts the late spare once step N has completed: after the last step nothing is left to join
         late = ("0 (never) or a step in 1.." + str(self.steps - 1)) if self.steps > 1 else "0 (never)"
         need(self.spare_arrives_at_step == 0 or 1 <= self.spare_arrives_at_step < self.steps,
