@@ -337,3 +337,20 @@ def test_ctrl_c_stops_the_demo_and_a_run_exits_130(tmp_path: Path, monkeypatch: 
     assert main(["demo", "--steps", "4", "--run-dir", str(tmp_path / "demo")]) == 130
     assert len(calls) == 1
     assert main(["run", "--steps", "2", "--run-dir", str(tmp_path / "run")]) == 130
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--kill-node", "7"], "--kill-node=7 is invalid: must be in 0..2 (--nodes 3)"),
+    (["--kill-step", "99"], "--kill-step=99 is invalid: must be in 1..30"),
+    (["--phase", "sideways"], "--phase='sideways' is invalid: one of forward, backward, replicate, optimizer"),
+    (["--steps", "1"], "--steps=1 is invalid: the demo kills a node mid-run, so need --steps >= 2"),
+    (["--nodes", "1"], "--nodes=1 is invalid"),
+])
+def test_bad_demo_flags_are_named_as_given(argv: list[str], line: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`phoenixft demo --kill-node 7` said "--inject='kill:node=7@step=15,phase=backward' is invalid": a flag
+    the user never gave; --steps 1 made it a kill at step 0."""
+    assert main(["demo", *argv, "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0] and "--inject" not in err[0], err
+    assert list(tmp_path.iterdir()) == []  # nothing started
