@@ -55,3 +55,32 @@ def test_agent_threads_below_one_are_refused(argv: list[str], needle: str) -> No
 
     with pytest.raises(UserError, match=needle):
         main(["--store", "127.0.0.1:1", "--node", "x", "--connect-timeout", "1", *argv])
+
+
+def test_the_command_line_is_built_without_torch() -> None:
+    """The parser took `import torch` (about 3 s here) through `phoenixft.export`, so `phoenixft gc`,
+    `status --help`, `simulate` and every bad command line paid for it (`phoenixft gc` took 5 s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from phoenixft.cli.main import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout[-500:] + p.stderr[-2000:]
+
+
+def test_ctrl_c_while_the_command_loads_is_exit_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the first second (while torch loads) ended in a KeyboardInterrupt traceback."""
+    import phoenixft.cli.main as cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    try:
+        code = cli.main(["gc"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while the command loaded escaped main(): a traceback")
+    assert code == 130

@@ -18,11 +18,12 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from phoenixft.errors import UserError
+
+if TYPE_CHECKING:  # (imported where used: the CLI builds its parser from this module, and `phoenixft gc`,
+    import torch  # `status`, `simulate` and `--help` must not pay for `import torch`)
 
 __all__ = ["state_dict_from", "write_final", "export", "add_parser"]
 
@@ -63,6 +64,8 @@ def _save(sd: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     if fmt == "pt":
+        import torch
+
         torch.save(sd, tmp)
     else:
         from safetensors.torch import save_file
@@ -83,6 +86,8 @@ def write_final(run_dir: str, trainer: Any, master: torch.Tensor, cfg: Any, sha:
 
 
 def _from_checkpoint(root: Path, step: int | None) -> dict[str, torch.Tensor]:
+    import torch
+
     from phoenixft.config import RunConfig
     from phoenixft.persist import latest_manifest, load_full
     from phoenixft.workload import WorkloadContext, load_workload

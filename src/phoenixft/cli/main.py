@@ -59,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    try:  # (Ctrl-C while the subcommand's modules load, e.g. torch: exit 130 like later, not a traceback)
+        ap = build_parser()
+        args = ap.parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
     try:
         return int(args.func(args))
     except UserError as e:
