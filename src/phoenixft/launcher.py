@@ -95,7 +95,7 @@ class LocalJob:
         try:
             replaced = rundir.prepare(self.run_dir)  # a previous run's files there are removed (a live run's: refused)
         except BaseException:
-            rundir.release(self.dir_lock)
+            rundir.release(self.dir_lock, self.run_dir)  # (refused there: leave nothing of this run behind)
             raise
         self.display = display or Display(quiet=cfg.quiet, json_events=cfg.json_events, steps=cfg.steps)
         if replaced:

@@ -11,6 +11,7 @@ whose run is still alive (a process names its journal) is refused with one line 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -42,6 +43,29 @@ def _previous_run_id(run_dir: Path) -> str:
         return ""
 
 
+def _make_logs(run_dir: Path) -> None:
+    try:
+        (run_dir / "logs").mkdir(exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir}: cannot create {run_dir / 'logs'} ({e.strerror or e}); give a "
+                        "writable path") from None
+
+
+def _is_runs(run_dir: Path) -> bool:
+    """Whether the files found in `run_dir` are a phoenixft run's: its coordinator's journal or port file,
+    a report with a run id, or a run's config.json. Anything else (a project's own config.json, metrics.jsonl
+    or logs) is the user's, and is never removed."""
+    if any((run_dir / n).exists() for n in (JOURNAL, "coordinator.port", "control_plane")):
+        return True
+    if _previous_run_id(run_dir):
+        return True
+    try:
+        cfg = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and {"nodes", "workers_per_node", "protect", "steps"} <= cfg.keys()
+
+
 def claim(run_dir: Path) -> int:
     """Take the directory for this process: an exclusive lock on `run_dir/.phoenixft.lock`, held until
     `release` (or the process's end, however it ends). Raises UserError if another launcher holds it:
@@ -64,8 +88,12 @@ def claim(run_dir: Path) -> int:
     return fd
 
 
-def release(fd: int) -> None:
-    """Give the directory taken by `claim` back."""
+def release(fd: int, run_dir: Path | None = None) -> None:
+    """Give the directory taken by `claim` back; with `run_dir` (a run refused there: nothing of it may stay)
+    its lock file is removed too."""
+    if run_dir is not None:
+        with contextlib.suppress(OSError):
+            (run_dir / LOCK).unlink()
     try:
         os.close(fd)
     except OSError:
@@ -78,19 +106,23 @@ def prepare(run_dir: Path) -> str | None:
     created, or if the run that uses it is still alive."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs").mkdir(exist_ok=True)
     except OSError as e:
         raise UserError(f"--run-dir {run_dir}: cannot create it ({e.strerror or e}); give a writable path") \
             from None
     found = [n for n in RUN_FILES if (run_dir / n).exists()]
     logs = sorted((run_dir / "logs").glob("*.log"))
     if not found and not logs and not (run_dir / "final").exists():
+        _make_logs(run_dir)
         return None
     journal = journal_path(run_dir)
     live = [pid for pid, argv in cmdlines().items() if journal in argv]
     if live:
         raise UserError(f"--run-dir {run_dir}: a run that is still alive uses it (its coordinator is process "
                         f"{live[0]}); give another directory, or stop that run first")
+    if not _is_runs(run_dir):
+        raise UserError(f"--run-dir {run_dir}: it holds files that no phoenixft run wrote "
+                        f"({', '.join([*found, *(f'logs/{f.name}' for f in logs)][:4])}), which a run would "
+                        "replace; give a new or empty directory (or remove them)")
     old = _previous_run_id(run_dir)
     try:
         for n in found:
@@ -100,5 +132,6 @@ def prepare(run_dir: Path) -> str | None:
         shutil.rmtree(run_dir / "final", ignore_errors=True)
     except OSError as e:
         raise UserError(f"--run-dir {run_dir}: cannot remove the previous run's files ({e})") from None
+    _make_logs(run_dir)
     return (f"--run-dir {run_dir}: replaced the files of the run that used it before"
             f"{f' (run {old})' if old else ''}")
