@@ -4,7 +4,11 @@ A run writes config.json, its coordinator's journal, the event and metric logs, 
 process logs and the final model there. A directory that holds another run's files is reused: those
 files are removed first (the coordinator would otherwise take the old journal for its own history
 and refuse every node as "already started", and the logs would interleave two runs). A directory
-whose run is still alive (a process names its journal) is refused with one line instead.
+whose run is still alive is refused with one line instead: its launcher holds a lock on
+`.phoenixft.lock` there from its start to its report (`claim`; two launchers started at the same
+moment, neither's coordinator up yet, used to both take it), and an older run's coordinator names its
+journal. So is a directory holding files of those names that no phoenixft run wrote (a project's own
+config.json, metrics.jsonl, logs/*.log): they are the user's and are never removed.
 
     phoenixft run --run-dir runs/exp1 ...   # again later: the second run replaces the first's files
 """
