@@ -337,6 +337,7 @@ def test_ctrl_c_stops_the_demo_and_a_run_exits_130(tmp_path: Path, monkeypatch: 
     assert main(["demo", "--steps", "4", "--run-dir", str(tmp_path / "demo")]) == 130
     assert len(calls) == 1
     assert main(["run", "--steps", "2", "--run-dir", str(tmp_path / "run")]) == 130
+    assert main(["coordinator", "--host", "127.0.0.1", "--port", "0", "--run-dir", str(tmp_path / "head")]) == 130
 
 
 @pytest.mark.parametrize("argv, line", [
