@@ -18,6 +18,8 @@ from phoenixft.errors import UserError
 from phoenixft.faults import parse_fault
 from phoenixft.repair import RepairQueue
 
+INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP (report.json)
+
 CONFIGS = [
     dict(nodes=4, spares=2, steps=80),
     dict(nodes=3, spares=2, steps=40),
@@ -298,3 +300,73 @@ def test_a_resumed_campaign_draws_its_faults_after_the_checkpoint_and_counts_it_
     assert unsurvivable_reason(_cfg(nodes=3, spares=2, steps=40), (0, 1), 15) is not None
     with pytest.raises(UserError, match="--resume starts after step 30"):
         make_schedule(cfg, 6, 1, start=30)
+
+
+def test_ctrl_c_stops_the_campaign_without_a_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C (or SIGTERM) during a campaign's run used to be judged like a lost run: `chaos verdict: FAIL`,
+    a report saying so and exit code 1. It stops the campaign: no verdict, no report, exit code 130."""
+    import phoenixft.launcher
+    from phoenixft.chaos import run_campaign
+
+    calls: list[str] = []
+
+    def fake_run_job(cfg: RunConfig, *a: object, **kw: object) -> dict[str, object]:
+        calls.append(cfg.run_dir)
+        done = {"state": "done", "steps_completed": cfg.steps, "final_state_sha256": "ab", "loss": [1.0] * cfg.steps,
+                "run_dir": cfg.run_dir}
+        return done if len(calls) == 1 else {"state": INTERRUPTED, "run_dir": cfg.run_dir}
+
+    monkeypatch.setattr(phoenixft.launcher, "run_job", fake_run_job)
+    cfg = _cfg(nodes=2, spares=1, steps=30, run_dir=str(tmp_path / "c"))
+    with pytest.raises(KeyboardInterrupt):
+        run_campaign(cfg, 1, 1, report=str(tmp_path / "c.json"))
+    assert len(calls) == 2 and not (tmp_path / "c.json").exists()
+    assert "verdict" not in capsys.readouterr().out
+    calls.clear()
+    monkeypatch.setattr(phoenixft.launcher, "run_job",
+                        lambda cfg, *a, **kw: calls.append(cfg.run_dir) or {"state": INTERRUPTED})
+    with pytest.raises(KeyboardInterrupt):  # stopped during the reference: the campaign run is not started
+        run_campaign(cfg, 1, 1)
+    assert len(calls) == 1
+    # through the command line: exit code 130, like `phoenixft run`
+    assert main(["chaos", "--nodes", "2", "--spares", "1", "--steps", "30", "--faults", "1",
+                 "--run-dir", str(tmp_path / "d")]) == 130
+
+
+def test_ctrl_c_stops_the_demo_and_a_run_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`phoenixft demo` went on to its next run after a Ctrl-C (three of them to stop it); `phoenixft run`
+    stopped by the user exited 1 like a failed run."""
+    import phoenixft.demo
+    import phoenixft.launcher
+
+    calls: list[str] = []
+
+    def fake_run_job(cfg: RunConfig, *a: object, **kw: object) -> dict[str, object]:
+        calls.append(cfg.run_dir)
+        return {"state": INTERRUPTED, "run_dir": cfg.run_dir}
+
+    monkeypatch.setattr(phoenixft.demo, "run_job", fake_run_job)
+    monkeypatch.setattr(phoenixft.launcher, "run_job", fake_run_job)
+    monkeypatch.setenv("PHOENIXFT_ZYGOTE", "0")
+    assert main(["demo", "--steps", "4", "--run-dir", str(tmp_path / "demo")]) == 130
+    assert len(calls) == 1
+    assert main(["run", "--steps", "2", "--run-dir", str(tmp_path / "run")]) == 130
+    assert main(["coordinator", "--host", "127.0.0.1", "--port", "0", "--run-dir", str(tmp_path / "head")]) == 130
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--kill-node", "7"], "--kill-node=7 is invalid: must be in 0..2 (--nodes 3)"),
+    (["--kill-step", "99"], "--kill-step=99 is invalid: must be in 1..30"),
+    (["--phase", "sideways"], "--phase='sideways' is invalid: one of forward, backward, replicate, optimizer"),
+    (["--steps", "1"], "--steps=1 is invalid: the demo kills a node mid-run, so need --steps >= 2"),
+    (["--nodes", "1"], "--nodes=1 is invalid"),
+])
+def test_bad_demo_flags_are_named_as_given(argv: list[str], line: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`phoenixft demo --kill-node 7` said "--inject='kill:node=7@step=15,phase=backward' is invalid": a flag
+    the user never gave; --steps 1 made it a kill at step 0."""
+    assert main(["demo", *argv, "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0] and "--inject" not in err[0], err
+    assert list(tmp_path.iterdir()) == []  # nothing started

@@ -127,3 +127,29 @@ def test_one_node_per_replica_ring_says_what_would_work() -> None:
     _refused("give --nodes >= 4 (2 or more per pipeline stage) or --protect none", nodes=2, pp=2, workers_per_node=2)
     _refused("need replicas < 3", nodes=3, replicas=3)
     RunConfig(nodes=1, protect="none").validate()
+
+
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """--report into a directory, or under a file, used to be found only after the whole run: a traceback
+    at the end (the run's own report.json written, the one asked for not). Now one line, nothing started."""
+    (tmp_path / "afile").write_text("")
+    for bad, why in ((tmp_path, "it is a directory"), (tmp_path / "afile" / "r.json", "afile is not a directory")):
+        with pytest.raises(UserError, match=f"--report='{bad}' is invalid: .*{why}"):
+            RunConfig(nodes=2, report=str(bad)).validate()
+        for cmd in (["run", "--nodes", "2", "--report", str(bad), "--run-dir", str(tmp_path / "r")],
+                    ["chaos", "--nodes", "2", "--report", str(bad), "--run-dir", str(tmp_path / "c")]):
+            assert main(cmd) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"--report='{bad}' is invalid" in err[0], err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()  # nothing started
+    RunConfig(nodes=2, report=str(tmp_path / "new" / "r.json")).validate()  # created at the end: fine
+
+
+@pytest.mark.parametrize("value", [1e20, 357913.0])
+def test_a_failure_timeout_too_large_for_the_collectives_is_refused(value: float) -> None:
+    """--failure-timeout 1e20 was accepted, then every epoch failed to build its process groups (OverflowError:
+    the collectives wait 6x it, in milliseconds gloo keeps in an int): 13 spurious recoveries, a failed run."""
+    _refused(f"--failure-timeout={value!r} is invalid: must be a finite number > 0 and at most 86400 seconds",
+             failure_timeout=value)
+    RunConfig(failure_timeout=86400.0).validate()

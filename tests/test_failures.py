@@ -99,3 +99,53 @@ def test_exception_in_user_code_stops_cleanly(tmp_path: Path) -> None:
     assert p.returncode != 0
     reasons = [ln for ln in p.stderr.splitlines() if ln.startswith("!! run failed")]
     assert len(reasons) == 1 and "ValueError: shapes do not line up" in reasons[0], p.stderr
+
+
+def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> None:
+    """A node hung (SIGSTOP) while its replica transfer to a healthy node was in flight; the run then ended
+    (--timeout, Ctrl-C): the healthy node's replication thread only looked for a recovery, and its training
+    thread waited for it without looking at the run's end, so the node outlived the run until the launcher
+    killed it (`teardown.killed`: "still running after the run ended"; a remote host's agent: the whole
+    replication timeout). The run's end now reaches the waiting training thread as RunAborted."""
+    import time
+    from types import SimpleNamespace
+    from typing import Any
+
+    import pytest
+
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+    from phoenixft.errors import RunAborted
+    from phoenixft.protection import Protection
+    from phoenixft.replication import Replicator
+    from phoenixft.store_server import serve_store
+
+    server = serve_store("127.0.0.1", 0)
+    fake = SimpleNamespace(w=SimpleNamespace(epoch=0, watcher=SimpleNamespace(flagged=lambda e: False)))
+    check = Protection._flag_check(fake, server.addr)  # type: ignore[arg-type]  # (the check the workers use)
+    assert check() is None
+
+    class Stuck:  # the peer is stopped mid-transfer: its part never comes
+        def protect(self, repl: Replicator, step: int) -> tuple[int, dict[int, Any]]:
+            repl.wait_all([SimpleNamespace(is_completed=lambda: False)], f"replication of step {step}")
+            return 0, {}
+
+    repl = Replicator(None, lambda s: None, 1, check, timeout_s=15.0)  # type: ignore[arg-type]
+    repl.configure(None, None, Stuck())  # type: ignore[arg-type]
+    repl.start(1)
+    time.sleep(0.3)
+    connect_store(server.addr).set(keys.RUN_STATE, "aborted")  # the launcher's --timeout, or Ctrl-C
+    t0 = time.monotonic()
+    with pytest.raises(RunAborted, match=r"run ended \(aborted\)"):
+        repl.wait(1)
+    assert time.monotonic() - t0 < 10
+    repl.close()
+    # a wait inside backward's gradient hooks (where this one sits) runs in workload code: the run's end
+    # passes through it as itself, not as an "exception in the workload" that stops the run as failed
+    from phoenixft.errors import Unhealable
+    from phoenixft.training import Trainer
+
+    with pytest.raises(RunAborted), Trainer._user_code(1, 0):
+        raise RunAborted("run ended (aborted)")
+    with pytest.raises(Unhealable), Trainer._user_code(1, 0):
+        raise ValueError("a bug in the workload")

@@ -89,3 +89,18 @@ def test_the_same_fault_given_twice_is_refused() -> None:
 
     with pytest.raises(UserError, match="given twice: each fault fires once per run"):
         RunConfig(nodes=2, steps=8, inject=["kill:node=1@step=4", " kill:node=1@step=4"]).validate()
+
+
+def test_a_fault_the_run_never_reached_says_the_run_ended_first(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that timed out (or was stopped) at step 100 said of its `kill:node=1@step=1500`: "its node, rank
+    or phase was not in the job when its step came", which sends the user looking for a bug that is not there."""
+    from phoenixft.display import Display
+
+    specs = ["kill:node=1@step=1500", "kill:node=0@step=50", "kill:node=1@recovery=2"]
+    Display(quiet=True).done({"state": "failed: timeout after 6s", "steps_completed": 100, "faults_not_fired": specs})
+    err = capsys.readouterr().err
+    assert "kill:node=1@step=1500 (the run ended (failed: timeout after 6s) after step 100, before step 1500)" in err
+    assert "kill:node=0@step=50 (its node, rank or phase was not in the job when its step came)" in err, err
+    assert "kill:node=1@recovery=2 (the run ended (failed: timeout after 6s) after step 100)" in err, err
+    Display(quiet=True).done({"state": "done", "steps_completed": 100, "faults_not_fired": specs[:1]})
+    assert "(its node, rank or phase was not in the job when its step came)" in capsys.readouterr().err

@@ -298,3 +298,29 @@ def test_the_writer_outlives_a_failed_checkpoint_and_close_is_bounded(tmp_path: 
         stuck.set()
         p._q.put(None, timeout=10)  # let the writer end (close gave up on it)
         p._t.join(timeout=10)
+
+
+def test_export_to_a_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """--out naming a directory, a path under a file or an unwritable place used to end in a traceback
+    (IsADirectoryError, FileExistsError, safetensors' SerializeError); --step on a run directory said the
+    directory was not a run directory."""
+    from safetensors.torch import save_file
+
+    run_dir = tmp_path / "run"
+    (run_dir / "final").mkdir(parents=True)
+    save_file({"w": torch.zeros(3)}, str(run_dir / "final" / "model.safetensors"))
+    (tmp_path / "afile").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    cases = [(["--out", str(tmp_path)], "is a directory"),
+             (["--out", str(tmp_path / "afile" / "m.safetensors")], "afile is not a directory"),
+             (["--out", "/proc/m.safetensors"], "cannot create a file there"),
+             (["--out", str(tmp_path / "m.safetensors"), "--step", "3"], "--step=3 is invalid")]
+    for args, why in cases:
+        p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(run_dir), *args], capture_output=True,
+                           text=True, timeout=120, env=env)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and why in lines[0], p.stderr[-2000:]
+    out = tmp_path / "new" / "dir" / "m.safetensors"  # a missing directory is created
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(run_dir), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and out.exists(), p.stderr[-2000:]

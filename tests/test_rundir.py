@@ -77,3 +77,49 @@ def test_a_run_directory_can_be_used_again(tmp_path: Path) -> None:
     assert a["state"] == b["state"] == "done", b.get("error")
     assert a["run_id"] != b["run_id"]
     assert json.loads((tmp_path / "report.json").read_text())["run_id"] == b["run_id"]
+
+
+def test_a_directory_taken_by_a_run_that_is_starting_is_refused(tmp_path: Path) -> None:
+    """Two runs started at once with one --run-dir: neither's coordinator was up yet when the other looked,
+    so both took the directory, wrote one journal, appended to the same logs and overwrote each other's
+    report. The first launcher now holds the directory (a lock, from its start to its report)."""
+    from phoenixft.config import RunConfig
+    from phoenixft.launcher import LocalJob
+
+    cfg = RunConfig(nodes=2, spares=0, steps=1, device="cpu", run_dir=str(tmp_path / "r"), quiet=True)
+    first = LocalJob(cfg)  # (its processes not started yet: what the second launcher used to see)
+    try:
+        with pytest.raises(UserError, match=r"--run-dir .*r: another run that is still alive uses it"):
+            LocalJob(cfg)
+    finally:
+        rundir.release(first.dir_lock)
+    again = LocalJob(cfg)  # once the first run has ended, the directory is free
+    rundir.release(again.dir_lock)
+
+
+def test_a_directory_with_the_users_own_files_is_never_cleared(tmp_path: Path) -> None:
+    """`--run-dir` naming a project directory that holds its own config.json (or metrics.jsonl, logs/*.log,
+    final/) used to delete them, saying it "replaced the files of the run that used it before" (there was
+    none). Only a phoenixft run's files are replaced; anything else is refused with one line, and the
+    refused run leaves nothing there."""
+    from phoenixft.config import RunConfig
+    from phoenixft.launcher import LocalJob
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "final").mkdir()
+    mine = {"config.json": '{"lr": 0.1}', "metrics.jsonl": "{}\n", "logs/train.log": "epoch 1\n",
+            "final/weights.bin": "w"}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(UserError, match=r"--run-dir .*: it holds files that no phoenixft run wrote \(config.json"):
+        rundir.prepare(tmp_path)
+    cfg = RunConfig(nodes=2, spares=0, steps=1, device="cpu", run_dir=str(tmp_path), quiet=True)
+    with pytest.raises(UserError, match="no phoenixft run wrote"):
+        LocalJob(cfg)
+    assert {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()} == set(mine)
+    assert all((tmp_path / n).read_text() == t for n, t in mine.items())
+    # a run's own config.json (an etcd run has no journal here) is recognised as a run's
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(RunConfig(nodes=2).to_json())
+    assert rundir.prepare(other) is not None and not (other / "config.json").exists()

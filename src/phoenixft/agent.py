@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         shm.check_run_id(a.run_id)
     if a.workers < 1:
         raise UserError(f"--workers={a.workers} is invalid: need at least 1")
+    if a.threads < 1:
+        raise UserError(f"--threads={a.threads} is invalid: need at least 1 (torch threads per worker)")
     for name, v in (("--connect-timeout", a.connect_timeout), ("--control-plane-timeout", a.control_plane_timeout),
                     ("--join-timeout", a.join_timeout)):
         if not v > 0:

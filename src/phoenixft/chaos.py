@@ -520,7 +520,7 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
     """Reference run, then the campaign, then the verdict. `cfg` is the user's run configuration
     (its `seed` is used for the training too). Returns the campaign report (also written to `report`)."""
     from phoenixft.display import Display
-    from phoenixft.launcher import run_job
+    from phoenixft.launcher import INTERRUPTED, run_job
     from phoenixft.persist import latest_manifest
 
     out = out or sys.stdout
@@ -545,6 +545,8 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
         print(f"[1/2] failure-free reference (--protect none --spares 0) in {ref_cfg.run_dir} ...", file=out,
               flush=True)
         ref = run_job(ref_cfg, Display(quiet=True, steps=ref_cfg.steps))
+        if ref.get("state") == INTERRUPTED:  # the user stopped the campaign: no campaign run, no verdict
+            raise KeyboardInterrupt
         print(f"      {ref.get('state')}: {ref.get('steps_completed', 0)} steps in {time.monotonic() - t0:.1f}s, "
               f"final state sha256 {(ref.get('final_state_sha256') or '-')[:16]}", file=out, flush=True)
     t_ref = time.monotonic() - t0
@@ -553,6 +555,8 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
     if ref.get("state") in ("done", "skipped"):
         print(f"[2/2] campaign: {len(sched.inject)} fault specs in {camp.run_dir} ...", file=out, flush=True)
         run = run_job(camp, Display(quiet=camp.quiet, json_events=camp.json_events, steps=camp.steps))
+        if run.get("state") == INTERRUPTED:  # stopped by the user, not lost to a fault: no verdict
+            raise KeyboardInterrupt
     t_camp = time.monotonic() - t1
     run_dir = Path(run.get("run_dir") or camp.run_dir)
     events, metrics = _read_jsonl(run_dir / "events.jsonl"), _read_jsonl(run_dir / "metrics.jsonl")

@@ -23,9 +23,11 @@ from phoenixft.faults import FaultSpec, parse_fault
 from phoenixft.redundancy.scheme import VALID as REDUNDANCY_VALID
 from phoenixft.redundancy.scheme import Redundancy, parse_redundancy
 
-__all__ = ["RunConfig", "add_run_arguments", "config_from_args", "checkpoint_bytes", "PROTECT_MODES"]
+__all__ = ["RunConfig", "add_run_arguments", "config_from_args", "checkpoint_bytes", "check_output_file",
+           "PROTECT_MODES"]
 
 PROTECT_MODES = ("phoenix", "none")
+MAX_FAILURE_TIMEOUT_S = 86400.0  # larger ones overflow the collectives' timeouts (gloo: int milliseconds)
 _NUMEL: dict[tuple[Any, ...], int | None] = {}
 
 
@@ -300,7 +302,9 @@ class RunConfig:
                 + (" (2 or more per pipeline stage)" if self.pp > 1 else "") + " or --protect none (no protection)",
             )
         real(self.repair_after, self.repair_after >= 0, "--repair-after", ">= 0 seconds (0 = never)")
-        real(self.failure_timeout, self.failure_timeout > 0, "--failure-timeout", "> 0 seconds")
+        # (the collectives wait up to 6x this, in milliseconds that gloo keeps in a 32-bit int)
+        real(self.failure_timeout, 0 < self.failure_timeout <= MAX_FAILURE_TIMEOUT_S, "--failure-timeout",
+             f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
         # the launcher starts the late spare once step N has completed: after the last step nothing is left to join
         late = ("0 (never) or a step in 1.." + str(self.steps - 1)) if self.steps > 1 else "0 (never)"
         need(self.spare_arrives_at_step == 0 or 1 <= self.spare_arrives_at_step < self.steps,
@@ -344,6 +348,7 @@ class RunConfig:
             if f.kind in ("kill", "hang", "crash", "corrupt", "partition"):
                 need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
+        check_output_file("--report", self.report)
         check_workload_path(self.workload)
         if self.persist_every:
             need(bool(self.persist_dir), "--persist-dir", self.persist_dir, "needed with --persist-every")
@@ -509,6 +514,23 @@ def _existing(d: str) -> str:
     while not os.path.exists(p) and os.path.dirname(p) != p:
         p = os.path.dirname(p)
     return p
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """UserError unless the file `path` ('' = none) can be written once the run is over: not a directory,
+    and creatable (its directory, or the nearest existing ancestor it would be created in, writable) or
+    an existing writable file. Checked before anything starts, not after the whole run."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise UserError(f"{flag}={path!r} is invalid: it is a directory; give a file name")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{flag}={path!r} is invalid: the file exists and is not writable")
+        return
+    why = _unwritable(os.path.dirname(os.path.abspath(path)))
+    if why is not None:
+        raise UserError(f"{flag}={path!r} is invalid: cannot create a file there ({why})")
 
 
 def _unwritable(d: str) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.display import Display
-from phoenixft.launcher import run_job
+from phoenixft.launcher import INTERRUPTED, run_job
 
 __all__ = ["demo"]
 
@@ -25,9 +25,28 @@ def _cfg(base: dict[str, Any], run_dir: Path, **kw: Any) -> RunConfig:
     return cfg
 
 
+def _check_kill(*, steps: int, nodes: int, kill_step: int, kill_node: int, phase: str) -> None:
+    """The demo's own flags, named as the user gave them (not as the --inject spec they become)."""
+    from phoenixft.errors import UserError
+    from phoenixft.faults import KILL_PHASES
+
+    if steps < 2:  # (the kill needs a step after the first; --steps itself is checked by the runs)
+        raise UserError(f"--steps={steps} is invalid: the demo kills a node mid-run, so need --steps >= 2")
+    if nodes < 2:
+        raise UserError(f"--nodes={nodes} is invalid: the killed node's state comes back from a replica on another "
+                        "node, so need --nodes >= 2")
+    if not 0 <= kill_node < nodes:
+        raise UserError(f"--kill-node={kill_node} is invalid: must be in 0..{nodes - 1} (--nodes {nodes})")
+    if not 1 <= kill_step <= steps:
+        raise UserError(f"--kill-step={kill_step} is invalid: must be in 1..{steps} (--steps {steps}; 0 = mid-run)")
+    if phase not in KILL_PHASES:
+        raise UserError(f"--phase={phase!r} is invalid: one of {', '.join(KILL_PHASES)}")
+
+
 def demo(*, steps: int, nodes: int, model: str, kill_step: int, kill_node: int, phase: str, run_dir: str) -> int:
     import time
 
+    _check_kill(steps=steps, nodes=nodes, kill_step=kill_step, kill_node=kill_node, phase=phase)
     root = Path(run_dir or "runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     base = {"nodes": nodes, "workers_per_node": 1, "steps": steps, "model": model, "spares": 1}
     spec = f"kill:node={kill_node}@step={kill_step},phase={phase}"
@@ -40,6 +59,8 @@ def demo(*, steps: int, nodes: int, model: str, kill_step: int, kill_node: int, 
     for i, (name, cfg) in enumerate(plan, 1):
         print(f"[{i}/3] {name} ...", file=sys.stderr, flush=True)
         reports.append(run_job(cfg, Display(quiet=True, steps=cfg.steps)))
+        if reports[-1].get("state") == INTERRUPTED:  # Ctrl-C stops the demo, not just this one of its runs
+            raise KeyboardInterrupt
     ref, clean, faulty = reports
     ok = all(r.get("state") == "done" for r in reports)
     same = ok and ref["final_state_sha256"] == faulty["final_state_sha256"] == clean["final_state_sha256"]

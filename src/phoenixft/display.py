@@ -123,10 +123,28 @@ class Display:
                       f"first step {fmt(st['first_step_s'])}), lost {r['lost_steps']} step(s), "
                       f"invariants {self._inv(r)}")
         for spec in report.get("faults_not_fired", []):
-            self._err(f"!! fault never fired: {spec} ({_why_not_fired(spec)})")
+            self._err(f"!! fault never fired: {spec} ({_ended_first(spec, report) or _why_not_fired(spec)})")
         state = report.get("state")
         self._err(f"{state}: {report.get('steps_completed', 0)} steps, final state sha256 "
                   f"{(report.get('final_state_sha256') or '-')[:16]}, report in {report.get('run_dir', '-')}")
+
+
+def _ended_first(spec: str, report: dict[str, Any]) -> str | None:
+    """Why a fault did not fire when the run did not finish and never reached the fault's step (a timeout,
+    Ctrl-C, a lost run), or None: then the fault's own kind says why (`_why_not_fired`)."""
+    state = report.get("state")
+    if state is None or state == "done":
+        return None
+    from phoenixft.faults import parse_fault
+
+    try:
+        step = parse_fault(spec, 0).step
+    except Exception:  # noqa: BLE001 - (specs were validated at the start; a report from elsewhere may differ)
+        return None
+    done = int(report.get("steps_completed") or 0)
+    if step is not None and step <= done:
+        return None
+    return f"the run ended ({state}) after step {done}" + (f", before step {step}" if step is not None else "")
 
 
 def _why_not_fired(spec: str) -> str:

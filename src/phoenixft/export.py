@@ -14,14 +14,16 @@ is built by its workload and the flat master weights and buffers are put back un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from phoenixft.errors import UserError
+
+if TYPE_CHECKING:  # (imported where used: the CLI builds its parser from this module, and `phoenixft gc`,
+    import torch  # `status`, `simulate` and `--help` must not pay for `import torch`)
 
 __all__ = ["state_dict_from", "write_final", "export", "add_parser"]
 
@@ -62,6 +64,8 @@ def _save(sd: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     if fmt == "pt":
+        import torch
+
         torch.save(sd, tmp)
     else:
         from safetensors.torch import save_file
@@ -82,6 +86,8 @@ def write_final(run_dir: str, trainer: Any, master: torch.Tensor, cfg: Any, sha:
 
 
 def _from_checkpoint(root: Path, step: int | None) -> dict[str, torch.Tensor]:
+    import torch
+
     from phoenixft.config import RunConfig
     from phoenixft.persist import check, latest_manifest, load_full, verified_manifest
     from phoenixft.workload import WorkloadContext, load_workload
@@ -123,6 +129,10 @@ def export(src: str, out: str, fmt: str = "safetensors", step: int | None = None
         raise UserError(f"--format={fmt!r} is invalid: one of safetensors, pt")
     if not root.exists():
         raise UserError(f"SRC={src!r} does not exist: give a run directory or a persistent checkpoint directory")
+    from phoenixft.config import check_output_file
+
+    check_output_file("--out", out)  # before the model is loaded: a wrong path is one line, not a traceback
+    path = Path(out)
     final = root / "final" / "model.safetensors"
     if final.exists() and step is None:
         from safetensors.torch import load_file
@@ -130,11 +140,22 @@ def export(src: str, out: str, fmt: str = "safetensors", step: int | None = None
         sd = load_file(str(final))
     elif any(root.glob("step_*/MANIFEST.json")) or (root / "MANIFEST.json").exists():
         sd = _from_checkpoint(root if any(root.glob("step_*/MANIFEST.json")) else root.parent, step)
+    elif final.exists():
+        raise UserError(f"--step={step} is invalid for SRC={src!r}: a run directory holds only its final model; "
+                        "--step picks a checkpoint of a persistent checkpoint directory (--persist-dir), or leave "
+                        "it out")
     else:
         raise UserError(f"SRC={src!r} is invalid: neither a run directory with final/model.safetensors (a run that "
                         "completed) nor a checkpoint directory with step_*/MANIFEST.json")
-    path = Path(out)
-    _save(sd, path, fmt)
+    from safetensors import SafetensorError
+
+    try:
+        _save(sd, path, fmt)
+    except (OSError, SafetensorError) as e:  # e.g. the disk filled up meanwhile
+        with contextlib.suppress(OSError):  # (a half-written temporary file)
+            path.with_name(path.name + ".tmp").unlink()
+        raise UserError(f"--out={out!r} is invalid: cannot write it ({getattr(e, 'strerror', None) or e}); give a "
+                        "writable file path") from None
     return path
 
 

@@ -48,13 +48,14 @@ from phoenixft.procs import group_members
 from phoenixft.repair import RepairQueue
 from phoenixft.report import build_report
 
-__all__ = ["LocalJob", "run_job", "check_mode", "STOP_GRACE_S"]
+__all__ = ["LocalJob", "run_job", "check_mode", "STOP_GRACE_S", "INTERRUPTED"]
 
 ETCD_PROBE_S = 10.0  # how long an etcd:// control plane may take to answer before the run is refused
 PARENT = "{parent}"  # in a spawned command line: the PID of the process it must not outlive
 Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
 STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
 CONTROL_PLANE_TIMEOUT_S = 15.0  # etcd: no answer for this long and the run is failed (agents' default too)
+INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP
 LOST_TEARDOWN_CALL_S = 2.0  # etcd lost: each store call of the teardown gets this long (if it is back: cleaned)
 
 
@@ -90,7 +91,12 @@ class LocalJob:
         self.token_generated = token is None
         self.run_id = uuid.uuid4().hex[:10]
         self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{self.run_id}"))
-        replaced = rundir.prepare(self.run_dir)  # a previous run's files there are removed (a live run's: refused)
+        self.dir_lock = rundir.claim(self.run_dir)  # held until the report is written (another launcher: refused)
+        try:
+            replaced = rundir.prepare(self.run_dir)  # a previous run's files there are removed (a live run's: refused)
+        except BaseException:
+            rundir.release(self.dir_lock, self.run_dir)  # (refused there: leave nothing of this run behind)
+            raise
         self.display = display or Display(quiet=cfg.quiet, json_events=cfg.json_events, steps=cfg.steps)
         if replaced:
             self.display.info(replaced)
@@ -550,36 +556,39 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
     join at host:port (`phoenixft coordinator`). `token`: the job token (None: generate one)."""
     check_mode(cfg, local)
     job = LocalJob(cfg, display, host=host, port=port, token=token, local=local)
-    state = "failed: did not start"
-    report: dict[str, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM (a scheduler, `kill`) must tear the job down like Ctrl-C does, never orphan it
-        # and so must SIGHUP (the terminal closed)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        job.start()
-        state = job.monitor()
-        if job.control_plane_lost is not None:
-            report = _lost_report(job, cfg, state)
-        else:
-            job._poll_events()
-            report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
-            if job.store.check([keys.MEMBERS]):
-                report["members"] = json.loads(job.store.get(keys.MEMBERS))
-    except KeyboardInterrupt:
-        state = "failed: interrupted"
-        report = _interrupted_report(job, cfg, state)
+        state = "failed: did not start"
+        report: dict[str, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (a scheduler, `kill`) must tear the job down like Ctrl-C does, never orphan it
+            # and so must SIGHUP (the terminal closed)
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+        try:
+            job.start()
+            state = job.monitor()
+            if job.control_plane_lost is not None:
+                report = _lost_report(job, cfg, state)
+            else:
+                job._poll_events()
+                report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
+                if job.store.check([keys.MEMBERS]):
+                    report["members"] = json.loads(job.store.get(keys.MEMBERS))
+        except KeyboardInterrupt:
+            state = INTERRUPTED
+            report = _interrupted_report(job, cfg, state)
+        finally:
+            with _signals_held():  # a second Ctrl-C / SIGHUP must not cut the teardown short
+                job.teardown()
+        if not report:
+            report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}
+        report["teardown"] = job.leaks
+        report["teardown_stopped_while_starting"] = job.stopped_starting
+        (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
+        if cfg.report:
+            Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.report).write_text(json.dumps(report, indent=2))
     finally:
-        with _signals_held():  # a second Ctrl-C / SIGHUP must not cut the teardown short
-            job.teardown()
-    if not report:
-        report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}
-    report["teardown"] = job.leaks
-    report["teardown_stopped_while_starting"] = job.stopped_starting
-    (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
-    if cfg.report:
-        Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.report).write_text(json.dumps(report, indent=2))
+        rundir.release(job.dir_lock)  # (the report is written: the directory is free for the next run)
     job.display.done(report)
     return report

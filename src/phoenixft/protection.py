@@ -18,7 +18,8 @@ import torch
 
 from phoenixft import keys
 from phoenixft.comm import connect_store
-from phoenixft.controlplane import is_etcd
+from phoenixft.controlplane import exists_many, is_etcd
+from phoenixft.errors import RunAborted
 from phoenixft.persist import Persister
 from phoenixft.recovery.planner import Descriptor
 from phoenixft.redundancy.parity import ParityHolding, parity_name
@@ -67,13 +68,21 @@ class Protection:
         last = [0.0]
 
         def check() -> str | None:
+            """Why the replication of a step should give up: a recovery of this epoch, or (RunAborted) the
+            end of the run: a peer that stopped mid-transfer (a hang, a timeout of the run) must not keep
+            this node waiting out the replication timeout after the run has ended."""
             if self.w.watcher.flagged(self.w.epoch):
                 return "recovery requested"
             now = time.monotonic()
             if now - last[0] < every:
                 return None
             last[0] = now
-            return "recovery requested" if store.check([keys.failflag(self.w.epoch)]) else None
+            failed, over = exists_many(store, [keys.failflag(self.w.epoch), keys.RUN_STATE])
+            if failed:
+                return "recovery requested"
+            if over:
+                raise RunAborted(f"run ended ({store.get(keys.RUN_STATE).decode()})")
+            return None
 
         return check
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from phoenixft.comm import EpochComm, alltoallv, wait_work
-from phoenixft.errors import PeerFailure
+from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.snapshot import Holding, ShardState, checksum
 
 __all__ = ["Replicator", "ReplicaPlan"]
@@ -83,6 +83,7 @@ class Replicator:
         self._job: int | None = None
         self._done = -1
         self._error: str | None = None
+        self._ended: RunAborted | None = None  # the run ended while a job waited (abort_check raised it)
         self._abort = threading.Event()
         self._stop = False
         self.comm: EpochComm | None = None
@@ -100,6 +101,7 @@ class Replicator:
             assert self._job is None, "reconfigure while a job runs"
             self.comm, self.plan, self.scheme = comm, plan, scheme
             self._error = None
+            self._ended = None
             self._done = -1
             self._abort.clear()
 
@@ -119,9 +121,11 @@ class Replicator:
 
         t0 = time.perf_counter()
         with self._cv:
-            while self._done < step and self._error is None:
+            while self._done < step and self._error is None and self._ended is None:
                 if not self._cv.wait(timeout=self.timeout_s):
                     raise PeerFailure(f"replication of step {step}: timed out after {self.timeout_s:.1f}s")
+            if self._ended is not None:  # not a failure to recover from: the run is over
+                raise RunAborted(str(self._ended))
             if self._error is not None:
                 raise PeerFailure(self._error)
         return time.perf_counter() - t0
@@ -148,14 +152,19 @@ class Replicator:
                 step = self._job
             assert step is not None
             err: str | None = None
+            ended: RunAborted | None = None
             try:
                 self._replicate(step)
+            except RunAborted as e:
+                ended = e
             except PeerFailure as e:
                 err = str(e)
             except Exception as e:  # noqa: BLE001 - surfaced to the training loop
                 err = f"replication of step {step}: {type(e).__name__}: {e}"
             with self._cv:
-                if err is None:
+                if ended is not None:
+                    self._ended = ended
+                elif err is None:
                     self._done = step
                 else:
                     self._error = err

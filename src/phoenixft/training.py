@@ -46,7 +46,7 @@ from phoenixft.buckets import GradBuckets
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
 from phoenixft.device import DONE, Device
-from phoenixft.errors import PeerFailure, Unhealable
+from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.optim import ElementwiseOptimizer, lr_at, make_optimizer
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import full_numel, segments, to_full
@@ -324,7 +324,7 @@ class Trainer:
         """Workload code runs here: a failure of ours passes through, a bug in user code is not ours to heal."""
         try:
             yield
-        except PeerFailure:
+        except (PeerFailure, RunAborted):  # (a wait inside backward's hooks: a peer failed, or the run ended)
             raise
         except Exception as e:  # noqa: BLE001
             raise Unhealable(f"exception in the workload at step {s} on rank {rank}: {type(e).__name__}: {e}") from e

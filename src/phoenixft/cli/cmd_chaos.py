@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from phoenixft.config import add_run_arguments, config_from_args
+from phoenixft.config import add_run_arguments, check_output_file, config_from_args
 
 __all__ = ["add_parser", "chaos"]
 
@@ -46,6 +46,7 @@ def chaos(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args, validate=False)
     check_campaign(cfg, args.faults)  # the campaign's own needs first: clearer than what a run would say
+    check_output_file("--report", args.report)  # (written at the very end: checked before anything starts)
     cfg.validate()
     result = run_campaign(cfg, args.faults, args.seed, allow_unsurvivable=args.allow_unsurvivable,
                           report=args.report)

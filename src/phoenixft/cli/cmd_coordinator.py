@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def coordinator(args: argparse.Namespace) -> int:
     from phoenixft import auth
     from phoenixft.errors import UserError
-    from phoenixft.launcher import run_job
+    from phoenixft.launcher import INTERRUPTED, run_job
 
     if args.standby:
         return standby(args.standby, args.token)
@@ -61,6 +61,8 @@ def coordinator(args: argparse.Namespace) -> int:
         auth.check_token(token, "--token" if args.token else f"${auth.TOKEN_ENV}")
     cfg = config_from_args(args)
     report = run_job(cfg, host=args.host, port=args.port, token=token, local=False)
+    if report.get("state") == INTERRUPTED:  # stopped by Ctrl-C, SIGTERM or SIGHUP, as `phoenixft run`
+        return 130
     return 0 if report.get("state") == "done" else 1
 
 

@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if zygote.enabled():  # its `import torch` overlaps this process's own (phoenixft.launcher's)
         zygote.Zygote.shared()
-    from phoenixft.launcher import run_job
+    from phoenixft.launcher import INTERRUPTED, run_job
 
     report = run_job(cfg, token=token)
+    if report.get("state") == INTERRUPTED:  # stopped by Ctrl-C, SIGTERM or SIGHUP: as the shell says it
+        return 130
     return 0 if report.get("state") == "done" else 1

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn, cast
 
 from phoenixft.errors import UserError
 
 __all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the flag, the value and why (argparse's own message), and where the valid
+    values are; not the usage block (for `run`, some 30 lines above the one that matters). Every subcommand's
+    parser is one of these (add_subparsers makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (valid flags and values: {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_status,
     )
 
-    ap = argparse.ArgumentParser(prog="phoenixft", description="Keep PyTorch training alive through node failures.")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    ap = _Parser(prog="phoenixft", description="Keep PyTorch training alive through node failures.")
+    # (its parsers are _Parsers: add_subparsers makes them of the parent's class)
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               ap.add_subparsers(dest="command", metavar="COMMAND", required=True))
     cmd_run.add_parser(sub)
     cmd_chaos.add_parser(sub)
     cmd_demo.add_parser(sub)
@@ -47,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    try:  # (Ctrl-C while the subcommand's modules load, e.g. torch: exit 130 like later, not a traceback)
+        ap = build_parser()
+        args = ap.parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
     try:
         return int(args.func(args))
     except UserError as e:
