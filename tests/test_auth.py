@@ -286,3 +286,30 @@ def test_an_agent_for_another_run_is_refused_before_it_asks_to_join() -> None:
     assert "--run-id=ffff is not the run of the coordinator" in p.stderr and "(0123abcd45)" in p.stderr, p.stderr
     assert time.monotonic() - t0 < 30.0  # refused at once, not after waiting to be admitted
     assert not store.check([keys.ADMIT_SEQ])  # it never asked
+
+
+def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recovery planner is pure: an exception in it would come back at every restart of the coordinator
+    (the launcher restarts it, until "the coordinator keeps exiting"). The coordinator fails the run in one
+    line that names the exception instead."""
+    from phoenixft import coordinator as coord_mod
+    from phoenixft.recovery.planner import Descriptor
+    from phoenixft.topology import Topology
+
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    store.set(keys.CONFIG, RunConfig(nodes=2, spares=0).to_json())
+    store.set(keys.RUN_ID, "run1")
+    coord = coord_mod.Coordinator(store, token=TOKEN)
+    old = Topology(epoch=0, nodes=["n0", "n1"], workers_per_node=1, replicas=1, resume_step=0)
+    coord.topo = old
+    store.set(keys.desc(0, "n0.0"), json.dumps(Descriptor(wid="n0.0", params=[3]).to_json()))
+
+    def broken(pi: Any) -> Any:
+        raise KeyError("pp0.tp0.dp0of3")
+
+    monkeypatch.setattr(coord_mod, "plan_recovery", broken)
+    coord._decide(old, time.time(), {"n1"}, set(), set())
+    assert store.get(keys.RUN_STATE) == b"failed"
+    err = store.get(keys.RUN_ERROR).decode()
+    assert "\n" not in err and "the recovery planner failed (KeyError: 'pp0.tp0.dp0of3')" in err, err

@@ -51,6 +51,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -716,9 +717,15 @@ class Coordinator:
             nonlocal man
 
             def plan_with(m: dict[str, Any] | None) -> Any:
-                return plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
-                                               target_nodes=self.cfg.nodes, replicas=self.cfg.replicas,
-                                               racks=self.cfg.racks, manifest=m, grow_only=grow_only))
+                try:
+                    return plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
+                                                   target_nodes=self.cfg.nodes, replicas=self.cfg.replicas,
+                                                   racks=self.cfg.racks, manifest=m, grow_only=grow_only))
+                except Exception as ex:  # noqa: BLE001 - the planner is pure: a restarted coordinator would raise
+                    # again, each time, until the launcher gave up on it; so the run fails in one line instead
+                    traceback.print_exc(file=sys.stderr)  # (the coordinator's log: for the bug report)
+                    return Plan(ok=False, error=f"the recovery planner failed ({type(ex).__name__}: {str(ex)[:200]}): "
+                                                "a defect of phoenixft; please report it with the run directory")
 
             p = plan_with(man)
             if p.persistent_step is not None and not verified:
