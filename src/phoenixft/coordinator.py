@@ -142,6 +142,7 @@ class Coordinator:
         self.desk = auth.AdmissionDesk(store, token)
         self.members: dict[str, dict[str, Any]] = {}  # admitted nodes: id -> {name, host, spare, t}
         self.spare_pool: list[str] = []  # admitted spares not used yet, in id order
+        self._gone_spares: set[str] = set()  # spares of the pool whose agent exited or whose heartbeat is stale
         self.topo: Topology | None = None
         self.dead: set[str] = set()
         self._last_hb_check = 0.0
@@ -464,8 +465,7 @@ class Coordinator:
         a repaired node returns as a spare and is grown in at once) is whole at its full size."""
         assert self.topo is not None
         self._refresh_pool()
-        whole = len(self.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or any(
-            self._node_ready(s) for s in self.spare_pool if s not in self.dead))
+        whole = len(self.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or bool(self._ready_spares()))
         there = exists_many(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
         if whole and not there:
             self.store.set(keys.JOB_WHOLE, "1")
@@ -483,6 +483,12 @@ class Coordinator:
             return False
         sid = f"s{self.cfg.spares}"  # the id the launcher starts it with
         return sid not in pool and sid not in self.dead and (self.topo is None or sid not in self.topo.nodes)
+
+    def _ready_spares(self) -> list[str]:
+        """The spares that can be promoted now: admitted, ready, and alive as far as the coordinator
+        knows (a spare whose agent died while it waited is not handed a slot: it would answer nothing,
+        and the recovery would wait out --failure-timeout to find that out)."""
+        return [s for s in self.spare_pool if s not in self.dead and s not in self._gone_spares and self._node_ready(s)]
 
     def _refresh_pool(self) -> None:
         """Spares admitted since (`phoenixft agent --spare`, or a repaired node) are in the pool already."""
@@ -572,7 +578,7 @@ class Coordinator:
         if len(self.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
             self._last_grow_check = now
             self._refresh_pool()
-            if any(self._node_ready(s) for s in self.spare_pool if s not in self.dead):
+            if self._ready_spares():
                 self._event("grow_requested", epoch=self.topo.epoch)
                 return True  # recover() repartitions over the grown world at this step boundary
         if self._exited(self.topo.nodes):
@@ -580,7 +586,11 @@ class Coordinator:
         now = time.time()
         if now - self._last_hb_check > HB_CHECK_S:
             self._last_hb_check = now
-            if self._stale(self.topo.nodes, now):
+            # idle spares are watched too (one multi_get with the nodes'): a dead one is never promoted
+            spares = [s for s in self.spare_pool if s not in self.dead]
+            stale = self._stale(self.topo.nodes + spares, now)
+            self._gone_spares = (stale | self._exited(spares)) & set(spares)
+            if stale - set(spares):
                 return True
         return False
 
@@ -681,7 +691,7 @@ class Coordinator:
             return
         t_first = min([d.t for d in descs.values()] + [t_start])
         self._refresh_pool()
-        pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
+        pool = self._ready_spares()
         grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
         tier, exclude = self.cfg.persist_dir, {}
@@ -724,7 +734,7 @@ class Coordinator:
             while len(pool) < len(dead) and time.monotonic() < deadline:
                 time.sleep(0.1)
                 self._refresh_pool()
-                pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
+                pool = self._ready_spares()
             plan = decide()
         if not plan.ok:
             plan = self._fresh_start(old, dead, descs, pool, progress=self._progress()) or plan
