@@ -80,6 +80,7 @@ HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
 HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
 ADMIT_POLL_S = 0.025  # join requests are looked at this often (one counter read) while training
 _ID = re.compile(r"^([ns])(\d+)$")
+START_BEAT_GRACE_S = 15.0  # an active node admitted this long ago that never heartbeated died while starting
 STANDBY_GIVE_UP_S = 60.0  # a standby whose etcd has had no quorum for this long stops (no job outlives that)
 
 
@@ -370,11 +371,14 @@ class Coordinator:
             self._loop()
             return
         deadline = time.monotonic() + self.cfg.join_timeout
+        swapped: dict[str, str] = {}  # an active node that died before the start -> the spare in its slot
         while True:
             self._admit(force=True)
-            active = sorted((n for n in self.members if n.startswith("n")), key=_index)
+            active = [swapped.get(n, n) for n in sorted((n for n in self.members if n.startswith("n")), key=_index)]
             if len(active) == self.cfg.nodes and self._ready(active):
                 break
+            if len(active) == self.cfg.nodes:
+                self._replace_dead_before_start(active, swapped)
             if self._over():
                 return
             if time.monotonic() > deadline:
@@ -395,6 +399,8 @@ class Coordinator:
                 self._fail_run(f"--resume {self.cfg.resume}: {why}")
                 return
             start, meta = man["step"], {"restore": "persistent", "manifest": man}
+        if swapped:
+            meta = {**meta, "promoted": [s for s in active if s in swapped.values()]}  # (their workers wait for it)
         self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
                               racks=self.cfg.racks, resume_step=start, meta=meta, tp=self.cfg.tp, pp=self.cfg.pp))
         self.store.set("coordinator/ready", str(time.time()))
@@ -420,6 +426,31 @@ class Coordinator:
             if time.monotonic() - last_whole > 0.25:
                 last_whole = time.monotonic()
                 self._publish_whole()
+
+    def _replace_dead_before_start(self, active: list[str], swapped: dict[str, str]) -> None:
+        """Before the start, every active slot filled: an active node that is not ready and is gone (its
+        agent's exit reported, its heartbeat stale, or no heartbeat START_BEAT_GRACE_S after its
+        admission: it died while starting) gets a ready spare in its slot, and is fenced. Without this,
+        a host lost during the join held its slot until --join-timeout (600 s) failed the run, with a
+        ready spare waiting."""
+        now = time.monotonic()
+        for n in active:
+            if not n.startswith("n") or self._node_ready(n):
+                continue
+            pool = [s for s in self._ready_spares() if s not in swapped.values()]
+            if not pool:
+                return
+            beat = self.store.check([keys.heartbeat(n)])
+            silent = time.time() - float(self.members[n]["t"]) > max(self.cfg.failure_timeout, START_BEAT_GRACE_S)
+            if not (self._exited([n]) or (beat and self._stale([n], now)) or (not beat and silent)):
+                continue
+            spare = pool[0]
+            swapped[n] = spare
+            self.dead.add(n)
+            self.spare_pool.remove(spare)
+            self.store.set(keys.fence(n), str(time.time()))
+            self._event("replaced_before_start", node=n, spare=spare,
+                        why="its agent exited" if n in self._exited_nodes else "no heartbeat")
 
     def _watch_flags(self) -> None:
         """Block on the current epoch's failure flag (own connection: an etcd watch, or a TCPStore's
