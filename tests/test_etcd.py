@@ -681,3 +681,32 @@ def test_a_head_cut_off_from_etcd_leaves_the_job_to_the_standby(cluster: EtcdClu
     mine.store.set(keys.left("n0"), "0")
     mine.teardown()
     assert mine.handed_over is None and s.num_keys() == 0
+
+
+def test_agents_stop_when_the_jobs_keys_are_gone(cluster: EtcdCluster, tmp_path: Path) -> None:
+    """The job's keys removed from etcd under running agents (its head ended the run and removed them
+    while an agent had not seen the end, e.g. one cut off meanwhile): each agent stops its node at once,
+    in one line. They used to go on for minutes, their workers crashing and being restarted in place
+    (a traceback each: `wait timeout: key 'config' not set within 30s`) until the crash loop gave up."""
+    from phoenixft.auth import generate_token
+
+    jp = _Procs(tmp_path, generate_token())
+    url = ""
+    try:
+        url, s = jp.head(cluster.url, 5000)
+        jp.agents(url)
+        _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 2, 120, "step 2")
+        os.killpg(jp.procs["head"].pid, signal.SIGKILL)  # (no head left to end the run properly)
+        jp.procs["head"].wait(timeout=10)
+        s.delete_prefix()
+        t = time.monotonic()
+        for name in ("a", "b"):
+            try:
+                rc = jp.procs[name].wait(timeout=max(1.0, 20.0 - (time.monotonic() - t)))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"agent {name} runs on without its job: {jp.log(name)[-1500:]}") from None
+            assert rc == 1 and "the job's keys are gone" in jp.log(name), (rc, jp.log(name)[-1500:])
+    finally:
+        jp.close()
+        if url:
+            connect(url, 5.0).delete_prefix()

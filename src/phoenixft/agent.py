@@ -271,10 +271,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConnectionError("no connection to the store")
             if time.monotonic() - last_look >= look_every:
                 last_look = time.monotonic()
-                if store.check([keys.fence(node)]):  # declared dead while stopped or cut off: never write again
+                # one request on etcd; there a job's keys can also vanish (its head removed them at its end)
+                fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if is_etcd(store)
+                                     else (store.check([keys.fence(node)]), True))
+                if fenced_now:  # declared dead while stopped or cut off: never write again
                     print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
                     fenced = True
                     stop(signal.SIGTERM, None)
+                if not there:  # nothing left to train for (its workers would wait for keys that never come)
+                    print(f"phoenixft agent {node}: the job's keys are gone from {a.store} (the run ended and its "
+                          "keys were removed); stopping the node", file=sys.stderr, flush=True)
+                    cleanup()
+                    return 1
                 if beat is None or beat.store is not store:
                     beat = Heartbeat(store, keys.heartbeat(node), cfg.failure_timeout)  # a lease on etcd
                 beat.beat(str(time.time()))
