@@ -246,6 +246,17 @@ def main(argv: list[str] | None = None) -> int:
         if res.segments:
             print(f"phoenixft agent: removed {res.segments} orphaned shared-memory segment(s), "
                   f"{res.bytes / 2**20:.1f} MiB, of run(s) {', '.join(res.runs)}", file=sys.stderr)
+        # this machine's earlier incarnation in this run (its agent killed, its node fenced since; e.g. a
+        # repaired host that rejoins as a spare) left its node's memory here, which the sweep spares while
+        # the run lives: a fenced node never uses it again
+        try:
+            dead = sorted(n for n in shm.nodes_with_segments(run_id) - {node} if store.check([keys.fence(n)]))
+        except Exception:  # noqa: BLE001 - the store did not answer: the heartbeat loop reconnects
+            dead = []
+        for n in dead:
+            freed = shm.unlink_segments(run_id, n)
+            print(f"phoenixft agent: removed {len(freed)} shared-memory segment(s), "
+                  f"{sum(b for _, b in freed) / 2**20:.1f} MiB, of fenced node {n} of this run", file=sys.stderr)
     registered = True  # first: a signal during the registration must still unregister (a no-op if absent)
     shm.register_owner(run_id, f"agent {node}")
 
