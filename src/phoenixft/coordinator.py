@@ -81,6 +81,7 @@ HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
 ADMIT_POLL_S = 0.025  # join requests are looked at this often (one counter read) while training
 _ID = re.compile(r"^([ns])(\d+)$")
 START_BEAT_GRACE_S = 15.0  # an active node admitted this long ago that never heartbeated died while starting
+ALL_SILENT_WAIT_S = 15.0  # every node (and spare) silent at once: how much longer before they are judged dead
 STANDBY_GIVE_UP_S = 60.0  # a standby whose etcd has had no quorum for this long stops (no job outlives that)
 
 
@@ -640,6 +641,11 @@ class Coordinator:
         stale_since: dict[str, float] = {}
         grace = min(1.0, self.cfg.failure_timeout / 2)
         deadline = time.monotonic() + self.cfg.failure_timeout
+        # every member and spare silent at once, nobody posting: this host is more likely cut off than all of
+        # them dead, and fencing them all would end the run when its link comes back; wait that long more
+        # (an agent stops its node after --control-plane-timeout, 15 s by default, without the store)
+        silent_until = deadline + ALL_SILENT_WAIT_S
+        said = silent = False
         last_hb, verified = 0.0, None
         while True:
             dead |= self._exited(nodes)
@@ -658,10 +664,25 @@ class Coordinator:
             now = time.time()
             if now - last_hb >= HB_RECOVER_S:
                 last_hb = now
-                for n in self._stale(live, now):
+                spares = [s for s in self.spare_pool if s not in self.dead]
+                stale = self._stale(live + spares, now)
+                was, silent = silent, (not dead and bool(live) and stale >= set(live + spares) and posted == 0
+                                       and time.monotonic() < silent_until)
+                if was and not silent:  # heard from again: reconnecting takes a while, give every node the full time
+                    deadline = time.monotonic() + self.cfg.failure_timeout
+                    grace = self.cfg.failure_timeout
+                    stale_since.clear()
+                if silent and not said:
+                    said = True
+                    self._event("all_silent", epoch=e, nodes=live, spares=spares,
+                                wait_s=round(silent_until - time.monotonic(), 1))
+                for n in stale & set(live) if not silent else ():
                     if not self._posted(e, [n]) and now - stale_since.setdefault(n, now) >= grace:
                         dead.add(n)
                         fenced.add(n)
+            if silent and time.monotonic() > deadline:
+                time.sleep(self.gather_poll_s)
+                continue
             if time.monotonic() > deadline:
                 unresponsive = {n for n in live if n not in dead and not self._posted(e, [n])}
                 fenced |= unresponsive  # fence the whole node
