@@ -122,3 +122,39 @@ def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path,
                 except ProcessLookupError:
                     pass
             p.wait(timeout=30)
+
+
+def test_a_node_that_never_gets_ready_is_named_in_one_clear_line(tmp_path: Path) -> None:
+    """Every slot filled, one node's agent stopped (SIGSTOP) right after its admission, no spare: the run
+    fails at --join-timeout naming that node; the line used to read "only 1 of 1 node(s) joined"."""
+    port = free_port()
+    env = dict(os.environ, PHOENIXFT_TOKEN=TOKEN)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for log, args in (("coordinator.log", ["coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes",
+                                               "1", "--workers-per-node", "1", "--spares", "0", "--steps", "4",
+                                               "--model", "tiny", "--run-dir", str(tmp_path / "run"), "--quiet",
+                                               "--protect", "none", "--join-timeout", "8"]),
+                          ("stuck.log", ["agent", "--coordinator", f"127.0.0.1:{port}", "--node", "stuck",
+                                         "--workers", "1"])):
+            procs.append(subprocess.Popen([PY, "-m", "phoenixft", *args], stdout=open(tmp_path / log, "wb"),
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True, env=env))
+        _wait_for(tmp_path / "stuck.log", "admitted", 60.0)
+        os.killpg(procs[1].pid, signal.SIGSTOP)
+        assert procs[0].wait(timeout=90) == 1
+        rep = json.loads((tmp_path / "run" / "report.json").read_text())
+        assert rep["error"].startswith("all 1 node(s) joined, but n0 did not get its workers ready within "
+                                       "--join-timeout=8s"), rep["error"]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        report = tmp_path / "run" / "report.json"
+        if report.exists():  # what the SIGKILLed agent could not remove (the next sweep would)
+            from phoenixft import shm
+
+            run_id = json.loads(report.read_text())["run_id"]
+            shm.unlink_segments(run_id)
+            shm.owner_path(run_id).unlink(missing_ok=True)

@@ -385,9 +385,14 @@ class Coordinator:
             if time.monotonic() > deadline:
                 waiting = [n for n in active if not self._node_ready(n)]
                 joined = ", ".join(self._label(n) for n in active) or "none"
-                self._fail_run(f"only {len(active)} of {self.cfg.nodes} node(s) joined within --join-timeout="
-                               f"{self.cfg.join_timeout:g}s (joined: {joined}"
-                               + (f"; not ready yet: {', '.join(waiting)}" if waiting else "") + ")")
+                if len(active) < self.cfg.nodes:
+                    self._fail_run(f"only {len(active)} of {self.cfg.nodes} node(s) joined within --join-timeout="
+                                   f"{self.cfg.join_timeout:g}s (joined: {joined}"
+                                   + (f"; not ready yet: {', '.join(waiting)}" if waiting else "") + ")")
+                else:  # every slot filled: some node never got its workers ready (and no ready spare took its slot)
+                    self._fail_run(f"all {self.cfg.nodes} node(s) joined, but {', '.join(waiting)} did not get its "
+                                   f"workers ready within --join-timeout={self.cfg.join_timeout:g}s (its agent stopped "
+                                   f"or died while starting, and no ready spare could take its slot; joined: {joined})")
                 return
             time.sleep(0.005)
         self._event("run_start", nodes=active, spares=self.spare_pool)
