@@ -71,3 +71,90 @@ def test_a_node_lost_before_the_first_step_is_replaced_by_the_spare(tmp_path: Pa
                 except ProcessLookupError:
                     pass
             p.wait(timeout=30)
+
+
+def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path, reference: Any) -> None:
+    """An active agent SIGKILLed right after its admission, before its workers were ready (it never
+    heartbeated): the job used to keep its slot until --join-timeout failed the run ("only 2 of 2
+    node(s) joined ... not ready yet: n0"), with a ready spare waiting. Now a slot whose node is gone
+    before the start (no heartbeat START_BEAT_GRACE_S after its admission, a stale one, or its exit
+    reported) goes to a ready spare; the run starts with it and ends bitwise equal to a failure-free run."""
+    port = free_port()
+    env = dict(os.environ, PHOENIXFT_TOKEN=TOKEN)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(log: str, *args: str) -> subprocess.Popen[bytes]:
+        out = open(tmp_path / log, "wb")
+        p = subprocess.Popen([PY, "-m", "phoenixft", *args], stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        procs.append(p)
+        return p
+
+    addr = f"127.0.0.1:{port}"
+    try:
+        coord = start("coordinator.log", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2",
+                      "--workers-per-node", "1", "--spares", "1", "--steps", "8", "--model", "tiny",
+                      "--failure-timeout", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "120",
+                      "--join-timeout", "90")
+        early = start("early.log", "agent", "--coordinator", addr, "--node", "early", "--workers", "1")
+        deadline = time.monotonic() + 60
+        while "admitted" not in (tmp_path / "early.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline, (tmp_path / "early.log").read_text(errors="replace")
+            time.sleep(0.01)
+        os.killpg(early.pid, signal.SIGKILL)  # dead while it starts: never ready, never a heartbeat
+        start("spare.log", "agent", "--coordinator", addr, "--node", "sp", "--workers", "1", "--spare")
+        start("late.log", "agent", "--coordinator", addr, "--node", "late", "--workers", "1")
+        assert coord.wait(timeout=150) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+        rep = json.loads((tmp_path / "run" / "report.json").read_text())
+        assert rep["state"] == "done" and rep["steps_completed"] == 8, rep.get("error")
+        assert rep["final_state_sha256"] == reference(nodes=2, steps=8, model="tiny")["final_state_sha256"]
+        assert rep["recoveries"] == []
+        ev = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+        (swap,) = [e for e in ev if e["kind"] == "replaced_before_start"]
+        assert swap["node"] == "n0" and swap["spare"] == "s0", swap
+        (begin,) = [e for e in ev if e["kind"] == "run_start"]
+        assert begin["nodes"] == ["s0", "n1"], begin
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(timeout=30)
+
+
+def test_a_node_that_never_gets_ready_is_named_in_one_clear_line(tmp_path: Path) -> None:
+    """Every slot filled, one node's agent stopped (SIGSTOP) right after its admission, no spare: the run
+    fails at --join-timeout naming that node; the line used to read "only 1 of 1 node(s) joined"."""
+    port = free_port()
+    env = dict(os.environ, PHOENIXFT_TOKEN=TOKEN)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for log, args in (("coordinator.log", ["coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes",
+                                               "1", "--workers-per-node", "1", "--spares", "0", "--steps", "4",
+                                               "--model", "tiny", "--run-dir", str(tmp_path / "run"), "--quiet",
+                                               "--protect", "none", "--join-timeout", "8"]),
+                          ("stuck.log", ["agent", "--coordinator", f"127.0.0.1:{port}", "--node", "stuck",
+                                         "--workers", "1"])):
+            procs.append(subprocess.Popen([PY, "-m", "phoenixft", *args], stdout=open(tmp_path / log, "wb"),
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True, env=env))
+        _wait_for(tmp_path / "stuck.log", "admitted", 60.0)
+        os.killpg(procs[1].pid, signal.SIGSTOP)
+        assert procs[0].wait(timeout=90) == 1
+        rep = json.loads((tmp_path / "run" / "report.json").read_text())
+        assert rep["error"].startswith("all 1 node(s) joined, but n0 did not get its workers ready within "
+                                       "--join-timeout=8s"), rep["error"]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        report = tmp_path / "run" / "report.json"
+        if report.exists():  # what the SIGKILLed agent could not remove (the next sweep would)
+            from phoenixft import shm
+
+            run_id = json.loads(report.read_text())["run_id"]
+            shm.unlink_segments(run_id)
+            shm.owner_path(run_id).unlink(missing_ok=True)

@@ -642,3 +642,71 @@ def test_quorum_lost_mid_run_fails_the_head_in_one_line(tmp_path: Path) -> None:
             assert sorted(Path("/dev/shm").glob(f"phoenixft-{run_id}[-.]*")) == [], "shared memory outlived the run"
         finally:
             jp.close()
+
+
+def test_a_head_cut_off_from_etcd_leaves_the_job_to_the_standby(cluster: EtcdCluster, tmp_path: Path) -> None:
+    """The head's launcher lost etcd (its host cut off for 15 s) while a standby coordinator on another
+    host took over and carried the job on. When etcd answers again, the head's teardown must neither
+    announce the run's end nor remove the job's keys: it did both, and so ended a job that had survived
+    the loss of its head's host (measured in network namespaces: the head's link down for 18 s, the
+    standby trained on to step 146, then the head came back and deleted the prefix; both agents' workers
+    crashed). A job still led by a coordinator the head started itself is ended as before."""
+    import socket
+
+    from phoenixft import keys
+    from phoenixft.config import RunConfig
+    from phoenixft.controlplane import LEADER_KEY
+    from phoenixft.launcher import LocalJob
+
+    def cut_off_head(leader: str, pids: list[int]) -> tuple[LocalJob, Any]:
+        cfg = RunConfig(nodes=2, steps=4, control_plane=cluster.url, quiet=True,
+                        run_dir=str(tmp_path / f"run-{len(pids)}"))
+        job = LocalJob(cfg, local=False)
+        job.store = connect(f"{cluster.url}/phoenixft/{job.run_id}", 5.0)
+        job.store.multi_set([keys.CONFIG, keys.MEMBERS, LEADER_KEY], ["{}", '{"n0": {}}', leader])
+        job._coord_pids = pids
+        job.control_plane_lost = "etcd at URL did not answer for 15s (last: Network is unreachable)"
+        return job, connect(f"{cluster.url}/phoenixft/{job.run_id}", 5.0)
+
+    job, s = cut_off_head("standby-host:4242:1", [])
+    t = time.monotonic()
+    job.teardown()
+    assert time.monotonic() - t < 5.0, "it waited for agents that go on with the job"
+    assert job.handed_over == "standby-host:4242:1"
+    assert get_nowait(s, keys.RUN_STATE) is None, "the head announced the end of a job a standby leads"
+    assert get_nowait(s, keys.CONFIG) == b"{}", "the head removed the keys of a job a standby leads"
+    s.delete_prefix()
+    # its own coordinator leads (it dies with the head): the job ends with the head, its keys removed
+    mine, s = cut_off_head(f"{socket.gethostname()}:{os.getpid()}:1", [os.getpid()])
+    mine.store.set(keys.left("n0"), "0")
+    mine.teardown()
+    assert mine.handed_over is None and s.num_keys() == 0
+
+
+def test_agents_stop_when_the_jobs_keys_are_gone(cluster: EtcdCluster, tmp_path: Path) -> None:
+    """The job's keys removed from etcd under running agents (its head ended the run and removed them
+    while an agent had not seen the end, e.g. one cut off meanwhile): each agent stops its node at once,
+    in one line. They used to go on for minutes, their workers crashing and being restarted in place
+    (a traceback each: `wait timeout: key 'config' not set within 30s`) until the crash loop gave up."""
+    from phoenixft.auth import generate_token
+
+    jp = _Procs(tmp_path, generate_token())
+    url = ""
+    try:
+        url, s = jp.head(cluster.url, 5000)
+        jp.agents(url)
+        _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 2, 120, "step 2")
+        os.killpg(jp.procs["head"].pid, signal.SIGKILL)  # (no head left to end the run properly)
+        jp.procs["head"].wait(timeout=10)
+        s.delete_prefix()
+        t = time.monotonic()
+        for name in ("a", "b"):
+            try:
+                rc = jp.procs[name].wait(timeout=max(1.0, 20.0 - (time.monotonic() - t)))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"agent {name} runs on without its job: {jp.log(name)[-1500:]}") from None
+            assert rc == 1 and "the job's keys are gone" in jp.log(name), (rc, jp.log(name)[-1500:])
+    finally:
+        jp.close()
+        if url:
+            connect(url, 5.0).delete_prefix()

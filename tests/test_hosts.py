@@ -250,3 +250,39 @@ def test_namespaces_and_links_are_removed_after_a_failed_or_interrupted_test(tmp
 def _root_links() -> set[str]:
     out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=20).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
+
+
+def test_the_heads_host_cut_off_for_longer_than_the_failure_timeout(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """The head's own link goes down for 6 s (--failure-timeout 2), every agent and the spare alive: all
+    heartbeats stop at once. The coordinator used to fence every node and fail the run when the link
+    came back ("every node is lost (n0, n1) and no spare is ready"). Every member and spare silent at
+    once, nobody posting, is now taken for what it most likely is (this host cut off): the gather waits
+    (an `all_silent` event, at most ALL_SILENT_WAIT_S more), then gives every node the full timeout
+    to reconnect. Nobody is fenced, and the run ends bitwise equal to a failure-free one."""
+    steps = 60
+    ref = reference(nodes=2, steps=steps)
+    token = secrets.token_hex(16)
+    with Hosts(["head", "h1", "h2", "h3"]) as H:
+        head = _head(H, tmp_path, token, "--nodes", "2", "--spares", "1", "--steps", str(steps), "--model", "tiny",
+                     "--failure-timeout", "2", "--quiet")
+        log = tmp_path / "head.log"
+        for h in ("h1", "h2"):
+            _agent(H, tmp_path, h, token, "--node", h)
+        _agent(H, tmp_path, "h3", token, "--node", "h3", "--spare")
+        store = _wait("the store", lambda: _try_connect(H), 60, head, log)
+        _wait("a whole job at step 3", lambda: _get(store, "job/whole") and int(_get(store, "progress") or 0) >= 3,
+              120, head, log)
+        H.link("head", False)
+        time.sleep(6.0)
+        assert _get(store, "run/state") is None, _get(store, "run/error")  # (the head's own view: its loopback)
+        H.link("head", True)
+        assert head.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert H.leftovers() == []
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert all(r["dead"] == [] and r["fenced"] == [] for r in rep["recoveries"]), rep["recoveries"]
+    ev = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "all_silent" for e in ev)
+    shm.sweep()
+    assert shm.segments(rep["run_id"]) == []

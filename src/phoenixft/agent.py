@@ -248,6 +248,17 @@ def main(argv: list[str] | None = None) -> int:
         if res.segments:
             print(f"phoenixft agent: removed {res.segments} orphaned shared-memory segment(s), "
                   f"{res.bytes / 2**20:.1f} MiB, of run(s) {', '.join(res.runs)}", file=sys.stderr)
+        # this machine's earlier incarnation in this run (its agent killed, its node fenced since; e.g. a
+        # repaired host that rejoins as a spare) left its node's memory here, which the sweep spares while
+        # the run lives: a fenced node never uses it again
+        try:
+            dead = sorted(n for n in shm.nodes_with_segments(run_id) - {node} if store.check([keys.fence(n)]))
+        except Exception:  # noqa: BLE001 - the store did not answer: the heartbeat loop reconnects
+            dead = []
+        for n in dead:
+            freed = shm.unlink_segments(run_id, n)
+            print(f"phoenixft agent: removed {len(freed)} shared-memory segment(s), "
+                  f"{sum(b for _, b in freed) / 2**20:.1f} MiB, of fenced node {n} of this run", file=sys.stderr)
     registered = True  # first: a signal during the registration must still unregister (a no-op if absent)
     shm.register_owner(run_id, f"agent {node}")
 
@@ -273,10 +284,18 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConnectionError("no connection to the store")
             if time.monotonic() - last_look >= look_every:
                 last_look = time.monotonic()
-                if store.check([keys.fence(node)]):  # declared dead while stopped or cut off: never write again
+                # one request on etcd; there a job's keys can also vanish (its head removed them at its end)
+                fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if is_etcd(store)
+                                     else (store.check([keys.fence(node)]), True))
+                if fenced_now:  # declared dead while stopped or cut off: never write again
                     print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
                     fenced = True
                     stop(signal.SIGTERM, None)
+                if not there:  # nothing left to train for (its workers would wait for keys that never come)
+                    print(f"phoenixft agent {node}: the job's keys are gone from {a.store} (the run ended and its "
+                          "keys were removed); stopping the node", file=sys.stderr, flush=True)
+                    cleanup()
+                    return 1
                 if beat is None or beat.store is not store:
                     beat = Heartbeat(store, keys.heartbeat(node), cfg.failure_timeout)  # a lease on etcd
                 beat.beat(str(time.time()))

@@ -81,6 +81,8 @@ HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
 HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
 ADMIT_POLL_S = 0.025  # join requests are looked at this often (one counter read) while training
 _ID = re.compile(r"^([ns])(\d+)$")
+START_BEAT_GRACE_S = 15.0  # an active node admitted this long ago that never heartbeated died while starting
+ALL_SILENT_WAIT_S = 15.0  # every node (and spare) silent at once: how much longer before they are judged dead
 STANDBY_GIVE_UP_S = 60.0  # a standby whose etcd has had no quorum for this long stops (no job outlives that)
 
 
@@ -143,6 +145,7 @@ class Coordinator:
         self.desk = auth.AdmissionDesk(store, token)
         self.members: dict[str, dict[str, Any]] = {}  # admitted nodes: id -> {name, host, spare, t}
         self.spare_pool: list[str] = []  # admitted spares not used yet, in id order
+        self._gone_spares: set[str] = set()  # spares of the pool whose agent exited or whose heartbeat is stale
         self.topo: Topology | None = None
         self.dead: set[str] = set()
         self._last_hb_check = 0.0
@@ -379,19 +382,27 @@ class Coordinator:
             self._loop()
             return
         deadline = time.monotonic() + self.cfg.join_timeout
+        swapped: dict[str, str] = {}  # an active node that died before the start -> the spare in its slot
         while True:
             self._admit(force=True)
-            active = sorted((n for n in self.members if n.startswith("n")), key=_index)
+            active = [swapped.get(n, n) for n in sorted((n for n in self.members if n.startswith("n")), key=_index)]
             if len(active) == self.cfg.nodes and self._ready(active):
                 break
+            if len(active) == self.cfg.nodes:
+                self._replace_dead_before_start(active, swapped)
             if self._over():
                 return
             if time.monotonic() > deadline:
                 waiting = [n for n in active if not self._node_ready(n)]
                 joined = ", ".join(self._label(n) for n in active) or "none"
-                self._fail_run(f"only {len(active)} of {self.cfg.nodes} node(s) joined within --join-timeout="
-                               f"{self.cfg.join_timeout:g}s (joined: {joined}"
-                               + (f"; not ready yet: {', '.join(waiting)}" if waiting else "") + ")")
+                if len(active) < self.cfg.nodes:
+                    self._fail_run(f"only {len(active)} of {self.cfg.nodes} node(s) joined within --join-timeout="
+                                   f"{self.cfg.join_timeout:g}s (joined: {joined}"
+                                   + (f"; not ready yet: {', '.join(waiting)}" if waiting else "") + ")")
+                else:  # every slot filled: some node never got its workers ready (and no ready spare took its slot)
+                    self._fail_run(f"all {self.cfg.nodes} node(s) joined, but {', '.join(waiting)} did not get its "
+                                   f"workers ready within --join-timeout={self.cfg.join_timeout:g}s (its agent stopped "
+                                   f"or died while starting, and no ready spare could take its slot; joined: {joined})")
                 return
             time.sleep(0.005)
         self._event("run_start", nodes=active, spares=self.spare_pool)
@@ -404,6 +415,8 @@ class Coordinator:
                 self._fail_run(f"--resume {self.cfg.resume}: {why}")
                 return
             start, meta = man["step"], {"restore": "persistent", "manifest": man}
+        if swapped:
+            meta = {**meta, "promoted": [s for s in active if s in swapped.values()]}  # (their workers wait for it)
         self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
                               racks=self.cfg.racks, resume_step=start, meta=meta, tp=self.cfg.tp, pp=self.cfg.pp))
         self.store.set("coordinator/ready", str(time.time()))
@@ -429,6 +442,31 @@ class Coordinator:
             if time.monotonic() - last_whole > 0.25:
                 last_whole = time.monotonic()
                 self._publish_whole()
+
+    def _replace_dead_before_start(self, active: list[str], swapped: dict[str, str]) -> None:
+        """Before the start, every active slot filled: an active node that is not ready and is gone (its
+        agent's exit reported, its heartbeat stale, or no heartbeat START_BEAT_GRACE_S after its
+        admission: it died while starting) gets a ready spare in its slot, and is fenced. Without this,
+        a host lost during the join held its slot until --join-timeout (600 s) failed the run, with a
+        ready spare waiting."""
+        now = time.monotonic()
+        for n in active:
+            if not n.startswith("n") or self._node_ready(n):
+                continue
+            pool = [s for s in self._ready_spares() if s not in swapped.values()]
+            if not pool:
+                return
+            beat = self.store.check([keys.heartbeat(n)])
+            silent = time.time() - float(self.members[n]["t"]) > max(self.cfg.failure_timeout, START_BEAT_GRACE_S)
+            if not (self._exited([n]) or (beat and self._stale([n], now)) or (not beat and silent)):
+                continue
+            spare = pool[0]
+            swapped[n] = spare
+            self.dead.add(n)
+            self.spare_pool.remove(spare)
+            self.store.set(keys.fence(n), str(time.time()))
+            self._event("replaced_before_start", node=n, spare=spare,
+                        why="its agent exited" if n in self._exited_nodes else "no heartbeat")
 
     def _watch_flags(self) -> None:
         """Block on the current epoch's failure flag (own connection: an etcd watch, or a TCPStore's
@@ -474,8 +512,7 @@ class Coordinator:
         a repaired node returns as a spare and is grown in at once) is whole at its full size."""
         assert self.topo is not None
         self._refresh_pool()
-        whole = len(self.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or any(
-            self._node_ready(s) for s in self.spare_pool if s not in self.dead))
+        whole = len(self.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or bool(self._ready_spares()))
         there = exists_many(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
         if whole and not there:
             self.store.set(keys.JOB_WHOLE, "1")
@@ -493,6 +530,12 @@ class Coordinator:
             return False
         sid = f"s{self.cfg.spares}"  # the id the launcher starts it with
         return sid not in pool and sid not in self.dead and (self.topo is None or sid not in self.topo.nodes)
+
+    def _ready_spares(self) -> list[str]:
+        """The spares that can be promoted now: admitted, ready, and alive as far as the coordinator
+        knows (a spare whose agent died while it waited is not handed a slot: it would answer nothing,
+        and the recovery would wait out --failure-timeout to find that out)."""
+        return [s for s in self.spare_pool if s not in self.dead and s not in self._gone_spares and self._node_ready(s)]
 
     def _refresh_pool(self) -> None:
         """Spares admitted since (`phoenixft agent --spare`, or a repaired node) are in the pool already."""
@@ -582,7 +625,7 @@ class Coordinator:
         if len(self.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
             self._last_grow_check = now
             self._refresh_pool()
-            if any(self._node_ready(s) for s in self.spare_pool if s not in self.dead):
+            if self._ready_spares():
                 self._event("grow_requested", epoch=self.topo.epoch)
                 return True  # recover() repartitions over the grown world at this step boundary
         if self._exited(self.topo.nodes):
@@ -590,7 +633,11 @@ class Coordinator:
         now = time.time()
         if now - self._last_hb_check > HB_CHECK_S:
             self._last_hb_check = now
-            if self._stale(self.topo.nodes, now):
+            # idle spares are watched too (one multi_get with the nodes'): a dead one is never promoted
+            spares = [s for s in self.spare_pool if s not in self.dead]
+            stale = self._stale(self.topo.nodes + spares, now)
+            self._gone_spares = (stale | self._exited(spares)) & set(spares)
+            if stale - set(spares):
                 return True
         return False
 
@@ -609,6 +656,11 @@ class Coordinator:
         stale_since: dict[str, float] = {}
         grace = min(1.0, self.cfg.failure_timeout / 2)
         deadline = time.monotonic() + self.cfg.failure_timeout
+        # every member and spare silent at once, nobody posting: this host is more likely cut off than all of
+        # them dead, and fencing them all would end the run when its link comes back; wait that long more
+        # (an agent stops its node after --control-plane-timeout, 15 s by default, without the store)
+        silent_until = deadline + ALL_SILENT_WAIT_S
+        said = silent = False
         last_hb, verified = 0.0, None
         while True:
             dead |= self._exited(nodes)
@@ -627,10 +679,25 @@ class Coordinator:
             now = time.time()
             if now - last_hb >= HB_RECOVER_S:
                 last_hb = now
-                for n in self._stale(live, now):
+                spares = [s for s in self.spare_pool if s not in self.dead]
+                stale = self._stale(live + spares, now)
+                was, silent = silent, (not dead and bool(live) and stale >= set(live + spares) and posted == 0
+                                       and time.monotonic() < silent_until)
+                if was and not silent:  # heard from again: reconnecting takes a while, give every node the full time
+                    deadline = time.monotonic() + self.cfg.failure_timeout
+                    grace = self.cfg.failure_timeout
+                    stale_since.clear()
+                if silent and not said:
+                    said = True
+                    self._event("all_silent", epoch=e, nodes=live, spares=spares,
+                                wait_s=round(silent_until - time.monotonic(), 1))
+                for n in stale & set(live) if not silent else ():
                     if not self._posted(e, [n]) and now - stale_since.setdefault(n, now) >= grace:
                         dead.add(n)
                         fenced.add(n)
+            if silent and time.monotonic() > deadline:
+                time.sleep(self.gather_poll_s)
+                continue
             if time.monotonic() > deadline:
                 unresponsive = {n for n in live if n not in dead and not self._posted(e, [n])}
                 fenced |= unresponsive  # fence the whole node
@@ -694,7 +761,7 @@ class Coordinator:
         self._event("failures_reported", epoch=e, reports=len(descs), first=first.wid if first else None,
                     t_first=t_first, errors=sorted({d.error[:300] for d in descs.values()})[:5])
         self._refresh_pool()
-        pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
+        pool = self._ready_spares()
         grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
         # the persistent tier: --persist-dir's checkpoints, and the one --resume started from (until this
@@ -748,7 +815,7 @@ class Coordinator:
             while len(pool) < len(dead) and time.monotonic() < deadline:
                 time.sleep(0.1)
                 self._refresh_pool()
-                pool = [s for s in self.spare_pool if s not in self.dead and self._node_ready(s)]
+                pool = self._ready_spares()
             plan = decide()
         if not plan.ok:
             plan = self._fresh_start(old, dead, descs, pool, progress=self._progress()) or plan

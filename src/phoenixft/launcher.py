@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -41,7 +42,7 @@ from typing import Any
 
 from phoenixft import auth, keys, rundir, shm, zygote
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import EtcdUnavailable, LogReader, exists_many, get_nowait, is_etcd
+from phoenixft.controlplane import LEADER_KEY, EtcdUnavailable, LogReader, exists_many, get_nowait, is_etcd
 from phoenixft.display import Display
 from phoenixft.errors import UserError
 from phoenixft.procs import group_members
@@ -123,6 +124,7 @@ class LocalJob:
         self._owner = False
         self.events_seen: list[str] = []  # the events read so far (what is written if the store is lost)
         self.control_plane_lost: str | None = None  # why the store no longer answers, once it has not for too long
+        self.handed_over: str | None = None  # etcd: the coordinator (not ours) leading the job this one lost
         self._unreported: list[str] = []  # agent exits not yet told to the control plane
         self.last_step_shown = 0
         # --repair-after: a lost node comes back as a fresh spare (ids past the configured ones)
@@ -429,12 +431,12 @@ class LocalJob:
             return
         self._torn_down = True
         try:
-            if self.store is not None and not self.store.check([keys.RUN_STATE]):
+            if self.store is not None and self._may_end_job() and not self.store.check([keys.RUN_STATE]):
                 self.store.set(keys.RUN_STATE, "aborted")
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
         deadline = time.monotonic() + STOP_GRACE_S
-        if not self.local:
+        if not self.local and self._may_end_job():  # (cut off, or the job handed over: nobody leaves through us)
             self._await_remote_agents(deadline)
         for p in [*self.agents.values(), *self.coords.values()]:
             try:
@@ -477,13 +479,34 @@ class LocalJob:
                 self.leaks["removed_segments"].append(name)
         if self._owner:
             shm.unregister_owner(self.run_id)
-        if is_etcd(self.store):  # every process of the run is gone: leave nothing of it in etcd
+        if is_etcd(self.store) and self._may_end_job():  # every process of the run is gone: leave nothing in etcd
             try:
                 self.store.delete_prefix()
             except Exception:  # noqa: BLE001 - the cluster is gone: nothing to clean there
                 pass
         if self.etcd is not None:
             self.etcd.stop()
+
+    def _may_end_job(self) -> bool:
+        """Whether this launcher may end the job (announce its end, remove its keys). Not once it was cut
+        off from etcd (`control_plane_lost`) while a coordinator it did not start leads the job: a standby
+        on another host took over, and the job goes on without this host (`handed_over` names it); nor
+        while etcd still does not answer. Always, otherwise."""
+        if self.control_plane_lost is None or self.handed_over is not None:
+            return self.handed_over is None
+        try:
+            leader = get_nowait(self.store, LEADER_KEY)
+        except Exception:  # noqa: BLE001 - still cut off: nothing can be written anyway
+            return False
+        if leader is None:
+            return True
+        ident = leader.decode(errors="replace")
+        host, _, rest = ident.partition(":")
+        pid = rest.partition(":")[0]
+        if host == socket.gethostname() and pid.isdigit() and int(pid) in self._coord_pids:
+            return True  # one of ours leads (then it ends with this launcher, as always)
+        self.handed_over = ident
+        return False
 
     def _await_remote_agents(self, deadline: float) -> None:
         """Head: keep serving the store until every admitted node that is not fenced has left (its agent
@@ -583,6 +606,10 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
         if not report:
             report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}
         report["teardown"] = job.leaks
+        if job.handed_over is not None:
+            report["handed_over_to"] = job.handed_over
+            job.display.info(f"the job goes on without this host: coordinator {job.handed_over} leads it (a standby "
+                             "took over while this host was cut off from etcd); its keys are left to it")
         report["teardown_stopped_while_starting"] = job.stopped_starting
         (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
         if cfg.report:

@@ -76,6 +76,12 @@ def segments(run_id: str, node: str | None = None) -> list[Path]:
     return sorted(SHM_DIR.glob(pre + "*"))
 
 
+def nodes_with_segments(run_id: str) -> set[str]:
+    """The node ids that have segments of run `run_id` on this machine."""
+    pre = run_prefix(run_id)
+    return {p.name[len(pre):].split(".", 1)[0] for p in segments(run_id)}
+
+
 def _size(p: Path) -> int:
     try:
         return p.stat().st_size
