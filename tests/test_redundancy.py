@@ -190,6 +190,38 @@ def test_placement_properties_over_generated_rings() -> None:
                 assert len(alive) >= grp.d
 
 
+def _reference_placement(ring: list[RingRank], d: int, h: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The placement rule written out directly (one Python key per position): the definition the fast
+    `place_groups` must reproduce exactly (every rank computes it; a different answer is another layout)."""
+    n = len(ring)
+    g_count = -(-n // d)
+    load = [0] * n
+    out = []
+    for g in range(g_count):
+        pos = list(range(g, n, g_count))
+        member_racks = {ring[p].rack for p in pos}
+        chosen: list[int] = []
+        for _j in range(h):
+            parity_racks = {ring[p].rack for p in chosen}
+            cands = [p for p in range(n) if p not in set(pos) | set(chosen)]
+            best = min(cands, key=lambda p: (ring[p].rack in member_racks, ring[p].rack in parity_racks, load[p],
+                                             (p - pos[0]) % n))
+            chosen.append(best)
+            load[best] += 1
+        out.append((tuple(ring[p].rank for p in pos), tuple(ring[p].rank for p in chosen)))
+    return out
+
+
+def test_placement_equals_its_definition_over_generated_rings() -> None:
+    rng = random.Random(7)
+    for _ in range(3000):
+        ring, d, h, _racks = _random_ring(rng)
+        if rng.random() < 0.3:  # uneven, unordered racks too
+            ring = [RingRank(rank=r.rank, node=r.node, rack=rng.randrange(5)) for r in ring]
+        got = [(grp.members, grp.parity) for grp in place_groups(ring, d, h)]
+        assert got == _reference_placement(ring, d, h), (ring, d, h)
+
+
 def test_placement_rejects_what_cannot_be_placed() -> None:
     ring = [RingRank(rank=i, node=i) for i in range(4)]
     with pytest.raises(ValueError):
@@ -520,6 +552,15 @@ def test_dry_run_prints_memory_and_bytes(capsys: pytest.CaptureFixture[str]) -> 
     assert "nothing is started" in out and "ec:4+2" in out and "host memory per node" in out
     assert out.count("parity on [") == 2 and "bytes each rank sends per step" in out
     assert not list(__import__("pathlib").Path("runs").glob("*dry*"))
+
+
+def test_dry_run_of_a_large_job_is_short(capsys: pytest.CaptureFixture[str]) -> None:
+    """5,000 nodes: equal neighbouring nodes share a row and the groups are summarised after the first 16, so
+    the estimate is a screenful (it was a line per node and per group), and it comes back at once."""
+    rc = cli_main(["run", "--dry-run", "--nodes", "5000", "--spares", "0", "--model", "tiny", "--redundancy", "ec:4+1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and len(out.splitlines()) < 40, out
+    assert "... and 1234 more groups of the same form" in out and "    n1-n1250 " in out, out
 
 
 # ---------------------------------------------------------------------------------------------- the encode job

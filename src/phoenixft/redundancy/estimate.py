@@ -144,6 +144,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+SHOWN_GROUPS = 16  # --dry-run lists this many parity groups (a large job has thousands of the same form)
+
+
 def format_estimate(est: Estimate, cfg: RunConfig) -> str:
     """The `phoenixft run --dry-run` report."""
     g = cfg.workers_per_node
@@ -157,16 +160,26 @@ def format_estimate(est: Estimate, cfg: RunConfig) -> str:
     if est.groups:
         names = [f"n{s}" for s in range(cfg.nodes)]
         lines.append(f"  groups ({len(est.groups)}; members -> parity holders):")
-        for gid, grp in enumerate(est.groups):
+        for gid, grp in enumerate(est.groups[:SHOWN_GROUPS]):
             mem = " ".join(f"{names[r // g]}.{r % g}" for r in grp.members)
             par = " ".join(f"{names[r // g]}.{r % g}" for r in grp.parity)
             lines.append(f"    g{gid}: [{mem}] ec:{grp.d}+{grp.h} -> parity on [{par}]")
+        if len(est.groups) > SHOWN_GROUPS:
+            lines.append(f"    ... and {len(est.groups) - SHOWN_GROUPS} more groups of the same form")
     lines.append("  host memory per node (MiB):   params x2   shard x2   protection    grads    total   "
                  "sends/step (MiB)")
+    rows: list[tuple[int, int, str]] = []  # (first slot, last slot, columns): equal neighbours share a row
     for c in est.nodes:
         extra = f"  ({c.parity_blocks} parity block{'s' if c.parity_blocks != 1 else ''})" if est.groups else ""
-        lines.append(f"    n{c.slot:<27d}{_mib(c.params):>10s} {_mib(c.state):>10s} {_mib(c.protection):>12s} "
-                     f"{_mib(c.grads):>8s} {_mib(c.total):>8s} {_mib(c.sends):>10s}{extra}")
+        cols = (f"{_mib(c.params):>10s} {_mib(c.state):>10s} {_mib(c.protection):>12s} "
+                f"{_mib(c.grads):>8s} {_mib(c.total):>8s} {_mib(c.sends):>10s}{extra}")
+        if rows and rows[-1][2] == cols and rows[-1][1] == c.slot - 1:
+            rows[-1] = (rows[-1][0], c.slot, cols)
+        else:
+            rows.append((c.slot, c.slot, cols))
+    for first, last, cols in rows:
+        name = f"n{first}" if first == last else f"n{first}-n{last}"
+        lines.append(f"    {name:<28s}{cols}")
     worst = max(est.nodes, key=lambda c: c.total)
     lines.append(f"  a spare node needs as much as the node it replaces (up to {_mib(worst.total)} MiB); every "
                  f"process also needs the Python/torch runtime (about 0.3-0.5 GiB), not counted here.")

@@ -22,6 +22,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["RingRank", "Group", "place_groups", "group_count"]
 
 
@@ -60,18 +62,27 @@ def place_groups(ring: Sequence[RingRank], d: int, h: int) -> list[Group]:
     if d + h > n:
         raise ValueError(f"ec:{d}+{h} needs {d + h} nodes in the ring, it has {n}")
     g_count = group_count(n, d)
-    load = [0] * n  # parity blocks per ring position
+    # Each parity block goes to the position with the smallest key (its rack holds a member of the group,
+    # its rack holds a parity block of the group already, its parity load, its distance after the group's
+    # first member), over the positions outside the group. The keys are computed for the whole ring at once
+    # (numpy): this runs in every worker for every epoch with ec:D+H, G = n/d groups over a ring of n nodes,
+    # so a per-position Python key was O(n^2 / d) calls (22 s at n = 16,000).
+    rack = np.array([r.rack for r in ring], dtype=np.int64)
+    load = np.zeros(n, dtype=np.int64)  # parity blocks per ring position
+    idx = np.arange(n, dtype=np.int64)
     groups = []
     for g in range(g_count):
         pos = list(range(g, n, g_count))
-        member_racks = {ring[p].rack for p in pos}
+        in_members = np.isin(rack, rack[pos])
+        dist = (idx - pos[0]) % n
         chosen: list[int] = []
         for _j in range(h):
-            taken = set(pos) | set(chosen)
-            parity_racks = {ring[p].rack for p in chosen}
-            cands = [p for p in range(n) if p not in taken]
-            best = min(cands, key=lambda p: (ring[p].rack in member_racks, ring[p].rack in parity_racks, load[p],
-                                             (p - pos[0]) % n))
+            in_parity = np.isin(rack, rack[chosen]) if chosen else np.zeros(n, dtype=bool)
+            # lexicographic (in_members, in_parity, load, dist) as one integer; dist < n is unique per position
+            key = ((in_members.astype(np.int64) * 2 + in_parity) * (int(load.max()) + 1) + load) * n + dist
+            key[pos] = np.iinfo(np.int64).max
+            key[chosen] = np.iinfo(np.int64).max
+            best = int(np.argmin(key))
             chosen.append(best)
             load[best] += 1
         groups.append(Group(members=tuple(ring[p].rank for p in pos), parity=tuple(ring[p].rank for p in chosen)))
