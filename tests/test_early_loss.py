@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import free_port
 
 PY = sys.executable
@@ -124,6 +125,7 @@ def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path,
             p.wait(timeout=30)
 
 
+@pytest.mark.slow  # (suite time: a message, 20 s)
 def test_a_node_that_never_gets_ready_is_named_in_one_clear_line(tmp_path: Path) -> None:
     """Every slot filled, one node's agent stopped (SIGSTOP) right after its admission, no spare: the run
     fails at --join-timeout naming that node; the line used to read "only 1 of 1 node(s) joined"."""

@@ -97,8 +97,10 @@ def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, refer
     slot 2 is partitioned at step 12 for 6 s (its link down, its processes running). The job notices
     it within --failure-timeout, fences it and hot-swaps the returned spare in; the healed host finds
     itself fenced and exits having written nothing after its fence. Two strangers (no token, another
-    job's token) are refused meanwhile. Final state bitwise equal to the failure-free run."""
-    steps = 40
+    job's token) are refused meanwhile. Final state bitwise equal to the failure-free run. (100 steps: the
+    run must outlast the healed host's exit, about 7 s after the partition, on a fast machine too: with 40
+    `tiny` steps it ended first on a fast CPU and the test's own store client lost its server.)"""
+    steps = 100
     ref = reference(nodes=4, steps=steps)
     token = secrets.token_hex(16)
     names = ["head", "h1", "h2", "h3", "h4", "h5", "x1"]
