@@ -153,3 +153,10 @@ def test_a_failure_timeout_too_large_for_the_collectives_is_refused(value: float
     _refused(f"--failure-timeout={value!r} is invalid: must be a finite number > 0 and at most 86400 seconds",
              failure_timeout=value)
     RunConfig(failure_timeout=86400.0).validate()
+
+
+@pytest.mark.parametrize("value", [-1, 1025, 100_000_000])
+def test_threads_out_of_range_are_refused(value: int) -> None:
+    """--threads 100000000 was accepted (every worker would have asked torch for that many threads)."""
+    _refused(f"--threads={value!r} is invalid: must be 0 (cores / active workers) to 1024", threads=value)
+    RunConfig(threads=1024).validate()

@@ -35,6 +35,9 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+MAX_THREADS = 1024  # --threads: more intra-op threads per worker than any host has cores is a typo
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """Everything a run needs; immutable once published to the store."""
@@ -320,7 +323,8 @@ class RunConfig:
              "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
              "store lives in the launcher's process, so a standby would not remove the single point of failure)")
         real(self.join_timeout, self.join_timeout > 0, "--join-timeout", "> 0 seconds")
-        need(self.threads >= 0, "--threads", self.threads, "must be >= 0")
+        need(0 <= self.threads <= MAX_THREADS, "--threads", self.threads,
+             f"must be 0 (cores / active workers) to {MAX_THREADS} (torch's intra-op pool per worker)")
         real(self.chunk_mb, self.chunk_mb > 0, "--chunk-mb", "> 0 (MiB)")
         real(self.bucket_mb, self.bucket_mb > 0, "--bucket-mb", "> 0 (MiB)")
         real(self.timeout, self.timeout > 0, "--timeout", "> 0 seconds")
