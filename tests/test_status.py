@@ -325,3 +325,16 @@ def test_status_of_a_live_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         if m:
             for f in Path("/dev/shm").glob(f"phoenixft-{m.group(1)}-*"):
                 f.unlink(missing_ok=True)
+
+
+def test_a_closed_port_is_given_up_after_about_the_timeout() -> None:
+    """c10d retries a refused connect for about twice its client timeout: `--timeout 5` took about 12 s
+    (10 s here in-process) before the client was given half of it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match=f"cannot reach a phoenixft coordinator at --coordinator=127.0.0.1:{port}"):
+            connect(f"127.0.0.1:{port}", 5.0)
+        took = time.monotonic() - t0
+    assert took < 5.0 + 1.5, took

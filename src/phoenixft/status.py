@@ -100,14 +100,15 @@ def connect(addr: str, timeout_s: float) -> Any:
     from phoenixft.comm import connect_store
 
     def attempt() -> Any:
-        store = connect_store(target, timeout_s)
+        # c10d retries a refused connect for up to about twice the client's timeout: half of --timeout
+        # each, so that the whole attempt takes about --timeout (a dead port answered after 2x + 2 s)
+        store = connect_store(target, max(0.5, timeout_s / 2))
         store.check([keys.CONFIG])  # a round trip: something that is not a TCPStore fails here
         return store
 
     try:
         with _quiet_fd2():
-            # c10d retries a refused connect for up to about 2x its timeout; allow that, no more
-            return _bounded(attempt, 2 * timeout_s + 2.0)
+            return _bounded(attempt, timeout_s + 1.0)
     except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, OSError, TimeoutError...
         raise UserError(
             f"cannot reach a phoenixft coordinator at --coordinator={addr} (--timeout {timeout_s:g}s: "
