@@ -6,12 +6,14 @@ committed yet the run starts afresh with the spare in the dead node's slot."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +33,46 @@ def _wait_for(path: Path, text: str, timeout_s: float) -> None:
     raise AssertionError(f"{text!r} not in {path} within {timeout_s}s:\n{path.read_text(errors='replace')[-2000:]}")
 
 
-def test_a_node_lost_before_the_first_step_is_replaced_by_the_spare(tmp_path: Path, reference: Any) -> None:
-    port = free_port()
+Start = Callable[..., "subprocess.Popen[bytes]"]
+
+
+@contextlib.contextmanager
+def _hand_started(tmp_path: Path) -> Iterator[Start]:
+    """`start(log, *args)`: `phoenixft *args` in its own session, its output in tmp_path/log; every process
+    started is SIGKILLed with its group on the way out, whatever the test did."""
     env = dict(os.environ, PHOENIXFT_TOKEN=TOKEN)
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(log: str, *args: str) -> subprocess.Popen[bytes]:
-        out = open(tmp_path / log, "wb")
-        p = subprocess.Popen([PY, "-m", "phoenixft", *args], stdout=out, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        with open(tmp_path / log, "wb") as out:
+            p = subprocess.Popen([PY, "-m", "phoenixft", *args], stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         procs.append(p)
         return p
 
-    addr = f"127.0.0.1:{port}"
     try:
-        coord = start("coordinator.log", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2",
-                      "--workers-per-node", "1", "--spares", "1", "--steps", "8", "--model", "tiny",
-                      "--failure-timeout", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "120",
-                      "--join-timeout", "90")
+        yield start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+def _two_node_job(tmp_path: Path, start: Start) -> tuple[str, subprocess.Popen[bytes]]:
+    """A hand-started head for 2 nodes of 1 worker and 1 spare, `tiny`, 8 steps: (its address, its process)."""
+    port = free_port()
+    coord = start("coordinator.log", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2",
+                  "--workers-per-node", "1", "--spares", "1", "--steps", "8", "--model", "tiny",
+                  "--failure-timeout", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "120",
+                  "--join-timeout", "90")
+    return f"127.0.0.1:{port}", coord
+
+
+def test_a_node_lost_before_the_first_step_is_replaced_by_the_spare(tmp_path: Path, reference: Any) -> None:
+    with _hand_started(tmp_path) as start:
+        addr, coord = _two_node_job(tmp_path, start)
         early = start("early.log", "agent", "--coordinator", addr, "--node", "early", "--workers", "1")
         _wait_for(tmp_path / "early.log", "admitted", 60.0)
         time.sleep(1.0)  # its worker is up and ready
@@ -64,14 +88,6 @@ def test_a_node_lost_before_the_first_step_is_replaced_by_the_spare(tmp_path: Pa
         (rec,) = rep["recoveries"]
         assert rec["resumed_step"] == 0 and rec["lost_steps"] == 0, rec
         assert rec["action"].startswith("hotswap") and rec["fenced"] == ["n0"], rec
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait(timeout=30)
 
 
 def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path, reference: Any) -> None:
@@ -80,23 +96,8 @@ def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path,
     node(s) joined ... not ready yet: n0"), with a ready spare waiting. Now a slot whose node is gone
     before the start (no heartbeat START_BEAT_GRACE_S after its admission, a stale one, or its exit
     reported) goes to a ready spare; the run starts with it and ends bitwise equal to a failure-free run."""
-    port = free_port()
-    env = dict(os.environ, PHOENIXFT_TOKEN=TOKEN)
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(log: str, *args: str) -> subprocess.Popen[bytes]:
-        out = open(tmp_path / log, "wb")
-        p = subprocess.Popen([PY, "-m", "phoenixft", *args], stdout=out, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-        procs.append(p)
-        return p
-
-    addr = f"127.0.0.1:{port}"
-    try:
-        coord = start("coordinator.log", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2",
-                      "--workers-per-node", "1", "--spares", "1", "--steps", "8", "--model", "tiny",
-                      "--failure-timeout", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "120",
-                      "--join-timeout", "90")
+    with _hand_started(tmp_path) as start:
+        addr, coord = _two_node_job(tmp_path, start)
         early = start("early.log", "agent", "--coordinator", addr, "--node", "early", "--workers", "1")
         deadline = time.monotonic() + 60
         while "admitted" not in (tmp_path / "early.log").read_text(errors="replace"):
@@ -115,14 +116,6 @@ def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path,
         assert swap["node"] == "n0" and swap["spare"] == "s0", swap
         (begin,) = [e for e in ev if e["kind"] == "run_start"]
         assert begin["nodes"] == ["s0", "n1"], begin
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait(timeout=30)
 
 
 @pytest.mark.slow  # (suite time: a message, 20 s)

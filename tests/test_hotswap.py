@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,31 +122,26 @@ def test_no_process_left_after_fault(tmp_path: Path) -> None:
     assert processes_with(rep["run_id"]) == []
 
 
-def test_a_spare_that_died_while_idle_is_never_promoted(tmp_path: Path) -> None:
-    """Hand-started job (coordinator + agents on 127.0.0.1): the only spare's agent is SIGKILLed while
-    it waits, then an active node. The coordinator watches idle spares' heartbeats too: the job is no
-    longer whole once the spare is gone, and the node's loss shrinks the job at once. It used to
-    promote the dead spare (a `hotswap` into a corpse), wait out --failure-timeout for it to answer,
-    fence it and only then shrink, in a second recovery (and a mesh, which cannot shrink, was lost)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+class _HandJob:
+    """A job started by hand on 127.0.0.1, `tiny`, 2 nodes (agents `a`, `b`) + 1 spare (`sp`), each
+    `phoenixft` process in its own session with its log in tmp_path/NAME.log; `close` ends them all
+    (the head first, by SIGTERM, when `graceful`; then whatever is left by SIGKILL of its group)."""
 
-    from conftest import free_port
+    def __init__(self, tmp_path: Path, steps: int) -> None:
+        from conftest import free_port
 
-    from phoenixft.comm import connect_store
+        self.tmp, self.steps = tmp_path, steps
+        self.port, self.env = free_port(), dict(os.environ, PHOENIXFT_TOKEN="5eed" * 8)
+        self.addr = f"127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    port, env = free_port(), dict(os.environ, PHOENIXFT_TOKEN="5eed" * 8)
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    def start(self, name: str, *args: str) -> None:
+        with open(self.tmp / f"{name}.log", "wb") as out:
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "phoenixft", *args], stdout=out,
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                start_new_session=True, env=self.env)
 
-    def start(name: str, *args: str) -> None:
-        with open(tmp_path / f"{name}.log", "wb") as out:
-            procs[name] = subprocess.Popen([sys.executable, "-m", "phoenixft", *args], stdout=out,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           start_new_session=True, env=env)
-
+    @staticmethod
     def wait_for(what: str, cond: Any, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
         while not (v := cond()):
@@ -148,33 +149,62 @@ def test_a_spare_that_died_while_idle_is_never_promoted(tmp_path: Path) -> None:
             time.sleep(0.05)
         return v
 
-    addr = f"127.0.0.1:{port}"
-    try:
-        start("head", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2", "--spares", "1",
-              "--workers-per-node", "1", "--steps", "200", "--model", "tiny", "--failure-timeout", "2",
-              "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "150", "--join-timeout", "90")
+    def begin(self) -> Any:
+        """Head, agents and spare started; the store client once the job is whole at step 3."""
+        from phoenixft.comm import connect_store
+
+        self.start("head", "coordinator", "--host", "127.0.0.1", "--port", str(self.port), "--nodes", "2",
+                   "--spares", "1", "--workers-per-node", "1", "--steps", str(self.steps), "--model", "tiny",
+                   "--failure-timeout", "2", "--run-dir", str(self.tmp / "run"), "--quiet", "--timeout", "150",
+                   "--join-timeout", "90")
         for name, extra in (("a", []), ("b", []), ("sp", ["--spare"])):
-            start(name, "agent", "--coordinator", addr, "--node", name, "--workers", "1", *extra)
-        store = wait_for("the store", lambda: _connected(connect_store, addr), 60)
-        wait_for("a whole job at step 3", lambda: store.check(["job/whole"]) and store.check(["progress"])
-                 and int(store.get("progress")) >= 3, 120)
-        os.killpg(procs["sp"].pid, signal.SIGKILL)
-        wait_for("the job to be not whole without its spare", lambda: not store.check(["job/whole"]), 15)
+            self.start(name, "agent", "--coordinator", self.addr, "--node", name, "--workers", "1", *extra)
+        store = self.wait_for("the store", lambda: _connected(connect_store, self.addr), 60)
+        self.wait_for("a whole job at step 3", lambda: store.check(["job/whole"]) and store.check(["progress"])
+                      and int(store.get("progress")) >= 3, 120)
+        return store
+
+    def kill(self, name: str) -> None:
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+
+    def close(self, graceful: bool = False) -> None:
+        head = self.procs.get("head")
+        if graceful and head is not None and head.poll() is None:
+            head.send_signal(signal.SIGTERM)  # the head ends the run; the agents follow
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                head.wait(timeout=60)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=30 if graceful else 0.1)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+
+
+def test_a_spare_that_died_while_idle_is_never_promoted(tmp_path: Path) -> None:
+    """Hand-started job (coordinator + agents on 127.0.0.1): the only spare's agent is SIGKILLed while
+    it waits, then an active node. The coordinator watches idle spares' heartbeats too: the job is no
+    longer whole once the spare is gone, and the node's loss shrinks the job at once. It used to
+    promote the dead spare (a `hotswap` into a corpse), wait out --failure-timeout for it to answer,
+    fence it and only then shrink, in a second recovery (and a mesh, which cannot shrink, was lost)."""
+    job = _HandJob(tmp_path, steps=200)
+    try:
+        store = job.begin()
+        job.kill("sp")
+        job.wait_for("the job to be not whole without its spare", lambda: not store.check(["job/whole"]), 15)
         members = json.loads(store.get("members"))
         victim = next(n for n, m in members.items() if m["name"] == "b")
         assert int(store.get("progress")) < 150, "too late: make the run longer"
-        os.killpg(procs["b"].pid, signal.SIGKILL)
-        assert procs["head"].wait(timeout=150) == 0, (tmp_path / "head.log").read_text()[-3000:]
+        job.kill("b")
+        assert job.procs["head"].wait(timeout=150) == 0, (tmp_path / "head.log").read_text()[-3000:]
         rep = json.loads((tmp_path / "run" / "report.json").read_text())
         assert rep["state"] == "done", rep.get("error")
         (rec,) = rep["recoveries"]  # one recovery: no detour through the dead spare
         assert rec["action"] == "shrink" and rec["dead"] == [victim] and rec["promoted"] == [], rec
-        assert procs["a"].wait(timeout=30) == 0
+        assert job.procs["a"].wait(timeout=30) == 0
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
+        job.close()
 
 
 def _connected(connect_store: Any, addr: str) -> Any:
@@ -191,63 +221,23 @@ def test_a_host_that_rejoins_frees_what_its_killed_node_left(tmp_path: Path) -> 
     the host comes back as a spare of the same run. The new agent frees the fenced node's segments at
     once; they used to stay in /dev/shm for the whole run (the sweep spares a live run's memory), a
     snapshot's worth of host memory lost on the repaired host."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from conftest import free_port
-
     from phoenixft import shm
-    from phoenixft.comm import connect_store
 
-    port, env = free_port(), dict(os.environ, PHOENIXFT_TOKEN="5eed" * 8)
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(name: str, *args: str) -> None:
-        with open(tmp_path / f"{name}.log", "wb") as out:
-            procs[name] = subprocess.Popen([sys.executable, "-m", "phoenixft", *args], stdout=out,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           start_new_session=True, env=env)
-
-    def wait_for(what: str, cond: Any, timeout_s: float) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while not (v := cond()):
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.05)
-        return v
-
-    addr, run_id = f"127.0.0.1:{port}", ""
+    job, run_id = _HandJob(tmp_path, steps=2000), ""
     try:
-        start("head", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2", "--spares", "1",
-              "--workers-per-node", "1", "--steps", "2000", "--model", "tiny", "--failure-timeout", "2",
-              "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "150", "--join-timeout", "90")
-        for name, extra in (("a", []), ("b", []), ("sp", ["--spare"])):
-            start(name, "agent", "--coordinator", addr, "--node", name, "--workers", "1", *extra)
-        store = wait_for("the store", lambda: _connected(connect_store, addr), 60)
-        wait_for("a whole job at step 3", lambda: store.check(["job/whole"]) and store.check(["progress"])
-                 and int(store.get("progress")) >= 3, 120)
+        store = job.begin()
         run_id = store.get("run/id").decode()
         victim = next(n for n, m in json.loads(store.get("members")).items() if m["name"] == "b")
         assert shm.segments(run_id, victim), "the node keeps no shared memory: the test proves nothing"
-        os.killpg(procs["b"].pid, signal.SIGKILL)
-        wait_for("the hot-swap", lambda: store.check(["recovery/1"]), 60)
-        start("b-back", "agent", "--coordinator", addr, "--node", "b-back", "--workers", "1", "--spare")
-        wait_for("the host's return", lambda: "admitted" in (tmp_path / "b-back.log").read_text(), 60)
-        wait_for("its node to be warm", lambda: store.check(["ready/s1.0"]), 60)
+        job.kill("b")
+        job.wait_for("the hot-swap", lambda: store.check(["recovery/1"]), 60)
+        job.start("b-back", "agent", "--coordinator", job.addr, "--node", "b-back", "--workers", "1", "--spare")
+        job.wait_for("the host's return", lambda: "admitted" in (tmp_path / "b-back.log").read_text(), 60)
+        job.wait_for("its node to be warm", lambda: store.check(["ready/s1.0"]), 60)
         assert not store.check(["run/state"]), "the run ended: the test proves nothing"
         assert shm.segments(run_id, victim) == [], "the killed node's memory outlived its return"
         assert "of fenced node" in (tmp_path / "b-back.log").read_text()
     finally:
-        if "head" in procs and procs["head"].poll() is None:
-            procs["head"].send_signal(signal.SIGTERM)  # the head ends the run; the agents follow
-            procs["head"].wait(timeout=60)
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+        job.close(graceful=True)
         if run_id:  # (what a failed run of this test left: the run is over)
             shm.unlink_segments(run_id)
