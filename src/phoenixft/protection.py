@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["Protection"]
 
 
+RUN_END_CHECK_S = 1.0  # a replication waiting on a stopped peer looks this often whether the run has ended
+
+
 class Protection:
     def __init__(self, worker: Worker, store_addr: str, timeout_s: float) -> None:
         self.w = w = worker
@@ -65,7 +68,7 @@ class Protection:
     def _flag_check(self, store_addr: str) -> Any:
         store = connect_store(store_addr)  # the replication thread's own client
         every = 0.2 if is_etcd(store) else 0.0  # an etcd round trip costs its leader CPU: the watcher sees it first
-        last = [0.0]
+        last = [0.0, 0.0]  # the last look at the flag; at the run's end (not urgent: once a second)
 
         def check() -> str | None:
             """Why the replication of a step should give up: a recovery of this epoch, or (RunAborted) the
@@ -77,10 +80,14 @@ class Protection:
             if now - last[0] < every:
                 return None
             last[0] = now
-            failed, over = exists_many(store, [keys.failflag(self.w.epoch), keys.RUN_STATE])
+            names = [keys.failflag(self.w.epoch)]
+            if now - last[1] >= RUN_END_CHECK_S:  # (a TCPStore answers one key per round trip: not every poll)
+                last[1] = now
+                names.append(keys.RUN_STATE)
+            failed, *over = exists_many(store, names)
             if failed:
                 return "recovery requested"
-            if over:
+            if any(over):
                 raise RunAborted(f"run ended ({store.get(keys.RUN_STATE).decode()})")
             return None
 
