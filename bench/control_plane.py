@@ -255,7 +255,7 @@ def _worker(addr: str, wid: str, sh: Shared, deadline: float) -> None:
         sh.report({"read0": 1})
         if _wait_get(c, keys.failflag(0), sh, deadline) is None or _silent(c, node):
             return
-        _post_descriptor(c, sh, topo, node, wid, desc)
+        _post_descriptor(c, sh, node, wid, desc)
         raw = _wait_get(c, keys.topo(1), sh, deadline)
         c.check([keys.fence(node)])
         if raw is not None:
@@ -264,7 +264,7 @@ def _worker(addr: str, wid: str, sh: Shared, deadline: float) -> None:
         _error(sh, f"worker {wid}", e)
 
 
-def _post_descriptor(c: Any, sh: Shared, topo: Topology, node: str, wid: str, desc: dict[str, Any]) -> None:
+def _post_descriptor(c: Any, sh: Shared, node: str, wid: str, desc: dict[str, Any]) -> None:
     """One worker's store calls of Worker.recover(), in its order: fence check, descriptor, counter."""
     desc["t"] = time.time()
     with sh.lock:
@@ -331,7 +331,7 @@ def _nodes(clients: dict[str, Any], sh: Shared, deadline: float) -> None:
             if _silent(c, n):
                 continue
             for wid in _wids(n):
-                _post_descriptor(c, sh, topos[n], n, wid, descs[n][wid])
+                _post_descriptor(c, sh, n, wid, descs[n][wid])
             live.append(n)
         for n in live:
             c = clients[n]
