@@ -182,7 +182,8 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_unreachable_coordinator_is_one_line() -> None:
     """A closed port, and a port that accepts connections but never answers (c10d's own timeout
-    does not cover that handshake): exit 2, one line naming --coordinator. Both at once."""
+    does not cover that handshake): exit 2, one line naming --coordinator. All at once, the silent
+    port three times: a thread left inside the c10d client once made the exit a SIGABRT."""
     closed = _free_port()
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -195,7 +196,7 @@ def test_unreachable_coordinator_is_one_line() -> None:
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            for port in (closed, silent.getsockname()[1])
+            for port in (closed, *[silent.getsockname()[1]] * 3)
         ]
         try:
             results = [p.communicate(timeout=120) for p in procs]

@@ -11,7 +11,11 @@ Every read is `check` before `get` (a TCPStore `get` blocks until the key exists
 call runs under the store's timeout. The c10d client's own timeout does not cover everything
 (against a port that accepts connections but never answers, its handshake waits forever), so
 `connect` and `read_status` also run under a hard deadline in a daemon thread: a wrong, dead or
-stopped address is a one-line error, never a hang.
+stopped address is a one-line error, never a hang. A closed port is found by a plain TCP connect
+first (no c10d client, no thread). A thread left behind inside the c10d client must not meet the
+interpreter's shutdown (a daemon thread ended inside C++ aborts the process: SIGABRT instead of
+exit 2), so after one `left_behind()` is true and the caller ends with `os._exit`; fd 2 stays
+silenced for that thread and `sys.stderr` is moved to the real stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,9 +33,25 @@ from typing import Any, TypeVar
 from phoenixft import keys
 from phoenixft.errors import UserError
 
-__all__ = ["parse_address", "connect", "read_status", "collect_status", "format_status", "describe_event"]
+__all__ = [
+    "parse_address",
+    "connect",
+    "read_status",
+    "left_behind",
+    "collect_status",
+    "format_status",
+    "describe_event",
+]
 
 T = TypeVar("T")
+
+_LEFT_BEHIND: list[threading.Thread] = []  # daemon threads still stuck in a c10d call
+
+
+def left_behind() -> bool:
+    """True once a bounded call was given up while its thread still runs (the process must end
+    with os._exit: see the module docstring)."""
+    return any(th.is_alive() for th in _LEFT_BEHIND)
 
 
 def parse_address(addr: str) -> tuple[str, int]:
@@ -52,8 +74,14 @@ def _quiet_fd2() -> Iterator[None]:
             os.dup2(null.fileno(), 2)
         yield
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        if left_behind():
+            # the stuck thread may still print: fd 2 stays silenced, Python's stderr moves to the saved fd
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            sys.stderr = os.fdopen(saved, "w", buffering=1)
+        else:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _bounded(fn: Callable[[], T], deadline_s: float) -> T:
@@ -73,6 +101,7 @@ def _bounded(fn: Callable[[], T], deadline_s: float) -> T:
     th.start()
     th.join(deadline_s)
     if th.is_alive():
+        _LEFT_BEHIND.append(th)
         raise TimeoutError(f"no answer after {deadline_s:g}s")
     if "error" in box:
         raise box["error"]
@@ -97,6 +126,13 @@ def connect(addr: str, timeout_s: float) -> Any:
     else:
         host, port = parse_address(addr)
         target = f"{host}:{port}"
+        try:  # a closed port or an unroutable host: answered here, without a c10d client
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as e:
+            raise UserError(
+                f"cannot reach a phoenixft coordinator at --coordinator={addr} (--timeout {timeout_s:g}s: "
+                f"{_why(e) if not isinstance(e, TimeoutError) else 'no answer'})"
+            ) from None
     from phoenixft.comm import connect_store
 
     def attempt() -> Any:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 from phoenixft.errors import UserError
 
@@ -42,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def status(args: argparse.Namespace) -> int:
-    from phoenixft.status import connect, format_status, parse_address, read_status
+    from phoenixft.status import connect, format_status, left_behind, parse_address, read_status
 
     if not args.coordinator.startswith("etcd://"):
         parse_address(args.coordinator)  # (an etcd URL is checked by connect)
@@ -50,8 +52,17 @@ def status(args: argparse.Namespace) -> int:
         raise UserError(f"--timeout={args.timeout} must be > 0")
     if args.events < 0:
         raise UserError(f"--events={args.events} must be >= 0")
-    store = connect(args.coordinator, args.timeout)
-    st = read_status(store, args.coordinator, args.timeout, events=args.events)
+    try:
+        store = connect(args.coordinator, args.timeout)
+        st = read_status(store, args.coordinator, args.timeout, events=args.events)
+    except UserError as e:
+        if not left_behind():
+            raise
+        # a thread is stuck inside the c10d client: the interpreter's shutdown would abort the
+        # process (SIGABRT) when it ends that thread, so the error is printed here and the exit is hard
+        print(f"phoenixft status: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     if args.json:
         print(json.dumps({"coordinator": args.coordinator, **st}))
     else:
