@@ -114,3 +114,14 @@ def test_bad_files(tmp_path: Path) -> None:
     arr.write_text("[1, 2]")
     with pytest.raises(CalibrationError, match="JSON object"):
         load_calibration(arr)
+
+
+def test_a_log2_fit_never_goes_negative_below_its_points() -> None:
+    """The default restart line falls 52 s per halving: below its smallest point (256 GPUs) it is
+    held there instead of reaching -110 s at 8 GPUs (which made `simulate run --gpus 8` a traceback)."""
+    at_smallest = DEFAULT_RESTART(256)
+    for w in (1, 2, 8, 64, 255):
+        assert DEFAULT_RESTART(w) == pytest.approx(at_smallest)
+    assert np.all(DEFAULT_RESTART(np.array([1.0, 8.0, 256.0])) == pytest.approx(at_smallest))
+    falling = fit_log2([64.0, 1024.0], [10.0, 2.0])  # a measured curve that falls with W
+    assert falling(10**9) == 0.0 and falling(32) == pytest.approx(10.0)

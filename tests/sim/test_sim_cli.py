@@ -108,6 +108,16 @@ def test_run_all_policies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "lost per failure by cause" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("gpus", ["1", "8", "64"])
+def test_small_jobs_simulate(gpus: str, tmp_path: Path) -> None:
+    """Below the restart fit's smallest point (256 GPUs) its log2 line went negative: a traceback."""
+    out = tmp_path / "small.json"
+    assert main(["run", "--gpus", gpus, "--gpus-per-node", "1", *FAST, "--json", str(out), "--no-plot"]) == 0
+    res = _json(out)["result"]
+    for p in res["policies"].values():
+        assert 0 < p["ettr"]["mean"] <= 1
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [

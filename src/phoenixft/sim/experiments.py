@@ -404,13 +404,15 @@ def scale_sweep(
         if "checkpoint-restart" in p and "phoenix" in p:
             ettr_gain.append(p["phoenix"]["ettr"]["mean"] / p["checkpoint-restart"]["ettr"]["mean"])
     notes = []
-    top = max(gpus_list)
+    top, bottom = max(gpus_list), min(gpus_list)
     for what, fit in (("hot-swap recovery", cal.hotswap), ("checkpoint-restart restart", cal.restart)):
         if fit.xs and top > 1.05 * max(fit.xs):
             notes.append(
                 f"{what}: {fit.kind} fit extrapolated {top / max(fit.xs):,.3g}x beyond its largest point"
                 f" ({max(fit.xs):,.0f} GPUs) to {top:,} GPUs"
             )
+        if fit.xs and fit.kind == "log2" and bottom < min(fit.xs):
+            notes.append(f"{what}: held at its value at {min(fit.xs):,.0f} GPUs (the fit's smallest point) below it")
     return {
         "base": base.as_dict(),
         "calibration": cal.as_dict(),
