@@ -344,7 +344,7 @@ def run_policies(
         waiting.append("phoenix")
     if waiting and sc.spares < sc.spares_needed:
         out["warnings"].append(
-            f"{sc.gpus} GPUs: the spare pool ({sc.spares}) is below the {sc.spares_needed:.1f} nodes that are"
+            f"{sc.gpus} GPUs: the spare pool ({sc.spares}) is below the {sc.spares_needed:.2g} nodes that are"
             f" on average waiting for replacement (node-loss rate x {sc.provision_s:g} s); "
             f"{', '.join(waiting)} will stall waiting for spares"
         )
