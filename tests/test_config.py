@@ -160,3 +160,19 @@ def test_threads_out_of_range_are_refused(value: int) -> None:
     """--threads 100000000 was accepted (every worker would have asked torch for that many threads)."""
     _refused(f"--threads={value!r} is invalid: must be 0 (cores / active workers) to 1024", threads=value)
     RunConfig(threads=1024).validate()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"nodes": 99_999_999_999}, "--nodes=99999999999 is invalid: must be at most 1,048,576"),
+        ({"workers_per_node": 10**11}, "--workers-per-node=100000000000 is invalid: must be at most 1,048,576"),
+        ({"spares": 2**21}, "--spares=2097152 is invalid: must be at most 1,048,576"),
+        ({"nodes": 500_000, "workers_per_node": 8},
+         "--nodes=500000 is invalid: (--nodes + --spares) x --workers-per-node must be at most 1,048,576 workers"),
+    ],
+)
+def test_a_job_beyond_a_million_workers_is_refused(fields: dict[str, int], message: str) -> None:
+    """`run --nodes 99999999999 --dry-run` ended in a MemoryError traceback (it built the node list)."""
+    _refused(message, **fields)
+    RunConfig(nodes=131_071, workers_per_node=8, spares=1).validate()

@@ -36,6 +36,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 MAX_THREADS = 1024  # --threads: more intra-op threads per worker than any host has cores is a typo
+MAX_WORKERS = 1 << 20  # (--nodes + --spares) x --workers-per-node: beyond any job (a --dry-run of it: ~25 s)
 
 
 @dataclass(kw_only=True)
@@ -231,6 +232,12 @@ class RunConfig:
         need(self.nodes >= 1, "--nodes", self.nodes, "need at least 1 node")
         need(self.workers_per_node >= 1, "--workers-per-node", self.workers_per_node, "need at least 1")
         need(self.spares >= 0, "--spares", self.spares, "must be >= 0")
+        sizes = (("--nodes", self.nodes), ("--workers-per-node", self.workers_per_node), ("--spares", self.spares))
+        for flag, n in sizes:
+            need(n <= MAX_WORKERS, flag, n, f"must be at most {MAX_WORKERS:,}")
+        need((self.nodes + self.spares) * self.workers_per_node <= MAX_WORKERS, "--nodes", self.nodes,
+             f"(--nodes + --spares) x --workers-per-node must be at most {MAX_WORKERS:,} workers, is "
+             f"({self.nodes:,} + {self.spares:,}) x {self.workers_per_node:,}")
         need(self.steps >= 1, "--steps", self.steps, "must be >= 1")
         from phoenixft.gpt import PRESETS
 
