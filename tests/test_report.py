@@ -25,12 +25,16 @@ class DictStore:
     def get(self, key: str) -> bytes:
         return self.kv[key]
 
+    def multi_get(self, ks: list[str]) -> list[bytes]:
+        return [self.kv[k] for k in ks]
+
 
 def _job(tmp: Path, faults: list[dict[str, Any]], recoveries: list[dict[str, Any]], nodes: int = 3) -> dict[str, Any]:
     cfg = RunConfig(nodes=nodes, spares=2, steps=8, inject=[f["spec"] for f in faults])
     st = DictStore()
     for s in range(1, 9):
         st.set(keys.step(s), {"step": s, "loss": 1.0 / s, "dt": 0.1})
+    st.set(keys.PROGRESS, "8")
     st.set(keys.FINAL, {"step": 8, "sha256": "ab"})
     for i, f in enumerate(faults):
         st.set(keys.fault(i), {"index": i, "kind": "fault", **f})
@@ -88,3 +92,38 @@ def test_a_resumed_run_that_failed_before_its_first_step_reports_the_checkpoint_
     fresh = DictStore()  # a run that failed before its first step, from the start
     fresh.set(keys.topo(0), {"epoch": 0, "nodes": ["n0", "n1"], "resume_step": 0})
     assert build_report(fresh, cfg, "failed", tmp_path, "rid")["steps_completed"] == 0
+
+
+class CountingStore(DictStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def check(self, ks: list[str]) -> bool:
+        self.calls += 1
+        return super().check(ks)
+
+    def get(self, key: str) -> bytes:
+        self.calls += 1
+        return super().get(key)
+
+    def multi_get(self, ks: list[str]) -> list[bytes]:
+        self.calls += 1
+        return super().multi_get(ks)
+
+
+def test_the_report_reads_the_steps_that_ran_in_batches(tmp_path: Path) -> None:
+    """An interrupted `--steps 99999999999` run: the report looked at every step of --steps, one round
+    trip each, with signals held (SIGTERM ignored: the demo it ended could not be stopped). It reads
+    the steps that ran (after the resumed checkpoint, up to the progress), a batch per round trip."""
+    cfg = RunConfig(nodes=2, spares=0, steps=2_000_000)  # (the old loop: 2M round trips here)
+    st = CountingStore()
+    st.set(keys.topo(0), {"epoch": 0, "nodes": ["n0", "n1"], "resume_step": 100})
+    for s in range(101, 1301):
+        if s != 700:  # a record that is missing (its batch is read key by key)
+            st.set(keys.step(s), {"step": s, "loss": float(s), "dt": 0.5})
+    st.set(keys.step(1400), {"step": 1400, "loss": 0.0, "dt": 0.5})  # beyond the progress: a rolled-back step
+    st.set(keys.PROGRESS, "1300")
+    rep = build_report(st, cfg, "failed: interrupted", tmp_path, "rid")
+    assert rep["loss"] == [float(s) for s in range(101, 1301) if s != 700]
+    assert st.calls < 1200, st.calls  # 3 batches, one of them (512 keys) key by key

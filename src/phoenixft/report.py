@@ -35,16 +35,31 @@ def _get(store: Any, key: str) -> Any:
     return json.loads(store.get(key)) if store.check([key]) else None
 
 
+STEP_BATCH = 512  # step records fetched per store round trip
+
+
+def _step_records(store: Any, first: int, last: int) -> list[dict[str, Any]]:
+    """The step records first..last (those present), STEP_BATCH keys per `check` + `multi_get`: the
+    range is the steps that ran (a resumed run starts after its checkpoint's step; an interrupted one
+    ends at its progress), never all of --steps, which took one round trip per step of a 10^11-step
+    run's report, with signals held."""
+    out: list[dict[str, Any]] = []
+    for lo in range(first, last + 1, STEP_BATCH):
+        names = [keys.step(s) for s in range(lo, min(last, lo + STEP_BATCH - 1) + 1)]
+        if store.check(names):  # (multi_get blocks on a missing key: only when all are there)
+            out.extend(json.loads(bytes(raw)) for raw in store.multi_get(names))
+        else:
+            out.extend(rec for rec in (_get(store, n) for n in names) if rec is not None)
+    return out
+
+
 def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
-    steps = []
-    for s in range(1, cfg.steps + 1):  # a resumed run starts after its checkpoint's step
-        rec = _get(store, keys.step(s))
-        if rec is not None:
-            steps.append(rec)
-    dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
-    final = _get(store, keys.FINAL)
     first_topo = _get(store, keys.topo(0))
     start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
+    progress = int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+    steps = _step_records(store, start + 1, min(cfg.steps, progress))
+    dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
+    final = _get(store, keys.FINAL)
     faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
     recoveries = []
     e = 1
