@@ -913,6 +913,3 @@ def main(argv: list[str] | None = None) -> int:
         rc = 1
     return rc
 
-
-if __name__ == "__main__":
-    sys.exit(main())
