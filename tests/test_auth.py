@@ -78,7 +78,7 @@ def test_admission_by_the_coordinators_policy() -> None:
     assert "--workers=2 does not match this job's --workers-per-node=1" in out["big"]
     assert "node id n1 is already taken" in out["taken"]
     assert "n5 is not an active slot of this job (--nodes 2: n0..n1)" in out["slot"]
-    assert set(coord.members) == {"n0", "n1", "s0"} and coord.spare_pool == ["s0"]
+    assert set(coord.state.members) == {"n0", "n1", "s0"} and coord.state.spare_pool == ["s0"]
     assert json.loads(store.get(keys.MEMBERS))["n0"]["name"] == "alpha"
     # a restarted coordinator rebuilds exactly the signed admissions; a forged verdict does not count
     seq = int(store.add(keys.ADMIT_SEQ, 1))
@@ -87,7 +87,7 @@ def test_admission_by_the_coordinators_policy() -> None:
                                                         "mac": "f" * 64}))):
         store.set(k, v)
     assert sorted(v["node"] for _, _, v in auth.AdmissionDesk(store, TOKEN).admitted()) == ["n0", "n1", "s0"]
-    assert sorted(Coordinator(store, token=TOKEN).members) == ["n0", "n1", "s0"]
+    assert sorted(Coordinator(store, token=TOKEN).state.members) == ["n0", "n1", "s0"]
     top = int(store.add(keys.ADMIT_SEQ, 0))
     for s in range(1, top + 1):
         for k in (keys.admit_req(s), keys.admit_challenge(s), keys.admit_resp(s), keys.admit_verdict(s)):
@@ -302,7 +302,7 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
     store.set(keys.RUN_ID, "run1")
     coord = coord_mod.Coordinator(store, token=TOKEN)
     old = Topology(epoch=0, nodes=["n0", "n1"], workers_per_node=1, replicas=1, resume_step=0)
-    coord.topo = old
+    coord.state.topo = old
     store.set(keys.desc(0, "n0.0"), json.dumps(Descriptor(wid="n0.0", params=[3]).to_json()))
 
     def broken(pi: Any) -> Any:

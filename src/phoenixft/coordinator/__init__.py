@@ -47,7 +47,6 @@ import contextlib
 import gc
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -63,12 +62,12 @@ from phoenixft.controlplane import (
     Election,
     EtcdUnavailable,
     exists_many,
-    get_nowait,
     guarded_set,
     is_etcd,
     multi_get_nowait,
     poll_interval,
 )
+from phoenixft.coordinator.shared import NODE_ID, Job, Membership, index, wait_key
 from phoenixft.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
 from phoenixft.topology import Topology
@@ -80,7 +79,6 @@ MAX_RECOVERIES_WITHOUT_PROGRESS = 12
 HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
 HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
 ADMIT_POLL_S = 0.025  # join requests are looked at this often (one counter read) while training
-_ID = re.compile(r"^([ns])(\d+)$")
 START_BEAT_GRACE_S = 15.0  # an active node admitted this long ago that never heartbeated died while starting
 ALL_SILENT_WAIT_S = 15.0  # every node (and spare) silent at once: how much longer before they are judged dead
 STANDBY_GIVE_UP_S = 60.0  # a standby whose etcd has had no quorum for this long stops (no job outlives that)
@@ -117,11 +115,6 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _index(node: str) -> int:
-    m = _ID.match(node)
-    return int(m.group(2)) if m else 1 << 30
-
-
 class Coordinator:
     def __init__(self, store: Any, journal: str | None = None, token: str = "",
                  election: Election | None = None) -> None:
@@ -134,20 +127,16 @@ class Coordinator:
         self.poll_s = poll_interval(store, POLL_S)  # steady state (etcd: 150 ms, woken by a watch; a TCPStore: 3 ms)
         self._wake = threading.Event()
         self.gather_poll_s = min(self.poll_s, 0.01)  # while a recovery waits for descriptors
-        raw_cfg = self._wait(keys.CONFIG, 120.0)
+        raw_cfg = wait_key(self.store, keys.CONFIG, 120.0)
         if auth.token_matches_job(store, token) is False:
             raise WrongToken(f"${auth.TOKEN_ENV} is not this job's token: the job's config is not signed with it")
         self.cfg = RunConfig.from_json(raw_cfg)
-        self.final_state: str | None = None  # the run's final state, once this process has seen it
         self.led = False  # this process acted as the job's coordinator (a standby: once it took over)
         self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
         self.g = self.cfg.workers_per_node
+        self.job = Job(store, self.g)
         self.desk = auth.AdmissionDesk(store, token)
-        self.members: dict[str, dict[str, Any]] = {}  # admitted nodes: id -> {name, host, spare, t}
-        self.spare_pool: list[str] = []  # admitted spares not used yet, in id order
-        self._gone_spares: set[str] = set()  # spares of the pool whose agent exited or whose heartbeat is stale
-        self.topo: Topology | None = None
-        self.dead: set[str] = set()
+        self.state = Membership()
         self._last_hb_check = 0.0
         self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
         self._last_grow_check = 0.0
@@ -163,33 +152,6 @@ class Coordinator:
     def _load_members(self) -> None:
         for _, req, verdict in self.desk.admitted():  # a restarted coordinator or a new leader: admissions stand
             self._add_member(str(verdict["node"]), req, quiet=True)
-
-    # ------------------------------------------------------------------ helpers
-    def _wait(self, key: str, timeout_s: float) -> bytes:
-        deadline = time.monotonic() + timeout_s
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"coordinator: no {key!r} after {timeout_s:.0f}s")
-            time.sleep(0.01)
-        return self.store.get(key)
-
-    def _event(self, kind: str, **fields: Any) -> None:
-        rec = {"t": time.time(), "kind": kind, "by": "coordinator", **fields}
-        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
-
-    def _wids(self, node: str) -> list[str]:
-        return [f"{node}.{i}" for i in range(self.g)]
-
-    def _ready(self, nodes: list[str]) -> bool:
-        """Every worker of every one of `nodes` has announced itself (one store call)."""
-        return self.store.check([keys.ready(w) for n in nodes for w in self._wids(n)])
-
-    def _node_ready(self, node: str) -> bool:
-        return self._ready([node])
-
-    def _posted(self, e: int, nodes: list[str]) -> bool:
-        """Every worker of every one of `nodes` has posted its descriptor of epoch e (one store call)."""
-        return self.store.check([keys.desc(e, w) for n in nodes for w in self._wids(n)])
 
     def _exited(self, nodes: list[str]) -> set[str]:
         """Those of `nodes` whose exit the launcher reported. A node's exit key is looked at once per
@@ -213,7 +175,7 @@ class Coordinator:
         if n == self._restarts_seen:
             return set()
         self._restarts_seen = n
-        return {w for node in nodes for w in self._wids(node) if self.store.check([keys.worker_exit(w)])}
+        return {w for node in nodes for w in self.job.wids(node) if self.store.check([keys.worker_exit(w)])}
 
     def _stale(self, nodes: list[str], now: float) -> set[str]:
         """Those of `nodes` whose last heartbeat is older than the failure timeout: one `multi_get`
@@ -254,22 +216,9 @@ class Coordinator:
         # newest first, and only those newer than the one used (an older one of another directory was not)
         skipped = sorted((x for x in found if man is None or x["step"] > int(man["step"])), key=lambda x: -x["step"])
         for x in skipped:
-            self._event("checkpoint_skipped", **x,
+            self.job.event("checkpoint_skipped", **x,
                         using=man["step"] if man is not None else None, line=skipped_line(x))
         return man, skipped
-
-    def _fail_run(self, why: str) -> None:
-        self.store.set(keys.RUN_ERROR, why)
-        self._event("run_failed", error=why)
-        self.store.set(keys.RUN_STATE, "failed")
-        self.final_state = "failed"
-
-    def _over(self) -> bool:
-        """The run has a final state (kept in `final_state`)."""
-        v = get_nowait(self.store, keys.RUN_STATE)
-        if v is not None:
-            self.final_state = bytes(v).decode(errors="replace")
-        return v is not None
 
     def publish(self, topo: Topology, replay: bool = False) -> None:
         """Journal first, then publish: a restarted coordinator (or the standby that takes over)
@@ -277,8 +226,8 @@ class Coordinator:
         journal record is a store key written with the topology (on etcd: in one transaction that
         succeeds only while this process leads); a local journal file, fsynced first, is kept too
         when given."""
-        record = json.dumps({"topo": json.loads(topo.to_json()), "spare_pool": self.spare_pool,
-                             "dead": sorted(self.dead)})
+        record = json.dumps({"topo": json.loads(topo.to_json()), "spare_pool": self.state.spare_pool,
+                             "dead": sorted(self.state.dead)})
         if self.journal and not replay:
             with open(self.journal, "a") as f:
                 f.write(record + "\n")
@@ -295,9 +244,9 @@ class Coordinator:
             values.insert(0, record)
         if not guarded_set(self.store, self.election, names, values):
             _deposed()
-        self.topo = topo
+        self.state.topo = topo
         if not replay:
-            self._event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world, resume_step=topo.resume_step)
+            self.job.event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world, resume_step=topo.resume_step)
 
     def _reload(self) -> bool:
         """Restore membership, epoch and spare pool from the journal; True if there was one."""
@@ -314,11 +263,11 @@ class Coordinator:
                             break  # a torn last line: the decision before it stands
         if last is None:
             return False
-        self.dead = set(last["dead"])
+        self.state.dead = set(last["dead"])
         topo = Topology(**last["topo"])
         # the journal's pool, and spares admitted since (admissions are in the store, signed)
-        pool = set(last["spare_pool"]) | {n for n, m in self.members.items() if m["spare"]}
-        self.spare_pool = sorted((s for s in pool if s not in self.dead and s not in topo.nodes), key=_index)
+        pool = set(last["spare_pool"]) | {n for n, m in self.state.members.items() if m["spare"]}
+        self.state.spare_pool = sorted((s for s in pool if s not in self.state.dead and s not in topo.nodes), key=index)
         self.publish(topo, replay=True)
         return True
 
@@ -345,7 +294,7 @@ class Coordinator:
             self.election.resign()
             return False
         if was is not None:
-            self._event("coordinator_takeover", previous=was, leader=self.election.ident,
+            self.job.event("coordinator_takeover", previous=was, leader=self.election.ident,
                         standby_s=round(time.monotonic() - t0, 3))
         return True
 
@@ -358,8 +307,9 @@ class Coordinator:
             if not over and not there and serializable:
                 over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG])
             if over:
-                self._over()
-                print(f"phoenixft coordinator: the run ended ({self.final_state or '?'}); standing down", flush=True)
+                self.job.over()
+                print(f"phoenixft coordinator: the run ended ({self.job.final_state or '?'}); standing down",
+                      flush=True)
                 return True
             if not there:
                 print(f"phoenixft coordinator: the job's keys are gone from {self.store.url} (it ended); "
@@ -375,8 +325,8 @@ class Coordinator:
         self._load_members()
         self.store.set(keys.COORDINATOR_PID, str(os.getpid()))
         if self._reload():
-            assert self.topo is not None
-            self._event("coordinator_restarted", epoch=self.topo.epoch, spare_pool=self.spare_pool,
+            assert self.state.topo is not None
+            self.job.event("coordinator_restarted", epoch=self.state.topo.epoch, spare_pool=self.state.spare_pool,
                         **({"leader": self.election.ident} if self.election is not None else {}))
             self.store.set("coordinator/ready", str(time.time()))
             self._loop()
@@ -385,34 +335,35 @@ class Coordinator:
         swapped: dict[str, str] = {}  # an active node that died before the start -> the spare in its slot
         while True:
             self._admit(force=True)
-            active = [swapped.get(n, n) for n in sorted((n for n in self.members if n.startswith("n")), key=_index)]
-            if len(active) == self.cfg.nodes and self._ready(active):
+            slots = sorted((n for n in self.state.members if n.startswith("n")), key=index)
+            active = [swapped.get(n, n) for n in slots]
+            if len(active) == self.cfg.nodes and self.job.ready(active):
                 break
             if len(active) == self.cfg.nodes:
                 self._replace_dead_before_start(active, swapped)
-            if self._over():
+            if self.job.over():
                 return
             if time.monotonic() > deadline:
-                waiting = [n for n in active if not self._node_ready(n)]
-                joined = ", ".join(self._label(n) for n in active) or "none"
+                waiting = [n for n in active if not self.job.node_ready(n)]
+                joined = ", ".join(self.state.label(n) for n in active) or "none"
                 if len(active) < self.cfg.nodes:
-                    self._fail_run(f"only {len(active)} of {self.cfg.nodes} node(s) joined within --join-timeout="
+                    self.job.fail_run(f"only {len(active)} of {self.cfg.nodes} node(s) joined within --join-timeout="
                                    f"{self.cfg.join_timeout:g}s (joined: {joined}"
                                    + (f"; not ready yet: {', '.join(waiting)}" if waiting else "") + ")")
                 else:  # every slot filled: some node never got its workers ready (and no ready spare took its slot)
-                    self._fail_run(f"all {self.cfg.nodes} node(s) joined, but {', '.join(waiting)} did not get its "
+                    self.job.fail_run(f"all {self.cfg.nodes} node(s) joined, but {', '.join(waiting)} did not get its "
                                    f"workers ready within --join-timeout={self.cfg.join_timeout:g}s (its agent stopped "
                                    f"or died while starting, and no ready spare could take its slot; joined: {joined})")
                 return
             time.sleep(0.005)
-        self._event("run_start", nodes=active, spares=self.spare_pool)
+        self.job.event("run_start", nodes=active, spares=self.state.spare_pool)
         start, meta = 0, {}
         if self.cfg.resume:
             man, skipped = self._verified(self.cfg.resume)
             if man is None:
                 why = (f"no checkpoint verifies (the newest, step {skipped[0]['step']}: {skipped[0]['file']} "
                        f"{skipped[0]['why']})" if skipped else "no complete checkpoint")
-                self._fail_run(f"--resume {self.cfg.resume}: {why}")
+                self.job.fail_run(f"--resume {self.cfg.resume}: {why}")
                 return
             start, meta = man["step"], {"restore": "persistent", "manifest": man}
         if swapped:
@@ -428,10 +379,11 @@ class Coordinator:
         # the epoch's failure flag is set
         threading.Thread(target=self._watch_flags, name="phoenixft-flag-watch", daemon=True).start()
         while True:
-            assert self.topo is not None
-            over, flagged = exists_many(self.store, [keys.RUN_STATE, keys.failflag(self.topo.epoch)])  # one request
+            assert self.state.topo is not None
+            # one request:
+            over, flagged = exists_many(self.store, [keys.RUN_STATE, keys.failflag(self.state.topo.epoch)])
             if over:
-                self._over()
+                self.job.over()
                 break
             self._admit()
             if flagged or self._failure_pending():
@@ -451,21 +403,21 @@ class Coordinator:
         ready spare waiting."""
         now = time.monotonic()
         for n in active:
-            if not n.startswith("n") or self._node_ready(n):
+            if not n.startswith("n") or self.job.node_ready(n):
                 continue
             pool = [s for s in self._ready_spares() if s not in swapped.values()]
             if not pool:
                 return
             beat = self.store.check([keys.heartbeat(n)])
-            silent = time.time() - float(self.members[n]["t"]) > max(self.cfg.failure_timeout, START_BEAT_GRACE_S)
+            silent = time.time() - float(self.state.members[n]["t"]) > max(self.cfg.failure_timeout, START_BEAT_GRACE_S)
             if not (self._exited([n]) or (beat and self._stale([n], now)) or (not beat and silent)):
                 continue
             spare = pool[0]
             swapped[n] = spare
-            self.dead.add(n)
-            self.spare_pool.remove(spare)
+            self.state.dead.add(n)
+            self.state.spare_pool.remove(spare)
             self.store.set(keys.fence(n), str(time.time()))
-            self._event("replaced_before_start", node=n, spare=spare,
+            self.job.event("replaced_before_start", node=n, spare=spare,
                         why="its agent exited" if n in self._exited_nodes else "no heartbeat")
 
     def _watch_flags(self) -> None:
@@ -482,7 +434,7 @@ class Coordinator:
             store, slice_s = dist.TCPStore(self.store.host, self.store.port, is_master=False,
                                            timeout=timedelta(seconds=30)), 600.0
         while True:
-            topo = self.topo
+            topo = self.state.topo
             if topo is None:
                 time.sleep(0.05)
                 continue
@@ -491,7 +443,7 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - not set within the slice, or the cluster is briefly away
                 continue
             self._wake.set()
-            while self.topo is topo:  # until the recovery has published the next epoch
+            while self.state.topo is topo:  # until the recovery has published the next epoch
                 time.sleep(0.02)
 
     def _recovery_loop(self, descs: dict[str, Descriptor]) -> bool:
@@ -502,7 +454,7 @@ class Coordinator:
         if len(self._stuck) <= MAX_RECOVERIES_WITHOUT_PROGRESS:
             return False
         errors = sorted({d.error for d in descs.values()})[:3]
-        self._fail_run(f"{len(self._stuck)} recoveries in a row without completing a step (stuck after step "
+        self.job.fail_run(f"{len(self._stuck)} recoveries in a row without completing a step (stuck after step "
                        f"{progress}); the last errors: {'; '.join(errors)}")
         return True
 
@@ -510,9 +462,9 @@ class Coordinator:
         """`job/whole`: the job has its full size and, if it was given spares, at least one warm spare
         (what `,wait=S` faults wait for). A job run without spares (--spares 0, e.g. with --repair-after:
         a repaired node returns as a spare and is grown in at once) is whole at its full size."""
-        assert self.topo is not None
+        assert self.state.topo is not None
         self._refresh_pool()
-        whole = len(self.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or bool(self._ready_spares()))
+        whole = len(self.state.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or bool(self._ready_spares()))
         there = exists_many(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
         if whole and not there:
             self.store.set(keys.JOB_WHOLE, "1")
@@ -523,38 +475,36 @@ class Coordinator:
         """A spare is on its way: one admitted that is still starting (not ready yet: a fault in the
         run's first steps), or the spare of `--spare-arrives-at-step`, started once the run reached that
         step. It will be ready within its start-up."""
-        if any(s not in pool and s not in self.dead and not self._node_ready(s) for s in self.spare_pool):
+        st = self.state
+        if any(s not in pool and s not in st.dead and not self.job.node_ready(s) for s in st.spare_pool):
             return True
         late = self.cfg.spare_arrives_at_step
         if not late or not self.store.check([keys.PROGRESS]) or int(self.store.get(keys.PROGRESS)) < late:
             return False
         sid = f"s{self.cfg.spares}"  # the id the launcher starts it with
-        return sid not in pool and sid not in self.dead and (self.topo is None or sid not in self.topo.nodes)
+        return sid not in pool and sid not in st.dead and (st.topo is None or sid not in st.topo.nodes)
 
     def _ready_spares(self) -> list[str]:
         """The spares that can be promoted now: admitted, ready, and alive as far as the coordinator
         knows (a spare whose agent died while it waited is not handed a slot: it would answer nothing,
         and the recovery would wait out --failure-timeout to find that out)."""
-        return [s for s in self.spare_pool if s not in self.dead and s not in self._gone_spares and self._node_ready(s)]
+        st = self.state
+        return [s for s in st.spare_pool if s not in st.dead and s not in st.gone_spares and self.job.node_ready(s)]
 
     def _refresh_pool(self) -> None:
         """Spares admitted since (`phoenixft agent --spare`, or a repaired node) are in the pool already."""
         self._admit()
 
     # ------------------------------------------------------------------ admission
-    def _label(self, node: str) -> str:
-        m = self.members.get(node, {})
-        return f"{node} ({m.get('name')}@{m.get('host')})" if m.get("name") not in (None, node) else node
-
     def _add_member(self, node: str, req: dict[str, Any], quiet: bool = False) -> None:
         spare = node.startswith("s")
-        self.members[node] = {"name": str(req.get("name", node)), "host": str(req.get("host", "")), "spare": spare,
-                              "t": time.time()}
-        if spare and node not in self.dead and not self._in_use(node) and node not in self.spare_pool:
-            self.spare_pool.append(node)
-            self.spare_pool.sort(key=_index)
+        self.state.members[node] = {"name": str(req.get("name", node)), "host": str(req.get("host", "")),
+                                    "spare": spare, "t": time.time()}
+        if spare and node not in self.state.dead and not self.state.in_use(node) and node not in self.state.spare_pool:
+            self.state.spare_pool.append(node)
+            self.state.spare_pool.sort(key=index)
         if not quiet:
-            self.store.set(keys.MEMBERS, json.dumps(self.members, sort_keys=True))
+            self.store.set(keys.MEMBERS, json.dumps(self.state.members, sort_keys=True))
 
     def _admission(self, req: dict[str, Any]) -> tuple[str | None, str, str]:
         """(node id or None, why not, a note for the agent) for a request whose token checked out."""
@@ -563,10 +513,10 @@ class Coordinator:
             return None, (f"--workers={req.get('workers')} does not match this job's --workers-per-node={self.g}"), ""
         if not auth.NAME_RE.match(name):
             return None, f"--node={name!r} is not a valid node name", ""
-        started = self.topo is not None
-        m = _ID.match(name)
+        started = self.state.topo is not None
+        m = NODE_ID.match(name)
         if m:  # asks for exactly this id
-            if name in self.members:
+            if name in self.state.members:
                 return None, (f"node id {name} is already taken in this job (ids are never reused; pick another "
                               "--node)"), ""
             if m.group(1) == "s":
@@ -580,11 +530,11 @@ class Coordinator:
                 return None, f"the job has started: active slot {name} was filled; join as a spare (--spare)", ""
             return name, "", ""
         if not spare and not started:
-            free = [f"n{i}" for i in range(self.cfg.nodes) if f"n{i}" not in self.members]
+            free = [f"n{i}" for i in range(self.cfg.nodes) if f"n{i}" not in self.state.members]
             if free:
                 return free[0], "", ""
         k = 0
-        while f"s{k}" in self.members:
+        while f"s{k}" in self.state.members:
             k += 1
         note = "" if spare else ("the job has started" if started else "every active slot is taken") + \
             f": joined as spare s{k}"
@@ -611,32 +561,29 @@ class Coordinator:
                 node, why, note = self._admission(req)
             self.desk.answer(app, node, self.run_id, reason=why, note=note)
             if node is None:
-                self._event("join_refused", reason=why, **who)
+                self.job.event("join_refused", reason=why, **who)
                 continue
             self._add_member(node, req)
-            self._event("admitted", node=node, spare=node.startswith("s"), note=note, **who)
-
-    def _in_use(self, node: str) -> bool:
-        return self.topo is not None and node in self.topo.nodes
+            self.job.event("admitted", node=node, spare=node.startswith("s"), note=note, **who)
 
     def _failure_pending(self) -> bool:
-        assert self.topo is not None
+        assert self.state.topo is not None
         now = time.time()
-        if len(self.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
+        if len(self.state.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
             self._last_grow_check = now
             self._refresh_pool()
             if self._ready_spares():
-                self._event("grow_requested", epoch=self.topo.epoch)
+                self.job.event("grow_requested", epoch=self.state.topo.epoch)
                 return True  # recover() repartitions over the grown world at this step boundary
-        if self._exited(self.topo.nodes):
+        if self._exited(self.state.topo.nodes):
             return True
         now = time.time()
         if now - self._last_hb_check > HB_CHECK_S:
             self._last_hb_check = now
             # idle spares are watched too (one multi_get with the nodes'): a dead one is never promoted
-            spares = [s for s in self.spare_pool if s not in self.dead]
-            stale = self._stale(self.topo.nodes + spares, now)
-            self._gone_spares = (stale | self._exited(spares)) & set(spares)
+            spares = [s for s in self.state.spare_pool if s not in self.state.dead]
+            stale = self._stale(self.state.topo.nodes + spares, now)
+            self.state.gone_spares = (stale | self._exited(spares)) & set(spares)
             if stale - set(spares):
                 return True
         return False
@@ -674,12 +621,12 @@ class Coordinator:
             posted = self.store.add(keys.desc_posted(e), 0)
             if posted >= len(live) * self.g and (posted, len(live)) != verified:
                 verified = (posted, len(live))
-                if self._posted(e, live):
+                if self.job.posted(e, live):
                     break
             now = time.time()
             if now - last_hb >= HB_RECOVER_S:
                 last_hb = now
-                spares = [s for s in self.spare_pool if s not in self.dead]
+                spares = [s for s in self.state.spare_pool if s not in self.state.dead]
                 stale = self._stale(live + spares, now)
                 was, silent = silent, (not dead and bool(live) and stale >= set(live + spares) and posted == 0
                                        and time.monotonic() < silent_until)
@@ -689,25 +636,22 @@ class Coordinator:
                     stale_since.clear()
                 if silent and not said:
                     said = True
-                    self._event("all_silent", epoch=e, nodes=live, spares=spares,
+                    self.job.event("all_silent", epoch=e, nodes=live, spares=spares,
                                 wait_s=round(silent_until - time.monotonic(), 1))
                 for n in stale & set(live) if not silent else ():
-                    if not self._posted(e, [n]) and now - stale_since.setdefault(n, now) >= grace:
+                    if not self.job.posted(e, [n]) and now - stale_since.setdefault(n, now) >= grace:
                         dead.add(n)
                         fenced.add(n)
             if silent and time.monotonic() > deadline:
                 time.sleep(self.gather_poll_s)
                 continue
             if time.monotonic() > deadline:
-                unresponsive = {n for n in live if n not in dead and not self._posted(e, [n])}
+                unresponsive = {n for n in live if n not in dead and not self.job.posted(e, [n])}
                 fenced |= unresponsive  # fence the whole node
                 dead |= unresponsive
                 break
             time.sleep(self.gather_poll_s)
         return dead, fenced, restarted
-
-    def _progress(self) -> int:
-        return int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
 
     def _fresh_start(self, old: Topology, dead: set[str], descs: dict[str, Descriptor], pool: list[str],
                      progress: int) -> Plan | None:
@@ -732,8 +676,8 @@ class Coordinator:
                     resume_step=0, promoted=promoted)
 
     def recover(self) -> None:
-        assert self.topo is not None
-        old = self.topo
+        assert self.state.topo is not None
+        old = self.state.topo
         e = old.epoch
         t_start = time.time()
         self.store.set(keys.failflag(e), "1")
@@ -750,15 +694,15 @@ class Coordinator:
         restarted = {w for w in restarted if w.split(".")[0] not in dead}
         for n in dead:
             self.store.set(keys.fence(n), str(time.time()))  # when: nothing of n may be written after it
-        self.dead |= dead
-        live = [w for n in old.nodes if n not in dead for w in self._wids(n)]
+        self.state.dead |= dead
+        live = [w for n in old.nodes if n not in dead for w in self.job.wids(n)]
         raw = self.store.multi_get([keys.desc(e, w) for w in live]) if live else []
         descs = {w: Descriptor.from_json(json.loads(r)) for w, r in zip(live, raw, strict=True)}
         if self._recovery_loop(descs):
             return
         t_first = min([d.t for d in descs.values()] + [t_start])
         first = min(descs.values(), key=lambda d: d.t, default=None)
-        self._event("failures_reported", epoch=e, reports=len(descs), first=first.wid if first else None,
+        self.job.event("failures_reported", epoch=e, reports=len(descs), first=first.wid if first else None,
                     t_first=t_first, errors=sorted({d.error[:300] for d in descs.values()})[:5])
         self._refresh_pool()
         pool = self._ready_spares()
@@ -810,7 +754,7 @@ class Coordinator:
         if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
             # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or
             # for the spare that is starting (--spare-arrives-at-step) to be ready
-            self._event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
+            self.job.event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
             deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
             while len(pool) < len(dead) and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -818,7 +762,7 @@ class Coordinator:
                 pool = self._ready_spares()
             plan = decide()
         if not plan.ok:
-            plan = self._fresh_start(old, dead, descs, pool, progress=self._progress()) or plan
+            plan = self._fresh_start(old, dead, descs, pool, progress=self.job.progress()) or plan
         if not plan.ok or plan.topo is None:
             error = plan.error
             skipped = verified[0][1] if verified else []
@@ -826,21 +770,21 @@ class Coordinator:
                 why = f"(the newest, step {skipped[0]['step']}: {skipped[0]['file']} {skipped[0]['why']})"
                 error = (f"{refused}; no other persistent checkpoint verifies {why}" if refused and exclude else
                          f"{error} that verifies {why}")
-            self._fail_run(f"{error} (epoch {e})")
+            self.job.fail_run(f"{error} (epoch {e})")
             return
         topo = plan.topo
         for s in plan.promoted:
-            self.spare_pool.remove(s)
+            self.state.spare_pool.remove(s)
         if plan.dropped:
-            self._event("shrink", epoch=e, dropped=plan.dropped, world=topo.world)
+            self.job.event("shrink", epoch=e, dropped=plan.dropped, world=topo.world)
         elif plan.action == "grow":
-            self._event("grow", epoch=e, added=plan.promoted, world=topo.world)
+            self.job.event("grow", epoch=e, added=plan.promoted, world=topo.world)
         if plan.persistent_step is not None:
-            self._event("fallback_persistent", epoch=e, reason=topo.meta["reason"], step=plan.persistent_step,
+            self.job.event("fallback_persistent", epoch=e, reason=topo.meta["reason"], step=plan.persistent_step,
                         path=topo.meta["manifest"]["path"])
         max_committed = max((max(d.params) for d in descs.values() if d.params), default=plan.resume_step)
-        progress = self._progress()
-        self._event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
+        progress = self.job.progress()
+        self.job.event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
                     **{"class": plan.klass}, action=plan.action)
         t_decided = time.time()
         rec: dict[str, Any] = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
@@ -854,7 +798,7 @@ class Coordinator:
                "persistent_step": plan.persistent_step}
         self.store.set(keys.recovery(e + 1), json.dumps(rec))
         self.publish(topo)
-        self._event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,
+        self.job.event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,
                     decide_s=t_decided - t_start)
 
 
@@ -907,9 +851,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.store:  # keep serving the store until the launcher has read the results and stops us
         while True:
             time.sleep(3600)
-    if coord is not None and coord.led and coord.final_state not in (None, "done"):
+    if coord is not None and coord.led and coord.job.final_state not in (None, "done"):
         # the run this process led (or ended up leading) failed: say so to whoever started it
-        print(f"phoenixft coordinator: the run ended {coord.final_state}", file=sys.stderr, flush=True)
+        print(f"phoenixft coordinator: the run ended {coord.job.final_state}", file=sys.stderr, flush=True)
         rc = 1
     return rc
 
