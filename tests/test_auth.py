@@ -62,7 +62,7 @@ def test_admission_by_the_coordinators_policy() -> None:
     def settle(*threads: threading.Thread) -> None:
         deadline = time.monotonic() + 30
         while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-            coord._admit(force=True)
+            coord.admission.admit(force=True)
             time.sleep(0.01)
         assert not any(t.is_alive() for t in threads)
 

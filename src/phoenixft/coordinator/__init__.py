@@ -67,7 +67,8 @@ from phoenixft.controlplane import (
     multi_get_nowait,
     poll_interval,
 )
-from phoenixft.coordinator.shared import NODE_ID, Job, Membership, index, wait_key
+from phoenixft.coordinator.admission import Admission
+from phoenixft.coordinator.shared import Job, Membership, index, wait_key
 from phoenixft.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
 from phoenixft.topology import Topology
@@ -78,7 +79,6 @@ POLL_S = 0.025  # steady state: a flag-watch thread wakes the loop at once on a 
 MAX_RECOVERIES_WITHOUT_PROGRESS = 12
 HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
 HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
-ADMIT_POLL_S = 0.025  # join requests are looked at this often (one counter read) while training
 START_BEAT_GRACE_S = 15.0  # an active node admitted this long ago that never heartbeated died while starting
 ALL_SILENT_WAIT_S = 15.0  # every node (and spare) silent at once: how much longer before they are judged dead
 STANDBY_GIVE_UP_S = 60.0  # a standby whose etcd has had no quorum for this long stops (no job outlives that)
@@ -135,8 +135,8 @@ class Coordinator:
         self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
         self.g = self.cfg.workers_per_node
         self.job = Job(store, self.g)
-        self.desk = auth.AdmissionDesk(store, token)
         self.state = Membership()
+        self.admission = Admission(self.job, self.cfg, self.state, auth.AdmissionDesk(store, token), self.run_id)
         self._last_hb_check = 0.0
         self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
         self._last_grow_check = 0.0
@@ -146,12 +146,7 @@ class Coordinator:
         self._restarts_seen = 0
         self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
         self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
-        self._last_admit = 0.0
-        self._load_members()  # (again once this process leads: a standby's view is old by then)
-
-    def _load_members(self) -> None:
-        for _, req, verdict in self.desk.admitted():  # a restarted coordinator or a new leader: admissions stand
-            self._add_member(str(verdict["node"]), req, quiet=True)
+        self.admission.load_members()  # (again once this process leads: a standby's view is old by then)
 
     def _exited(self, nodes: list[str]) -> set[str]:
         """Those of `nodes` whose exit the launcher reported. A node's exit key is looked at once per
@@ -322,7 +317,7 @@ class Coordinator:
         if not self._lead(announce):
             return
         self.led = True
-        self._load_members()
+        self.admission.load_members()
         self.store.set(keys.COORDINATOR_PID, str(os.getpid()))
         if self._reload():
             assert self.state.topo is not None
@@ -334,7 +329,7 @@ class Coordinator:
         deadline = time.monotonic() + self.cfg.join_timeout
         swapped: dict[str, str] = {}  # an active node that died before the start -> the spare in its slot
         while True:
-            self._admit(force=True)
+            self.admission.admit(force=True)
             slots = sorted((n for n in self.state.members if n.startswith("n")), key=index)
             active = [swapped.get(n, n) for n in slots]
             if len(active) == self.cfg.nodes and self.job.ready(active):
@@ -385,7 +380,7 @@ class Coordinator:
             if over:
                 self.job.over()
                 break
-            self._admit()
+            self.admission.admit()
             if flagged or self._failure_pending():
                 self.recover()
             else:
@@ -405,7 +400,7 @@ class Coordinator:
         for n in active:
             if not n.startswith("n") or self.job.node_ready(n):
                 continue
-            pool = [s for s in self._ready_spares() if s not in swapped.values()]
+            pool = [s for s in self.admission.ready_spares() if s not in swapped.values()]
             if not pool:
                 return
             beat = self.store.check([keys.heartbeat(n)])
@@ -463,116 +458,22 @@ class Coordinator:
         (what `,wait=S` faults wait for). A job run without spares (--spares 0, e.g. with --repair-after:
         a repaired node returns as a spare and is grown in at once) is whole at its full size."""
         assert self.state.topo is not None
-        self._refresh_pool()
-        whole = len(self.state.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or bool(self._ready_spares()))
+        self.admission.refresh_pool()
+        whole = len(self.state.topo.nodes) == self.cfg.nodes and (
+            self.cfg.spares == 0 or bool(self.admission.ready_spares()))
         there = exists_many(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
         if whole and not there:
             self.store.set(keys.JOB_WHOLE, "1")
         elif not whole and there:
             self.store.delete_key(keys.JOB_WHOLE)
 
-    def _spare_coming(self, pool: list[str]) -> bool:
-        """A spare is on its way: one admitted that is still starting (not ready yet: a fault in the
-        run's first steps), or the spare of `--spare-arrives-at-step`, started once the run reached that
-        step. It will be ready within its start-up."""
-        st = self.state
-        if any(s not in pool and s not in st.dead and not self.job.node_ready(s) for s in st.spare_pool):
-            return True
-        late = self.cfg.spare_arrives_at_step
-        if not late or not self.store.check([keys.PROGRESS]) or int(self.store.get(keys.PROGRESS)) < late:
-            return False
-        sid = f"s{self.cfg.spares}"  # the id the launcher starts it with
-        return sid not in pool and sid not in st.dead and (st.topo is None or sid not in st.topo.nodes)
-
-    def _ready_spares(self) -> list[str]:
-        """The spares that can be promoted now: admitted, ready, and alive as far as the coordinator
-        knows (a spare whose agent died while it waited is not handed a slot: it would answer nothing,
-        and the recovery would wait out --failure-timeout to find that out)."""
-        st = self.state
-        return [s for s in st.spare_pool if s not in st.dead and s not in st.gone_spares and self.job.node_ready(s)]
-
-    def _refresh_pool(self) -> None:
-        """Spares admitted since (`phoenixft agent --spare`, or a repaired node) are in the pool already."""
-        self._admit()
-
-    # ------------------------------------------------------------------ admission
-    def _add_member(self, node: str, req: dict[str, Any], quiet: bool = False) -> None:
-        spare = node.startswith("s")
-        self.state.members[node] = {"name": str(req.get("name", node)), "host": str(req.get("host", "")),
-                                    "spare": spare, "t": time.time()}
-        if spare and node not in self.state.dead and not self.state.in_use(node) and node not in self.state.spare_pool:
-            self.state.spare_pool.append(node)
-            self.state.spare_pool.sort(key=index)
-        if not quiet:
-            self.store.set(keys.MEMBERS, json.dumps(self.state.members, sort_keys=True))
-
-    def _admission(self, req: dict[str, Any]) -> tuple[str | None, str, str]:
-        """(node id or None, why not, a note for the agent) for a request whose token checked out."""
-        name, spare = str(req.get("name", "")), bool(req.get("spare"))
-        if req.get("workers") != self.g:
-            return None, (f"--workers={req.get('workers')} does not match this job's --workers-per-node={self.g}"), ""
-        if not auth.NAME_RE.match(name):
-            return None, f"--node={name!r} is not a valid node name", ""
-        started = self.state.topo is not None
-        m = NODE_ID.match(name)
-        if m:  # asks for exactly this id
-            if name in self.state.members:
-                return None, (f"node id {name} is already taken in this job (ids are never reused; pick another "
-                              "--node)"), ""
-            if m.group(1) == "s":
-                return name, "", ""
-            if spare:
-                return None, f"--node={name} names an active slot; a spare needs another name", ""
-            if int(m.group(2)) >= self.cfg.nodes:
-                return None, (f"node id {name} is not an active slot of this job (--nodes {self.cfg.nodes}: n0.."
-                              f"n{self.cfg.nodes - 1}); join as a spare (--spare)"), ""
-            if started:
-                return None, f"the job has started: active slot {name} was filled; join as a spare (--spare)", ""
-            return name, "", ""
-        if not spare and not started:
-            free = [f"n{i}" for i in range(self.cfg.nodes) if f"n{i}" not in self.state.members]
-            if free:
-                return free[0], "", ""
-        k = 0
-        while f"s{k}" in self.state.members:
-            k += 1
-        note = "" if spare else ("the job has started" if started else "every active slot is taken") + \
-            f": joined as spare s{k}"
-        return f"s{k}", "", note
-
-    def _admit(self, force: bool = False) -> None:
-        """Answer the join requests that arrived (one counter read when none did)."""
-        now = time.monotonic()
-        if not force and now - self._last_admit < ADMIT_POLL_S:
-            return
-        self._last_admit = now
-        for app in self.desk.poll():
-            req = app.request
-            who = {"name": str(req.get("name", "?"))[:64], "host": str(req.get("host", "?"))[:64]}
-            if app.proof == "none":
-                why = (f"it presented no token (start the agent with this job's token: --token or "
-                       f"{auth.TOKEN_ENV})")
-                node, note = None, ""
-            elif app.proof != "ok":
-                why = ("wrong token: its answer to the join challenge does not verify with this job's token (an "
-                       "agent of another job, or a mistyped token)")
-                node, note = None, ""
-            else:
-                node, why, note = self._admission(req)
-            self.desk.answer(app, node, self.run_id, reason=why, note=note)
-            if node is None:
-                self.job.event("join_refused", reason=why, **who)
-                continue
-            self._add_member(node, req)
-            self.job.event("admitted", node=node, spare=node.startswith("s"), note=note, **who)
-
     def _failure_pending(self) -> bool:
         assert self.state.topo is not None
         now = time.time()
         if len(self.state.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
             self._last_grow_check = now
-            self._refresh_pool()
-            if self._ready_spares():
+            self.admission.refresh_pool()
+            if self.admission.ready_spares():
                 self.job.event("grow_requested", epoch=self.state.topo.epoch)
                 return True  # recover() repartitions over the grown world at this step boundary
         if self._exited(self.state.topo.nodes):
@@ -704,8 +605,8 @@ class Coordinator:
         first = min(descs.values(), key=lambda d: d.t, default=None)
         self.job.event("failures_reported", epoch=e, reports=len(descs), first=first.wid if first else None,
                     t_first=t_first, errors=sorted({d.error[:300] for d in descs.values()})[:5])
-        self._refresh_pool()
-        pool = self._ready_spares()
+        self.admission.refresh_pool()
+        pool = self.admission.ready_spares()
         grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
         # the persistent tier: --persist-dir's checkpoints, and the one --resume started from (until this
@@ -750,7 +651,7 @@ class Coordinator:
             return p
 
         plan = decide()
-        coming = self._spare_coming(pool)
+        coming = self.admission.spare_coming(pool)
         if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
             # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or
             # for the spare that is starting (--spare-arrives-at-step) to be ready
@@ -758,8 +659,8 @@ class Coordinator:
             deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
             while len(pool) < len(dead) and time.monotonic() < deadline:
                 time.sleep(0.1)
-                self._refresh_pool()
-                pool = self._ready_spares()
+                self.admission.refresh_pool()
+                pool = self.admission.ready_spares()
             plan = decide()
         if not plan.ok:
             plan = self._fresh_start(old, dead, descs, pool, progress=self.job.progress()) or plan
