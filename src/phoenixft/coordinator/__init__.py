@@ -64,10 +64,10 @@ from phoenixft.controlplane import (
     exists_many,
     guarded_set,
     is_etcd,
-    multi_get_nowait,
     poll_interval,
 )
 from phoenixft.coordinator.admission import Admission
+from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.shared import Job, Membership, index, wait_key
 from phoenixft.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
@@ -77,10 +77,7 @@ __all__ = ["Coordinator", "main"]
 
 POLL_S = 0.025  # steady state: a flag-watch thread wakes the loop at once on a failure (see _watch_flags)
 MAX_RECOVERIES_WITHOUT_PROGRESS = 12
-HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
-HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
 START_BEAT_GRACE_S = 15.0  # an active node admitted this long ago that never heartbeated died while starting
-ALL_SILENT_WAIT_S = 15.0  # every node (and spare) silent at once: how much longer before they are judged dead
 STANDBY_GIVE_UP_S = 60.0  # a standby whose etcd has had no quorum for this long stops (no job outlives that)
 
 
@@ -137,64 +134,9 @@ class Coordinator:
         self.job = Job(store, self.g)
         self.state = Membership()
         self.admission = Admission(self.job, self.cfg, self.state, auth.AdmissionDesk(store, token), self.run_id)
-        self._last_hb_check = 0.0
         self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
-        self._last_grow_check = 0.0
-        self._exits_seen = 0
-        self._exited_nodes: set[str] = set()  # nodes whose exit the launcher reported (exit keys stay)
-        self._exit_checked: set[str] = set()  # nodes whose exit key was looked at since the counter moved
-        self._restarts_seen = 0
-        self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
-        self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
+        self.detector = FailureDetector(self.job, self.cfg, self.state, self.admission, self.gather_poll_s)
         self.admission.load_members()  # (again once this process leads: a standby's view is old by then)
-
-    def _exited(self, nodes: list[str]) -> set[str]:
-        """Those of `nodes` whose exit the launcher reported. A node's exit key is looked at once per
-        value of the launcher's `exits` counter (which it bumps after setting the key)."""
-        exits = self.store.add("exits", 0)
-        if exits != self._exits_seen:
-            self._exits_seen = exits
-            self._exit_checked.clear()
-        elif self._exit_checked.issuperset(nodes):  # nothing moved: O(1) amortised per poll
-            return self._exited_nodes.intersection(nodes)
-        todo = [n for n in nodes if n not in self._exit_checked and n not in self._exited_nodes]
-        self._exited_nodes |= {n for n in todo if self.store.check([keys.node_exit(n)])}
-        self._exit_checked.update(nodes)
-        return self._exited_nodes.intersection(nodes)
-
-    def _restarts(self, nodes: list[str]) -> set[str]:
-        """Those workers of `nodes` that their agent restarted in place (`wexit/<wid>`, deleted once a
-        recovery has dealt with it). Single keys are looked at (and the worker ids listed) only when
-        the agents' restart counter moved: a poll that finds it unchanged costs one store call."""
-        n = self.store.add(keys.WORKER_EXITS, 0)
-        if n == self._restarts_seen:
-            return set()
-        self._restarts_seen = n
-        return {w for node in nodes for w in self.job.wids(node) if self.store.check([keys.worker_exit(w)])}
-
-    def _stale(self, nodes: list[str], now: float) -> set[str]:
-        """Those of `nodes` whose last heartbeat is older than the failure timeout: one `multi_get`
-        of the heartbeat keys known to exist (a node not yet seen is looked for on its own). Old means
-        unchanged, on this process's monotonic clock, for longer than the failure timeout."""
-        new = [n for n in nodes if n not in self._hb_seen]
-        if new and self.store.check([keys.heartbeat(n) for n in new]):
-            self._hb_seen.update(new)
-        elif new:
-            self._hb_seen.update(n for n in new if self.store.check([keys.heartbeat(n)]))
-        have = [n for n in nodes if n in self._hb_seen]
-        if not have:
-            return set()
-        beats = multi_get_nowait(self.store, [keys.heartbeat(n) for n in have])
-        seen = time.monotonic()  # judged on this clock: a heartbeat's value is another host's wall time
-        gone = set()  # etcd: the key expired with its agent's lease (silent for --failure-timeout)
-        for n, b in zip(have, beats, strict=True):
-            if b is None:
-                gone.add(n)
-                continue
-            last = self._hb_last.get(n)
-            if last is None or last[0] != b:
-                self._hb_last[n] = (bytes(b), seen)
-        return gone | {n for n in have if n not in gone and seen - self._hb_last[n][1] > self.cfg.failure_timeout}
 
     def _verified(self, roots: str | list[str], exclude: dict[str, str] | None = None
                   ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -381,7 +323,7 @@ class Coordinator:
                 self.job.over()
                 break
             self.admission.admit()
-            if flagged or self._failure_pending():
+            if flagged or self.detector.failure_pending():
                 self.recover()
             else:
                 self._wake.wait(self.poll_s)
@@ -405,7 +347,7 @@ class Coordinator:
                 return
             beat = self.store.check([keys.heartbeat(n)])
             silent = time.time() - float(self.state.members[n]["t"]) > max(self.cfg.failure_timeout, START_BEAT_GRACE_S)
-            if not (self._exited([n]) or (beat and self._stale([n], now)) or (not beat and silent)):
+            if not (self.detector.exited([n]) or (beat and self.detector.stale([n], now)) or (not beat and silent)):
                 continue
             spare = pool[0]
             swapped[n] = spare
@@ -413,7 +355,7 @@ class Coordinator:
             self.state.spare_pool.remove(spare)
             self.store.set(keys.fence(n), str(time.time()))
             self.job.event("replaced_before_start", node=n, spare=spare,
-                        why="its agent exited" if n in self._exited_nodes else "no heartbeat")
+                        why="its agent exited" if n in self.detector.exited_nodes else "no heartbeat")
 
     def _watch_flags(self) -> None:
         """Block on the current epoch's failure flag (own connection: an etcd watch, or a TCPStore's
@@ -467,93 +409,6 @@ class Coordinator:
         elif not whole and there:
             self.store.delete_key(keys.JOB_WHOLE)
 
-    def _failure_pending(self) -> bool:
-        assert self.state.topo is not None
-        now = time.time()
-        if len(self.state.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
-            self._last_grow_check = now
-            self.admission.refresh_pool()
-            if self.admission.ready_spares():
-                self.job.event("grow_requested", epoch=self.state.topo.epoch)
-                return True  # recover() repartitions over the grown world at this step boundary
-        if self._exited(self.state.topo.nodes):
-            return True
-        now = time.time()
-        if now - self._last_hb_check > HB_CHECK_S:
-            self._last_hb_check = now
-            # idle spares are watched too (one multi_get with the nodes'): a dead one is never promoted
-            spares = [s for s in self.state.spare_pool if s not in self.state.dead]
-            stale = self._stale(self.state.topo.nodes + spares, now)
-            self.state.gone_spares = (stale | self._exited(spares)) & set(spares)
-            if stale - set(spares):
-                return True
-        return False
-
-    # ------------------------------------------------------------------ recovery
-    def _gather(self, e: int, nodes: list[str]) -> tuple[set[str], set[str], set[str]]:
-        """Wait until every worker of every live node of epoch e has posted its descriptor; decide
-        which nodes are dead on the way. Returns (dead, fenced, restarted).
-
-        Dead: reported exits; nodes with a stale heartbeat whose workers have not answered within a
-        short grace either (a stale heartbeat alone is not death: a starved agent); and, once the
-        failure timeout has passed, every node that still has not answered (fenced). A worker that
-        its agent restarts in place gets the full timeout again."""
-        dead: set[str] = set()
-        fenced: set[str] = set()
-        restarted: set[str] = set()
-        stale_since: dict[str, float] = {}
-        grace = min(1.0, self.cfg.failure_timeout / 2)
-        deadline = time.monotonic() + self.cfg.failure_timeout
-        # every member and spare silent at once, nobody posting: this host is more likely cut off than all of
-        # them dead, and fencing them all would end the run when its link comes back; wait that long more
-        # (an agent stops its node after --control-plane-timeout, 15 s by default, without the store)
-        silent_until = deadline + ALL_SILENT_WAIT_S
-        said = silent = False
-        last_hb, verified = 0.0, None
-        while True:
-            dead |= self._exited(nodes)
-            live = [n for n in nodes if n not in dead]
-            new = self._restarts(live) - restarted
-            if new:
-                restarted |= new  # its agent restarts it in place: give it the full timeout again
-                deadline = time.monotonic() + self.cfg.failure_timeout
-            # complete? the counter may overcount (a dead node's early post, a restarted worker's
-            # second one), so a count that is high enough is verified on the keys, once per change
-            posted = self.store.add(keys.desc_posted(e), 0)
-            if posted >= len(live) * self.g and (posted, len(live)) != verified:
-                verified = (posted, len(live))
-                if self.job.posted(e, live):
-                    break
-            now = time.time()
-            if now - last_hb >= HB_RECOVER_S:
-                last_hb = now
-                spares = [s for s in self.state.spare_pool if s not in self.state.dead]
-                stale = self._stale(live + spares, now)
-                was, silent = silent, (not dead and bool(live) and stale >= set(live + spares) and posted == 0
-                                       and time.monotonic() < silent_until)
-                if was and not silent:  # heard from again: reconnecting takes a while, give every node the full time
-                    deadline = time.monotonic() + self.cfg.failure_timeout
-                    grace = self.cfg.failure_timeout
-                    stale_since.clear()
-                if silent and not said:
-                    said = True
-                    self.job.event("all_silent", epoch=e, nodes=live, spares=spares,
-                                wait_s=round(silent_until - time.monotonic(), 1))
-                for n in stale & set(live) if not silent else ():
-                    if not self.job.posted(e, [n]) and now - stale_since.setdefault(n, now) >= grace:
-                        dead.add(n)
-                        fenced.add(n)
-            if silent and time.monotonic() > deadline:
-                time.sleep(self.gather_poll_s)
-                continue
-            if time.monotonic() > deadline:
-                unresponsive = {n for n in live if n not in dead and not self.job.posted(e, [n])}
-                fenced |= unresponsive  # fence the whole node
-                dead |= unresponsive
-                break
-            time.sleep(self.gather_poll_s)
-        return dead, fenced, restarted
-
     def _fresh_start(self, old: Topology, dead: set[str], descs: dict[str, Descriptor], pool: list[str],
                      progress: int) -> Plan | None:
         """A node lost before the run's first step committed anywhere (e.g. dead before its groups were
@@ -583,7 +438,7 @@ class Coordinator:
         t_start = time.time()
         self.store.set(keys.failflag(e), "1")
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
-        dead, fenced, restarted = self._gather(e, old.nodes)
+        dead, fenced, restarted = self.detector.gather(e, old.nodes)
         with _gc_paused():
             self._decide(old, t_start, dead, fenced, restarted)
 
