@@ -62,12 +62,12 @@ from phoenixft.controlplane import (
     Election,
     EtcdUnavailable,
     exists_many,
-    guarded_set,
     is_etcd,
     poll_interval,
 )
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.detect import FailureDetector
+from phoenixft.coordinator.publish import Publisher, deposed
 from phoenixft.coordinator.shared import Job, Membership, index, wait_key
 from phoenixft.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
@@ -87,13 +87,6 @@ class ControlPlaneLost(RuntimeError):
 
 class WrongToken(RuntimeError):
     """This process's job token is not the job's: what it signed, no worker would accept."""
-
-
-def _deposed() -> None:
-    """This process no longer leads (its lease expired): another coordinator may act already."""
-    print("phoenixft coordinator: lost the leadership (lease expired); exiting so the leader acts alone",
-          file=sys.stderr, flush=True)
-    os._exit(3)
 
 
 @contextlib.contextmanager
@@ -118,8 +111,6 @@ class Coordinator:
         if not token:
             raise ValueError("the coordinator needs the job token (it signs what it publishes)")
         self.store = store
-        self.journal = journal
-        self.token = token
         self.election = election  # etcd: this process acts only while it leads
         self.poll_s = poll_interval(store, POLL_S)  # steady state (etcd: 150 ms, woken by a watch; a TCPStore: 3 ms)
         self._wake = threading.Event()
@@ -133,6 +124,7 @@ class Coordinator:
         self.g = self.cfg.workers_per_node
         self.job = Job(store, self.g)
         self.state = Membership()
+        self.publisher = Publisher(self.job, self.state, journal, token, election)
         self.admission = Admission(self.job, self.cfg, self.state, auth.AdmissionDesk(store, token), self.run_id)
         self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
         self.detector = FailureDetector(self.job, self.cfg, self.state, self.admission, self.gather_poll_s)
@@ -156,57 +148,6 @@ class Coordinator:
             self.job.event("checkpoint_skipped", **x,
                         using=man["step"] if man is not None else None, line=skipped_line(x))
         return man, skipped
-
-    def publish(self, topo: Topology, replay: bool = False) -> None:
-        """Journal first, then publish: a restarted coordinator (or the standby that takes over)
-        finishes publishing whatever was decided, and never decides the same epoch twice. The
-        journal record is a store key written with the topology (on etcd: in one transaction that
-        succeeds only while this process leads); a local journal file, fsynced first, is kept too
-        when given."""
-        record = json.dumps({"topo": json.loads(topo.to_json()), "spare_pool": self.state.spare_pool,
-                             "dead": sorted(self.state.dead)})
-        if self.journal and not replay:
-            with open(self.journal, "a") as f:
-                f.write(record + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        raw = topo.to_json()
-        names = [keys.topo_sig(topo.epoch), keys.topo(topo.epoch), keys.EPOCH]  # the signature first
-        values = [auth.sign_topology(self.token, topo.epoch, raw), raw, str(topo.epoch)]
-        for s in topo.meta.get("promoted", []):
-            names.append(keys.assign(s))
-            values.append(str(topo.epoch))
-        if not replay:
-            names.insert(0, keys.JOURNAL)
-            values.insert(0, record)
-        if not guarded_set(self.store, self.election, names, values):
-            _deposed()
-        self.state.topo = topo
-        if not replay:
-            self.job.event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world, resume_step=topo.resume_step)
-
-    def _reload(self) -> bool:
-        """Restore membership, epoch and spare pool from the journal; True if there was one."""
-        last = None
-        if self.store.check([keys.JOURNAL]):
-            last = json.loads(self.store.get(keys.JOURNAL))
-        elif self.journal and os.path.exists(self.journal):
-            with open(self.journal) as f:
-                for line in f:
-                    if line.strip():
-                        try:
-                            last = json.loads(line)
-                        except ValueError:
-                            break  # a torn last line: the decision before it stands
-        if last is None:
-            return False
-        self.state.dead = set(last["dead"])
-        topo = Topology(**last["topo"])
-        # the journal's pool, and spares admitted since (admissions are in the store, signed)
-        pool = set(last["spare_pool"]) | {n for n, m in self.state.members.items() if m["spare"]}
-        self.state.spare_pool = sorted((s for s in pool if s not in self.state.dead and s not in topo.nodes), key=index)
-        self.publish(topo, replay=True)
-        return True
 
     # ------------------------------------------------------------------ main loop
     def _lead(self, announce: str = "") -> bool:
@@ -261,7 +202,7 @@ class Coordinator:
         self.led = True
         self.admission.load_members()
         self.store.set(keys.COORDINATOR_PID, str(os.getpid()))
-        if self._reload():
+        if self.publisher.reload():
             assert self.state.topo is not None
             self.job.event("coordinator_restarted", epoch=self.state.topo.epoch, spare_pool=self.state.spare_pool,
                         **({"leader": self.election.ident} if self.election is not None else {}))
@@ -305,8 +246,9 @@ class Coordinator:
             start, meta = man["step"], {"restore": "persistent", "manifest": man}
         if swapped:
             meta = {**meta, "promoted": [s for s in active if s in swapped.values()]}  # (their workers wait for it)
-        self.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
-                              racks=self.cfg.racks, resume_step=start, meta=meta, tp=self.cfg.tp, pp=self.cfg.pp))
+        self.publisher.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
+                                        racks=self.cfg.racks, resume_step=start, meta=meta, tp=self.cfg.tp,
+                                        pp=self.cfg.pp))
         self.store.set("coordinator/ready", str(time.time()))
         self._loop()
 
@@ -553,7 +495,7 @@ class Coordinator:
                "bad_sources": sorted({x for d in descs.values() for x in d.bad_sources}),
                "persistent_step": plan.persistent_step}
         self.store.set(keys.recovery(e + 1), json.dumps(rec))
-        self.publish(topo)
+        self.publisher.publish(topo)
         self.job.event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,
                     decide_s=t_decided - t_start)
 
@@ -589,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(tmp, "w") as f:
                 f.write(str(server.port))
             os.replace(tmp, a.port_file)
-    election = Election(store, ttl_s=a.lease_ttl, on_lost=_deposed) if is_etcd(store) else None
+    election = Election(store, ttl_s=a.lease_ttl, on_lost=deposed) if is_etcd(store) else None
     gc.freeze()  # start-up's objects (torch's modules, ~250k) are never garbage: no collection walks them again
     coord: Coordinator | None = None
     rc = 0
