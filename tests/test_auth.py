@@ -293,6 +293,7 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
     (the launcher restarts it, until "the coordinator keeps exiting"). The coordinator fails the run in one
     line that names the exception instead."""
     from phoenixft import coordinator as coord_mod
+    from phoenixft.coordinator import decide as decide_mod
     from phoenixft.recovery.planner import Descriptor
     from phoenixft.topology import Topology
 
@@ -308,8 +309,8 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
     def broken(pi: Any) -> Any:
         raise KeyError("pp0.tp0.dp0of3")
 
-    monkeypatch.setattr(coord_mod, "plan_recovery", broken)
-    coord._decide(old, time.time(), {"n1"}, set(), set())
+    monkeypatch.setattr(decide_mod, "plan_recovery", broken)
+    coord.decider.decide(old, time.time(), {"n1"}, set(), set())
     assert store.get(keys.RUN_STATE) == b"failed"
     err = store.get(keys.RUN_ERROR).decode()
     assert "\n" not in err and "the recovery planner failed (KeyError: 'pp0.tp0.dp0of3')" in err, err
