@@ -62,7 +62,7 @@ def test_admission_by_the_coordinators_policy() -> None:
     def settle(*threads: threading.Thread) -> None:
         deadline = time.monotonic() + 30
         while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-            coord._admit(force=True)
+            coord.admission.admit(force=True)
             time.sleep(0.01)
         assert not any(t.is_alive() for t in threads)
 
@@ -78,7 +78,7 @@ def test_admission_by_the_coordinators_policy() -> None:
     assert "--workers=2 does not match this job's --workers-per-node=1" in out["big"]
     assert "node id n1 is already taken" in out["taken"]
     assert "n5 is not an active slot of this job (--nodes 2: n0..n1)" in out["slot"]
-    assert set(coord.members) == {"n0", "n1", "s0"} and coord.spare_pool == ["s0"]
+    assert set(coord.state.members) == {"n0", "n1", "s0"} and coord.state.spare_pool == ["s0"]
     assert json.loads(store.get(keys.MEMBERS))["n0"]["name"] == "alpha"
     # a restarted coordinator rebuilds exactly the signed admissions; a forged verdict does not count
     seq = int(store.add(keys.ADMIT_SEQ, 1))
@@ -87,7 +87,7 @@ def test_admission_by_the_coordinators_policy() -> None:
                                                         "mac": "f" * 64}))):
         store.set(k, v)
     assert sorted(v["node"] for _, _, v in auth.AdmissionDesk(store, TOKEN).admitted()) == ["n0", "n1", "s0"]
-    assert sorted(Coordinator(store, token=TOKEN).members) == ["n0", "n1", "s0"]
+    assert sorted(Coordinator(store, token=TOKEN).state.members) == ["n0", "n1", "s0"]
     top = int(store.add(keys.ADMIT_SEQ, 0))
     for s in range(1, top + 1):
         for k in (keys.admit_req(s), keys.admit_challenge(s), keys.admit_resp(s), keys.admit_verdict(s)):
@@ -293,6 +293,7 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
     (the launcher restarts it, until "the coordinator keeps exiting"). The coordinator fails the run in one
     line that names the exception instead."""
     from phoenixft import coordinator as coord_mod
+    from phoenixft.coordinator import decide as decide_mod
     from phoenixft.recovery.planner import Descriptor
     from phoenixft.topology import Topology
 
@@ -302,14 +303,14 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
     store.set(keys.RUN_ID, "run1")
     coord = coord_mod.Coordinator(store, token=TOKEN)
     old = Topology(epoch=0, nodes=["n0", "n1"], workers_per_node=1, replicas=1, resume_step=0)
-    coord.topo = old
+    coord.state.topo = old
     store.set(keys.desc(0, "n0.0"), json.dumps(Descriptor(wid="n0.0", params=[3]).to_json()))
 
     def broken(pi: Any) -> Any:
         raise KeyError("pp0.tp0.dp0of3")
 
-    monkeypatch.setattr(coord_mod, "plan_recovery", broken)
-    coord._decide(old, time.time(), {"n1"}, set(), set())
+    monkeypatch.setattr(decide_mod, "plan_recovery", broken)
+    coord.decider.decide(old, time.time(), {"n1"}, set(), set())
     assert store.get(keys.RUN_STATE) == b"failed"
     err = store.get(keys.RUN_ERROR).decode()
     assert "\n" not in err and "the recovery planner failed (KeyError: 'pp0.tp0.dp0of3')" in err, err

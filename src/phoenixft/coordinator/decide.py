@@ -1,0 +1,250 @@
+"""The recovery's decision: from the gathered descriptors to the next epoch.
+
+On a failure in epoch e (Algorithm 2 of the paper) `Decider.recover` sets the epoch's failure flag so
+that every member stops at its next wait, has the `FailureDetector` gather the survivors'
+descriptors (and name the dead), then `decide`s: fences the dead, picks the recovery step r (the
+newest step for which every logical shard still has a committed copy somewhere: its owner, or a
+verified replica; else a persistent checkpoint whose files verify), acquires one ready spare per
+dead node (waiting, bounded, for one on its way when a mesh cannot drop a node), and publishes
+topology e+1 with the transfers through the `Publisher`. The planner itself is pure
+(`phoenixft.recovery.planner`); a run that recovers again and again without completing a step, a
+plan that fails, or a planner that raises fails the run in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from phoenixft import keys
+from phoenixft.config import RunConfig
+from phoenixft.coordinator.admission import Admission
+from phoenixft.coordinator.detect import FailureDetector
+from phoenixft.coordinator.publish import Publisher
+from phoenixft.coordinator.shared import Job, Membership
+from phoenixft.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
+from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
+from phoenixft.topology import Topology
+
+__all__ = ["MAX_RECOVERIES_WITHOUT_PROGRESS", "Decider", "gc_paused", "verified_checkpoint"]
+
+MAX_RECOVERIES_WITHOUT_PROGRESS = 12
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the burst of allocation between a recovery's gather and
+    its publish (W descriptors parsed, a plan over them): a collection walks every object of the
+    process (torch's modules included), and at W = 4,096 the burst set off collections that took as
+    long as the plan itself (bench/control_plane.py). What the burst drops is freed by reference counting; the collector
+    runs again once the epoch is published."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def verified_checkpoint(job: Job, roots: str | list[str], exclude: dict[str, str] | None = None
+                        ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The newest checkpoint under `roots` (a directory, or several) that verifies
+    (persist.verified_manifest); each newer one skipped is said, in one line, as a `checkpoint_skipped`
+    event."""
+    man: dict[str, Any] | None = None
+    found: list[dict[str, Any]] = []
+    for root in [roots] if isinstance(roots, str) else roots:
+        m, sk = verified_manifest(root, exclude=exclude)
+        found += sk
+        if m is not None and (man is None or int(m["step"]) > int(man["step"])):
+            man = m
+    # newest first, and only those newer than the one used (an older one of another directory was not)
+    skipped = sorted((x for x in found if man is None or x["step"] > int(man["step"])), key=lambda x: -x["step"])
+    for x in skipped:
+        job.event("checkpoint_skipped", **x,
+              using=man["step"] if man is not None else None, line=skipped_line(x))
+    return man, skipped
+
+
+class Decider:
+    """Recovers the job from a failure: `recover` (flag, gather, decide) and `decide`."""
+
+    def __init__(self, job: Job, cfg: RunConfig, state: Membership, admission: Admission,
+                 detector: FailureDetector, publisher: Publisher) -> None:
+        self.job = job
+        self.store = job.store
+        self.g = job.g
+        self.cfg = cfg
+        self.state = state
+        self.admission = admission
+        self.detector = detector
+        self.publisher = publisher
+        self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
+
+    def recover(self) -> None:
+        assert self.state.topo is not None
+        old = self.state.topo
+        e = old.epoch
+        t_start = time.time()
+        self.store.set(keys.failflag(e), "1")
+        self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
+        dead, fenced, restarted = self.detector.gather(e, old.nodes)
+        with gc_paused():
+            self.decide(old, t_start, dead, fenced, restarted)
+
+    def decide(self, old: Topology, t_start: float, dead: set[str], fenced: set[str], restarted: set[str]) -> None:
+        """The gather is done: fence the dead, fetch and parse the descriptors, plan, publish."""
+        e = old.epoch
+        for w in restarted:
+            self.store.delete_key(keys.worker_exit(w))
+        restarted = {w for w in restarted if w.split(".")[0] not in dead}
+        for n in dead:
+            self.store.set(keys.fence(n), str(time.time()))  # when: nothing of n may be written after it
+        self.state.dead |= dead
+        live = [w for n in old.nodes if n not in dead for w in self.job.wids(n)]
+        raw = self.store.multi_get([keys.desc(e, w) for w in live]) if live else []
+        descs = {w: Descriptor.from_json(json.loads(r)) for w, r in zip(live, raw, strict=True)}
+        if self.recovery_loop(descs):
+            return
+        t_first = min([d.t for d in descs.values()] + [t_start])
+        first = min(descs.values(), key=lambda d: d.t, default=None)
+        self.job.event("failures_reported", epoch=e, reports=len(descs), first=first.wid if first else None,
+                       t_first=t_first, errors=sorted({d.error[:300] for d in descs.values()})[:5])
+        self.admission.refresh_pool()
+        pool = self.admission.ready_spares()
+        grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
+                     and not self.store.check([keys.failflag(e) + "/by-worker"]))
+        # the persistent tier: --persist-dir's checkpoints, and the one --resume started from (until this
+        # run has written a newer one, it is the newest state on disk: without it, losing a shard's every
+        # copy before the first new checkpoint lost a run that had just been resumed)
+        tiers = [t for t in dict.fromkeys((self.cfg.persist_dir, self.cfg.resume)) if t]
+        exclude: dict[str, str] = {}
+        refused = next((d.error for d in descs.values() if d.error.startswith(NOT_INSTALLED)), "")
+        if refused and old.meta.get("restore") == "persistent":
+            # the workers refused the checkpoint this epoch restored (it changed after it was verified):
+            # never again, and the newest other one
+            was = str(old.meta["manifest"]["path"])
+            tiers = tiers or [os.path.dirname(was)]
+            exclude[was] = f"was refused by the workers ({refused.split(': ', 1)[-1][:200]})"
+        man = max((m for m in map(latest_manifest, tiers) if m is not None), key=lambda m: int(m["step"]),
+                  default=None)
+        verified: list[Any] = []  # [(manifest, skipped)] once the persistent tier was verified
+
+        def decide() -> Any:
+            nonlocal man
+
+            def plan_with(m: dict[str, Any] | None) -> Any:
+                try:
+                    return plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
+                                                   target_nodes=self.cfg.nodes, replicas=self.cfg.replicas,
+                                                   racks=self.cfg.racks, manifest=m, grow_only=grow_only))
+                except Exception as ex:  # noqa: BLE001 - the planner is pure: a restarted coordinator would raise
+                    # again, each time, until the launcher gave up on it; so the run fails in one line instead
+                    traceback.print_exc(file=sys.stderr)  # (the coordinator's log: for the bug report)
+                    return Plan(ok=False, error=f"the recovery planner failed ({type(ex).__name__}: {str(ex)[:200]}): "
+                                                "a defect of phoenixft; please report it with the run directory")
+
+            p = plan_with(man)
+            if p.persistent_step is not None and not verified:
+                # the plan falls back to the persistent tier: only to a checkpoint whose files verify (read
+                # only now: a recovery from memory never waits for the disk)
+                good, _ = verified_checkpoint(self.job, tiers, exclude)
+                verified.append((good, _))
+                if good is None or man is None or good["path"] != man["path"]:
+                    man = good
+                    p = plan_with(man)
+            return p
+
+        plan = decide()
+        coming = self.admission.spare_coming(pool)
+        if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
+            # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or
+            # for the spare that is starting (--spare-arrives-at-step) to be ready
+            self.job.event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
+            deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
+            while len(pool) < len(dead) and time.monotonic() < deadline:
+                time.sleep(0.1)
+                self.admission.refresh_pool()
+                pool = self.admission.ready_spares()
+            plan = decide()
+        if not plan.ok:
+            plan = self.fresh_start(old, dead, descs, pool, progress=self.job.progress()) or plan
+        if not plan.ok or plan.topo is None:
+            error = plan.error
+            skipped = verified[0][1] if verified else []
+            if skipped:  # every complete checkpoint was skipped: say why the newest one was
+                why = f"(the newest, step {skipped[0]['step']}: {skipped[0]['file']} {skipped[0]['why']})"
+                error = (f"{refused}; no other persistent checkpoint verifies {why}" if refused and exclude else
+                         f"{error} that verifies {why}")
+            self.job.fail_run(f"{error} (epoch {e})")
+            return
+        topo = plan.topo
+        for s in plan.promoted:
+            self.state.spare_pool.remove(s)
+        if plan.dropped:
+            self.job.event("shrink", epoch=e, dropped=plan.dropped, world=topo.world)
+        elif plan.action == "grow":
+            self.job.event("grow", epoch=e, added=plan.promoted, world=topo.world)
+        if plan.persistent_step is not None:
+            self.job.event("fallback_persistent", epoch=e, reason=topo.meta["reason"], step=plan.persistent_step,
+                           path=topo.meta["manifest"]["path"])
+        max_committed = max((max(d.params) for d in descs.values() if d.params), default=plan.resume_step)
+        progress = self.job.progress()
+        self.job.event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
+                       **{"class": plan.klass}, action=plan.action)
+        t_decided = time.time()
+        rec: dict[str, Any] = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
+               "t_decided": t_decided, "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
+               "promoted": plan.promoted,
+               "resume_step": plan.resume_step, "max_committed": max(max_committed, progress), "class": plan.klass,
+               "action": plan.action, "restarted": sorted(restarted), "dropped": plan.dropped, "world": topo.world,
+               "errors": sorted({d.error for d in descs.values()})[:5],
+               "replicas_rejected": [list(x) for x in plan.rejected],
+               "bad_sources": sorted({x for d in descs.values() for x in d.bad_sources}),
+               "persistent_step": plan.persistent_step}
+        self.store.set(keys.recovery(e + 1), json.dumps(rec))
+        self.publisher.publish(topo)
+        self.job.event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,
+                       decide_s=t_decided - t_start)
+
+    def fresh_start(self, old: Topology, dead: set[str], descs: dict[str, Descriptor], pool: list[str],
+                    progress: int) -> Plan | None:
+        """A node lost before the run's first step committed anywhere (e.g. dead before its groups were
+        built): nothing is lost, since step 0 is the model as the seed builds it, which every node can
+        rebuild. So the run starts afresh with ready spares in the dead nodes' slots (no shrink: the
+        layout stays the configured one). None when that does not apply (the planner's answer stands)."""
+        if self.cfg.resume or old.restore_path != "init" or old.resume_step != 0 or progress > 0:
+            return None
+        held = [st for d in descs.values() for st in d.params] + [
+            st for d in descs.values() for src in (d.own, d.holdings) for steps in src.values() for st in steps]
+        if any(st > 0 for st in held) or len(pool) < len(dead):
+            return None
+        spares = list(pool)
+        nodes = [spares.pop(0) if n in dead else n for n in old.nodes]
+        promoted = [n for n in nodes if n not in old.nodes]
+        topo = Topology(epoch=old.epoch + 1, nodes=nodes, workers_per_node=self.g, replicas=self.cfg.replicas,
+                        racks=self.cfg.racks, resume_step=0, tp=old.tp, pp=old.pp,
+                        meta={"restore": "init", "dead": sorted(dead), "promoted": promoted, "class": "permanent",
+                              "action": "hotswap", "generation": int(old.meta.get("generation", 0)), "dropped": []})
+        return Plan(ok=True, topo=topo, klass="permanent", action="hotswap (fresh start: nothing committed yet)",
+                    resume_step=0, promoted=promoted)
+
+    def recovery_loop(self, descs: dict[str, Descriptor]) -> bool:
+        """Stop a run that recovers again and again without completing a step (a fault the planner
+        cannot route around keeps firing): every recovery of the loop would be the same."""
+        progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
+        self._stuck = [p for p in self._stuck if p == progress] + [progress]
+        if len(self._stuck) <= MAX_RECOVERIES_WITHOUT_PROGRESS:
+            return False
+        errors = sorted({d.error for d in descs.values()})[:3]
+        self.job.fail_run(f"{len(self._stuck)} recoveries in a row without completing a step (stuck after step "
+                          f"{progress}); the last errors: {'; '.join(errors)}")
+        return True

@@ -1,0 +1,189 @@
+"""Failure detection on the node level, and the recovery's gather.
+
+In steady state (`failure_pending`): exits the launcher reported, heartbeats that stopped changing
+(judged on this process's own monotonic clock, never by comparing another host's clock with its
+own), and a ready spare while the job is below its size (a grow). During a recovery (`gather`): wait
+until every live worker has posted its descriptor of the epoch, and decide on the way which nodes
+are dead (reported exits, stale heartbeats with no answer, no answer within `--failure-timeout`:
+those nodes are fenced). Idle spares are watched too, so that a dead one is never promoted
+(`Membership.gone_spares`).
+
+Its cost per poll does not grow with the number of workers W: it polls one counter that workers bump
+when they post (`desc_posted/<e>`), plus the launcher's exit counter and the agents' restart counter;
+the descriptors are checked in one call when the counter says they may be complete; heartbeats are
+read with one `multi_get`; single keys are looked at only when something happened (an exit, a
+restart, a stale node) or, after the deadline, to name the nodes that did not answer.
+"""
+
+from __future__ import annotations
+
+import time
+
+from phoenixft import keys
+from phoenixft.config import RunConfig
+from phoenixft.controlplane import multi_get_nowait
+from phoenixft.coordinator.admission import Admission
+from phoenixft.coordinator.shared import Job, Membership
+
+__all__ = ["ALL_SILENT_WAIT_S", "HB_CHECK_S", "HB_RECOVER_S", "FailureDetector"]
+
+HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
+HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
+ALL_SILENT_WAIT_S = 15.0  # every node (and spare) silent at once: how much longer before they are judged dead
+
+
+class FailureDetector:
+    """Which nodes failed: in steady state (`failure_pending`) and during a recovery (`gather`).
+    `gather_poll_s`: how often the gather polls."""
+
+    def __init__(self, job: Job, cfg: RunConfig, state: Membership, admission: Admission,
+                 gather_poll_s: float) -> None:
+        self.job = job
+        self.store = job.store
+        self.g = job.g
+        self.cfg = cfg
+        self.state = state
+        self.admission = admission
+        self.gather_poll_s = gather_poll_s
+        self._last_hb_check = 0.0
+        self._last_grow_check = 0.0
+        self._exits_seen = 0
+        self.exited_nodes: set[str] = set()  # nodes whose exit the launcher reported (exit keys stay)
+        self._exit_checked: set[str] = set()  # nodes whose exit key was looked at since the counter moved
+        self._restarts_seen = 0
+        self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
+        self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
+
+    def exited(self, nodes: list[str]) -> set[str]:
+        """Those of `nodes` whose exit the launcher reported. A node's exit key is looked at once per
+        value of the launcher's `exits` counter (which it bumps after setting the key)."""
+        exits = self.store.add("exits", 0)
+        if exits != self._exits_seen:
+            self._exits_seen = exits
+            self._exit_checked.clear()
+        elif self._exit_checked.issuperset(nodes):  # nothing moved: O(1) amortised per poll
+            return self.exited_nodes.intersection(nodes)
+        todo = [n for n in nodes if n not in self._exit_checked and n not in self.exited_nodes]
+        self.exited_nodes |= {n for n in todo if self.store.check([keys.node_exit(n)])}
+        self._exit_checked.update(nodes)
+        return self.exited_nodes.intersection(nodes)
+
+    def restarts(self, nodes: list[str]) -> set[str]:
+        """Those workers of `nodes` that their agent restarted in place (`wexit/<wid>`, deleted once a
+        recovery has dealt with it). Single keys are looked at (and the worker ids listed) only when
+        the agents' restart counter moved: a poll that finds it unchanged costs one store call."""
+        n = self.store.add(keys.WORKER_EXITS, 0)
+        if n == self._restarts_seen:
+            return set()
+        self._restarts_seen = n
+        return {w for node in nodes for w in self.job.wids(node) if self.store.check([keys.worker_exit(w)])}
+
+    def stale(self, nodes: list[str], now: float) -> set[str]:
+        """Those of `nodes` whose last heartbeat is older than the failure timeout: one `multi_get`
+        of the heartbeat keys known to exist (a node not yet seen is looked for on its own). Old means
+        unchanged, on this process's monotonic clock, for longer than the failure timeout."""
+        new = [n for n in nodes if n not in self._hb_seen]
+        if new and self.store.check([keys.heartbeat(n) for n in new]):
+            self._hb_seen.update(new)
+        elif new:
+            self._hb_seen.update(n for n in new if self.store.check([keys.heartbeat(n)]))
+        have = [n for n in nodes if n in self._hb_seen]
+        if not have:
+            return set()
+        beats = multi_get_nowait(self.store, [keys.heartbeat(n) for n in have])
+        seen = time.monotonic()  # judged on this clock: a heartbeat's value is another host's wall time
+        gone = set()  # etcd: the key expired with its agent's lease (silent for --failure-timeout)
+        for n, b in zip(have, beats, strict=True):
+            if b is None:
+                gone.add(n)
+                continue
+            last = self._hb_last.get(n)
+            if last is None or last[0] != b:
+                self._hb_last[n] = (bytes(b), seen)
+        return gone | {n for n in have if n not in gone and seen - self._hb_last[n][1] > self.cfg.failure_timeout}
+
+    def failure_pending(self) -> bool:
+        assert self.state.topo is not None
+        now = time.time()
+        if len(self.state.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
+            self._last_grow_check = now
+            self.admission.refresh_pool()
+            if self.admission.ready_spares():
+                self.job.event("grow_requested", epoch=self.state.topo.epoch)
+                return True  # recover() repartitions over the grown world at this step boundary
+        if self.exited(self.state.topo.nodes):
+            return True
+        now = time.time()
+        if now - self._last_hb_check > HB_CHECK_S:
+            self._last_hb_check = now
+            # idle spares are watched too (one multi_get with the nodes'): a dead one is never promoted
+            spares = [s for s in self.state.spare_pool if s not in self.state.dead]
+            stale = self.stale(self.state.topo.nodes + spares, now)
+            self.state.gone_spares = (stale | self.exited(spares)) & set(spares)
+            if stale - set(spares):
+                return True
+        return False
+
+    def gather(self, e: int, nodes: list[str]) -> tuple[set[str], set[str], set[str]]:
+        """Wait until every worker of every live node of epoch e has posted its descriptor; decide
+        which nodes are dead on the way. Returns (dead, fenced, restarted).
+
+        Dead: reported exits; nodes with a stale heartbeat whose workers have not answered within a
+        short grace either (a stale heartbeat alone is not death: a starved agent); and, once the
+        failure timeout has passed, every node that still has not answered (fenced). A worker that
+        its agent restarts in place gets the full timeout again."""
+        dead: set[str] = set()
+        fenced: set[str] = set()
+        restarted: set[str] = set()
+        stale_since: dict[str, float] = {}
+        grace = min(1.0, self.cfg.failure_timeout / 2)
+        deadline = time.monotonic() + self.cfg.failure_timeout
+        # every member and spare silent at once, nobody posting: this host is more likely cut off than all of
+        # them dead, and fencing them all would end the run when its link comes back; wait that long more
+        # (an agent stops its node after --control-plane-timeout, 15 s by default, without the store)
+        silent_until = deadline + ALL_SILENT_WAIT_S
+        said = silent = False
+        last_hb, verified = 0.0, None
+        while True:
+            dead |= self.exited(nodes)
+            live = [n for n in nodes if n not in dead]
+            new = self.restarts(live) - restarted
+            if new:
+                restarted |= new  # its agent restarts it in place: give it the full timeout again
+                deadline = time.monotonic() + self.cfg.failure_timeout
+            # complete? the counter may overcount (a dead node's early post, a restarted worker's
+            # second one), so a count that is high enough is verified on the keys, once per change
+            posted = self.store.add(keys.desc_posted(e), 0)
+            if posted >= len(live) * self.g and (posted, len(live)) != verified:
+                verified = (posted, len(live))
+                if self.job.posted(e, live):
+                    break
+            now = time.time()
+            if now - last_hb >= HB_RECOVER_S:
+                last_hb = now
+                spares = [s for s in self.state.spare_pool if s not in self.state.dead]
+                stale = self.stale(live + spares, now)
+                was, silent = silent, (not dead and bool(live) and stale >= set(live + spares) and posted == 0
+                                       and time.monotonic() < silent_until)
+                if was and not silent:  # heard from again: reconnecting takes a while, give every node the full time
+                    deadline = time.monotonic() + self.cfg.failure_timeout
+                    grace = self.cfg.failure_timeout
+                    stale_since.clear()
+                if silent and not said:
+                    said = True
+                    self.job.event("all_silent", epoch=e, nodes=live, spares=spares,
+                                   wait_s=round(silent_until - time.monotonic(), 1))
+                for n in stale & set(live) if not silent else ():
+                    if not self.job.posted(e, [n]) and now - stale_since.setdefault(n, now) >= grace:
+                        dead.add(n)
+                        fenced.add(n)
+            if silent and time.monotonic() > deadline:
+                time.sleep(self.gather_poll_s)
+                continue
+            if time.monotonic() > deadline:
+                unresponsive = {n for n in live if n not in dead and not self.job.posted(e, [n])}
+                fenced |= unresponsive  # fence the whole node
+                dead |= unresponsive
+                break
+            time.sleep(self.gather_poll_s)
+        return dead, fenced, restarted

@@ -1,0 +1,100 @@
+"""What every part of the coordinator shares: the job's keys in the control-plane store as the
+coordinator reads and writes them (`Job`: events, readiness, descriptors posted, progress, the run's
+final state), and the membership it alone decides (`Membership`: the admitted nodes, the spare pool,
+the dead, the epoch published last). Each part (admission, failure detection, publication, the
+recovery's decision, the main loop) is handed these two objects, never a copy of their fields."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from phoenixft import keys
+from phoenixft.controlplane import get_nowait
+from phoenixft.topology import Topology
+
+__all__ = ["NODE_ID", "Job", "Membership", "index", "wait_key"]
+
+NODE_ID = re.compile(r"^([ns])(\d+)$")  # the ids the coordinator names: active slots n<i>, spares s<k>
+
+
+def index(node: str) -> int:
+    """The number in a node id (its order in the pool); ids not of the coordinator's naming last."""
+    m = NODE_ID.match(node)
+    return int(m.group(2)) if m else 1 << 30
+
+
+def wait_key(store: Any, key: str, timeout_s: float) -> bytes:
+    """The value of `key` once it exists; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"coordinator: no {key!r} after {timeout_s:.0f}s")
+        time.sleep(0.01)
+    return store.get(key)
+
+
+@dataclass
+class Membership:
+    """The coordinator's view of who is in the job. Fields are rebound as well as changed in place
+    (a journal reload replaces `dead` and `spare_pool`): always read them through this object."""
+
+    members: dict[str, dict[str, Any]] = field(default_factory=dict)  # admitted nodes: id -> {name, host, spare, t}
+    spare_pool: list[str] = field(default_factory=list)  # admitted spares not used yet, in id order
+    gone_spares: set[str] = field(default_factory=set)  # spares of the pool whose agent exited or heartbeat is stale
+    topo: Topology | None = None  # the epoch published last (None before the start)
+    dead: set[str] = field(default_factory=set)
+
+    def in_use(self, node: str) -> bool:
+        return self.topo is not None and node in self.topo.nodes
+
+    def label(self, node: str) -> str:
+        m = self.members.get(node, {})
+        return f"{node} ({m.get('name')}@{m.get('host')})" if m.get("name") not in (None, node) else node
+
+
+class Job:
+    """The job's keys, as the coordinator reads and writes them (`store`: the control-plane store;
+    `g`: workers per node)."""
+
+    def __init__(self, store: Any, g: int) -> None:
+        self.store = store
+        self.g = g
+        self.final_state: str | None = None  # the run's final state, once this process has seen it
+
+    def event(self, kind: str, **fields: Any) -> None:
+        rec = {"t": time.time(), "kind": kind, "by": "coordinator", **fields}
+        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+
+    def wids(self, node: str) -> list[str]:
+        return [f"{node}.{i}" for i in range(self.g)]
+
+    def ready(self, nodes: list[str]) -> bool:
+        """Every worker of every one of `nodes` has announced itself (one store call)."""
+        return self.store.check([keys.ready(w) for n in nodes for w in self.wids(n)])
+
+    def node_ready(self, node: str) -> bool:
+        return self.ready([node])
+
+    def posted(self, e: int, nodes: list[str]) -> bool:
+        """Every worker of every one of `nodes` has posted its descriptor of epoch e (one store call)."""
+        return self.store.check([keys.desc(e, w) for n in nodes for w in self.wids(n)])
+
+    def progress(self) -> int:
+        return int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
+
+    def fail_run(self, why: str) -> None:
+        self.store.set(keys.RUN_ERROR, why)
+        self.event("run_failed", error=why)
+        self.store.set(keys.RUN_STATE, "failed")
+        self.final_state = "failed"
+
+    def over(self) -> bool:
+        """The run has a final state (kept in `final_state`)."""
+        v = get_nowait(self.store, keys.RUN_STATE)
+        if v is not None:
+            self.final_state = bytes(v).decode(errors="replace")
+        return v is not None
