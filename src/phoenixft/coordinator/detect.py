@@ -104,7 +104,7 @@ class FailureDetector:
 
     def failure_pending(self) -> bool:
         assert self.state.topo is not None
-        now = time.time()
+        now = time.monotonic()  # (throttles: this process's own clock, which no NTP step moves)
         if len(self.state.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
             self._last_grow_check = now
             self.admission.refresh_pool()
@@ -113,7 +113,7 @@ class FailureDetector:
                 return True  # recover() repartitions over the grown world at this step boundary
         if self.exited(self.state.topo.nodes):
             return True
-        now = time.time()
+        now = time.monotonic()
         if now - self._last_hb_check > HB_CHECK_S:
             self._last_hb_check = now
             # idle spares are watched too (one multi_get with the nodes'): a dead one is never promoted
@@ -158,14 +158,14 @@ class FailureDetector:
                 verified = (posted, len(live))
                 if self.job.posted(e, live):
                     break
-            now = time.time()
+            now = time.monotonic()
             if now - last_hb >= HB_RECOVER_S:
                 last_hb = now
                 spares = [s for s in self.state.spare_pool if s not in self.state.dead]
                 stale = self.stale(live + spares, now)
-                was, silent = silent, (not dead and bool(live) and stale >= set(live + spares) and posted == 0
-                                       and time.monotonic() < silent_until)
-                if was and not silent:  # heard from again: reconnecting takes a while, give every node the full time
+                all_silent = not dead and bool(live) and stale >= set(live + spares) and posted == 0
+                was, silent = silent, all_silent and time.monotonic() < silent_until
+                if was and not all_silent:  # heard from again: reconnecting takes a while, give all the full time
                     deadline = time.monotonic() + self.cfg.failure_timeout
                     grace = self.cfg.failure_timeout
                     stale_since.clear()

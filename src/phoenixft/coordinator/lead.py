@@ -311,8 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         coord = Coordinator(store, a.journal or None, token, election)
         coord.run(a.announce)
-    except TimeoutError as e:
-        print(str(e), file=sys.stderr)
+    except TimeoutError as e:  # e.g. the job's config never appeared: this coordinator did not run the job
+        print(f"phoenixft coordinator: error: {e}", file=sys.stderr, flush=True)
+        rc = 1
     except WrongToken as e:
         print(f"phoenixft coordinator: error: {e}", file=sys.stderr, flush=True)
         return 2

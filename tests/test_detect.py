@@ -1,0 +1,65 @@
+"""The coordinator's failure detection during a recovery (`FailureDetector.gather`), its timing logic
+on stubbed inputs: which nodes are silent, exited or restarted is given, the clock is real."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from phoenixft.config import RunConfig
+from phoenixft.coordinator import detect
+from phoenixft.coordinator.detect import FailureDetector
+from phoenixft.coordinator.shared import Membership
+
+
+class _Store:
+    def add(self, key: str, n: int) -> int:
+        return 0  # nobody posts a descriptor, nobody exits
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.store, self.g = _Store(), 1
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.events.append((kind, fields))
+
+    def posted(self, e: int, nodes: list[str]) -> bool:
+        return False
+
+
+class _Silent(FailureDetector):
+    """Every node and spare silent from the start; nothing exits or restarts."""
+
+    def exited(self, nodes: list[str]) -> set[str]:
+        return set()
+
+    def restarts(self, nodes: list[str]) -> set[str]:
+        return set()
+
+    def stale(self, nodes: list[str], now: float) -> set[str]:
+        return set(nodes)
+
+
+def test_every_node_silent_is_fenced_after_the_timeout_and_the_silent_wait_not_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """All nodes silent at once (the head cut off, or all of them dead): the gather waits --failure-timeout
+    plus ALL_SILENT_WAIT_S, then fences. When the silent wait ran out, the gather took it for "heard from
+    again" and gave everyone a full --failure-timeout more (and a grace of as much)."""
+    monkeypatch.setattr(detect, "ALL_SILENT_WAIT_S", 1.0)
+    monkeypatch.setattr(detect, "HB_RECOVER_S", 0.02)
+    cfg = RunConfig(nodes=3, spares=1, failure_timeout=1.5)
+    state = Membership()
+    state.spare_pool = ["s0"]
+    job = _Job()
+    det = _Silent(job, cfg, state, admission=None, gather_poll_s=0.01)  # type: ignore[arg-type]
+    t = time.monotonic()
+    dead, fenced, restarted = det.gather(1, ["n0", "n1", "n2"])
+    took = time.monotonic() - t
+    assert dead == fenced == {"n0", "n1", "n2"} and restarted == set()
+    assert [k for k, _ in job.events] == ["all_silent"]
+    assert 2.4 <= took < 3.4, took  # 1.5 + 1.0 (+ polls); the old code: 1.5 + 1.0 + 1.5 more
