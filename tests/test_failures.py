@@ -66,6 +66,12 @@ def test_owner_and_replica_lost_stops_with_named_shards(tmp_path: Path) -> None:
     rep = run(tmp_path, nodes=4, spares=2, replicas=1, steps=12, inject=["kill:node=0,1@step=6,phase=backward"])
     assert rep["state"] == "failed"
     assert "lost shards: pp0.tp0.dp0of4" in rep["error"]
+    # the recovery that could not recover is in the report (its recoveries used to be empty: nothing said what
+    # the fault led to)
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "failed" and "lost shards: pp0.tp0.dp0of4" in rec["error"], rec
+    assert rec["faults"] == ["kill:node=0,1@step=6,phase=backward,wait=60"] and rec["dead"] == ["n0", "n1"], rec
+    assert rec["class"] == "permanent" and rec["recovery_s"] is None and rec["epoch"] == 1, rec
 
 
 def test_spare_killed_during_its_own_transfer(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]

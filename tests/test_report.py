@@ -88,3 +88,34 @@ def test_a_resumed_run_that_failed_before_its_first_step_reports_the_checkpoint_
     fresh = DictStore()  # a run that failed before its first step, from the start
     fresh.set(keys.topo(0), {"epoch": 0, "nodes": ["n0", "n1"], "resume_step": 0})
     assert build_report(fresh, cfg, "failed", tmp_path, "rid")["steps_completed"] == 0
+
+
+def test_the_recovery_that_ended_the_run_is_in_the_recoveries(tmp_path: Path, capsys: Any) -> None:
+    """Both nodes holding a shard's only copies were killed in epoch 0 with no persistent checkpoint: the
+    run failed, and its report's recoveries were empty, as if nothing had been tried. The failed recovery
+    is there, with the fault it answers, the dead nodes and why it could not recover."""
+    from phoenixft.display import Display
+
+    cfg = RunConfig(nodes=3, spares=1, steps=8, inject=["kill:node=0,1@step=4,phase=backward"])
+    st = DictStore()
+    st.set(keys.topo(0), {"epoch": 0, "nodes": ["n0", "n1", "n2"], "resume_step": 0})
+    for s in range(1, 4):
+        st.set(keys.step(s), {"step": s, "loss": 1.0 / s, "dt": 0.1})
+    st.set(keys.fault(0), {"index": 0, "kind": "fault", "spec": cfg.inject[0], "node": "n0", "nodes": ["n0", "n1"],
+                           "t": 100.0, "step": 4})
+    why = "in-memory state lost (pp0.tp0.dp0of3 at every step) and no complete persistent checkpoint"
+    st.set(keys.recovery_failed(1), {"epoch": 1, "failed_epoch": 0, "t_start": 100.1, "t_first_report": 100.05,
+                                     "t_decided": 100.2, "dead": ["n0", "n1"], "fenced": ["n0", "n1"],
+                                     "unresponsive": [], "restarted": [], "class": "permanent",
+                                     "errors": ["peer closed"], "error": why, "max_committed": 3})
+    st.set(keys.RUN_ERROR, why + " (epoch 0)")
+    rep = build_report(st, cfg, "failed", tmp_path, "rid")
+    (r,) = rep["recoveries"]
+    assert r["action"] == "failed" and r["error"] == why and r["faults"] == [cfg.inject[0]]
+    assert r["dead"] == ["n0", "n1"] and r["epoch"] == 1 and r["recovery_s"] is None and r["resumed_step"] is None
+    assert abs(r["detect_s"] - 0.05) < 1e-9 and r["last_committed_step"] == 3
+    capsys.readouterr()
+    Display(quiet=True).done(rep)
+    err = capsys.readouterr().err
+    assert f"not recovered {cfg.inject[0]}: lost n0, n1 in epoch 0" in err and why in err, err
+    assert " recovered " not in err.replace("not recovered", ""), err

@@ -494,17 +494,16 @@ class Coordinator:
             while self.topo is topo:  # until the recovery has published the next epoch
                 time.sleep(0.02)
 
-    def _recovery_loop(self, descs: dict[str, Descriptor]) -> bool:
-        """Stop a run that recovers again and again without completing a step (a fault the planner
-        cannot route around keeps firing): every recovery of the loop would be the same."""
+    def _recovery_loop(self, descs: dict[str, Descriptor]) -> str:
+        """Why the run must stop ('' if not): it recovers again and again without completing a step (a fault
+        the planner cannot route around keeps firing), and every recovery of the loop would be the same."""
         progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
         self._stuck = [p for p in self._stuck if p == progress] + [progress]
         if len(self._stuck) <= MAX_RECOVERIES_WITHOUT_PROGRESS:
-            return False
+            return ""
         errors = sorted({d.error for d in descs.values()})[:3]
-        self._fail_run(f"{len(self._stuck)} recoveries in a row without completing a step (stuck after step "
-                       f"{progress}); the last errors: {'; '.join(errors)}")
-        return True
+        return (f"{len(self._stuck)} recoveries in a row without completing a step (stuck after step "
+                f"{progress}); the last errors: {'; '.join(errors)}")
 
     def _publish_whole(self) -> None:
         """`job/whole`: the job has its full size and, if it was given spares, at least one warm spare
@@ -742,6 +741,18 @@ class Coordinator:
         with _gc_paused():
             self._decide(old, t_start, dead, fenced, restarted)
 
+    def _recovery_failed(self, e: int, t_start: float, dead: set[str], fenced: set[str], restarted: set[str],
+                         descs: dict[str, Descriptor], error: str) -> None:
+        """The recovery of epoch e's failure ends the run: recorded (what it found, why) for the report,
+        whose recoveries would otherwise end silently before the failure that ended the run."""
+        self.store.set(keys.recovery_failed(e + 1), json.dumps({
+            "epoch": e + 1, "failed_epoch": e, "t_start": t_start,
+            "t_first_report": min([d.t for d in descs.values()] + [t_start]), "t_decided": time.time(),
+            "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
+            "restarted": sorted(restarted), "class": "permanent" if dead else "transient",
+            "errors": sorted({d.error for d in descs.values()})[:5], "error": error,
+            "max_committed": max([max(d.params) for d in descs.values() if d.params] + [self._progress()])}))
+
     def _decide(self, old: Topology, t_start: float, dead: set[str], fenced: set[str], restarted: set[str]) -> None:
         """The gather is done: fence the dead, fetch and parse the descriptors, plan, publish."""
         e = old.epoch
@@ -754,7 +765,10 @@ class Coordinator:
         live = [w for n in old.nodes if n not in dead for w in self._wids(n)]
         raw = self.store.multi_get([keys.desc(e, w) for w in live]) if live else []
         descs = {w: Descriptor.from_json(json.loads(r)) for w, r in zip(live, raw, strict=True)}
-        if self._recovery_loop(descs):
+        stuck = self._recovery_loop(descs)
+        if stuck:
+            self._recovery_failed(e, t_start, dead, fenced, restarted, descs, stuck)
+            self._fail_run(stuck)
             return
         t_first = min([d.t for d in descs.values()] + [t_start])
         first = min(descs.values(), key=lambda d: d.t, default=None)
@@ -826,6 +840,7 @@ class Coordinator:
                 why = f"(the newest, step {skipped[0]['step']}: {skipped[0]['file']} {skipped[0]['why']})"
                 error = (f"{refused}; no other persistent checkpoint verifies {why}" if refused and exclude else
                          f"{error} that verifies {why}")
+            self._recovery_failed(e, t_start, dead, fenced, restarted, descs, error)
             self._fail_run(f"{error} (epoch {e})")
             return
         topo = plan.topo

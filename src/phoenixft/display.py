@@ -116,6 +116,11 @@ class Display:
             failed = not all(r["invariants"].values()) and r.get("completed_in_epoch", r["epoch"]) == r["epoch"]
             what = " + ".join(r.get("faults") or []) or r["fault"] or (
                 "no fault (a planned grow)" if r.get("class") == "planned" else "failure")
+            if r["action"] == "failed":  # the recovery that ended the run (report.py: _failed_recovery)
+                self._err(f"   not recovered {what}: lost {', '.join(r['dead']) or 'no node'} in epoch "
+                          f"{r['epoch'] - 1}, detect {fmt(st['detect_s'])}, decide {fmt(st['decide_s'])}: "
+                          f"{r.get('error')}")
+                continue
             self._err(f"   {'not recovered' if failed else 'recovered'} {what}: {r['action']} in "
                       f"{fmt(r['recovery_s'])} "
                       f"(detect {fmt(st['detect_s'])}, reconfigure {fmt(st['reconfigure_s'])}, "
