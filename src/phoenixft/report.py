@@ -96,6 +96,8 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         while first is None and store.check([keys.recovery(done_epoch + 1)]):
             done_epoch += 1
             first = _get(store, keys.first_step(done_epoch))
+        # ... or by none: another failure interrupted it and the recovery of that one failed (the run ended)
+        never = first is None and store.check([keys.recovery_failed(done_epoch + 1)])
         if done_epoch != e:
             topo_done = _get(store, keys.topo(done_epoch))
             joins = [j for j in (_get(store, keys.join(done_epoch, f"{n}.{i}")) for n in topo_done["nodes"]
@@ -113,7 +115,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             "class": rec["class"],
             "action": rec["action"],
             "epoch": e,
-            "completed_in_epoch": done_epoch,
+            "completed_in_epoch": None if never else done_epoch,
             "dead": rec["dead"],
             "promoted": rec["promoted"],
             "restarted": rec.get("restarted", []),
