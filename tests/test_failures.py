@@ -66,6 +66,12 @@ def test_owner_and_replica_lost_stops_with_named_shards(tmp_path: Path) -> None:
     rep = run(tmp_path, nodes=4, spares=2, replicas=1, steps=12, inject=["kill:node=0,1@step=6,phase=backward"])
     assert rep["state"] == "failed"
     assert "lost shards: pp0.tp0.dp0of4" in rep["error"]
+    # the recovery that could not recover is in the report (its recoveries used to be empty: nothing said what
+    # the fault led to)
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "failed" and "lost shards: pp0.tp0.dp0of4" in rec["error"], rec
+    assert rec["faults"] == ["kill:node=0,1@step=6,phase=backward,wait=60"] and rec["dead"] == ["n0", "n1"], rec
+    assert rec["class"] == "permanent" and rec["recovery_s"] is None and rec["epoch"] == 1, rec
 
 
 def test_spare_killed_during_its_own_transfer(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -149,3 +155,13 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
         raise RunAborted("run ended (aborted)")
     with pytest.raises(Unhealable), Trainer._user_code(1, 0):
         raise ValueError("a bug in the workload")
+
+
+def test_the_last_node_lost_ends_the_run_saying_why(tmp_path: Path) -> None:
+    """Two nodes, no spare: n1 lost (a shrink to one node), then n0. The launcher saw every node exited and
+    ended the run at once ("failed: every node exited", no error, no recovery for the second kill) before
+    the coordinator had decided; it now lets it decide, and the run fails saying why."""
+    rep = run(tmp_path, nodes=2, spares=0, steps=6, inject=["kill:node=1@step=3,phase=backward", "kill:node=0@step=5"])
+    assert rep["state"] == "failed" and "every node is lost (n0) and no spare is ready" in rep["error"], rep["state"]
+    first, last = rep["recoveries"]
+    assert first["action"] == "shrink" and last["action"] == "failed" and last["faults"] == ["kill:node=0@step=5"]

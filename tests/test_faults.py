@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from phoenixft.cli.main import main
@@ -104,3 +107,29 @@ def test_a_fault_the_run_never_reached_says_the_run_ended_first(capsys: pytest.C
     assert "kill:node=1@recovery=2 (the run ended (failed: timeout after 6s) after step 100)" in err, err
     Display(quiet=True).done({"state": "done", "steps_completed": 100, "faults_not_fired": specs[:1]})
     assert "(its node, rank or phase was not in the job when its step came)" in capsys.readouterr().err
+
+
+def test_a_fault_at_or_before_the_resumed_checkpoint_is_refused(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """--resume from step 4 trains steps 5..8: a fault at step 4 was accepted, then reported "never fired"
+    ("its node, rank or phase was not in the job"). It is refused at the start, naming the fault, its step
+    and the checkpoint's step."""
+    from phoenixft.config import RunConfig
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_00000004").mkdir(parents=True)
+    (ckpt / "step_00000004" / "MANIFEST.json").write_text(json.dumps({"step": 4}))
+    for spec in ("kill:node=1@step=4,phase=optimizer", "crash:rank=0@step=1", "nan:step=3", "corrupt:node=0@step=4",
+                 "kill:coordinator@step=2"):
+        with pytest.raises(UserError) as e:
+            RunConfig(nodes=2, steps=8, resume=str(ckpt), inject=[spec]).validate()
+        msg = str(e.value)
+        assert spec in msg and f"its step {parse_fault(spec).step} is at or before step 4" in msg \
+            and "give a step in 5..8" in msg and "\n" not in msg, msg
+    for spec in ("kill:node=1@step=5", "kill:node=1@recovery=1", "nan:step=8"):  # still fine
+        RunConfig(nodes=2, steps=8, resume=str(ckpt), inject=[spec]).validate()
+    capsys.readouterr()
+    assert main(["run", "--dry-run", "--nodes", "2", "--steps", "8", "--resume", str(ckpt),
+                 "--inject", "kill:node=1@step=3"]) == 2  # from the command line: one line, exit 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "its step 3 is at or before step 4" in err, err

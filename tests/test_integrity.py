@@ -140,3 +140,45 @@ def test_fenced_node_resumed_after_its_fence_writes_nothing(tmp_path: Path, refe
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (r,) = rep["recoveries"]
     assert r["fenced"] == ["n2"] and r["promoted"] == ["s0"]
+
+
+def test_a_damaged_replica_does_not_hide_the_intact_half_of_the_same_step(
+        tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """n1 killed in step 1, and the replica of its step 0 on n2 corrupted at rest. n2 holds step 0 in both
+    halves (replicated twice); its descriptor verified each half and offered the intact one, but the sender
+    looked only at the first half with that step, found it damaged and aborted ("holds no verified copy"),
+    four in-place restarts in a row, then the run was lost ("in-memory state lost"): 2 runs in 5 here (whether
+    both halves hold step 0 is a race; the test below hits the cause every time)."""
+    ref = reference(nodes=3, steps=6)
+    rep = run(tmp_path, nodes=3, spares=1, steps=6,
+              inject=["kill:node=1@step=1,phase=replicate", "corrupt:node=2@step=1"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and all(rec["invariants"].values()), rec
+
+
+def test_the_sender_uses_whichever_half_of_the_step_verifies() -> None:
+    import torch
+
+    from phoenixft.recovery.restore import copy_of
+    from phoenixft.snapshot import Holding, checksum
+
+    h = Holding(8)
+    for half in (0, 1):  # the same step in both halves, then the first one damaged at rest
+        h.begin_write(half)
+        h.payload(half).copy_(torch.arange(16, dtype=torch.float32).view(2, 8))
+        h.commit(half, 0, checksum(h.payload(half)), (1, 3))
+    h.payload(0).view(-1)[3] += 1.0
+
+    class State:
+        def half_with(self, step: int) -> None:
+            return None
+
+    class M:
+        rank, cfg = 2, type("C", (), {"tp": 1, "pp": 1})
+        trainer = type("T", (), {"state": State()})
+        repl = type("R", (), {"holdings": {1: h}})
+
+    assert torch.equal(copy_of(M(), 1, 3, 0), h.payload(1))  # type: ignore[arg-type]
+    assert h.verified_half(0) == 1 and h.verified_half(5) is None

@@ -153,6 +153,57 @@ def test_3d_kill_in_each_phase_is_bitwise_invisible(tmp_path: Path, reference) -
     assert all(r["lost_steps"] <= 1 and all(r["invariants"].values()) for r in recs), recs
 
 
+def test_a_fault_on_nodes_of_two_stages_strikes_them_in_one_instant(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """kill:node=0,2 in a 2-stage pipeline (n0 stage 0, n2 stage 1): the first to reach the fault waits for the
+    other before either dies, but stage 1's forward hook ran only once stage 0's activation had come, and
+    stage 0 was the one waiting: 10 s later n0 died alone, n2 in the replayed step, two recoveries (the
+    second with no fault). The backward phase had the same wait the other way round (the test below)."""
+    kw = {**MESH, "steps": 6}
+    ref = reference(**kw)
+    rep = run(tmp_path, **kw, spares=2, inject=["kill:node=0,2@step=3,phase=forward"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["dead"] == ["n0", "n2"] and sorted(rec["promoted"]) == ["s0", "s1"], rec
+    assert rec["lost_steps"] <= 1 and all(rec["invariants"].values()), rec  # (1: step 2's replication was late)
+
+
+def test_the_pipeline_runs_its_phase_hook_before_waiting_on_another_stage() -> None:
+    """Stage 0 of 2 (1F1B): its backward hook runs before it waits for microbatch 0's gradient, and stage 1's
+    forward hook before it waits for the activation (the fault of a multi-stage kill waits there)."""
+    from phoenixft.parallel.pipeline import Pipeline
+
+    class P(Pipeline):  # the transfers, recorded instead of made
+        order: list[str]
+
+        def _recv_act(self, batch: object, j: int) -> torch.Tensor:
+            self.order.append(f"recv act {j}")
+            return torch.ones(1, requires_grad=True)
+
+        def _recv_grad(self, like: torch.Tensor, j: int) -> torch.Tensor:
+            self.order.append(f"recv grad {j}")
+            return torch.ones(1)
+
+        def _send(self, way: str, t: torch.Tensor) -> None:
+            pass
+
+        def hook(self, phase: str, j: int) -> None:
+            self.order.append(f"{phase} {j}")
+
+    def fwd(j: int, b: object, inp: torch.Tensor | None) -> torch.Tensor:
+        return (torch.ones(1, requires_grad=True) if inp is None else inp) * 2
+
+    def bwd(j: int, out: torch.Tensor, g: torch.Tensor | None) -> None:
+        out.backward(torch.ones(1) if g is None else g)
+
+    for p, hook, wait in ((0, "backward 0", "recv grad 0"), (1, "forward 0", "recv act 0")):
+        stage = type("S", (), {"first": p == 0, "last": p == 1})
+        pipe = P(stage, p, 2, {}, lambda w, what: None, torch.float32)  # type: ignore[arg-type]
+        pipe.order = []
+        pipe.train(2, lambda j: None, fwd, bwd, before=pipe.hook)
+        assert pipe.order.index(hook) < pipe.order.index(wait), pipe.order
+
+
 @pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_3d_crash_in_place_and_kill_during_recovery(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(**MESH)

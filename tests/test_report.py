@@ -127,3 +127,67 @@ def test_the_report_reads_the_steps_that_ran_in_batches(tmp_path: Path) -> None:
     rep = build_report(st, cfg, "failed: interrupted", tmp_path, "rid")
     assert rep["loss"] == [float(s) for s in range(101, 1301) if s != 700]
     assert st.calls < 1200, st.calls  # 3 batches, one of them (512 keys) key by key
+
+
+def test_the_recovery_that_ended_the_run_is_in_the_recoveries(tmp_path: Path, capsys: Any) -> None:
+    """Both nodes holding a shard's only copies were killed in epoch 0 with no persistent checkpoint: the
+    run failed, and its report's recoveries were empty, as if nothing had been tried. The failed recovery
+    is there, with the fault it answers, the dead nodes and why it could not recover."""
+    from phoenixft.display import Display
+
+    cfg = RunConfig(nodes=3, spares=1, steps=8, inject=["kill:node=0,1@step=4,phase=backward"])
+    st = DictStore()
+    st.set(keys.topo(0), {"epoch": 0, "nodes": ["n0", "n1", "n2"], "resume_step": 0})
+    for s in range(1, 4):
+        st.set(keys.step(s), {"step": s, "loss": 1.0 / s, "dt": 0.1})
+    st.set(keys.fault(0), {"index": 0, "kind": "fault", "spec": cfg.inject[0], "node": "n0", "nodes": ["n0", "n1"],
+                           "t": 100.0, "step": 4})
+    why = "in-memory state lost (pp0.tp0.dp0of3 at every step) and no complete persistent checkpoint"
+    st.set(keys.recovery_failed(1), {"epoch": 1, "failed_epoch": 0, "t_start": 100.1, "t_first_report": 100.05,
+                                     "t_decided": 100.2, "dead": ["n0", "n1"], "fenced": ["n0", "n1"],
+                                     "unresponsive": [], "restarted": [], "class": "permanent",
+                                     "errors": ["peer closed"], "error": why, "max_committed": 3})
+    st.set(keys.RUN_ERROR, why + " (epoch 0)")
+    rep = build_report(st, cfg, "failed", tmp_path, "rid")
+    (r,) = rep["recoveries"]
+    assert r["action"] == "failed" and r["error"] == why and r["faults"] == [cfg.inject[0]]
+    assert r["dead"] == ["n0", "n1"] and r["epoch"] == 1 and r["recovery_s"] is None and r["resumed_step"] is None
+    assert abs(r["detect_s"] - 0.05) < 1e-9 and r["last_committed_step"] == 3
+    capsys.readouterr()
+    Display(quiet=True).done(rep)
+    err = capsys.readouterr().err
+    assert f"not recovered {cfg.inject[0]}: lost n0, n1 in epoch 0" in err and why in err, err
+    assert " recovered " not in err.replace("not recovered", ""), err
+
+
+def test_a_recovery_interrupted_by_a_failure_whose_recovery_failed_is_not_called_an_invariant_failure(
+        tmp_path: Path, capsys: Any) -> None:
+    """n1 killed at step 4, then n0 (the only other holder of n0's shard) killed during that recovery's
+    transfer: the second recovery fails. The first one said "not recovered ...: invariants FAILED: I1, I2,
+    I3, I4", as if the state had broken an invariant; it was interrupted, and says so."""
+    from phoenixft.display import Display
+
+    cfg = RunConfig(nodes=3, spares=2, steps=8, inject=["kill:node=1@step=4,phase=optimizer", "kill:node=0@recovery=1"])
+    st = DictStore()
+    st.set(keys.topo(0), {"epoch": 0, "nodes": ["n0", "n1", "n2"], "resume_step": 0})
+    st.set(keys.fault(0), {"index": 0, "kind": "fault", "spec": cfg.inject[0], "node": "n1", "t": 100.0, "step": 4})
+    st.set(keys.fault(1), {"index": 1, "kind": "fault", "spec": cfg.inject[1], "node": "n0", "t": 100.3})
+    st.set(keys.recovery(1), {"t_start": 100.05, "t_first_report": 100.03, "t_decided": 100.1, "dead": ["n1"],
+                              "fenced": ["n1"], "unresponsive": [], "restarted": [], "promoted": ["s0"],
+                              "resume_step": 3, "max_committed": 3, "class": "permanent", "action": "hotswap"})
+    st.set(keys.topo(1), {"nodes": ["n0", "s0", "n2"]})
+    st.set(keys.join(1, "n2.0"), {"t": 100.2, "rank": 2, "reconfigure_s": 0.01,
+                                  "invariants": {k: True for k in ("I1", "I2", "I3", "I4")}})
+    st.set(keys.recovery_failed(2), {"epoch": 2, "failed_epoch": 1, "t_start": 100.35, "t_first_report": 100.32,
+                                     "t_decided": 100.4, "dead": ["n0"], "fenced": ["n0"], "unresponsive": [],
+                                     "restarted": [], "class": "permanent", "errors": [], "error": "state lost",
+                                     "max_committed": 3})
+    rep = build_report(st, cfg, "failed", tmp_path, "rid")
+    first, failed = rep["recoveries"]
+    assert first["completed_in_epoch"] is None and failed["action"] == "failed"
+    assert first["faults"] == [cfg.inject[0]] and failed["faults"] == [cfg.inject[1]]
+    capsys.readouterr()
+    Display(quiet=True).done(rep)
+    err = capsys.readouterr().err
+    assert "FAILED" not in err and "another failure interrupted it, and its recovery failed" in err, err
+    assert f"not recovered {cfg.inject[0]}: hotswap" in err, err

@@ -434,7 +434,7 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
             recovered = max_epoch > max(ev.get("epoch", 0) for ev in evs)
         per_fault.append({"index": f.index, "kind": f.kind, "step": f.step, "injected": injected,
                           "recovered": recovered, "fired": evs})
-    recs = run.get("recoveries", [])
+    recs = [r for r in run.get("recoveries", []) if r.get("action") != "failed"]  # (not the one that ended it)
     shrank = any(r.get("action") == "shrink" for r in recs)
     ref_loss, loss = ref.get("loss") or [], run.get("loss") or []
     devs = [abs(x - y) / abs(y) if y else abs(x - y) for x, y in zip(loss, ref_loss, strict=False)]

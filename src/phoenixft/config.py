@@ -381,6 +381,13 @@ class RunConfig:
             assert man is not None
             need(man["step"] < self.steps, "--resume", self.resume,
                  f"its checkpoint is at step {man['step']}; --steps must be larger")
+            done = int(man["step"])
+            for f in self.faults:  # steps up to the checkpoint's are never trained again: such a fault never fires
+                if f.step is not None and f.step <= done:
+                    need(False, "--inject", f.text,
+                         f"its step {f.step} is at or before step {done} of the checkpoint --resume={self.resume} "
+                         f"starts from (the run trains steps {done + 1}..{self.steps}), so it would never fire; "
+                         f"give a step in {done + 1}..{self.steps}")
             numel = self.model_numel()
             if numel is not None and int(man.get("numel", numel)) != numel:
                 raise UserError(f"--resume={self.resume}: checkpoint has {int(man['numel']):,} parameters, "

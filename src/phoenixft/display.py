@@ -101,6 +101,9 @@ class Display:
             return "ok"
         bad = ", ".join(k for k, v in r["invariants"].items() if not v)
         why = f" ({'; '.join(r.get('i3_failures', [])[:2])})" if r.get("i3_failures") else ""
+        if r.get("completed_in_epoch", r["epoch"]) is None:  # (report.py: the next recovery failed)
+            return f"{bad} not established in epoch {r['epoch']}{why}: another failure interrupted it, and its " \
+                   "recovery failed"
         if r.get("completed_in_epoch", r["epoch"]) != r["epoch"]:
             return f"{bad} not established in epoch {r['epoch']}{why}; recovery completed in epoch " \
                    f"{r['completed_in_epoch']}"
@@ -113,9 +116,14 @@ class Display:
             st = r["stages"]
             fmt = lambda x: "-" if x is None else f"{x * 1e3:.0f}ms"  # noqa: E731
             # (one whose epoch was superseded by another recovery completed in that one)
-            failed = not all(r["invariants"].values()) and r.get("completed_in_epoch", r["epoch"]) == r["epoch"]
+            failed = not all(r["invariants"].values()) and r.get("completed_in_epoch", r["epoch"]) in (r["epoch"], None)
             what = " + ".join(r.get("faults") or []) or r["fault"] or (
                 "no fault (a planned grow)" if r.get("class") == "planned" else "failure")
+            if r["action"] == "failed":  # the recovery that ended the run (report.py: _failed_recovery)
+                self._err(f"   not recovered {what}: lost {', '.join(r['dead']) or 'no node'} in epoch "
+                          f"{r['epoch'] - 1}, detect {fmt(st['detect_s'])}, decide {fmt(st['decide_s'])}: "
+                          f"{r.get('error')}")
+                continue
             self._err(f"   {'not recovered' if failed else 'recovered'} {what}: {r['action']} in "
                       f"{fmt(r['recovery_s'])} "
                       f"(detect {fmt(st['detect_s'])}, reconfigure {fmt(st['reconfigure_s'])}, "

@@ -71,6 +71,11 @@ def recovery(epoch: int) -> str:
     return f"recovery/{epoch}"
 
 
+def recovery_failed(epoch: int) -> str:
+    """The recovery that was to start `epoch` and could not (the run failed there): what it found and why."""
+    return f"recovery_failed/{epoch}"
+
+
 def step(s: int) -> str:
     return f"step/{s}"
 

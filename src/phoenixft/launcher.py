@@ -57,6 +57,7 @@ Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
 STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
 CONTROL_PLANE_TIMEOUT_S = 15.0  # etcd: no answer for this long and the run is failed (agents' default too)
 INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP
+ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coordinator gets to decide (and record why)
 LOST_TEARDOWN_CALL_S = 2.0  # etcd lost: each store call of the teardown gets this long (if it is back: cleaned)
 
 
@@ -278,6 +279,7 @@ class LocalJob:
         last_look = 0.0
         over = False
         last_ok = time.monotonic()  # when the store last answered every call of a look
+        all_gone: float | None = None  # when the launcher saw every node exited (local runs)
         while True:
             try:
                 look = time.monotonic() - last_look >= store_every
@@ -340,7 +342,11 @@ class LocalJob:
                 if self.local and all(n in self.exited for n in self.agents):
                     if self.store.check([keys.RUN_STATE]):  # the run ended, then its nodes: looked at since `over`
                         return self.store.get(keys.RUN_STATE).decode()
-                    return "failed: every node exited"
+                    # the last node was lost by a fault: the coordinator's recovery (told of the exits above)
+                    # fails the run saying why, and the report lists that recovery; unless it does not answer
+                    all_gone = all_gone or time.monotonic()
+                    if time.monotonic() - all_gone > ALL_GONE_GRACE_S:
+                        return "failed: every node exited"
                 time.sleep(0.01)
                 if look:
                     last_ok = time.monotonic()

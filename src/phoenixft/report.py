@@ -53,6 +53,42 @@ def _step_records(store: Any, first: int, last: int) -> list[dict[str, Any]]:
     return out
 
 
+def _answered(faults: list[dict[str, Any]], rec: dict[str, Any], used: set[int]) -> list[dict[str, Any]]:
+    """The faults a recovery answers (oldest first; added to `used`): those before its first report that hit
+    a node it found dead, restarted or unresponsive (a kill and a crash handled in one epoch are both its
+    own); else the latest one before it (a NaN). A coordinator kill is the control plane's, a corruption at
+    rest is answered by the kill it comes with (corruptions are not fault records: they kill nothing)."""
+    cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
+             and not f["spec"].startswith(("kill:coordinator", "kill:etcd", "corrupt:"))]
+    hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", [])]}
+    answered = sorted([f for f in cands if f.get("node") in hit or hit.intersection(f.get("nodes") or [])]
+                      or ([max(cands, key=lambda f: f["t"])] if cands else []), key=lambda f: f["t"])
+    used.update(f["index"] for f in answered)
+    return answered
+
+
+def _failed_recovery(rec: dict[str, Any], answered: list[dict[str, Any]], cfg: RunConfig) -> dict[str, Any]:
+    """The report entry of the recovery that could not recover (the run failed in it): the same fields as
+    a recovery's, `action` "failed" and its `error`; nothing was restored, no step followed it."""
+    fault = answered[-1] if answered else None
+    t0 = answered[0]["t"] if answered else rec["t_first_report"]
+    return {
+        "fault": fault["spec"] if fault else None, "faults": [f["spec"] for f in answered],
+        "fault_step": fault.get("step") if fault else None, "class": rec["class"], "action": "failed",
+        "error": rec["error"], "epoch": rec["epoch"], "completed_in_epoch": None, "dead": rec["dead"],
+        "promoted": [], "restarted": rec.get("restarted", []), "detect_s": rec["t_first_report"] - t0,
+        "recovery_s": None, "lost_steps": None, "replayed_steps": None, "resumed_step": None,
+        "last_committed_step": rec.get("max_committed"),
+        "stages": {"detect_s": rec["t_first_report"] - t0, "decide_s": rec["t_decided"] - rec["t_first_report"],
+                   "reconfigure_s": None, "restore_params_s": None, "restore_optimizer_s": None, "join_s": None,
+                   "first_step_s": None},
+        "bytes_moved": 0, "per_rank": {}, "redundancy": cfg.redundancy, "decoded": [], "bytes_decoded_from": 0,
+        "decode_s": 0.0, "invariants": {k: False for k in ("I1", "I2", "I3", "I4")}, "errors": rec.get("errors", []),
+        "replicas_rejected": [], "fenced": rec.get("fenced", []), "unresponsive": rec.get("unresponsive", []),
+        "bad_sources": [], "i3_failures": [], "persistent_step": None, "dropped": [],
+    }
+
+
 def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
     first_topo = _get(store, keys.topo(0))
     start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
@@ -75,20 +111,13 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
         while first is None and store.check([keys.recovery(done_epoch + 1)]):
             done_epoch += 1
             first = _get(store, keys.first_step(done_epoch))
+        # ... or by none: another failure interrupted it and the recovery of that one failed (the run ended)
+        never = first is None and store.check([keys.recovery_failed(done_epoch + 1)])
         if done_epoch != e:
             topo_done = _get(store, keys.topo(done_epoch))
             joins = [j for j in (_get(store, keys.join(done_epoch, f"{n}.{i}")) for n in topo_done["nodes"]
                                  for i in range(cfg.workers_per_node)) if j]
-        # the faults a recovery answers: those before its first report that hit a node it found dead,
-        # restarted or unresponsive (a kill and a crash handled in one epoch are both its own); else the
-        # latest one before it (a NaN). A coordinator kill is the control plane's, a corruption at rest is
-        # answered by the kill it comes with (corruptions are not fault records: they kill nothing).
-        cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
-                 and not f["spec"].startswith(("kill:coordinator", "kill:etcd", "corrupt:"))]
-        hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", [])]}
-        answered = sorted([f for f in cands if f.get("node") in hit or hit.intersection(f.get("nodes") or [])]
-                          or ([max(cands, key=lambda f: f["t"])] if cands else []), key=lambda f: f["t"])
-        used.update(f["index"] for f in answered)
+        answered = _answered(faults, rec, used)
         fault = answered[-1] if answered else None
         t0 = answered[0]["t"] if answered else rec["t_first_report"]  # from the first of them
         joined_at = max((j["t"] for j in joins), default=rec["t_decided"])
@@ -101,7 +130,7 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             "class": rec["class"],
             "action": rec["action"],
             "epoch": e,
-            "completed_in_epoch": done_epoch,
+            "completed_in_epoch": None if never else done_epoch,
             "dead": rec["dead"],
             "promoted": rec["promoted"],
             "restarted": rec.get("restarted", []),
@@ -138,6 +167,9 @@ def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: 
             "dropped": rec.get("dropped", []),
         })
         e += 1
+    failed = _get(store, keys.recovery_failed(e))
+    if failed is not None:  # the recovery that ended the run: what it found and why it could not recover
+        recoveries.append(_failed_recovery(failed, _answered(faults, failed, used), cfg))
     events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines() if x.strip()] \
         if store.check([keys.EVENTS]) else []
     control_plane = []

@@ -176,6 +176,15 @@ class PingPong:
         return bool(int(self.header[half, H_VALID])) and \
             self._verified.get(half) == (int(self.header[half, H_STEP]), int(self.header[half, H_CRC]))
 
+    def verified_half(self, step: int) -> int | None:
+        """A half that holds `step` and matches its committed checksum, or None. Both halves can hold the same
+        step (a replication repeated after a recovery, or at the start): one of them damaged must not hide the
+        other, which the descriptor offered (it verifies every half)."""
+        for h in (0, 1):
+            if self.step_of(h) == step and (self.verified(h) or self.verify(h)):
+                return h
+        return None
+
     def payload(self, half: int) -> torch.Tensor:
         """What the checksum covers (and what is replicated)."""
         return self.data[half]

@@ -206,15 +206,11 @@ class Trainer:
         def forward(j: int, b: Any, inp: torch.Tensor | None) -> torch.Tensor:
             self.interrupt()
             torch.manual_seed(_mix(cfg.seed, s, lo + j))
-            if j == 0:
-                fault("forward")
             with self._user_code(s, rank):
                 return stage.forward(inp, b)
 
         def backward(j: int, out: torch.Tensor, g: torch.Tensor | None) -> None:
             self.interrupt()
-            if j == 0:
-                fault("backward")
             self.buckets.begin_microbatch(last=j == hi - lo - 1, launch=launch)
             with self._user_code(s, rank):
                 if g is None:
@@ -224,7 +220,9 @@ class Trainer:
             self.buckets.end_microbatch()
 
         pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, flat.dtype, self.device.torch)
-        loss_sum = pipe.train(hi - lo, batch, forward, backward)
+        # the forward and backward fault phases: as microbatch 0's begins, before any wait on another stage
+        loss_sum = pipe.train(hi - lo, batch, forward, backward,
+                              before=lambda phase, j: fault(phase) if j == 0 else None)
         if nan:
             loss_sum = math.nan
         t_compute = time.perf_counter() - t0

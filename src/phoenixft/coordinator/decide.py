@@ -112,7 +112,10 @@ class Decider:
         live = [w for n in old.nodes if n not in dead for w in self.job.wids(n)]
         raw = self.store.multi_get([keys.desc(e, w) for w in live]) if live else []
         descs = {w: Descriptor.from_json(json.loads(r)) for w, r in zip(live, raw, strict=True)}
-        if self.recovery_loop(descs):
+        stuck = self.recovery_loop(descs)
+        if stuck:
+            self.recovery_failed(e, t_start, dead, fenced, restarted, descs, stuck)
+            self.job.fail_run(stuck)
             return
         t_first = min([d.t for d in descs.values()] + [t_start])
         first = min(descs.values(), key=lambda d: d.t, default=None)
@@ -184,6 +187,7 @@ class Decider:
                 why = f"(the newest, step {skipped[0]['step']}: {skipped[0]['file']} {skipped[0]['why']})"
                 error = (f"{refused}; no other persistent checkpoint verifies {why}" if refused and exclude else
                          f"{error} that verifies {why}")
+            self.recovery_failed(e, t_start, dead, fenced, restarted, descs, error)
             self.job.fail_run(f"{error} (epoch {e})")
             return
         topo = plan.topo
@@ -237,14 +241,26 @@ class Decider:
         return Plan(ok=True, topo=topo, klass="permanent", action="hotswap (fresh start: nothing committed yet)",
                     resume_step=0, promoted=promoted)
 
-    def recovery_loop(self, descs: dict[str, Descriptor]) -> bool:
-        """Stop a run that recovers again and again without completing a step (a fault the planner
-        cannot route around keeps firing): every recovery of the loop would be the same."""
-        progress = int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
+    def recovery_loop(self, descs: dict[str, Descriptor]) -> str:
+        """Why the run must stop ('' if not): it recovers again and again without completing a step (a fault
+        the planner cannot route around keeps firing), and every recovery of the loop would be the same."""
+        progress = self.job.progress()
         self._stuck = [p for p in self._stuck if p == progress] + [progress]
         if len(self._stuck) <= MAX_RECOVERIES_WITHOUT_PROGRESS:
-            return False
+            return ""
         errors = sorted({d.error for d in descs.values()})[:3]
-        self.job.fail_run(f"{len(self._stuck)} recoveries in a row without completing a step (stuck after step "
-                          f"{progress}); the last errors: {'; '.join(errors)}")
-        return True
+        return (f"{len(self._stuck)} recoveries in a row without completing a step (stuck after step "
+                f"{progress}); the last errors: {'; '.join(errors)}")
+
+    def recovery_failed(self, e: int, t_start: float, dead: set[str], fenced: set[str], restarted: set[str],
+                        descs: dict[str, Descriptor], error: str) -> None:
+        """The recovery of epoch e's failure ends the run: recorded (what it found, why) for the report,
+        whose recoveries would otherwise end silently before the failure that ended the run. Its fields
+        are named as a recovery record's (`fenced`: the nodes found dead; `unresponsive`: those fenced)."""
+        self.store.set(keys.recovery_failed(e + 1), json.dumps({
+            "epoch": e + 1, "failed_epoch": e, "t_start": t_start,
+            "t_first_report": min([d.t for d in descs.values()] + [t_start]), "t_decided": time.time(),
+            "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
+            "restarted": sorted(restarted), "class": "permanent" if dead else "transient",
+            "errors": sorted({d.error for d in descs.values()})[:5], "error": error,
+            "max_committed": max([max(d.params) for d in descs.values() if d.params] + [self.job.progress()])}))

@@ -66,14 +66,22 @@ class Pipeline:
     # ------------------------------------------------------------------ schedules
     def train(self, n: int, batch: Callable[[int], Any],
               forward: Callable[[int, Any, torch.Tensor | None], torch.Tensor],
-              backward: Callable[[int, torch.Tensor, torch.Tensor | None], None]) -> float:
-        """Forward and backward of microbatches 0..n-1; returns the sum of their losses (last stage)."""
+              backward: Callable[[int, torch.Tensor, torch.Tensor | None], None],
+              before: Callable[[str, int], None] | None = None) -> float:
+        """Forward and backward of microbatches 0..n-1; returns the sum of their losses (last stage).
+
+        `before(phase, j)` runs as a microbatch's forward or backward begins, before it waits for its input
+        from the neighbouring stage: a fault hook there never waits on another stage (a fault striking nodes
+        of two stages at once holds the first to arrive until the others are there: inside the wait, the
+        later stage would never get its input, and the nodes died apart, one recovery each)."""
         st = self.stage
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = 0.0
 
         def f(j: int) -> None:
             nonlocal loss_sum
+            if before is not None:
+                before("forward", j)
             b = batch(j)
             inp = None if st.first else self._recv_act(b, j)
             out = forward(j, b, inp)
@@ -84,6 +92,8 @@ class Pipeline:
             saved[j] = (inp, out)
 
         def b(j: int) -> None:
+            if before is not None:
+                before("backward", j)
             inp, out = saved.pop(j)
             backward(j, out, None if st.last else self._recv_grad(out, j))
             if not st.first:

@@ -53,8 +53,8 @@ def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:
         return st.payload(half)
     if m.repl is not None and shard in m.repl.holdings:
         h = m.repl.holdings[shard]
-        hh = h.half_with(r)
-        if hh is not None and (h.verified(hh) or h.verify(hh)):  # the descriptor just verified it, as a rule
+        hh = h.verified_half(r)  # (the descriptor just verified it, as a rule: not hashed again)
+        if hh is not None:
             return h.payload(hh)
     name = shard_name(shard, shards, m.cfg.tp, m.cfg.pp)
     raise RunAborted(f"rank {m.rank} holds no verified copy of {name} at step {r}")

@@ -60,7 +60,7 @@ def _local_piece(m: Worker, job: dict[str, Any], p: dict[str, Any], r: int, n: i
         out[: data.numel()] = data
         return out
     ph = m.ec.parity.get(job["gid"]) if m.ec is not None else None
-    half = ph.half_with(r) if ph is not None else None
+    half = ph.verified_half(r) if ph is not None else None  # (either half of step r: see PingPong.verified_half)
     if ph is None or half is None or ph.info_of(half).j != p["index"] - d:
         raise RunAborted(f"rank {m.rank} holds no {p['name']} of step {r}")
     return ph.payload(half).reshape(-1)  # sent as committed: the receiver verifies its checksum
