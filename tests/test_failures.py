@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import processes_with, run
 
 
@@ -111,8 +112,6 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     from types import SimpleNamespace
     from typing import Any
 
-    import pytest
-
     from phoenixft import keys
     from phoenixft.comm import connect_store
     from phoenixft.errors import RunAborted
@@ -149,3 +148,35 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
         raise RunAborted("run ended (aborted)")
     with pytest.raises(Unhealable), Trainer._user_code(1, 0):
         raise ValueError("a bug in the workload")
+
+
+@pytest.mark.parametrize("workload,needle", [
+    ("unreduced_loss_workload", "the workload's loss returned a torch.float32 tensor of shape (8, 1) at step 1"),
+    ("dict_loss_workload", "the workload's loss returned a dict at step 1"),
+    ("bad_batch_workload", "exception in the workload at step 3 on rank"),
+    ("bad_model_workload", "exception in the workload's build_model: RuntimeError: layer sizes do not match"),
+])
+def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           workload: str, needle: str) -> None:
+    """A loss that is not one number, a batch function or a build_model that raises: user code, not a node
+    failure. They used to fail outside the user-code guard: a traceback in every worker, restarts in place
+    of both nodes until the run ended as "in-memory state lost" (the loss, the batch), or no word at all
+    until --timeout while the nodes crash-looped before the join (build_model)."""
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rep = run(tmp_path, nodes=2, spares=1, steps=5, workload=f"user_workload:{workload}", timeout=90.0)
+    assert rep["state"] == "failed" and needle in rep.get("error", ""), rep.get("error")
+    assert rep["recoveries"] == [], rep["recoveries"]  # nothing restarted, no spare consumed
+    logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.log"))
+    assert "Traceback" not in logs
+
+
+def test_a_workload_factory_that_raises_is_one_line(tmp_path: Path) -> None:
+    here = str(Path(__file__).parent)
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = _cli("--nodes", "2", "--steps", "3", "--workload", "user_workload:bad_factory", "--run-dir", str(tmp_path),
+             env=env)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == ("phoenixft run: error: --workload='user_workload:bad_factory' failed to set up: "
+                                "FileNotFoundError: no such dataset (deliberate bug)"), p.stderr

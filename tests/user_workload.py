@@ -84,3 +84,48 @@ def nonelementwise_workload(ctx: WorkloadContext) -> Workload:
 
     wl = workload(ctx)
     return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, optimizer=Normalised())
+
+
+def unreduced_loss_workload(ctx: WorkloadContext) -> Workload:
+    """A loss left unreduced: one value per sample, not the microbatch's scalar."""
+    wl = workload(ctx)
+
+    def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = b
+        return (model(x) - y) ** 2
+
+    return Workload(build_model=wl.build_model, loss=loss, batch=wl.batch)
+
+
+def dict_loss_workload(ctx: WorkloadContext) -> Workload:
+    """A loss returned in a dict (as some libraries' models return their outputs)."""
+    wl = workload(ctx)
+    return Workload(build_model=wl.build_model, loss=lambda m, b: {"loss": wl.loss(m, b)},  # type: ignore[arg-type,return-value]
+                    batch=wl.batch)
+
+
+def bad_batch_workload(ctx: WorkloadContext) -> Workload:
+    """A batch function with a bug that fires at step 3."""
+    wl = workload(ctx)
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step >= 3:
+            raise KeyError("no sample there (deliberate bug)")
+        return wl.batch(step, index)
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=batch)
+
+
+def bad_model_workload(ctx: WorkloadContext) -> Workload:
+    """A build_model that raises (on every node, the spares included)."""
+    wl = workload(ctx)
+
+    def build_model() -> torch.nn.Module:
+        raise RuntimeError("layer sizes do not match (deliberate bug)")
+
+    return Workload(build_model=build_model, loss=wl.loss, batch=wl.batch)
+
+
+def bad_factory(ctx: WorkloadContext) -> Workload:
+    """A workload factory that raises."""
+    raise FileNotFoundError("no such dataset (deliberate bug)")

@@ -78,7 +78,12 @@ def check_workload_path(path: str) -> None:
 
 
 def load_workload(path: str, ctx: WorkloadContext) -> Workload:
-    wl = _resolve(path)(ctx)
+    try:
+        wl = _resolve(path)(ctx)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the factory is user code: its error is one line, not a traceback
+        raise UserError(f"--workload={path!r} failed to set up: {type(e).__name__}: {e}") from None
     if not isinstance(wl, Workload):
         raise UserError(f"--workload={path!r} is invalid: it returned {type(wl).__name__}, expected phoenixft.Workload")
     return wl
