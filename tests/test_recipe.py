@@ -152,3 +152,18 @@ def test_real_data_trains_evaluates_and_exports(tmp_path: Path) -> None:
             torch.manual_seed(_mix(1234, -1, i))
             total += float(wl.loss(model, wl.eval_batch(i)))
     assert math.isclose(total / 4, val[-1], rel_tol=1e-6), (total / 4, val[-1])
+
+
+def test_a_noncontiguous_buffer_is_protected_and_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer registered as a transposed tensor: its bytes went in and out of the flat buffers through
+    `.view(-1)`, which a non-contiguous tensor refuses, so no run of such a model got past its first step
+    (every worker crashed, "in-memory state lost")."""
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    kw: dict[str, Any] = {"workload": "user_workload:noncontiguous_buffer_workload", "steps": 6, "nodes": 2}
+    clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
+    rep = run(tmp_path / "swap", spares=1, inject=["kill:node=0@step=4,phase=backward"], **kw)
+    assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+    seen = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))["seen"]
+    assert seen.shape == (3, 4) and torch.equal(seen, torch.full((3, 4), 6.0))

@@ -129,3 +129,43 @@ def bad_model_workload(ctx: WorkloadContext) -> Workload:
 def bad_factory(ctx: WorkloadContext) -> Workload:
     """A workload factory that raises."""
     raise FileNotFoundError("no such dataset (deliberate bug)")
+
+
+def float64_workload(ctx: WorkloadContext) -> Workload:
+    """The MLP built (and fed) in float64."""
+    wl = workload(ctx)
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = wl.batch(step, index)
+        return x.double(), y.double()
+
+    return Workload(build_model=lambda: wl.build_model().double(), loss=wl.loss, batch=batch)
+
+
+def frozen_workload(ctx: WorkloadContext) -> Workload:
+    """Every parameter frozen (requires_grad=False)."""
+    wl = workload(ctx)
+
+    def build_model() -> torch.nn.Module:
+        return wl.build_model().requires_grad_(False)
+
+    return Workload(build_model=build_model, loss=wl.loss, batch=wl.batch)
+
+
+def noncontiguous_buffer_workload(ctx: WorkloadContext) -> Workload:
+    """A buffer registered as a transposed (non-contiguous) tensor, changed every step."""
+    wl = workload(ctx)
+
+    class WithCounter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = wl.build_model()
+            self.register_buffer("seen", torch.zeros(4, 3).t())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                with torch.no_grad():
+                    self.seen.add_(1)
+            return self.net(x)
+
+    return Workload(build_model=WithCounter, loss=wl.loss, batch=wl.batch)

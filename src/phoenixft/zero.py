@@ -57,10 +57,11 @@ class FlatModel:
         pnames = {id(p) for p in model.parameters()}
         sd = model.state_dict(keep_vars=True)
         self.buffers = [(k, t) for k, t in sd.items() if id(t) not in pnames]
-        if dtype != torch.float32:  # as model.to(dtype) would: floating buffers follow the parameters
-            for _, t in self.buffers:
-                if t.is_floating_point():
-                    t.data = t.data.to(dtype)
+        for _, t in self.buffers:
+            if dtype != torch.float32 and t.is_floating_point():  # as model.to(dtype): they follow the parameters
+                t.data = t.data.to(dtype)
+            if not t.is_contiguous():  # (a transposed or expanded tensor): its bytes go in and out as one flat view
+                t.data = t.data.contiguous()
         self.buffer_bytes = sum(t.numel() * t.element_size() for _, t in self.buffers)
         esize = torch.empty((), dtype=dtype).element_size()
         self.total = self.padded + math.ceil(self.buffer_bytes / esize)
