@@ -40,7 +40,7 @@ from phoenixft.replication import Replicator
 from phoenixft.topology import Topology
 from phoenixft.training import Trainer
 from phoenixft.watcher import FailureWatcher
-from phoenixft.workload import WorkloadContext, load_workload
+from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
 
 ABORT_CHECK_ETCD_S = 0.2
 
@@ -121,6 +121,9 @@ class Worker:
             full = self.wl.build_model()
         except Exception as e:  # noqa: BLE001 - user code: not ours to heal, and the same on every node
             raise Unhealable(f"exception in the workload's build_model: {type(e).__name__}: {e}") from e
+        why = unsupported_parameters(full, cfg.precision)
+        if why:
+            raise Unhealable(f"--workload {cfg.workload}: {why}")
         if cfg.tp == 1 and cfg.pp == 1:
             tr = Trainer(cfg, self.wl, WholeModel(full, self.wl.loss), device=self.device)
         else:
