@@ -167,3 +167,18 @@ def test_a_noncontiguous_buffer_is_protected_and_exported(tmp_path: Path, monkey
     assert rep["final_state_sha256"] == clean["final_state_sha256"]
     seen = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))["seen"]
     assert seen.shape == (3, 4) and torch.equal(seen, torch.full((3, 4), 6.0))
+
+
+def test_a_nonpersistent_buffer_is_protected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-persistent buffer the forward changes and computes with (a counter, a cache) is state as well:
+    it was left out of the flat buffers, so the promoted spare computed with it as built and the run
+    reported `done` with a final state that differs from the failure-free run's."""
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    kw: dict[str, Any] = {"workload": "user_workload:nonpersistent_buffer_workload", "steps": 6, "nodes": 2}
+    clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
+    rep = run(tmp_path / "swap", spares=1, inject=["kill:node=1@step=3,phase=optimizer"], **kw)
+    assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+    sd = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))
+    assert "calls" not in sd and "net.0.weight" in sd  # the export stays the model's state_dict

@@ -169,3 +169,21 @@ def noncontiguous_buffer_workload(ctx: WorkloadContext) -> Workload:
             return self.net(x)
 
     return Workload(build_model=WithCounter, loss=wl.loss, batch=wl.batch)
+
+
+def nonpersistent_buffer_workload(ctx: WorkloadContext) -> Workload:
+    """A non-persistent buffer (not in state_dict) that the forward changes every step and computes with."""
+    wl = workload(ctx)
+
+    class Counted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = wl.build_model()
+            self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                self.calls += 1
+            return self.net(x) * (1 + 1e-2 * self.calls)
+
+    return Workload(build_model=Counted, loss=wl.loss, batch=wl.batch)

@@ -11,8 +11,8 @@ Two flat buffers alternate (ping-pong): the all-gather writes into the one that 
 the parameter views are re-pointed only after it completed, so a failure during the all-gather
 leaves the live parameters untouched. Each buffer is tagged with the step it holds.
 
-Model buffers (running statistics, counters: the persistent entries of `state_dict` that are not
-parameters) are state too. The model keeps its own buffer tensors; at each flip their bytes are
+Model buffers (running statistics, counters: the entries of `state_dict` that are not parameters,
+then the non-persistent buffers) are state too. The model keeps its own buffer tensors; at each flip their bytes are
 copied into the tail of the new live flat buffer, so every flat buffer is a complete recovery
 point: a rollback or an installed peer copy restores them with the parameters.
 
@@ -57,6 +57,12 @@ class FlatModel:
         pnames = {id(p) for p in model.parameters()}
         sd = model.state_dict(keep_vars=True)
         self.buffers = [(k, t) for k, t in sd.items() if id(t) not in pnames]
+        # then the non-persistent buffers (not in state_dict): a forward may change them too (a counter, a
+        # cache), and DistributedDataParallel broadcasts them as well; left out, a spare or a restarted worker
+        # computed with them as built and a recovered run ended with another final state than the failure-free
+        # one. After the state_dict entries, so that the export (which reads those, in order) is unchanged.
+        seen = {id(t) for _, t in self.buffers}
+        self.buffers += [(k, t) for k, t in model.named_buffers() if id(t) not in seen and id(t) not in pnames]
         for _, t in self.buffers:
             if dtype != torch.float32 and t.is_floating_point():  # as model.to(dtype): they follow the parameters
                 t.data = t.data.to(dtype)
@@ -152,6 +158,8 @@ class FlatModel:
         off = 0
         for _, t in self.buffers:
             n = t.numel() * t.element_size()
+            if off + n > raw.numel():  # a checkpoint written before non-persistent buffers were state: as built
+                break
             t.data.view(-1).view(torch.uint8).copy_(raw[off : off + n])
             off += n
         if save:
