@@ -161,6 +161,14 @@ def test_prepare_data_single_file_round_trips(tmp_path: Path, capsys: pytest.Cap
     assert "tokens" in capsys.readouterr().out
 
 
+def test_prepare_data_single_file_creates_its_directory(tmp_path: Path) -> None:
+    """README's `prepare-data notes/*.txt --out data/notes.bin` where data/ does not exist yet (a DIR output
+    was created, a .bin one failed: "--out=... is not writable: No such file or directory")."""
+    out = tmp_path / "data" / "deeper" / "notes.bin"
+    assert main(["prepare-data", *map(str, texts(tmp_path)), "--out", str(out)]) == 0
+    assert out.is_file() and (out.parent / "notes.bin.json").is_file()
+
+
 def test_prepare_data_directory_layout(tmp_path: Path) -> None:
     src = texts(tmp_path)
     out = tmp_path / "ds"
