@@ -187,3 +187,19 @@ def nonpersistent_buffer_workload(ctx: WorkloadContext) -> Workload:
             return self.net(x) * (1 + 1e-2 * self.calls)
 
     return Workload(build_model=Counted, loss=wl.loss, batch=wl.batch)
+
+
+def frozen_layer_workload(ctx: WorkloadContext) -> Workload:
+    """The MLP with its first layer frozen (requires_grad=False), its input cast to the parameters' dtype."""
+    wl = workload(ctx)
+
+    def build_model() -> torch.nn.Module:
+        model = wl.build_model()
+        model[0].requires_grad_(False)
+        return model
+
+    def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = b
+        return torch.nn.functional.mse_loss(model(x.to(model[2].weight.dtype)).float(), y)
+
+    return Workload(build_model=build_model, loss=loss, batch=wl.batch)

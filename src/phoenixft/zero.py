@@ -50,6 +50,10 @@ class FlatModel:
         if self.device.type != "cpu":
             path = None  # device memory dies with the process: nothing to retain
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if dtype != torch.float32:  # as model.to(dtype) would: frozen parameters follow the trained ones (left in
+            for p in model.parameters():  # fp32 they met bf16 activations: "mat1 and mat2 must have the same dtype")
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(dtype)
         self.numel = sum(p.numel() for p in self.params)
         self.shards = shards
         self.shard_numel = shard_numel_of(self.numel, shards)
