@@ -354,6 +354,13 @@ class RunConfig:
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
         check_output_file("--report", self.report)
         check_workload_path(self.workload)
+        if self.eval_every and self.workload != "phoenixft.gpt:workload":
+            from phoenixft.workload import WorkloadContext, load_workload
+
+            # (asked for and silently never done: no val_loss anywhere, no word why)
+            need(load_workload(self.workload, WorkloadContext.from_config(self)).eval_batch is not None,
+                 "--eval-every", self.eval_every, f"--workload {self.workload} has no held-out batches "
+                 "(Workload.eval_batch) to evaluate on: give it one, or --eval-every 0")
         if self.persist_every:
             need(bool(self.persist_dir), "--persist-dir", self.persist_dir, "needed with --persist-every")
             need(self.protect == "phoenix", "--persist-every", self.persist_every, "needs --protect phoenix")
