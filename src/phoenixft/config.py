@@ -386,6 +386,12 @@ class RunConfig:
                 raise UserError(f"--resume={self.resume}: checkpoint has {int(man['numel']):,} parameters, "
                                 f"{self._model_name()} has {numel:,}")
             self._check_resume_rows(man)
+            wrote = (man.get("config") or {}).get("precision", "fp32")
+            # the model's buffers are saved as bytes in the precision that trained them (floating buffers follow
+            # the parameters into bf16): read with another one they were garbage (a loss of inf a step later)
+            need(not int(man.get("buffer_bytes") or 0) or wrote == self.precision, "--precision", self.precision,
+                 f"with --resume={self.resume}: its checkpoint of step {man['step']} was written with --precision "
+                 f"{wrote} and holds the model's buffers in it; resume it with --precision {wrote}")
         if self.data:
             from phoenixft.data import check_data
 
