@@ -176,11 +176,17 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monke
     assert "Traceback" not in logs
 
 
-def test_a_workload_factory_that_raises_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workload,line", [
+    ("bad_factory", "--workload='user_workload:bad_factory' failed to set up: FileNotFoundError: no such dataset "
+                    "(deliberate bug)"),
+    ("bad_prepare_workload", "--workload='user_workload:bad_prepare_workload': its prepare() failed: "
+                             "PermissionError: the cache directory is read-only (deliberate)"),
+])
+def test_a_workload_that_fails_to_set_up_is_one_line(tmp_path: Path, workload: str, line: str) -> None:
+    """The factory, or the one-off prepare() the launcher runs, raising: a launcher traceback before."""
     here = str(Path(__file__).parent)
     env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = _cli("--nodes", "2", "--steps", "3", "--workload", "user_workload:bad_factory", "--run-dir", str(tmp_path),
+    p = _cli("--nodes", "2", "--steps", "3", "--workload", f"user_workload:{workload}", "--run-dir", str(tmp_path),
              env=env)
     assert p.returncode == 2, p.stderr
-    assert p.stderr.strip() == ("phoenixft run: error: --workload='user_workload:bad_factory' failed to set up: "
-                                "FileNotFoundError: no such dataset (deliberate bug)"), p.stderr
+    assert p.stderr.strip() == f"phoenixft run: error: {line}", p.stderr

@@ -203,3 +203,13 @@ def frozen_layer_workload(ctx: WorkloadContext) -> Workload:
         return torch.nn.functional.mse_loss(model(x.to(model[2].weight.dtype)).float(), y)
 
     return Workload(build_model=build_model, loss=loss, batch=wl.batch)
+
+
+def bad_prepare_workload(ctx: WorkloadContext) -> Workload:
+    """A workload whose one-off prepare() (run by the launcher) raises."""
+    wl = workload(ctx)
+
+    def prepare() -> None:
+        raise PermissionError("the cache directory is read-only (deliberate)")
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, prepare=prepare)
