@@ -157,12 +157,14 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     ("bad_model_workload", "exception in the workload's build_model: RuntimeError: layer sizes do not match"),
     ("float64_workload", "parameter '0.weight' (and 3 more) is torch.float64: phoenixft trains float32 parameters"),
     ("frozen_workload", "the model has no trainable parameters (every parameter has requires_grad=False)"),
+    ("extra_state_workload", "module '0' keeps extra state (get_extra_state), which phoenixft cannot protect"),
 ])
 def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            workload: str, needle: str) -> None:
     """A loss that is not one number, a batch function or a build_model that raises, a model phoenixft cannot
     train (float64 parameters were silently made float32 and the user's batches then failed to match them;
-    no trainable parameter at all failed inside autograd): user code, not a node failure. They used to fail
+    no trainable parameter at all failed inside autograd; a module's extra state, no tensor, failed inside the
+    flat model and the run hung to --timeout): user code, not a node failure. They used to fail
     outside the user-code guard: a traceback in every worker, restarts in place of both nodes until the run
     ended as "in-memory state lost" (the loss, the batch), or no word at all until --timeout while the nodes
     crash-looped before the join (build_model)."""

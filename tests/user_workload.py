@@ -213,3 +213,20 @@ def bad_prepare_workload(ctx: WorkloadContext) -> Workload:
         raise PermissionError("the cache directory is read-only (deliberate)")
 
     return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, prepare=prepare)
+
+
+def extra_state_workload(ctx: WorkloadContext) -> Workload:
+    """A submodule with extra state (get_extra_state: a state_dict entry that is not a tensor)."""
+    wl = workload(ctx)
+
+    class Counting(torch.nn.Linear):
+        def get_extra_state(self) -> dict[str, int]:
+            return {"calls": 0}
+
+        def set_extra_state(self, state: dict[str, int]) -> None:
+            pass
+
+    def build_model() -> torch.nn.Module:
+        return torch.nn.Sequential(Counting(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    return Workload(build_model=build_model, loss=wl.loss, batch=wl.batch)

@@ -93,7 +93,13 @@ def unsupported_parameters(model: torch.nn.Module, precision: str = "fp32") -> s
     """Why phoenixft cannot train `model`'s parameters as built, or None. The trainable parameters become
     views into one flat fp32 buffer (bf16 with --precision bf16): a model with none has nothing to train,
     and one built in another floating-point dtype would be silently turned into fp32 under the user's
-    feet (its batches then fail to match it: "mat1 and mat2 must have the same dtype")."""
+    feet (its batches then fail to match it: "mat1 and mat2 must have the same dtype"). Extra state
+    (`get_extra_state`) is a state_dict entry that is no tensor: nothing of phoenixft's can hold it."""
+    extra = [n or "(the model)" for n, m in model.named_modules()
+             if type(m).get_extra_state is not torch.nn.Module.get_extra_state]
+    if extra:  # (a state_dict entry that is no tensor: it failed inside the flat model, and the run hung to --timeout)
+        return (f"module {extra[0]!r} keeps extra state (get_extra_state), which phoenixft cannot protect, restore "
+                "or export (it holds tensors only): keep that state in buffers (register_buffer) instead")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         return "the model has no trainable parameters (every parameter has requires_grad=False): nothing to train"
