@@ -161,6 +161,14 @@ def test_prepare_data_single_file_round_trips(tmp_path: Path, capsys: pytest.Cap
     assert "tokens" in capsys.readouterr().out
 
 
+def test_prepare_data_single_file_creates_its_directory(tmp_path: Path) -> None:
+    """README's `prepare-data notes/*.txt --out data/notes.bin` where data/ does not exist yet (a DIR output
+    was created, a .bin one failed: "--out=... is not writable: No such file or directory")."""
+    out = tmp_path / "data" / "deeper" / "notes.bin"
+    assert main(["prepare-data", *map(str, texts(tmp_path)), "--out", str(out)]) == 0
+    assert out.is_file() and (out.parent / "notes.bin.json").is_file()
+
+
 def test_prepare_data_directory_layout(tmp_path: Path) -> None:
     src = texts(tmp_path)
     out = tmp_path / "ds"
@@ -224,6 +232,9 @@ def test_prepare_data_bad_input_is_one_clear_line(tmp_path: Path, capsys: pytest
         ("short", "its train split has 32 tokens, shorter than one window of block_size+1 = 65 tokens"),
         ("nodir", "--data='TMP' is invalid: the directory has no train.bin"),
         ("dtype", "--data-dtype='int8' is invalid: one of uint16, uint32"),
+        # a sidecar's vocab_size below a token id: the first batch failed with "IndexError: index out of range"
+        ("vocab", "--data='TMP/v' is invalid: its metadata TMP/v/meta.json says vocab_size 100, but the data holds "
+                  "token id 255: vocab_size must be larger than every token id (256 or more)"),
     ],
 )
 def test_bad_data_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str,
@@ -231,6 +242,10 @@ def test_bad_data_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     (tmp_path / "empty.bin").write_bytes(b"")
     (tmp_path / "odd.bin").write_bytes(b"x" * 131)
     np.zeros(34, dtype=np.uint32).tofile(tmp_path / "short.bin")  # 34 tokens: 32 of them train
+    (tmp_path / "v").mkdir()
+    for name in ("train.bin", "val.bin"):
+        (np.arange(1000) % 256).astype(np.uint16).tofile(tmp_path / "v" / name)
+    (tmp_path / "v" / "meta.json").write_text('{"dtype": "uint16", "vocab_size": 100}')
     args = {
         "missing": ["--data", str(tmp_path / "nope.bin")],
         "empty": ["--data", str(tmp_path / "empty.bin")],
@@ -238,6 +253,7 @@ def test_bad_data_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixtur
         "short": ["--data", str(tmp_path / "short.bin"), "--data-dtype", "uint32"],
         "nodir": ["--data", str(tmp_path)],
         "dtype": ["--data-dtype", "int8"],
+        "vocab": ["--data", str(tmp_path / "v")],
     }[case]
     assert main(["run", "--nodes", "2", *args]) == 2
     err = capsys.readouterr().err

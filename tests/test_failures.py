@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import processes_with, run
 
 
@@ -117,8 +118,6 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     from types import SimpleNamespace
     from typing import Any
 
-    import pytest
-
     from phoenixft import keys
     from phoenixft.comm import connect_store
     from phoenixft.errors import RunAborted
@@ -165,3 +164,47 @@ def test_the_last_node_lost_ends_the_run_saying_why(tmp_path: Path) -> None:
     assert rep["state"] == "failed" and "every node is lost (n0) and no spare is ready" in rep["error"], rep["state"]
     first, last = rep["recoveries"]
     assert first["action"] == "shrink" and last["action"] == "failed" and last["faults"] == ["kill:node=0@step=5"]
+
+
+@pytest.mark.parametrize("workload,needle", [
+    ("unreduced_loss_workload", "the workload's loss returned a torch.float32 tensor of shape (8, 1) at step 1"),
+    ("dict_loss_workload", "the workload's loss returned a dict at step 1"),
+    ("bad_batch_workload", "exception in the workload at step 3 on rank"),
+    ("bad_model_workload", "exception in the workload's build_model: RuntimeError: layer sizes do not match"),
+    ("float64_workload", "parameter '0.weight' (and 3 more) is torch.float64: phoenixft trains float32 parameters"),
+    ("frozen_workload", "the model has no trainable parameters (every parameter has requires_grad=False)"),
+    ("extra_state_workload", "module '0' keeps extra state (get_extra_state), which phoenixft cannot protect"),
+])
+def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           workload: str, needle: str) -> None:
+    """A loss that is not one number, a batch function or a build_model that raises, a model phoenixft cannot
+    train (float64 parameters were silently made float32 and the user's batches then failed to match them;
+    no trainable parameter at all failed inside autograd; a module's extra state, no tensor, failed inside the
+    flat model and the run hung to --timeout): user code, not a node failure. They used to fail
+    outside the user-code guard: a traceback in every worker, restarts in place of both nodes until the run
+    ended as "in-memory state lost" (the loss, the batch), or no word at all until --timeout while the nodes
+    crash-looped before the join (build_model)."""
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rep = run(tmp_path, nodes=2, spares=1, steps=5, workload=f"user_workload:{workload}", timeout=90.0)
+    assert rep["state"] == "failed" and needle in rep.get("error", ""), rep.get("error")
+    assert rep["recoveries"] == [], rep["recoveries"]  # nothing restarted, no spare consumed
+    logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.log"))
+    assert "Traceback" not in logs
+
+
+@pytest.mark.parametrize("workload,line", [
+    ("bad_factory", "--workload='user_workload:bad_factory' failed to set up: FileNotFoundError: no such dataset "
+                    "(deliberate bug)"),
+    ("bad_prepare_workload", "--workload='user_workload:bad_prepare_workload': its prepare() failed: "
+                             "PermissionError: the cache directory is read-only (deliberate)"),
+])
+def test_a_workload_that_fails_to_set_up_is_one_line(tmp_path: Path, workload: str, line: str) -> None:
+    """The factory, or the one-off prepare() the launcher runs, raising: a launcher traceback before."""
+    here = str(Path(__file__).parent)
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = _cli("--nodes", "2", "--steps", "3", "--workload", f"user_workload:{workload}", "--run-dir", str(tmp_path),
+             env=env)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == f"phoenixft run: error: {line}", p.stderr

@@ -324,3 +324,29 @@ def test_export_to_a_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> 
     p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(run_dir), "--out", str(out)],
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0 and out.exists(), p.stderr[-2000:]
+
+
+def test_resume_with_another_precision_than_the_buffers_were_saved_in(tmp_path: Path, checkpoints: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint holds the model's buffers as bytes in the precision that trained them (floating buffers
+    follow the parameters into bf16). Resumed with the other --precision they were read as garbage and the
+    run failed a step later with "the loss of step 5 is inf (numerical error in the training itself)" (or
+    a traceback, bf16 into fp32). Refused in one line; a model without buffers (the GPT) still may switch."""
+    from phoenixft.cli.main import main
+
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bn = {"workload": "user_workload:bn_workload", "micro_batch": 16, "nodes": 2}
+    rep = run(tmp_path / "a", spares=0, steps=2, persist_every=2, persist_dir=str(tmp_path / "ckpt"), **bn)
+    assert rep["state"] == "done", rep.get("error")
+    capsys.readouterr()
+    assert main(["run", "--workload", bn["workload"], "--micro-batch", "16", "--nodes", "2", "--steps", "4",
+                 "--precision", "bf16", "--resume", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"phoenixft run: error: --precision='bf16' is invalid: with --resume={tmp_path / 'ckpt'}: its "
+                   "checkpoint of step 2 was written with --precision fp32 and holds the model's buffers in it; "
+                   "resume it with --precision fp32"), err
+    gpt = run(tmp_path / "b", nodes=2, spares=0, steps=10, precision="bf16", resume=str(checkpoints))
+    assert gpt["state"] == "done" and gpt["first_step"] == 9, gpt.get("error")

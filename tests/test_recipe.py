@@ -152,3 +152,56 @@ def test_real_data_trains_evaluates_and_exports(tmp_path: Path) -> None:
             torch.manual_seed(_mix(1234, -1, i))
             total += float(wl.loss(model, wl.eval_batch(i)))
     assert math.isclose(total / 4, val[-1], rel_tol=1e-6), (total / 4, val[-1])
+
+
+def test_a_noncontiguous_buffer_is_protected_and_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer registered as a transposed tensor: its bytes went in and out of the flat buffers through
+    `.view(-1)`, which a non-contiguous tensor refuses, so no run of such a model got past its first step
+    (every worker crashed, "in-memory state lost")."""
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    kw: dict[str, Any] = {"workload": "user_workload:noncontiguous_buffer_workload", "steps": 6, "nodes": 2}
+    clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
+    rep = run(tmp_path / "swap", spares=1, inject=["kill:node=0@step=4,phase=backward"], **kw)
+    assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+    seen = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))["seen"]
+    assert seen.shape == (3, 4) and torch.equal(seen, torch.full((3, 4), 6.0))
+
+
+def test_a_nonpersistent_buffer_is_protected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-persistent buffer the forward changes and computes with (a counter, a cache) is state as well:
+    it was left out of the flat buffers, so the promoted spare computed with it as built and the run
+    reported `done` with a final state that differs from the failure-free run's."""
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    kw: dict[str, Any] = {"workload": "user_workload:nonpersistent_buffer_workload", "steps": 6, "nodes": 2}
+    clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
+    rep = run(tmp_path / "swap", spares=1, inject=["kill:node=1@step=3,phase=optimizer"], **kw)
+    assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+    sd = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))
+    assert "calls" not in sd and "net.0.weight" in sd  # the export stays the model's state_dict
+
+
+def test_frozen_parameters_train_in_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--precision bf16 turned the trained parameters and the floating buffers into bf16 but left frozen
+    parameters in fp32, so a model with a frozen layer failed in its first step ("mat1 and mat2 must have
+    the same dtype, but got Float and BFloat16"). They follow as model.to(bf16) would; the final model
+    and the export of the persistent checkpoint agree on them."""
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    kw: dict[str, Any] = {"workload": "user_workload:frozen_layer_workload", "steps": 6, "nodes": 2,
+                          "precision": "bf16"}
+    clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
+    rep = run(tmp_path / "swap", spares=1, inject=["kill:node=1@step=5,phase=optimizer"], persist_every=3,
+              persist_dir=str(tmp_path / "ckpt"), **kw)
+    assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+    out = tmp_path / "ckpt.safetensors"
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(tmp_path / "ckpt"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=_env())
+    assert p.returncode == 0, p.stderr
+    a, b = load_file(str(tmp_path / "swap" / "final" / "model.safetensors")), load_file(str(out))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["0.weight"].dtype == torch.bfloat16 and a["2.weight"].dtype == torch.float32

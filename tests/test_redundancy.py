@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import random
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -657,3 +658,14 @@ def test_distributed_encode_then_rebuild_any_h_members(nodes: int, scheme: Redun
                 got = decode_blocks(code, pieces, n, list(lost))
                 for i in lost:
                     assert torch.equal(got[i].view(torch.int32), payload[grp.members[i]].view(torch.int32))
+
+
+def test_dry_run_of_a_model_that_fails_to_build_is_one_line(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dry-run builds the workload's model on the meta device: its build_model raising was a traceback."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    rc = cli_main(["run", "--dry-run", "--nodes", "2", "--workload", "user_workload:bad_model_workload"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == ("phoenixft run: error: --workload='user_workload:bad_model_workload': its build_model "
+                               "failed on torch's meta device (where --dry-run builds it, allocating nothing): "
+                               "RuntimeError: layer sizes do not match (deliberate bug)"), err

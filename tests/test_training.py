@@ -81,6 +81,12 @@ def test_user_workload_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         (["--inject", "kill:node=0@step=2,phase=lunch"],
          "valid phases: forward, backward, replicate, optimizer, recovery"),
         (["--protect", "magic"], "--protect='magic' is invalid: one of phoenix, none"),
+        # asked for, silently never done (no val_loss anywhere): a workload without held-out batches
+        (["--workload", "user_workload:workload", "--eval-every", "2"],
+         "--eval-every=2 is invalid: --workload user_workload:workload has no held-out batches "
+         "(Workload.eval_batch) to evaluate on: give it one, or --eval-every 0"),
+        (["--workload", "user_workload:bad_factory"], "--workload='user_workload:bad_factory' failed to set up: "
+         "FileNotFoundError: no such dataset (deliberate bug)"),
     ],
 )
 def test_bad_input_is_one_clear_line(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,3 +84,149 @@ def nonelementwise_workload(ctx: WorkloadContext) -> Workload:
 
     wl = workload(ctx)
     return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, optimizer=Normalised())
+
+
+def unreduced_loss_workload(ctx: WorkloadContext) -> Workload:
+    """A loss left unreduced: one value per sample, not the microbatch's scalar."""
+    wl = workload(ctx)
+
+    def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = b
+        return (model(x) - y) ** 2
+
+    return Workload(build_model=wl.build_model, loss=loss, batch=wl.batch)
+
+
+def dict_loss_workload(ctx: WorkloadContext) -> Workload:
+    """A loss returned in a dict (as some libraries' models return their outputs)."""
+    wl = workload(ctx)
+    return Workload(build_model=wl.build_model, loss=lambda m, b: {"loss": wl.loss(m, b)},  # type: ignore[arg-type,return-value]
+                    batch=wl.batch)
+
+
+def bad_batch_workload(ctx: WorkloadContext) -> Workload:
+    """A batch function with a bug that fires at step 3."""
+    wl = workload(ctx)
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step >= 3:
+            raise KeyError("no sample there (deliberate bug)")
+        return wl.batch(step, index)
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=batch)
+
+
+def bad_model_workload(ctx: WorkloadContext) -> Workload:
+    """A build_model that raises (on every node, the spares included)."""
+    wl = workload(ctx)
+
+    def build_model() -> torch.nn.Module:
+        raise RuntimeError("layer sizes do not match (deliberate bug)")
+
+    return Workload(build_model=build_model, loss=wl.loss, batch=wl.batch)
+
+
+def bad_factory(ctx: WorkloadContext) -> Workload:
+    """A workload factory that raises."""
+    raise FileNotFoundError("no such dataset (deliberate bug)")
+
+
+def float64_workload(ctx: WorkloadContext) -> Workload:
+    """The MLP built (and fed) in float64."""
+    wl = workload(ctx)
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = wl.batch(step, index)
+        return x.double(), y.double()
+
+    return Workload(build_model=lambda: wl.build_model().double(), loss=wl.loss, batch=batch)
+
+
+def frozen_workload(ctx: WorkloadContext) -> Workload:
+    """Every parameter frozen (requires_grad=False)."""
+    wl = workload(ctx)
+
+    def build_model() -> torch.nn.Module:
+        return wl.build_model().requires_grad_(False)
+
+    return Workload(build_model=build_model, loss=wl.loss, batch=wl.batch)
+
+
+def noncontiguous_buffer_workload(ctx: WorkloadContext) -> Workload:
+    """A buffer registered as a transposed (non-contiguous) tensor, changed every step."""
+    wl = workload(ctx)
+
+    class WithCounter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = wl.build_model()
+            self.register_buffer("seen", torch.zeros(4, 3).t())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                with torch.no_grad():
+                    self.seen.add_(1)
+            return self.net(x)
+
+    return Workload(build_model=WithCounter, loss=wl.loss, batch=wl.batch)
+
+
+def nonpersistent_buffer_workload(ctx: WorkloadContext) -> Workload:
+    """A non-persistent buffer (not in state_dict) that the forward changes every step and computes with."""
+    wl = workload(ctx)
+
+    class Counted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = wl.build_model()
+            self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training:
+                self.calls += 1
+            return self.net(x) * (1 + 1e-2 * self.calls)
+
+    return Workload(build_model=Counted, loss=wl.loss, batch=wl.batch)
+
+
+def frozen_layer_workload(ctx: WorkloadContext) -> Workload:
+    """The MLP with its first layer frozen (requires_grad=False), its input cast to the parameters' dtype."""
+    wl = workload(ctx)
+
+    def build_model() -> torch.nn.Module:
+        model = wl.build_model()
+        model[0].requires_grad_(False)
+        return model
+
+    def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = b
+        return torch.nn.functional.mse_loss(model(x.to(model[2].weight.dtype)).float(), y)
+
+    return Workload(build_model=build_model, loss=loss, batch=wl.batch)
+
+
+def bad_prepare_workload(ctx: WorkloadContext) -> Workload:
+    """A workload whose one-off prepare() (run by the launcher) raises."""
+    wl = workload(ctx)
+
+    def prepare() -> None:
+        raise PermissionError("the cache directory is read-only (deliberate)")
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, prepare=prepare)
+
+
+def extra_state_workload(ctx: WorkloadContext) -> Workload:
+    """A submodule with extra state (get_extra_state: a state_dict entry that is not a tensor)."""
+    wl = workload(ctx)
+
+    class Counting(torch.nn.Linear):
+        def get_extra_state(self) -> dict[str, int]:
+            return {"calls": 0}
+
+        def set_extra_state(self, state: dict[str, int]) -> None:
+            pass
+
+    def build_model() -> torch.nn.Module:
+        return torch.nn.Sequential(Counting(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    return Workload(build_model=build_model, loss=wl.loss, batch=wl.batch)

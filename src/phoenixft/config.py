@@ -361,6 +361,13 @@ class RunConfig:
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
         check_output_file("--report", self.report)
         check_workload_path(self.workload)
+        if self.eval_every and self.workload != "phoenixft.gpt:workload":
+            from phoenixft.workload import WorkloadContext, load_workload
+
+            # (asked for and silently never done: no val_loss anywhere, no word why)
+            need(load_workload(self.workload, WorkloadContext.from_config(self)).eval_batch is not None,
+                 "--eval-every", self.eval_every, f"--workload {self.workload} has no held-out batches "
+                 "(Workload.eval_batch) to evaluate on: give it one, or --eval-every 0")
         if self.persist_every:
             need(bool(self.persist_dir), "--persist-dir", self.persist_dir, "needed with --persist-every")
             need(self.protect == "phoenix", "--persist-every", self.persist_every, "needs --protect phoenix")
@@ -393,6 +400,12 @@ class RunConfig:
                 raise UserError(f"--resume={self.resume}: checkpoint has {int(man['numel']):,} parameters, "
                                 f"{self._model_name()} has {numel:,}")
             self._check_resume_rows(man)
+            wrote = (man.get("config") or {}).get("precision", "fp32")
+            # the model's buffers are saved as bytes in the precision that trained them (floating buffers follow
+            # the parameters into bf16): read with another one they were garbage (a loss of inf a step later)
+            need(not int(man.get("buffer_bytes") or 0) or wrote == self.precision, "--precision", self.precision,
+                 f"with --resume={self.resume}: its checkpoint of step {man['step']} was written with --precision "
+                 f"{wrote} and holds the model's buffers in it; resume it with --precision {wrote}")
         if self.data:
             from phoenixft.data import check_data
 

@@ -244,6 +244,13 @@ def resolve_data(path: str, dtype: str = "uint16") -> DataSpec:
 def check_data(path: str, dtype: str, block: int | None) -> DataSpec:
     """Launcher-side validation of `--data`: `resolve_data`, and both splits hold one window of block+1 tokens."""
     spec = resolve_data(path, dtype)
+    # a sidecar's vocab_size below a token id of the data: the model's embedding is cut to it, and the first
+    # batch failed inside the workload ("IndexError: index out of range in self"). One pass over the files,
+    # cached as the vocabulary of a file without a sidecar is (the same pass; free when that is the source)
+    top = _vocab_of([spec.train, *([spec.val] if spec.val is not None else [])], spec.dtype)
+    if top > spec.vocab_size:
+        raise _bad(path, f"its metadata {spec.sidecar} says vocab_size {spec.vocab_size}, but the data holds token "
+                         f"id {top - 1}: vocab_size must be larger than every token id ({top} or more)")
     if block is not None:
         data = TokenData(spec)
         for name, n in (("train", len(data.train)), ("held-out", len(data.val))):

@@ -110,8 +110,8 @@ def _from_checkpoint(root: Path, step: int | None) -> dict[str, torch.Tensor]:
     wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
     torch.manual_seed(cfg.seed)
     model = wl.build_model()
-    if cfg.precision == "bf16":  # buffers were trained (and saved) in the parameters' dtype
-        for b in model.buffers():
+    if cfg.precision == "bf16":  # buffers (and frozen parameters) were trained (and saved) in the parameters' dtype
+        for b in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)]:
             if b.is_floating_point():
                 b.data = b.data.to(torch.bfloat16)
     try:

@@ -171,7 +171,11 @@ class LocalJob:
 
         wl = load_workload(self.cfg.workload, WorkloadContext.from_config(self.cfg))
         if wl.prepare is not None and self.local:
-            wl.prepare()  # e.g. build the corpus cache once, before the workers map it
+            try:
+                wl.prepare()  # e.g. build the corpus cache once, before the workers map it
+            except Exception as e:  # noqa: BLE001 - user code: one line, not a traceback
+                raise UserError(f"--workload={self.cfg.workload!r}: its prepare() failed: {type(e).__name__}: "
+                                f"{e}") from None
         self.display.tokens_per_step = wl.tokens_per_microbatch * self.cfg.total_microbatches
         if self.cfg.control_plane == "tcpstore":
             # The store is served from this process (its server thread needs no GIL), so that the

@@ -131,6 +131,11 @@ def prepare_data(files: list[str], out: str, *, val_fraction: float = 0.05,
     if single:
         if target.is_dir():
             raise UserError(f"--out={out!r} is invalid: it is a directory (a DIR output must not end in .bin)")
+        try:  # (as a DIR output is created: `--out data/notes.bin` on a checkout without data/)
+            if not target.parent.exists():
+                target.parent.mkdir(parents=True)
+        except OSError as e:
+            raise UserError(f"--out={out!r} is not writable: {e.strerror or e} ({target.parent})") from None
         bins = [target]
         meta_path = target.with_name(target.name + ".json")
         split_at = total  # one file: the trainer holds out its tail itself

@@ -58,7 +58,7 @@ from phoenixft.snapshot import H_VALID, INVALID, ShardState
 from phoenixft.workload import Workload
 from phoenixft.zero import DTYPES, FlatModel
 
-__all__ = ["Trainer", "StepResult"]
+__all__ = ["Trainer", "StepResult", "check_loss"]
 
 Wait = Callable[[Any, str], None]
 
@@ -74,6 +74,19 @@ class StepResult:
     # after compute: reduce_s (the gradient buckets' wait), optimizer_s (tied-embedding sum, loss wait,
     # clipping, the update; on gloo also posting the gather), gather_s (the rest until the flip)
     phases: dict[str, float] = field(default_factory=dict)
+
+
+def check_loss(out: Any, where: str) -> None:
+    """The workload's loss of one microbatch must be one number that autograd can start from: a
+    real floating-point tensor of one element. Anything else stops the run with one line saying what it was
+    (it used to fail inside phoenixft's own code: a traceback, and a worker crash loop that ended the
+    run as "in-memory state lost")."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point():
+        return
+    what = (f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+            else f"a {type(out).__name__}")
+    raise Unhealable(f"the workload's loss returned {what} {where}: it must return the microbatch's loss as a "
+                     "floating-point tensor of one element (e.g. reduce it with .mean())")
 
 
 class Trainer:
@@ -201,13 +214,17 @@ class Trainer:
             works.append((b, rs.post(b, blo, bhi) if rs is not None else dp_pg.allreduce([grad[blo:bhi]])))
 
         def batch(j: int) -> Any:
-            return self.device.move(self.wl.batch(s, lo + j))
+            with self._user_code(s, rank):
+                return self.device.move(self.wl.batch(s, lo + j))
 
         def forward(j: int, b: Any, inp: torch.Tensor | None) -> torch.Tensor:
             self.interrupt()
             torch.manual_seed(_mix(cfg.seed, s, lo + j))
             with self._user_code(s, rank):
-                return stage.forward(inp, b)
+                out = stage.forward(inp, b)
+            if stage.last:
+                check_loss(out, f"at step {s} on rank {rank}")
+            return out
 
         def backward(j: int, out: torch.Tensor, g: torch.Tensor | None) -> None:
             self.interrupt()
@@ -322,8 +339,8 @@ class Trainer:
         """Workload code runs here: a failure of ours passes through, a bug in user code is not ours to heal."""
         try:
             yield
-        except (PeerFailure, RunAborted):  # (a wait inside backward's hooks: a peer failed, or the run ended)
-            raise
+        except (PeerFailure, RunAborted, Unhealable):  # (a wait inside backward's hooks: a peer failed, or the run
+            raise  # ended; or already said why it cannot go on)
         except Exception as e:  # noqa: BLE001
             raise Unhealable(f"exception in the workload at step {s} on rank {rank}: {type(e).__name__}: {e}") from e
 
@@ -345,7 +362,8 @@ class Trainer:
         try:
             pipe = Pipeline(self.stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype, self.device.torch)
             with self._user_code(s, rank):
-                part = pipe.forward_only(len(mine), batch)
+                part = pipe.forward_only(len(mine), batch, check=lambda out: check_loss(
+                    out, f"in the evaluation after step {s} on rank {rank}"))
         finally:
             self.model.train(was_training)
         total = torch.tensor([part if self.stage.last and c.tp == 0 else 0.0], dtype=torch.float64)

@@ -40,7 +40,7 @@ from phoenixft.replication import Replicator
 from phoenixft.topology import Topology
 from phoenixft.training import Trainer
 from phoenixft.watcher import FailureWatcher
-from phoenixft.workload import WorkloadContext, load_workload
+from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
 
 ABORT_CHECK_ETCD_S = 0.2
 
@@ -75,17 +75,22 @@ class Worker:
         self.shm: str | None = None
         self.repl: Replicator | None = None  # the protection layer's replicator (Protection, below)
         world, gen = cfg.world, 0
-        if incarnation > 0:  # restarted in place: the partition is the current epoch's, not the initial one
-            e0 = int(self.store.get(keys.EPOCH))
-            cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
-            world, gen = cur.world, int(cur.meta.get("generation", 0))
-            self._build(cur.layout.coord(cur.rank_of(node_id, local_rank)).stage)
-            self._partition(world, gen)
-        elif cfg.tp == 1 and cfg.pp == 1:  # data-parallel only: every rank's stage is the whole model, built warm
-            self._build((0, 0))
-            self._partition(world, gen)
-            if node_id.startswith("s") and self.protect:  # a spare: the memory it will receive into, touched now
-                self.trainer.prefault()
+        try:
+            if incarnation > 0:  # restarted in place: the partition is the current epoch's, not the initial one
+                e0 = int(self.store.get(keys.EPOCH))
+                cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
+                world, gen = cur.world, int(cur.meta.get("generation", 0))
+                self._build(cur.layout.coord(cur.rank_of(node_id, local_rank)).stage)
+                self._partition(world, gen)
+            elif cfg.tp == 1 and cfg.pp == 1:  # data-parallel only: every rank's stage is the whole model, built warm
+                self._build((0, 0))
+                self._partition(world, gen)
+                if node_id.startswith("s") and self.protect:  # a spare: the memory it will receive into, touched now
+                    self.trainer.prefault()
+        except Unhealable as e:  # (the workload's model cannot be built: every node would fail alike)
+            self._stop_run(str(e))
+            print(f"phoenixft worker {self.wid}: {e}", flush=True)
+            raise
         self.faults: list[FaultSpec] = cfg.faults
         self.inject = FaultInjector(self)
         self.protection = Protection(self, store_addr, self._coll_timeout)
@@ -112,7 +117,13 @@ class Worker:
         starts from the same weights, then only its structure is kept, for the export)."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        full = self.wl.build_model()
+        try:
+            full = self.wl.build_model()
+        except Exception as e:  # noqa: BLE001 - user code: not ours to heal, and the same on every node
+            raise Unhealable(f"exception in the workload's build_model: {type(e).__name__}: {e}") from e
+        why = unsupported_parameters(full, cfg.precision)
+        if why:
+            raise Unhealable(f"--workload {cfg.workload}: {why}")
         if cfg.tp == 1 and cfg.pp == 1:
             tr = Trainer(cfg, self.wl, WholeModel(full, self.wl.loss), device=self.device)
         else:
@@ -402,7 +413,7 @@ class Worker:
         """Stop the whole run at the last committed step, with one clear reason: a fault that is not
         ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past."""
         if self.store.add("run/stop_claim", 1) == 1:
-            last = max(self.trainer.state.steps(), default=0)
+            last = max(self.trainer.state.steps(), default=0) if self.trainer is not None else 0
             msg = (f"{why}; the run stops rather than train on a state it cannot vouch for" if ours
                    else f"{why}; not ours to heal, stopped at the last committed step {last}")
             self.store.set(keys.RUN_ERROR, msg)
@@ -447,4 +458,8 @@ class Worker:
 
 def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
                 incarnation: int = 0) -> int:
-    return Worker(store_addr, node_id, local_rank, run_id, threads, incarnation).run()
+    try:
+        w = Worker(store_addr, node_id, local_rank, run_id, threads, incarnation)
+    except Unhealable:  # (the constructor stopped the run and said why: a restart would fail alike)
+        return 4
+    return w.run()

@@ -28,7 +28,7 @@ import torch
 
 from phoenixft.errors import UserError
 
-__all__ = ["Workload", "WorkloadContext", "load_workload", "check_workload_path"]
+__all__ = ["Workload", "WorkloadContext", "load_workload", "check_workload_path", "unsupported_parameters"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +78,37 @@ def check_workload_path(path: str) -> None:
 
 
 def load_workload(path: str, ctx: WorkloadContext) -> Workload:
-    wl = _resolve(path)(ctx)
+    try:
+        wl = _resolve(path)(ctx)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the factory is user code: its error is one line, not a traceback
+        raise UserError(f"--workload={path!r} failed to set up: {type(e).__name__}: {e}") from None
     if not isinstance(wl, Workload):
         raise UserError(f"--workload={path!r} is invalid: it returned {type(wl).__name__}, expected phoenixft.Workload")
     return wl
+
+
+def unsupported_parameters(model: torch.nn.Module, precision: str = "fp32") -> str | None:
+    """Why phoenixft cannot train `model`'s parameters as built, or None. The trainable parameters become
+    views into one flat fp32 buffer (bf16 with --precision bf16): a model with none has nothing to train,
+    and one built in another floating-point dtype would be silently turned into fp32 under the user's
+    feet (its batches then fail to match it: "mat1 and mat2 must have the same dtype"). Extra state
+    (`get_extra_state`) is a state_dict entry that is no tensor: nothing of phoenixft's can hold it."""
+    extra = [n or "(the model)" for n, m in model.named_modules()
+             if type(m).get_extra_state is not torch.nn.Module.get_extra_state]
+    if extra:  # (a state_dict entry that is no tensor: it failed inside the flat model, and the run hung to --timeout)
+        return (f"module {extra[0]!r} keeps extra state (get_extra_state), which phoenixft cannot protect, restore "
+                "or export (it holds tensors only): keep that state in buffers (register_buffer) instead")
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return "the model has no trainable parameters (every parameter has requires_grad=False): nothing to train"
+    ok = (torch.float32, torch.bfloat16) if precision == "bf16" else (torch.float32,)
+    odd = [(n, p.dtype) for n, p in params if p.dtype not in ok]
+    if odd:
+        name, dtype = odd[0]
+        more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+        return (f"parameter {name!r}{more} is {dtype}: phoenixft trains float32 parameters (fp32 master weights; "
+                "--precision bf16 runs them in bf16 itself; it also takes a model built in bf16); build the model "
+                "in float32")
+    return None

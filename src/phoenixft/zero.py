@@ -11,8 +11,8 @@ Two flat buffers alternate (ping-pong): the all-gather writes into the one that 
 the parameter views are re-pointed only after it completed, so a failure during the all-gather
 leaves the live parameters untouched. Each buffer is tagged with the step it holds.
 
-Model buffers (running statistics, counters: the persistent entries of `state_dict` that are not
-parameters) are state too. The model keeps its own buffer tensors; at each flip their bytes are
+Model buffers (running statistics, counters: the entries of `state_dict` that are not parameters,
+then the non-persistent buffers) are state too. The model keeps its own buffer tensors; at each flip their bytes are
 copied into the tail of the new live flat buffer, so every flat buffer is a complete recovery
 point: a rollback or an installed peer copy restores them with the parameters.
 
@@ -50,6 +50,10 @@ class FlatModel:
         if self.device.type != "cpu":
             path = None  # device memory dies with the process: nothing to retain
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if dtype != torch.float32:  # as model.to(dtype) would: frozen parameters follow the trained ones (left in
+            for p in model.parameters():  # fp32 they met bf16 activations: "mat1 and mat2 must have the same dtype")
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(dtype)
         self.numel = sum(p.numel() for p in self.params)
         self.shards = shards
         self.shard_numel = shard_numel_of(self.numel, shards)
@@ -57,10 +61,17 @@ class FlatModel:
         pnames = {id(p) for p in model.parameters()}
         sd = model.state_dict(keep_vars=True)
         self.buffers = [(k, t) for k, t in sd.items() if id(t) not in pnames]
-        if dtype != torch.float32:  # as model.to(dtype) would: floating buffers follow the parameters
-            for _, t in self.buffers:
-                if t.is_floating_point():
-                    t.data = t.data.to(dtype)
+        # then the non-persistent buffers (not in state_dict): a forward may change them too (a counter, a
+        # cache), and DistributedDataParallel broadcasts them as well; left out, a spare or a restarted worker
+        # computed with them as built and a recovered run ended with another final state than the failure-free
+        # one. After the state_dict entries, so that the export (which reads those, in order) is unchanged.
+        seen = {id(t) for _, t in self.buffers}
+        self.buffers += [(k, t) for k, t in model.named_buffers() if id(t) not in seen and id(t) not in pnames]
+        for _, t in self.buffers:
+            if dtype != torch.float32 and t.is_floating_point():  # as model.to(dtype): they follow the parameters
+                t.data = t.data.to(dtype)
+            if not t.is_contiguous():  # (a transposed or expanded tensor): its bytes go in and out as one flat view
+                t.data = t.data.contiguous()
         self.buffer_bytes = sum(t.numel() * t.element_size() for _, t in self.buffers)
         esize = torch.empty((), dtype=dtype).element_size()
         self.total = self.padded + math.ceil(self.buffer_bytes / esize)
@@ -151,6 +162,8 @@ class FlatModel:
         off = 0
         for _, t in self.buffers:
             n = t.numel() * t.element_size()
+            if off + n > raw.numel():  # a checkpoint written before non-persistent buffers were state: as built
+                break
             t.data.view(-1).view(torch.uint8).copy_(raw[off : off + n])
             off += n
         if save:

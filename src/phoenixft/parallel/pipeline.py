@@ -111,8 +111,10 @@ class Pipeline:
         self.flush()
         return loss_sum
 
-    def forward_only(self, n: int, batch: Callable[[int], Any]) -> float:
-        """Forward of microbatches 0..n-1 without gradients (evaluation); the sum of their losses."""
+    def forward_only(self, n: int, batch: Callable[[int], Any],
+                     check: Callable[[Any], None] = lambda _out: None) -> float:
+        """Forward of microbatches 0..n-1 without gradients (evaluation); the sum of their losses
+        (`check` sees each loss first, on the last stage)."""
         st = self.stage
         total = 0.0
         with torch.no_grad():
@@ -121,6 +123,7 @@ class Pipeline:
                 inp = None if st.first else self._recv_act(bt, j).detach()
                 out = st.forward(inp, bt)
                 if st.last:
+                    check(out)
                     total += float(out.float())
                 else:
                     self._send("fwd", out)

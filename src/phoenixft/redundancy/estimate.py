@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from phoenixft.errors import UserError
 from phoenixft.parallel.layout import shard_numel_of
 from phoenixft.redundancy.placement import Group, RingRank, place_groups
 from phoenixft.redundancy.scheme import Redundancy
@@ -121,15 +122,21 @@ def estimate_config(cfg: RunConfig) -> Estimate:
     from phoenixft.workload import WorkloadContext, load_workload
 
     wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
-    with torch.device("meta"):
-        model = wl.build_model()
+    try:
+        with torch.device("meta"):
+            model = wl.build_model()
+    except Exception as e:  # noqa: BLE001 - user code: one line, not a traceback
+        raise UserError(f"--workload={cfg.workload!r}: its build_model failed on torch's meta device (where --dry-run "
+                        f"builds it, allocating nothing): {type(e).__name__}: {e}") from None
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     pids = {id(p) for p in model.parameters()}
     esize = 2 if cfg.precision == "bf16" else 4
     buffer_bytes = 0
-    for t in model.state_dict(keep_vars=True).values():
-        if id(t) not in pids:
+    seen: set[int] = set()  # the state_dict's buffers, then the non-persistent ones (FlatModel keeps both)
+    for t in [*model.state_dict(keep_vars=True).values(), *model.buffers()]:
+        if isinstance(t, torch.Tensor) and id(t) not in pids and id(t) not in seen:
+            seen.add(id(t))
             buffer_bytes += t.numel() * (esize if t.is_floating_point() and esize == 2 else t.element_size())
     opt = make_optimizer(cfg.optimizer, weight_decay=cfg.weight_decay, beta1=cfg.beta1, beta2=cfg.beta2,
                          eps=cfg.eps, momentum=cfg.momentum, nesterov=cfg.nesterov, custom=wl.optimizer)
