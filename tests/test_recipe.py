@@ -118,6 +118,12 @@ def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch
         model.load_state_dict(torch.load(out))
         differ = [k for k in a if not torch.equal(model.state_dict()[k], a[k])]
         assert not differ, (src, differ)
+    # the checkpoint's workload module not importable where it is exported: one line saying where the name came from
+    bare = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(tmp_path / "ckpt"), "--out",
+                        str(tmp_path / "x.pt")], capture_output=True, text=True, timeout=120, env=bare, cwd=tmp_path)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "the checkpoint was written by a run of --workload='user_workload:bn_workload' does not import" in p.stderr
     val = [json.loads(x).get("val_loss") for x in (tmp_path / "swap" / "metrics.jsonl").read_text().splitlines()]
     assert val[4] is not None and val[9] is not None and val[0] is None
 

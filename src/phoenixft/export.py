@@ -107,7 +107,11 @@ def _from_checkpoint(root: Path, step: int | None) -> dict[str, torch.Tensor]:
         raise UserError(f"SRC={str(root)!r}: the checkpoint of step {man['step']} predates exports (no configuration "
                         "in its manifest)")
     cfg = RunConfig.from_json(json.dumps(man["config"]))
-    wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
+    try:
+        wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
+    except UserError as e:  # (export has no --workload flag: say where the name came from)
+        raise UserError(f"SRC={str(root)!r}: the checkpoint was written by a run of {e} (its module must import "
+                        "here too: PYTHONPATH)") from None
     torch.manual_seed(cfg.seed)
     model = wl.build_model()
     if cfg.precision == "bf16":  # buffers (and frozen parameters) were trained (and saved) in the parameters' dtype
