@@ -47,9 +47,15 @@ def test_a_bad_command_line_is_one_line(argv: list[str]) -> None:
 @pytest.mark.parametrize("argv, needle", [
     (["--threads", "0"], "--threads=0 is invalid"),
     (["--threads", "-1"], "--threads=-1 is invalid"),
+    (["--threads", "5000"], "--threads=5000 is invalid: need 1 to 1024"),
+    (["--workers", "99999999"], "--workers=99999999 is invalid: need 1 to 1,048,576"),
+    (["--connect-timeout", "1e300"], r"--connect-timeout=1e\+300 is invalid: must be > 0 and at most 86400"),
+    (["--join-timeout", "inf"], "--join-timeout=inf is invalid"),
+    (["--control-plane-timeout", "nan"], "--control-plane-timeout=nan is invalid"),
 ])
 def test_agent_threads_below_one_are_refused(argv: list[str], needle: str) -> None:
-    """`phoenixft agent --threads 0` got past every check and only its workers failed, in their logs."""
+    """`phoenixft agent --threads 0` got past every check and only its workers failed, in their logs;
+    `--connect-timeout 1e300` (or inf) made an agent that never gave up on a dead address."""
     from phoenixft.agent import main
     from phoenixft.errors import UserError
 

@@ -45,6 +45,7 @@ import traceback
 from typing import Any
 
 from phoenixft import auth, shm
+from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS
 from phoenixft.errors import UserError
 from phoenixft.procs import die_with_parent, exit_now
 
@@ -52,6 +53,7 @@ __all__ = ["main", "probe_store", "CALL_TIMEOUT_S"]
 
 
 MAX_RESTARTS = 3
+MAX_AGENT_WAIT_S = MAX_FAILURE_TIMEOUT_S  # --connect-timeout, --join-timeout, --control-plane-timeout: a day
 CALL_TIMEOUT_S = 5.0  # the agent's own store calls: a partitioned host notices within this, then reconnects
 _ID = re.compile(r"^[ns]\d+$")
 
@@ -159,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                         "name (or s<k>)")
     if a.run_id:
         shm.check_run_id(a.run_id)
-    if a.workers < 1:
-        raise UserError(f"--workers={a.workers} is invalid: need at least 1")
-    if a.threads < 1:
-        raise UserError(f"--threads={a.threads} is invalid: need at least 1 (torch threads per worker)")
+    if not 1 <= a.workers <= MAX_WORKERS:
+        raise UserError(f"--workers={a.workers} is invalid: need 1 to {MAX_WORKERS:,}")
+    if not 1 <= a.threads <= MAX_THREADS:
+        raise UserError(f"--threads={a.threads} is invalid: need 1 to {MAX_THREADS} (torch threads per worker)")
     for name, v in (("--connect-timeout", a.connect_timeout), ("--control-plane-timeout", a.control_plane_timeout),
                     ("--join-timeout", a.join_timeout)):
-        if not v > 0:
-            raise UserError(f"{name}={v:g} is invalid: must be > 0 seconds")
+        if not 0 < v <= MAX_AGENT_WAIT_S:  # (inf and 1e300 were accepted: an agent that never gave up)
+            raise UserError(f"{name}={v:g} is invalid: must be > 0 and at most {MAX_AGENT_WAIT_S:g} seconds")
     token = auth.resolve_token(a.token)
     if token:
         auth.check_token(token, "--token" if a.token else f"${auth.TOKEN_ENV}")
