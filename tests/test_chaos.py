@@ -370,3 +370,29 @@ def test_bad_demo_flags_are_named_as_given(argv: list[str], line: str, tmp_path:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line in err[0] and "--inject" not in err[0], err
     assert list(tmp_path.iterdir()) == []  # nothing started
+
+
+def test_a_large_job_gets_its_schedule_at_once() -> None:
+    """Every pair of nodes is checked for survivability; the replica ring was built anew per pair, so a
+    campaign over a few thousand nodes never got past drawing its schedule (O(n^3))."""
+    import time
+
+    cfg = RunConfig(nodes=600, spares=2, steps=40, model="tiny", replicas=1)
+    t = time.monotonic()
+    sched = make_schedule(cfg, 4, seed=3)
+    assert len(sched.faults) == 4 and time.monotonic() - t < 10  # (3 s here; the old code: 32 s)
+
+
+def test_a_local_run_that_cannot_fit_this_machine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`phoenixft run --nodes 100000` (or chaos, demo) started forking agents until the OOM killer came."""
+    from phoenixft import launcher
+    from phoenixft.errors import UserError
+
+    monkeypatch.setattr(launcher, "_mem_total_mib", lambda: 16 * 1024)
+    refused = r"--nodes=200 is invalid here: 201 local node\(s\) .* this machine has 16.0 GiB"
+    with pytest.raises(UserError, match=refused):
+        launcher.check_mode(RunConfig(nodes=200, spares=1), local=True)
+    launcher.check_mode(RunConfig(nodes=100, spares=1), local=True)  # 12.3 GiB of processes: fits
+    launcher.check_mode(RunConfig(nodes=200, spares=1), local=False)  # the head starts no agents
+    monkeypatch.setattr(launcher, "_mem_total_mib", lambda: None)  # unknown: not refused
+    launcher.check_mode(RunConfig(nodes=200, spares=1), local=True)

@@ -27,6 +27,7 @@ Three parts:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import random
@@ -101,8 +102,10 @@ class Schedule:
 
 
 # ---------------------------------------------------------------------------------------------- survivability
+@functools.lru_cache(maxsize=8)
 def _ring(nodes: int, replicas: int, racks: int, pp: int = 1) -> Topology:
-    """Node-level replica rings (with pipeline stages: one ring per stage's nodes)."""
+    """Node-level replica rings (with pipeline stages: one ring per stage's nodes). Cached (read only): a
+    schedule asks about every pair of nodes, and built anew per pair it made the campaign's start O(n^3)."""
     return Topology(epoch=0, nodes=[f"n{i}" for i in range(nodes)], workers_per_node=1, replicas=replicas,
                     racks=racks, resume_step=0, pp=pp)
 
@@ -520,11 +523,12 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
     """Reference run, then the campaign, then the verdict. `cfg` is the user's run configuration
     (its `seed` is used for the training too). Returns the campaign report (also written to `report`)."""
     from phoenixft.display import Display
-    from phoenixft.launcher import INTERRUPTED, run_job
+    from phoenixft.launcher import INTERRUPTED, check_local_size, run_job
     from phoenixft.persist import latest_manifest
 
     out = out or sys.stdout
     t0 = time.monotonic()
+    check_local_size(cfg)  # (before the schedule, which looks at every pair of nodes)
     cfg = dataclasses.replace(cfg, seed=seed, inject=[], report="")
     man = latest_manifest(cfg.resume) if cfg.resume else None  # (the run itself refuses one that is not there)
     sched = make_schedule(cfg, faults, seed, allow_unsurvivable, start=int(man["step"]) if man else 0)

@@ -61,9 +61,43 @@ ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coor
 LOST_TEARDOWN_CALL_S = 2.0  # etcd lost: each store call of the teardown gets this long (if it is back: cleaned)
 
 
+AGENT_FLOOR_MIB = 25  # what an agent process costs at least (its own pages; forked from the zygote: measured 27)
+WORKER_FLOOR_MIB = 100  # what a worker process costs at least before its model's state (`tiny`: measured 120)
+
+
+def _mem_total_mib() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_local_size(cfg: RunConfig) -> None:
+    """UserError when a local run's processes cannot fit this machine's memory even before their models:
+    `phoenixft run --nodes 100000` passed every check and started forking agents until the kernel's OOM
+    killer stepped in (taking whatever else it chose with it)."""
+    total = _mem_total_mib()
+    nodes = cfg.nodes + cfg.spares
+    need = nodes * (AGENT_FLOOR_MIB + cfg.workers_per_node * WORKER_FLOOR_MIB)
+    if total is not None and need > total:
+        raise UserError(
+            f"--nodes={cfg.nodes} is invalid here: {nodes:,} local node(s) (--nodes + --spares) x "
+            f"{cfg.workers_per_node} worker(s) need at least {need / 1024:,.1f} GiB for their processes alone "
+            f"(about {WORKER_FLOOR_MIB} MiB per worker and {AGENT_FLOOR_MIB} MiB per agent before any model state), "
+            f"and this machine has {total / 1024:,.1f} GiB: run fewer nodes here, or spread them over hosts "
+            "(`phoenixft coordinator` + `phoenixft agent`); `phoenixft run --dry-run` sizes a layout without "
+            "starting it")
+
+
 def check_mode(cfg: RunConfig, local: bool) -> None:
     """UserError for what the mode cannot do: partitions need separate hosts; the head can neither
-    start nor kill agents, nor signal a coordinator from another host."""
+    start nor kill agents, nor signal a coordinator from another host; a local run must fit this machine."""
+    if local:
+        check_local_size(cfg)
     for f in cfg.faults:
         if local and f.kind == "partition":
             raise UserError(f"--inject={f.text!r} is invalid here: a partition needs hosts with their own addresses "
