@@ -160,17 +160,23 @@ def test_real_data_trains_evaluates_and_exports(tmp_path: Path) -> None:
     assert math.isclose(total / 4, val[-1], rel_tol=1e-6), (total / 4, val[-1])
 
 
+def _swapped_equals_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: str, fault: str) -> None:
+    """`tests/user_workload.py:<workload>` on 2 nodes for 6 steps: with a spare and `fault`, it ends bitwise
+    where the failure-free unprotected run ends."""
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    kw: dict[str, Any] = {"workload": f"user_workload:{workload}", "steps": 6, "nodes": 2}
+    clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
+    rep = run(tmp_path / "swap", spares=1, inject=[fault], **kw)
+    assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+
+
 def test_a_noncontiguous_buffer_is_protected_and_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A buffer registered as a transposed tensor: its bytes went in and out of the flat buffers through
     `.view(-1)`, which a non-contiguous tensor refuses, so no run of such a model got past its first step
     (every worker crashed, "in-memory state lost")."""
-    monkeypatch.syspath_prepend(str(HERE))
-    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
-    kw: dict[str, Any] = {"workload": "user_workload:noncontiguous_buffer_workload", "steps": 6, "nodes": 2}
-    clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
-    rep = run(tmp_path / "swap", spares=1, inject=["kill:node=0@step=4,phase=backward"], **kw)
-    assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
-    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+    _swapped_equals_clean(tmp_path, monkeypatch, "noncontiguous_buffer_workload", "kill:node=0@step=4,phase=backward")
     seen = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))["seen"]
     assert seen.shape == (3, 4) and torch.equal(seen, torch.full((3, 4), 6.0))
 
@@ -179,13 +185,7 @@ def test_a_nonpersistent_buffer_is_protected(tmp_path: Path, monkeypatch: pytest
     """A non-persistent buffer the forward changes and computes with (a counter, a cache) is state as well:
     it was left out of the flat buffers, so the promoted spare computed with it as built and the run
     reported `done` with a final state that differs from the failure-free run's."""
-    monkeypatch.syspath_prepend(str(HERE))
-    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
-    kw: dict[str, Any] = {"workload": "user_workload:nonpersistent_buffer_workload", "steps": 6, "nodes": 2}
-    clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
-    rep = run(tmp_path / "swap", spares=1, inject=["kill:node=1@step=3,phase=optimizer"], **kw)
-    assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
-    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+    _swapped_equals_clean(tmp_path, monkeypatch, "nonpersistent_buffer_workload", "kill:node=1@step=3,phase=optimizer")
     sd = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))
     assert "calls" not in sd and "net.0.weight" in sd  # the export stays the model's state_dict
 
