@@ -14,7 +14,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.display import Display
-from phoenixft.launcher import INTERRUPTED, run_job
+from phoenixft.launcher import INTERRUPTED, check_mode, run_job
 
 __all__ = ["demo"]
 
@@ -55,6 +55,8 @@ def demo(*, steps: int, nodes: int, model: str, kill_step: int, kill_node: int, 
         ("protected, no failure", _cfg(base, root / "protected")),
         (f"protected, {spec}", _cfg(base, root / "faulty", inject=[spec])),
     ]
+    for _, cfg in plan:  # (validated by _cfg; what this machine can run, before the first one starts)
+        check_mode(cfg, local=True)
     reports = []
     for i, (name, cfg) in enumerate(plan, 1):
         print(f"[{i}/3] {name} ...", file=sys.stderr, flush=True)
