@@ -121,8 +121,12 @@ def run(
     ddp_rounds = 1 if quick else min(rounds, 2)  # each launch costs a torchrun start-up
     none_dp2: list[float] = []
     for dp in dps:
-        modes = [("none", 1)] + [("phoenix", k) for k in (1, 2) if k < dp]
-        names = ["none" if m == "none" else f"phoenix_r{k}" for m, k in modes]
+        # (protect, k, replica transport); at DP=2 the same protection over TCP too (the default, auto, reads
+        # replicas through host shared memory between nodes of one host: every node of these runs)
+        modes = [("none", 1, "auto")] + [("phoenix", k, "auto") for k in (1, 2) if k < dp]
+        if dp == 2:
+            modes.append(("phoenix", 1, "tcp"))
+        names = ["none" if m == "none" else f"phoenix_r{k}" + ("_tcp" if t == "tcp" else "") for m, k, t in modes]
         samples: dict[str, list[float]] = {n: [] for n in names}
         per_run: dict[str, list[float]] = {n: [] for n in names}
         compute: dict[str, list[float]] = {n: [] for n in names}
@@ -137,7 +141,7 @@ def run(
             order = list(zip(names, modes, strict=True))
             if r % 2:
                 order.reverse()
-            for name, (protect, k) in order:
+            for name, (protect, k, transport) in order:
                 log(f"overhead: DP={dp} {name} round {r + 1}/{n_rounds} ({model}, {n_steps} steps)")
                 rep = phoenix_run(
                     work / f"dp{dp}-{name}-{r}",
@@ -148,6 +152,7 @@ def run(
                     model=model,
                     protect=protect,
                     replicas=k,
+                    replica_transport=transport,
                 )
                 if rep.get("state") != "done":
                     raise RuntimeError(f"phoenixft run failed: {rep.get('state')} {rep.get('error', '')}")
@@ -185,8 +190,7 @@ def run(
             "bytes_per_step": {},
         }
         base = cfg["modes"]["none"]["median_s"]
-        for n in names[1:]:
-            k = int(n[-1])
+        for n, (_, k, _) in zip(names[1:], modes[1:], strict=True):
             cfg["ratios"][n] = ratio(cfg["modes"][n]["median_s"], base)
             pairs = [a / b for a, b in zip(per_run[n], per_run["none"], strict=True) if b]
             cfg.setdefault("paired_round_ratios", {})[n] = [round(x, 4) for x in pairs]
@@ -232,6 +236,7 @@ def run(
     }
     c2 = next((c for c in configs if c["dp"] == 2), None)
     result["overhead_ratio_dp2"] = c2["ratios"].get("phoenix_r1") if c2 else None
+    result["overhead_ratio_dp2_tcp"] = c2["ratios"].get("phoenix_r1_tcp") if c2 else None
     if ddp and ddp_samples["plain"]:
         plain = median(ddp_samples["plain"])
         d = {
@@ -257,7 +262,7 @@ def run(
         "harness": "python bench/overhead.py" + (" --quick" if quick else ""),
         "phoenix": f"phoenixft run --nodes DP --workers-per-node 1 --spares 0 --steps {steps} "
         f"--model {model} "
-        "--protect phoenix --replicas K --quiet",
+        "--protect phoenix --replicas K --quiet (phoenix_r1_tcp: --replica-transport tcp)",
         "none": f"phoenixft run --nodes DP --workers-per-node 1 --spares 0 --steps {steps} --model {model} "
         "--protect none --quiet",
         "ddp": f"torchrun --nproc-per-node 2 bench/ckpt_restart_train.py --model {model} "
@@ -327,7 +332,8 @@ def report(res: dict[str, Any], out: Path) -> None:
         rows,
     )
     print(
-        f"overhead_ratio_dp2 = {res.get('overhead_ratio_dp2')}   baseline_vs_ddp_dp2 = "
+        f"overhead_ratio_dp2 = {res.get('overhead_ratio_dp2')} (over TCP: {res.get('overhead_ratio_dp2_tcp')})   "
+        f"baseline_vs_ddp_dp2 = "
         f"{res.get('baseline_vs_ddp_dp2')}",
         flush=True,
     )

@@ -1,8 +1,8 @@
 """Smoke test of the benchmark harness (bench/): the smallest real piece, end to end, in < 60 s.
 
 Runs `python bench/overhead.py --model tiny --dp 2 --rounds 1 --steps 6` (one `--protect none`
-run, one `--protect phoenix` run and one torchrun DDP + DCP launch) into a temporary folder and
-checks the JSON it writes; then merges it the way `bench/run_all.py` does and checks that
+run, one `--protect phoenix` run for each replica transport and one torchrun DDP + DCP launch)
+into a temporary folder and checks the JSON it writes; then merges it the way `bench/run_all.py` does and checks that
 latest.json's top-level keys are there, and that a missing torchft is reported, not crashed on.
 
     .venv/bin/python -m pytest -q tests/test_bench_smoke.py
@@ -58,7 +58,8 @@ def test_overhead_json_has_sane_numbers(overhead: dict[str, Any]) -> None:
     assert _pos(overhead["overhead_ratio_dp2"]) and 0.2 < overhead["overhead_ratio_dp2"] < 5
     assert _pos(overhead["baseline_vs_ddp_dp2"])
     (cfg,) = overhead["configs"]
-    assert cfg["dp"] == 2 and set(cfg["modes"]) == {"none", "phoenix_r1"}
+    assert cfg["dp"] == 2 and set(cfg["modes"]) == {"none", "phoenix_r1", "phoenix_r1_tcp"}
+    assert _pos(overhead["overhead_ratio_dp2_tcp"]) and 0.2 < overhead["overhead_ratio_dp2_tcp"] < 5
     for m in cfg["modes"].values():
         assert _pos(m["median_s"]) and m["n"] == 3  # 6 steps, first 3 dropped as warm-up
     b = cfg["bytes_per_step"]["phoenix_r1"]

@@ -17,12 +17,17 @@ from conftest import processes_with, run
 
 
 @pytest.mark.parametrize(
-    "phase,node",
-    [("forward", 0), ("backward", 1), ("replicate", 1), ("optimizer", 0), ("optimizer", 1)],
+    "phase,node,transport",  # (auto: the nodes of a local run share a host, so replicas go through shared memory)
+    [("forward", 0, "auto"), ("backward", 1, "auto"), ("replicate", 1, "auto"), ("optimizer", 0, "auto"),
+     ("optimizer", 1, "auto"), ("replicate", 1, "tcp"), ("backward", 0, "tcp")],
 )
-def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, phase: str, node: int) -> None:  # type: ignore[no-untyped-def]
+def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, phase: str, node: int,  # type: ignore[no-untyped-def]
+                                                  transport: str) -> None:
     ref = reference(nodes=3, steps=12)
-    rep = run(tmp_path, nodes=3, spares=1, steps=12, inject=[f"kill:node={node}@step=6,phase={phase}"])
+    rep = run(tmp_path, nodes=3, spares=1, steps=12, inject=[f"kill:node={node}@step=6,phase={phase}"],
+              replica_transport=transport)
+    shm = [json.loads(x).get("protect_shm_bytes") for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(b > 0 for b in shm[1:]) if transport == "auto" else not any(shm), shm
     assert rep["state"] == "done", rep.get("error")
     assert rep["steps_completed"] == 12
     assert rep["final_state_sha256"] == ref["final_state_sha256"]

@@ -26,6 +26,7 @@ from phoenixft.redundancy.scheme import Redundancy, parse_redundancy
 __all__ = ["RunConfig", "add_run_arguments", "config_from_args", "checkpoint_bytes", "check_output_file",
            "PROTECT_MODES"]
 
+TRANSPORTS = ("auto", "tcp")  # --replica-transport (replica_link.py)
 PROTECT_MODES = ("phoenix", "none")
 MAX_FAILURE_TIMEOUT_S = 86400.0  # larger ones overflow the collectives' timeouts (gloo: int milliseconds)
 _NUMEL: dict[tuple[Any, ...], int | None] = {}
@@ -140,6 +141,10 @@ class RunConfig:
                           "host that cannot be reached.", flag="--no-fence-kill", action="store_false")
     threads: int = _f(0, "torch intra-op threads per worker (0 = cores / active workers, at least 1).")
     chunk_mb: float = _f(4.0, "Replication chunk size in MiB.", flag="--chunk-mb")
+    replica_transport: str = _f("auto", "How replicas move: auto (a holder on the owner's host - same boot, network "
+                                "and mount namespaces - reads the owner's committed half straight from host shared "
+                                "memory, one copy; other holders get it over TCP) or tcp (always over TCP).",
+                                flag="--replica-transport")
     bucket_mb: float = _f(8.0, "Gradient reduction bucket size in MiB: each bucket's all-reduce starts as soon as "
                                "backward has produced its gradients.", flag="--bucket-mb")
     report: str = _f("", "Write the JSON report to this path.")
@@ -333,6 +338,8 @@ class RunConfig:
         need(0 <= self.threads <= MAX_THREADS, "--threads", self.threads,
              f"must be 0 (cores / active workers) to {MAX_THREADS} (torch's intra-op pool per worker)")
         real(self.chunk_mb, self.chunk_mb > 0, "--chunk-mb", "> 0 (MiB)")
+        need(self.replica_transport in TRANSPORTS, "--replica-transport", self.replica_transport,
+             f"one of {', '.join(TRANSPORTS)}")
         real(self.bucket_mb, self.bucket_mb > 0, "--bucket-mb", "> 0 (MiB)")
         real(self.timeout, self.timeout > 0, "--timeout", "> 0 seconds")
         need(1 <= self.racks <= self.nodes and self.nodes % self.racks == 0, "--racks", self.racks,

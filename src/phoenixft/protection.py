@@ -54,6 +54,7 @@ class Protection:
                 timeout_s=timeout_s,
                 on_in_flight=lambda s: w.inject.at(s + 1, "replicate"),
                 after_commit=self.after_replication,
+                transport=cfg.replica_transport,
             )
         # --redundancy ec:D+H: parity blocks instead of replicas (phoenixft.redundancy)
         self.redundancy = cfg.scheme

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 
 from phoenixft.comm import EpochComm, alltoallv, wait_work
 from phoenixft.errors import PeerFailure, RunAborted
+from phoenixft.replica_link import Links, shard_hello
 from phoenixft.snapshot import Holding, ShardState, checksum
 
 __all__ = ["Replicator", "ReplicaPlan"]
@@ -57,7 +59,9 @@ class _Stats:
     seconds: float = 0.0
     last_job_s: float = 0.0  # wall seconds of the newest replication job
     last_cpu_s: float = 0.0  # CPU seconds the replication thread spent on it (copies, checksums, sends)
-    last_bytes: int = 0  # bytes it sent
+    last_bytes: int = 0  # bytes it replicated (sent, or read by holders on this host)
+    last_shm_bytes: int = 0  # of the bytes it received, those read through host shared memory
+    links: str = ""  # how this epoch's replicas move (replica_link.Links.summary)
 
 
 class Replicator:
@@ -70,8 +74,11 @@ class Replicator:
         timeout_s: float,
         on_in_flight: Callable[[int], None] | None = None,
         after_commit: Callable[[int, dict[int, Holding]], None] | None = None,
+        transport: str = "auto",
     ) -> None:
         self.state = state
+        self.transport = transport  # "auto": through shared memory with holders on this host (replica_link.py)
+        self._links: Links | None = None  # this epoch's, made by the first job
         self.holdings: dict[int, Holding] = {}
         self._holding_factory = holding_factory
         self.chunk = max(1, chunk_numel)
@@ -100,6 +107,7 @@ class Replicator:
         with self._cv:
             assert self._job is None, "reconfigure while a job runs"
             self.comm, self.plan, self.scheme = comm, plan, scheme
+            self._drop_links()
             self._error = None
             self._ended = None
             self._done = -1
@@ -117,8 +125,6 @@ class Replicator:
 
     def wait(self, step: int) -> float:
         """Block until the replication of `step` committed on both sides; returns seconds waited."""
-        import time
-
         t0 = time.perf_counter()
         with self._cv:
             while self._done < step and self._error is None and self._ended is None:
@@ -141,6 +147,13 @@ class Replicator:
             self._stop = True
             self._abort.set()
             self._cv.notify_all()
+            if self._job is None:
+                self._drop_links()
+
+    def _drop_links(self) -> None:
+        if self._links is not None:
+            self._links.close()
+            self._links = None
 
     # ---------------------------------------------------------------- background thread
     def _run(self) -> None:
@@ -179,8 +192,6 @@ class Replicator:
     # ---------------------------------------------------------------- for a redundancy scheme's job
     def wait_all(self, works: list[Any], what: str) -> None:
         """Wait for a job's transfers (one deadline for all), giving up when a recovery starts."""
-        import time
-
         deadline = time.monotonic() + self.timeout_s
         for w in works:
             wait_work(w, what, self._abort_reason, max(0.1, deadline - time.monotonic()), BACKGROUND_NAP_S)
@@ -198,8 +209,6 @@ class Replicator:
             self._on_in_flight(step)
 
     def _replicate(self, step: int) -> None:
-        import time
-
         t0 = time.perf_counter()
         c0 = time.thread_time()
         if self.scheme is not None:  # parity instead of replicas: the scheme moves the bytes
@@ -215,18 +224,26 @@ class Replicator:
         assert self.comm is not None and self.plan is not None
         comm, plan = self.comm, self.plan
         pg, world = comm.repl, comm.world
-        half = self.state.half_with(step)
-        if half is None:
+        if self._links is None:  # the epoch's first job: who reads whose shard through shared memory
+            self._links = Links.handshake(
+                pg, world, shard_hello(self.state) if self.transport == "auto" else None, plan.send_to,
+                [src for src, _ in plan.recv_from],
+                lambda w, what: wait_work(w, f"{what} (step {step})", self._abort_reason, self.timeout_s,
+                                          BACKGROUND_NAP_S))
+            self.stats.links = self._links.summary(plan.send_to, [s for s, _ in plan.recv_from])
+        links = self._links
+        mine = self.state.half_with(step)
+        if mine is None:
             raise PeerFailure(f"replication of step {step}: no committed half holds it")
-        payload = self.state.payload(half).reshape(-1)
+        payload = self.state.payload(mine).reshape(-1)
         n = payload.numel()
         crc = checksum(payload)
-        self.state.header[half, 1] = crc
-        hdr = torch.tensor([plan.shard, step, crc, n], dtype=torch.int64)
+        self.state.header[mine, 1] = crc
+        hdr = torch.tensor([plan.shard, step, crc, n, mine], dtype=torch.int64)
         works: list[object] = []
-        incoming: list[tuple[int, torch.Tensor, Holding, int]] = []  # (shard, header, holding, its staging half)
+        incoming: list[tuple[int, torch.Tensor, Holding, int, Any]] = []  # (shard, header, holding, half, reader)
         for dst, (src, shard) in zip(plan.send_to, plan.recv_from, strict=True):
-            w, rhdr, _ = alltoallv(pg, world, {dst: hdr}, {src: 4}, dtype=torch.int64)
+            w, rhdr, _ = alltoallv(pg, world, {dst: hdr}, {src: 5}, dtype=torch.int64)
             works.append(w)
             # received straight into the holding's staging half, marked torn until its checksum matched:
             # the committed half stays the recovery point whatever happens to this transfer
@@ -237,30 +254,44 @@ class Replicator:
             if buf.numel() != n:
                 raise PeerFailure(f"replication of step {step}: holding of shard {shard} has {buf.numel()} "
                                   f"elements, the shard {n}")
-            for i, off in enumerate(range(0, n, self.chunk)):
-                m = min(self.chunk, n - off)
-                w, _, _ = alltoallv(pg, world, {dst: payload[off : off + m]}, {src: m}, out=buf[off : off + m])
-                works.append(w)
-                if i == 0 and self._on_in_flight is not None:
-                    self._on_in_flight(step)
-            incoming.append((shard, rhdr, h, half))
+            reader = links.pull_from.get(src)  # src's shard is read from its file on this host, after its header
+            if not links.all_shared:  # every rank makes the same collective calls; a shared-memory pair moves nothing
+                for off in range(0, n, self.chunk):
+                    m = min(self.chunk, n - off)
+                    w, _, _ = alltoallv(pg, world, {} if dst in links.pulled_by else {dst: payload[off : off + m]},
+                                        {} if reader is not None else {src: m},
+                                        out=None if reader is not None else buf[off : off + m])
+                    works.append(w)
+                    if off == 0 and self._on_in_flight is not None:
+                        self._on_in_flight(step)
+            elif self._on_in_flight is not None:
+                self._on_in_flight(step)
+            incoming.append((shard, rhdr, h, half, reader))
         deadline = time.monotonic() + self.timeout_s
         for w in works:
             wait_work(w, f"replication of step {step}", self._abort_reason, max(0.1, deadline - time.monotonic()),
                       BACKGROUND_NAP_S)
+        shm_bytes = 0
+        for shard, rhdr, h, half, reader in incoming:
+            self._check_header(step, shard, rhdr, n)
+            if reader is None:
+                continue
+            why = self._abort_reason()
+            if why:
+                raise PeerFailure(f"replication of step {step}: {why}")
+            try:  # the owner's committed half of that step: it is not rewritten before this job ends (module doc)
+                reader.read_into(h.payload(half).view(-1), int(rhdr[4]))
+            except (OSError, ValueError) as e:
+                raise PeerFailure(f"replication of step {step}: reading shard {shard} from its owner's memory: "
+                                  f"{e}") from e
+            shm_bytes += n * 4
         committed: dict[int, Holding] = {}
         with self._cv:
             if self._abort.is_set() or self.comm is not comm:
                 raise PeerFailure(f"replication of step {step}: superseded by a recovery")
-            for shard, rhdr, h, half in incoming:
-                r_shard, r_step, r_crc, r_numel = (int(x) for x in rhdr.tolist())
-                if r_shard != shard or r_numel != n:
-                    # never committed (the other half stays the recovery point), and never silent:
-                    # a recovery epoch re-forms the groups and the next step replicates afresh
-                    raise PeerFailure(f"replica of shard {shard} (step {r_step}): its header says shard {r_shard} "
-                                      f"of {r_numel} elements, the holding is for shard {shard} of {n}")
+            for shard, rhdr, h, half, _ in incoming:
                 # the sender's checksum is committed with it; the replica is verified where it is used
-                h.commit(half, r_step, r_crc, (shard, world))
+                h.commit(half, int(rhdr[1]), int(rhdr[2]), (shard, world))
                 committed[shard] = h
         if self._after_commit is not None:
             self._after_commit(step, committed)
@@ -270,3 +301,13 @@ class Replicator:
         self.stats.seconds += dt
         self.stats.last_job_s, self.stats.last_cpu_s = dt, time.thread_time() - c0
         self.stats.last_bytes = n * 4 * len(plan.send_to)
+        self.stats.last_shm_bytes = shm_bytes
+
+    @staticmethod
+    def _check_header(step: int, shard: int, rhdr: torch.Tensor, n: int) -> None:
+        r_shard, r_step, _, r_numel, r_half = (int(x) for x in rhdr.tolist())
+        if r_shard != shard or r_numel != n or r_half not in (0, 1):
+            # never committed (the other half stays the recovery point), and never silent:
+            # a recovery epoch re-forms the groups and the next step replicates afresh
+            raise PeerFailure(f"replica of shard {shard} (step {r_step}): its header says shard {r_shard} "
+                              f"of {r_numel} elements (half {r_half}), the holding is for shard {shard} of {n}")

@@ -90,6 +90,7 @@ class PingPong:
 
     def __init__(self, rows: int, numel: int, path: str | None = None) -> None:
         self.rows, self.numel = rows, numel
+        self.path = path  # the shared files are `path`.data and `path`.hdr (None: private memory)
         self.data = alloc(2 * rows * numel, torch.float32, path and path + ".data").view(2, rows, numel)
         self.header = alloc(2 * 5, torch.int64, path and path + ".hdr").view(2, 5)
         self._verified: dict[int, tuple[int, int]] = {}  # half -> (step, crc) it was last verified at

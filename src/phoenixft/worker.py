@@ -208,7 +208,7 @@ class Worker:
                    "repl_wait_s": res.repl_wait_s, **{k: round(v, 6) for k, v in res.phases.items()}}
             if repl is not None:  # the protection work of the previous step's replication, on this rank
                 rec.update(protect_bytes=repl.stats.last_bytes, protect_s=repl.stats.last_job_s,
-                           protect_cpu_s=repl.stats.last_cpu_s)
+                           protect_cpu_s=repl.stats.last_cpu_s, protect_shm_bytes=repl.stats.last_shm_bytes)
             if res.grad_norm is not None:
                 rec["grad_norm"] = res.grad_norm
             if res.val_loss is not None:
