@@ -194,6 +194,63 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monke
     assert "Traceback" not in logs
 
 
+def _user_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PHOENIXFT_TEST_HEAD_PID", str(os.getpid()))  # (run() launches in this process)
+
+
+def test_every_node_failing_before_the_first_step_fails_the_run_with_the_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A workload that sets up where the run was launched but fails on every node and spare (its data is
+    on the head only; a file gone since the launch): every worker printed a traceback, was restarted in
+    place 3 times, then its node stopped, and the run ended "failed: every node exited" with no reason
+    (as the head of a multi-host job: only at --join-timeout). The coordinator now ends it, once every
+    node and spare has failed before the first step, with the first worker's error."""
+    _user_workloads(monkeypatch)
+    rep = run(tmp_path, nodes=2, spares=1, steps=4, workload="user_workload:head_only_workload", timeout=120.0,
+              join_timeout=120.0)
+    assert rep["state"] == "failed", rep["state"]
+    err = rep.get("error", "")
+    assert err.startswith("every node failed before the first step (n0, n1, s0)"), err
+    assert "failed to set up: FileNotFoundError: /data/corpus.bin is not on this host (deliberate)" in err, err
+    assert rep["recoveries"] == [] and rep["steps_completed"] == 0
+    logs = {f.name: f.read_text() for f in (tmp_path / "logs").glob("*.log")}
+    assert not any("Traceback" in t for t in logs.values()), logs
+    assert all("corpus.bin is not on this host" in t for n, t in logs.items() if n != "coordinator.log"), logs
+
+
+def test_a_worker_failing_once_before_the_start_is_restarted_fresh(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:  # type: ignore[no-untyped-def]
+    """One worker failing once before the run's first epoch (a transient error): its agent restarted it
+    in place, to rejoin an epoch that did not exist yet; it waited 30 s for it, crashed again, and so on
+    until --join-timeout failed the run. A restart before the first epoch is a fresh start."""
+    _user_workloads(monkeypatch)
+    monkeypatch.setenv("PHOENIXFT_TEST_MARK", str(tmp_path / "failed-once"))
+    ref = reference(nodes=2, steps=4, workload="user_workload:workload")
+    rep = run(tmp_path / "run", nodes=2, spares=0, steps=4, workload="user_workload:fails_once_workload",
+              timeout=60.0, join_timeout=25.0)
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert rep["recoveries"] == []
+    logs = "".join(f.read_text() for f in (tmp_path / "run" / "logs").glob("n*.log"))
+    assert logs.count("the data mount is not there yet") == 1, logs
+
+
+def test_a_split_that_raises_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A workload's split raising (--tp 2): a traceback in every worker, restarts in place, and the run
+    ended "n1 lost and no spare ready" with a ready spare, not a word of the split."""
+    _user_workloads(monkeypatch)
+    rep = run(tmp_path, nodes=2, spares=1, tp=2, steps=4, workload="user_workload:bad_split_workload", timeout=90.0)
+    assert rep["state"] == "failed"
+    assert "exception in the workload's split (stage pp=0 tp=" in rep.get("error", ""), rep.get("error")
+    assert "RuntimeError: no tensor-parallel layout for this layer (deliberate bug)" in rep["error"]
+    assert rep["recoveries"] == []
+    logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.log"))
+    assert "Traceback" not in logs
+
+
 @pytest.mark.parametrize("workload,line", [
     ("bad_factory", "--workload='user_workload:bad_factory' failed to set up: FileNotFoundError: no such dataset "
                     "(deliberate bug)"),

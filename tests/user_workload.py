@@ -5,6 +5,8 @@ Used by the tests through `--workload user_workload:workload` (with tests/ on PY
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from phoenixft import Workload, WorkloadContext
@@ -230,3 +232,35 @@ def extra_state_workload(ctx: WorkloadContext) -> Workload:
         return torch.nn.Sequential(Counting(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
     return Workload(build_model=build_model, loss=wl.loss, batch=wl.batch)
+
+
+def head_only_workload(ctx: WorkloadContext) -> Workload:
+    """A factory that works where the run was launched only (its data is on that host): every worker,
+    the spares' included, fails the same way before the first step. The head is the process whose pid
+    is $PHOENIXFT_TEST_HEAD_PID."""
+    if os.getpid() != int(os.environ.get("PHOENIXFT_TEST_HEAD_PID", "0")):
+        raise FileNotFoundError("/data/corpus.bin is not on this host (deliberate)")
+    return workload(ctx)
+
+
+def fails_once_workload(ctx: WorkloadContext) -> Workload:
+    """A factory that fails once, in the first worker to call it (a transient failure on one host before
+    the first step): the file $PHOENIXFT_TEST_MARK, created then, marks it done."""
+    if os.getpid() != int(os.environ.get("PHOENIXFT_TEST_HEAD_PID", "0")):
+        try:
+            os.close(os.open(os.environ["PHOENIXFT_TEST_MARK"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        else:
+            raise OSError("the data mount is not there yet (deliberate, once)")
+    return workload(ctx)
+
+
+def bad_split_workload(ctx: WorkloadContext) -> Workload:
+    """A workload whose split (for --tp/--pp) raises on every rank."""
+    wl = workload(ctx)
+
+    def split(full: torch.nn.Module, spec: object) -> object:
+        raise RuntimeError("no tensor-parallel layout for this layer (deliberate bug)")
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, split=split)
