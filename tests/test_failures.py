@@ -238,6 +238,25 @@ def test_a_worker_failing_once_before_the_start_is_restarted_fresh(
     assert logs.count("the data mount is not there yet") == 1, logs
 
 
+def test_a_spare_whose_worker_died_while_idle_is_still_promoted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:  # type: ignore[no-untyped-def]
+    """The spare's worker process died while it waited, after the start (its agent alive): the agent
+    restarted it in place, to rejoin an epoch the spare is no member of; it crashed (ValueError: 's0' is
+    not in list) 3 times, the agent gave the spare up, and the node fault that followed shrank the job
+    instead of hot-swapping. An idle spare's worker restarted in place starts fresh, warm again."""
+    _user_workloads(monkeypatch)
+    (tmp_path / "marks").mkdir()
+    monkeypatch.setenv("PHOENIXFT_TEST_MARK", str(tmp_path / "marks"))
+    ref = reference(nodes=2, steps=16, workload="user_workload:workload")
+    rep = run(tmp_path / "run", nodes=2, spares=1, steps=16, workload="user_workload:spare_worker_dies_workload",
+              inject=["kill:node=1@step=12"], timeout=90.0)
+    assert (tmp_path / "marks" / "spare-back").exists()
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert (rec["action"], rec["dead"], rec["promoted"], rec["restarted"]) == ("hotswap", ["n1"], ["s0"], [])
+
+
 def test_a_split_that_raises_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A workload's split raising (--tp 2): a traceback in every worker, restarts in place, and the run
     ended "n1 lost and no spare ready" with a ready spare, not a word of the split."""

@@ -6,6 +6,10 @@ Used by the tests through `--workload user_workload:workload` (with tests/ on PY
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
+from pathlib import Path
 
 import torch
 
@@ -264,3 +268,35 @@ def bad_split_workload(ctx: WorkloadContext) -> Workload:
         raise RuntimeError("no tensor-parallel layout for this layer (deliberate bug)")
 
     return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, split=split)
+
+
+def spare_worker_dies_workload(ctx: WorkloadContext) -> Workload:
+    """The spare's worker process dies once while the spare waits, after the start (as an OOM kill would;
+    its agent lives): at step 3 of the active nodes. Step 10 waits (up to 60 s) until the spare's next
+    worker has set up. Files under the directory $PHOENIXFT_TEST_MARK say what happened."""
+    marks = Path(os.environ["PHOENIXFT_TEST_MARK"])
+    argv = sys.argv
+    node = argv[argv.index("--node") + 1] if "--node" in argv else ""
+    if node.startswith("s"):
+        if not (marks / "spare-died").exists():
+            (marks / "spare-died").touch()
+
+            def die() -> None:
+                while not (marks / "step3").exists():
+                    time.sleep(0.01)
+                os._exit(1)
+
+            threading.Thread(target=die, daemon=True).start()
+        else:
+            (marks / "spare-back").touch()
+    wl = workload(ctx)
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step == 3:
+            (marks / "step3").touch()
+        deadline = time.monotonic() + 60.0
+        while step == 10 and not (marks / "spare-back").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return wl.batch(step, index)
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=batch)

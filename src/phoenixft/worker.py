@@ -57,11 +57,17 @@ class Worker:
         self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
         cfg = self.cfg
         self.restarted = incarnation > 0
-        if incarnation > 0 and not self.store.check([keys.EPOCH]):
-            # restarted before the run's first epoch was published: nothing to rejoin, so a fresh start (the
-            # rejoin path waited 30 s for an epoch that never comes while this node was not ready, and
-            # crashed again, each time, until --join-timeout failed the run with a ready spare waiting)
-            incarnation = self.incarnation = 0
+        cur: Topology | None = None  # restarted in place: the epoch it rejoins
+        if incarnation > 0 and self.store.check([keys.EPOCH]):
+            e0 = int(self.store.get(keys.EPOCH))
+            cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
+        if incarnation > 0 and (cur is None or (node_id.startswith("s") and node_id not in cur.nodes)):
+            # restarted before the run's first epoch was published, or as an idle spare: nothing to rejoin,
+            # so a fresh start (the rejoin path waited 30 s for an epoch that never came while this node was
+            # not ready, or found the spare in no epoch, and crashed again, each time, until --join-timeout
+            # failed the run, or the agent gave the spare up, with a ready spare waiting)
+            incarnation, cur = 0, None
+            self.incarnation = 0
             self.store.delete_key(keys.worker_exit(self.wid))  # (no recovery deals with it: none is needed)
         torch.set_num_threads(threads)
         # CUDA: the GPU of this LOCAL_RANK, NCCL set up to report (not punish) a dead peer
@@ -83,9 +89,7 @@ class Worker:
         self.repl: Replicator | None = None  # the protection layer's replicator (Protection, below)
         world, gen = cfg.world, 0
         try:
-            if incarnation > 0:  # restarted in place: the partition is the current epoch's, not the initial one
-                e0 = int(self.store.get(keys.EPOCH))
-                cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
+            if cur is not None:  # restarted in place: the partition is the current epoch's, not the initial one
                 world, gen = cur.world, int(cur.meta.get("generation", 0))
                 self._build(cur.layout.coord(cur.rank_of(node_id, local_rank)).stage)
                 self._partition(world, gen)
