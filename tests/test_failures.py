@@ -257,6 +257,28 @@ def test_a_spare_whose_worker_died_while_idle_is_still_promoted(
     assert (rec["action"], rec["dead"], rec["promoted"], rec["restarted"]) == ("hotswap", ["n1"], ["s0"], [])
 
 
+def test_checkpoints_the_workers_cannot_read_are_each_refused_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume from a directory the head reads but the workers' hosts do not (not mounted there): the
+    coordinator excluded only the checkpoint refused last, so the choice went back and forth between the
+    two (6, 3, 6, 3, ...) for 13 recoveries until the run failed as stuck. Each refused one is now excluded
+    for the rest of the run: it fails after trying each once, saying why; no recovery reports negative
+    lost steps."""
+    _user_workloads(monkeypatch)
+    ck = tmp_path / "ck"
+    first = run(tmp_path / "first", nodes=2, spares=0, steps=6, persist_every=3, persist_dir=str(ck),
+                workload="user_workload:workload")
+    assert first["state"] == "done"
+    rep = run(tmp_path / "resumed", nodes=2, spares=0, steps=9, resume=str(ck),
+              workload="user_workload:unmounted_checkpoint_workload", timeout=90.0)
+    assert rep["state"] == "failed"
+    err = rep.get("error", "")
+    assert "the persistent checkpoint was not installed (step 3)" in err and "not mounted on this host" in err, err
+    assert "no other persistent checkpoint verifies" in err and "recoveries in a row" not in err, err
+    assert len(rep["recoveries"]) <= 3, [r["resumed_step"] for r in rep["recoveries"]]
+    assert all((r["lost_steps"] or 0) >= 0 for r in rep["recoveries"]), rep["recoveries"]
+
+
 def test_a_split_that_raises_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A workload's split raising (--tp 2): a traceback in every worker, restarts in place, and the run
     ended "n1 lost and no spare ready" with a ready spare, not a word of the split."""

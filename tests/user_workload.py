@@ -300,3 +300,16 @@ def spare_worker_dies_workload(ctx: WorkloadContext) -> Workload:
         return wl.batch(step, index)
 
     return Workload(build_model=wl.build_model, loss=wl.loss, batch=batch)
+
+
+def unmounted_checkpoint_workload(ctx: WorkloadContext) -> Workload:
+    """Where the workers run (not in the process whose pid is $PHOENIXFT_TEST_HEAD_PID), no persistent
+    checkpoint can be read: a --resume/--persist-dir directory on the head only, not on the workers' hosts."""
+    if os.getpid() != int(os.environ.get("PHOENIXFT_TEST_HEAD_PID", "0")):
+        from phoenixft.recovery import restore
+
+        def load_full(man: dict[str, object]) -> object:
+            raise FileNotFoundError(f"{man['path']}: not mounted on this host (deliberate)")
+
+        restore.load_full = load_full  # type: ignore[assignment]
+    return workload(ctx)
