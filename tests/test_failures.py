@@ -174,6 +174,7 @@ def test_the_last_node_lost_ends_the_run_saying_why(tmp_path: Path) -> None:
     ("float64_workload", "parameter '0.weight' (and 3 more) is torch.float64: phoenixft trains float32 parameters"),
     ("frozen_workload", "the model has no trainable parameters (every parameter has requires_grad=False)"),
     ("extra_state_workload", "module '0' keeps extra state (get_extra_state), which phoenixft cannot protect"),
+    ("bad_optimizer_workload", "exception in the workload's optimizer at step 5 on rank"),
 ])
 def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            workload: str, needle: str) -> None:

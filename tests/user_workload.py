@@ -313,3 +313,32 @@ def unmounted_checkpoint_workload(ctx: WorkloadContext) -> Workload:
 
         restore.load_full = load_full  # type: ignore[assignment]
     return workload(ctx)
+
+
+def _plain_sgd(fail_at: int = 0) -> object:
+    from phoenixft.optim import ElementwiseOptimizer
+
+    class PlainSGD(ElementwiseOptimizer):
+        name = "plain-sgd"
+        state_names = ()  # no state: the payload protected for fp32 parameters has no row
+
+        def update(self, p_in, s_in, grad, step, lr, p_out, s_out, hook=None):  # type: ignore[no-untyped-def]
+            if hook is not None:
+                hook()
+            if fail_at and step >= fail_at:
+                raise RuntimeError(f"update bug at step {step} (deliberate)")
+            torch.add(p_in, grad, alpha=-lr, out=p_out)
+
+    return PlainSGD()
+
+
+def stateless_optimizer_workload(ctx: WorkloadContext) -> Workload:
+    """The MLP trained by the workload's own optimizer, one that keeps no state (plain SGD)."""
+    wl = workload(ctx)
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, optimizer=_plain_sgd())
+
+
+def bad_optimizer_workload(ctx: WorkloadContext) -> Workload:
+    """The workload's own optimizer raising from step 5 on (its elementwise check, steps 1-3, passes)."""
+    wl = workload(ctx)
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, optimizer=_plain_sgd(fail_at=5))
