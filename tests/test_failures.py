@@ -202,24 +202,29 @@ def _user_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PHOENIXFT_TEST_HEAD_PID", str(os.getpid()))  # (run() launches in this process)
 
 
+@pytest.mark.parametrize("workload,needle", [
+    ("head_only_workload", "failed to set up: FileNotFoundError: /data/corpus.bin is not on this host (deliberate)"),
+    ("nonelementwise_workload", "the workload's optimizer 'normalised-sgd' is not elementwise"),
+])
 def test_every_node_failing_before_the_first_step_fails_the_run_with_the_error(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: str, needle: str) -> None:
     """A workload that sets up where the run was launched but fails on every node and spare (its data is
     on the head only; a file gone since the launch): every worker printed a traceback, was restarted in
     place 3 times, then its node stopped, and the run ended "failed: every node exited" with no reason
     (as the head of a multi-host job: only at --join-timeout). The coordinator now ends it, once every
-    node and spare has failed before the first step, with the first worker's error."""
+    node and spare has failed before the first step, with the first worker's error. So does a workload's
+    optimizer refused by the Trainer (not elementwise)."""
     _user_workloads(monkeypatch)
-    rep = run(tmp_path, nodes=2, spares=1, steps=4, workload="user_workload:head_only_workload", timeout=120.0,
+    rep = run(tmp_path, nodes=2, spares=1, steps=4, workload=f"user_workload:{workload}", timeout=120.0,
               join_timeout=120.0)
     assert rep["state"] == "failed", rep["state"]
     err = rep.get("error", "")
     assert err.startswith("every node failed before the first step (n0, n1, s0)"), err
-    assert "failed to set up: FileNotFoundError: /data/corpus.bin is not on this host (deliberate)" in err, err
+    assert needle in err, err
     assert rep["recoveries"] == [] and rep["steps_completed"] == 0
     logs = {f.name: f.read_text() for f in (tmp_path / "logs").glob("*.log")}
     assert not any("Traceback" in t for t in logs.values()), logs
-    assert all("corpus.bin is not on this host" in t for n, t in logs.items() if n != "coordinator.log"), logs
+    assert all(needle.split(": ")[-1] in t for n, t in logs.items() if n != "coordinator.log"), logs
 
 
 def test_a_worker_failing_once_before_the_start_is_restarted_fresh(
