@@ -174,6 +174,7 @@ def test_the_last_node_lost_ends_the_run_saying_why(tmp_path: Path) -> None:
     ("float64_workload", "parameter '0.weight' (and 3 more) is torch.float64: phoenixft trains float32 parameters"),
     ("frozen_workload", "the model has no trainable parameters (every parameter has requires_grad=False)"),
     ("extra_state_workload", "module '0' keeps extra state (get_extra_state), which phoenixft cannot protect"),
+    ("bad_optimizer_workload", "exception in the workload's optimizer at step 5 on rank"),
 ])
 def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            workload: str, needle: str) -> None:
@@ -190,6 +191,109 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monke
     rep = run(tmp_path, nodes=2, spares=1, steps=5, workload=f"user_workload:{workload}", timeout=90.0)
     assert rep["state"] == "failed" and needle in rep.get("error", ""), rep.get("error")
     assert rep["recoveries"] == [], rep["recoveries"]  # nothing restarted, no spare consumed
+    logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.log"))
+    assert "Traceback" not in logs
+
+
+def _user_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PHOENIXFT_TEST_HEAD_PID", str(os.getpid()))  # (run() launches in this process)
+
+
+@pytest.mark.parametrize("workload,needle", [
+    ("head_only_workload", "failed to set up: FileNotFoundError: /data/corpus.bin is not on this host (deliberate)"),
+    ("nonelementwise_workload", "the workload's optimizer 'normalised-sgd' is not elementwise"),
+])
+def test_every_node_failing_before_the_first_step_fails_the_run_with_the_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: str, needle: str) -> None:
+    """A workload that sets up where the run was launched but fails on every node and spare (its data is
+    on the head only; a file gone since the launch): every worker printed a traceback, was restarted in
+    place 3 times, then its node stopped, and the run ended "failed: every node exited" with no reason
+    (as the head of a multi-host job: only at --join-timeout). The coordinator now ends it, once every
+    node and spare has failed before the first step, with the first worker's error. So does a workload's
+    optimizer refused by the Trainer (not elementwise)."""
+    _user_workloads(monkeypatch)
+    rep = run(tmp_path, nodes=2, spares=1, steps=4, workload=f"user_workload:{workload}", timeout=120.0,
+              join_timeout=120.0)
+    assert rep["state"] == "failed", rep["state"]
+    err = rep.get("error", "")
+    assert err.startswith("every node failed before the first step (n0, n1, s0)"), err
+    assert needle in err, err
+    assert rep["recoveries"] == [] and rep["steps_completed"] == 0
+    logs = {f.name: f.read_text() for f in (tmp_path / "logs").glob("*.log")}
+    assert not any("Traceback" in t for t in logs.values()), logs
+    assert all(needle.split(": ")[-1] in t for n, t in logs.items() if n != "coordinator.log"), logs
+
+
+def test_a_worker_failing_once_before_the_start_is_restarted_fresh(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:  # type: ignore[no-untyped-def]
+    """One worker failing once before the run's first epoch (a transient error): its agent restarted it
+    in place, to rejoin an epoch that did not exist yet; it waited 30 s for it, crashed again, and so on
+    until --join-timeout failed the run. A restart before the first epoch is a fresh start."""
+    _user_workloads(monkeypatch)
+    monkeypatch.setenv("PHOENIXFT_TEST_MARK", str(tmp_path / "failed-once"))
+    ref = reference(nodes=2, steps=4, workload="user_workload:workload")
+    rep = run(tmp_path / "run", nodes=2, spares=0, steps=4, workload="user_workload:fails_once_workload",
+              timeout=60.0, join_timeout=25.0)
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert rep["recoveries"] == []
+    logs = "".join(f.read_text() for f in (tmp_path / "run" / "logs").glob("n*.log"))
+    assert logs.count("the data mount is not there yet") == 1, logs
+
+
+def test_a_spare_whose_worker_died_while_idle_is_still_promoted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:  # type: ignore[no-untyped-def]
+    """The spare's worker process died while it waited, after the start (its agent alive): the agent
+    restarted it in place, to rejoin an epoch the spare is no member of; it crashed (ValueError: 's0' is
+    not in list) 3 times, the agent gave the spare up, and the node fault that followed shrank the job
+    instead of hot-swapping. An idle spare's worker restarted in place starts fresh, warm again."""
+    _user_workloads(monkeypatch)
+    (tmp_path / "marks").mkdir()
+    monkeypatch.setenv("PHOENIXFT_TEST_MARK", str(tmp_path / "marks"))
+    ref = reference(nodes=2, steps=16, workload="user_workload:workload")
+    rep = run(tmp_path / "run", nodes=2, spares=1, steps=16, workload="user_workload:spare_worker_dies_workload",
+              inject=["kill:node=1@step=12"], timeout=90.0)
+    assert (tmp_path / "marks" / "spare-back").exists()
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert (rec["action"], rec["dead"], rec["promoted"], rec["restarted"]) == ("hotswap", ["n1"], ["s0"], [])
+
+
+def test_checkpoints_the_workers_cannot_read_are_each_refused_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume from a directory the head reads but the workers' hosts do not (not mounted there): the
+    coordinator excluded only the checkpoint refused last, so the choice went back and forth between the
+    two (6, 3, 6, 3, ...) for 13 recoveries until the run failed as stuck. Each refused one is now excluded
+    for the rest of the run: it fails after trying each once, saying why; no recovery reports negative
+    lost steps."""
+    _user_workloads(monkeypatch)
+    ck = tmp_path / "ck"
+    first = run(tmp_path / "first", nodes=2, spares=0, steps=6, persist_every=3, persist_dir=str(ck),
+                workload="user_workload:workload")
+    assert first["state"] == "done"
+    rep = run(tmp_path / "resumed", nodes=2, spares=0, steps=9, resume=str(ck),
+              workload="user_workload:unmounted_checkpoint_workload", timeout=90.0)
+    assert rep["state"] == "failed"
+    err = rep.get("error", "")
+    assert "the persistent checkpoint was not installed (step 3)" in err and "not mounted on this host" in err, err
+    assert "no other persistent checkpoint verifies" in err and "recoveries in a row" not in err, err
+    assert len(rep["recoveries"]) <= 3, [r["resumed_step"] for r in rep["recoveries"]]
+    assert all((r["lost_steps"] or 0) >= 0 for r in rep["recoveries"]), rep["recoveries"]
+
+
+def test_a_split_that_raises_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A workload's split raising (--tp 2): a traceback in every worker, restarts in place, and the run
+    ended "n1 lost and no spare ready" with a ready spare, not a word of the split."""
+    _user_workloads(monkeypatch)
+    rep = run(tmp_path, nodes=2, spares=1, tp=2, steps=4, workload="user_workload:bad_split_workload", timeout=90.0)
+    assert rep["state"] == "failed"
+    assert "exception in the workload's split (stage pp=0 tp=" in rep.get("error", ""), rep.get("error")
+    assert "RuntimeError: no tensor-parallel layout for this layer (deliberate bug)" in rep["error"]
+    assert rep["recoveries"] == []
     logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.log"))
     assert "Traceback" not in logs
 

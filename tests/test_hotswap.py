@@ -246,3 +246,20 @@ def test_a_host_that_rejoins_frees_what_its_killed_node_left(tmp_path: Path) -> 
         job.close(graceful=True)
         if run_id:  # (what a failed run of this test left: the run is over)
             shm.unlink_segments(run_id)
+
+
+def test_a_stateless_optimizer_of_the_workloads_own_is_protected(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:  # type: ignore[no-untyped-def]
+    """The workload's own optimizer with no state (plain SGD): the protected payload of fp32 parameters has
+    no row, and viewing it as (0, -1) failed; every node's worker crashed in its epoch-0 join and was
+    restarted in place (a recovery of a failure that was none, tracebacks in every log)."""
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    wl = "user_workload:stateless_optimizer_workload"
+    ref = reference(nodes=2, steps=8, workload=wl)
+    rep = run(tmp_path, nodes=2, spares=1, steps=8, workload=wl, inject=["kill:node=1@step=5"])
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert (rec["action"], rec["dead"], rec["promoted"], rec["restarted"]) == ("hotswap", ["n1"], ["s0"], [])
+    assert not any("Traceback" in f.read_text() for f in (tmp_path / "logs").glob("*.log"))

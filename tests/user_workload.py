@@ -5,6 +5,12 @@ Used by the tests through `--workload user_workload:workload` (with tests/ on PY
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
 import torch
 
 from phoenixft import Workload, WorkloadContext
@@ -230,3 +236,109 @@ def extra_state_workload(ctx: WorkloadContext) -> Workload:
         return torch.nn.Sequential(Counting(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
     return Workload(build_model=build_model, loss=wl.loss, batch=wl.batch)
+
+
+def head_only_workload(ctx: WorkloadContext) -> Workload:
+    """A factory that works where the run was launched only (its data is on that host): every worker,
+    the spares' included, fails the same way before the first step. The head is the process whose pid
+    is $PHOENIXFT_TEST_HEAD_PID."""
+    if os.getpid() != int(os.environ.get("PHOENIXFT_TEST_HEAD_PID", "0")):
+        raise FileNotFoundError("/data/corpus.bin is not on this host (deliberate)")
+    return workload(ctx)
+
+
+def fails_once_workload(ctx: WorkloadContext) -> Workload:
+    """A factory that fails once, in the first worker to call it (a transient failure on one host before
+    the first step): the file $PHOENIXFT_TEST_MARK, created then, marks it done."""
+    if os.getpid() != int(os.environ.get("PHOENIXFT_TEST_HEAD_PID", "0")):
+        try:
+            os.close(os.open(os.environ["PHOENIXFT_TEST_MARK"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        else:
+            raise OSError("the data mount is not there yet (deliberate, once)")
+    return workload(ctx)
+
+
+def bad_split_workload(ctx: WorkloadContext) -> Workload:
+    """A workload whose split (for --tp/--pp) raises on every rank."""
+    wl = workload(ctx)
+
+    def split(full: torch.nn.Module, spec: object) -> object:
+        raise RuntimeError("no tensor-parallel layout for this layer (deliberate bug)")
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, split=split)
+
+
+def spare_worker_dies_workload(ctx: WorkloadContext) -> Workload:
+    """The spare's worker process dies once while the spare waits, after the start (as an OOM kill would;
+    its agent lives): at step 3 of the active nodes. Step 10 waits (up to 60 s) until the spare's next
+    worker has set up. Files under the directory $PHOENIXFT_TEST_MARK say what happened."""
+    marks = Path(os.environ["PHOENIXFT_TEST_MARK"])
+    argv = sys.argv
+    node = argv[argv.index("--node") + 1] if "--node" in argv else ""
+    if node.startswith("s"):
+        if not (marks / "spare-died").exists():
+            (marks / "spare-died").touch()
+
+            def die() -> None:
+                while not (marks / "step3").exists():
+                    time.sleep(0.01)
+                os._exit(1)
+
+            threading.Thread(target=die, daemon=True).start()
+        else:
+            (marks / "spare-back").touch()
+    wl = workload(ctx)
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step == 3:
+            (marks / "step3").touch()
+        deadline = time.monotonic() + 60.0
+        while step == 10 and not (marks / "spare-back").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return wl.batch(step, index)
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=batch)
+
+
+def unmounted_checkpoint_workload(ctx: WorkloadContext) -> Workload:
+    """Where the workers run (not in the process whose pid is $PHOENIXFT_TEST_HEAD_PID), no persistent
+    checkpoint can be read: a --resume/--persist-dir directory on the head only, not on the workers' hosts."""
+    if os.getpid() != int(os.environ.get("PHOENIXFT_TEST_HEAD_PID", "0")):
+        from phoenixft.recovery import restore
+
+        def load_full(man: dict[str, object]) -> object:
+            raise FileNotFoundError(f"{man['path']}: not mounted on this host (deliberate)")
+
+        restore.load_full = load_full  # type: ignore[assignment]
+    return workload(ctx)
+
+
+def _plain_sgd(fail_at: int = 0) -> object:
+    from phoenixft.optim import ElementwiseOptimizer
+
+    class PlainSGD(ElementwiseOptimizer):
+        name = "plain-sgd"
+        state_names = ()  # no state: the payload protected for fp32 parameters has no row
+
+        def update(self, p_in, s_in, grad, step, lr, p_out, s_out, hook=None):  # type: ignore[no-untyped-def]
+            if hook is not None:
+                hook()
+            if fail_at and step >= fail_at:
+                raise RuntimeError(f"update bug at step {step} (deliberate)")
+            torch.add(p_in, grad, alpha=-lr, out=p_out)
+
+    return PlainSGD()
+
+
+def stateless_optimizer_workload(ctx: WorkloadContext) -> Workload:
+    """The MLP trained by the workload's own optimizer, one that keeps no state (plain SGD)."""
+    wl = workload(ctx)
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, optimizer=_plain_sgd())
+
+
+def bad_optimizer_workload(ctx: WorkloadContext) -> Workload:
+    """The workload's own optimizer raising from step 5 on (its elementwise check, steps 1-3, passes)."""
+    wl = workload(ctx)
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, optimizer=_plain_sgd(fail_at=5))

@@ -13,6 +13,7 @@ EPOCH = "epoch"
 JOURNAL = "coordinator/journal"  # the coordinator's last decision (topology, spare pool, dead nodes), write-ahead
 COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)
 WORKER_EXITS = "wexits"  # counter an agent bumps after writing `wexit/<wid>` (a worker restarted in place)
+START_FAILS = "startfails"  # counter a worker bumps after writing `startfail/<wid>` (it failed before any step)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)
 JOB_WHOLE = "job/whole"  # set by the coordinator while the job has its full size (and a warm spare, if it has spares)
 RUN_ID = "run/id"  # the run's id (shared-memory names), told to every admitted agent
@@ -96,6 +97,11 @@ def fault_targets(index: int) -> str:
 
 def worker_exit(wid: str) -> str:
     return f"wexit/{wid}"
+
+
+def start_failed(wid: str) -> str:
+    """JSON {t, error}: worker `wid` raised before the run's first step (its first error is kept)."""
+    return f"startfail/{wid}"
 
 
 def topo_sig(epoch: int) -> str:

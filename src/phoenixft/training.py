@@ -285,16 +285,16 @@ class Trainer:
         rows_in, rows_out = st.dev[src], st.dev[dst]  # the working copy (CPU: the host halves themselves)
         gather = None
         if self.device.is_cuda:
-            self.opt.update(rows_in[0], list(rows_in[1:]), gshard, s, lr, rows_out[0], list(rows_out[1:]),
-                            hook=lambda: fault("optimizer"))
+            self._update(s, rank, rows_in[0], list(rows_in[1:]), gshard, s, lr, rows_out[0], list(rows_out[1:]),
+                         hook=lambda: fault("optimizer"))
         else:  # gloo: the update in chunks, each chunk's parameter gather posted as soon as it is computed
             gather = ShardGather(dp_pg, flat.begin_gather(), gshard.numel())
             n, chunk = gshard.numel(), CHUNK_BYTES // 4
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
-                self.opt.update(rows_in[0][lo:hi], [x[lo:hi] for x in rows_in[1:]], gshard[lo:hi], s, lr,
-                                rows_out[0][lo:hi], [x[lo:hi] for x in rows_out[1:]],
-                                hook=(lambda: fault("optimizer")) if lo == 0 else None)
+                self._update(s, rank, rows_in[0][lo:hi], [x[lo:hi] for x in rows_in[1:]], gshard[lo:hi], s, lr,
+                             rows_out[0][lo:hi], [x[lo:hi] for x in rows_out[1:]],
+                             hook=(lambda: fault("optimizer")) if lo == 0 else None)
                 part = rows_out[0][lo:hi]
                 gather.post(part if self.dtype == torch.float32 else part.to(self.dtype), lo)
         t_opt = time.perf_counter()
@@ -335,14 +335,24 @@ class Trainer:
 
     @staticmethod
     @contextlib.contextmanager
-    def _user_code(s: int, rank: int) -> Iterator[None]:
+    def _user_code(s: int, rank: int, what: str = "the workload") -> Iterator[None]:
         """Workload code runs here: a failure of ours passes through, a bug in user code is not ours to heal."""
         try:
             yield
         except (PeerFailure, RunAborted, Unhealable):  # (a wait inside backward's hooks: a peer failed, or the run
             raise  # ended; or already said why it cannot go on)
         except Exception as e:  # noqa: BLE001
-            raise Unhealable(f"exception in the workload at step {s} on rank {rank}: {type(e).__name__}: {e}") from e
+            raise Unhealable(f"exception in {what} at step {s} on rank {rank}: {type(e).__name__}: {e}") from e
+
+    def _update(self, s: int, rank: int, *args: Any, **kw: Any) -> None:
+        """The optimizer's update of (a chunk of) the shard. The workload's own optimizer is user code: its
+        exception stops the run saying so (it restarted every node in place, again and again, until the
+        run failed as "in-memory state lost", its error in no report)."""
+        if self.wl.optimizer is None:
+            self.opt.update(*args, **kw)
+            return
+        with self._user_code(s, rank, "the workload's optimizer"):
+            self.opt.update(*args, **kw)
 
     def evaluate(self, s: int, comm: Any, rank: int, layout: Layout, wait: Wait) -> float | None:
         """Mean loss over `--eval-batches` held-out microbatches, spread over the data-parallel ranks

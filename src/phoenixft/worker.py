@@ -26,7 +26,7 @@ from phoenixft import auth, device, keys, shm
 from phoenixft.comm import EpochComm, connect_store, wait_work
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import exists_many, is_etcd
-from phoenixft.errors import PeerFailure, RunAborted, Unhealable
+from phoenixft.errors import PeerFailure, RunAborted, Unhealable, UserError
 from phoenixft.faultinject import FaultInjector
 from phoenixft.faults import FaultSpec
 from phoenixft.invariants import check_invariants
@@ -56,6 +56,19 @@ class Worker:
         self.store: Any = connect_store(store_addr)
         self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
         cfg = self.cfg
+        self.restarted = incarnation > 0
+        cur: Topology | None = None  # restarted in place: the epoch it rejoins
+        if incarnation > 0 and self.store.check([keys.EPOCH]):
+            e0 = int(self.store.get(keys.EPOCH))
+            cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
+        if incarnation > 0 and (cur is None or (node_id.startswith("s") and node_id not in cur.nodes)):
+            # restarted before the run's first epoch was published, or as an idle spare: nothing to rejoin,
+            # so a fresh start (the rejoin path waited 30 s for an epoch that never came while this node was
+            # not ready, or found the spare in no epoch, and crashed again, each time, until --join-timeout
+            # failed the run, or the agent gave the spare up, with a ready spare waiting)
+            incarnation, cur = 0, None
+            self.incarnation = 0
+            self.store.delete_key(keys.worker_exit(self.wid))  # (no recovery deals with it: none is needed)
         torch.set_num_threads(threads)
         # CUDA: the GPU of this LOCAL_RANK, NCCL set up to report (not punish) a dead peer
         self.device = device.place(cfg.device, local_rank, node_id, cfg.nodes, cfg.workers_per_node)
@@ -76,9 +89,7 @@ class Worker:
         self.repl: Replicator | None = None  # the protection layer's replicator (Protection, below)
         world, gen = cfg.world, 0
         try:
-            if incarnation > 0:  # restarted in place: the partition is the current epoch's, not the initial one
-                e0 = int(self.store.get(keys.EPOCH))
-                cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
+            if cur is not None:  # restarted in place: the partition is the current epoch's, not the initial one
                 world, gen = cur.world, int(cur.meta.get("generation", 0))
                 self._build(cur.layout.coord(cur.rank_of(node_id, local_rank)).stage)
                 self._partition(world, gen)
@@ -110,6 +121,7 @@ class Worker:
         self.rank = -1
         self._first_after_join: int | None = None
         self.bad_sources: list[tuple[str, int, str]] = []  # (shard, step, wid) whose transfer failed I3
+        self.trained = False  # a training step done here (a failure before it may be the same on every node)
 
     def _build(self, stage: tuple[int, int]) -> None:
         """The trainer of (pp, tp) coordinate `stage`: the whole model when data-parallel only, else the
@@ -131,7 +143,11 @@ class Worker:
                 raise Unhealable(f"--tp {cfg.tp} --pp {cfg.pp}: workload {cfg.workload} does not say how it splits")
             pp, tp = stage
             spec = StageSpec(pp=pp, pp_size=cfg.pp, tp=tp, tp_size=cfg.tp, handle=TPHandle(cfg.tp, tp))
-            st = self.wl.split(full, spec)
+            try:
+                st = self.wl.split(full, spec)
+            except Exception as e:  # noqa: BLE001 - user code, like build_model: the same on every node
+                raise Unhealable(f"exception in the workload's split (stage pp={pp} tp={tp}): "
+                                 f"{type(e).__name__}: {e}") from e
             tr = Trainer(cfg, self.wl, st, full_model=full.to("meta"), device=self.device)
         tr.watch(self.watcher.check)
         self.trainer, self.stage_of = tr, stage
@@ -201,6 +217,7 @@ class Worker:
             fault=lambda phase: self.inject.at(s, phase), nan=self.inject.nan_at(s))
         if repl is not None:
             repl.start(s)
+        self.trained = True
         if self.rank == 0:
             now = time.time()
             rec = {"step": s, "loss": res.loss, "lr": res.lr, "dt": time.perf_counter() - t0, "t_end": now,
@@ -422,6 +439,8 @@ class Worker:
 
     def run(self) -> int:
         self.store.set(keys.ready(self.wid), str(time.time()))
+        if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
+            self.store.delete_key(keys.start_failed(self.wid))
         try:
             if self.incarnation > 0:  # restarted in place by the agent: rejoin from retained memory
                 e = int(self.store.get(keys.EPOCH))
@@ -456,10 +475,36 @@ class Worker:
             self.protection.close()
 
 
+def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: str) -> None:
+    """Tell the coordinator that this worker failed before it took part in any step (`startfail/<wid>`,
+    its first error kept): when every node and spare of the run failed so before the run's first step,
+    the failure is the same everywhere (the workload, the data, the environment) and the coordinator
+    ends the run with this error instead of restarting and promoting nodes that fail alike."""
+    if w is not None and w.trained:
+        return
+    try:
+        store = w.store if w is not None else connect_store(store_addr, 10.0)
+        if not store.check([keys.start_failed(wid)]):
+            store.set(keys.start_failed(wid), json.dumps({"t": time.time(), "error": error[:500]}))
+        store.add(keys.START_FAILS, 1)  # the coordinator looks at startfail/ keys when this moves
+    except Exception:  # noqa: BLE001 - no control plane: nobody to tell (the agent still reports the exit)
+        pass
+
+
 def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
                 incarnation: int = 0) -> int:
+    wid = f"{node_id}.{local_rank}"
+    w: Worker | None = None
     try:
         w = Worker(store_addr, node_id, local_rank, run_id, threads, incarnation)
+        return w.run()
     except Unhealable:  # (the constructor stopped the run and said why: a restart would fail alike)
         return 4
-    return w.run()
+    except UserError as e:  # e.g. the workload's factory fails on this host (its data is not here): one line
+        _record_start_failure(w, store_addr, wid, str(e))
+        print(f"phoenixft worker {wid}: {e}", flush=True)
+        return 2
+    except Exception as e:  # (the agent prints its traceback and restarts the worker in place)
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        _record_start_failure(w, store_addr, wid, f"{type(e).__name__}: {first}")
+        raise

@@ -88,6 +88,7 @@ class Decider:
         self.detector = detector
         self.publisher = publisher
         self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
+        self._refused: dict[str, str] = {}  # checkpoint path -> why: refused by the workers, never chosen again
 
     def recover(self) -> None:
         assert self.state.topo is not None
@@ -129,14 +130,16 @@ class Decider:
         # run has written a newer one, it is the newest state on disk: without it, losing a shard's every
         # copy before the first new checkpoint lost a run that had just been resumed)
         tiers = [t for t in dict.fromkeys((self.cfg.persist_dir, self.cfg.resume)) if t]
-        exclude: dict[str, str] = {}
         refused = next((d.error for d in descs.values() if d.error.startswith(NOT_INSTALLED)), "")
         if refused and old.meta.get("restore") == "persistent":
-            # the workers refused the checkpoint this epoch restored (it changed after it was verified):
-            # never again, and the newest other one
+            # the workers refused the checkpoint this epoch restored (it changed after it was verified, or
+            # their hosts cannot read it): never again in this run (the set of them, not the last one only:
+            # with two refused, the choice went back and forth between them for 13 recoveries), and the newest
+            # other one
             was = str(old.meta["manifest"]["path"])
             tiers = tiers or [os.path.dirname(was)]
-            exclude[was] = f"was refused by the workers ({refused.split(': ', 1)[-1][:200]})"
+            self._refused[was] = f"was refused by the workers ({refused.split(': ', 1)[-1][:200]})"
+        exclude = dict(self._refused)
         man = max((m for m in map(latest_manifest, tiers) if m is not None), key=lambda m: int(m["step"]),
                   default=None)
         verified: list[Any] = []  # [(manifest, skipped)] once the persistent tier was verified
@@ -208,7 +211,8 @@ class Decider:
         rec: dict[str, Any] = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
                "t_decided": t_decided, "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
                "promoted": plan.promoted,
-               "resume_step": plan.resume_step, "max_committed": max(max_committed, progress), "class": plan.klass,
+               "resume_step": plan.resume_step, "max_committed": max(max_committed, progress, old.resume_step),
+               "class": plan.klass,
                "action": plan.action, "restarted": sorted(restarted), "dropped": plan.dropped, "world": topo.world,
                "errors": sorted({d.error for d in descs.values()})[:5],
                "replicas_rejected": [list(x) for x in plan.rejected],

@@ -149,6 +149,11 @@ class Coordinator:
             active = [swapped.get(n, n) for n in slots]
             if len(active) == self.cfg.nodes and self.job.ready(active):
                 break
+            if len(slots) == self.cfg.nodes:  # every node and spare failing alike: no slot will ever be ready
+                why = self.job.failed_everywhere_at_start(sorted(self.state.members, key=index))
+                if why is not None:
+                    self.job.fail_run(why)
+                    return
             if len(active) == self.cfg.nodes:
                 self._replace_dead_before_start(active, swapped)
             if self.job.over():
@@ -199,6 +204,12 @@ class Coordinator:
                 break
             self.admission.admit()
             if flagged or self.detector.failure_pending():
+                # before the first step, every node and spare failing alike (e.g. in epoch 0's join): no
+                # recovery can heal that, each would restart or promote nodes that fail the same way
+                why = self.job.failed_everywhere_at_start(sorted(self.state.members, key=index))
+                if why is not None:
+                    self.job.fail_run(why)
+                    continue
                 self.decider.recover()
             else:
                 self._wake.wait(self.poll_s)

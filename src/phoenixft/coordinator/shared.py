@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixft import keys
-from phoenixft.controlplane import get_nowait
+from phoenixft.controlplane import exists_many, get_nowait
 from phoenixft.topology import Topology
 
 __all__ = ["NODE_ID", "Job", "Membership", "index", "wait_key"]
@@ -86,7 +86,42 @@ class Job:
     def progress(self) -> int:
         return int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
 
+    def start_failures(self, nodes: list[str]) -> dict[str, tuple[float, str, str]]:
+        """node -> (t, wid, first error) of those of `nodes` with a worker that failed before the run's first
+        step (`startfail/<wid>`, its earliest); one store call while no worker has failed so."""
+        if not nodes or self.store.add(keys.START_FAILS, 0) == 0:
+            return {}
+        wids = [w for n in nodes for w in self.wids(n)]
+        found: dict[str, tuple[float, str, str]] = {}
+        for w, there in zip(wids, exists_many(self.store, [keys.start_failed(w) for w in wids]), strict=True):
+            if there:
+                rec = json.loads(self.store.get(keys.start_failed(w)))
+                node, mine = w.rsplit(".", 1)[0], (float(rec.get("t", 0.0)), w, str(rec.get("error", "?")))
+                found[node] = min(found.get(node, mine), mine)
+        return found
+
+    def failed_everywhere_at_start(self, nodes: list[str]) -> str | None:
+        """The run's end, if every one of `nodes` (each active node and spare) had a worker fail before
+        the run's first step: a failure the same everywhere (the workload, its data, the environment),
+        which restarting in place or promoting a spare only repeats; None otherwise."""
+        failed = self.start_failures(nodes)
+        if not nodes or len(failed) < len(nodes) or self.progress() > 0:
+            return None
+        _, wid, error = min(failed.values())
+        names = ", ".join(sorted(nodes, key=lambda n: (not n.startswith("n"), index(n))))
+        return (f"every node failed before the first step ({names}), a failure no restart or spare can heal; "
+                f"first {wid}: {error}")
+
     def fail_run(self, why: str) -> None:
+        try:  # before the first step, a worker's own error says more (e.g. only some hosts lack the data)
+            if "before the first step" not in why and self.progress() == 0:
+                raw = get_nowait(self.store, keys.MEMBERS)
+                failed = self.start_failures(sorted(json.loads(bytes(raw))) if raw is not None else [])
+                if failed:
+                    _, wid, error = min(failed.values())
+                    why = f"{why} (before the first step, {wid} failed: {error})"
+        except Exception:  # noqa: BLE001 - the run fails all the same, with the reason it was given
+            pass
         self.store.set(keys.RUN_ERROR, why)
         self.event("run_failed", error=why)
         self.store.set(keys.RUN_STATE, "failed")

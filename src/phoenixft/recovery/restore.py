@@ -67,7 +67,7 @@ def _commit_received(m: Worker, payload: torch.Tensor, r: int, crc: int, shard: 
     st, flat = tr.state, tr.flat
     half = st.staging()
     st.begin_write(half)
-    st.payload(half).copy_(payload.view(tr.payload_rows, -1))
+    st.payload(half).copy_(payload.view(tr.payload_rows, flat.shard_numel))  # (not -1: 0 rows, a stateless optimizer)
     if tr.payload_from == 1:
         st.data[half, 0].copy_(flat.flat[flat.shard_slice(dp)])
     st.commit(half, r, crc, (shard, world))
@@ -276,7 +276,8 @@ def _keep_replicas(m: Worker, topo: Topology, r: int, fill: Callable[[torch.Tens
     for src in topo.sources(m.rank):
         h = m.repl.holding(src)
         h.begin_write(0)
-        fill(h.payload(0).view(tr.payload_rows, -1), tr.flat.shard_slice(lay.dp_rank(src)))
+        # (not view(rows, -1): a stateless optimizer's fp32 payload has no row, and every node failed its epoch-0 join)
+        fill(h.payload(0).view(tr.payload_rows, tr.flat.shard_numel), tr.flat.shard_slice(lay.dp_rank(src)))
         h.commit(0, r, checksum(h.payload(0)), (src, topo.world))
         h.header[1, H_VALID] = 0
 
