@@ -32,6 +32,75 @@ def test_hung_node_is_detected_fenced_and_swapped(tmp_path: Path, reference) -> 
     assert processes_with(rep["run_id"]) == []  # the stopped node was fenced (killed), not left behind
 
 
+def _worker_of(node: str, launcher: int) -> int | None:
+    """The PID of the (first) worker of `node` in the local run launched by `launcher`: the agent's child."""
+    agents = [p for p in processes_with(f"--parent-pid {launcher}")
+              if f"--node {node} " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
+    for p in agents:
+        try:
+            ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid in agents:
+            return p
+    return None
+
+
+def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeout(
+        tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """One worker SIGSTOPped (a debugger, a hang) while its agent runs on: the agent's heartbeat kept vouching
+    for the node, so nothing but the peers' collective timeout (max(60 s, 6 x --failure-timeout)) found it and
+    the job stood still for a minute. The agent now watches its workers' pulses: the node is fenced after about
+    two --failure-timeouts, the spare takes over, and the stopped worker, let go again, changes nothing."""
+    import signal
+    import threading
+    import time
+
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+
+    ref = reference(nodes=2, steps=40)
+    seen: dict[str, float] = {}
+
+    def stop_n1_mid_run() -> None:
+        deadline = time.monotonic() + 90
+        store = None
+        while time.monotonic() < deadline and store is None:
+            try:
+                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
+            except (OSError, ValueError, RuntimeError):
+                time.sleep(0.05)
+        assert store is not None
+        while time.monotonic() < deadline:
+            if store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 4:
+                break
+            time.sleep(0.01)
+        pid = _worker_of("n1", os.getpid())
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        seen["stopped"] = time.monotonic()
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and \
+                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.02)
+        seen["gone"] = time.monotonic()  # fenced: its node's process group was killed
+        try:
+            os.kill(pid, signal.SIGCONT)  # (a no-op now: it must change nothing)
+        except ProcessLookupError:
+            pass
+
+    t = threading.Thread(target=stop_n1_mid_run, daemon=True)
+    t.start()
+    rep = run(tmp_path, nodes=2, spares=1, steps=40, failure_timeout=2.0, timeout=120.0)
+    t.join(timeout=10)
+    assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert "stopped" in seen and "gone" in seen, seen
+    assert seen["gone"] - seen["stopped"] < 15.0, f"fenced {seen['gone'] - seen['stopped']:.1f}s after its stop"
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and rec["promoted"] == ["s0"], rec
+    assert rec["fenced"] == ["n1"] and rec["lost_steps"] <= 1, rec
+    assert "stopped running for longer than --failure-timeout=2s" in (tmp_path / "logs" / "n1.log").read_text()
+
+
 def test_two_nodes_in_one_step_with_two_replicas(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=2, replicas=2, steps=12, inject=["kill:node=1,2@step=6,phase=backward"])

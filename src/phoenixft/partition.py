@@ -106,6 +106,7 @@ class PartitionInjector:
         self.cut: LinkCut | None = None
         self._held: dict[int, float] = {}  # fault index -> when its hold began
         self._stopped = False
+        self.resumed_ns = 0  # time.monotonic_ns() when this injector last let the workers it paused go on
         self._topo: tuple[int, list[str]] | None = None  # (epoch, nodes) of the last verified topology
         self._timer: threading.Timer | None = None
 
@@ -116,6 +117,13 @@ class PartitionInjector:
             except ProcessLookupError:
                 pass
         self._stopped = sig == signal.SIGSTOP
+        if not self._stopped:
+            self.resumed_ns = time.monotonic_ns()
+
+    @property
+    def holding(self) -> bool:
+        """Whether the node's workers are paused by this injector (a `wait=` hold): not a failure."""
+        return self._stopped
 
     def _slot(self, store: Any) -> int | None:
         """This node's slot in the current epoch (from a topology whose signature verifies)."""
