@@ -101,6 +101,51 @@ def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeo
     assert "stopped running for longer than --failure-timeout=2s" in (tmp_path / "logs" / "n1.log").read_text()
 
 
+def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
+        tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """The agent of n1 SIGSTOPped for 5 s (starved, Ctrl-Z'd by hand), its worker training on: its heartbeat went
+    stale, and each recovery found the node's worker answering (not dead: a reconfigure) and left its staleness
+    as it was, so the next poll, 0.25 s later, started another: 18 spurious recoveries in the report for 8 s.
+    A node whose workers answered a gather is not judged stale again before another --failure-timeout."""
+    import signal
+    import threading
+    import time
+
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+
+    ref = reference(nodes=2, steps=160)
+
+    def stop_agent_of_n1() -> None:
+        deadline = time.monotonic() + 90
+        store = None
+        while time.monotonic() < deadline and store is None:
+            try:
+                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
+            except (OSError, ValueError, RuntimeError):
+                time.sleep(0.05)
+        assert store is not None
+        while time.monotonic() < deadline:
+            if store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 4:
+                break
+            time.sleep(0.01)
+        worker = _worker_of("n1", os.getpid())
+        assert worker is not None
+        agent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(agent, signal.SIGSTOP)
+        time.sleep(5.0)
+        os.kill(agent, signal.SIGCONT)
+
+    t = threading.Thread(target=stop_agent_of_n1, daemon=True)
+    t.start()
+    rep = run(tmp_path, nodes=2, spares=1, steps=160, failure_timeout=2.0, timeout=120.0)
+    t.join(timeout=10)
+    assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
+    recs = rep["recoveries"]
+    assert 1 <= len(recs) <= 3, [(r["action"], r["resumed_step"]) for r in recs]
+    assert all(r["action"] == "reconfigure" and r["dead"] == [] and r["fenced"] == [] for r in recs), recs
+
+
 def test_two_nodes_in_one_step_with_two_replicas(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=2, replicas=2, steps=12, inject=["kill:node=1,2@step=6,phase=backward"])

@@ -53,6 +53,9 @@ class FailureDetector:
         self._restarts_seen = 0
         self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
         self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
+        # node -> when its workers last answered a gather: a sign of life like a heartbeat (a starved or stopped
+        # agent's node whose workers answered is not judged stale again before another --failure-timeout)
+        self._answered: dict[str, float] = {}
 
     def exited(self, nodes: list[str]) -> set[str]:
         """Those of `nodes` whose exit the launcher reported. A node's exit key is looked at once per
@@ -120,7 +123,10 @@ class FailureDetector:
             spares = [s for s in self.state.spare_pool if s not in self.state.dead]
             stale = self.stale(self.state.topo.nodes + spares, now)
             self.state.gone_spares = (stale | self.exited(spares)) & set(spares)
-            if stale - set(spares):
+            # a member's workers that answered a gather within the failure timeout are alive: its agent is
+            # starved or stopped, and asking them again at every poll would be a recovery every 0.25 s
+            ft = self.cfg.failure_timeout
+            if {n for n in stale - set(spares) if now - self._answered.get(n, -float("inf")) > ft}:
                 return True
         return False
 
@@ -186,4 +192,6 @@ class FailureDetector:
                 dead |= unresponsive
                 break
             time.sleep(self.gather_poll_s)
+        now = time.monotonic()
+        self._answered.update((n, now) for n in nodes if n not in dead)  # every live node's workers posted
         return dead, fenced, restarted
