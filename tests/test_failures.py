@@ -322,3 +322,10 @@ def test_a_workload_that_fails_to_set_up_is_one_line(tmp_path: Path, workload: s
              env=env)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == f"phoenixft run: error: {line}", p.stderr
+
+
+def test_a_run_timeout_shorter_than_a_step_says_its_value(tmp_path: Path) -> None:
+    """`--timeout 0.5` ended 'failed: timeout after 0s' (the value rounded to whole seconds): the report
+    named a limit the user never gave. It says 0.5s now, and leaves nothing behind."""
+    rep = run(tmp_path, nodes=2, spares=1, steps=12, timeout=0.5)
+    assert rep["state"] == "failed: timeout after 0.5s", rep["state"]

@@ -372,7 +372,7 @@ class LocalJob:
                 if over:
                     return self.store.get(keys.RUN_STATE).decode()
                 if time.monotonic() > deadline:
-                    return f"failed: timeout after {self.cfg.timeout:.0f}s"
+                    return f"failed: timeout after {self.cfg.timeout:g}s"  # (0.5 is not "0s")
                 if self.local and all(n in self.exited for n in self.agents):
                     if self.store.check([keys.RUN_STATE]):  # the run ended, then its nodes: looked at since `over`
                         return self.store.get(keys.RUN_STATE).decode()
