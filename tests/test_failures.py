@@ -329,3 +329,27 @@ def test_a_run_timeout_shorter_than_a_step_says_its_value(tmp_path: Path) -> Non
     named a limit the user never gave. It says 0.5s now, and leaves nothing behind."""
     rep = run(tmp_path, nodes=2, spares=1, steps=12, timeout=0.5)
     assert rep["state"] == "failed: timeout after 0.5s", rep["state"]
+
+
+def test_a_run_ended_while_a_node_is_stopped_does_not_wait_out_the_grace_for_it(tmp_path: Path) -> None:
+    """A node hung (SIGSTOP) and not yet found (a long --failure-timeout) when the run ends (--timeout, Ctrl-C,
+    SIGTERM): the launcher waited the whole STOP_GRACE_S (10 s) for it to leave by itself, which a stopped
+    process never does, before killing it: every Ctrl-C with a hung node took 10 s. A node whose every process
+    is stopped is killed at once now; the report still names it, and nothing is left behind."""
+    import time
+
+    from phoenixft.config import RunConfig
+    from phoenixft.display import Display
+    from phoenixft.launcher import run_job
+
+    cfg = RunConfig(nodes=2, spares=0, steps=400, model="tiny", failure_timeout=60.0, timeout=6.0,
+                    inject=["hang:node=1@step=4"], run_dir=str(tmp_path), quiet=True)
+    cfg.validate()
+    t0 = time.monotonic()
+    rep = run_job(cfg, Display(quiet=True, steps=cfg.steps))
+    took = time.monotonic() - t0
+    assert rep["state"] == "failed: timeout after 6s", rep["state"]
+    assert took < cfg.timeout + 6.0, f"the run took {took:.1f}s to end after its {cfg.timeout:g}s timeout"
+    assert [k["node"] for k in rep["teardown"]["killed"]] == ["n1"], rep["teardown"]
+    assert processes_with(rep["run_id"]) == []
+    assert sorted(Path("/dev/shm").glob(f"phoenixft-{rep['run_id']}[-.]*")) == []

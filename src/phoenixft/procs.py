@@ -114,6 +114,19 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def group_stopped(pgid: int) -> bool:
+    """Whether process group `pgid` has live processes and every one of them is stopped (SIGSTOP,
+    SIGTSTP, a tracer): such a group obeys no request to exit until it is continued."""
+    states = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        f = _stat_fields(int(d.name))
+        if f and f[0] not in ("Z", "X") and int(f[2]) == pgid:
+            states.append(f[0])
+    return bool(states) and all(st in ("T", "t") for st in states)
+
+
 def cmdlines() -> dict[int, list[str]]:
     """argv of every readable process except this one."""
     out: dict[int, list[str]] = {}
