@@ -50,8 +50,9 @@ def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeo
         tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """One worker SIGSTOPped (a debugger, a hang) while its agent runs on: the agent's heartbeat kept vouching
     for the node, so nothing but the peers' collective timeout (max(60 s, 6 x --failure-timeout)) found it and
-    the job stood still for a minute. The agent now watches its workers' pulses: the node is fenced after about
-    two --failure-timeouts, the spare takes over, and the stopped worker, let go again, changes nothing."""
+    the job stood still for a minute. The agent now looks at its workers' scheduler state: the node is fenced
+    after about two --failure-timeouts, the spare takes over, and the stopped worker, let go again, changes
+    nothing."""
     import signal
     import threading
     import time
@@ -98,7 +99,7 @@ def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeo
     (rec,) = rep["recoveries"]
     assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and rec["promoted"] == ["s0"], rec
     assert rec["fenced"] == ["n1"] and rec["lost_steps"] <= 1, rec
-    assert "stopped running for longer than --failure-timeout=2s" in (tmp_path / "logs" / "n1.log").read_text()
+    assert "stopped (SIGSTOP) for longer than --failure-timeout=2s" in (tmp_path / "logs" / "n1.log").read_text()
 
 
 def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(

@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import re
 import signal
 import socket
-import struct
 import sys
-import threading
 import time
 import traceback
 from typing import Any
@@ -50,7 +47,7 @@ from typing import Any
 from phoenixft import auth, shm
 from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS
 from phoenixft.errors import UserError
-from phoenixft.procs import die_with_parent, exit_now
+from phoenixft.procs import die_with_parent, exit_now, process_state
 
 __all__ = ["main", "probe_store", "CALL_TIMEOUT_S"]
 
@@ -59,50 +56,40 @@ MAX_RESTARTS = 3
 MAX_AGENT_WAIT_S = MAX_FAILURE_TIMEOUT_S  # --connect-timeout, --join-timeout, --control-plane-timeout: a day
 CALL_TIMEOUT_S = 5.0  # the agent's own store calls: a partitioned host notices within this, then reconnects
 _ID = re.compile(r"^[ns]\d+$")
-PULSE_S = 0.1  # how often a worker's pulse thread says it still runs
 
 
-class WorkerPulses:
-    """Whether the node's workers still run. The agent's heartbeat vouches for the whole node, but a
-    worker can stop (SIGSTOP, a debugger) or hang while its agent runs on: its peers then wait in a
-    collective that no heartbeat would ever time out. So each worker runs a thread that writes the
-    monotonic clock (ns, one 8-byte slot per local rank of an anonymous shared mapping the workers
-    inherit) every PULSE_S, and the agent reads the slots before each heartbeat; a slot unchanged for
-    longer than --failure-timeout stops the heartbeat, and the coordinator fences the node as it does a
-    silent one. A worker busy in a long step still pulses (its thread gets the GIL between ops)."""
+class StoppedWorkers:
+    """Which of the node's workers have been stopped for how long. The agent's heartbeat vouches for the
+    whole node, but a worker can be stopped (SIGSTOP, SIGTSTP, a tracer's stop) while its agent runs on:
+    its peers then wait in a collective that no heartbeat would ever time out. So the agent looks at
+    each worker's scheduler state (/proc/PID/stat: `T` or `t`) before each heartbeat; a worker seen
+    stopped for longer than --failure-timeout stops the heartbeat, and the coordinator fences the node
+    as it does a silent one. A worker that runs, however slowly or busily, is never judged."""
 
-    def __init__(self, workers: int) -> None:
-        self._mm = mmap.mmap(-1, 8 * max(1, workers))  # MAP_SHARED: a forked worker writes what the agent reads
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}  # pid -> when it was first seen stopped (this clock)
 
-    def reset(self, local_rank: int) -> None:
-        """A worker (re)started now: its silence counts from here."""
-        struct.pack_into("q", self._mm, 8 * local_rank, time.monotonic_ns())
-
-    def start_beating(self, local_rank: int) -> None:
-        """In the worker: pulse from a daemon thread until the process ends."""
-        def run() -> None:
-            while True:
-                struct.pack_into("q", self._mm, 8 * local_rank, time.monotonic_ns())
-                time.sleep(PULSE_S)
-
-        threading.Thread(target=run, name="phoenixft-pulse", daemon=True).start()
-
-    def silent(self, local_ranks: list[int], limit_s: float, since_ns: int = 0) -> dict[int, float]:
-        """Those of `local_ranks` that have not pulsed for longer than `limit_s` (counted from `since_ns`
-        at the earliest: when the agent itself let paused workers go on): local rank -> seconds."""
-        now = time.monotonic_ns()
+    def stopped(self, children: dict[int, int]) -> dict[int, float]:
+        """{local rank: seconds seen stopped} of the workers in `children` (pid -> local rank) that are
+        stopped now."""
+        now = time.monotonic()
         out = {}
-        for lr in local_ranks:
-            quiet = (now - max(struct.unpack_from("q", self._mm, 8 * lr)[0], since_ns)) / 1e9
-            if quiet > limit_s:
-                out[lr] = quiet
+        for pid, lr in children.items():
+            if process_state(pid) in ("T", "t"):
+                out[lr] = now - self._since.setdefault(pid, now)
+            else:
+                self._since.pop(pid, None)
+        for pid in set(self._since) - set(children):
+            del self._since[pid]
         return out
 
+    def forget(self) -> None:
+        """Workers stopped on purpose (the partition fault's `wait=` hold): their stop is not counted."""
+        self._since.clear()
 
-def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, pulses: WorkerPulses,
-                 incarnation: int = 0) -> int:
+
+def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0) -> int:
     parent = os.getpid()
-    pulses.reset(local_rank)
     pid = os.fork()
     if pid == 0:  # child
         code = 1
@@ -110,7 +97,6 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
             for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
                 signal.signal(s, signal.SIG_DFL)
             die_with_parent(signal.SIGKILL, parent)  # never outlive the agent that owns the node's memory
-            pulses.start_beating(local_rank)
             from phoenixft.worker import worker_main
 
             code = worker_main(store, node, local_rank, run_id, threads, incarnation)
@@ -312,9 +298,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import phoenixft.worker  # noqa: F401
 
-    pulses = WorkerPulses(a.workers)
     for i in range(a.workers):
-        children[_fork_worker(a.store, node, i, run_id, a.threads, pulses)] = i
+        children[_fork_worker(a.store, node, i, run_id, a.threads)] = i
     restarts = {i: 0 for i in range(a.workers)}
     from phoenixft.controlplane import Heartbeat, is_etcd
 
@@ -325,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     # quarter of the failure timeout, whichever is shorter; a TCPStore is looked at every 0.25 s
     look_every = min(1.0, cfg.failure_timeout / 4) if is_etcd(store) else 0.0
     last_look = 0.0
+    stopped_workers = StoppedWorkers()
     silent_said = False
     while children:
         try:
@@ -346,10 +332,11 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 if beat is None or beat.store is not store:
                     beat = Heartbeat(store, keys.heartbeat(node), cfg.failure_timeout)  # a lease on etcd
-                # a worker that stopped running (SIGSTOP, hung) while this agent runs: no longer vouch for
-                # the node (workers the partition fault pauses itself are not judged)
-                quiet = {} if injector.holding else pulses.silent(
-                    sorted(children.values()), cfg.failure_timeout, injector.resumed_ns)
+                # a worker stopped (SIGSTOP) for longer than the failure timeout while this agent runs: no
+                # longer vouch for the node (workers the partition fault's hold pauses itself are not judged)
+                if injector.holding:
+                    stopped_workers.forget()
+                quiet = {lr: t for lr, t in stopped_workers.stopped(children).items() if t > cfg.failure_timeout}
                 if not quiet:
                     beat.beat(str(time.time()))
                     silent_said = False
@@ -357,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                     silent_said = True
                     print(f"phoenixft agent {node}: worker(s) "
                           + ", ".join(f"{node}.{lr} ({q:.1f}s)" for lr, q in sorted(quiet.items()))
-                          + f" stopped running for longer than --failure-timeout={cfg.failure_timeout:g}s "
-                          "(stopped or hung); no heartbeat for the node until they run again", flush=True)
+                          + f" stopped (SIGSTOP) for longer than --failure-timeout={cfg.failure_timeout:g}s; "
+                          "no heartbeat for the node until they run again", flush=True)
                 injector.tick(store)
             last_ok = time.monotonic()
         except Exception:  # noqa: BLE001 - control plane gone: keep supervising for a bounded time
@@ -390,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                     store.set(keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
                                                                  "incarnation": restarts[lr]}))
                     store.add(keys.WORKER_EXITS, 1)  # the coordinator looks at wexit/ keys when this moves
-                    children[_fork_worker(a.store, node, lr, run_id, a.threads, pulses, restarts[lr])] = lr
+                    children[_fork_worker(a.store, node, lr, run_id, a.threads, restarts[lr])] = lr
                     continue
             except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin
                 pass

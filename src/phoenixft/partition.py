@@ -106,7 +106,6 @@ class PartitionInjector:
         self.cut: LinkCut | None = None
         self._held: dict[int, float] = {}  # fault index -> when its hold began
         self._stopped = False
-        self.resumed_ns = 0  # time.monotonic_ns() when this injector last let the workers it paused go on
         self._topo: tuple[int, list[str]] | None = None  # (epoch, nodes) of the last verified topology
         self._timer: threading.Timer | None = None
 
@@ -117,8 +116,6 @@ class PartitionInjector:
             except ProcessLookupError:
                 pass
         self._stopped = sig == signal.SIGSTOP
-        if not self._stopped:
-            self.resumed_ns = time.monotonic_ns()
 
     @property
     def holding(self) -> bool:

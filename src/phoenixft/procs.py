@@ -84,6 +84,13 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw[raw.rfind(")") + 2 :].split()
 
 
+def process_state(pid: int) -> str | None:
+    """The scheduler state of `pid` (`R`, `S`, `D`, `T` stopped, `t` stopped by a tracer, `Z`, ...), or None
+    if there is no such process."""
+    f = _stat_fields(pid)
+    return f[0] if f else None
+
+
 def start_time(pid: int) -> int | None:
     """Start time of `pid` in clock ticks since boot, or None if there is no such process."""
     f = _stat_fields(pid)
