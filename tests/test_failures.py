@@ -354,3 +354,49 @@ def test_a_run_ended_while_a_node_is_stopped_does_not_wait_out_the_grace_for_it(
     assert [k["node"] for k in rep["teardown"]["killed"]] == ["n1"], rep["teardown"]
     assert processes_with(rep["run_id"]) == []
     assert sorted(Path("/dev/shm").glob(f"phoenixft-{rep['run_id']}[-.]*")) == []
+
+
+def test_a_run_ended_while_one_worker_is_stopped_ends_without_waiting_for_it(tmp_path: Path) -> None:
+    """One worker SIGSTOPped, its agent running, not yet fenced (a long --failure-timeout), when the run ends
+    (--timeout here; Ctrl-C alike): the agent waited for a worker that never exits, and the launcher waited
+    out its 10 s grace and killed the node ('still running after the run ended'). The agent kills its stopped
+    workers once the run has ended, and leaves by itself."""
+    import signal
+    import threading
+    import time
+
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+    from phoenixft.config import RunConfig
+    from phoenixft.display import Display
+    from phoenixft.launcher import run_job
+
+    def stop_n1_worker() -> None:
+        deadline = time.monotonic() + 60
+        store = None
+        while time.monotonic() < deadline and store is None:
+            try:
+                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
+            except (OSError, ValueError, RuntimeError):
+                time.sleep(0.05)
+        assert store is not None
+        while time.monotonic() < deadline and not (store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 3):
+            time.sleep(0.01)
+        pid = _worker_of("n1", os.getpid())
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+
+    cfg = RunConfig(nodes=2, spares=0, steps=400, model="tiny", failure_timeout=60.0, timeout=6.0,
+                    run_dir=str(tmp_path), quiet=True)
+    cfg.validate()
+    t = threading.Thread(target=stop_n1_worker, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    rep = run_job(cfg, Display(quiet=True, steps=cfg.steps))
+    took = time.monotonic() - t0
+    t.join(timeout=10)
+    assert rep["state"] == "failed: timeout after 6s", rep["state"]
+    assert took < cfg.timeout + 6.0, f"the run took {took:.1f}s to end after its {cfg.timeout:g}s timeout"
+    assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
+    assert processes_with(rep["run_id"]) == []
+    assert sorted(Path("/dev/shm").glob(f"phoenixft-{rep['run_id']}[-.]*")) == []

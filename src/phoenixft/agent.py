@@ -336,7 +336,13 @@ def main(argv: list[str] | None = None) -> int:
                 # longer vouch for the node (workers the partition fault's hold pauses itself are not judged)
                 if injector.holding:
                     stopped_workers.forget()
-                quiet = {lr: t for lr, t in stopped_workers.stopped(children).items() if t > cfg.failure_timeout}
+                stopped = stopped_workers.stopped(children)
+                if stopped and store.check([keys.RUN_STATE]):
+                    # the run ended: a stopped worker would never see it, and this agent would wait for it
+                    # (the launcher until its grace ran out); it has nothing left to do
+                    for wpid in [w for w, r in children.items() if r in stopped]:
+                        os.kill(wpid, signal.SIGKILL)
+                quiet = {lr: t for lr, t in stopped.items() if t > cfg.failure_timeout}
                 if not quiet:
                     beat.beat(str(time.time()))
                     silent_said = False
