@@ -63,3 +63,40 @@ def test_every_node_silent_is_fenced_after_the_timeout_and_the_silent_wait_not_t
     assert dead == fenced == {"n0", "n1", "n2"} and restarted == set()
     assert [k for k, _ in job.events] == ["all_silent"]
     assert 2.4 <= took < 3.4, took  # 1.5 + 1.0 (+ polls); the old code: 1.5 + 1.0 + 1.5 more
+
+
+def test_heartbeats_unread_while_the_coordinator_or_its_store_was_stopped_are_not_staleness(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`phoenixft run` (the TCPStore's process) SIGSTOPped for 8 s during a run, --failure-timeout 3: no beat
+    could land and the coordinator read nothing meanwhile, yet its first read afterwards judged every node
+    silent for 8 s and started a recovery that found nobody dead (a spurious `reconfigure` in the report).
+    Silence this process could not observe is not counted; a node that stays silent is still found."""
+    from types import SimpleNamespace
+
+    clock = [100.0]
+    monkeypatch.setattr(detect, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
+
+    class _Beats:
+        def check(self, keys: list[str]) -> bool:
+            return True
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            return [b"same"] * len(keys)  # nothing beats while the store is stopped
+
+    job = _Job()
+    job.store = _Beats()  # type: ignore[assignment]
+    det = FailureDetector(job, RunConfig(nodes=2, failure_timeout=3.0), Membership(), admission=None,  # type: ignore[arg-type]
+                          gather_poll_s=0.01)
+    nodes = ["n0", "n1"]
+    assert det.stale(nodes, clock[0]) == set()
+    for _ in range(8):  # polled every 0.25 s: 2 s of silence, within the timeout
+        clock[0] += 0.25
+        assert det.stale(nodes, clock[0]) == set()
+    clock[0] += 8.0  # stopped: the next read returns 8 s later
+    assert det.stale(nodes, clock[0]) == set(), "silence nobody could observe was counted"
+    for _ in range(12):  # 3 s more of silence, observed: within the timeout
+        clock[0] += 0.25
+        assert det.stale(nodes, clock[0]) == set()
+    clock[0] += 0.25
+    assert det.stale(nodes, clock[0]) == {"n0", "n1"}  # silent for longer than the timeout, seen: stale

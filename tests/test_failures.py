@@ -32,6 +32,121 @@ def test_hung_node_is_detected_fenced_and_swapped(tmp_path: Path, reference) -> 
     assert processes_with(rep["run_id"]) == []  # the stopped node was fenced (killed), not left behind
 
 
+def _worker_of(node: str, launcher: int) -> int | None:
+    """The PID of the (first) worker of `node` in the local run launched by `launcher`: the agent's child."""
+    agents = [p for p in processes_with(f"--parent-pid {launcher}")
+              if f"--node {node} " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
+    for p in agents:
+        try:
+            ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid in agents:
+            return p
+    return None
+
+
+def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeout(
+        tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """One worker SIGSTOPped (a debugger, a hang) while its agent runs on: the agent's heartbeat kept vouching
+    for the node, so nothing but the peers' collective timeout (max(60 s, 6 x --failure-timeout)) found it and
+    the job stood still for a minute. The agent now looks at its workers' scheduler state: the node is fenced
+    after about two --failure-timeouts, the spare takes over, and the stopped worker, let go again, changes
+    nothing."""
+    import signal
+    import threading
+    import time
+
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+
+    ref = reference(nodes=2, steps=40)
+    seen: dict[str, float] = {}
+
+    def stop_n1_mid_run() -> None:
+        deadline = time.monotonic() + 90
+        store = None
+        while time.monotonic() < deadline and store is None:
+            try:
+                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
+            except (OSError, ValueError, RuntimeError):
+                time.sleep(0.05)
+        assert store is not None
+        while time.monotonic() < deadline:
+            if store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 4:
+                break
+            time.sleep(0.01)
+        pid = _worker_of("n1", os.getpid())
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        seen["stopped"] = time.monotonic()
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and \
+                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.02)
+        seen["gone"] = time.monotonic()  # fenced: its node's process group was killed
+        try:
+            os.kill(pid, signal.SIGCONT)  # (a no-op now: it must change nothing)
+        except ProcessLookupError:
+            pass
+
+    t = threading.Thread(target=stop_n1_mid_run, daemon=True)
+    t.start()
+    rep = run(tmp_path, nodes=2, spares=1, steps=40, failure_timeout=2.0, timeout=120.0)
+    t.join(timeout=10)
+    assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert "stopped" in seen and "gone" in seen, seen
+    assert seen["gone"] - seen["stopped"] < 15.0, f"fenced {seen['gone'] - seen['stopped']:.1f}s after its stop"
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and rec["promoted"] == ["s0"], rec
+    assert rec["fenced"] == ["n1"] and rec["lost_steps"] <= 1, rec
+    assert "stopped (SIGSTOP) for longer than --failure-timeout=2s" in (tmp_path / "logs" / "n1.log").read_text()
+
+
+def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
+        tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """The agent of n1 SIGSTOPped for 5 s (starved, Ctrl-Z'd by hand), its worker training on: its heartbeat went
+    stale, and each recovery found the node's worker answering (not dead: a reconfigure) and left its staleness
+    as it was, so the next poll, 0.25 s later, started another: 18 spurious recoveries in the report for 8 s.
+    A node whose workers answered a gather is not judged stale again before another --failure-timeout."""
+    import signal
+    import threading
+    import time
+
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+
+    ref = reference(nodes=2, steps=160)
+
+    def stop_agent_of_n1() -> None:
+        deadline = time.monotonic() + 90
+        store = None
+        while time.monotonic() < deadline and store is None:
+            try:
+                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
+            except (OSError, ValueError, RuntimeError):
+                time.sleep(0.05)
+        assert store is not None
+        while time.monotonic() < deadline:
+            if store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 4:
+                break
+            time.sleep(0.01)
+        worker = _worker_of("n1", os.getpid())
+        assert worker is not None
+        agent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(agent, signal.SIGSTOP)
+        time.sleep(5.0)
+        os.kill(agent, signal.SIGCONT)
+
+    t = threading.Thread(target=stop_agent_of_n1, daemon=True)
+    t.start()
+    rep = run(tmp_path, nodes=2, spares=1, steps=160, failure_timeout=2.0, timeout=120.0)
+    t.join(timeout=10)
+    assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
+    recs = rep["recoveries"]
+    assert 1 <= len(recs) <= 3, [(r["action"], r["resumed_step"]) for r in recs]
+    assert all(r["action"] == "reconfigure" and r["dead"] == [] and r["fenced"] == [] for r in recs), recs
+
+
 def test_two_nodes_in_one_step_with_two_replicas(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=2, replicas=2, steps=12, inject=["kill:node=1,2@step=6,phase=backward"])
@@ -312,3 +427,80 @@ def test_a_workload_that_fails_to_set_up_is_one_line(tmp_path: Path, workload: s
              env=env)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == f"phoenixft run: error: {line}", p.stderr
+
+
+def test_a_run_timeout_shorter_than_a_step_says_its_value(tmp_path: Path) -> None:
+    """`--timeout 0.5` ended 'failed: timeout after 0s' (the value rounded to whole seconds): the report
+    named a limit the user never gave. It says 0.5s now, and leaves nothing behind."""
+    rep = run(tmp_path, nodes=2, spares=1, steps=12, timeout=0.5)
+    assert rep["state"] == "failed: timeout after 0.5s", rep["state"]
+
+
+def test_a_run_ended_while_a_node_is_stopped_does_not_wait_out_the_grace_for_it(tmp_path: Path) -> None:
+    """A node hung (SIGSTOP) and not yet found (a long --failure-timeout) when the run ends (--timeout, Ctrl-C,
+    SIGTERM): the launcher waited the whole STOP_GRACE_S (10 s) for it to leave by itself, which a stopped
+    process never does, before killing it: every Ctrl-C with a hung node took 10 s. A node whose every process
+    is stopped is killed at once now; the report still names it, and nothing is left behind."""
+    import time
+
+    from phoenixft.config import RunConfig
+    from phoenixft.display import Display
+    from phoenixft.launcher import run_job
+
+    cfg = RunConfig(nodes=2, spares=0, steps=400, model="tiny", failure_timeout=60.0, timeout=6.0,
+                    inject=["hang:node=1@step=4"], run_dir=str(tmp_path), quiet=True)
+    cfg.validate()
+    t0 = time.monotonic()
+    rep = run_job(cfg, Display(quiet=True, steps=cfg.steps))
+    took = time.monotonic() - t0
+    assert rep["state"] == "failed: timeout after 6s", rep["state"]
+    assert took < cfg.timeout + 6.0, f"the run took {took:.1f}s to end after its {cfg.timeout:g}s timeout"
+    assert [k["node"] for k in rep["teardown"]["killed"]] == ["n1"], rep["teardown"]
+    assert processes_with(rep["run_id"]) == []
+    assert sorted(Path("/dev/shm").glob(f"phoenixft-{rep['run_id']}[-.]*")) == []
+
+
+def test_a_run_ended_while_one_worker_is_stopped_ends_without_waiting_for_it(tmp_path: Path) -> None:
+    """One worker SIGSTOPped, its agent running, not yet fenced (a long --failure-timeout), when the run ends
+    (--timeout here; Ctrl-C alike): the agent waited for a worker that never exits, and the launcher waited
+    out its 10 s grace and killed the node ('still running after the run ended'). The agent kills its stopped
+    workers once the run has ended, and leaves by itself."""
+    import signal
+    import threading
+    import time
+
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+    from phoenixft.config import RunConfig
+    from phoenixft.display import Display
+    from phoenixft.launcher import run_job
+
+    def stop_n1_worker() -> None:
+        deadline = time.monotonic() + 60
+        store = None
+        while time.monotonic() < deadline and store is None:
+            try:
+                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
+            except (OSError, ValueError, RuntimeError):
+                time.sleep(0.05)
+        assert store is not None
+        while time.monotonic() < deadline and not (store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 3):
+            time.sleep(0.01)
+        pid = _worker_of("n1", os.getpid())
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+
+    cfg = RunConfig(nodes=2, spares=0, steps=400, model="tiny", failure_timeout=60.0, timeout=6.0,
+                    run_dir=str(tmp_path), quiet=True)
+    cfg.validate()
+    t = threading.Thread(target=stop_n1_worker, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    rep = run_job(cfg, Display(quiet=True, steps=cfg.steps))
+    took = time.monotonic() - t0
+    t.join(timeout=10)
+    assert rep["state"] == "failed: timeout after 6s", rep["state"]
+    assert took < cfg.timeout + 6.0, f"the run took {took:.1f}s to end after its {cfg.timeout:g}s timeout"
+    assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
+    assert processes_with(rep["run_id"]) == []
+    assert sorted(Path("/dev/shm").glob(f"phoenixft-{rep['run_id']}[-.]*")) == []

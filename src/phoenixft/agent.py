@@ -47,7 +47,7 @@ from typing import Any
 from phoenixft import auth, shm
 from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS
 from phoenixft.errors import UserError
-from phoenixft.procs import die_with_parent, exit_now
+from phoenixft.procs import die_with_parent, exit_now, process_state
 
 __all__ = ["main", "probe_store", "CALL_TIMEOUT_S"]
 
@@ -56,6 +56,36 @@ MAX_RESTARTS = 3
 MAX_AGENT_WAIT_S = MAX_FAILURE_TIMEOUT_S  # --connect-timeout, --join-timeout, --control-plane-timeout: a day
 CALL_TIMEOUT_S = 5.0  # the agent's own store calls: a partitioned host notices within this, then reconnects
 _ID = re.compile(r"^[ns]\d+$")
+
+
+class StoppedWorkers:
+    """Which of the node's workers have been stopped for how long. The agent's heartbeat vouches for the
+    whole node, but a worker can be stopped (SIGSTOP, SIGTSTP, a tracer's stop) while its agent runs on:
+    its peers then wait in a collective that no heartbeat would ever time out. So the agent looks at
+    each worker's scheduler state (/proc/PID/stat: `T` or `t`) before each heartbeat; a worker seen
+    stopped for longer than --failure-timeout stops the heartbeat, and the coordinator fences the node
+    as it does a silent one. A worker that runs, however slowly or busily, is never judged."""
+
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}  # pid -> when it was first seen stopped (this clock)
+
+    def stopped(self, children: dict[int, int]) -> dict[int, float]:
+        """{local rank: seconds seen stopped} of the workers in `children` (pid -> local rank) that are
+        stopped now."""
+        now = time.monotonic()
+        out = {}
+        for pid, lr in children.items():
+            if process_state(pid) in ("T", "t"):
+                out[lr] = now - self._since.setdefault(pid, now)
+            else:
+                self._since.pop(pid, None)
+        for pid in set(self._since) - set(children):
+            del self._since[pid]
+        return out
+
+    def forget(self) -> None:
+        """Workers stopped on purpose (the partition fault's `wait=` hold): their stop is not counted."""
+        self._since.clear()
 
 
 def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0) -> int:
@@ -280,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     # quarter of the failure timeout, whichever is shorter; a TCPStore is looked at every 0.25 s
     look_every = min(1.0, cfg.failure_timeout / 4) if is_etcd(store) else 0.0
     last_look = 0.0
+    stopped_workers = StoppedWorkers()
+    silent_said = False
     while children:
         try:
             if store is None:
@@ -300,7 +332,26 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 if beat is None or beat.store is not store:
                     beat = Heartbeat(store, keys.heartbeat(node), cfg.failure_timeout)  # a lease on etcd
-                beat.beat(str(time.time()))
+                # a worker stopped (SIGSTOP) for longer than the failure timeout while this agent runs: no
+                # longer vouch for the node (workers the partition fault's hold pauses itself are not judged)
+                if injector.holding:
+                    stopped_workers.forget()
+                stopped = stopped_workers.stopped(children)
+                if stopped and store.check([keys.RUN_STATE]):
+                    # the run ended: a stopped worker would never see it, and this agent would wait for it
+                    # (the launcher until its grace ran out); it has nothing left to do
+                    for wpid in [w for w, r in children.items() if r in stopped]:
+                        os.kill(wpid, signal.SIGKILL)
+                quiet = {lr: t for lr, t in stopped.items() if t > cfg.failure_timeout}
+                if not quiet:
+                    beat.beat(str(time.time()))
+                    silent_said = False
+                elif not silent_said:
+                    silent_said = True
+                    print(f"phoenixft agent {node}: worker(s) "
+                          + ", ".join(f"{node}.{lr} ({q:.1f}s)" for lr, q in sorted(quiet.items()))
+                          + f" stopped (SIGSTOP) for longer than --failure-timeout={cfg.failure_timeout:g}s; "
+                          "no heartbeat for the node until they run again", flush=True)
                 injector.tick(store)
             last_ok = time.monotonic()
         except Exception:  # noqa: BLE001 - control plane gone: keep supervising for a bounded time

@@ -45,7 +45,7 @@ from phoenixft.config import RunConfig
 from phoenixft.controlplane import LEADER_KEY, EtcdUnavailable, LogReader, exists_many, get_nowait, is_etcd
 from phoenixft.display import Display
 from phoenixft.errors import UserError
-from phoenixft.procs import group_members
+from phoenixft.procs import group_members, group_stopped
 from phoenixft.repair import RepairQueue
 from phoenixft.report import build_report
 
@@ -372,7 +372,7 @@ class LocalJob:
                 if over:
                     return self.store.get(keys.RUN_STATE).decode()
                 if time.monotonic() > deadline:
-                    return f"failed: timeout after {self.cfg.timeout:.0f}s"
+                    return f"failed: timeout after {self.cfg.timeout:g}s"  # (0.5 is not "0s")
                 if self.local and all(n in self.exited for n in self.agents):
                     if self.store.check([keys.RUN_STATE]):  # the run ended, then its nodes: looked at since `over`
                         return self.store.get(keys.RUN_STATE).decode()
@@ -478,11 +478,14 @@ class LocalJob:
         deadline = time.monotonic() + STOP_GRACE_S
         if not self.local and self._may_end_job():  # (cut off, or the job handed over: nobody leaves through us)
             self._await_remote_agents(deadline)
-        for p in [*self.agents.values(), *self.coords.values()]:
-            try:
-                p.wait(timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        procs = [*self.agents.values(), *self.coords.values()]
+        while time.monotonic() < deadline:
+            running = [p for p in procs if p.poll() is None]
+            # a node whose every process is stopped (hung, SIGSTOPped) obeys nothing: waiting out the grace
+            # for it only delays Ctrl-C by STOP_GRACE_S; it is killed below at once
+            if not running or all(group_stopped(p.pid) for p in running):
+                break
+            time.sleep(0.05)
         for n, p in self.agents.items():
             if p.poll() is None:
                 members = group_members(p.pid)

@@ -117,6 +117,11 @@ class PartitionInjector:
                 pass
         self._stopped = sig == signal.SIGSTOP
 
+    @property
+    def holding(self) -> bool:
+        """Whether the node's workers are paused by this injector (a `wait=` hold): not a failure."""
+        return self._stopped
+
     def _slot(self, store: Any) -> int | None:
         """This node's slot in the current epoch (from a topology whose signature verifies)."""
         from phoenixft.auth import sign_topology

@@ -84,6 +84,13 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw[raw.rfind(")") + 2 :].split()
 
 
+def process_state(pid: int) -> str | None:
+    """The scheduler state of `pid` (`R`, `S`, `D`, `T` stopped, `t` stopped by a tracer, `Z`, ...), or None
+    if there is no such process."""
+    f = _stat_fields(pid)
+    return f[0] if f else None
+
+
 def start_time(pid: int) -> int | None:
     """Start time of `pid` in clock ticks since boot, or None if there is no such process."""
     f = _stat_fields(pid)
@@ -112,6 +119,19 @@ def group_members(pgid: int) -> list[int]:
         if f and f[0] not in ("Z", "X") and int(f[2]) == pgid:
             out.append(int(d.name))
     return out
+
+
+def group_stopped(pgid: int) -> bool:
+    """Whether process group `pgid` has live processes and every one of them is stopped (SIGSTOP,
+    SIGTSTP, a tracer): such a group obeys no request to exit until it is continued."""
+    states = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        f = _stat_fields(int(d.name))
+        if f and f[0] not in ("Z", "X") and int(f[2]) == pgid:
+            states.append(f[0])
+    return bool(states) and all(st in ("T", "t") for st in states)
 
 
 def cmdlines() -> dict[int, list[str]]:

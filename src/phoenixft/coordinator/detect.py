@@ -53,6 +53,10 @@ class FailureDetector:
         self._restarts_seen = 0
         self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
         self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
+        # node -> when its workers last answered a gather: a sign of life like a heartbeat (a starved or stopped
+        # agent's node whose workers answered is not judged stale again before another --failure-timeout)
+        self._answered: dict[str, float] = {}
+        self._read_at: float | None = None  # when this process last read the heartbeats (its monotonic clock)
 
     def exited(self, nodes: list[str]) -> set[str]:
         """Those of `nodes` whose exit the launcher reported. A node's exit key is looked at once per
@@ -92,13 +96,18 @@ class FailureDetector:
             return set()
         beats = multi_get_nowait(self.store, [keys.heartbeat(n) for n in have])
         seen = time.monotonic()  # judged on this clock: a heartbeat's value is another host's wall time
+        # this process read nothing for a while (it, or the store serving it, was stopped or starved: a
+        # `phoenixft run` paused and continued): a value unchanged since says nothing about that time, as
+        # the agents' beats could not land either; every node's silence counts from now
+        blind = self._read_at is not None and seen - self._read_at > max(1.0, self.cfg.failure_timeout / 2)
+        self._read_at = seen
         gone = set()  # etcd: the key expired with its agent's lease (silent for --failure-timeout)
         for n, b in zip(have, beats, strict=True):
             if b is None:
                 gone.add(n)
                 continue
             last = self._hb_last.get(n)
-            if last is None or last[0] != b:
+            if last is None or last[0] != b or blind:
                 self._hb_last[n] = (bytes(b), seen)
         return gone | {n for n in have if n not in gone and seen - self._hb_last[n][1] > self.cfg.failure_timeout}
 
@@ -120,7 +129,10 @@ class FailureDetector:
             spares = [s for s in self.state.spare_pool if s not in self.state.dead]
             stale = self.stale(self.state.topo.nodes + spares, now)
             self.state.gone_spares = (stale | self.exited(spares)) & set(spares)
-            if stale - set(spares):
+            # a member's workers that answered a gather within the failure timeout are alive: its agent is
+            # starved or stopped, and asking them again at every poll would be a recovery every 0.25 s
+            ft = self.cfg.failure_timeout
+            if {n for n in stale - set(spares) if now - self._answered.get(n, -float("inf")) > ft}:
                 return True
         return False
 
@@ -186,4 +198,6 @@ class FailureDetector:
                 dead |= unresponsive
                 break
             time.sleep(self.gather_poll_s)
+        now = time.monotonic()
+        self._answered.update((n, now) for n in nodes if n not in dead)  # every live node's workers posted
         return dead, fenced, restarted
