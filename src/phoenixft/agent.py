@@ -212,14 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     from phoenixft.comm import BIND_ENV, connect_store
     from phoenixft.config import RunConfig
 
-    try:
-        store: Any = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
-        store.check([keys.CONFIG])
-        cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
-        served = store.get(keys.RUN_ID).decode() if a.run_id and store.check([keys.RUN_ID]) else ""
-    except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
-        raise UserError(f"{flag}={a.store}: not a reachable phoenixft store ({str(e).splitlines()[0][:120]})") \
-            from None
+    connect_deadline = time.monotonic() + a.connect_timeout
+    while True:  # something listens there (probed): a client that times out on a loaded host tries again
+        try:
+            store: Any = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
+            store.check([keys.CONFIG])
+            cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
+            served = store.get(keys.RUN_ID).decode() if a.run_id and store.check([keys.RUN_ID]) else ""
+            break
+        except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
+            timed_out = "timed out" in str(e) or "timeout" in str(e).lower()
+            if not timed_out or time.monotonic() > connect_deadline:
+                raise UserError(f"{flag}={a.store}: not a reachable phoenixft store "
+                                f"({str(e).splitlines()[0][:120]})") from None
     if served and a.run_id != served:  # before asking to join: a refused agent must not hold a slot
         raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
     request = {"name": a.node, "spare": a.spare or (a.node.startswith("s") and bool(_ID.match(a.node))),
