@@ -124,3 +124,70 @@ def test_a_reader_reads_each_half_and_refuses_what_does_not_fit(tmp_path: Path) 
     with pytest.raises(OSError, match="the shard needs"):
         PeerShard(hello)
     assert shard_hello(ShardState(10, None)).path == ""  # private memory: nothing to read from elsewhere
+
+
+def _fds_on(path: str) -> int:
+    n = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            n += fd.resolve().as_posix().startswith(path)
+        except OSError:
+            continue
+    return n
+
+
+def test_a_handshake_that_fails_closes_the_files_it_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer lost mid-handshake (after the hellos, before the acks): the owners' files opened so far are
+    closed, not kept open for the rest of the process (a dead node's deleted shard pinned in memory)."""
+    from phoenixft import comm
+    from phoenixft.errors import PeerFailure
+    from phoenixft.replica_link import Links, host_key
+    from phoenixft.snapshot import ShardState
+
+    owner = ShardState(1000, str(tmp_path / "owner"), rows=3, payload_from=1)
+    mine = ShardState(1000, str(tmp_path / "mine"), rows=3, payload_from=1)
+    theirs = shard_hello(owner)
+    assert theirs.host == host_key()
+    monkeypatch.setattr(comm, "alltoallv", lambda pg, world, sends, recv, **kw: (
+        object(), None, {s: theirs.encode() for s in recv}))
+    calls: list[str] = []
+
+    def wait(work: Any, what: str) -> None:
+        calls.append(what)
+        if len(calls) == 2:  # the acks: the peer is gone
+            raise PeerFailure(f"{what}: peer lost")
+
+    with pytest.raises(PeerFailure, match="peer lost"):
+        Links.handshake(None, 2, shard_hello(mine), [1], [1], wait)
+    assert len(calls) == 2
+    assert _fds_on(theirs.path) == 0
+
+
+def test_a_replicator_closed_during_a_job_closes_its_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`close()` while the replication thread is in a job: the thread drops the epoch's links when it
+    stops, so the owners' files it reads are not held open for the rest of the process."""
+    import threading
+
+    from phoenixft.replica_link import Links
+    from phoenixft.replication import Replicator
+    from phoenixft.snapshot import ShardState
+
+    owner = ShardState(1000, str(tmp_path / "owner"), rows=3, payload_from=1)
+    hello = shard_hello(owner)
+    entered, release = threading.Event(), threading.Event()
+
+    def job(self: Replicator, step: int) -> None:
+        self._links = Links(pull_from={1: PeerShard(hello)})
+        entered.set()
+        release.wait(10)
+
+    monkeypatch.setattr(Replicator, "_replicate", job)
+    rep = Replicator(ShardState(10, None), lambda shard: None, 100, lambda: None, 5.0)  # type: ignore[arg-type,return-value]
+    rep.start(1)
+    assert entered.wait(10)
+    assert _fds_on(hello.path) == 1
+    rep.close()
+    release.set()
+    rep._thread.join(10)
+    assert not rep._thread.is_alive()
+    assert _fds_on(hello.path) == 0

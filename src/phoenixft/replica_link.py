@@ -165,23 +165,27 @@ class Links:
         work, _, got = alltoallv(pg, world, {d: me for d in send_to}, {s: n for s in srcs}, dtype=torch.int64)
         wait(work, "replica link handshake")
         out = cls()
-        for s in srcs:
-            h = Hello.decode(got[s])
-            if mine is None or not h.path or h.host != mine.host or h.numel != mine.numel:
-                continue
-            try:
-                out.pull_from[s] = PeerShard(h)
-            except OSError:
-                continue  # not readable here after all: that pair goes over TCP
-        acks = {s: torch.tensor([1 if s in out.pull_from else 0], dtype=torch.int64) for s in srcs}
-        work, _, back = alltoallv(pg, world, acks, {d: 1 for d in send_to}, dtype=torch.int64)
-        wait(work, "replica link handshake")
-        out.pulled_by = {d for d in send_to if int(back[d][0]) == 1}
-        every = torch.tensor([1 if len(out.pulled_by) == len(send_to) and len(out.pull_from) == len(srcs) else 0],
-                             dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # (torch's stubs: RedOpType)
-        work = pg.allreduce([every], opts)
-        wait(work, "replica link handshake")
-        out.all_shared = bool(int(every[0]))
+        try:
+            for s in srcs:
+                h = Hello.decode(got[s])
+                if mine is None or not h.path or h.host != mine.host or h.numel != mine.numel:
+                    continue
+                try:
+                    out.pull_from[s] = PeerShard(h)
+                except OSError:
+                    continue  # not readable here after all: that pair goes over TCP
+            acks = {s: torch.tensor([1 if s in out.pull_from else 0], dtype=torch.int64) for s in srcs}
+            work, _, back = alltoallv(pg, world, acks, {d: 1 for d in send_to}, dtype=torch.int64)
+            wait(work, "replica link handshake")
+            out.pulled_by = {d for d in send_to if int(back[d][0]) == 1}
+            every = torch.tensor([1 if len(out.pulled_by) == len(send_to) and len(out.pull_from) == len(srcs) else 0],
+                                 dtype=torch.int64)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # (torch's stubs: RedOpType)
+            work = pg.allreduce([every], opts)
+            wait(work, "replica link handshake")
+            out.all_shared = bool(int(every[0]))
+        except BaseException:  # a peer lost mid-handshake: the files opened so far are not kept open
+            out.close()
+            raise
         return out

@@ -160,7 +160,8 @@ class Replicator:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._job is not None or self._stop)
-                if self._stop:
+                if self._stop:  # (closed while a job ran: that job's epoch links are dropped here)
+                    self._drop_links()
                     return
                 step = self._job
             assert step is not None
