@@ -221,6 +221,7 @@ class Replicator:
             self.stats.bytes_sent += sent
             self.stats.seconds += dt
             self.stats.last_job_s, self.stats.last_cpu_s, self.stats.last_bytes = dt, time.thread_time() - c0, sent
+            self.stats.last_shm_bytes = 0  # (parity moves over TCP)
             return
         assert self.comm is not None and self.plan is not None
         comm, plan = self.comm, self.plan
