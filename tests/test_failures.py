@@ -359,6 +359,22 @@ def test_a_worker_failing_once_before_the_start_is_restarted_fresh(
     assert logs.count("the data mount is not there yet") == 1, logs
 
 
+@pytest.mark.parametrize("nodes,spares", [(1, 0), (1, 1)])
+def test_a_transient_failure_before_the_start_on_every_node_at_once_is_healed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference, nodes: int, spares: int) -> None:  # type: ignore[no-untyped-def]
+    """A worker failing once before the first step (its data mount came up late) on every node of the
+    run at the time (here the only one, no spare): "every node failed before the first step" ended the
+    run at once, as a failure no restart can heal, although its restart in place healed it. The rule
+    waits for each node's failure to repeat after that restart."""
+    _user_workloads(monkeypatch)
+    monkeypatch.setenv("PHOENIXFT_TEST_MARK", str(tmp_path / "failed-once"))
+    ref = reference(nodes=nodes, steps=4, workload="user_workload:workload")
+    rep = run(tmp_path / "run", nodes=nodes, spares=spares, steps=4, workload="user_workload:fails_once_workload",
+              protect="none", timeout=60.0, join_timeout=25.0)
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+
+
 def test_a_spare_whose_worker_died_while_idle_is_still_promoted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:  # type: ignore[no-untyped-def]
     """The spare's worker process died while it waited, after the start (its agent alive): the agent
