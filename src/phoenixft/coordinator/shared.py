@@ -117,11 +117,14 @@ class Job:
         return (f"every node failed before the first step ({names}), a failure no restart or spare can heal; "
                 f"first {wid}: {error}")
 
-    def fail_run(self, why: str) -> None:
+    def fail_run(self, why: str, blamed: list[str] | None = None) -> None:
+        """End the run, failed, for `why`; `blamed`: the nodes `why` names (their workers' errors first)."""
         try:  # before the first step, a worker's own error says more (e.g. only some hosts lack the data)
             if "before the first step" not in why and self.progress() == 0:
                 raw = get_nowait(self.store, keys.MEMBERS)
                 failed = self.start_failures(sorted(json.loads(bytes(raw))) if raw is not None else [])
+                # (the error of a node the message names, not one an earlier start already replaced)
+                failed = {n: f for n, f in failed.items() if n in (blamed or ())} or failed
                 if failed:
                     _, wid, error = min(failed.values())
                     why = f"{why} (before the first step, {wid} failed: {error})"
