@@ -342,6 +342,22 @@ def test_every_node_failing_before_the_first_step_fails_the_run_with_the_error(
     assert all(needle.split(": ")[-1] in t for n, t in logs.items() if n != "coordinator.log"), logs
 
 
+def test_a_join_timeout_names_the_error_of_the_node_it_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two of three hosts lack the data (n0 fails first, n1 later): the spare took n0's slot, the run
+    failed at --join-timeout waiting for n1, but the error it carried was n0's (the first error of the
+    run), which named a host the message did not. It carries the waited-for node's."""
+    _user_workloads(monkeypatch)
+    monkeypatch.setenv("PHOENIXFT_TEST_FAIL_NODES", "n0,n1")
+    rep = run(tmp_path, nodes=2, spares=1, steps=4, workload="user_workload:fails_on_nodes_workload",
+              timeout=60.0, join_timeout=15.0)
+    assert rep["state"] == "failed", rep["state"]
+    err = rep.get("error", "")
+    assert "did not get its workers ready within --join-timeout=15s" in err, err
+    assert "joined, but n1 did not get its workers ready" in err, err
+    assert "n1.0 failed:" in err and "not on host n1 (deliberate)" in err and "host n0" not in err, err
+
+
 def test_a_worker_failing_once_before_the_start_is_restarted_fresh(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:  # type: ignore[no-untyped-def]
     """One worker failing once before the run's first epoch (a transient error): its agent restarted it
@@ -357,6 +373,22 @@ def test_a_worker_failing_once_before_the_start_is_restarted_fresh(
     assert rep["recoveries"] == []
     logs = "".join(f.read_text() for f in (tmp_path / "run" / "logs").glob("n*.log"))
     assert logs.count("the data mount is not there yet") == 1, logs
+
+
+@pytest.mark.parametrize("nodes,spares", [(1, 0), (1, 1)])
+def test_a_transient_failure_before_the_start_on_every_node_at_once_is_healed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference, nodes: int, spares: int) -> None:  # type: ignore[no-untyped-def]
+    """A worker failing once before the first step (its data mount came up late) on every node of the
+    run at the time (here the only one, no spare): "every node failed before the first step" ended the
+    run at once, as a failure no restart can heal, although its restart in place healed it. The rule
+    waits for each node's failure to repeat after that restart."""
+    _user_workloads(monkeypatch)
+    monkeypatch.setenv("PHOENIXFT_TEST_MARK", str(tmp_path / "failed-once"))
+    ref = reference(nodes=nodes, steps=4, workload="user_workload:workload")
+    rep = run(tmp_path / "run", nodes=nodes, spares=spares, steps=4, workload="user_workload:fails_once_workload",
+              protect="none", timeout=60.0, join_timeout=25.0)
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
 
 
 def test_a_spare_whose_worker_died_while_idle_is_still_promoted(

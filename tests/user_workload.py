@@ -260,6 +260,18 @@ def fails_once_workload(ctx: WorkloadContext) -> Workload:
     return workload(ctx)
 
 
+def fails_on_nodes_workload(ctx: WorkloadContext) -> Workload:
+    """A factory that fails on the nodes named in $PHOENIXFT_TEST_FAIL_NODES (comma-separated: their
+    hosts lack the data), naming its node; the k-th named after k x 1.5 s (a slower host)."""
+    argv = sys.argv
+    node = argv[argv.index("--node") + 1] if "--node" in argv else ""
+    failing = os.environ.get("PHOENIXFT_TEST_FAIL_NODES", "").split(",")
+    if node and node in failing:
+        time.sleep(1.5 * failing.index(node))
+        raise FileNotFoundError(f"/data/corpus.bin is not on host {node} (deliberate)")
+    return workload(ctx)
+
+
 def bad_split_workload(ctx: WorkloadContext) -> Workload:
     """A workload whose split (for --tp/--pp) raises on every rank."""
     wl = workload(ctx)

@@ -477,15 +477,20 @@ class Worker:
 
 def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: str) -> None:
     """Tell the coordinator that this worker failed before it took part in any step (`startfail/<wid>`,
-    its first error kept): when every node and spare of the run failed so before the run's first step,
-    the failure is the same everywhere (the workload, the data, the environment) and the coordinator
-    ends the run with this error instead of restarting and promoting nodes that fail alike."""
+    its first error kept, and how often it failed so): when every node and spare of the run failed so
+    before the run's first step, again after a restart in place (a failure once may be transient: its
+    restart heals it and deletes the key), the failure is the same everywhere (the workload, the data,
+    the environment) and the coordinator ends the run with this error instead of restarting and
+    promoting nodes that fail alike."""
     if w is not None and w.trained:
         return
     try:
         store = w.store if w is not None else connect_store(store_addr, 10.0)
-        if not store.check([keys.start_failed(wid)]):
-            store.set(keys.start_failed(wid), json.dumps({"t": time.time(), "error": error[:500]}))
+        key = keys.start_failed(wid)  # (one process of the worker at a time: no other writer)
+        rec: dict[str, Any] = (json.loads(store.get(key)) if store.check([key])
+                               else {"t": time.time(), "error": error[:500]})
+        rec["failures"] = int(rec.get("failures", 0)) + 1
+        store.set(key, json.dumps(rec))
         store.add(keys.START_FAILS, 1)  # the coordinator looks at startfail/ keys when this moves
     except Exception:  # noqa: BLE001 - no control plane: nobody to tell (the agent still reports the exit)
         pass

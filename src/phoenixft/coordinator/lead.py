@@ -164,12 +164,13 @@ class Coordinator:
                 if len(active) < self.cfg.nodes:
                     self.job.fail_run(f"only {len(active)} of {self.cfg.nodes} node(s) joined within --join-timeout="
                                       f"{self.cfg.join_timeout:g}s (joined: {joined}"
-                                      + (f"; not ready yet: {', '.join(waiting)}" if waiting else "") + ")")
+                                      + (f"; not ready yet: {', '.join(waiting)}" if waiting else "") + ")",
+                                      blamed=waiting)
                 else:  # every slot filled: some node never got its workers ready (and no ready spare took its slot)
                     self.job.fail_run(f"all {self.cfg.nodes} node(s) joined, but {', '.join(waiting)} did not get its "
                                       f"workers ready within --join-timeout={self.cfg.join_timeout:g}s (its agent "
                                       "stopped or died while starting, and no ready spare could take its slot; "
-                                      f"joined: {joined})")
+                                      f"joined: {joined})", blamed=waiting)
                 return
             time.sleep(0.005)
         self.job.event("run_start", nodes=active, spares=self.state.spare_pool)

@@ -86,9 +86,10 @@ class Job:
     def progress(self) -> int:
         return int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
 
-    def start_failures(self, nodes: list[str]) -> dict[str, tuple[float, str, str]]:
+    def start_failures(self, nodes: list[str], repeated: bool = False) -> dict[str, tuple[float, str, str]]:
         """node -> (t, wid, first error) of those of `nodes` with a worker that failed before the run's first
-        step (`startfail/<wid>`, its earliest); one store call while no worker has failed so."""
+        step (`startfail/<wid>`, its earliest; with `repeated`, only a worker that failed so again after
+        its restart in place); one store call while no worker has failed so."""
         if not nodes or self.store.add(keys.START_FAILS, 0) == 0:
             return {}
         wids = [w for n in nodes for w in self.wids(n)]
@@ -96,15 +97,19 @@ class Job:
         for w, there in zip(wids, exists_many(self.store, [keys.start_failed(w) for w in wids]), strict=True):
             if there:
                 rec = json.loads(self.store.get(keys.start_failed(w)))
+                if repeated and int(rec.get("failures", 1)) < 2:
+                    continue
                 node, mine = w.rsplit(".", 1)[0], (float(rec.get("t", 0.0)), w, str(rec.get("error", "?")))
                 found[node] = min(found.get(node, mine), mine)
         return found
 
     def failed_everywhere_at_start(self, nodes: list[str]) -> str | None:
         """The run's end, if every one of `nodes` (each active node and spare) had a worker fail before
-        the run's first step: a failure the same everywhere (the workload, its data, the environment),
-        which restarting in place or promoting a spare only repeats; None otherwise."""
-        failed = self.start_failures(nodes)
+        the run's first step, and fail again once restarted in place: a failure the same everywhere (the
+        workload, its data, the environment), which restarting in place or promoting a spare only
+        repeats; None otherwise (a failure once, even on every node at the same time, may be transient:
+        e.g. a one-node run whose data mount came up late is healed by its restart)."""
+        failed = self.start_failures(nodes, repeated=True)
         if not nodes or len(failed) < len(nodes) or self.progress() > 0:
             return None
         _, wid, error = min(failed.values())
@@ -112,11 +117,14 @@ class Job:
         return (f"every node failed before the first step ({names}), a failure no restart or spare can heal; "
                 f"first {wid}: {error}")
 
-    def fail_run(self, why: str) -> None:
+    def fail_run(self, why: str, blamed: list[str] | None = None) -> None:
+        """End the run, failed, for `why`; `blamed`: the nodes `why` names (their workers' errors first)."""
         try:  # before the first step, a worker's own error says more (e.g. only some hosts lack the data)
             if "before the first step" not in why and self.progress() == 0:
                 raw = get_nowait(self.store, keys.MEMBERS)
                 failed = self.start_failures(sorted(json.loads(bytes(raw))) if raw is not None else [])
+                # (the error of a node the message names, not one an earlier start already replaced)
+                failed = {n: f for n, f in failed.items() if n in (blamed or ())} or failed
                 if failed:
                     _, wid, error = min(failed.values())
                     why = f"{why} (before the first step, {wid} failed: {error})"
