@@ -46,6 +46,24 @@ def _worker_of(node: str, launcher: int) -> int | None:
     return None
 
 
+def _await_progress(run_dir: Path, step: int, deadline: float) -> None:
+    """Wait (until `deadline`, monotonic) for the local run in `run_dir` to have completed `step` steps."""
+    import time
+
+    from phoenixft import keys
+    from phoenixft.comm import connect_store
+
+    store = None
+    while time.monotonic() < deadline and store is None:
+        try:
+            store = connect_store(f"127.0.0.1:{int((run_dir / 'coordinator.port').read_text())}", 5.0)
+        except (OSError, ValueError, RuntimeError):
+            time.sleep(0.05)
+    assert store is not None
+    while time.monotonic() < deadline and not (store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= step):
+        time.sleep(0.01)
+
+
 def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeout(
         tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """One worker SIGSTOPped (a debugger, a hang) while its agent runs on: the agent's heartbeat kept vouching
@@ -57,25 +75,13 @@ def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeo
     import threading
     import time
 
-    from phoenixft import keys
-    from phoenixft.comm import connect_store
 
     ref = reference(nodes=2, steps=40)
     seen: dict[str, float] = {}
 
     def stop_n1_mid_run() -> None:
         deadline = time.monotonic() + 90
-        store = None
-        while time.monotonic() < deadline and store is None:
-            try:
-                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
-            except (OSError, ValueError, RuntimeError):
-                time.sleep(0.05)
-        assert store is not None
-        while time.monotonic() < deadline:
-            if store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 4:
-                break
-            time.sleep(0.01)
+        _await_progress(tmp_path, 4, deadline)
         pid = _worker_of("n1", os.getpid())
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
@@ -112,24 +118,12 @@ def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
     import threading
     import time
 
-    from phoenixft import keys
-    from phoenixft.comm import connect_store
 
     ref = reference(nodes=2, steps=160)
 
     def stop_agent_of_n1() -> None:
         deadline = time.monotonic() + 90
-        store = None
-        while time.monotonic() < deadline and store is None:
-            try:
-                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
-            except (OSError, ValueError, RuntimeError):
-                time.sleep(0.05)
-        assert store is not None
-        while time.monotonic() < deadline:
-            if store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 4:
-                break
-            time.sleep(0.01)
+        _await_progress(tmp_path, 4, deadline)
         worker = _worker_of("n1", os.getpid())
         assert worker is not None
         agent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -501,23 +495,12 @@ def test_a_run_ended_while_one_worker_is_stopped_ends_without_waiting_for_it(tmp
     import threading
     import time
 
-    from phoenixft import keys
-    from phoenixft.comm import connect_store
     from phoenixft.config import RunConfig
     from phoenixft.display import Display
     from phoenixft.launcher import run_job
 
     def stop_n1_worker() -> None:
-        deadline = time.monotonic() + 60
-        store = None
-        while time.monotonic() < deadline and store is None:
-            try:
-                store = connect_store(f"127.0.0.1:{int((tmp_path / 'coordinator.port').read_text())}", 5.0)
-            except (OSError, ValueError, RuntimeError):
-                time.sleep(0.05)
-        assert store is not None
-        while time.monotonic() < deadline and not (store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 3):
-            time.sleep(0.01)
+        _await_progress(tmp_path, 3, time.monotonic() + 60)
         pid = _worker_of("n1", os.getpid())
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)

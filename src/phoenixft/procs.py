@@ -109,28 +109,27 @@ def alive(pid: int, start: int | None) -> bool:
     return start is None or int(f[19]) == start
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes whose process group is `pgid` (zombies excluded)."""
-    out = []
+def _group_states(pgid: int) -> dict[int, str]:
+    """PID -> scheduler state of the live processes (zombies excluded) whose process group is `pgid`."""
+    out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         f = _stat_fields(int(d.name))
         if f and f[0] not in ("Z", "X") and int(f[2]) == pgid:
-            out.append(int(d.name))
+            out[int(d.name)] = f[0]
     return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes whose process group is `pgid` (zombies excluded)."""
+    return list(_group_states(pgid))
 
 
 def group_stopped(pgid: int) -> bool:
     """Whether process group `pgid` has live processes and every one of them is stopped (SIGSTOP,
     SIGTSTP, a tracer): such a group obeys no request to exit until it is continued."""
-    states = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        f = _stat_fields(int(d.name))
-        if f and f[0] not in ("Z", "X") and int(f[2]) == pgid:
-            states.append(f[0])
+    states = _group_states(pgid).values()
     return bool(states) and all(st in ("T", "t") for st in states)
 
 
