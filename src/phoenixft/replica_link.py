@@ -149,10 +149,6 @@ class Links:
             p.close()
         self.pull_from.clear()
 
-    def summary(self, send_to: list[int], srcs: list[int]) -> str:
-        return (f"replicas through shared memory: to {len(self.pulled_by)} of {len(send_to)} holders, "
-                f"from {len(self.pull_from)} of {len(srcs)} owners")
-
     @classmethod
     def handshake(cls, pg: Any, world: int, mine: Hello | None, send_to: list[int], srcs: list[int],
                   wait: Any) -> Links:

@@ -61,7 +61,6 @@ class _Stats:
     last_cpu_s: float = 0.0  # CPU seconds the replication thread spent on it (copies, checksums, sends)
     last_bytes: int = 0  # bytes it replicated (sent, or read by holders on this host)
     last_shm_bytes: int = 0  # of the bytes it received, those read through host shared memory
-    links: str = ""  # how this epoch's replicas move (replica_link.Links.summary)
 
 
 class Replicator:
@@ -232,7 +231,6 @@ class Replicator:
                 [src for src, _ in plan.recv_from],
                 lambda w, what: wait_work(w, f"{what} (step {step})", self._abort_reason, self.timeout_s,
                                           BACKGROUND_NAP_S))
-            self.stats.links = self._links.summary(plan.send_to, [s for s, _ in plan.recv_from])
         links = self._links
         mine = self.state.half_with(step)
         if mine is None:
