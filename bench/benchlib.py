@@ -246,8 +246,8 @@ def phoenix_run(run_dir: Path, *, probe: bool = True, **cfg_kw: Any) -> dict[str
     bytes), recorded by bench/phoenix_probe.py. The workload is the built-in GPT either way.
     """
     from phoenixft.config import RunConfig
-    from phoenixft.display import Display
-    from phoenixft.launcher import run_job
+    from phoenixft.observe.display import Display
+    from phoenixft.runtime.launcher import run_job
 
     run_dir.mkdir(parents=True, exist_ok=True)
     probe_dir = run_dir / "probe"

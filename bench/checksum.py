@@ -4,7 +4,7 @@
 
 Hashes one buffer of the size replicated per step and worker on `small` (43 MB) with each
 candidate a maintained library offers, prints GB/s (best of --repeat) and writes
-bench/results/checksum.json. phoenixft.snapshot.checksum uses the fastest that detects flipped
+bench/results/checksum.json. phoenixft.protect.snapshot.checksum uses the fastest that detects flipped
 bits and torn copies (all of these do).
 """
 

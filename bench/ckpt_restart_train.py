@@ -1,6 +1,6 @@
 """The alternative a user has today: DDP + torch.optim.AdamW + torch.distributed.checkpoint (DCP).
 
-The same GPT as phoenixft (`phoenixft.gpt.GPT(PRESETS[m])` built under `torch.manual_seed(seed)`),
+The same GPT as phoenixft (`phoenixft.train.gpt.GPT(PRESETS[m])` built under `torch.manual_seed(seed)`),
 the same batches (`batch(step, rank)` of phoenixft's workload: rank r trains microbatch r of each
 step, exactly what phoenixft's ranks do with one microbatch per worker), the same AdamW
 hyper-parameters (betas 0.9/0.95, eps 1e-8), gloo, plain `DistributedDataParallel`, and, like
@@ -96,8 +96,8 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from phoenixft.data import _mix
-    from phoenixft.gpt import GPT, PRESETS
-    from phoenixft.gpt import workload as gpt_workload
+    from phoenixft.train.gpt import GPT, PRESETS
+    from phoenixft.train.gpt import workload as gpt_workload
     from phoenixft.workload import WorkloadContext
 
     wl = gpt_workload(WorkloadContext(seed=a.seed, micro_batch=a.micro_batch, model=a.model))

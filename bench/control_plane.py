@@ -5,17 +5,17 @@
     python bench/control_plane.py --sizes 64 --out /tmp/x
 
 For each W: a real TCPStore served by this process as the launcher serves it
-(`phoenixft.store_server`: 127.0.0.1, a free port; its server is torch's C++ thread: while the
+(`phoenixft.controlplane.server`: 127.0.0.1, a free port; its server is torch's C++ thread: while the
 protocol runs, this process's Python threads only read the children's pipes), the REAL coordinator
 in its own process (`python -m phoenixft.coordinator --store ...`, started as the launcher starts
 it), W/G active nodes and one spare node of G workers each. Every node's agent has its own store
-client and first gets itself admitted (the job token's HMAC challenge-response, `phoenixft.auth`),
-then every 0.25 s checks its fence and heartbeats `hb/<node>`, the two calls of `phoenixft.agent`
+client and first gets itself admitted (the job token's HMAC challenge-response, `phoenixft.controlplane.auth`),
+then every 0.25 s checks its fence and heartbeats `hb/<node>`, the two calls of `phoenixft.runtime.agent`
 (the agents are one child process, their heartbeats driven by `--threads` threads). The workers
 are simulated by `--procs` child processes (default: one per core, at least 2, at most 8), the
 nodes dealt round-robin over them, each process driving its nodes from `--threads` threads
 (default 4), each node with one store client that does, for each of its workers in turn (with
-`--thread-per-worker`: a thread and client per worker), what `phoenixft.worker` does on the store:
+`--thread-per-worker`: a thread and client per worker), what `phoenixft.runtime.worker` does on the store:
 `ready/<wid>`, wait for the topology of epoch 0 (a spare: for `assign/s0`, then its topology),
 wait for the failure flag (as the `FailureWatcher`: a server-side `wait`), then the store calls of
 `Worker.recover()` - fence check, post its
@@ -92,12 +92,12 @@ if str(SRC) not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 
-from phoenixft import auth, keys  # noqa: E402
 from phoenixft.config import RunConfig  # noqa: E402
-from phoenixft.procs import die_with_parent  # noqa: E402
+from phoenixft.controlplane import auth, keys  # noqa: E402
+from phoenixft.controlplane.server import serve_store  # noqa: E402
+from phoenixft.dist.topology import Topology, shard_name  # noqa: E402
 from phoenixft.recovery.planner import Descriptor  # noqa: E402
-from phoenixft.store_server import serve_store  # noqa: E402
-from phoenixft.topology import Topology, shard_name  # noqa: E402
+from phoenixft.runtime.procs import die_with_parent  # noqa: E402
 
 G = 8  # workers per node
 SIZES = (64, 256, 1024, 4096)
@@ -511,7 +511,7 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0, procs: int = 0
     me = str(Path(__file__).resolve())
     lifeline = ["--parent", str(os.getpid())]  # each child dies with this process (PR_SET_PDEATHSIG)
     # as the launcher starts it: SIGKILLed by the kernel if this process dies
-    coord = spawn([sys.executable, "-m", "phoenixft.procs", *lifeline, "--signal", str(int(signal.SIGKILL)),
+    coord = spawn([sys.executable, "-m", "phoenixft.runtime.procs", *lifeline, "--signal", str(int(signal.SIGKILL)),
                    "phoenixft.coordinator", "--store", addr], coord_log, env=env)
     agents = None
     opts = [*lifeline, "--threads", str(THREADS)] + (["--thread-per-worker"] if THREAD_PER_WORKER else [])

@@ -94,7 +94,7 @@ def main() -> int:
 
 def run(quick: bool = False, out: Path = RESULTS) -> dict[str, Any]:
     from phoenixft.controlplane.etcd_cluster import EtcdCluster, etcd_binary
-    from phoenixft.store_server import serve_store
+    from phoenixft.controlplane.server import serve_store
 
     if etcd_binary() is None:
         raise RuntimeError("no etcd binary: apt-get install etcd-server")

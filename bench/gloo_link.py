@@ -6,7 +6,7 @@
     python bench/gloo_link.py --lanes 1,2,3   # 1, 2 and 3 connections per pair (2 threads per lane)
 
 `--gather`: both ranks exchange an `--mb` shard, gloo's `_allgather_base` against
-`phoenixft.shard_gather.gather_shards` (all-to-all rounds), alternated; checks they agree bitwise.
+`phoenixft.train.shard_gather.gather_shards` (all-to-all rounds), alternated; checks they agree bitwise.
 
 Two processes, one gloo group on a TCPStore, the sender's tensor in /dev/shm (as a worker's flat
 buffer is), received into a pre-touched /dev/shm tensor, in rounds of `--chunk-mb` posted at once
@@ -46,7 +46,7 @@ def _wait(w: object) -> None:
 
 
 def _body(rank: int, port: int, n: int, chunk: int, trials: int, lanes: list[int]) -> None:
-    from phoenixft.comm import gloo_group
+    from phoenixft.dist.comm import gloo_group
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
@@ -80,7 +80,7 @@ def _trial(rank: int, pg: Any, n: int, chunk: int, src: torch.Tensor, dst: torch
 
 
 def _gather_body(rank: int, port: int, n: int, chunk: int, trials: int) -> None:
-    from phoenixft.shard_gather import gather_shards
+    from phoenixft.train.shard_gather import gather_shards
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
@@ -107,7 +107,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--gather", action="store_true", help="the parameter gather: all-gather vs gather_shards")
     ap.add_argument("--lanes", default="1,2", help="comma-separated connections per pair to compare (gloo devices; "
-                    "the recovery transfer uses phoenixft.comm.XFER_LANES), each with 2 threads per lane")
+                    "the recovery transfer uses phoenixft.dist.comm.XFER_LANES), each with 2 threads per lane")
     a = ap.parse_args()
     try:
         lanes = [int(x) for x in a.lanes.split(",")]

@@ -27,7 +27,7 @@ import torch
 from benchlib import RESULTS, machine_info, write_json
 
 from phoenixft.optim import AdamW, native
-from phoenixft.shard_gather import CHUNK_BYTES
+from phoenixft.train.shard_gather import CHUNK_BYTES
 
 
 def _single_tensor(p_in: torch.Tensor, m0: torch.Tensor, v0: torch.Tensor, g: torch.Tensor, step: int, lr: float,

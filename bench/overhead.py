@@ -55,7 +55,7 @@ DROP = 3
 def model_numel(model: str) -> int:
     import torch
 
-    from phoenixft.gpt import GPT, PRESETS
+    from phoenixft.train.gpt import GPT, PRESETS
 
     with torch.device("meta"):
         m = GPT(PRESETS[model])

@@ -2,7 +2,7 @@
 
 Used as `--workload phoenix_probe:workload` (with bench/ on PYTHONPATH) by the benchmark runs,
 for both `--protect none` and `--protect phoenix`, so that both modes run identical code. The
-model, loss and batches are exactly `phoenixft.gpt.workload`'s. The only addition: in each worker
+model, loss and batches are exactly `phoenixft.train.gpt.workload`'s. The only addition: in each worker
 process the background replication job (`Replicator._replicate`) is wrapped with a timer that
 appends {pid, step, t0, t1, seconds, bytes} to `$PHOENIXFT_BENCH_PROBE/repl-<pid>.jsonl`, so the
 harness can report how long replication took and how much of it was hidden behind compute
@@ -28,8 +28,7 @@ def _patch() -> None:
     out_dir = os.environ.get("PHOENIXFT_BENCH_PROBE")
     if _PATCHED or not out_dir:
         return
-    from phoenixft import replication
-
+    from phoenixft.protect import replication
     orig = getattr(replication.Replicator, "_replicate", None)
     if orig is None:  # phoenixft changed: no breakdown, but the workload itself is untouched
         return
@@ -56,7 +55,7 @@ def _patch() -> None:
 
 
 def workload(ctx: WorkloadContext) -> Workload:
-    from phoenixft.gpt import workload as gpt_workload
+    from phoenixft.train.gpt import workload as gpt_workload
 
     _patch()
     return gpt_workload(ctx)

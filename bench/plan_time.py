@@ -14,8 +14,8 @@ import json
 import time
 import zlib
 
+from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
-from phoenixft.topology import Topology, shard_name
 
 G, STEP = 8, 7
 

@@ -96,7 +96,7 @@ def one(tmp: Path, mode: str, a: argparse.Namespace, rnd: int) -> dict[str, Any]
 
 def estimates(a: argparse.Namespace) -> dict[str, Any]:
     from phoenixft.config import RunConfig
-    from phoenixft.redundancy.estimate import estimate_config
+    from phoenixft.protect.redundancy.estimate import estimate_config
 
     out = {}
     for mode in MODES:

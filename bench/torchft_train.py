@@ -71,8 +71,8 @@ def main() -> int:
     from torchft import Manager, Optimizer, ProcessGroupGloo
 
     from phoenixft.data import _mix
-    from phoenixft.gpt import GPT, PRESETS
-    from phoenixft.gpt import workload as gpt_workload
+    from phoenixft.train.gpt import GPT, PRESETS
+    from phoenixft.train.gpt import workload as gpt_workload
     from phoenixft.workload import WorkloadContext
 
     logf = open(a.step_log, "a")  # noqa: SIM115

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from phoenixft.config import RunConfig
-from phoenixft.display import Display
-from phoenixft.launcher import run_job
+from phoenixft.observe.display import Display
+from phoenixft.runtime.launcher import run_job
 
 
 def processes_with(tag: str) -> list[int]:
@@ -32,7 +32,7 @@ def run(tmp: Path, **kw: Any) -> dict[str, Any]:
     """Run a job to completion; assert that no process and no shared memory outlives it.
 
     Two checks: the launcher's teardown record must be empty (it had to kill nothing and remove no
-    segment that the run's own processes should have cleaned up: see `phoenixft.launcher`), and,
+    segment that the run's own processes should have cleaned up: see `phoenixft.runtime.launcher`), and,
     independently of the launcher, /proc holds no process naming the run id and /dev/shm no file
     of the run."""
     kw.setdefault("timeout", 240.0)

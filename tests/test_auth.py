@@ -15,19 +15,19 @@ from typing import Any
 
 import pytest
 
-from phoenixft import auth, keys
 from phoenixft.config import RunConfig
+from phoenixft.controlplane import auth, keys
+from phoenixft.controlplane.server import serve_store
 from phoenixft.errors import RunAborted, UserError
-from phoenixft.faults import parse_fault
-from phoenixft.launcher import check_mode
-from phoenixft.store_server import serve_store
+from phoenixft.faults.spec import parse_fault
+from phoenixft.runtime.launcher import check_mode
 
 TOKEN = "a" * 16 + "0123456789abcdef"
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _client(server: Any) -> Any:
-    from phoenixft.comm import connect_store
+    from phoenixft.dist.comm import connect_store
 
     return connect_store(server.addr, 10.0)
 
@@ -125,7 +125,7 @@ def test_a_response_cannot_be_replayed_and_a_rogue_coordinator_is_noticed() -> N
 
 
 def test_workers_act_only_on_signed_topologies(monkeypatch: pytest.MonkeyPatch) -> None:
-    from phoenixft.topology import Topology
+    from phoenixft.dist.topology import Topology
 
     server = serve_store("127.0.0.1", 0)
     store = _client(server)
@@ -162,7 +162,7 @@ def test_the_store_listens_on_the_given_address_only() -> None:
 
 _LATE_PEER = r'''
 import sys, time, torch, torch.distributed as dist
-from phoenixft.comm import EpochComm
+from phoenixft.dist.comm import EpochComm
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
 comm = EpochComm(store, 0, 1, 2, 30.0)
 buf = torch.full((1 << 18,), 1.0)
@@ -181,7 +181,7 @@ def test_an_abandoned_collective_cannot_be_completed_by_a_late_peer(tmp_path: Pa
     import torch
     import torch.distributed as dist
 
-    from phoenixft.comm import EpochComm
+    from phoenixft.dist.comm import EpochComm
 
     script = tmp_path / "late_peer.py"
     script.write_text(_LATE_PEER)
@@ -222,7 +222,7 @@ def test_partition_faults_and_mode_errors_name_the_flag() -> None:
         check_mode(RunConfig(nodes=3, repair_after=5.0), local=False)
     with pytest.raises(UserError, match=r"--token is invalid: a job token needs at least 16 characters"):
         auth.check_token("short", "--token")
-    from phoenixft.agent import main as agent_main
+    from phoenixft.runtime.agent import main as agent_main
 
     with pytest.raises(UserError, match="--node='bad name' is invalid"):
         agent_main(["--coordinator", "127.0.0.1:1", "--node", "bad name"])
@@ -294,8 +294,8 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
     line that names the exception instead."""
     from phoenixft import coordinator as coord_mod
     from phoenixft.coordinator import decide as decide_mod
+    from phoenixft.dist.topology import Topology
     from phoenixft.recovery.planner import Descriptor
-    from phoenixft.topology import Topology
 
     server = serve_store("127.0.0.1", 0)
     store = _client(server)

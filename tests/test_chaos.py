@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from conftest import processes_with
 
-from phoenixft.chaos import KINDS, MAX_COORDINATOR_KILLS, MIN_GAP, judge, make_schedule, unsurvivable_reason
 from phoenixft.cli.main import main
 from phoenixft.config import RunConfig
 from phoenixft.errors import UserError
-from phoenixft.faults import parse_fault
-from phoenixft.repair import RepairQueue
+from phoenixft.faults.chaos import KINDS, MAX_COORDINATOR_KILLS, MIN_GAP, judge, make_schedule, unsurvivable_reason
+from phoenixft.faults.spec import parse_fault
+from phoenixft.runtime.repair import RepairQueue
 
 INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP (report.json)
 
@@ -306,8 +306,8 @@ def test_ctrl_c_stops_the_campaign_without_a_verdict(tmp_path: Path, monkeypatch
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Ctrl-C (or SIGTERM) during a campaign's run used to be judged like a lost run: `chaos verdict: FAIL`,
     a report saying so and exit code 1. It stops the campaign: no verdict, no report, exit code 130."""
-    import phoenixft.launcher
-    from phoenixft.chaos import run_campaign
+    import phoenixft.runtime.launcher
+    from phoenixft.faults.chaos import run_campaign
 
     calls: list[str] = []
 
@@ -317,14 +317,14 @@ def test_ctrl_c_stops_the_campaign_without_a_verdict(tmp_path: Path, monkeypatch
                 "run_dir": cfg.run_dir}
         return done if len(calls) == 1 else {"state": INTERRUPTED, "run_dir": cfg.run_dir}
 
-    monkeypatch.setattr(phoenixft.launcher, "run_job", fake_run_job)
+    monkeypatch.setattr(phoenixft.runtime.launcher, "run_job", fake_run_job)
     cfg = _cfg(nodes=2, spares=1, steps=30, run_dir=str(tmp_path / "c"))
     with pytest.raises(KeyboardInterrupt):
         run_campaign(cfg, 1, 1, report=str(tmp_path / "c.json"))
     assert len(calls) == 2 and not (tmp_path / "c.json").exists()
     assert "verdict" not in capsys.readouterr().out
     calls.clear()
-    monkeypatch.setattr(phoenixft.launcher, "run_job",
+    monkeypatch.setattr(phoenixft.runtime.launcher, "run_job",
                         lambda cfg, *a, **kw: calls.append(cfg.run_dir) or {"state": INTERRUPTED})
     with pytest.raises(KeyboardInterrupt):  # stopped during the reference: the campaign run is not started
         run_campaign(cfg, 1, 1)
@@ -337,8 +337,8 @@ def test_ctrl_c_stops_the_campaign_without_a_verdict(tmp_path: Path, monkeypatch
 def test_ctrl_c_stops_the_demo_and_a_run_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`phoenixft demo` went on to its next run after a Ctrl-C (three of them to stop it); `phoenixft run`
     stopped by the user exited 1 like a failed run."""
-    import phoenixft.demo
-    import phoenixft.launcher
+    import phoenixft.runtime.demo
+    import phoenixft.runtime.launcher
 
     calls: list[str] = []
 
@@ -346,8 +346,8 @@ def test_ctrl_c_stops_the_demo_and_a_run_exits_130(tmp_path: Path, monkeypatch: 
         calls.append(cfg.run_dir)
         return {"state": INTERRUPTED, "run_dir": cfg.run_dir}
 
-    monkeypatch.setattr(phoenixft.demo, "run_job", fake_run_job)
-    monkeypatch.setattr(phoenixft.launcher, "run_job", fake_run_job)
+    monkeypatch.setattr(phoenixft.runtime.demo, "run_job", fake_run_job)
+    monkeypatch.setattr(phoenixft.runtime.launcher, "run_job", fake_run_job)
     monkeypatch.setenv("PHOENIXFT_ZYGOTE", "0")
     assert main(["demo", "--steps", "4", "--run-dir", str(tmp_path / "demo")]) == 130
     assert len(calls) == 1
@@ -385,8 +385,8 @@ def test_a_large_job_gets_its_schedule_at_once() -> None:
 
 def test_a_local_run_that_cannot_fit_this_machine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """`phoenixft run --nodes 100000` (or chaos, demo) started forking agents until the OOM killer came."""
-    from phoenixft import launcher
     from phoenixft.errors import UserError
+    from phoenixft.runtime import launcher
 
     monkeypatch.setattr(launcher, "_mem_total_mib", lambda: 16 * 1024)
     refused = r"--nodes=200 is invalid here: 201 local node\(s\) .* this machine has 16.0 GiB"

@@ -56,15 +56,15 @@ def test_a_bad_command_line_is_one_line(argv: list[str]) -> None:
 def test_agent_threads_below_one_are_refused(argv: list[str], needle: str) -> None:
     """`phoenixft agent --threads 0` got past every check and only its workers failed, in their logs;
     `--connect-timeout 1e300` (or inf) made an agent that never gave up on a dead address."""
-    from phoenixft.agent import main
     from phoenixft.errors import UserError
+    from phoenixft.runtime.agent import main
 
     with pytest.raises(UserError, match=needle):
         main(["--store", "127.0.0.1:1", "--node", "x", "--connect-timeout", "1", *argv])
 
 
 def test_the_command_line_is_built_without_torch() -> None:
-    """The parser took `import torch` (about 3 s here) through `phoenixft.export`, so `phoenixft gc`,
+    """The parser took `import torch` (about 3 s here) through `phoenixft.observe.export`, so `phoenixft gc`,
     `status --help`, `simulate` and every bad command line paid for it (`phoenixft gc` took 5 s)."""
     import subprocess
     import sys

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS: before its first use
 
-from phoenixft.comm import EpochComm, connect_store, wait_work  # noqa: E402
-from phoenixft.device import Device, place  # noqa: E402
+from phoenixft.dist.comm import EpochComm, connect_store, wait_work  # noqa: E402
+from phoenixft.dist.device import Device, place  # noqa: E402
 from phoenixft.errors import PeerFailure  # noqa: E402
-from phoenixft.snapshot import ShardState  # noqa: E402
+from phoenixft.protect.snapshot import ShardState  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

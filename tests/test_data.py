@@ -186,7 +186,7 @@ def test_prepare_data_directory_layout(tmp_path: Path) -> None:
 
 def test_prepare_data_shows_progress_on_large_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import phoenixft.prepare_data as pd
+    import phoenixft.train.prepare_data as pd
 
     monkeypatch.setattr(pd, "PROGRESS_MIN_BYTES", 1)
     src = texts(tmp_path)

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from conftest import run
 
-from phoenixft.comm import EpochComm, wait_work
 from phoenixft.config import RunConfig
-from phoenixft.device import (
+from phoenixft.dist.comm import EpochComm, wait_work
+from phoenixft.dist.device import (
     DONE,
     HOSTID_ENV,
     Device,
@@ -36,8 +36,8 @@ from phoenixft.device import (
 from phoenixft.errors import UserError
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.stage import WholeModel
-from phoenixft.snapshot import INVALID, ShardState
-from phoenixft.training import Trainer
+from phoenixft.protect.snapshot import INVALID, ShardState
+from phoenixft.train.trainer import Trainer
 from phoenixft.workload import WorkloadContext, load_workload
 
 no_cuda = pytest.mark.skipif(cuda_unavailable() is None,
@@ -340,7 +340,7 @@ class _Recorder(Device):
 def test_epoch_groups_by_backend(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     """With nccl, every group that carries device tensors is NCCL and `train`/`repl` stay gloo, on the
     same prefixes and in the same global order as with gloo."""
-    import phoenixft.comm as comm_mod
+    import phoenixft.dist.comm as comm_mod
 
     monkeypatch.setattr(comm_mod.dist, "PrefixStore", lambda prefix, store: prefix)
     monkeypatch.setattr(comm_mod, "_error_checked_wait", False)  # (restored after the test)

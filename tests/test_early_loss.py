@@ -148,8 +148,7 @@ def test_a_node_that_never_gets_ready_is_named_in_one_clear_line(tmp_path: Path)
             p.wait(timeout=30)
         report = tmp_path / "run" / "report.json"
         if report.exists():  # what the SIGKILLed agent could not remove (the next sweep would)
-            from phoenixft import shm
-
+            from phoenixft.protect import shm
             run_id = json.loads(report.read_text())["run_id"]
             shm.unlink_segments(run_id)
             shm.owner_path(run_id).unlink(missing_ok=True)

@@ -60,7 +60,7 @@ def cluster() -> Iterator[EtcdCluster]:
 
 @pytest.fixture(scope="module")
 def tcp_server() -> Iterator[Any]:
-    from phoenixft.store_server import serve_store
+    from phoenixft.controlplane.server import serve_store
 
     s = serve_store("127.0.0.1", 0)
     yield s
@@ -355,7 +355,7 @@ def test_control_plane_flag_validation() -> None:
         RunConfig(control_plane="etcd", inject=["kill:etcd=5@step=2"]).validate()
     with pytest.raises(UserError, match="kill:etcd=I@step=S"):
         RunConfig(control_plane="etcd", inject=["kill:etcd=1@step=2,phase=backward"]).validate()
-    from phoenixft.launcher import check_mode
+    from phoenixft.runtime.launcher import check_mode
 
     with pytest.raises(UserError, match="--control-plane=etcd is invalid here.*etcd://"):
         check_mode(RunConfig(control_plane="etcd"), local=False)
@@ -424,7 +424,7 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
     mid-run: the standby leads from etcd; a node fault at step 25 that waits for the job to be whole
     fires once the new leader says so; the new leader hot-swaps the node and the run ends with the
     failure-free hash."""
-    from phoenixft.auth import TOKEN_ENV, generate_token
+    from phoenixft.controlplane.auth import TOKEN_ENV, generate_token
 
     ref = reference(nodes=2, steps=40)
     env = dict(os.environ, **{TOKEN_ENV: generate_token()}, PYTHONPATH=SRC)
@@ -494,7 +494,7 @@ class _Procs:
     tmp/NAME.log); `close()` kills whatever is still running, by process group."""
 
     def __init__(self, tmp: Path, token: str) -> None:
-        from phoenixft.auth import TOKEN_ENV
+        from phoenixft.controlplane.auth import TOKEN_ENV
 
         self.tmp, self.procs = tmp, {}  # type: dict[str, subprocess.Popen[bytes]]
         self.env = dict(os.environ, **{TOKEN_ENV: token}, PYTHONPATH=SRC)
@@ -535,7 +535,7 @@ class _Procs:
 def test_a_standby_with_another_token_is_refused(cluster: EtcdCluster, tmp_path: Path) -> None:
     """A standby whose token is not the job's would lead with topologies no worker accepts: it is
     refused at start (one line, exit 2), on the config the head signed; the right token stands by."""
-    from phoenixft.auth import TOKEN_ENV, generate_token
+    from phoenixft.controlplane.auth import TOKEN_ENV, generate_token
 
     jp = _Procs(tmp_path, generate_token())
     url = ""
@@ -571,7 +571,7 @@ def test_the_standby_outlives_raft_leader_kills(tmp_path: Path) -> None:
     """The etcd raft leader is SIGKILLed twice (restarted in between) while a standby coordinator
     stands by: the standby keeps standing by (its calls fail over to the members left and retry), the
     run completes, and every process ends with rc 0."""
-    from phoenixft.auth import generate_token
+    from phoenixft.controlplane.auth import generate_token
 
     steps = 200  # (~60 ms a step here, and the kills stall it: the run must outlive them, ~12 s)
     jp = _Procs(tmp_path, generate_token())
@@ -609,7 +609,7 @@ def test_quorum_lost_mid_run_fails_the_head_in_one_line(tmp_path: Path) -> None:
     had seen; the agents stop by themselves; nothing of the run is left running."""
     import json
 
-    from phoenixft.auth import generate_token
+    from phoenixft.controlplane.auth import generate_token
 
     jp = _Procs(tmp_path, generate_token())
     with EtcdCluster(3, tag="pytest-quorum") as c:
@@ -653,10 +653,9 @@ def test_a_head_cut_off_from_etcd_leaves_the_job_to_the_standby(cluster: EtcdClu
     crashed). A job still led by a coordinator the head started itself is ended as before."""
     import socket
 
-    from phoenixft import keys
     from phoenixft.config import RunConfig
-    from phoenixft.controlplane import LEADER_KEY
-    from phoenixft.launcher import LocalJob
+    from phoenixft.controlplane import LEADER_KEY, keys
+    from phoenixft.runtime.launcher import LocalJob
 
     def cut_off_head(leader: str, pids: list[int]) -> tuple[LocalJob, Any]:
         cfg = RunConfig(nodes=2, steps=4, control_plane=cluster.url, quiet=True,
@@ -688,7 +687,7 @@ def test_agents_stop_when_the_jobs_keys_are_gone(cluster: EtcdCluster, tmp_path:
     while an agent had not seen the end, e.g. one cut off meanwhile): each agent stops its node at once,
     in one line. They used to go on for minutes, their workers crashing and being restarted in place
     (a traceback each: `wait timeout: key 'config' not set within 30s`) until the crash loop gave up."""
-    from phoenixft.auth import generate_token
+    from phoenixft.controlplane.auth import generate_token
 
     jp = _Procs(tmp_path, generate_token())
     url = ""

@@ -50,8 +50,8 @@ def _await_progress(run_dir: Path, step: int, deadline: float) -> None:
     """Wait (until `deadline`, monotonic) for the local run in `run_dir` to have completed `step` steps."""
     import time
 
-    from phoenixft import keys
-    from phoenixft.comm import connect_store
+    from phoenixft.controlplane import keys
+    from phoenixft.dist.comm import connect_store
 
     store = None
     while time.monotonic() < deadline and store is None:
@@ -227,12 +227,12 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     from types import SimpleNamespace
     from typing import Any
 
-    from phoenixft import keys
-    from phoenixft.comm import connect_store
+    from phoenixft.controlplane import keys
+    from phoenixft.controlplane.server import serve_store
+    from phoenixft.dist.comm import connect_store
     from phoenixft.errors import RunAborted
-    from phoenixft.protection import Protection
-    from phoenixft.replication import Replicator
-    from phoenixft.store_server import serve_store
+    from phoenixft.protect.protection import Protection
+    from phoenixft.protect.replication import Replicator
 
     server = serve_store("127.0.0.1", 0)
     fake = SimpleNamespace(w=SimpleNamespace(epoch=0, watcher=SimpleNamespace(flagged=lambda e: False)))
@@ -257,7 +257,7 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     # a wait inside backward's gradient hooks (where this one sits) runs in workload code: the run's end
     # passes through it as itself, not as an "exception in the workload" that stops the run as failed
     from phoenixft.errors import Unhealable
-    from phoenixft.training import Trainer
+    from phoenixft.train.trainer import Trainer
 
     with pytest.raises(RunAborted), Trainer._user_code(1, 0):
         raise RunAborted("run ended (aborted)")
@@ -470,8 +470,8 @@ def test_a_run_ended_while_a_node_is_stopped_does_not_wait_out_the_grace_for_it(
     import time
 
     from phoenixft.config import RunConfig
-    from phoenixft.display import Display
-    from phoenixft.launcher import run_job
+    from phoenixft.observe.display import Display
+    from phoenixft.runtime.launcher import run_job
 
     cfg = RunConfig(nodes=2, spares=0, steps=400, model="tiny", failure_timeout=60.0, timeout=6.0,
                     inject=["hang:node=1@step=4"], run_dir=str(tmp_path), quiet=True)
@@ -496,8 +496,8 @@ def test_a_run_ended_while_one_worker_is_stopped_ends_without_waiting_for_it(tmp
     import time
 
     from phoenixft.config import RunConfig
-    from phoenixft.display import Display
-    from phoenixft.launcher import run_job
+    from phoenixft.observe.display import Display
+    from phoenixft.runtime.launcher import run_job
 
     def stop_n1_worker() -> None:
         _await_progress(tmp_path, 3, time.monotonic() + 60)

@@ -9,7 +9,7 @@ import pytest
 
 from phoenixft.cli.main import main
 from phoenixft.errors import UserError
-from phoenixft.faults import parse_fault
+from phoenixft.faults.spec import parse_fault
 
 
 @pytest.mark.parametrize(
@@ -68,8 +68,8 @@ def test_duplicate_node_from_the_command_line_exits_2(capsys: pytest.CaptureFixt
 def test_a_recovery_phase_kill_waits_for_the_recovery_of_a_failure_not_a_planned_grow() -> None:
     from types import SimpleNamespace
 
-    from phoenixft.faultinject import FaultInjector
-    from phoenixft.topology import Topology
+    from phoenixft.dist.topology import Topology
+    from phoenixft.faults.inject import FaultInjector
 
     spec = parse_fault("kill:node=0@step=7,phase=recovery", 0)
     fired: list[int] = []
@@ -97,7 +97,7 @@ def test_the_same_fault_given_twice_is_refused() -> None:
 def test_a_fault_the_run_never_reached_says_the_run_ended_first(capsys: pytest.CaptureFixture[str]) -> None:
     """A run that timed out (or was stopped) at step 100 said of its `kill:node=1@step=1500`: "its node, rank
     or phase was not in the job when its step came", which sends the user looking for a bug that is not there."""
-    from phoenixft.display import Display
+    from phoenixft.observe.display import Display
 
     specs = ["kill:node=1@step=1500", "kill:node=0@step=50", "kill:node=1@recovery=2"]
     Display(quiet=True).done({"state": "failed: timeout after 6s", "steps_completed": 100, "faults_not_fired": specs})

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from netns import Hosts, namespaces, sweep_orphans, unavailable
 
-from phoenixft import shm
+from phoenixft.protect import shm
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 

@@ -156,7 +156,7 @@ class _HandJob:
 
     def begin(self) -> Any:
         """Head, agents and spare started; the store client once the job is whole at step 3."""
-        from phoenixft.comm import connect_store
+        from phoenixft.dist.comm import connect_store
 
         self.start("head", "coordinator", "--host", "127.0.0.1", "--port", str(self.port), "--nodes", "2",
                    "--spares", "1", "--workers-per-node", "1", "--steps", str(self.steps), "--model", "tiny",
@@ -226,8 +226,7 @@ def test_a_host_that_rejoins_frees_what_its_killed_node_left(tmp_path: Path) -> 
     the host comes back as a spare of the same run. The new agent frees the fenced node's segments at
     once; they used to stay in /dev/shm for the whole run (the sweep spares a live run's memory), a
     snapshot's worth of host memory lost on the repaired host."""
-    from phoenixft import shm
-
+    from phoenixft.protect import shm
     job, run_id = _HandJob(tmp_path, steps=2000), ""
     try:
         store = job.begin()

@@ -1,4 +1,4 @@
-"""Tests of `phoenixft report` / phoenixft.html_report on a real run with two faults.
+"""Tests of `phoenixft report` / phoenixft.observe.html_report on a real run with two faults.
 
     .venv/bin/python -m pytest tests/test_html_report.py
 
@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from phoenixft import html_report
 from phoenixft.errors import UserError
-from phoenixft.html_report import write_report
+from phoenixft.observe import html_report
+from phoenixft.observe.html_report import write_report
 
 FAULTS = ["kill:node=1@step=10,phase=backward", "kill:node=0@step=20,phase=optimizer"]
 STEPS = 30
@@ -438,7 +438,7 @@ def test_validation_loss_in_the_report_and_the_progress_line(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`--eval-every` records: points on the loss chart, a summary row (a replayed step counts once),
     and `val X.XXXX` on the progress line from the first evaluation on. No run needed."""
-    from phoenixft.display import Display
+    from phoenixft.observe.display import Display
 
     d = tmp_path / "run"
     d.mkdir()

@@ -19,12 +19,12 @@ import torch
 from conftest import run
 
 from phoenixft.config import RunConfig
-from phoenixft.gpt import GPT, PRESETS
+from phoenixft.dist.topology import Topology
 from phoenixft.parallel.layers import TPHandle
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import from_full, segments, to_full
 from phoenixft.parallel.stage import StageSpec
-from phoenixft.topology import Topology
+from phoenixft.train.gpt import GPT, PRESETS
 
 
 def test_layout_is_megatron_order_and_groups_partition_the_world() -> None:

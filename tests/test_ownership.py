@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 from conftest import processes_with, run
 
-from phoenixft import keys, shm
-from phoenixft.comm import connect_store
-from phoenixft.procs import cmdlines, start_time
+from phoenixft.controlplane import keys
+from phoenixft.dist.comm import connect_store
+from phoenixft.protect import shm
+from phoenixft.runtime.procs import cmdlines, start_time
 
 PY = sys.executable
 
@@ -154,7 +155,7 @@ def test_the_zygote_sigkilled_mid_run_takes_nothing_with_it(launcher: Any, refer
     def zygotes() -> list[int]:
         out = []
         for pid, cmd in cmdlines().items():
-            if "phoenixft.zygote" in " ".join(cmd):
+            if "phoenixft.runtime.zygote" in " ".join(cmd):
                 try:
                     if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == ln.p.pid:
                         out.append(pid)
@@ -184,7 +185,7 @@ def test_agent_sigkilled_mid_run_leaves_no_memory_of_its_node(tmp_path: Path) ->
             if _progress(tmp_path) >= 3:
                 store = f"127.0.0.1:{(tmp_path / 'coordinator.port').read_text().strip()}"
                 for pid, argv in cmdlines().items():
-                    if "phoenixft.agent" in argv and "n1" in argv and store in argv:  # our own run's node n1
+                    if "phoenixft.runtime.agent" in argv and "n1" in argv and store in argv:  # our own run's node n1
                         run_id = argv[argv.index("--run-id") + 1]
                         assert _segments(run_id, "n1")
                         os.kill(pid, signal.SIGKILL)

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from conftest import run
 
-from phoenixft import keys, persist
-from phoenixft.persist import Persister, latest_manifest
+from phoenixft.controlplane import keys
+from phoenixft.protect import persist
+from phoenixft.protect.persist import Persister, latest_manifest
 
 
 def test_owner_and_replica_lost_falls_back_to_persistent_tier(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]

@@ -25,8 +25,8 @@ import zlib
 
 import pytest
 
+from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
-from phoenixft.topology import Topology, shard_name
 
 CASES = 4000
 

@@ -26,17 +26,17 @@ import torch
 
 from phoenixft.cli.main import main as cli_main
 from phoenixft.config import RunConfig
+from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import UserError
+from phoenixft.protect.redundancy.codes import ReedSolomon, XorCode, make_code, stripe_bytes
+from phoenixft.protect.redundancy.decodable import decode_options
+from phoenixft.protect.redundancy.estimate import estimate
+from phoenixft.protect.redundancy.parity import ParityHolding, parity_name
+from phoenixft.protect.redundancy.placement import RingRank, place_groups
+from phoenixft.protect.redundancy.plan import ec_groups, ec_plan
+from phoenixft.protect.redundancy.scheme import Redundancy, parse_redundancy
+from phoenixft.protect.snapshot import Holding, ShardState
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
-from phoenixft.redundancy.codes import ReedSolomon, XorCode, make_code, stripe_bytes
-from phoenixft.redundancy.decodable import decode_options
-from phoenixft.redundancy.estimate import estimate
-from phoenixft.redundancy.parity import ParityHolding, parity_name
-from phoenixft.redundancy.placement import RingRank, place_groups
-from phoenixft.redundancy.plan import ec_groups, ec_plan
-from phoenixft.redundancy.scheme import Redundancy, parse_redundancy
-from phoenixft.snapshot import Holding, ShardState
-from phoenixft.topology import Topology, shard_name
 
 # ---------------------------------------------------------------------------------------------- scheme
 
@@ -509,8 +509,8 @@ def test_planner_with_parity_groups_after_generated_unfinished_repartitions() ->
 @pytest.mark.parametrize("scheme", [Redundancy("replicas", k=1), Redundancy("replicas", k=2),
                                     Redundancy("ec", d=2, h=1), Redundancy("ec", d=3, h=2)])
 def test_estimator_matches_what_is_allocated(scheme: Redundancy) -> None:
-    from phoenixft.gpt import GPT, PRESETS
-    from phoenixft.zero import FlatModel
+    from phoenixft.train.gpt import GPT, PRESETS
+    from phoenixft.train.zero import FlatModel
 
     nodes = 6
     model = GPT(PRESETS["tiny"])
@@ -599,8 +599,8 @@ def test_distributed_encode_then_rebuild_any_h_members(nodes: int, scheme: Redun
 
     import torch.distributed as dist
 
-    from phoenixft.redundancy.protect import ErasureProtector, u8
-    from phoenixft.redundancy.rebuild import block_floats, decode_blocks
+    from phoenixft.protect.redundancy.protect import ErasureProtector, u8
+    from phoenixft.recovery.rebuild import block_floats, decode_blocks
 
     topo = Topology(epoch=0, nodes=[f"n{i}" for i in range(nodes)], workers_per_node=1, replicas=1, resume_step=0)
     store = dist.HashStore()
@@ -631,7 +631,7 @@ def test_distributed_encode_then_rebuild_any_h_members(nodes: int, scheme: Redun
     for t in threads:
         t.join(120)
     assert not errors, errors
-    from phoenixft.snapshot import checksum
+    from phoenixft.protect.snapshot import checksum
 
     n = 2 * numel
     payload = {r: states[r].payload(0).reshape(-1) for r in range(nodes)}

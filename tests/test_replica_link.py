@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import run_ranks
 
-from phoenixft.replica_link import PATH_CHARS, Hello, PeerShard, shard_hello
+from phoenixft.protect.replica_link import PATH_CHARS, Hello, PeerShard, shard_hello
 
 NUMEL = 2500  # with 1000-element chunks: three payload chunks per row pair, the last one short
 STEPS = 4
@@ -36,9 +36,9 @@ def _payload(rank: int, step: int) -> torch.Tensor:
 
 def _worker_args(mode: str, tmp: str, rank: int, world: int, port: int, q: mp.Queue) -> None:  # type: ignore[type-arg]
     try:
-        from phoenixft import replica_link
-        from phoenixft.replication import ReplicaPlan, Replicator
-        from phoenixft.snapshot import Holding, ShardState, checksum
+        from phoenixft.protect import replica_link
+        from phoenixft.protect.replication import ReplicaPlan, Replicator
+        from phoenixft.protect.snapshot import Holding, ShardState, checksum
 
         if mode == "mixed" and rank == 2:  # this rank's shared memory is another host's
             key = replica_link.host_key() ^ 1
@@ -103,7 +103,7 @@ def test_hello_round_trips() -> None:
 
 
 def test_a_reader_reads_each_half_and_refuses_what_does_not_fit(tmp_path: Path) -> None:
-    from phoenixft.snapshot import ShardState
+    from phoenixft.protect.snapshot import ShardState
 
     st = ShardState(1000, str(tmp_path / "s"), rows=3, payload_from=1)
     st.data.copy_(torch.randn(st.data.shape, generator=torch.Generator().manual_seed(3)))
@@ -139,10 +139,10 @@ def _fds_on(path: str) -> int:
 def test_a_handshake_that_fails_closes_the_files_it_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer lost mid-handshake (after the hellos, before the acks): the owners' files opened so far are
     closed, not kept open for the rest of the process (a dead node's deleted shard pinned in memory)."""
-    from phoenixft import comm
+    from phoenixft.dist import comm
     from phoenixft.errors import PeerFailure
-    from phoenixft.replica_link import Links, host_key
-    from phoenixft.snapshot import ShardState
+    from phoenixft.protect.replica_link import Links, host_key
+    from phoenixft.protect.snapshot import ShardState
 
     owner = ShardState(1000, str(tmp_path / "owner"), rows=3, payload_from=1)
     mine = ShardState(1000, str(tmp_path / "mine"), rows=3, payload_from=1)
@@ -168,9 +168,9 @@ def test_a_replicator_closed_during_a_job_closes_its_links(tmp_path: Path, monke
     stops, so the owners' files it reads are not held open for the rest of the process."""
     import threading
 
-    from phoenixft.replica_link import Links
-    from phoenixft.replication import Replicator
-    from phoenixft.snapshot import ShardState
+    from phoenixft.protect.replica_link import Links
+    from phoenixft.protect.replication import Replicator
+    from phoenixft.protect.snapshot import ShardState
 
     owner = ShardState(1000, str(tmp_path / "owner"), rows=3, payload_from=1)
     hello = shard_hello(owner)

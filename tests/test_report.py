@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from phoenixft import keys
 from phoenixft.config import RunConfig
-from phoenixft.report import build_report
+from phoenixft.controlplane import keys
+from phoenixft.observe.report import build_report
 
 
 class DictStore:
@@ -133,7 +133,7 @@ def test_the_recovery_that_ended_the_run_is_in_the_recoveries(tmp_path: Path, ca
     """Both nodes holding a shard's only copies were killed in epoch 0 with no persistent checkpoint: the
     run failed, and its report's recoveries were empty, as if nothing had been tried. The failed recovery
     is there, with the fault it answers, the dead nodes and why it could not recover."""
-    from phoenixft.display import Display
+    from phoenixft.observe.display import Display
 
     cfg = RunConfig(nodes=3, spares=1, steps=8, inject=["kill:node=0,1@step=4,phase=backward"])
     st = DictStore()
@@ -165,7 +165,7 @@ def test_a_recovery_interrupted_by_a_failure_whose_recovery_failed_is_not_called
     """n1 killed at step 4, then n0 (the only other holder of n0's shard) killed during that recovery's
     transfer: the second recovery fails. The first one said "not recovered ...: invariants FAILED: I1, I2,
     I3, I4", as if the state had broken an invariant; it was interrupted, and says so."""
-    from phoenixft.display import Display
+    from phoenixft.observe.display import Display
 
     cfg = RunConfig(nodes=3, spares=2, steps=8, inject=["kill:node=1@step=4,phase=optimizer", "kill:node=0@recovery=1"])
     st = DictStore()

@@ -1,5 +1,5 @@
 """`--run-dir`: a directory another run used is taken over (its files replaced), a live run's is
-refused, one that cannot be created is one line (phoenixft.rundir)."""
+refused, one that cannot be created is one line (phoenixft.runtime.rundir)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import run
 
-from phoenixft import rundir
 from phoenixft.errors import UserError
-from phoenixft.procs import cmdlines
+from phoenixft.runtime import rundir
+from phoenixft.runtime.procs import cmdlines
 
 
 def _old_run(d: Path) -> None:
@@ -84,7 +84,7 @@ def test_a_directory_taken_by_a_run_that_is_starting_is_refused(tmp_path: Path) 
     so both took the directory, wrote one journal, appended to the same logs and overwrote each other's
     report. The first launcher now holds the directory (a lock, from its start to its report)."""
     from phoenixft.config import RunConfig
-    from phoenixft.launcher import LocalJob
+    from phoenixft.runtime.launcher import LocalJob
 
     cfg = RunConfig(nodes=2, spares=0, steps=1, device="cpu", run_dir=str(tmp_path / "r"), quiet=True)
     first = LocalJob(cfg)  # (its processes not started yet: what the second launcher used to see)
@@ -103,7 +103,7 @@ def test_a_directory_with_the_users_own_files_is_never_cleared(tmp_path: Path) -
     none). Only a phoenixft run's files are replaced; anything else is refused with one line, and the
     refused run leaves nothing there."""
     from phoenixft.config import RunConfig
-    from phoenixft.launcher import LocalJob
+    from phoenixft.runtime.launcher import LocalJob
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "final").mkdir()

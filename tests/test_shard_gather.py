@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import FakeGroup, run_ranks
 
-from phoenixft.shard_gather import Works, gather_shards
+from phoenixft.train.shard_gather import Works, gather_shards
 
 
 def _shard(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

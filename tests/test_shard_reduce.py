@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import FakeGroup, run_ranks
 
-from phoenixft.shard_reduce import ShardReduce
+from phoenixft.train.shard_reduce import ShardReduce
 
 
 def _grad(rank: int, numel: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Tests of `phoenixft status` / phoenixft.status: against an in-process store, bad addresses, a live run.
+"""Tests of `phoenixft status` / phoenixft.observe.status: against an in-process store, bad addresses, a live run.
 
     .venv/bin/python -m pytest tests/test_status.py
 
@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 from conftest import processes_with
 
-from phoenixft import keys
+from phoenixft.controlplane import keys
 from phoenixft.errors import UserError
-from phoenixft.status import collect_status, connect, format_status, parse_address
+from phoenixft.observe.status import collect_status, connect, format_status, parse_address
 
 # `phoenixft status` once cli/main.py registers it; until then the same parser and error handling
 _WRAPPER = """

@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import run_ranks
 
-from phoenixft.comm import XFER_LANES, gloo_group
+from phoenixft.dist.comm import XFER_LANES, gloo_group
+from phoenixft.dist.topology import Topology
+from phoenixft.protect.snapshot import StreamChecksum, checksum
 from phoenixft.recovery.transfer import Piece, post, schedule, wait_all
-from phoenixft.snapshot import StreamChecksum, checksum
-from phoenixft.topology import Topology
 
 
 def _check(need: dict[int, list[int]], numel: int, chunk: int, rounds: list[list[Piece]]) -> None:
@@ -165,7 +165,7 @@ def test_transfer_members_are_every_sender_and_receiver() -> None:
 
 def test_verified_memo_is_dropped_when_the_half_changes() -> None:
     """A recovery's sender skips re-hashing a holding only while it is exactly what `verify` saw."""
-    from phoenixft.snapshot import H_CRC, H_VALID, Holding
+    from phoenixft.protect.snapshot import H_CRC, H_VALID, Holding
 
     h = Holding(1000, rows=2)
     h.begin_write(0)

@@ -1,4 +1,4 @@
-"""The warm zygote (phoenixft.zygote): a forked child must look like `subprocess.Popen([python, "-m",
+"""The warm zygote (phoenixft.runtime.zygote): a forked child must look like `subprocess.Popen([python, "-m",
 module, *args], start_new_session=True, stdin=DEVNULL, stdout=log, stderr=STDOUT, env=...)`."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import run
 
-from phoenixft import zygote
-from phoenixft.procs import alive, cmdlines, start_time
+from phoenixft.runtime import zygote
+from phoenixft.runtime.procs import alive, cmdlines, start_time
 
 CHILD = '''
 import json, os, sys, time
@@ -92,7 +92,7 @@ def test_a_command_line_too_long_for_the_room_is_started_fresh(z: zygote.Zygote,
 
 def test_the_zygote_is_shared_and_replaced_when_it_died(z: zygote.Zygote, tmp_path: Path) -> None:
     assert zygote.Zygote.shared() is z
-    c = z.spawn(["phoenixft.procs", "--parent", str(z.pid), "--signal", str(int(signal.SIGKILL)),
+    c = z.spawn(["phoenixft.runtime.procs", "--parent", str(z.pid), "--signal", str(int(signal.SIGKILL)),
                  "zchild", "sleep", "60"], tmp_path / "p.log", {})
     st = start_time(c.pid)
     _wait_for(tmp_path / "p.log", "sleeping")

@@ -17,6 +17,5 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     if name in ("Workload", "WorkloadContext"):
         from phoenixft import workload
-
         return getattr(workload, name)
     raise AttributeError(name)

@@ -59,10 +59,16 @@ class Workload:
     split: Callable[[torch.nn.Module, Any], Any] | None = None  # (full model, StageSpec) -> Stage; enables --tp/--pp
 
 
+# the built-in GPT's public name (the `--workload` default, written in every config.json) and the
+# module that implements it
+MODULE_ALIASES = {"phoenixft.gpt": "phoenixft.train.gpt"}
+
+
 def _resolve(path: str) -> Callable[[WorkloadContext], Workload]:
     if ":" not in path:
         raise UserError(f"--workload={path!r} is invalid: expected 'pkg.module:function'")
     mod_name, fn_name = path.split(":", 1)
+    mod_name = MODULE_ALIASES.get(mod_name, mod_name)
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix

@@ -1,7 +1,7 @@
 """`phoenixft agent`: a node agent joining a job's coordinator (another host, or a spare started by hand).
 
 It proves it holds the job token (`--token` or $PHOENIXFT_TOKEN) before it is admitted, then runs
-the node's workers. The work is done by `phoenixft.agent`.
+the node's workers. The work is done by `phoenixft.runtime.agent`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     import sys
 
-    from phoenixft.agent import main
+    from phoenixft.runtime.agent import main
 
     flag = "--store" if any(a.startswith("--store") for a in sys.argv[1:]) else "--coordinator"  # errors name it
     argv = [flag, args.store, "--node", args.node, "--workers", str(args.workers), "--threads",

@@ -5,7 +5,7 @@ which here is the campaign's JSON report) plus `--faults N`, `--seed S` (the sch
 training), `--allow-unsurvivable`. Defaults differ from `run` where a campaign needs it:
 `--failure-timeout 3` (hangs are found quickly) and `--repair-after 5` (lost nodes come back as
 spares). Exit code 0 only on a pass; 1 on a fail; 3 when the schedule is unsurvivable by design;
-2 for bad flags. The work is done by `phoenixft.chaos`.
+2 for bad flags. The work is done by `phoenixft.faults.chaos`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def chaos(args: argparse.Namespace) -> int:
-    from phoenixft.chaos import EXIT_CODES, check_campaign, run_campaign
+    from phoenixft.faults.chaos import EXIT_CODES, check_campaign, run_campaign
 
     cfg = config_from_args(args, validate=False)
     check_campaign(cfg, args.faults)  # the campaign's own needs first: clearer than what a run would say

@@ -4,7 +4,7 @@ It serves the control-plane store on ADDR:P (that address only) and the coordina
 run directory (events, metrics, report) on this host; it starts no node: every host runs
 `phoenixft agent --coordinator ADDR:P --node NAME [--spare]`, and the job starts when the `--nodes`
 active nodes have joined. The job token comes from `--token` or $PHOENIXFT_TOKEN; without either,
-one is generated and printed (to this terminal only). The work is done by `phoenixft.launcher`.
+one is generated and printed (to this terminal only). The work is done by `phoenixft.runtime.launcher`.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def coordinator(args: argparse.Namespace) -> int:
-    from phoenixft import auth
+    from phoenixft.controlplane import auth
     from phoenixft.errors import UserError
-    from phoenixft.launcher import INTERRUPTED, run_job
+    from phoenixft.runtime.launcher import INTERRUPTED, run_job
 
     if args.standby:
         return standby(args.standby, args.token)
@@ -71,8 +71,7 @@ def standby(url: str, token_flag: str) -> int:
     leadership and, once it leads, carries the job on from etcd's state; it ends with the run."""
     import os
 
-    from phoenixft import auth, keys
-    from phoenixft.controlplane import connect, parse_etcd_url
+    from phoenixft.controlplane import auth, connect, keys, parse_etcd_url
     from phoenixft.errors import UserError
 
     try:

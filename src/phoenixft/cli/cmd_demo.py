@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from phoenixft.demo import demo
+    from phoenixft.runtime.demo import demo
 
     return demo(steps=args.steps, nodes=args.nodes, model=args.model, kill_step=args.kill_step or args.steps // 2,
                 kill_node=args.kill_node, phase=args.phase, run_dir=args.run_dir)

@@ -4,7 +4,7 @@ A run's segments (`/dev/shm/phoenixft-<run>-*`) are removed when no process of t
 no owner in its record (`/dev/shm/phoenixft-<run>.owner`, PIDs with their start times) runs, and
 no process names the run id on its command line. A live run's segments are never touched. Prints
 how many segments and bytes were freed (or, with `--dry-run`, would be). The work is done by
-`phoenixft.shm.sweep`.
+`phoenixft.protect.shm.sweep`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _mib(n: int) -> str:
 
 
 def gc(args: argparse.Namespace) -> int:
-    from phoenixft.shm import sweep
+    from phoenixft.protect.shm import sweep
 
     res = sweep(dry_run=args.dry_run)
     verb = "would free" if args.dry_run else "freed"

@@ -2,7 +2,7 @@
 
 `--out PATH.bin` writes one token file and its sidecar `PATH.bin.json`; any other `--out` is a
 directory in nanoGPT's layout (train.bin, val.bin, meta.json). The work is done by
-`phoenixft.prepare_data.prepare_data`.
+`phoenixft.train.prepare_data.prepare_data`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from phoenixft.prepare_data import prepare_data
+    from phoenixft.train.prepare_data import prepare_data
 
     meta = prepare_data(args.files, args.out, val_fraction=args.val_fraction, progress=sys.stderr)
     split = (f" (train {meta['train_tokens']}, val {meta['val_tokens']})" if "train_tokens" in meta

@@ -1,7 +1,7 @@
 """`phoenixft report RUN_DIR [--reference REF_RUN_DIR] [--out FILE]`: one self-contained HTML report.
 
 Writes RUN_DIR/report.html by default (plots embedded; opens with no network) and prints its path.
-The work is done by `phoenixft.html_report.write_report`.
+The work is done by `phoenixft.observe.html_report.write_report`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def report(args: argparse.Namespace) -> int:
-    from phoenixft.html_report import write_report
+    from phoenixft.observe.html_report import write_report
 
     path = write_report(
         Path(args.run_dir),

@@ -22,20 +22,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from phoenixft import auth, zygote
-
+    from phoenixft.controlplane import auth
+    from phoenixft.runtime import zygote
     token = auth.resolve_token(getattr(args, "token", ""))
     if token:
         auth.check_token(token, "--token" if getattr(args, "token", "") else f"${auth.TOKEN_ENV}")
     cfg = config_from_args(args)
     if getattr(args, "dry_run", False):
-        from phoenixft.redundancy.estimate import estimate_config, format_estimate
+        from phoenixft.protect.redundancy.estimate import estimate_config, format_estimate
 
         print(format_estimate(estimate_config(cfg), cfg))
         return 0
-    if zygote.enabled():  # its `import torch` overlaps this process's own (phoenixft.launcher's)
+    if zygote.enabled():  # its `import torch` overlaps this process's own (phoenixft.runtime.launcher's)
         zygote.Zygote.shared()
-    from phoenixft.launcher import INTERRUPTED, run_job
+    from phoenixft.runtime.launcher import INTERRUPTED, run_job
 
     report = run_job(cfg, token=token)
     if report.get("state") == INTERRUPTED:  # stopped by Ctrl-C, SIGTERM or SIGHUP: as the shell says it

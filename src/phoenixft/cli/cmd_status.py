@@ -2,7 +2,7 @@
 
 Read-only; connects to the coordinator's store with a timeout (`--timeout`, default 5 s) and
 prints the status (or `--json`). A wrong or unreachable address is a one-line error, exit 2.
-The work is done by `phoenixft.status`.
+The work is done by `phoenixft.observe.status`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def status(args: argparse.Namespace) -> int:
-    from phoenixft.status import connect, format_status, left_behind, parse_address, read_status
+    from phoenixft.observe.status import connect, format_status, left_behind, parse_address, read_status
 
     if not args.coordinator.startswith("etcd://"):
         parse_address(args.coordinator)  # (an etcd URL is checked by connect)

@@ -46,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_agent.add_parser(sub)
     cmd_coordinator.add_parser(sub)
     cmd_gc.add_parser(sub)
-    from phoenixft import export
-
+    from phoenixft.observe import export
     export.add_parser(sub)
     try:
         from phoenixft.sim.cli import add_parser as add_sim

@@ -24,7 +24,7 @@ node) or, after the deadline, to name the nodes that did not answer. `bench/cont
 measures it with up to 4,096 simulated workers.
 
 Membership is the coordinator's alone: an agent is a member only once it has answered the
-admission challenge with the job token (`phoenixft.auth.AdmissionDesk`); the coordinator names
+admission challenge with the job token (`phoenixft.controlplane.auth.AdmissionDesk`); the coordinator names
 its id (`n<i>` active slots first, then spares `s<k>`), keeps the spare pool in id order, and starts
 the job when the `--nodes` active nodes have joined and are ready (`--join-timeout`). Every topology
 it publishes is signed (`topo/<e>/sig`, written first). Heartbeats are judged on its own clock (when

@@ -1,7 +1,7 @@
 """Admission of joining nodes and the spare pool.
 
 Membership is the coordinator's alone: an agent is a member only once it has answered the admission
-challenge with the job token (`phoenixft.auth.AdmissionDesk`); `Admission` names its id (`n<i>`
+challenge with the job token (`phoenixft.controlplane.auth.AdmissionDesk`); `Admission` names its id (`n<i>`
 active slots first, then spares `s<k>`), records it in the shared `Membership`, keeps the spare pool
 in id order, and says which spares can be promoted now (`ready_spares`) or are on their way
 (`spare_coming`). A poll with no join request pending costs one counter read.
@@ -13,8 +13,8 @@ import json
 import time
 from typing import Any
 
-from phoenixft import auth, keys
 from phoenixft.config import RunConfig
+from phoenixft.controlplane import auth, keys
 from phoenixft.coordinator.shared import NODE_ID, Job, Membership, index
 
 __all__ = ["ADMIT_POLL_S", "Admission"]

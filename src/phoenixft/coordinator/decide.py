@@ -23,15 +23,15 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from phoenixft import keys
 from phoenixft.config import RunConfig
+from phoenixft.controlplane import keys
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.publish import Publisher
 from phoenixft.coordinator.shared import Job, Membership
-from phoenixft.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
+from phoenixft.dist.topology import Topology
+from phoenixft.protect.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
-from phoenixft.topology import Topology
 
 __all__ = ["MAX_RECOVERIES_WITHOUT_PROGRESS", "Decider", "gc_paused", "verified_checkpoint"]
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import time
 
-from phoenixft import keys
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import multi_get_nowait
+from phoenixft.controlplane import keys, multi_get_nowait
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.shared import Job, Membership
 

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from phoenixft import auth, keys
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import (
     Election,
     EtcdUnavailable,
+    auth,
     exists_many,
     is_etcd,
+    keys,
     poll_interval,
 )
 from phoenixft.coordinator.admission import Admission
@@ -36,7 +37,7 @@ from phoenixft.coordinator.decide import Decider, verified_checkpoint
 from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.publish import Publisher, deposed
 from phoenixft.coordinator.shared import Job, Membership, index, wait_key
-from phoenixft.topology import Topology
+from phoenixft.dist.topology import Topology
 
 __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
 
@@ -303,11 +304,11 @@ def main(argv: list[str] | None = None) -> int:
               "publishes; the launcher passes one)", file=sys.stderr)
         return 2
     if a.store:
-        from phoenixft.comm import connect_store
+        from phoenixft.dist.comm import connect_store
 
         store = connect_store(a.store)
     else:
-        from phoenixft.store_server import serve_store
+        from phoenixft.controlplane.server import serve_store
 
         server = serve_store(a.host, a.port)
         store = server.store

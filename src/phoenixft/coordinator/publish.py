@@ -14,10 +14,9 @@ import json
 import os
 import sys
 
-from phoenixft import auth, keys
-from phoenixft.controlplane import Election, guarded_set
+from phoenixft.controlplane import Election, auth, guarded_set, keys
 from phoenixft.coordinator.shared import Job, Membership, index
-from phoenixft.topology import Topology
+from phoenixft.dist.topology import Topology
 
 __all__ = ["Publisher", "deposed"]
 

@@ -12,9 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenixft import keys
-from phoenixft.controlplane import exists_many, get_nowait
-from phoenixft.topology import Topology
+from phoenixft.controlplane import exists_many, get_nowait, keys
+from phoenixft.dist.topology import Topology
 
 __all__ = ["NODE_ID", "Job", "Membership", "index", "wait_key"]
 

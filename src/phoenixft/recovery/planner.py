@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenixft.redundancy.decodable import DecodeJob, decode_options
-from phoenixft.topology import Topology, shard_name
+from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.protect.redundancy.decodable import DecodeJob, decode_options
 
 __all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps", "STRIPES"]
 

@@ -24,18 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phoenixft.comm import alltoallv
+from phoenixft.dist.comm import alltoallv
+from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.parallel.logical import from_full
-from phoenixft.persist import NOT_INSTALLED, load_full
-from phoenixft.recovery import transfer
-from phoenixft.redundancy import rebuild
-from phoenixft.reshard import gather_full_optimizer, old_shard_numel
-from phoenixft.snapshot import H_CRC, H_VALID, StreamChecksum, checksum
-from phoenixft.topology import Topology, shard_name
+from phoenixft.protect.persist import NOT_INSTALLED, load_full
+from phoenixft.protect.snapshot import H_CRC, H_VALID, StreamChecksum, checksum
+from phoenixft.recovery import rebuild, transfer
+from phoenixft.recovery.reshard import gather_full_optimizer, old_shard_numel
 
 if TYPE_CHECKING:
-    from phoenixft.worker import Worker
+    from phoenixft.runtime.worker import Worker
 
 __all__ = ["path_of", "restore_in_place", "reshard", "restore_persistent", "copy_of"]
 

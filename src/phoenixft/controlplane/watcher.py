@@ -1,0 +1,69 @@
+"""Failures noticed within one layer's compute, not one step's.
+
+A survivor learns of a failure at its next collective, which on a long forward/backward is most
+of a step away; the coordinator cannot plan until every survivor has posted its descriptor. The
+`FailureWatcher` thread blocks in the store's server-side `wait` on the current epoch's failure
+flag (no polling; an epoch only ever ends by its flag being set, which also wakes the thread for the
+next one), and `check()` - called by the
+trainer between microbatches, in a forward pre-hook of every module and in a post-accumulate-grad
+hook of every parameter - raises `PeerFailure` as soon as the flag is set. Checking is one
+`Event.is_set()`: no store round trip on the training path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from phoenixft.controlplane import keys
+from phoenixft.dist.comm import connect_store
+from phoenixft.errors import PeerFailure
+
+__all__ = ["FailureWatcher"]
+
+WAKE_S = 600.0  # a timed-out wait logs a c10d warning: wake rarely (the epoch always changes by its flag)
+
+
+class FailureWatcher:
+    def __init__(self, store_addr: str) -> None:
+        self._store: Any = connect_store(store_addr)
+        self._epoch = -1
+        self._raised = threading.Event()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="phoenixft-failure-watcher", daemon=True)
+        self._t.start()
+
+    def arm(self, epoch: int) -> None:
+        """Watch `epoch`'s failure flag from now on (a new epoch starts clean)."""
+        self._raised.clear()
+        self._epoch = epoch
+
+    def disarm(self) -> None:
+        self._epoch = -1
+        self._raised.clear()
+
+    def flagged(self, epoch: int) -> bool:
+        """The failure flag of `epoch` is set (and this watcher watches that epoch)."""
+        return self._raised.is_set() and self._epoch == epoch
+
+    def check(self) -> None:
+        if self._raised.is_set():
+            raise PeerFailure("recovery requested by the control plane (noticed mid-step)")
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            e = self._epoch
+            if e < 0 or self._raised.is_set():
+                time.sleep(0.01)
+                continue
+            try:
+                self._store.wait([keys.failflag(e)], timedelta(seconds=WAKE_S))
+            except Exception:  # noqa: BLE001 - a timeout (the flag is not set), or the store is gone
+                continue
+            if e == self._epoch:
+                self._raised.set()

@@ -1,0 +1,259 @@
+"""Per-epoch communicators and interruptible waits.
+
+Every recovery opens a new *epoch*; its process groups are built directly under a fresh store
+prefix (`e{epoch}/train`, `e{epoch}/repl`, ...) with `ProcessGroupGloo(PrefixStore(...))`: no
+`init_process_group`, no process restart. With `--device cuda` the groups that carry device
+tensors (data-parallel, tensor-parallel, pipeline edges, tied embedding) are NCCL groups built
+the same way on the same prefixes (`Device.new_group`); the groups that carry host memory stay
+gloo: replication, and `train` (scalars, recovery transfers of the host snapshot, invariants).
+
+A gloo collective whose peer died raises at once only on the dead peer's neighbours; the others
+wait on live peers that have given up. So no wait here is a plain `work.wait()`: `wait_work`
+waits in short slices and between them checks an abort condition (the control plane's failure
+flag for this epoch), and gives up after a hard timeout. Abandoned groups are kept referenced
+(never destroyed while a stuck op may still run inside them) and aborted.
+
+NCCL: a work's `wait()` only orders the current CUDA stream after it and does not report an error
+the work ended with; so once a process has NCCL groups, a completed work is waited with a timeout,
+the path on which torch rethrows the work's error (`_error_checked_wait`). `alltoallv` is a
+host-memory transfer: device tensors handed to it are copied to the host first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phoenixft.dist.device import Device
+from phoenixft.errors import PeerFailure
+from phoenixft.parallel.layout import Layout
+
+__all__ = ["EpochComm", "XFER_LANES", "wait_work", "connect_store", "alltoallv", "gloo_group", "sever", "BIND_ENV",
+           "BACKENDS"]
+
+POLL_S = 0.02
+XFER_LANES = 2  # connections per pair of the recovery-transfer group (see gloo_group)
+BIND_ENV = "PHOENIXFT_BIND"
+BACKENDS = ("gloo", "nccl")
+_graveyard: list[Any] = []
+_error_checked_wait = False  # set once this process built NCCL groups (see the module docstring)
+
+
+def connect_store(addr: str, timeout_s: float = 30.0) -> Any:
+    """A client of the control-plane store at `addr` (HOST:PORT of a TCPStore, or an etcd:// URL)."""
+    from phoenixft.controlplane import connect
+
+    return connect(addr, timeout_s)
+
+
+def gloo_group(store: Any, rank: int, world: int, timeout: timedelta, lanes: int = 1, threads: int = 2) -> Any:
+    """A gloo process group on `store`, listening on this host's `PHOENIXFT_BIND` address if set.
+
+    `lanes` > 1: that many gloo devices, i.e. that many TCP connections per pair, collectives taking
+    them in turn, and `threads` worker threads to drive them; a bulk transfer posted as several
+    rounds then moves over parallel connections (bench/gloo_link.py --lanes: 400 MB between two
+    processes here, 1.7-1.9 GB/s on one connection, 2.7-3.0 GB/s on two with four threads)."""
+    if lanes < 1 or threads < 1:
+        raise ValueError(f"a gloo group needs lanes >= 1 and threads >= 1, got {lanes} and {threads}")
+    bind = os.environ.get(BIND_ENV, "")
+    if not bind and lanes == 1 and threads == 2:
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = timeout
+    opts._threads = threads
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind
+                     else dist.ProcessGroupGloo.create_default_device() for _ in range(lanes)]
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: float,
+              max_nap_s: float = 0.0005) -> None:
+    """Wait for a c10d collective; raise PeerFailure on error, on abort, or after timeout_s.
+
+    Gloo works cannot be waited in slices: a `work.wait(timeout)` that expires while the data
+    is moving fails the collective (seen here for all-reduce and all-to-all), and `abort()` does
+    not wake a blocked wait. So the work is polled with `is_completed()` (naps growing from
+    50 us to `max_nap_s`: 0.5 ms on the training thread; background work, which has a step's time,
+    naps longer so that its polls take less of the training thread's GIL) and every 20 ms the abort
+    condition - the control plane's failure flag of this epoch - is checked.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last = start
+    nap = 0.00005
+    while not work.is_completed():
+        time.sleep(nap)
+        nap = min(2 * nap, max_nap_s)
+        now = time.monotonic()
+        if now - last < POLL_S:
+            continue
+        last = now
+        why = abort()
+        if why:
+            raise PeerFailure(f"{what}: {why}")
+        if now > deadline:
+            raise PeerFailure(f"{what}: timed out after {timeout_s:.1f}s")
+    try:
+        if _error_checked_wait:  # completed: returns at once, or raises the error the work ended with
+            work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        else:
+            work.wait()
+    except RuntimeError as e:
+        raise PeerFailure(f"{what}: {str(e).splitlines()[0][:200]}") from None
+
+
+def alltoallv(
+    pg: Any,
+    world: int,
+    sends: dict[int, torch.Tensor],
+    recv_numel: dict[int, int],
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, torch.Tensor, dict[int, torch.Tensor]]:
+    """Targeted transfers as one collective: rank-to-tensor `sends`, and `recv_numel` floats from
+    each source. Every rank of the group must call it (with empty dicts if it takes no part).
+    Returns (work, output buffer, views of the output per source)."""
+    in_splits = [sends[r].numel() if r in sends else 0 for r in range(world)]
+    out_splits = [recv_numel.get(r, 0) for r in range(world)]
+    parts = [sends[r].reshape(-1) for r in range(world) if r in sends]
+    inp = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else torch.empty(0, dtype=dtype))
+    inp = inp.cpu()  # a host-memory transfer (a no-op for host tensors)
+    total = sum(out_splits)
+    if out is None or out.numel() != total:
+        out = torch.empty(total, dtype=dtype)
+    views: dict[int, torch.Tensor] = {}
+    off = 0
+    for r in range(world):
+        if out_splits[r]:
+            views[r] = out[off : off + out_splits[r]]
+            off += out_splits[r]
+    work = pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
+    return work, out, views
+
+
+class EpochComm:
+    """The process groups of one epoch, built on the epoch's store prefix, never registered with torch:
+
+    - `train`: every rank (invariants, loss and norm sums, the final gather, ec decodes, reshards);
+    - `repl`: every rank (replication);
+    - `xfer`: only in an epoch whose plan moves state to a member (`transfer_members`: the ranks that
+      send or receive, in rank order), those ranks, over `XFER_LANES` connections per pair: the
+      recovery transfers of recovery/transfer.py (None on every other rank and epoch);
+    - `dp`: the data-parallel peers at this rank's (pp, tp) (gradient buckets, ZeRO all-gather,
+      buffer broadcast); `train` itself when the layout is data-parallel only and on gloo;
+    - `tp`: this rank's tensor-parallel group (None when tp = 1);
+    - `edges`: pipeline edges, one 2-rank group per direction and stage boundary this rank touches,
+      keyed ("fwd" | "bwd", boundary p between stage p and p+1): gloo's send/recv works never report
+      completion to a poll, so point-to-point transfers are broadcasts in these groups;
+    - `emb`: first and last stage at this (dp, tp), for the tied embedding (None unless pp > 1).
+
+    Every rank creates its groups in one global order (type, then stage boundary), so the blocking
+    rendezvous of one group never waits on a member that is busy in another.
+    """
+
+    def __init__(self, store: dist.Store, epoch: int, rank: int, world: int, timeout_s: float,
+                 backend: str = "gloo", layout: Layout | None = None, device: Device | None = None,
+                 transfer_members: list[int] | None = None) -> None:
+        """`backend` is that of the training groups (dp, tp, edges, emb): gloo, or nccl with a CUDA
+        `device`; `train` and `repl` are gloo either way."""
+        global _error_checked_wait
+        self.epoch, self.rank, self.world = epoch, rank, world
+        self.layout = layout or Layout(world)
+        self.backend = backend
+        self.device = device or Device("cpu")
+        to = timedelta(seconds=timeout_s)
+        if backend not in BACKENDS:
+            raise NotImplementedError(f"backend {backend!r}")
+        # NCCL's own watchdog must never time an op out before our polled wait gives up
+        nccl_to = timedelta(seconds=2 * timeout_s + 60.0)
+
+        def group(name: str, members: list[int], kind: str = "gloo") -> Any:
+            pg = self.device.new_group(kind, dist.PrefixStore(f"e{epoch}/{name}", store), members.index(rank),
+                                       len(members), nccl_to if kind == "nccl" else to)
+            self._groups.append(pg)
+            return pg
+
+        before = set(_socket_fds())
+        self._groups: list[Any] = []
+        self.train: Any = group("train", list(range(world)))
+        self.repl: Any = group("repl", list(range(world)))
+        self.xfer_members = sorted(set(transfer_members or []))
+        self.xfer: Any = None
+        if rank in self.xfer_members:
+            self.xfer = gloo_group(dist.PrefixStore(f"e{epoch}/xfer", store), self.xfer_members.index(rank),
+                                   len(self.xfer_members), to, lanes=XFER_LANES, threads=2 * XFER_LANES)
+            self._groups.append(self.xfer)
+        gloo_sockets = set(_socket_fds()) - before
+        lay, c = self.layout, self.layout.coord(rank)
+        if lay.trivial and backend == "gloo":
+            self.dp: Any = self.train
+        else:
+            self.dp = group(f"dp/{c.name()}", lay.dp_group(rank), backend)
+        self.tp: Any = group(f"tp/pp{c.pp}.dp{c.dp}", lay.tp_group(rank), backend) if lay.tp > 1 else None
+        self.edges: dict[tuple[str, int], Any] = {}
+        col = lay.pp_group(rank)
+        for p in range(lay.pp - 1):
+            if c.pp in (p, p + 1):
+                for way in ("fwd", "bwd"):
+                    self.edges[(way, p)] = group(f"{way}{p}/dp{c.dp}.tp{c.tp}", [col[p], col[p + 1]], backend)
+        self.emb: Any = None
+        if lay.pp > 1 and c.pp in (0, lay.pp - 1):
+            self.emb = group(f"emb/dp{c.dp}.tp{c.tp}", lay.embedding_group(rank), backend)
+        # what the groups connected (gloo connects the full mesh now); of NCCL groups nothing: NCCL's
+        # abort closes its own connections, and a socket NCCL keeps per process must not be cut
+        self._sockets = set(_socket_fds()) - before if backend == "gloo" else gloo_sockets
+        if backend == "nccl":
+            _error_checked_wait = True
+
+    def retire(self) -> None:
+        """Abort every group, sever their connections, and keep them referenced: a stuck op may still be
+        running inside (it fails now instead of completing when a lost peer comes back)."""
+        for pg in self._groups:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - best effort on an already broken group
+                pass
+            _graveyard.append(pg)
+        sever(self._sockets)
+
+
+def _socket_fds() -> dict[str, int]:
+    """This process's sockets: inode ('socket:[N]') -> one descriptor of it."""
+    out: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.setdefault(link, int(fd))
+    return out
+
+
+def sever(inodes: set[str]) -> int:
+    """shutdown(SHUT_RDWR) every connected socket among `inodes` (listening ones are left alone: gloo's
+    listener thread aborts the process when its socket fails); returns how many were severed."""
+    n = 0
+    for ino, fd in _socket_fds().items():
+        if ino not in inodes:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.getpeername()  # raises for a listening (unconnected) socket
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes the duplicate only
+    return n

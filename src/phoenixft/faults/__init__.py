@@ -1,0 +1,1 @@
+"""Faults: typed specs, their injection into a live run, network partitions, and chaos campaigns."""

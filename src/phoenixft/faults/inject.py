@@ -1,0 +1,207 @@
+"""Deterministic fault injection inside the workers: real signals at named steps and phases.
+
+The `--inject` specs (faults.py) fire here, on the rank they name, at the step and phase they
+name: `at(step, phase)` is called by the training step at forward, backward, optimizer and (from
+the replication thread) replicate; `in_recovery(topo)` in the middle of a recovery's transfers;
+`nan_at(step)` poisons a loss; `corrupt_replicas` flips bits of a received replica at rest, and
+`corrupts_transfers` corrupts a copy in flight. A fault is claimed once per run through the store,
+recorded as an event, then carried out with a real SIGKILL / SIGSTOP / exit of the node's process
+group, or of the coordinator. `,wait=S` holds the step on every rank, before it begins (`hold`),
+until the job is whole (full size, and a warm spare if the job has spares), at most S seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from phoenixft.controlplane import keys
+from phoenixft.dist.topology import Topology
+from phoenixft.faults.spec import FaultSpec
+from phoenixft.protect.snapshot import Holding
+
+if TYPE_CHECKING:
+    from phoenixft.runtime.worker import Worker
+
+__all__ = ["FaultInjector"]
+
+
+class FaultInjector:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self._struck: list[str] = []  # the node ids the fault claimed last strikes (all of a rack's)
+
+    def hold(self, step: int) -> None:
+        """`,wait=S`: before step `step`, on every rank, hold until the job is whole (at most S) while a
+        gated fault due now has not fired: a kill, hang or crash in this step, a corruption at rest in
+        the next (it hits the replicas received during it, those of this step).
+
+        Every rank holds, before any collective of the step, so no peer waits inside one meanwhile: a
+        hold as long as the collective timeout would otherwise fail the step it means to protect
+        (the peer's gloo send times out, a spurious recovery replays the step, which holds again)."""
+        if self.w.topo is None:
+            return
+        for f in self.w.faults:
+            due = f.step == step + 1 if f.kind == "corrupt" else f.step == step
+            if (f.wait and due and f.kind in ("kill", "hang", "crash", "corrupt") and f.phase != "transfer"
+                    and not self.w.store.check([keys.fault(f.index) + "/fired"])):
+                self._wait_whole(f)
+
+    def at(self, step: int, phase: str) -> None:
+        if self.w.topo is None:
+            return
+        slot = self.w.topo.slot_of(self.w.node_id)
+        for f in self.w.faults:
+            if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
+                continue
+            if f.coordinator:
+                hit = self.w.rank == 0
+            elif f.kind == "crash":
+                hit = self.w.rank == f.rank
+            elif f.rack is not None:
+                hit = self.w.topo.rack_of(slot) == f.rack
+            else:
+                hit = slot in f.nodes
+            if hit:  # (a `,wait=S` fault held the step before it began: `hold`)
+                self.fire(f, step=step, phase=phase)
+
+    def _targets(self, f: FaultSpec) -> list[str]:
+        """The node ids fault f strikes: fixed by its first firing, from the topology of that moment.
+
+        A fault fires once per run: the step it names is replayed after the recovery it caused, in a
+        topology whose slots may hold other nodes (a shrink renumbers them, and re-derives the racks),
+        and those must not be struck again."""
+        assert self.w.topo is not None
+        topo, n = self.w.topo, len(self.w.topo.nodes)
+        if f.coordinator or f.kind == "crash":
+            mine = [self.w.node_id]
+        elif f.rack is not None:
+            mine = [topo.nodes[s] for s in range(n) if topo.rack_of(s) == f.rack]
+        else:
+            mine = [topo.nodes[s] for s in f.nodes if s < n]
+        key = keys.fault_targets(f.index)
+        return list(json.loads(self.w.store.compare_set(key, "", json.dumps(mine))))  # the first to fire sets them
+
+    def _claim(self, f: FaultSpec) -> int:
+        """Claim fault f for this node, once per run: the number of nodes it strikes, 0 if not this one
+        (or already claimed here: a replayed step never fires it again)."""
+        targets = self._targets(f)
+        if self.w.node_id not in targets or self.w.store.add(keys.fault_claim(f.index, self.w.node_id), 1) != 1:
+            return 0
+        self._struck = targets
+        return len(targets)
+
+    def _record(self, f: FaultSpec, **where: Any) -> None:
+        """The fault's record (its first firing: the report's `faults`) and its event (the live line)."""
+        assert self.w.topo is not None
+        rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
+               "node": self.w.node_id, "nodes": self._struck, "slot": self.w.topo.slot_of(self.w.node_id),
+               "rank": self.w.rank, "epoch": self.w.epoch, **where}
+        if self.w.store.add(keys.fault(f.index) + "/fired", 1) == 1:
+            self.w.store.set(keys.fault(f.index), json.dumps(rec))
+        self.w.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+
+    def fire(self, f: FaultSpec, **where: Any) -> None:
+        """Claim fault f for this node (once per run), record it, then act with a real signal."""
+        assert self.w.topo is not None
+        targets = self._claim(f)
+        if not targets:
+            return
+        self._together(f, targets)
+        self._record(f, **where)
+        if f.coordinator:
+            self._kill_coordinator()
+        elif f.kind == "kill":
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif f.kind == "hang":
+            os.killpg(os.getpgid(0), signal.SIGSTOP)
+        elif f.kind == "crash":
+            os._exit(17)
+
+    def _together(self, f: FaultSpec, targets: int, timeout_s: float = 10.0) -> None:
+        """A fault on several nodes (`node=I,J`, `rack=A`) strikes them in the same instant: the first
+        to arrive waits (bounded) for the others, which are in the same step, before any dies, so no
+        survivor notices the first death and leaves the step before the others are hit."""
+        if targets < 2:
+            return
+        key = keys.fault(f.index) + "/together"
+        arrived = self.w.store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while arrived < targets and time.monotonic() < deadline:
+            time.sleep(0.002)
+            arrived = self.w.store.add(key, 0)
+
+    def _wait_whole(self, f: FaultSpec) -> None:
+        """Hold (at most `,wait=S`) until the job is whole; a recovery meanwhile (the grow it waits for)
+        takes the step over."""
+        deadline = time.monotonic() + f.wait
+        while not self.w.store.check([keys.JOB_WHOLE]) and time.monotonic() < deadline:
+            self.w.watcher.check()  # a recovery (the grow this waits for) takes the step over
+            time.sleep(0.05)
+
+    def _kill_coordinator(self, timeout_s: float = 60.0) -> None:
+        """SIGKILL the coordinator that runs now: one restarted after an earlier kill may still be
+        starting (it publishes its pid when it is up), so wait for a live pid, bounded."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.w.store.check([keys.COORDINATOR_PID]):  # the launcher clears it when a coordinator exits
+                    os.kill(int(self.w.store.get(keys.COORDINATOR_PID)), signal.SIGKILL)
+                    return
+            except ProcessLookupError:
+                pass
+            time.sleep(0.05)
+
+    def in_recovery(self, topo: Topology) -> None:
+        """kill:node=I@recovery=N and kill:...,phase=recovery fire here, mid state transfer."""
+        slot = topo.slot_of(self.w.node_id)
+        for f in self.w.faults:
+            if f.kind != "kill" or slot not in f.nodes:
+                continue
+            # by step: the recovery of a failure at step S, not a planned grow that happens to resume there
+            if f.recovery == topo.epoch or (f.phase == "recovery" and f.step is not None
+                                            and topo.resume_step >= f.step - 1 and topo.meta.get("class") != "planned"):
+                self.fire(f, recovery=topo.epoch)
+
+    def corrupts_transfers(self, topo: Topology) -> bool:
+        slot = topo.slot_of(self.w.node_id)
+        hits = [f for f in self.w.faults if f.kind == "corrupt" and f.phase == "transfer" and slot in f.nodes
+                and f.step is not None and topo.resume_step >= f.step - 1]
+        for f in hits:
+            self._fired(f)
+        return bool(hits)
+
+    def nan_at(self, step: int) -> bool:
+        hits = [f for f in self.w.faults if f.kind == "nan" and f.step == step] if self.w.rank == 0 else []
+        for f in hits:
+            self._fired(f)
+        return bool(hits)
+
+    def _fired(self, f: FaultSpec) -> None:
+        """Mark a fault that acts without `fire` (a corruption, a NaN) as fired: the report lists the
+        `--inject` specs that never did (`faults_not_fired`)."""
+        self.w.store.add(keys.fault(f.index) + "/fired", 1)
+
+    def corrupt_replicas(self, step: int, received: dict[int, Holding]) -> None:
+        """corrupt:node=I@step=S: flip bytes of the replicas the node in slot I received for step S-1
+        (during step S), once per run: the replication of S-1 repeated after a recovery is left intact."""
+        if self.w.topo is None:
+            return
+        for f in self.w.faults:
+            if (f.kind == "corrupt" and f.phase != "transfer" and f.step == step + 1
+                    and f.node == self.w.topo.slot_of(self.w.node_id)):
+                halves: dict[int, tuple[Holding, int]] = {}
+                for shard, h in received.items():
+                    half = h.half_with(step)
+                    if half is not None:
+                        halves[shard] = (h, half)
+                if not halves or not self._claim(f):
+                    continue
+                self._record(f, step=f.step, phase="at rest", replicas_of_step=step, shards=sorted(halves))
+                for shard, (h, half) in halves.items():
+                    h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
+                    self.w.event("corrupted_replica", shard=shard, step=step, spec=f.text)
+

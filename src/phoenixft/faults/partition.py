@@ -1,0 +1,210 @@
+"""Network partitions (`--inject partition:node=I@step=S[,for=T][,wait=W]`): a host cut off, alive.
+
+A partition is fired by the node agent of the host in slot I (its workers cannot fire it: they are
+what gets cut off). `PartitionInjector.tick()`, called from the agent's heartbeat loop, watches
+the job's progress; once the job has completed step S-1 (so within one heartbeat of step S
+starting) it claims the fault in the store (it fires once per run, also when the node in slot I
+was replaced meanwhile), records it (`fault/<i>`, an event), and only then
+takes the link that carries the agent's address down (`ip link set dev IF down`): its processes
+live on, but nothing reaches them and nothing leaves. After T seconds (`for=`) a timer brings the
+link back up; without `for=` it stays down until the agent gives up on the control plane
+(`--control-plane-timeout`) and exits, which brings it back up on the way out. With `wait=W` the
+fault first holds its step until the job is whole (full size, and a warm spare if it has spares), at most W seconds,
+by pausing the node's workers (SIGSTOP; the peers wait at their next collective), as `wait=` does
+for the faults workers fire.
+
+It needs `ip` (iproute2) and the right to change links (root, or CAP_NET_ADMIN; in a network
+namespace, the namespace's own), and a host with its own address: a loopback address cannot be
+cut (`phoenixft run` refuses partition faults). A partition that cannot be made is recorded as a
+`fault_failed` event with the reason, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from phoenixft.controlplane import keys
+from phoenixft.faults.spec import FaultSpec
+
+__all__ = ["PartitionError", "LinkCut", "interface_of", "cut_link", "PartitionInjector"]
+
+IP_TIMEOUT_S = 10.0
+
+
+class PartitionError(Exception):
+    """The link could not be taken down (no `ip`, no permission, no interface with that address)."""
+
+
+def _ip(*args: str) -> str:
+    exe = shutil.which("ip")
+    if exe is None:
+        raise PartitionError("`ip` (iproute2) is not installed on this host")
+    try:
+        p = subprocess.run([exe, *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PartitionError(f"`ip {' '.join(args)}` did not finish within {IP_TIMEOUT_S:g}s") from None
+    if p.returncode != 0:
+        raise PartitionError(f"`ip {' '.join(args)}` failed: {p.stderr.strip()[:200]}")
+    return p.stdout
+
+
+def interface_of(addr: str) -> str:
+    """The interface that holds `addr` on this host (network namespace)."""
+    addr = addr.strip("[]")
+    for line in _ip("-o", "addr", "show").splitlines():
+        parts = line.split()
+        for i, word in enumerate(parts[:-1]):
+            if word in ("inet", "inet6") and parts[i + 1].split("/")[0] == addr:
+                ifname = parts[1].split("@")[0]
+                if ifname == "lo" or "LOOPBACK" in line:
+                    raise PartitionError(f"{addr} is a loopback address: a partition needs a host with its own "
+                                         "address on a real link")
+                return ifname
+    raise PartitionError(f"no interface of this host holds {addr}")
+
+
+class LinkCut:
+    """A link taken down; `heal()` (idempotent, thread-safe) brings it back up."""
+
+    def __init__(self, ifname: str) -> None:
+        self.ifname = ifname
+        self.t_cut = time.time()
+        self.t_healed: float | None = None
+        self._lock = threading.Lock()
+        _ip("link", "set", "dev", ifname, "down")
+
+    def heal(self) -> None:
+        with self._lock:
+            if self.t_healed is not None:
+                return
+            self.t_healed = time.time()
+            try:
+                _ip("link", "set", "dev", self.ifname, "up")
+            except PartitionError as e:  # nothing left to tell it to: the host is on its own
+                print(f"phoenixft partition: could not bring {self.ifname} back up: {e}", flush=True)
+
+
+def cut_link(addr: str) -> LinkCut:
+    return LinkCut(interface_of(addr))
+
+
+class PartitionInjector:
+    """The partition faults of one node agent; `tick(store)` once per heartbeat, `heal()` on exit."""
+
+    def __init__(self, faults: list[FaultSpec], node: str, bind: str, workers: Callable[[], list[int]],
+                 token: str | None) -> None:
+        self.todo = [f for f in faults if f.kind == "partition"]
+        self.node, self.bind, self.workers, self.token = node, bind, workers, token
+        self.cut: LinkCut | None = None
+        self._held: dict[int, float] = {}  # fault index -> when its hold began
+        self._stopped = False
+        self._topo: tuple[int, list[str]] | None = None  # (epoch, nodes) of the last verified topology
+        self._timer: threading.Timer | None = None
+
+    def _signal_workers(self, sig: int) -> None:
+        for pid in self.workers():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        self._stopped = sig == signal.SIGSTOP
+
+    @property
+    def holding(self) -> bool:
+        """Whether the node's workers are paused by this injector (a `wait=` hold): not a failure."""
+        return self._stopped
+
+    def _slot(self, store: Any) -> int | None:
+        """This node's slot in the current epoch (from a topology whose signature verifies)."""
+        from phoenixft.controlplane.auth import sign_topology
+
+        if not store.check([keys.EPOCH]):
+            return None
+        e = int(store.get(keys.EPOCH))
+        if self._topo is None or self._topo[0] != e:
+            names = [keys.topo(e), keys.topo_sig(e)]
+            if not self.token or not store.check(names):
+                return None
+            raw, sig = store.multi_get(names)
+            if bytes(sig).decode(errors="replace") != sign_topology(self.token, e, bytes(raw)):
+                return None
+            self._topo = (e, list(json.loads(raw)["nodes"]))
+        nodes = self._topo[1]
+        return nodes.index(self.node) if self.node in nodes else None
+
+    def tick(self, store: Any) -> None:
+        if not self.todo or self.cut is not None:
+            return
+        slot = self._slot(store)
+        if slot is None:
+            return
+        progress = int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+        for f in list(self.todo):
+            if slot not in f.nodes or f.step is None or progress < f.step - 1:
+                continue
+            if store.check([keys.fault(f.index) + "/fired"]):  # fired on the node this one replaced: once a run
+                self.todo.remove(f)
+                continue
+            if f.wait and not store.check([keys.JOB_WHOLE]):
+                since = self._held.setdefault(f.index, time.monotonic())
+                if time.monotonic() - since < f.wait:
+                    if not self._stopped:
+                        self._signal_workers(signal.SIGSTOP)  # hold the step until the job is whole
+                    return
+            self.todo.remove(f)
+            self._fire(store, f, slot, progress + 1)
+            return
+
+    def _fire(self, store: Any, f: FaultSpec, slot: int, step: int) -> None:
+        try:
+            if store.add(keys.fault_claim(f.index, slot), 1) != 1:
+                return
+            rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "partition",
+                   "node": self.node, "slot": slot, "step": step, "phase": "partition", "for": f.duration or None,
+                   "address": self.bind}
+            try:
+                ifname = interface_of(self.bind)
+            except PartitionError as e:
+                store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "fault_failed", "spec": f.text,
+                                                      "node": self.node, "error": str(e)}) + "\n")
+                return
+            rec["interface"] = ifname
+            if store.add(keys.fault(f.index) + "/fired", 1) == 1:
+                store.set(keys.fault(f.index), json.dumps(rec))
+            store.append(keys.EVENTS, json.dumps(rec) + "\n")
+            store.check([keys.EVENTS])  # a set is not acknowledged: an answered request flushes them first
+            try:
+                self.cut = LinkCut(ifname)
+            except PartitionError as e:
+                store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "fault_failed", "spec": f.text,
+                                                      "node": self.node, "error": str(e)}) + "\n")
+                return
+            print(f"phoenixft agent {self.node}: partition fault: {ifname} ({self.bind}) is down"
+                  + (f" for {f.duration:g}s" if f.duration else " until this agent exits"), flush=True)
+            if f.duration:
+                self._timer = threading.Timer(f.duration, self._heal_by_timer)
+                self._timer.daemon = True
+                self._timer.start()
+        finally:
+            if self._stopped:
+                self._signal_workers(signal.SIGCONT)
+
+    def _heal_by_timer(self) -> None:
+        if self.cut is not None:
+            self.cut.heal()
+            print(f"phoenixft agent {self.node}: partition healed: {self.cut.ifname} is up again", flush=True)
+
+    def heal(self) -> None:
+        """On the agent's way out (its workers already killed): bring the link back up."""
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.cut is not None:
+            self.cut.heal()

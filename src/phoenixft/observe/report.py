@@ -1,0 +1,219 @@
+"""Assemble the JSON report of a run from the control-plane store; write the run directory.
+
+Report fields: `config`, `state`, `steps_completed`, `loss` (one value per step),
+`step_time_s` (median, p90; the first two steps are warm-up and left out), `final_state_sha256`,
+`recoveries` (one entry per recovery epoch: faults (every fault it answers: those that hit a node
+it found lost or restarted, or else the latest one before it), fault (the latest of them), class,
+action, epoch, detect_s and recovery_s (from the first of them), lost_steps, resumed_step, stage
+timings, invariants, bytes_moved, with `--redundancy ec:D+H` the shards `decoded` from their group,
+the pieces' bytes `bytes_decoded_from` and `decode_s`),
+`redundancy`, `error` when the run failed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from phoenixft.config import RunConfig
+from phoenixft.controlplane import keys
+
+__all__ = ["build_report", "percentile"]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[k]
+
+
+def _get(store: Any, key: str) -> Any:
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+STEP_BATCH = 512  # step records fetched per store round trip
+
+
+def _step_records(store: Any, first: int, last: int) -> list[dict[str, Any]]:
+    """The step records first..last (those present), STEP_BATCH keys per `check` + `multi_get`: the
+    range is the steps that ran (a resumed run starts after its checkpoint's step; an interrupted one
+    ends at its progress), never all of --steps, which took one round trip per step of a 10^11-step
+    run's report, with signals held."""
+    out: list[dict[str, Any]] = []
+    for lo in range(first, last + 1, STEP_BATCH):
+        names = [keys.step(s) for s in range(lo, min(last, lo + STEP_BATCH - 1) + 1)]
+        if store.check(names):  # (multi_get blocks on a missing key: only when all are there)
+            out.extend(json.loads(bytes(raw)) for raw in store.multi_get(names))
+        else:
+            out.extend(rec for rec in (_get(store, n) for n in names) if rec is not None)
+    return out
+
+
+def _answered(faults: list[dict[str, Any]], rec: dict[str, Any], used: set[int]) -> list[dict[str, Any]]:
+    """The faults a recovery answers (oldest first; added to `used`): those before its first report that hit
+    a node it found dead, restarted or unresponsive (a kill and a crash handled in one epoch are both its
+    own); else the latest one before it (a NaN). A coordinator kill is the control plane's, a corruption at
+    rest is answered by the kill it comes with (corruptions are not fault records: they kill nothing)."""
+    cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
+             and not f["spec"].startswith(("kill:coordinator", "kill:etcd", "corrupt:"))]
+    hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", [])]}
+    answered = sorted([f for f in cands if f.get("node") in hit or hit.intersection(f.get("nodes") or [])]
+                      or ([max(cands, key=lambda f: f["t"])] if cands else []), key=lambda f: f["t"])
+    used.update(f["index"] for f in answered)
+    return answered
+
+
+def _failed_recovery(rec: dict[str, Any], answered: list[dict[str, Any]], cfg: RunConfig) -> dict[str, Any]:
+    """The report entry of the recovery that could not recover (the run failed in it): the same fields as
+    a recovery's, `action` "failed" and its `error`; nothing was restored, no step followed it."""
+    fault = answered[-1] if answered else None
+    t0 = answered[0]["t"] if answered else rec["t_first_report"]
+    return {
+        "fault": fault["spec"] if fault else None, "faults": [f["spec"] for f in answered],
+        "fault_step": fault.get("step") if fault else None, "class": rec["class"], "action": "failed",
+        "error": rec["error"], "epoch": rec["epoch"], "completed_in_epoch": None, "dead": rec["dead"],
+        "promoted": [], "restarted": rec.get("restarted", []), "detect_s": rec["t_first_report"] - t0,
+        "recovery_s": None, "lost_steps": None, "replayed_steps": None, "resumed_step": None,
+        "last_committed_step": rec.get("max_committed"),
+        "stages": {"detect_s": rec["t_first_report"] - t0, "decide_s": rec["t_decided"] - rec["t_first_report"],
+                   "reconfigure_s": None, "restore_params_s": None, "restore_optimizer_s": None, "join_s": None,
+                   "first_step_s": None},
+        "bytes_moved": 0, "per_rank": {}, "redundancy": cfg.redundancy, "decoded": [], "bytes_decoded_from": 0,
+        "decode_s": 0.0, "invariants": {k: False for k in ("I1", "I2", "I3", "I4")}, "errors": rec.get("errors", []),
+        "replicas_rejected": [], "fenced": rec.get("fenced", []), "unresponsive": rec.get("unresponsive", []),
+        "bad_sources": [], "i3_failures": [], "persistent_step": None, "dropped": [],
+    }
+
+
+def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
+    first_topo = _get(store, keys.topo(0))
+    start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
+    progress = int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+    steps = _step_records(store, start + 1, min(cfg.steps, progress))
+    dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
+    final = _get(store, keys.FINAL)
+    faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
+    recoveries = []
+    e = 1
+    used: set[int] = set()
+    while store.check([keys.recovery(e)]):
+        rec = _get(store, keys.recovery(e))
+        topo = _get(store, keys.topo(e))
+        joins = [j for j in (_get(store, keys.join(e, f"{n}.{i}")) for n in topo["nodes"]
+                             for i in range(cfg.workers_per_node)) if j]
+        own_joins = joins  # this epoch's own join records: its invariants, even if a later epoch finished it
+        first = _get(store, keys.first_step(e))
+        done_epoch = e  # a recovery interrupted by another failure is completed by a later epoch
+        while first is None and store.check([keys.recovery(done_epoch + 1)]):
+            done_epoch += 1
+            first = _get(store, keys.first_step(done_epoch))
+        # ... or by none: another failure interrupted it and the recovery of that one failed (the run ended)
+        never = first is None and store.check([keys.recovery_failed(done_epoch + 1)])
+        if done_epoch != e:
+            topo_done = _get(store, keys.topo(done_epoch))
+            joins = [j for j in (_get(store, keys.join(done_epoch, f"{n}.{i}")) for n in topo_done["nodes"]
+                                 for i in range(cfg.workers_per_node)) if j]
+        answered = _answered(faults, rec, used)
+        fault = answered[-1] if answered else None
+        t0 = answered[0]["t"] if answered else rec["t_first_report"]  # from the first of them
+        joined_at = max((j["t"] for j in joins), default=rec["t_decided"])
+        inv = {k: all(j["invariants"].get(k, False) for j in own_joins) and len(own_joins) == len(topo["nodes"])
+               * cfg.workers_per_node for k in ("I1", "I2", "I3", "I4")}
+        recoveries.append({
+            "fault": fault["spec"] if fault else None,  # the latest it answers; all of them in `faults`
+            "faults": [f["spec"] for f in answered],
+            "fault_step": fault.get("step") if fault else None,
+            "class": rec["class"],
+            "action": rec["action"],
+            "epoch": e,
+            "completed_in_epoch": None if never else done_epoch,
+            "dead": rec["dead"],
+            "promoted": rec["promoted"],
+            "restarted": rec.get("restarted", []),
+            "detect_s": rec["t_first_report"] - t0,
+            "recovery_s": (first["t"] - t0) if first else None,
+            "lost_steps": rec["max_committed"] - rec["resume_step"],
+            "replayed_steps": rec["max_committed"] - rec["resume_step"],
+            "resumed_step": rec["resume_step"],
+            "stages": {
+                "detect_s": rec["t_first_report"] - t0,
+                "decide_s": rec["t_decided"] - rec["t_first_report"],
+                "reconfigure_s": max((j["reconfigure_s"] for j in joins), default=None),
+                "restore_params_s": max((j.get("restore_params_s", 0.0) for j in joins), default=None),
+                "restore_optimizer_s": max((j.get("restore_opt_s", 0.0) for j in joins), default=None),
+                "join_s": joined_at - rec["t_decided"],
+                "first_step_s": (first["t"] - joined_at) if first else None,
+            },
+            "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) + j.get("bytes_ec", 0) for j in joins),
+            # each member's own stage timings (the stages above are the slowest member's)
+            "per_rank": {str(j.get("rank")): {k: v for k, v in j.items() if k.endswith("_s")} for j in joins},
+            "redundancy": cfg.redundancy,
+            # ec:D+H: shards rebuilt from their group's pieces, the pieces' bytes, the slowest decode
+            "decoded": sorted({x for j in joins for x in j.get("decoded", [])}),
+            "bytes_decoded_from": sum(j.get("bytes_ec", 0) for j in joins),
+            "decode_s": max((j.get("decode_s", 0.0) for j in joins), default=0.0),
+            "invariants": inv,
+            "errors": rec.get("errors", []),
+            "replicas_rejected": rec.get("replicas_rejected", []),
+            "fenced": rec.get("fenced", []),
+            "unresponsive": rec.get("unresponsive", []),
+            "bad_sources": rec.get("bad_sources", []),
+            "i3_failures": [x for j in own_joins for x in j.get("i3_failures", [])],
+            "persistent_step": rec.get("persistent_step"),
+            "dropped": rec.get("dropped", []),
+        })
+        e += 1
+    failed = _get(store, keys.recovery_failed(e))
+    if failed is not None:  # the recovery that ended the run: what it found and why it could not recover
+        recoveries.append(_failed_recovery(failed, _answered(faults, failed, used), cfg))
+    events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines() if x.strip()] \
+        if store.check([keys.EVENTS]) else []
+    control_plane = []
+    for f in faults:
+        if f["spec"].startswith("kill:etcd"):
+            control_plane.append({"fault": f["spec"], "t": f["t"], "member": f["node"]})
+        if f["spec"].startswith("kill:coordinator"):
+            back = [ev for ev in events if ev["kind"] == "coordinator_restarted" and ev["t"] >= f["t"]]
+            first = min(back, key=lambda ev: ev["t"]) if back else None
+            control_plane.append({"fault": f["spec"], "t": f["t"], "downtime_s": first["t"] - f["t"] if first else None,
+                                  "new_leader": first.get("leader") if first else None})
+    report: dict[str, Any] = {
+        "run_id": run_id,
+        "state": state,
+        "config": json.loads(cfg.to_json()),
+        "redundancy": cfg.redundancy,
+        # the last step the run holds: its final step, its last step record, or (a resumed run that failed
+        # before its first step) the step of the checkpoint it resumed from, never 0
+        "steps_completed": final["step"] if final else (steps[-1]["step"] if steps else start),
+        "loss": [r["loss"] for r in steps],
+        "lr": [r.get("lr") for r in steps],
+        "grad_norm": [r.get("grad_norm") for r in steps],
+        "val_loss": {str(r["step"]): r["val_loss"] for r in steps if r.get("val_loss") is not None},
+        "first_step": steps[0]["step"] if steps else None,
+        "step_time_s": {"median": statistics.median(dts) if dts else None,
+                        "p90": percentile(dts, 0.9) if dts else None},
+        "final_state_sha256": final["sha256"] if final else None,
+        "faults": faults,
+        # --inject specs that never acted (their node, rank or phase was not in the job when their step came)
+        "faults_not_fired": [spec for i, spec in enumerate(cfg.inject or [])
+                             if not store.check([keys.fault(i) + "/fired"]) and not store.check([keys.fault(i)])],
+        "recoveries": recoveries,
+        "control_plane": control_plane,
+        # persistent checkpoints that will not complete: skipped (the disk was slower than --persist-every)
+        # or failed to write, per rank (persist.py)
+        "persist_problems": [{k: ev.get(k) for k in ("kind", "step", "rank", "why")} for ev in events
+                             if ev.get("kind") in ("persist_skipped", "persist_failed")],
+        "run_dir": str(run_dir),
+    }
+    if store.check([keys.RUN_ERROR]):
+        report["error"] = store.get(keys.RUN_ERROR).decode()
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for r in steps:
+            f.write(json.dumps(r) + "\n")
+    if store.check([keys.EVENTS]):
+        (run_dir / "events.jsonl").write_text(store.get(keys.EVENTS).decode())
+    return report

@@ -1,0 +1,333 @@
+"""What a running job looks like from its control plane: membership, epoch, spares, progress, events.
+
+    phoenixft status --coordinator HOST:PORT [--events N] [--timeout S] [--json]
+
+(for a local run, HOST:PORT is 127.0.0.1 and the port in RUN_DIR/coordinator.port). It connects
+to the coordinator's TCPStore as one more client and only reads: `epoch` and `topo/<epoch>`
+(membership), `config` (spare pool: s0..s{S-1}; a spare is used once it appears in any
+topology, ready once its workers set `ready/<node>.<i>`), `hb/<node>` and `exit/<node>` (node
+health), `progress` and `step/<n>`, `run/state`, `run/error`, and the tail of `events`.
+Every read is `check` before `get` (a TCPStore `get` blocks until the key exists) and every
+call runs under the store's timeout. The c10d client's own timeout does not cover everything
+(against a port that accepts connections but never answers, its handshake waits forever), so
+`connect` and `read_status` also run under a hard deadline in a daemon thread: a wrong, dead or
+stopped address is a one-line error, never a hang. A closed port is found by a plain TCP connect
+first (no c10d client, no thread). A thread left behind inside the c10d client must not meet the
+interpreter's shutdown (a daemon thread ended inside C++ aborts the process: SIGABRT instead of
+exit 2), so after one `left_behind()` is true and the caller ends with `os._exit`; fd 2 stays
+silenced for that thread and `sys.stderr` is moved to the real stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from phoenixft.controlplane import keys
+from phoenixft.errors import UserError
+
+__all__ = [
+    "parse_address",
+    "connect",
+    "read_status",
+    "left_behind",
+    "collect_status",
+    "format_status",
+    "describe_event",
+]
+
+T = TypeVar("T")
+
+_LEFT_BEHIND: list[threading.Thread] = []  # daemon threads still stuck in a c10d call
+
+
+def left_behind() -> bool:
+    """True once a bounded call was given up while its thread still runs (the process must end
+    with os._exit: see the module docstring)."""
+    return any(th.is_alive() for th in _LEFT_BEHIND)
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--coordinator={addr!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:29500")
+    return host.strip("[]"), int(port)
+
+
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """Silence fd 2 for a moment: c10d prints multi-line C++ traces while it retries a connect."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        if left_behind():
+            # the stuck thread may still print: fd 2 stays silenced, Python's stderr moves to the saved fd
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            sys.stderr = os.fdopen(saved, "w", buffering=1)
+        else:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _bounded(fn: Callable[[], T], deadline_s: float) -> T:
+    """Run fn in a daemon thread; TimeoutError if it has not returned after deadline_s.
+
+    A call stuck inside the c10d client cannot be cancelled; its daemon thread is left behind
+    and does not keep the process from exiting."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=target, name="phoenixft-status", daemon=True)
+    th.start()
+    th.join(deadline_s)
+    if th.is_alive():
+        _LEFT_BEHIND.append(th)
+        raise TimeoutError(f"no answer after {deadline_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else type(e).__name__
+
+
+def connect(addr: str, timeout_s: float) -> Any:
+    """A client of the coordinator's store; UserError (naming --coordinator) when it cannot be reached."""
+    if addr.startswith("etcd://"):
+        from phoenixft.controlplane import parse_etcd_url
+
+        try:
+            parse_etcd_url(addr)
+        except ValueError as e:
+            raise UserError(f"--coordinator={addr!r} is invalid: {e}") from None
+        target = addr
+    else:
+        host, port = parse_address(addr)
+        target = f"{host}:{port}"
+        try:  # a closed port or an unroutable host: answered here, without a c10d client
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as e:
+            raise UserError(
+                f"cannot reach a phoenixft coordinator at --coordinator={addr} (--timeout {timeout_s:g}s: "
+                f"{_why(e) if not isinstance(e, TimeoutError) else 'no answer'})"
+            ) from None
+    from phoenixft.dist.comm import connect_store
+
+    def attempt() -> Any:
+        # c10d retries a refused connect for up to about twice the client's timeout: half of --timeout
+        # each, so that the whole attempt takes about --timeout (a dead port answered after 2x + 2 s)
+        store = connect_store(target, max(0.5, timeout_s / 2))
+        store.check([keys.CONFIG])  # a round trip: something that is not a TCPStore fails here
+        return store
+
+    try:
+        with _quiet_fd2():
+            return _bounded(attempt, timeout_s + 1.0)
+    except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, OSError, TimeoutError...
+        raise UserError(
+            f"cannot reach a phoenixft coordinator at --coordinator={addr} (--timeout {timeout_s:g}s: "
+            f"{_why(e)})"
+        ) from None
+
+
+def read_status(store: Any, addr: str, timeout_s: float, events: int = 10) -> dict[str, Any]:
+    """`collect_status` under a hard deadline; UserError (naming --coordinator) if the store fails."""
+    try:
+        return _bounded(lambda: collect_status(store, events=events), 4 * timeout_s + 2.0)
+    except Exception as e:  # noqa: BLE001 - the coordinator went away, stopped, or timed out mid-read
+        raise UserError(
+            f"lost the coordinator at --coordinator={addr} while reading its state ({_why(e)})"
+        ) from None
+
+
+def _get(store: Any, key: str) -> bytes | None:
+    return store.get(key) if store.check([key]) else None
+
+
+def _json(store: Any, key: str) -> Any:
+    raw = _get(store, key)
+    return None if raw is None else json.loads(raw)
+
+
+def collect_status(store: Any, events: int = 10, now: float | None = None) -> dict[str, Any]:
+    """Read the job's state from the store (read-only) into a plain dict."""
+    now = time.time() if now is None else now
+    cfg = _json(store, keys.CONFIG)
+    st: dict[str, Any] = {
+        "config": cfg,
+        "epoch": None,
+        "topology": None,
+        "history": [],
+        "members": [],
+        "spares": [],
+        "progress": None,
+        "run_state": None,
+        "run_error": None,
+        "events": [],
+        "events_total": 0,
+    }
+    raw = _get(store, keys.RUN_STATE)
+    st["run_state"] = raw.decode() if raw is not None else None
+    raw = _get(store, keys.RUN_ERROR)
+    st["run_error"] = raw.decode() if raw is not None else None
+    raw = _get(store, keys.EPOCH)
+    g = int((cfg or {}).get("workers_per_node", 1))
+    if raw is not None:
+        e = int(raw)
+        st["epoch"] = e
+        topos = [t for t in (_json(store, keys.topo(i)) for i in range(e + 1)) if t is not None]
+        st["history"] = [
+            {
+                "epoch": t["epoch"],
+                "nodes": t["nodes"],
+                "resume_step": t.get("resume_step"),
+                "meta": t.get("meta", {}),
+            }
+            for t in topos
+        ]
+        topo = topos[-1] if topos and topos[-1]["epoch"] == e else None
+        st["topology"] = topo
+        if topo is not None:
+            g = int(topo.get("workers_per_node", g))
+            racks = max(1, int(topo.get("racks", 1)))
+            for slot, node in enumerate(topo["nodes"]):
+                hb = _get(store, keys.heartbeat(node))
+                st["members"].append(
+                    {
+                        "slot": slot,
+                        "node": node,
+                        "ranks": list(range(slot * g, (slot + 1) * g)),
+                        "rack": slot * racks // len(topo["nodes"]),
+                        "heartbeat_age_s": None if hb is None else max(0.0, now - float(hb)),
+                        "exited": store.check([keys.node_exit(node)]),
+                        "fenced": store.check([keys.fence(node)]),
+                    }
+                )
+    used = {n: h["epoch"] for h in reversed(st["history"]) for n in h["nodes"]}  # first epoch it appeared in
+    current = set(st["topology"]["nodes"]) if st["topology"] else set()
+    for i in range(int((cfg or {}).get("spares", 0))):
+        sid = f"s{i}"
+        ready = all(store.check([keys.ready(f"{sid}.{j}")]) for j in range(g))
+        if sid in current:
+            state = f"in use (slot {st['topology']['nodes'].index(sid)}, since epoch {used[sid]})"
+        elif sid in used:
+            state = f"used in epoch {used[sid]}, since lost"
+        else:
+            state = "ready" if ready else "starting (not ready yet)"
+        st["spares"].append({"id": sid, "used": sid in used, "ready": ready, "state": state})
+    raw = _get(store, keys.PROGRESS)
+    if raw is not None:
+        n = int(raw)
+        st["progress"] = {"step": n, "steps": (cfg or {}).get("steps"), "record": _json(store, keys.step(n))}
+    raw = _get(store, keys.EVENTS)
+    if raw is not None:
+        lines = [ln for ln in raw.decode().splitlines() if ln.strip()]
+        st["events_total"] = len(lines)
+        st["events"] = [json.loads(ln) for ln in lines[-events:]] if events > 0 else []
+    return st
+
+
+def describe_event(ev: dict[str, Any], width: int = 160) -> str:
+    """One line for an event: local time, kind, source, the other fields as key=value."""
+    t = ev.get("t")
+    stamp = (
+        (time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}") if t else "--:--:--"
+    )
+    src = ev.get("by") or ev.get("wid") or ev.get("node") or "-"
+    rest = ", ".join(
+        f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+        for k, v in ev.items()
+        if k not in ("t", "kind", "by", "wid")
+    )
+    line = f"{stamp}  {ev.get('kind', '?'):<17} {src:<12} {rest}"
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _age(x: float | None) -> str:
+    return "no heartbeat yet" if x is None else f"heartbeat {x:.1f}s ago"
+
+
+def format_status(st: dict[str, Any], addr: str = "") -> str:
+    """The human-readable status, several lines."""
+    out: list[str] = []
+    cfg = st.get("config")
+    state = st.get("run_state") or ("running" if st.get("epoch") is not None else "starting")
+    out.append(
+        f"coordinator {addr}   run state: {state}" + (f" ({st['run_error']})" if st.get("run_error") else "")
+    )
+    if cfg is None:
+        out.append("no phoenixft run has published its config on this store yet")
+        return "\n".join(out)
+    out.append(
+        f"job: {cfg.get('nodes')} node(s) x {cfg.get('workers_per_node')} worker(s), {cfg.get('spares')} "
+        f"spare(s), {cfg.get('steps')} steps, protect={cfg.get('protect')}, model={cfg.get('model')}"
+    )
+    topo = st.get("topology")
+    if st.get("epoch") is None or topo is None:
+        out.append("epoch: none yet (waiting for every node to be ready)")
+    else:
+        g = topo.get("workers_per_node", 1)
+        n = len(topo["nodes"])
+        meta = topo.get("meta") or {}
+        line = f"epoch {st['epoch']}: world {n * g} ({n} node(s) x {g} worker(s)), "
+        line += f"resume step {topo.get('resume_step')}"
+        if meta:
+            dead = ", ".join(meta.get("dead") or []) or "-"
+            promoted = ", ".join(meta.get("promoted") or []) or "-"
+            line += f"; after a {meta.get('class', '?')} failure -> {meta.get('action', '?')}, "
+            line += f"dead {dead}, promoted {promoted}"
+        out.append(line)
+        out.append("membership:")
+        for m in st["members"]:
+            ranks = ",".join(str(r) for r in m["ranks"])
+            health = "FENCED" if m.get("fenced") else "EXITED" if m["exited"] else _age(m["heartbeat_age_s"])
+            rack = f"rack {m['rack']}  " if int(topo.get("racks", 1)) > 1 else ""
+            out.append(f"  slot {m['slot']}  {m['node']:<6} {rack}rank(s) {ranks:<8} {health}")
+        if len(st.get("history", [])) > 1:
+            out.append("epochs: " + "; ".join(f"{h['epoch']}: {' '.join(h['nodes'])}" for h in st["history"]))
+    sp = st.get("spares") or []
+    free = sum(1 for s in sp if not s["used"] and s["ready"])
+    out.append(
+        f"spares: {len(sp)} in the pool, {free} ready and unused"
+        + (": " + "; ".join(f"{s['id']} {s['state']}" for s in sp) if sp else "")
+    )
+    prog = st.get("progress")
+    if prog is None:
+        out.append("progress: no step completed yet")
+    else:
+        rec = prog.get("record") or {}
+        total = prog.get("steps")
+        pct = f" ({100 * prog['step'] / total:.0f}%)" if total else ""
+        line = f"progress: step {prog['step']}/{total or '?'}{pct}"
+        if rec:
+            line += (
+                f", loss {rec.get('loss', float('nan')):.4f}, {rec.get('dt', 0) * 1e3:.0f} ms/step, "
+                f"epoch {rec.get('epoch')}, world {rec.get('world')}"
+            )
+        out.append(line)
+    evs = st.get("events") or []
+    out.append(f"last events ({len(evs)} of {st.get('events_total', 0)}):" if evs else "events: none yet")
+    out += ["  " + describe_event(ev) for ev in evs]
+    return "\n".join(out)

@@ -1,0 +1,666 @@
+"""The launcher behind `phoenixft run` (the whole job as local processes) and `phoenixft coordinator`
+(the head of a job whose nodes are on other hosts).
+
+It serves the control-plane store on the address given (127.0.0.1 for `run`; `--host/--port` for
+the head) or, with `--control-plane etcd[://...]`, uses an etcd cluster (starting a local one for
+`etcd`) under the job's own prefix, which it deletes at the end; it starts `--coordinators`
+coordinator processes (restarting any that dies: it reloads its journal, or stands by), publishes the
+config and the run id, and gives both the job token through the environment (never the command
+line, the store, the run directory or a log). `phoenixft run` then starts one agent per node and
+per spare node (each in its own session, so a node is one process group) and watches them: agent
+exits are reported to the control plane at once, fence requests are carried out (SIGKILL to the
+node's process group). The head starts no agent: agents on other hosts join it
+(`phoenixft agent --coordinator HOST:PORT`), failures are found by their heartbeats, a fence is
+only logical (the fenced host's own processes obey it), and the final model stays with rank 0's
+host (no shared filesystem is assumed). Both show progress and events; at the end they read the
+results from the store, write the run directory and the report, and tear everything down;
+teardown is idempotent and runs on every exit path, so no process of theirs outlives a run (the
+head also waits, bounded, for every live node's agent to say it left before it stops serving the
+store).
+
+The processes it starts are forked from a warm zygote (`phoenixft.runtime.zygote`: one `import torch` per
+launching process instead of one per coordinator and agent), each set up as a fresh `python -m`
+would be (own session, log, environment, command line); `PHOENIXFT_ZYGOTE=0`, or a zygote that
+fails, starts them fresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from phoenixft.config import RunConfig
+from phoenixft.controlplane import LEADER_KEY, EtcdUnavailable, LogReader, auth, exists_many, get_nowait, is_etcd, keys
+from phoenixft.errors import UserError
+from phoenixft.observe.display import Display
+from phoenixft.observe.report import build_report
+from phoenixft.protect import shm
+from phoenixft.runtime import rundir, zygote
+from phoenixft.runtime.procs import group_members, group_stopped
+from phoenixft.runtime.repair import RepairQueue
+
+__all__ = ["LocalJob", "run_job", "check_mode", "STOP_GRACE_S", "INTERRUPTED"]
+
+ETCD_PROBE_S = 10.0  # how long an etcd:// control plane may take to answer before the run is refused
+PARENT = "{parent}"  # in a spawned command line: the PID of the process it must not outlive
+Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
+STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
+CONTROL_PLANE_TIMEOUT_S = 15.0  # etcd: no answer for this long and the run is failed (agents' default too)
+INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP
+ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coordinator gets to decide (and record why)
+LOST_TEARDOWN_CALL_S = 2.0  # etcd lost: each store call of the teardown gets this long (if it is back: cleaned)
+
+
+AGENT_FLOOR_MIB = 25  # what an agent process costs at least (its own pages; forked from the zygote: measured 27)
+WORKER_FLOOR_MIB = 100  # what a worker process costs at least before its model's state (`tiny`: measured 120)
+
+
+def _mem_total_mib() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    except (OSError, ValueError, AttributeError):  # (a platform without these names)
+        return None
+
+
+def check_local_size(cfg: RunConfig) -> None:
+    """UserError when a local run's processes cannot fit this machine's memory even before their models:
+    `phoenixft run --nodes 100000` passed every check and started forking agents until the kernel's OOM
+    killer stepped in (taking whatever else it chose with it)."""
+    total = _mem_total_mib()
+    nodes = cfg.nodes + cfg.spares
+    need = nodes * (AGENT_FLOOR_MIB + cfg.workers_per_node * WORKER_FLOOR_MIB)
+    if total is not None and need > total:
+        raise UserError(
+            f"--nodes={cfg.nodes} is invalid here: {nodes:,} local node(s) (--nodes + --spares) x "
+            f"{cfg.workers_per_node} worker(s) need at least {need / 1024:,.1f} GiB for their processes alone "
+            f"(about {WORKER_FLOOR_MIB} MiB per worker and {AGENT_FLOOR_MIB} MiB per agent before any model state), "
+            f"and this machine has {total / 1024:,.1f} GiB: run fewer nodes here, or spread them over hosts "
+            "(`phoenixft coordinator` + `phoenixft agent`); `phoenixft run --dry-run` sizes a layout without "
+            "starting it")
+
+
+def check_mode(cfg: RunConfig, local: bool) -> None:
+    """UserError for what the mode cannot do: partitions need separate hosts; the head can neither
+    start nor kill agents, nor signal a coordinator from another host; a local run must fit this machine."""
+    if local:
+        check_local_size(cfg)
+    for f in cfg.faults:
+        if local and f.kind == "partition":
+            raise UserError(f"--inject={f.text!r} is invalid here: a partition needs hosts with their own addresses "
+                            "(`phoenixft coordinator` on one host, `phoenixft agent` on the others), not one machine's "
+                            "loopback")
+        if not local and f.coordinator:
+            raise UserError(f"--inject={f.text!r} is invalid here: the workers that fire it sit on other hosts "
+                            "than the coordinator (use `phoenixft run` for coordinator kills)")
+    if not local and cfg.control_plane == "etcd":
+        raise UserError("--control-plane=etcd is invalid here: it starts a cluster on this host's loopback, which "
+                        "agents on other hosts cannot reach; run etcd on your hosts and give "
+                        "--control-plane etcd://HOST:PORT,HOST:PORT,HOST:PORT")
+    if not local:
+        for flag, v in (("--repair-after", cfg.repair_after), ("--spare-arrives-at-step", cfg.spare_arrives_at_step)):
+            if v:
+                raise UserError(f"{flag}={v:g} is invalid here: the coordinator starts no agents; start a spare on "
+                                "any host with `phoenixft agent --coordinator HOST:PORT --node NAME --spare`")
+
+
+class LocalJob:
+    def __init__(self, cfg: RunConfig, display: Display | None = None, *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, local: bool = True) -> None:
+        self.cfg = cfg
+        self.local = local  # False: the head of a multi-host job (agents join from other hosts)
+        self.host, self.port = host, port
+        self.token = token or auth.generate_token()
+        self.token_generated = token is None
+        self.run_id = uuid.uuid4().hex[:10]
+        self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{self.run_id}"))
+        self.dir_lock = rundir.claim(self.run_dir)  # held until the report is written (another launcher: refused)
+        try:
+            replaced = rundir.prepare(self.run_dir)  # a previous run's files there are removed (a live run's: refused)
+        except BaseException:
+            rundir.release(self.dir_lock, self.run_dir)  # (refused there: leave nothing of this run behind)
+            raise
+        self.display = display or Display(quiet=cfg.quiet, json_events=cfg.json_events, steps=cfg.steps)
+        if replaced:
+            self.display.info(replaced)
+        self.display.joins = not local
+        self.coords: dict[int, Proc] = {}  # --coordinators: one leads, the others stand by
+        self.etcd: Any = None  # --control-plane etcd: the local cluster this job started
+        self._etcd_fired: set[int] = set()
+        self._log: Any = None
+        self.agents: dict[str, Proc] = {}
+        self._zygote_error: str | None = None
+        self.exited: set[str] = set()
+        self.fenced: set[str] = set()
+        self.store: Any = None
+        self.addr = ""
+        self._torn_down = False
+        self._server: Any = None
+        self._coord_pids: list[int] = []
+        self.coord_restarts = 0
+        self._coord_exits: list[float] = []  # when the coordinator exited: a crash loop is 5 within a minute
+        self._reapers: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
+        self.stopped_starting: list[str] = []  # agents stopped before they reached the control plane
+        self._owner = False
+        self.events_seen: list[str] = []  # the events read so far (what is written if the store is lost)
+        self.control_plane_lost: str | None = None  # why the store no longer answers, once it has not for too long
+        self.handed_over: str | None = None  # etcd: the coordinator (not ours) leading the job this one lost
+        self._unreported: list[str] = []  # agent exits not yet told to the control plane
+        self.last_step_shown = 0
+        # --repair-after: a lost node comes back as a fresh spare (ids past the configured ones)
+        self.repair = RepairQueue(cfg.repair_after, cfg.spares + (1 if cfg.spare_arrives_at_step else 0))
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, args: list[str], log: str) -> Proc:
+        """Start `python -m args...` in its own session, logging to logs/`log`: forked from the warm
+        zygote (phoenixft.runtime.zygote), or fresh if that is off or failed. PARENT in `args` is replaced by
+        this process's PID: it follows the launcher, whether its parent is the launcher or the zygote
+        (procs.die_with_parent), so a zygote that dies takes nothing with it."""
+        path = self.run_dir / "logs" / log
+        extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token}
+
+        argv = [str(os.getpid()) if a == PARENT else a for a in args]
+        if zygote.enabled() and self._zygote_error is None:
+            try:
+                return zygote.Zygote.shared().spawn(argv, path, extra)
+            except zygote.ZygoteError as e:
+                self._zygote_error = str(e)
+                self.display.info(f"starting processes fresh: the warm zygote failed ({e})")
+        out = open(path, "ab")
+        return subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ, **extra))
+
+    def _threads(self) -> int:
+        if self.cfg.threads:
+            return self.cfg.threads
+        return max(1, (os.cpu_count() or 1) // max(1, self.cfg.world))
+
+    def start(self) -> None:
+        from phoenixft.controlplane.server import serve_store
+        from phoenixft.dist.comm import connect_store
+
+        if self.local:
+            swept = shm.sweep(exclude=(self.run_id,))
+            if swept.segments:
+                self.display.info(f"removed {swept.segments} orphaned shared-memory segment(s), "
+                                  f"{swept.bytes / 2**20:.1f} MiB, of dead run(s) {', '.join(swept.runs)}")
+            shm.register_owner(self.run_id, "launcher")
+            self._owner = True
+        from phoenixft.workload import WorkloadContext, load_workload
+
+        wl = load_workload(self.cfg.workload, WorkloadContext.from_config(self.cfg))
+        if wl.prepare is not None and self.local:
+            try:
+                wl.prepare()  # e.g. build the corpus cache once, before the workers map it
+            except Exception as e:  # noqa: BLE001 - user code: one line, not a traceback
+                raise UserError(f"--workload={self.cfg.workload!r}: its prepare() failed: {type(e).__name__}: "
+                                f"{e}") from None
+        self.display.tokens_per_step = wl.tokens_per_microbatch * self.cfg.total_microbatches
+        if self.cfg.control_plane == "tcpstore":
+            # The store is served from this process (its server thread needs no GIL), so that the
+            # coordinator's logic can crash and be restarted without taking the store with it. It
+            # listens on the address given only (see store_server).
+            self._server = serve_store(self.host, self.port)
+            self.addr = self._server.addr
+            (self.run_dir / "coordinator.port").write_text(str(self._server.port))
+        else:
+            self.addr = self._etcd_address()
+            (self.run_dir / "control_plane").write_text(self.addr)
+        # on etcd a call that no member answers fails after CONTROL_PLANE_TIMEOUT_S (the monitor then fails the run)
+        self.store = connect_store(self.addr, CONTROL_PLANE_TIMEOUT_S if self.addr.startswith("etcd://") else 30.0)
+        self._log = LogReader(self.store, keys.EVENTS)
+        raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
+        self.store.multi_set([keys.CONFIG_SIG, keys.CONFIG], [auth.sign_config(self.token, raw_cfg), raw_cfg])
+        self.store.set(keys.RUN_ID, self.run_id)
+        if self.local:  # rank 0 writes the final model there: only where it shares this filesystem
+            self.store.set(keys.RUN_DIR, str(self.run_dir.resolve()))
+        for i in range(self.cfg.coordinators):
+            self._start_coordinator(i)
+        (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
+        if self.local:
+            nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
+            for n in nodes:
+                self._start_agent(n)
+            self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
+                              f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}, "
+                              f"dir {self.run_dir}")
+            return
+        self.display.info(f"phoenixft coordinator: run {self.run_id} serving at {self.addr}, dir {self.run_dir}; "
+                          f"waiting for {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s) to join "
+                          f"(--join-timeout {self.cfg.join_timeout:g}s), spares welcome")
+        if self.token_generated:
+            self.display.info(f"job token (generated; give it to every agent as ${auth.TOKEN_ENV} or --token, "
+                              f"it is not stored anywhere): {self.token}")
+        self.display.info(f"join with: phoenixft agent --coordinator {self.addr} --node NAME "
+                          f"--workers {self.cfg.workers_per_node} [--spare]")
+
+    def _start_agent(self, node: str) -> None:
+        self.agents[node] = self._spawn(
+            ["phoenixft.runtime.agent", "--store", self.addr, "--node", node,
+             "--workers", str(self.cfg.workers_per_node), "--threads", str(self._threads()),
+             "--run-id", self.run_id, "--parent-pid", PARENT],
+            f"{node}.log")
+
+    def _etcd_address(self) -> str:
+        """The job's etcd URL: the cluster given (or a local one started now), keys under
+        `<prefix>/<run id>` (prefix `/phoenixft` unless the URL names one)."""
+        from phoenixft.controlplane import parse_etcd_url
+        from phoenixft.controlplane.etcd_cluster import EtcdCluster
+
+        url = self.cfg.control_plane
+        if url == "etcd":
+            try:
+                self.etcd = EtcdCluster(3, log_dir=str(self.run_dir / "logs"), tag=self.run_id).start()
+            except (FileNotFoundError, RuntimeError, TimeoutError) as e:
+                raise UserError(f"--control-plane=etcd: could not start a local etcd cluster ({e})") from None
+            url = self.etcd.url
+            self.display.info(f"started a local 3-member etcd cluster for this run: {url}")
+        eps, prefix = parse_etcd_url(url)
+        addr = "etcd://" + ",".join(f"{h}:{p}" for h, p in eps) + f"{prefix or '/phoenixft'}/{self.run_id}"
+        from phoenixft.controlplane import EtcdError, EtcdUnavailable, connect
+
+        try:  # one bounded look before anything starts: a wrong address is one line, not a 30 s traceback
+            connect(addr, ETCD_PROBE_S).num_keys()
+        except (EtcdUnavailable, EtcdError) as e:
+            raise UserError(f"--control-plane={self.cfg.control_plane}: no etcd cluster answered there within "
+                            f"{ETCD_PROBE_S:g}s ({str(e).rsplit('(last: ', 1)[-1].rstrip(')')}); give the client "
+                            "URLs of a running cluster, or --control-plane etcd to start one here") from None
+        return addr
+
+    def _start_coordinator(self, i: int = 0) -> None:
+        # it dies with the launcher (which serves the store it needs); --run-id makes it findable
+        journal = ["--journal", rundir.journal_path(self.run_dir)] if self.cfg.control_plane == "tcpstore" \
+            else []  # on etcd the journal is in etcd (a standby on another host reads it)
+        p = self._spawn(["phoenixft.runtime.procs", "--parent", PARENT, "--signal",
+                         str(int(signal.SIGKILL)), "phoenixft.coordinator", "--store", self.addr,
+                         *journal, "--run-id", self.run_id],
+                        "coordinator.log" if i == 0 else f"coordinator{i}.log")
+        self.coords[i] = p
+        self._coord_pids.append(p.pid)
+
+    def _kill_group(self, node: str, sig: int = signal.SIGKILL) -> None:
+        p = self.agents.get(node)
+        if p is None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ------------------------------------------------------------------ monitoring
+    def _poll_events(self) -> None:
+        for line in self._log.read().splitlines():
+            if line.strip():
+                self.events_seen.append(line)
+                self.display.event(json.loads(line))
+
+    def monitor(self) -> str:
+        deadline = time.monotonic() + self.cfg.timeout
+        last_progress = -1
+        # Local processes are looked at every 10 ms; the store every 50 ms, on etcd every 250 ms (every
+        # read costs CPU on the machines that train; its fences and the run state in one request)
+        store_every = 0.05 if not is_etcd(self.store) else 0.25
+        last_look = 0.0
+        over = False
+        last_ok = time.monotonic()  # when the store last answered every call of a look
+        all_gone: float | None = None  # when the launcher saw every node exited (local runs)
+        while True:
+            try:
+                look = time.monotonic() - last_look >= store_every
+                fenced_now: set[str] = set()
+                if look:
+                    last_look = time.monotonic()
+                    unfenced = [n for n in self.agents if n not in self.fenced]
+                    *fences, over = exists_many(self.store, [keys.fence(n) for n in unfenced] + [keys.RUN_STATE])
+                    fenced_now = {n for n, f in zip(unfenced, fences, strict=True) if f}
+                for n, p in self.agents.items():  # (the head has none: remote agents are judged by heartbeats)
+                    if n not in self.exited and p.poll() is not None:
+                        self.exited.add(n)
+                        self._unreported.append(n)
+                        self._reap_async(n)
+                        self.repair.lost(n)
+                    if n in fenced_now:
+                        self.fenced.add(n)
+                        if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
+                            self._kill_group(n)
+                        self.repair.lost(n)
+                while self._unreported:  # (told once the store answers, if it did not at first)
+                    self.store.set(keys.node_exit(self._unreported[0]), str(time.time()))
+                    self.store.add("exits", 1)
+                    self._unreported.pop(0)
+                if self.local:
+                    self._start_repaired()
+                for i, cp in list(self.coords.items()):
+                    if cp.poll() is None or over or self.store.check([keys.RUN_STATE]):
+                        continue
+                    now_m = time.monotonic()
+                    self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
+                    if len(self._coord_exits) > 5 * self.cfg.coordinators:
+                        return "failed: the coordinator keeps exiting (6 times within a minute)"
+                    # control-plane failure: restart it; it reloads its journal (a standby takes over meanwhile)
+                    self.coord_restarts += 1
+                    self.store.compare_set(keys.COORDINATOR_PID, str(cp.pid), "")
+                    if self.store.get(keys.COORDINATOR_PID) == b"":
+                        self.store.delete_key(keys.COORDINATOR_PID)
+                    t = time.time()
+                    self._start_coordinator(i)
+                    self.store.append(keys.EVENTS, json.dumps({"t": t, "kind": "coordinator_exited", "by": "launcher",
+                                                               "code": cp.returncode, "pid": cp.pid,
+                                                               "standbys": self.cfg.coordinators - 1}) + "\n")
+                raw_prog = get_nowait(self.store, keys.PROGRESS) if look else None
+                if raw_prog is not None:
+                    prog = int(raw_prog)
+                    self._fire_etcd_faults(prog)
+                    late = self.cfg.spare_arrives_at_step
+                    if late and prog >= late and f"s{self.cfg.spares}" not in self.agents:
+                        self._start_agent(f"s{self.cfg.spares}")
+                    if prog != last_progress and self.store.check([keys.step(prog)]):
+                        last_progress = self.last_step_shown = prog
+                        self.display.progress(json.loads(self.store.get(keys.step(prog))))
+                if look:
+                    self._poll_events()
+                if over:
+                    return self.store.get(keys.RUN_STATE).decode()
+                if time.monotonic() > deadline:
+                    return f"failed: timeout after {self.cfg.timeout:g}s"  # (0.5 is not "0s")
+                if self.local and all(n in self.exited for n in self.agents):
+                    if self.store.check([keys.RUN_STATE]):  # the run ended, then its nodes: looked at since `over`
+                        return self.store.get(keys.RUN_STATE).decode()
+                    # the last node was lost by a fault: the coordinator's recovery (told of the exits above)
+                    # fails the run saying why, and the report lists that recovery; unless it does not answer
+                    all_gone = all_gone or time.monotonic()
+                    if time.monotonic() - all_gone > ALL_GONE_GRACE_S:
+                        return "failed: every node exited"
+                time.sleep(0.01)
+                if look:
+                    last_ok = time.monotonic()
+            except (EtcdUnavailable, TimeoutError, ConnectionError) as e:
+                if not is_etcd(self.store):
+                    raise
+                # every call retries over the members until its deadline: this one found none for that long
+                if time.monotonic() - last_ok >= CONTROL_PLANE_TIMEOUT_S:
+                    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    why = why.rsplit("(last: ", 1)[-1].rstrip(")") if "(last: " in why else why
+                    self.control_plane_lost = (f"etcd at {self.addr} did not answer for "
+                                               f"{time.monotonic() - last_ok:.0f}s (last: {why[:200]})")
+                    return f"failed: control plane lost: {self.control_plane_lost}"
+                time.sleep(0.25)
+
+    def _fire_etcd_faults(self, progress: int) -> None:
+        """kill:etcd=I|leader@step=S: SIGKILL a member of the run's own etcd cluster during step S."""
+        for f in self.cfg.faults:
+            if f.etcd is None or f.index in self._etcd_fired or f.step is None or progress < f.step - 1:
+                continue
+            self._etcd_fired.add(f.index)
+            assert self.etcd is not None  # validated: kill:etcd needs --control-plane etcd
+            i = f.etcd if f.etcd >= 0 else self.etcd.leader_index()
+            rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "kill",
+                   "node": f"etcd member m{i}" + (" (raft leader)" if f.etcd < 0 else ""), "step": f.step,
+                   "phase": "control plane", "by": "launcher"}
+            self.store.add(keys.fault(f.index) + "/fired", 1)
+            self.store.set(keys.fault(f.index), json.dumps(rec))
+            self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+            self.etcd.kill(i)
+
+    # ------------------------------------------------------------------ node cleanup
+    def _reap_async(self, node: str) -> None:
+        with self._lock:
+            if node not in self._reapers:
+                t = threading.Thread(target=self._reap, args=(node,), name=f"phoenixft-reap-{node}", daemon=True)
+                self._reapers[node] = t
+                t.start()
+
+    def _reap(self, node: str) -> None:
+        """A node's agent has exited: make sure nothing of the node is left.
+
+        Its workers die with it (parent-death signal) and an agent that exits by itself frees its
+        node's memory; so processes still there after a moment, and segments left by an agent that
+        was not killed, are recorded as leaks. An agent killed by a signal (a failed or fenced node)
+        could not clean up: removing its segments is the launcher's job, not a leak."""
+        p = self.agents[node]
+        killed_by_signal = (p.returncode or 0) < 0
+        deadline = time.monotonic() + 3.0
+        left = group_members(p.pid)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.02)
+            left = group_members(p.pid)
+        if left:
+            self._kill_group(node)
+            with self._lock:
+                self.leaks["killed"].append({"node": node, "pids": left, "why": "outlived its agent"})
+            deadline = time.monotonic() + 5.0
+            while group_members(p.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        removed = shm.unlink_segments(self.run_id, node)
+        if removed and not killed_by_signal:
+            with self._lock:
+                self.leaks["removed_segments"].extend(name for name, _ in removed)
+
+    def _start_repaired(self) -> None:
+        """--repair-after: start the spares whose repair is due; the coordinator admits them."""
+        for spare, lost in self.repair.due(self.agents):
+            self._start_agent(spare)
+            self.store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "spare_repaired", "by": "launcher",
+                                                       "node": spare, "replaces": lost}) + "\n")
+
+    # ------------------------------------------------------------------ teardown
+    def _never_up(self, node: str) -> bool:
+        """The node's agent never reached the control plane (no heartbeat): it was still starting."""
+        try:
+            return self.store is not None and not self.store.check([keys.heartbeat(node)])
+        except Exception:  # noqa: BLE001 - no store: nothing can tell
+            return False
+
+    def teardown(self) -> None:
+        """Stop every process this job started and free its memory; safe to call more than once.
+
+        The run state is made final first (`aborted` if it is not), which every process of the run
+        obeys by itself within STOP_GRACE_S; what has to be killed or removed after that is recorded
+        in `self.leaks` (see the module docstring)."""
+        if self._torn_down:
+            return
+        self._torn_down = True
+        try:
+            if self.store is not None and self._may_end_job() and not self.store.check([keys.RUN_STATE]):
+                self.store.set(keys.RUN_STATE, "aborted")
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        if not self.local and self._may_end_job():  # (cut off, or the job handed over: nobody leaves through us)
+            self._await_remote_agents(deadline)
+        procs = [*self.agents.values(), *self.coords.values()]
+        while time.monotonic() < deadline:
+            running = [p for p in procs if p.poll() is None]
+            # a node whose every process is stopped (hung, SIGSTOPped) obeys nothing: waiting out the grace
+            # for it only delays Ctrl-C by STOP_GRACE_S; it is killed below at once
+            if not running or all(group_stopped(p.pid) for p in running):
+                break
+            time.sleep(0.05)
+        for n, p in self.agents.items():
+            if p.poll() is None:
+                members = group_members(p.pid)
+                self._kill_group(n)
+                if self._never_up(n):  # a (repaired) spare still starting: it could not yet see the run end
+                    self.stopped_starting.append(n)
+                    continue
+                self.leaks["killed"].append({"node": n, "pids": members, "why": "still running after the run ended"})
+        for p in self.agents.values():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self._coord_pids:
+            left = group_members(pid)
+            if left:
+                self.leaks["killed"].append({"node": "coordinator", "pids": left,
+                                             "why": "still running after the run ended"})
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for cp in self.coords.values():
+            try:
+                cp.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for n in self.agents:
+            self._reap_async(n)
+        for t in list(self._reapers.values()):
+            t.join(timeout=15)
+        if self.local:  # (the head owns no host memory: each host's agents own theirs)
+            for name, _ in shm.unlink_segments(self.run_id):  # not of any node's agent: nobody owned these
+                self.leaks["removed_segments"].append(name)
+        if self._owner:
+            shm.unregister_owner(self.run_id)
+        if is_etcd(self.store) and self._may_end_job():  # every process of the run is gone: leave nothing in etcd
+            try:
+                self.store.delete_prefix()
+            except Exception:  # noqa: BLE001 - the cluster is gone: nothing to clean there
+                pass
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def _may_end_job(self) -> bool:
+        """Whether this launcher may end the job (announce its end, remove its keys). Not once it was cut
+        off from etcd (`control_plane_lost`) while a coordinator it did not start leads the job: a standby
+        on another host took over, and the job goes on without this host (`handed_over` names it); nor
+        while etcd still does not answer. Always, otherwise."""
+        if self.control_plane_lost is None or self.handed_over is not None:
+            return self.handed_over is None
+        try:
+            leader = get_nowait(self.store, LEADER_KEY)
+        except Exception:  # noqa: BLE001 - still cut off: nothing can be written anyway
+            return False
+        if leader is None:
+            return True
+        ident = leader.decode(errors="replace")
+        host, _, rest = ident.partition(":")
+        pid = rest.partition(":")[0]
+        if host == socket.gethostname() and pid.isdigit() and int(pid) in self._coord_pids:
+            return True  # one of ours leads (then it ends with this launcher, as always)
+        self.handed_over = ident
+        return False
+
+    def _await_remote_agents(self, deadline: float) -> None:
+        """Head: keep serving the store until every admitted node that is not fenced has left (its agent
+        saw the final run state and stopped its workers), at most until `deadline`; record who did not."""
+        try:
+            members = json.loads(self.store.get(keys.MEMBERS)) if self.store.check([keys.MEMBERS]) else {}
+            waiting = [n for n in members if not self.store.check([keys.fence(n)])]
+            while waiting and time.monotonic() < deadline:
+                waiting = [n for n in waiting if not self.store.check([keys.left(n)])]
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody can leave through it any more
+            return
+        self.leaks["not_left"] = waiting
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.agents.values()] + [p.pid for p in self.coords.values()]
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ignore SIGINT, SIGTERM and SIGHUP for the duration (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def _interrupted_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
+    """The report of a run stopped by Ctrl-C, SIGTERM or SIGHUP: what it did up to then (steps, faults,
+    recoveries, events.jsonl and metrics.jsonl), read from the store, which is still served until the
+    teardown that follows; just the state if the run had not started or the store no longer answers."""
+    base = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id, "run_dir": str(job.run_dir)}
+    if job.store is None:
+        return base
+    try:
+        with _signals_held():  # a second signal must not cut this short either
+            job._poll_events()
+            return build_report(job.store, cfg, state, job.run_dir, job.run_id)
+    except Exception as e:  # noqa: BLE001 - the teardown must still run; the report says why it is short
+        base["report_error"] = f"{type(e).__name__}: {e}"
+        return base
+
+
+def _lost_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
+    """The report of a run whose control plane stopped answering: what the launcher saw itself (the
+    events it had read, written to events.jsonl, and the last step it showed); nothing is read from
+    the store. Its teardown gives each store call LOST_TEARDOWN_CALL_S (etcd may be back: then the
+    run's end is still announced and its keys removed)."""
+    if is_etcd(job.store):
+        job.store.timeout_s = LOST_TEARDOWN_CALL_S
+    (job.run_dir / "events.jsonl").write_text("".join(line + "\n" for line in job.events_seen))
+    return {"run_id": job.run_id, "state": state, "config": json.loads(cfg.to_json()),
+            "error": f"control plane lost: {job.control_plane_lost}",
+            "steps_completed": job.last_step_shown,
+            "final_state_sha256": None, "recoveries": [], "faults": [], "run_dir": str(job.run_dir),
+            "report_partial": "the control plane was lost: this report holds only what the launcher had seen"}
+
+
+def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.0.0.1", port: int = 0,
+            token: str | None = None, local: bool = True) -> dict[str, Any]:
+    """Run a job end to end; returns the report (also written to the run dir and --report).
+
+    `local`: start every agent here (`phoenixft run`); else be the head that agents on other hosts
+    join at host:port (`phoenixft coordinator`). `token`: the job token (None: generate one)."""
+    check_mode(cfg, local)
+    job = LocalJob(cfg, display, host=host, port=port, token=token, local=local)
+    try:
+        state = "failed: did not start"
+        report: dict[str, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (a scheduler, `kill`) must tear the job down like Ctrl-C does, never orphan it
+            # and so must SIGHUP (the terminal closed)
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+        try:
+            job.start()
+            state = job.monitor()
+            if job.control_plane_lost is not None:
+                report = _lost_report(job, cfg, state)
+            else:
+                job._poll_events()
+                report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
+                if job.store.check([keys.MEMBERS]):
+                    report["members"] = json.loads(job.store.get(keys.MEMBERS))
+        except KeyboardInterrupt:
+            state = INTERRUPTED
+            report = _interrupted_report(job, cfg, state)
+        finally:
+            with _signals_held():  # a second Ctrl-C / SIGHUP must not cut the teardown short
+                job.teardown()
+        if not report:
+            report = {"config": json.loads(cfg.to_json()), "state": state, "run_id": job.run_id}
+        report["teardown"] = job.leaks
+        if job.handed_over is not None:
+            report["handed_over_to"] = job.handed_over
+            job.display.info(f"the job goes on without this host: coordinator {job.handed_over} leads it (a standby "
+                             "took over while this host was cut off from etcd); its keys are left to it")
+        report["teardown_stopped_while_starting"] = job.stopped_starting
+        (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
+        if cfg.report:
+            Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.report).write_text(json.dumps(report, indent=2))
+    finally:
+        rundir.release(job.dir_lock)  # (the report is written: the directory is free for the next run)
+    job.display.done(report)
+    return report

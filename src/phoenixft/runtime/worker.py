@@ -1,0 +1,516 @@
+"""A training worker: one per accelerator (a GPU with `--device cuda`, else a CPU process).
+
+Life of a worker: connect to the control-plane store, build the workload and its `Trainer` for
+its (pp, tp) stage (flat parameters, optimizer shard, optimizer: training.py), announce itself,
+then wait for membership (an active node gets epoch 0; a spare waits, warm, until the coordinator
+promotes it). Each epoch's mesh layout and process groups come from the published topology
+(topology.py, parallel/layout.py, comm.py). Each step the trainer computes while the protection
+layer (protection.py) replicates the previous step and, every K steps, persists it. Any
+`PeerFailure` sends the worker into the recovery protocol: it posts a descriptor of what it holds
+(recovery/planner.py), waits for the next epoch's plan, and carries it out (recovery/restore.py);
+training resumes at the recovery step. Faults are injected by faultinject.py. Run as
+`python -m phoenixft.runtime.worker` by the node agent (or forked by it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phoenixft.config import RunConfig
+from phoenixft.controlplane import auth, exists_many, is_etcd, keys
+from phoenixft.controlplane.watcher import FailureWatcher
+from phoenixft.dist import device
+from phoenixft.dist.comm import EpochComm, connect_store, wait_work
+from phoenixft.dist.topology import Topology
+from phoenixft.errors import PeerFailure, RunAborted, Unhealable, UserError
+from phoenixft.faults.inject import FaultInjector
+from phoenixft.faults.spec import FaultSpec
+from phoenixft.optim import native
+from phoenixft.parallel.layers import TPHandle
+from phoenixft.parallel.stage import StageSpec, WholeModel
+from phoenixft.protect import shm
+from phoenixft.protect.protection import Protection
+from phoenixft.protect.redundancy.protect import ErasureProtector
+from phoenixft.protect.replication import Replicator
+from phoenixft.recovery import restore
+from phoenixft.recovery.invariants import check_invariants
+from phoenixft.train.trainer import Trainer
+from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
+
+ABORT_CHECK_ETCD_S = 0.2
+
+__all__ = ["Worker", "worker_main"]
+
+
+class Worker:
+    def __init__(self, store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
+                 incarnation: int = 0) -> None:
+        self.node_id, self.local_rank, self.run_id = node_id, local_rank, run_id
+        self.incarnation = incarnation
+        self.wid = f"{node_id}.{local_rank}"
+        self.store: Any = connect_store(store_addr)
+        self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
+        cfg = self.cfg
+        self.restarted = incarnation > 0
+        cur: Topology | None = None  # restarted in place: the epoch it rejoins
+        if incarnation > 0 and self.store.check([keys.EPOCH]):
+            e0 = int(self.store.get(keys.EPOCH))
+            cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
+        if incarnation > 0 and (cur is None or (node_id.startswith("s") and node_id not in cur.nodes)):
+            # restarted before the run's first epoch was published, or as an idle spare: nothing to rejoin,
+            # so a fresh start (the rejoin path waited 30 s for an epoch that never came while this node was
+            # not ready, or found the spare in no epoch, and crashed again, each time, until --join-timeout
+            # failed the run, or the agent gave the spare up, with a ready spare waiting)
+            incarnation, cur = 0, None
+            self.incarnation = 0
+            self.store.delete_key(keys.worker_exit(self.wid))  # (no recovery deals with it: none is needed)
+        torch.set_num_threads(threads)
+        # CUDA: the GPU of this LOCAL_RANK, NCCL set up to report (not punish) a dead peer
+        self.device = device.place(cfg.device, local_rank, node_id, cfg.nodes, cfg.workers_per_node)
+        if not self.device.is_cuda and cfg.optimizer in ("adamw", "adam"):  # built or loaded now, not in step 1
+            line = native.status()
+            if local_rank == 0 and incarnation == 0:
+                print(f"phoenixft worker {self.wid}: optimizer update: {line}", flush=True)
+        self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
+        self.protect = cfg.protect == "phoenix"
+        self.watcher = FailureWatcher(store_addr)
+        self._store_addr = store_addr
+        self._side_store: Any = None  # a second client, for polls while the first is busy (_build_comm)
+        self._abort_checked = 0.0
+        self._abort_every = ABORT_CHECK_ETCD_S if is_etcd(self.store) else 0.0
+        self.trainer: Trainer = None  # type: ignore[assignment]  # built for this rank's stage (_build)
+        self.stage_of: tuple[int, int] | None = None  # the (pp, tp) coordinate the trainer was built for
+        self.shm: str | None = None
+        self.repl: Replicator | None = None  # the protection layer's replicator (Protection, below)
+        world, gen = cfg.world, 0
+        try:
+            if cur is not None:  # restarted in place: the partition is the current epoch's, not the initial one
+                world, gen = cur.world, int(cur.meta.get("generation", 0))
+                self._build(cur.layout.coord(cur.rank_of(node_id, local_rank)).stage)
+                self._partition(world, gen)
+            elif cfg.tp == 1 and cfg.pp == 1:  # data-parallel only: every rank's stage is the whole model, built warm
+                self._build((0, 0))
+                self._partition(world, gen)
+                if node_id.startswith("s") and self.protect:  # a spare: the memory it will receive into, touched now
+                    self.trainer.prefault()
+        except Unhealable as e:  # (the workload's model cannot be built: every node would fail alike)
+            self._stop_run(str(e))
+            print(f"phoenixft worker {self.wid}: {e}", flush=True)
+            raise
+        self.faults: list[FaultSpec] = cfg.faults
+        self.inject = FaultInjector(self)
+        self.protection = Protection(self, store_addr, self._coll_timeout)
+        self.repl, self.persister = self.protection.repl, self.protection.persister
+        self.ec: ErasureProtector | None = self.protection.ec  # --redundancy ec:D+H (phoenixft.protect.redundancy)
+        if self.repl is not None and self.trainer is not None:
+            self.repl.state = self.trainer.state
+        if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
+            for f in shm.SHM_DIR.glob(shm.holding_glob(run_id, self.wid, gen)):
+                shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
+                self.repl.holding(shard)
+        if self.ec is not None and incarnation > 0:  # adopt the parity retained in shared memory
+            self.ec.adopt(shm.SHM_DIR.glob(shm.parity_glob(run_id, self.wid, gen)))
+        self.comm: EpochComm | None = None
+        self.topo: Topology | None = None
+        self.epoch = -1
+        self.rank = -1
+        self._first_after_join: int | None = None
+        self.bad_sources: list[tuple[str, int, str]] = []  # (shard, step, wid) whose transfer failed I3
+        self.trained = False  # a training step done here (a failure before it may be the same on every node)
+
+    def _build(self, stage: tuple[int, int]) -> None:
+        """The trainer of (pp, tp) coordinate `stage`: the whole model when data-parallel only, else the
+        workload's split of it (the full model is built under the seed on every rank, so every layout
+        starts from the same weights, then only its structure is kept, for the export)."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        try:
+            full = self.wl.build_model()
+        except Exception as e:  # noqa: BLE001 - user code: not ours to heal, and the same on every node
+            raise Unhealable(f"exception in the workload's build_model: {type(e).__name__}: {e}") from e
+        why = unsupported_parameters(full, cfg.precision)
+        if why:
+            raise Unhealable(f"--workload {cfg.workload}: {why}")
+        if cfg.tp == 1 and cfg.pp == 1:
+            tr = Trainer(cfg, self.wl, WholeModel(full, self.wl.loss), device=self.device)
+        else:
+            if self.wl.split is None:
+                raise Unhealable(f"--tp {cfg.tp} --pp {cfg.pp}: workload {cfg.workload} does not say how it splits")
+            pp, tp = stage
+            spec = StageSpec(pp=pp, pp_size=cfg.pp, tp=tp, tp_size=cfg.tp, handle=TPHandle(cfg.tp, tp))
+            try:
+                st = self.wl.split(full, spec)
+            except Exception as e:  # noqa: BLE001 - user code, like build_model: the same on every node
+                raise Unhealable(f"exception in the workload's split (stage pp={pp} tp={tp}): "
+                                 f"{type(e).__name__}: {e}") from e
+            tr = Trainer(cfg, self.wl, st, full_model=full.to("meta"), device=self.device)
+        tr.watch(self.watcher.check)
+        self.trainer, self.stage_of = tr, stage
+        if self.repl is not None:
+            self.repl.holdings = {}
+
+    def _partition(self, world: int, gen: int, step: int = 0) -> None:
+        """Flat parameters and the own optimizer shard for a `world`-way mesh (generation `gen`): the
+        stage's state is sharded over its data-parallel peers."""
+        self.shm = shm.worker_base(self.run_id, self.wid, gen) if self.protect else None
+        self.trainer.partition(world // (self.cfg.tp * self.cfg.pp), self.shm, step)
+        if self.repl is not None:
+            self.repl.state = self.trainer.state
+
+    def repartition(self, world: int, gen: int, r: int) -> None:
+        """Cut the flat state anew for a `world`-way partition (shrink, grow, persistent reload)."""
+        old_shm = self.shm
+        self._partition(world, gen, step=r)
+        if self.repl is not None:
+            self.repl.state = self.trainer.state
+            self.repl.holdings = {}
+        if self.ec is not None:
+            self.ec.parity = {}
+        if old_shm and old_shm != self.shm:  # the old generation's segments are never used again
+            for f in shm.SHM_DIR.glob(Path(old_shm).name + "-*"):
+                f.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _coll_timeout(self) -> float:
+        return max(60.0, 6 * self.cfg.failure_timeout)
+
+    def _abort_reason(self) -> str | None:
+        """Why a wait for a collective should give up, or None: the epoch's failure flag (the watcher
+        sees it without a round trip) or the end of the run. On etcd the store is asked at most every
+        ABORT_CHECK_ETCD_S (one request for both keys): a round trip there costs the cluster's leader CPU."""
+        if self.watcher.flagged(self.epoch):
+            return "recovery requested by the control plane"
+        now = time.monotonic()
+        if now - self._abort_checked < self._abort_every:
+            return None
+        self._abort_checked = now
+        failed, over = exists_many(self.store, [keys.failflag(self.epoch), keys.RUN_STATE])
+        if failed:
+            return "recovery requested by the control plane"
+        if over:
+            raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
+        return None
+
+    def wait(self, work: Any, what: str) -> None:
+        wait_work(work, what, self._abort_reason, self._coll_timeout)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        rec = {"t": time.time(), "kind": kind, "wid": self.wid, **fields}
+        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, s: int) -> None:
+        assert self.comm is not None and self.topo is not None
+        self.inject.hold(s)  # `,wait=S` faults: before any collective of the step, on every rank
+        t0 = time.perf_counter()
+        repl = self.repl
+        res = self.trainer.step(
+            s, self.comm, self.rank, self.topo.layout,
+            self.topo.microbatches(self.rank, self.cfg.total_microbatches),
+            self.wait, before_reduce=lambda: repl.wait(s - 1) if repl is not None else 0.0,
+            fault=lambda phase: self.inject.at(s, phase), nan=self.inject.nan_at(s))
+        if repl is not None:
+            repl.start(s)
+        self.trained = True
+        if self.rank == 0:
+            now = time.time()
+            rec = {"step": s, "loss": res.loss, "lr": res.lr, "dt": time.perf_counter() - t0, "t_end": now,
+                   "epoch": self.epoch, "world": self.topo.world, "compute_s": res.compute_s,
+                   "repl_wait_s": res.repl_wait_s, **{k: round(v, 6) for k, v in res.phases.items()}}
+            if repl is not None:  # the protection work of the previous step's replication, on this rank
+                rec.update(protect_bytes=repl.stats.last_bytes, protect_s=repl.stats.last_job_s,
+                           protect_cpu_s=repl.stats.last_cpu_s, protect_shm_bytes=repl.stats.last_shm_bytes)
+            if res.grad_norm is not None:
+                rec["grad_norm"] = res.grad_norm
+            if res.val_loss is not None:
+                rec["val_loss"] = res.val_loss
+            names, values = [keys.step(s), keys.PROGRESS], [json.dumps(rec), str(s)]
+            if self._first_after_join is not None:
+                names.append(keys.first_step(self._first_after_join))
+                values.append(json.dumps({"t": now, "step": s}))
+                self._first_after_join = None
+            self._check_fence()  # a rank 0 resumed after its fence must not write a stale record
+            self.store.multi_set(names, values)
+
+    def finish(self) -> None:
+        """Hash the full state in logical order; rank 0 writes it to the run directory and says done."""
+        assert self.comm is not None and self.topo is not None
+        if self.repl is not None:
+            self.repl.wait(self.cfg.steps)  # the final state is protected (and persisted) like any other
+        sha, master = self.trainer.final_state(self.comm, self.rank, self.topo.layout, self.cfg.steps, self.wait)
+        if self.rank == 0:
+            self._check_fence()
+            from phoenixft.observe.export import write_final
+
+            run_dir = self.store.get(keys.RUN_DIR).decode() if self.store.check([keys.RUN_DIR]) else ""
+            path = write_final(run_dir, self.trainer, master, self.cfg, sha) if run_dir else ""
+            self.store.set(keys.FINAL, json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.epoch,
+                                                   "path": path}))
+            self.store.set(keys.RUN_STATE, "done")
+            return
+        deadline = time.monotonic() + self._coll_timeout
+        while time.monotonic() < deadline:
+            if self.store.check([keys.RUN_STATE]):
+                return
+            if self._abort_reason():
+                raise PeerFailure("failure during the final gather")
+            time.sleep(0.02)
+        raise PeerFailure("rank 0 did not publish the final state")
+
+    # ------------------------------------------------------------------ membership and recovery
+    def _wait_key(self, key: str, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.store.check([key]):
+                return self.store.get(key)
+            if self.store.check([keys.RUN_STATE]):
+                raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
+            if time.monotonic() > deadline:
+                raise RunAborted(f"no answer from the control plane for {key!r} after {timeout_s:.0f}s")
+            time.sleep(0.005)
+
+    def await_membership(self) -> Topology:
+        if self.node_id.startswith("s"):  # spare: wait, warm, to be promoted
+            e = int(self._wait_key(keys.assign(self.node_id), 10 * 24 * 3600.0))
+        else:
+            e = 0
+        return auth.verified_topology(self.store, e, self._wait_key(keys.topo(e), 600.0))
+
+    def _check_fence(self) -> None:
+        """A fenced node (declared dead while it was stopped or cut off) must never write again."""
+        if self.store.check([keys.fence(self.node_id)]):
+            raise RunAborted(f"{self.node_id} was fenced: it is not a member any more and writes nothing")
+
+    def recover(self, err: str) -> int:
+        e = self.epoch
+        t_err = time.time()
+        self.watcher.disarm()
+        self._check_fence()
+        if "requested by the control plane" not in err:  # else the flag is set already: no round trip
+            self.store.set(keys.failflag(e), "1")
+            self.store.set(keys.failflag(e) + "/by-worker", "1")
+        # (no event of its own: the descriptor carries the error and its time, and the coordinator logs one
+        # `failures_reported` event for all of them: W appends to one key would be W more store round trips)
+        if self.repl is not None:
+            self.repl.abort()
+        if self.comm is not None:
+            self.comm.retire()
+        desc = self.protection.descriptor(err, t_err)
+        self.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
+        self.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
+        topo = auth.verified_topology(self.store, e + 1, self._wait_key(keys.topo(e + 1), self.cfg.next_epoch_wait_s))
+        self._check_fence()
+        if self.node_id not in topo.nodes:
+            raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
+        return self.join(topo)
+
+    def _build_comm(self, topo: Topology) -> EpochComm:
+        """The epoch's process groups. Their rendezvous waits for every member (up to the collective
+        timeout, a minute or more), so a member that dies meanwhile would keep this worker from posting
+        its descriptor within the coordinator's failure timeout, and it would be fenced as unresponsive
+        (with a node killed before the first step: every survivor, and the run lost). So the groups are
+        built on a thread (the rendezvous releases the GIL) while this one watches the epoch's failure
+        flag; when it is set the build is abandoned (its thread ends with the rendezvous' timeout)."""
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                if self.device.is_cuda:  # the current CUDA device is per thread: this worker's GPU here too
+                    torch.cuda.set_device(self.device.torch)
+                box["comm"] = EpochComm(
+                    self.store, topo.epoch, self.rank, topo.world, self._coll_timeout, backend=self.device.backend,
+                    layout=topo.layout, device=self.device,
+                    transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None)
+            except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+                box["error"] = e
+
+        if self._side_store is None:  # the rendezvous blocks this worker's store client: poll on another,
+            # connected before the build (EpochComm takes the sockets opened while it builds for its own)
+            self._side_store = connect_store(self._store_addr)
+        t = threading.Thread(target=build, name=f"phoenixft-groups-e{topo.epoch}", daemon=True)
+        t.start()
+        every, last = (ABORT_CHECK_ETCD_S if is_etcd(self._side_store) else 0.02), 0.0
+        while t.is_alive():
+            t.join(0.005)
+            if not t.is_alive() or time.monotonic() - last < every:
+                continue
+            last = time.monotonic()
+            failed, over = exists_many(self._side_store, [keys.failflag(topo.epoch), keys.RUN_STATE])
+            if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
+                self.store, self._side_store = self._side_store, None
+            if over:
+                raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
+            if failed:
+                raise PeerFailure(f"recovery requested by the control plane while the process groups of epoch "
+                                  f"{topo.epoch} were being built (a member did not arrive)")
+        if "error" in box:
+            e = box["error"]
+            if isinstance(e, (PeerFailure, RunAborted, Unhealable)):
+                raise e
+            raise PeerFailure(f"building the process groups of epoch {topo.epoch}: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        comm: EpochComm = box["comm"]
+        return comm
+
+    def _recover_until_joined(self, err: str) -> int:
+        """A failure during a recovery (cascading) restarts the recovery in the next epoch."""
+        while True:
+            try:
+                return self.recover(err)
+            except PeerFailure as e:
+                err = str(e)
+
+    def join(self, topo: Topology) -> int:
+        t0 = time.time()
+        old_rank = self.rank
+        tr = self.trainer
+        self.topo, self.epoch = topo, topo.epoch
+        self.rank = topo.rank_of(self.node_id, self.local_rank)
+        lay = topo.layout
+        self.comm = None
+        self.comm = self._build_comm(topo)
+        t_pg = time.time()
+        r = topo.resume_step
+        timings: dict[str, Any] = {"reconfigure_s": t_pg - t0}
+        bad: list[str] = []  # I3: what failed verification on this rank
+        stage = lay.coord(self.rank).stage
+        if self.stage_of != stage:  # a 3D rank's first epoch, or a spare promoted to a stage it was not built for
+            self._build(stage)
+            self._partition(topo.world, int(topo.meta.get("generation", 0)), r)
+            tr = self.trainer
+        tr.stage.bind(self.comm.tp, self.wait)
+        if "reshard" not in topo.meta and tr.flat.shards != lay.dp:
+            # a spare built for the initial world, promoted into a resized one: it holds nothing yet
+            self.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
+        path = restore.path_of(topo)
+        if path == "reshard":
+            restore.reshard(self, topo, r, old_rank, timings, bad)
+        elif path == "persistent":
+            restore.restore_persistent(self, topo, r, timings, bad)
+        elif path == "init":
+            tr.init_shard(lay.dp_rank(self.rank), self.rank, topo.world)
+            restore.init_replicas(self, topo)
+        else:
+            restore.restore_in_place(self, topo, r, timings, bad)
+        tr.resume(r)  # the restored host snapshot into the shard's working copy (H2D on CUDA)
+        self.protection.configure(topo, self.rank, r)
+        half = tr.state.half_with(r)
+        held = tr.state.shard_of(half) if half is not None else (-1, 0)
+        inv, detail = check_invariants(self.comm.train, topo, self.rank, r, tr.flat.step, tr.state.steps(), held,
+                               not bad, self.wait)
+        timings["join_s"] = time.time() - t0
+        self.store.set(keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.rank,
+                                                                     "invariants": inv, "i3_failures": bad,
+                                                                     **timings}))
+        if not inv["I3"]:
+            # a copy failed verification: recover again without that source (or stop, if none is left)
+            raise PeerFailure(f"invariant I3 failed after recovery to epoch {topo.epoch}: "
+                              f"{'; '.join(bad) or 'on another rank'}")
+        if not all(inv.values()):
+            bad_inv = ", ".join(k for k, v in inv.items() if not v)
+            why = f"invariant {bad_inv} failed after recovery to epoch {topo.epoch} to step {r} ({detail})"
+            self._stop_run(why, ours=True)
+            raise RunAborted(why)
+        self.bad_sources = []
+        self.watcher.arm(topo.epoch)
+        if self.repl is not None:
+            self.repl.start(r)
+        if topo.epoch > 0:
+            self._first_after_join = topo.epoch
+        return r
+
+    # ------------------------------------------------------------------ main loop
+    def _stop_run(self, why: str, ours: bool = False) -> None:
+        """Stop the whole run at the last committed step, with one clear reason: a fault that is not
+        ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past."""
+        if self.store.add("run/stop_claim", 1) == 1:
+            last = max(self.trainer.state.steps(), default=0) if self.trainer is not None else 0
+            msg = (f"{why}; the run stops rather than train on a state it cannot vouch for" if ours
+                   else f"{why}; not ours to heal, stopped at the last committed step {last}")
+            self.store.set(keys.RUN_ERROR, msg)
+            self.event("run_failed", error=why, last_committed=last)
+            self.store.set(keys.RUN_STATE, "failed")
+
+    def run(self) -> int:
+        self.store.set(keys.ready(self.wid), str(time.time()))
+        if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
+            self.store.delete_key(keys.start_failed(self.wid))
+        try:
+            if self.incarnation > 0:  # restarted in place by the agent: rejoin from retained memory
+                e = int(self.store.get(keys.EPOCH))
+                self.topo = auth.verified_topology(self.store, e, self.store.get(keys.topo(e)))
+                self.epoch, self.rank = e, self.topo.rank_of(self.node_id, self.local_rank)
+                step = self.recover(f"restarted in place (incarnation {self.incarnation})") + 1
+            else:
+                try:
+                    step = self.join(self.await_membership()) + 1
+                except PeerFailure as e:
+                    step = self._recover_until_joined(str(e)) + 1
+            while True:
+                try:
+                    while step <= self.cfg.steps:
+                        self.train_step(step)
+                        step += 1
+                    self.finish()
+                    return 0
+                except PeerFailure as e:
+                    step = self._recover_until_joined(str(e)) + 1
+        except Unhealable as e:
+            self._stop_run(str(e))
+            print(f"phoenixft worker {self.wid}: {e}", flush=True)
+            return 4
+        except RunAborted as e:
+            if "done" in str(e):
+                return 0
+            print(f"phoenixft worker {self.wid}: {e}", flush=True)
+            return 3
+        finally:
+            self.watcher.close()
+            self.protection.close()
+
+
+def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: str) -> None:
+    """Tell the coordinator that this worker failed before it took part in any step (`startfail/<wid>`,
+    its first error kept, and how often it failed so): when every node and spare of the run failed so
+    before the run's first step, again after a restart in place (a failure once may be transient: its
+    restart heals it and deletes the key), the failure is the same everywhere (the workload, the data,
+    the environment) and the coordinator ends the run with this error instead of restarting and
+    promoting nodes that fail alike."""
+    if w is not None and w.trained:
+        return
+    try:
+        store = w.store if w is not None else connect_store(store_addr, 10.0)
+        key = keys.start_failed(wid)  # (one process of the worker at a time: no other writer)
+        rec: dict[str, Any] = (json.loads(store.get(key)) if store.check([key])
+                               else {"t": time.time(), "error": error[:500]})
+        rec["failures"] = int(rec.get("failures", 0)) + 1
+        store.set(key, json.dumps(rec))
+        store.add(keys.START_FAILS, 1)  # the coordinator looks at startfail/ keys when this moves
+    except Exception:  # noqa: BLE001 - no control plane: nobody to tell (the agent still reports the exit)
+        pass
+
+
+def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
+                incarnation: int = 0) -> int:
+    wid = f"{node_id}.{local_rank}"
+    w: Worker | None = None
+    try:
+        w = Worker(store_addr, node_id, local_rank, run_id, threads, incarnation)
+        return w.run()
+    except Unhealable:  # (the constructor stopped the run and said why: a restart would fail alike)
+        return 4
+    except UserError as e:  # e.g. the workload's factory fails on this host (its data is not here): one line
+        _record_start_failure(w, store_addr, wid, str(e))
+        print(f"phoenixft worker {wid}: {e}", flush=True)
+        return 2
+    except Exception as e:  # (the agent prints its traceback and restarts the worker in place)
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        _record_start_failure(w, store_addr, wid, f"{type(e).__name__}: {first}")
+        raise
