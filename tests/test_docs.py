@@ -1,0 +1,201 @@
+"""The docs cannot drift from the code: every relative link and `#anchor` in README.md and docs/*.md
+resolves, every `phoenixft <command> ... --flag` they write is a flag of that command's parser, and every
+`python -m phoenixft.X` they name is an importable module. No process is started."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from phoenixft.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^(```|~~~)")
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+_INLINE = re.compile(r"`([^`\n]+)`")
+
+
+def _split_code(text: str) -> tuple[list[str], list[str]]:
+    """(prose lines, code-block lines) of a markdown file."""
+    prose: list[str] = []
+    code: list[str] = []
+    in_code = False
+    for line in text.splitlines():
+        if _FENCE.match(line.strip()):
+            in_code = not in_code
+            continue
+        (code if in_code else prose).append(line)
+    return prose, code
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, markup and punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())  # a link: its text
+    text = text.lower()
+    text = re.sub(r"[^\w\- ]", "", text)  # keeps letters, digits, _, - and spaces
+    return text.replace(" ", "-")
+
+
+def anchors_of(path: Path) -> set[str]:
+    prose, _ = _split_code(path.read_text())
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for line in prose:
+        m = re.match(r"^(#{1,6})\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        base = github_anchor(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def test_anchor_rule_matches_github() -> None:
+    assert github_anchor("Real data: `--data`") == "real-data---data"
+    assert github_anchor("Erasure coding: `--redundancy ec:D+H`") == "erasure-coding---redundancy-ecdh"
+    assert github_anchor("Across hosts and Slurm") == "across-hosts-and-slurm"
+
+
+def _links() -> list[tuple[Path, str]]:
+    out = []
+    for doc in DOCS:
+        prose, _ = _split_code(doc.read_text())
+        for line in prose:
+            line = _INLINE.sub("", line)  # a link written inside code is not a link
+            out.extend((doc, target) for target in _LINK.findall(line))
+    return out
+
+
+LINKS = _links()
+
+
+def test_the_docs_have_links() -> None:
+    assert len(DOCS) >= 15 and len(LINKS) >= 40, (len(DOCS), len(LINKS))
+
+
+@pytest.mark.parametrize("doc, target", LINKS, ids=[f"{d.name}:{t}" for d, t in LINKS])
+def test_relative_links_and_anchors_resolve(doc: Path, target: str) -> None:
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+        return
+    path_part, _, anchor = target.partition("#")
+    dest = (doc.parent / path_part).resolve() if path_part else doc
+    assert dest.exists(), f"{doc.name}: link to a missing file: {target}"
+    if anchor:
+        assert dest.suffix == ".md", f"{doc.name}: anchor into a non-markdown file: {target}"
+        assert anchor in anchors_of(dest), f"{doc.name}: no heading gives #{anchor} in {dest.name}"
+
+
+# --- commands written in the docs ---------------------------------------------------------------------
+
+def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return dict(a.choices)
+    return {}
+
+
+def _command_texts() -> list[tuple[Path, str]]:
+    """Every command line of the docs: code-block lines (continuations joined) and inline code."""
+    out: list[tuple[Path, str]] = []
+    for doc in DOCS:
+        prose, code = _split_code(doc.read_text())
+        joined: list[str] = []
+        buf = ""
+        for line in code:
+            if line.rstrip().endswith("\\"):
+                buf += line.rstrip()[:-1] + " "
+                continue
+            joined.append(buf + line)
+            buf = ""
+        for line in joined:
+            if "phoenixft " in line or "python -m phoenixft" in line:
+                out.append((doc, line.split("  #")[0].split(" # ")[0]))
+        for line in prose:
+            out.extend((doc, m) for m in _INLINE.findall(line) if "phoenixft " in m or "-m phoenixft" in m)
+    return out
+
+
+def _tokens(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError:  # an unbalanced quote in an abridged example
+        return text.split()
+
+
+def _phoenixft_invocations(text: str) -> list[list[str]]:
+    """The argument lists after each `phoenixft` word of a command line."""
+    toks = _tokens(text)
+    out = []
+    for i, t in enumerate(toks):
+        if t == "phoenixft" or t.endswith("/phoenixft"):
+            rest = []
+            for u in toks[i + 1:]:
+                if u in ("|", "&&", "||", ";", "&") or u.startswith(("2>", ">")):
+                    break
+                rest.append(u)
+            out.append(rest)
+    return out
+
+
+COMMANDS = _command_texts()
+PARSER = build_parser()
+
+
+def _flag_problems(argv: list[str]) -> list[str]:
+    subs = _subparsers(PARSER)
+    if not argv or argv[0] not in subs:
+        return []  # prose such as "phoenixft protects", or a bare `phoenixft`
+    parser = subs[argv[0]]
+    problems = []
+    rest = argv[1:]
+    nested = _subparsers(parser)
+    if nested and rest and rest[0] in nested:  # phoenixft simulate scale-sweep --calibrate ...
+        parser, rest = nested[rest[0]], rest[1:]
+    known = set(parser._option_string_actions)
+    for tok in rest:
+        if tok.startswith("--") and len(tok) > 2:
+            flag = tok.split("=", 1)[0]
+            flag = re.sub(r"[^\w-].*$", "", flag)  # `--persist-every/--persist-dir` -> --persist-every
+            if flag not in known:
+                problems.append(f"{' '.join(argv[:1])}: unknown flag {flag}")
+    return problems
+
+
+def test_the_docs_write_commands() -> None:
+    assert sum(1 for _, t in COMMANDS for _ in _phoenixft_invocations(t)) >= 40
+
+
+@pytest.mark.parametrize("doc, text", COMMANDS, ids=[f"{d.name}:{t[:60]}" for d, t in COMMANDS])
+def test_every_flag_written_is_accepted(doc: Path, text: str) -> None:
+    problems = [p for argv in _phoenixft_invocations(text) for p in _flag_problems(argv)]
+    assert not problems, f"{doc.name}: {text!r}: {problems}"
+
+
+def test_the_flag_check_can_fail() -> None:
+    assert _flag_problems(["run", "--nodes", "2", "--no-such-flag"]) == ["run: unknown flag --no-such-flag"]
+    assert _flag_problems(["agent", "--steps", "3"])  # a flag of `run`, not of `agent`
+    assert not _flag_problems(["run", "--inject", "kill:node=1@step=3"])
+
+
+def _modules() -> list[tuple[Path, str]]:
+    out = []
+    for doc in DOCS:
+        for m in re.findall(r"python3? -m (phoenixft[\w.]*)", doc.read_text()):
+            out.append((doc, m))
+    return out
+
+
+MODULES = _modules()
+
+
+@pytest.mark.parametrize("doc, module", MODULES, ids=[f"{d.name}:{m}" for d, m in MODULES])
+def test_python_m_modules_exist(doc: Path, module: str) -> None:
+    assert importlib.util.find_spec(module) is not None, f"{doc.name}: python -m {module}: no such module"
