@@ -107,7 +107,7 @@ STEP = 7  # the step every survivor holds (and STEP - 1, the other ping-pong hal
 HB_S = 0.25  # the agent's heartbeat period
 WAIT_SLICE_S = 30.0  # server-side waits in long slices: thousands of timed-out waits a second starve the GIL
 CONNECTS_AT_ONCE = 64
-THREAD_PER_WORKER = False  # --thread-per-worker: the first harness (4,096 threads at W = 4,096)
+THREAD_PER_WORKER = False  # --thread-per-worker: a thread and client per simulated worker (4,096 threads at W = 4,096)
 THREADS = 4  # --threads: threads per simulating process (and in the agents' process), nodes dealt over them
 MARK = "@@cp "  # a simulating child's report lines on its stdout start with it (anything else is ignored)
 

@@ -10,7 +10,7 @@ One 3-member etcd cluster (loopback, started here, not counted) serves every etc
 2. process-group rendezvous: the time to build one gloo group of 4 processes on each backend
    (etcd is used for rendezvous directly, not through a side TCPStore: this is why that is fine);
 3. takeover: `--coordinators 2`, the leading coordinator SIGKILLed at step 6 and a node at step 11
-   (the issue's run): how long until the standby leads, and the hot-swap after it;
+   (the standby-takeover scenario): how long until the standby leads, and the hot-swap after it;
 4. member loss: `--control-plane etcd` (its own cluster), the raft leader SIGKILLed at step 5: the
    step it happened in against the median step, and whether a recovery was needed (it must not).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 18): run it on a machine with at least one NVIDIA GPU, from the repository root
+# The GPU check: run it on a machine with at least one NVIDIA GPU, from the repository root
 # or anywhere (it cds there). A few minutes on one GPU. Exit 0 only if every part passed:
 #
 #   0. environment: CUDA visible to torch, NCCL available;

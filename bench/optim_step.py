@@ -8,8 +8,8 @@ Times (best and median of `--repeat`):
   in 4 MiB chunks: with the run-time-built kernel of `phoenixft/optim/native.py` (one pass, torch's
   fused arithmetic), and without it (`PHOENIXFT_NATIVE=0`: the state copied, then torch's fused
   kernel in place), with the bits of both compared;
-- the same arithmetic as the single-tensor path (what it ran before: lerp, mul, addcmul, sqrt, div,
-  addcdiv, each a pass over memory), by `--numel` elements at once, for the before/after;
+- the same arithmetic as the single-tensor path (lerp, mul, addcmul, sqrt, div, addcdiv, each a
+  pass over memory), by `--numel` elements at once, for comparison;
 - torch.optim.AdamW over twice as many elements (DDP's replicated update at DP=2), default
   (single-tensor on CPU) and `fused=True`.
 Prints milliseconds; writes bench/results/optim_step.json.

@@ -15,13 +15,13 @@ etcd.py (the etcd control plane against the TCPStore: step time, rendezvous, tak
 transfer.py (bytes / seconds of a hot-swap's state transfer on `medium`; `small` with --quick).
 
 latest.json holds the machine, every part's full result under `parts`, and the figures the
-README and the simulator read at the top level: overhead_ratio_dp2, baseline_vs_ddp_dp2,
+docs and the simulator read at the top level: overhead_ratio_dp2, baseline_vs_ddp_dp2,
 dcp_sync_ratio_dp2, dcp_async_ratio_dp2, resume_speedup_k10, resume_speedup_k50,
 torchft_heal_s (or null, with torchft_note), recipe_ratios (mode -> step-time ratio to fp32
 adamw), control_plane_decide_s ({W: s}), recovery_transfer_gbps_medium,
 recovery (list of {world_size, recovery_s, ...}),
 checkpoint_restart (list of {world_size, time_to_resume_s, restart_s, k, ...}) and `targets`
-(each of the issue's numbers, hit or miss). Also writes bench/results/summary.md.
+(each target figure, hit or miss). Also writes bench/results/summary.md.
 """
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         # the same protection with every replica over TCP (--replica-transport tcp), as between hosts
         "overhead_ratio_dp2_tcp": ov.get("overhead_ratio_dp2_tcp"),
         "mesh_step_ratio_3d_vs_dp": ms.get("step_time_ratio_3d_vs_dp"),
-        # issue 17: the etcd control plane against the embedded TCPStore
+        # the etcd control plane against the embedded TCPStore
         "etcd_step_ratio_vs_tcpstore": et.get("step_time_ratio_etcd_vs_tcpstore"),
         "etcd_server_cpu_cores": et.get("etcd_server_cpu_cores"),
         "etcd_takeover_s": _g(et, "takeover", "downtime_s"),
         "etcd_rendezvous_s": et.get("rendezvous_s"),
-        # issue 14's keys (None where this mode did not measure them: the `small` headline needs a full run)
+        # the headline recovery and transfer keys (None where this mode did not measure them: the `small`
+        # headline needs a full run)
         "phoenix_resume_s_small_dp2": _g(rc, "headline", "phoenix_time_to_resume_s")
         if _g(rc, "headline", "model") == "small" else None,
         "decide_s_small_dp2": _g(rc, "headline", "phoenix_decide_s")
@@ -161,7 +162,7 @@ def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str,
         ),
         "recovery_sublinear_in_world": sc.get("recovery_sublinear"),
         "hotswap_sublinear_in_world": sc.get("hotswap_sublinear"),
-        # issue 14's must-shows
+        # the performance targets of the headline figures
         "overhead_dp2_le_1.03": _le(out["overhead_ratio_dp2"], 1.03),
         "overhead_dp2_tcp_le_1.03": _le(out["overhead_ratio_dp2_tcp"], 1.03),
         "baseline_vs_ddp_dp2_le_1.00": _le(out["baseline_vs_ddp_dp2"], 1.00),
@@ -232,7 +233,7 @@ def summary_md(res: dict[str, Any]) -> str:
             f"`python bench/overhead.py{flag}`",
         ),
         (
-            "Issue 14: overhead DP=2 / resume / decide (small, DP=2)",
+            "Targets: overhead DP=2 / resume / decide (small, DP=2)",
             f"{f(res['overhead_ratio_dp2'], 3)} / {f(res.get('phoenix_resume_s_small_dp2'), 3, ' s')} / "
             f"{f(res.get('decide_s_small_dp2'), 3, ' s')}",
             "<= 1.03 / <= 0.35 s / <= 0.05 s",

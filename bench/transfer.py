@@ -1,4 +1,4 @@
-"""State transfer during a hot-swap: bytes moved / transfer seconds (issue 14, deliverable 5).
+"""State transfer during a hot-swap: bytes moved / transfer seconds.
 
     python bench/transfer.py            # one hot-swap on `medium` (~100M parameters, ~800 MB moved)
     python bench/transfer.py --quick    # the same on `small` (~11M parameters)
