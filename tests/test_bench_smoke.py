@@ -124,7 +124,7 @@ def test_run_all_merge_reports_the_transfer_part(monkeypatch: pytest.MonkeyPatch
 
 
 def test_run_all_merge_reports_the_etcd_part(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench/etcd.py's figures (issue 17) reach latest.json's top level."""
+    """bench/etcd.py's figures reach latest.json's top level."""
     monkeypatch.syspath_prepend(str(BENCH))
     import run_all
 

@@ -304,8 +304,8 @@ def test_a_resumed_campaign_draws_its_faults_after_the_checkpoint_and_counts_it_
 
 def test_ctrl_c_stops_the_campaign_without_a_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """Ctrl-C (or SIGTERM) during a campaign's run used to be judged like a lost run: `chaos verdict: FAIL`,
-    a report saying so and exit code 1. It stops the campaign: no verdict, no report, exit code 130."""
+    """Ctrl-C (or SIGTERM) during a campaign's run is not judged like a lost run (`chaos verdict: FAIL`, a
+    report saying so, exit code 1): it stops the campaign: no verdict, no report, exit code 130."""
     import phoenixft.runtime.launcher
     from phoenixft.faults.chaos import run_campaign
 
@@ -380,7 +380,7 @@ def test_a_large_job_gets_its_schedule_at_once() -> None:
     cfg = RunConfig(nodes=600, spares=2, steps=40, model="tiny", replicas=1)
     t = time.monotonic()
     sched = make_schedule(cfg, 4, seed=3)
-    assert len(sched.faults) == 4 and time.monotonic() - t < 10  # (3 s here; the old code: 32 s)
+    assert len(sched.faults) == 4 and time.monotonic() - t < 10  # (about 3 s on 2 cores)
 
 
 def test_a_local_run_that_cannot_fit_this_machine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

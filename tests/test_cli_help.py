@@ -1,5 +1,5 @@
 """Every subcommand's --help renders (argparse formats help texts with %, so a bare % in a field's
-help used to crash `phoenixft run --help`)."""
+help would crash `phoenixft run --help`)."""
 
 from __future__ import annotations
 

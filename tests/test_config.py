@@ -121,7 +121,7 @@ def test_resume_of_a_real_checkpoint_with_the_same_state_rows_is_valid(adamw_che
 
 
 def test_one_node_per_replica_ring_says_what_would_work() -> None:
-    """The advice used to be "need replicas < 1", which --replicas 0 then refused too."""
+    """The advice names a value the flag accepts (not "need replicas < 1", which --replicas 0 refuses too)."""
     msg = _refused("give --nodes >= 2 or --protect none", nodes=1)
     assert "replicas < 1" not in msg
     _refused("give --nodes >= 4 (2 or more per pipeline stage) or --protect none", nodes=2, pp=2, workers_per_node=2)
@@ -131,8 +131,8 @@ def test_one_node_per_replica_ring_says_what_would_work() -> None:
 
 def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """--report into a directory, or under a file, used to be found only after the whole run: a traceback
-    at the end (the run's own report.json written, the one asked for not). Now one line, nothing started."""
+    """--report into a directory, or under a file, is found before the run, in one line, nothing started (not
+    after the whole run as a traceback, the run's own report.json written and the one asked for not)."""
     (tmp_path / "afile").write_text("")
     for bad, why in ((tmp_path, "it is a directory"), (tmp_path / "afile" / "r.json", "afile is not a directory")):
         with pytest.raises(UserError, match=f"--report='{bad}' is invalid: .*{why}"):

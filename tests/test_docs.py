@@ -188,7 +188,7 @@ def test_the_flag_check_can_fail() -> None:
 def _modules() -> list[tuple[Path, str]]:
     out = []
     for doc in DOCS:
-        for m in re.findall(r"python3? -m (phoenixft[\w.]*)", doc.read_text()):
+        for m in re.findall(r"python3? -m (phoenixft(?:\.\w+)*)", doc.read_text()):
             out.append((doc, m))
     return out
 
@@ -199,3 +199,8 @@ MODULES = _modules()
 @pytest.mark.parametrize("doc, module", MODULES, ids=[f"{d.name}:{m}" for d, m in MODULES])
 def test_python_m_modules_exist(doc: Path, module: str) -> None:
     assert importlib.util.find_spec(module) is not None, f"{doc.name}: python -m {module}: no such module"
+
+
+def test_the_module_check_can_fail() -> None:
+    assert importlib.util.find_spec("phoenixft.runtime.zygote") is not None
+    assert importlib.util.find_spec("phoenixft.zygote") is None  # the module's place before the role packages

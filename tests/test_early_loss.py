@@ -1,7 +1,7 @@
 """A node lost before the run's first step, in a hand-started deployment (`phoenixft coordinator` +
-`phoenixft agent` processes on 127.0.0.1): the survivor was blocked building the epoch's process
-groups with a member that never came, so it was fenced as unresponsive and the run was lost with a
-ready spare waiting. Now the build is abandoned when the failure flag is set, and since nothing was
+`phoenixft agent` processes on 127.0.0.1). A survivor building the epoch's process groups with a member
+that never comes would block there, be fenced as unresponsive and lose the run with a ready spare
+waiting; instead the build is abandoned when the failure flag is set, and since nothing was
 committed yet the run starts afresh with the spare in the dead node's slot."""
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def test_a_node_lost_before_the_first_step_is_replaced_by_the_spare(tmp_path: Pa
 
 def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path, reference: Any) -> None:
     """An active agent SIGKILLed right after its admission, before its workers were ready (it never
-    heartbeated): the job used to keep its slot until --join-timeout failed the run ("only 2 of 2
-    node(s) joined ... not ready yet: n0"), with a ready spare waiting. Now a slot whose node is gone
+    heartbeated): the job must not keep its slot until --join-timeout fails the run ("only 2 of 2
+    node(s) joined ... not ready yet: n0") with a ready spare waiting. A slot whose node is gone
     before the start (no heartbeat START_BEAT_GRACE_S after its admission, a stale one, or its exit
     reported) goes to a ready spare; the run starts with it and ends bitwise equal to a failure-free run."""
     with _hand_started(tmp_path) as start:
@@ -121,7 +121,7 @@ def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path,
 @pytest.mark.slow  # (suite time: a message, 20 s)
 def test_a_node_that_never_gets_ready_is_named_in_one_clear_line(tmp_path: Path) -> None:
     """Every slot filled, one node's agent stopped (SIGSTOP) right after its admission, no spare: the run
-    fails at --join-timeout naming that node; the line used to read "only 1 of 1 node(s) joined"."""
+    fails at --join-timeout naming that node (not "only 1 of 1 node(s) joined")."""
     port = free_port()
     env = dict(os.environ, PHOENIXFT_TOKEN=TOKEN)
     procs: list[subprocess.Popen[bytes]] = []

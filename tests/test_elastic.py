@@ -40,10 +40,10 @@ def test_shrink_then_grow_back(tmp_path: Path, reference) -> None:  # type: igno
 
 def test_gated_faults_hold_only_until_the_job_is_whole(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """`,wait=S` with no spares and --repair-after (what `phoenixft chaos --spares 0` draws): a job
-    without spares is whole at full size, so the first kill fires at once (it used to wait its full 60 s
+    without spares is whole at full size, so the first kill fires at once (it does not wait its full 60 s
     for a warm spare that cannot exist); the second, due in a phase a one-node job never reaches
-    (replicate), is held before its step until the repaired node is grown back in, then fires (it used
-    to be skipped). Holding happens before the step on every rank: no collective times out meanwhile."""
+    (replicate), is held before its step until the repaired node is grown back in, then fires (it is
+    not skipped). Holding happens before the step on every rank: no collective times out meanwhile."""
     ref = reference(nodes=2, steps=10, microbatches=2)
     rep = run(tmp_path, nodes=2, spares=0, steps=10, microbatches=2, repair_after=1.0,
               inject=["kill:node=1@step=3,phase=backward,wait=60", "kill:node=1@step=5,phase=replicate,wait=60"])
@@ -63,7 +63,7 @@ def test_gated_faults_hold_only_until_the_job_is_whole(tmp_path: Path, reference
 
 def test_kill_during_a_grow_fires_and_is_recovered(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """`kill:node=I@recovery=N` fires in a reshard (here the grow that brings the repaired node back)
-    as in a hot-swap's transfer: it used to be skipped without a word on every path but the hot-swap."""
+    as in a hot-swap's transfer: on every recovery path, not only the hot-swap."""
     ref = reference(nodes=3, steps=16, microbatches=6)
     # the crash at step 12 holds its step until the job is whole again (wait=60): the repairs and both
     # grows happen before the run ends, however fast the steps are
@@ -76,7 +76,7 @@ def test_kill_during_a_grow_fires_and_is_recovered(tmp_path: Path, reference) ->
     assert grow and grow[0]["action"] == "grow", [(r["epoch"], r["action"]) for r in rep["recoveries"]]
     assert rep["faults"][1]["recovery"] == 2
     # the grow was cut short by the kill: its state was still in the 2-node layout, and the next epoch
-    # repartitioned from that one (it used to declare every shard of the 3-node layout lost)
+    # repartitioned from that one (not every shard of the 3-node layout declared lost)
     assert grow[0]["completed_in_epoch"] > 2
     assert all(all(r["invariants"].values()) for r in rep["recoveries"] if r["completed_in_epoch"] == r["epoch"])
     _close(rep["loss"], ref["loss"], 1e-4)

@@ -685,8 +685,8 @@ def test_a_head_cut_off_from_etcd_leaves_the_job_to_the_standby(cluster: EtcdClu
 def test_agents_stop_when_the_jobs_keys_are_gone(cluster: EtcdCluster, tmp_path: Path) -> None:
     """The job's keys removed from etcd under running agents (its head ended the run and removed them
     while an agent had not seen the end, e.g. one cut off meanwhile): each agent stops its node at once,
-    in one line. They used to go on for minutes, their workers crashing and being restarted in place
-    (a traceback each: `wait timeout: key 'config' not set within 30s`) until the crash loop gave up."""
+    in one line, instead of going on for minutes, their workers crashing and being restarted in place
+    (a traceback each: `wait timeout: key 'config' not set within 30s`) until the crash loop gives up."""
     from phoenixft.controlplane.auth import generate_token
 
     jp = _Procs(tmp_path, generate_token())

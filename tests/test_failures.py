@@ -176,7 +176,7 @@ def test_owner_and_replica_lost_stops_with_named_shards(tmp_path: Path) -> None:
     rep = run(tmp_path, nodes=4, spares=2, replicas=1, steps=12, inject=["kill:node=0,1@step=6,phase=backward"])
     assert rep["state"] == "failed"
     assert "lost shards: pp0.tp0.dp0of4" in rep["error"]
-    # the recovery that could not recover is in the report (its recoveries used to be empty: nothing said what
+    # the recovery that could not recover is in the report (with empty recoveries nothing would say what
     # the fault led to)
     (rec,) = rep["recoveries"]
     assert rec["action"] == "failed" and "lost shards: pp0.tp0.dp0of4" in rec["error"], rec
@@ -290,8 +290,8 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monke
     """A loss that is not one number, a batch function or a build_model that raises, a model phoenixft cannot
     train (float64 parameters were silently made float32 and the user's batches then failed to match them;
     no trainable parameter at all failed inside autograd; a module's extra state, no tensor, failed inside the
-    flat model and the run hung to --timeout): user code, not a node failure. They used to fail
-    outside the user-code guard: a traceback in every worker, restarts in place of both nodes until the run
+    flat model and the run hung to --timeout): user code, not a node failure. Outside the user-code guard
+    they would fail with a traceback in every worker, restarts in place of both nodes until the run
     ended as "in-memory state lost" (the loss, the batch), or no word at all until --timeout while the nodes
     crash-looped before the join (build_model)."""
     here = str(Path(__file__).parent)
@@ -407,8 +407,8 @@ def test_a_spare_whose_worker_died_while_idle_is_still_promoted(
 def test_checkpoints_the_workers_cannot_read_are_each_refused_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A resume from a directory the head reads but the workers' hosts do not (not mounted there): the
-    coordinator excluded only the checkpoint refused last, so the choice went back and forth between the
-    two (6, 3, 6, 3, ...) for 13 recoveries until the run failed as stuck. Each refused one is now excluded
+    coordinator must not exclude only the checkpoint refused last (the choice would go back and forth
+    between the two, 6, 3, 6, 3, ..., until the run failed as stuck). Each refused one is excluded
     for the rest of the run: it fails after trying each once, saying why; no recovery reports negative
     lost steps."""
     _user_workloads(monkeypatch)

@@ -15,7 +15,7 @@ from phoenixft.faults.spec import parse_fault
 @pytest.mark.parametrize(
     "spec,needle",
     [
-        # a key given twice: the last one used to win silently
+        # a key given twice is refused, not silently overridden by the last one
         ("kill:node=1@step=4,phase=forward,phase=optimizer", "phase= is given twice; give it once"),
         ("hang:node=0@step=3,wait=5,wait=9", "wait= is given twice; give it once"),
         # a node listed twice: "several nodes at once" would wait for an arrival that never comes

@@ -256,9 +256,9 @@ def _root_links() -> set[str]:
 
 def test_the_heads_host_cut_off_for_longer_than_the_failure_timeout(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """The head's own link goes down for 6 s (--failure-timeout 2), every agent and the spare alive: all
-    heartbeats stop at once. The coordinator used to fence every node and fail the run when the link
+    heartbeats stop at once. Fencing every node would fail the run when the link
     came back ("every node is lost (n0, n1) and no spare is ready"). Every member and spare silent at
-    once, nobody posting, is now taken for what it most likely is (this host cut off): the gather waits
+    once, nobody posting, is taken for what it most likely is (this host cut off): the gather waits
     (an `all_silent` event, at most ALL_SILENT_WAIT_S more), then gives every node the full timeout
     to reconnect. Nobody is fenced, and the run ends bitwise equal to a failure-free one."""
     steps = 60

@@ -45,7 +45,7 @@ def test_kill_in_every_phase_is_bitwise_invisible(tmp_path: Path, reference, pha
 def test_kill_in_the_first_step_resumes_from_the_initial_state(tmp_path: Path, reference, precision: str) -> None:  # type: ignore[no-untyped-def]
     """A node lost in step 1, before the first replication can have landed: its shard of step 0 is kept
     by its ring peer from the start (the model as built under the seed, a zero optimizer state), so the
-    spare takes over from step 0. It used to lose the run ("in-memory state lost") 2 times in 3."""
+    spare takes over from step 0. Without that, the run is lost ("in-memory state lost") 2 times in 3."""
     ref = reference(nodes=2, steps=4, precision=precision)
     # wait=0: the kill comes as soon as step 1 starts (the suite's default would hold it until the spare
     # is warm, and the replication of step 0 lands meanwhile), so there may be no warm spare yet: a
@@ -190,9 +190,9 @@ class _HandJob:
 def test_a_spare_that_died_while_idle_is_never_promoted(tmp_path: Path) -> None:
     """Hand-started job (coordinator + agents on 127.0.0.1): the only spare's agent is SIGKILLed while
     it waits, then an active node. The coordinator watches idle spares' heartbeats too: the job is no
-    longer whole once the spare is gone, and the node's loss shrinks the job at once. It used to
+    longer whole once the spare is gone, and the node's loss shrinks the job at once. It must not
     promote the dead spare (a `hotswap` into a corpse), wait out --failure-timeout for it to answer,
-    fence it and only then shrink, in a second recovery (and a mesh, which cannot shrink, was lost)."""
+    fence it and only then shrink, in a second recovery (a mesh, which cannot shrink, would be lost)."""
     job = _HandJob(tmp_path, steps=200)
     try:
         store = job.begin()
@@ -224,7 +224,7 @@ def test_a_host_that_rejoins_frees_what_its_killed_node_left(tmp_path: Path) -> 
     """Hand-started job on one machine (coordinator + agents on 127.0.0.1): node b's agent is SIGKILLed
     (its node's shared memory stays: nobody on another host could free it), the job hot-swaps it, and
     the host comes back as a spare of the same run. The new agent frees the fenced node's segments at
-    once; they used to stay in /dev/shm for the whole run (the sweep spares a live run's memory), a
+    once; otherwise they would stay in /dev/shm for the whole run (the sweep spares a live run's memory), a
     snapshot's worth of host memory lost on the repaired host."""
     from phoenixft.protect import shm
     job, run_id = _HandJob(tmp_path, steps=2000), ""

@@ -27,7 +27,7 @@ def _close(a: list[float], b: list[float], rel: float) -> float:
 
 
 def test_survivor_dies_while_another_node_is_recovered(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    """Issue 11 case 1: the spare promoted in epoch 1 never received shard 3; node 0 keeps its replica."""
+    """A cascade: the spare promoted in epoch 1 never received shard 3; node 0 keeps its replica."""
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path, nodes=4, spares=2, steps=12, inject=["kill:node=3@step=6", "kill:node=1@recovery=1"])
     assert rep["state"] == "done", rep.get("error")
@@ -38,7 +38,7 @@ def test_survivor_dies_while_another_node_is_recovered(tmp_path: Path, reference
 
 
 def test_lost_replicas_with_too_few_spares_fall_back_and_shrink(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    """Issue 11 case 2: owner and replica holder die, one spare for two nodes: the persistent tier on
+    """Owner and replica holder die, one spare for two nodes: the persistent tier on
     three nodes, with the same global batch (growing back is tests/test_elastic.py's)."""
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path / "run", nodes=4, spares=1, steps=12, persist_every=4, persist_dir=str(tmp_path / "ckpt"),

@@ -270,10 +270,10 @@ def test_3d_node_lost_while_the_late_spare_starts_waits_for_it(tmp_path: Path, r
                                 {"tp": 2, "pp": 1, "repair_after": 120.0}])
 def test_survivors_wait_for_the_next_epoch_while_the_coordinator_waits_for_a_spare(kw: dict[str, float]) -> None:
     """A mesh that lost a node with no spare ready waits (bounded: mesh_spare_wait_s) for the repaired one.
-    The survivors' wait for the next epoch must outlast it and the gather before it: it was a fixed
-    3 x --failure-timeout + 60 s, so with --repair-after 70 --failure-timeout 2 every survivor gave up
-    after 66 s ("no answer from the control plane for 'topo/1'"), exited, and was restarted in place,
-    spending one of its three restarts per wait (a longer repair lost the run)."""
+    The survivors' wait for the next epoch must outlast it and the gather before it: with a fixed
+    3 x --failure-timeout + 60 s, --repair-after 70 --failure-timeout 2 would make every survivor give up
+    after 66 s ("no answer from the control plane for 'topo/1'"), exit, and be restarted in place,
+    spending one of its three restarts per wait (a longer repair would lose the run)."""
     cfg = RunConfig(**{"nodes": 4, "pp": 2, "spares": 0, **kw})  # type: ignore[arg-type]
     cfg.validate()
     gather = 3 * cfg.failure_timeout  # the coordinator's gather of the descriptors, at most

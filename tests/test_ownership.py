@@ -132,7 +132,7 @@ def test_sighup_to_the_launcher_ends_the_run_and_frees_its_memory(launcher: Any)
     rep = json.loads((ln.run_dir / "report.json").read_text())
     assert rep["state"] == "failed: interrupted"
     assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
-    # what it did up to the signal is kept (it used to be only the state: no steps, no logs)
+    # what it did up to the signal is kept (not only the state: its steps and logs too)
     assert rep["steps_completed"] >= 2 and len(rep["loss"]) >= 2 and rep["run_dir"] == str(ln.run_dir)
     assert len((ln.run_dir / "metrics.jsonl").read_text().splitlines()) >= 2
     assert (ln.run_dir / "events.jsonl").read_text().strip()

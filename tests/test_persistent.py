@@ -189,7 +189,7 @@ def test_a_resumed_run_falls_back_to_the_checkpoint_it_resumed_from(tmp_path: Pa
                                                                     reference) -> None:
     """Resumed from step 8, both nodes (every copy of both shards) lost at step 10, before --persist-dir
     holds a checkpoint of this run: the newest state on disk is the one --resume loaded, and the run falls
-    back to it. The persistent tier used to be --persist-dir alone, and the run was lost ("in-memory state
+    back to it. With --persist-dir alone as the persistent tier the run would be lost ("in-memory state
     lost ... and no complete persistent checkpoint"); without --persist-every, too."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoints, ckpt)
@@ -302,9 +302,9 @@ def test_the_writer_outlives_a_failed_checkpoint_and_close_is_bounded(tmp_path: 
 
 
 def test_export_to_a_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
-    """--out naming a directory, a path under a file or an unwritable place used to end in a traceback
-    (IsADirectoryError, FileExistsError, safetensors' SerializeError); --step on a run directory said the
-    directory was not a run directory."""
+    """--out naming a directory, a path under a file or an unwritable place is one line, not a traceback
+    (IsADirectoryError, FileExistsError, safetensors' SerializeError); --step on a run directory (it applies
+    to checkpoint directories) is one line naming --step."""
     from safetensors.torch import save_file
 
     run_dir = tmp_path / "run"

@@ -212,7 +212,7 @@ def test_planner_mesh_layouts() -> None:
 
 
 def test_cascade_spare_that_never_got_its_shard() -> None:
-    """Issue 11 case 1: epoch 1 promoted s0 into slot 3 and a survivor died during the transfer.
+    """A cascade: epoch 1 promoted s0 into slot 3 and a survivor died during the transfer.
     s0 holds nothing of shard 3, but node 0 keeps its replica: the plan must use it."""
     old = Topology(epoch=1, nodes=["n0", "n1", "n2", "s0"], workers_per_node=1, replicas=1, resume_step=4)
     descs = {
@@ -246,7 +246,7 @@ def test_bad_source_is_avoided_and_the_other_replica_used() -> None:
 
 @pytest.mark.parametrize("spares", [0, 1])
 def test_lost_replicas_fall_back_to_persistent_and_shrink_if_short(spares: int) -> None:
-    """Issue 11 case 2: two neighbours die (owner and replica holder) with fewer spares than losses."""
+    """Two neighbours die (owner and replica holder) with fewer spares than losses."""
     old = Topology(epoch=0, nodes=["n0", "n1", "n2", "n3"], workers_per_node=1, replicas=1, resume_step=0)
     d = {f"n{i}.0": Descriptor(wid=f"n{i}.0", params=[12, 11], own={shard_name(i, 4): {12: i, 11: i}})
          for i in (0, 3)}

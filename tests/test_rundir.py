@@ -70,8 +70,8 @@ def test_uncreatable_directory_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_run_directory_can_be_used_again(tmp_path: Path) -> None:
-    """The second run in the same directory used to load the first's coordinator journal and refuse
-    every node ("the job has started")."""
+    """The second run in the same directory starts afresh: it must not load the first's coordinator journal
+    and refuse every node ("the job has started")."""
     a = run(tmp_path, nodes=2, spares=0, protect="none", steps=2)
     b = run(tmp_path, nodes=2, spares=0, protect="none", steps=2)
     assert a["state"] == b["state"] == "done", b.get("error")
@@ -80,14 +80,14 @@ def test_a_run_directory_can_be_used_again(tmp_path: Path) -> None:
 
 
 def test_a_directory_taken_by_a_run_that_is_starting_is_refused(tmp_path: Path) -> None:
-    """Two runs started at once with one --run-dir: neither's coordinator was up yet when the other looked,
-    so both took the directory, wrote one journal, appended to the same logs and overwrote each other's
-    report. The first launcher now holds the directory (a lock, from its start to its report)."""
+    """Two runs started at once with one --run-dir: neither's coordinator is up yet when the other looks,
+    so without a lock both would take the directory, write one journal, append to the same logs and
+    overwrite each other's report. The first launcher holds the directory (a lock, from its start to its report)."""
     from phoenixft.config import RunConfig
     from phoenixft.runtime.launcher import LocalJob
 
     cfg = RunConfig(nodes=2, spares=0, steps=1, device="cpu", run_dir=str(tmp_path / "r"), quiet=True)
-    first = LocalJob(cfg)  # (its processes not started yet: what the second launcher used to see)
+    first = LocalJob(cfg)  # (its processes not started yet: what a second launcher started at the same moment sees)
     try:
         with pytest.raises(UserError, match=r"--run-dir .*r: another run that is still alive uses it"):
             LocalJob(cfg)
@@ -99,7 +99,7 @@ def test_a_directory_taken_by_a_run_that_is_starting_is_refused(tmp_path: Path) 
 
 def test_a_directory_with_the_users_own_files_is_never_cleared(tmp_path: Path) -> None:
     """`--run-dir` naming a project directory that holds its own config.json (or metrics.jsonl, logs/*.log,
-    final/) used to delete them, saying it "replaced the files of the run that used it before" (there was
+    final/) must keep them: they are not replaced as "the files of the run that used it before" (there was
     none). Only a phoenixft run's files are replaced; anything else is refused with one line, and the
     refused run leaves nothing there."""
     from phoenixft.config import RunConfig

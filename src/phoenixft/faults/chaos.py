@@ -209,7 +209,7 @@ def _check(cfg: RunConfig, faults: int, start: int = 0) -> tuple[int, int]:
     check_campaign(cfg, faults)
     if cfg.inject:
         raise UserError("--inject is invalid here: the campaign draws its faults from --seed")
-    if cfg.scheme.is_ec:  # its survivability oracle knows replica placement only (issue 15 leaves chaos out)
+    if cfg.scheme.is_ec:  # its survivability oracle knows replica placement only (so chaos refuses ec:D+H)
         raise UserError(f"--redundancy={cfg.redundancy!r} is invalid here: chaos campaigns support replicas:K only "
                         "for now; run ec:D+H faults with `phoenixft run --inject`")
     first, last = start + FIRST_STEP, cfg.steps - 2

@@ -6,7 +6,7 @@ files are removed first (the coordinator would otherwise take the old journal fo
 and refuse every node as "already started", and the logs would interleave two runs). A directory
 whose run is still alive is refused with one line instead: its launcher holds a lock on
 `.phoenixft.lock` there from its start to its report (`claim`; two launchers started at the same
-moment, neither's coordinator up yet, used to both take it), and an older run's coordinator names its
+moment, neither's coordinator up yet, would otherwise both take it), and an older run's coordinator names its
 journal. So is a directory holding files of those names that no phoenixft run wrote (a project's own
 config.json, metrics.jsonl, logs/*.log): they are the user's and are never removed.
 

@@ -79,7 +79,7 @@ class StepResult:
 def check_loss(out: Any, where: str) -> None:
     """The workload's loss of one microbatch must be one number that autograd can start from: a
     real floating-point tensor of one element. Anything else stops the run with one line saying what it was
-    (it used to fail inside phoenixft's own code: a traceback, and a worker crash loop that ended the
+    (otherwise it would fail inside phoenixft's own code: a traceback, and a worker crash loop that ended the
     run as "in-memory state lost")."""
     if isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point():
         return
