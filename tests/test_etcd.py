@@ -376,7 +376,7 @@ def test_unreachable_etcd_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
 def test_standby_coordinator_takes_over_then_a_node_is_hot_swapped(cluster: EtcdCluster, tmp_path: Path,
                                                                   reference: Any) -> None:
-    """The issue's run: the leading coordinator is SIGKILLed at step 6, a node at step 11; a standby
+    """A standby takeover mid-run: the leading coordinator is SIGKILLed at step 6, a node at step 11; a standby
     leads from etcd's state, the node is hot-swapped, and the run ends bitwise equal to a
     failure-free one. Nothing of the job is left in etcd."""
     ref = reference(nodes=4, steps=16)
