@@ -123,3 +123,14 @@ def test_the_run_flags_are_grouped_by_section_and_parse_into_the_config() -> Non
     assert [f.kind for f in cfg.faults] == ["kill", "nan"] and cfg.scheme.k == 2
     dests = [a.dest for a in ap._actions if a.dest != "help"]
     assert sorted(dests) == sorted(f.name for f in run_fields())  # one flag per field, each once
+
+
+def test_a_config_pickles_and_copies_whole() -> None:
+    import copy
+    import pickle
+
+    cfg = RunConfig(device="cpu", nodes=3, inject=["nan:step=2"])
+    for other in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
+        assert other == cfg and other.to_json() == cfg.to_json()
+        other.nodes = 5
+        assert cfg.nodes == 3
