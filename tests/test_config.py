@@ -11,10 +11,10 @@ import pytest
 from conftest import run
 
 from phoenixft.cli.main import main
-from phoenixft.config import RunConfig
+from phoenixft.config import RunConfig, run_fields
 from phoenixft.errors import UserError
 
-FLOATS = [f for f in dataclasses.fields(RunConfig) if str(f.type) == "float"]
+FLOATS = [f for f in run_fields() if str(f.type) == "float"]
 
 
 def _flag(f: dataclasses.Field) -> str:

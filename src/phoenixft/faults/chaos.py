@@ -252,9 +252,9 @@ def _after_losses(cur: RunConfig, lost: int) -> RunConfig:
     """The job after losing `lost` nodes without repairs: spares replace them while there are any, then it
     shrinks (replicas and racks as the planner re-derives them for the smaller ring)."""
     nodes = cur.nodes - max(0, lost - cur.spares)
-    return dataclasses.replace(cur, nodes=nodes, spares=max(0, cur.spares - lost),
-                               replicas=min(cur.replicas, nodes // cur.pp - 1),
-                               racks=cur.racks if nodes % cur.racks == 0 else 1)
+    return cur.replace(nodes=nodes, spares=max(0, cur.spares - lost),
+                       replicas=min(cur.replicas, nodes // cur.pp - 1),
+                       racks=cur.racks if nodes % cur.racks == 0 else 1)
 
 
 def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bool = False, start: int = 0
@@ -529,16 +529,16 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
     out = out or sys.stdout
     t0 = time.monotonic()
     check_local_size(cfg)  # (before the schedule, which looks at every pair of nodes)
-    cfg = dataclasses.replace(cfg, seed=seed, inject=[], report="")
+    cfg = cfg.replace(seed=seed, inject=[], report="")
     man = latest_manifest(cfg.resume) if cfg.resume else None  # (the run itself refuses one that is not there)
     sched = make_schedule(cfg, faults, seed, allow_unsurvivable, start=int(man["step"]) if man else 0)
     root = Path(cfg.run_dir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S"))
     persist_dir = str(Path(cfg.persist_dir) / f"chaos-{uuid.uuid4().hex[:8]}") if cfg.persist_every else ""
-    camp = dataclasses.replace(cfg, inject=sched.inject, run_dir=str(root / "campaign"), persist_dir=persist_dir)
+    camp = cfg.replace(inject=sched.inject, run_dir=str(root / "campaign"), persist_dir=persist_dir)
     camp.validate()
-    ref_cfg = dataclasses.replace(cfg, protect="none", spares=0, repair_after=0.0, persist_every=0, persist_dir="",
-                                  spare_arrives_at_step=0, run_dir=str(root / "reference"), quiet=True,
-                                  json_events=False)
+    ref_cfg = cfg.replace(protect="none", spares=0, repair_after=0.0, persist_every=0, persist_dir="",
+                          spare_arrives_at_step=0, run_dir=str(root / "reference"), quiet=True,
+                          json_events=False)
     ref_cfg.validate()
     print(format_schedule(sched, camp), file=out, flush=True)
     if sched.unsurvivable:  # the verdict is fixed: show how the system stops, no reference needed

@@ -44,13 +44,14 @@ import time
 import traceback
 from typing import Any
 
-from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS
+from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS, RunConfig
+from phoenixft.config.agent import add_agent_arguments
 from phoenixft.controlplane import auth
 from phoenixft.errors import UserError
 from phoenixft.protect import shm
 from phoenixft.runtime.procs import die_with_parent, exit_now, process_state
 
-__all__ = ["main", "probe_store", "CALL_TIMEOUT_S"]
+__all__ = ["main", "run_agent", "probe_store", "CALL_TIMEOUT_S"]
 
 
 MAX_RESTARTS = 3
@@ -165,25 +166,38 @@ def _reconnect(addr: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The agent process: parse its flags (`phoenixft.config.agent`, plus the launcher's --parent-pid) and run."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="phoenixft agent")
-    ap.add_argument("--coordinator", "--store", dest="store", required=True, metavar="HOST:PORT",
-                    help="the job's coordinator (its control-plane store)")
-    ap.add_argument("--node", required=True, help="this node's name (n<i> / s<k>: ask for that id)")
-    ap.add_argument("--spare", action="store_true", help="join as a spare node")
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--run-id", default="", help="expected run id (the coordinator names it)")
+    add_agent_arguments(ap)
     ap.add_argument("--parent-pid", type=int, default=0, help="die (cleanly) when this parent process dies")
-    ap.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store at start")
-    ap.add_argument("--join-timeout", type=float, default=120.0, help="seconds to wait for admission")
-    ap.add_argument("--control-plane-timeout", type=float, default=15.0,
-                    help="stop the node (and free its memory) after this long without reaching the store")
-    ap.add_argument("--token", default="", help=f"the job token (default: ${auth.TOKEN_ENV})")
-    ap.add_argument("--host", default="", help="this host's address for the data plane (default: the one it "
-                                               "reaches the coordinator from)")
     a = ap.parse_args(argv)
     flag = "--coordinator" if any(x.startswith("--coordinator") for x in argv) else "--store"
+    return run_agent(a, flag)
+
+
+def run_agent(a: argparse.Namespace, flag: str) -> int:
+    """Check the flags, join the job at `a.store` (named `flag` in errors), run the node's workers until the
+    run ends or the node must stop, and leave; the worst exit code of its workers."""
+    _check_args(a)
+    token = auth.resolve_token(a.token)
+    if token:
+        auth.check_token(token, "--token" if a.token else f"${auth.TOKEN_ENV}")
+    if a.parent_pid:
+        die_with_parent(signal.SIGTERM, a.parent_pid)  # the launcher died: clean up (the node's signal handler)
+    _, _, local_addr = probe_store(a.store, a.connect_timeout, flag)
+    bind = a.host.strip("[]") or local_addr
+    _check_bind(bind)
+    store, cfg, served = _connect(a, flag)
+    if served and a.run_id != served:  # before asking to join: a refused agent must not hold a slot
+        raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+    node, run_id = _admit(a, store, token, bind)
+    assert token is not None  # admitted: the verdict verified with it
+    return _Node(a, store, cfg, node, run_id, bind, token).run()
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    """UserError for a node name, run id, worker or thread count, or timeout the agent cannot work with."""
     if not auth.NAME_RE.match(a.node):
         raise UserError(f"--node={a.node!r} is invalid: 1-64 letters, digits, '-' or '_', starting with a letter "
                         "or digit")
@@ -200,18 +214,13 @@ def main(argv: list[str] | None = None) -> int:
                     ("--join-timeout", a.join_timeout)):
         if not 0 < v <= MAX_AGENT_WAIT_S:  # (inf and 1e300 were accepted: an agent that never gave up)
             raise UserError(f"{name}={v:g} is invalid: must be > 0 and at most {MAX_AGENT_WAIT_S:g} seconds")
-    token = auth.resolve_token(a.token)
-    if token:
-        auth.check_token(token, "--token" if a.token else f"${auth.TOKEN_ENV}")
-    if a.parent_pid:
-        die_with_parent(signal.SIGTERM, a.parent_pid)  # the launcher died: clean up (handler below)
-    _, _, local_addr = probe_store(a.store, a.connect_timeout, flag)
-    bind = a.host.strip("[]") or local_addr
-    _check_bind(bind)
 
-    from phoenixft.config import RunConfig
+
+def _connect(a: argparse.Namespace, flag: str) -> tuple[Any, RunConfig, str]:
+    """(a client of the store, the job's config, the run id it serves when --run-id asks) - retried while
+    the store's answers time out (a loaded host) until --connect-timeout; UserError if it is no phoenixft store."""
     from phoenixft.controlplane import keys
-    from phoenixft.dist.comm import BIND_ENV, connect_store
+    from phoenixft.dist.comm import connect_store
 
     connect_deadline = time.monotonic() + a.connect_timeout
     while True:  # something listens there (probed): a client that times out on a loaded host tries again
@@ -220,14 +229,19 @@ def main(argv: list[str] | None = None) -> int:
             store.check([keys.CONFIG])
             cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
             served = store.get(keys.RUN_ID).decode() if a.run_id and store.check([keys.RUN_ID]) else ""
-            break
+            return store, cfg, served
         except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
             timed_out = "timed out" in str(e) or "timeout" in str(e).lower()
             if not timed_out or time.monotonic() > connect_deadline:
                 raise UserError(f"{flag}={a.store}: not a reachable phoenixft store "
                                 f"({str(e).splitlines()[0][:120]})") from None
-    if served and a.run_id != served:  # before asking to join: a refused agent must not hold a slot
-        raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+
+
+def _admit(a: argparse.Namespace, store: Any, token: str | None, bind: str) -> tuple[str, str]:
+    """Ask the coordinator to admit this node (proving the job token); (its node id, the run id). Sets the
+    token and this host's address in the environment the workers are forked with."""
+    from phoenixft.dist.comm import BIND_ENV
+
     request = {"name": a.node, "spare": a.spare or (a.node.startswith("s") and bool(_ID.match(a.node))),
                "workers": a.workers, "host": bind, "hostname": socket.gethostname(), "pid": os.getpid()}
     verdict = auth.request_admission(store, request, token, a.join_timeout, a.store)
@@ -241,23 +255,188 @@ def main(argv: list[str] | None = None) -> int:
     assert token is not None  # admitted: the verdict verified with it
     os.environ[auth.TOKEN_ENV] = token  # the workers verify the coordinator's plans with it
     os.environ[BIND_ENV] = bind  # ... and listen on this host's address
+    return node, run_id
 
-    children: dict[int, int] = {}
-    registered = False
-    fenced = False
-    from phoenixft.faults.partition import PartitionInjector
 
-    injector = PartitionInjector(cfg.faults, node, bind, lambda: list(children), token)
+def _sweep_leftovers(store: Any, run_id: str, node: str) -> None:
+    """An agent started by hand frees what dead runs left on this machine, and the memory of this run's
+    nodes that were fenced here (an earlier incarnation of this host, e.g. one repaired and rejoining
+    as a spare: the sweep spares a live run's segments, and a fenced node never uses its memory again)."""
+    from phoenixft.controlplane import keys
 
-    def cleanup() -> None:
+    res = shm.sweep(exclude=(run_id,))
+    if res.segments:
+        print(f"phoenixft agent: removed {res.segments} orphaned shared-memory segment(s), "
+              f"{res.bytes / 2**20:.1f} MiB, of run(s) {', '.join(res.runs)}", file=sys.stderr)
+    try:
+        dead = sorted(n for n in shm.nodes_with_segments(run_id) - {node} if store.check([keys.fence(n)]))
+    except Exception:  # noqa: BLE001 - the store did not answer: the heartbeat loop reconnects
+        dead = []
+    for n in dead:
+        freed = shm.unlink_segments(run_id, n)
+        print(f"phoenixft agent: removed {len(freed)} shared-memory segment(s), "
+              f"{sum(b for _, b in freed) / 2**20:.1f} MiB, of fenced node {n} of this run", file=sys.stderr)
+
+
+class _Node:
+    """One admitted node: its workers, its heartbeat, its shared memory, and the way out."""
+
+    def __init__(self, a: argparse.Namespace, store: Any, cfg: RunConfig, node: str, run_id: str, bind: str,
+                 token: str) -> None:
+        from phoenixft.controlplane import Heartbeat, is_etcd
+        from phoenixft.faults.partition import PartitionInjector
+
+        self.a, self.store, self.cfg, self.node, self.run_id = a, store, cfg, node, run_id
+        self.children: dict[int, int] = {}  # pid -> local rank
+        self.restarts = {i: 0 for i in range(a.workers)}
+        self.registered = False
+        self.fenced = False
+        self.worst = 0
+        self.injector = PartitionInjector(cfg.faults, node, bind, lambda: list(self.children), token)
+        self.beat: Heartbeat | None = None
+        self.last_ok = time.monotonic()
+        # on etcd every look costs the cluster CPU (and a heartbeat is a raft write): look every second or a
+        # quarter of the failure timeout, whichever is shorter; a TCPStore is looked at every 0.25 s
+        self.look_every = min(1.0, cfg.failure_timeout / 4) if is_etcd(store) else 0.0
+        self.last_look = 0.0
+        self.stopped_workers = StoppedWorkers()
+        self.silent_said = False
+
+    def run(self) -> int:
+        """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(s, self.stop)
+        if not self.a.parent_pid:
+            _sweep_leftovers(self.store, self.run_id, self.node)
+        self.registered = True  # first: a signal during the registration must still unregister (a no-op if absent)
+        shm.register_owner(self.run_id, f"agent {self.node}")
+
+        import torch  # noqa: F401 - warm the image the workers are forked from
+
+        import phoenixft.runtime.worker  # noqa: F401
+
+        for i in range(self.a.workers):
+            self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads)] = i
+        stopped_early = self.supervise()
+        if stopped_early is not None:
+            return stopped_early
+        self.cleanup()
+        self.leave()
+        return self.worst
+
+    def supervise(self) -> int | None:
+        """Look at the control plane and reap worker exits until no worker is left; an exit code if the node
+        had to stop first (its job's keys gone, or no control plane for --control-plane-timeout)."""
+        while self.children:
+            try:
+                if self.store is None:
+                    raise ConnectionError("no connection to the store")
+                if time.monotonic() - self.last_look >= self.look_every:
+                    self.last_look = time.monotonic()
+                    if not self.look():
+                        self.cleanup()
+                        return 1
+                self.last_ok = time.monotonic()
+            except Exception:  # noqa: BLE001 - control plane gone: keep supervising for a bounded time
+                if time.monotonic() - self.last_ok > self.a.control_plane_timeout:
+                    print(f"phoenixft agent {self.node}: no control plane for {self.a.control_plane_timeout:g}s; "
+                          "stopping the node", file=sys.stderr, flush=True)
+                    self.cleanup()
+                    return 1
+                self.store = _reconnect(self.a.store)  # never reuse a failed connection: its answer may come late
+                if self.store is None:
+                    time.sleep(0.2)
+            self.reap(0.25)
+        return None
+
+    def look(self) -> bool:
+        """One look at the control plane: stop if fenced, heartbeat unless a worker has been stopped too long,
+        fire this host's partition fault. False when the job's keys are gone (nothing left to train for)."""
+        from phoenixft.controlplane import Heartbeat, is_etcd, keys
+
+        store, node = self.store, self.node
+        # one request on etcd; there a job's keys can also vanish (its head removed them at its end)
+        fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if is_etcd(store)
+                             else (store.check([keys.fence(node)]), True))
+        if fenced_now:  # declared dead while stopped or cut off: never write again
+            print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
+            self.fenced = True
+            self.stop(signal.SIGTERM, None)
+        if not there:  # (its workers would wait for keys that never come)
+            print(f"phoenixft agent {node}: the job's keys are gone from {self.a.store} (the run ended and its "
+                  "keys were removed); stopping the node", file=sys.stderr, flush=True)
+            return False
+        if self.beat is None or self.beat.store is not store:
+            self.beat = Heartbeat(store, keys.heartbeat(node), self.cfg.failure_timeout)  # a lease on etcd
+        # a worker stopped (SIGSTOP) for longer than the failure timeout while this agent runs: no
+        # longer vouch for the node (workers the partition fault's hold pauses itself are not judged)
+        if self.injector.holding:
+            self.stopped_workers.forget()
+        stopped = self.stopped_workers.stopped(self.children)
+        if stopped and store.check([keys.RUN_STATE]):
+            # the run ended: a stopped worker would never see it, and this agent would wait for it
+            # (the launcher until its grace ran out); it has nothing left to do
+            for wpid in [w for w, r in self.children.items() if r in stopped]:
+                os.kill(wpid, signal.SIGKILL)
+        quiet = {lr: t for lr, t in stopped.items() if t > self.cfg.failure_timeout}
+        if not quiet:
+            self.beat.beat(str(time.time()))
+            self.silent_said = False
+        elif not self.silent_said:
+            self.silent_said = True
+            print(f"phoenixft agent {node}: worker(s) "
+                  + ", ".join(f"{node}.{lr} ({q:.1f}s)" for lr, q in sorted(quiet.items()))
+                  + f" stopped (SIGSTOP) for longer than --failure-timeout={self.cfg.failure_timeout:g}s; "
+                  "no heartbeat for the node until they run again", flush=True)
+        self.injector.tick(store)
+        return True
+
+    def reap(self, window_s: float) -> None:
+        """For `window_s`, collect the workers that exit: restart one in place when the node is healthy, give
+        up the node after MAX_RESTARTS of one worker."""
+        deadline = time.monotonic() + window_s
+        while self.children and time.monotonic() < deadline:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.02)
+                continue
+            lr = self.children.pop(pid, None)
+            code = os.waitstatus_to_exitcode(status)
+            if code == 0 or lr is None or self.restart(lr, code):
+                continue
+            self.worst = max(self.worst, abs(code))
+            if self.restarts[lr] >= MAX_RESTARTS:  # crash loop: give up the whole node (permanent)
+                self.stop(signal.SIGTERM, None)
+
+    def restart(self, lr: int, code: int) -> bool:
+        """The node is healthy and its worker `lr` died (exit `code`): restart it in place from the snapshot
+        it left in shared memory (a transient failure; no spare needed). False if it is not restarted."""
+        from phoenixft.controlplane import keys
+
+        store, wid = self.store, f"{self.node}.{lr}"
+        try:
+            over = store is not None and (store.check([keys.RUN_STATE]) or store.check([keys.fence(self.node)]))
+            if store is None or over or self.restarts[lr] >= MAX_RESTARTS:
+                return False
+            self.restarts[lr] += 1
+            store.set(keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
+                                                         "incarnation": self.restarts[lr]}))
+            store.add(keys.WORKER_EXITS, 1)  # the coordinator looks at wexit/ keys when this moves
+            self.children[_fork_worker(self.a.store, self.node, lr, self.run_id, self.a.threads,
+                                       self.restarts[lr])] = lr
+            return True
+        except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin
+            return False
+
+    def cleanup(self) -> None:
         """Kill and reap the workers, then free the node's shared memory; never raises."""
-        for pid in children:
+        for pid in self.children:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 5.0
-        while children and time.monotonic() < deadline:
+        while self.children and time.monotonic() < deadline:
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -265,145 +444,32 @@ def main(argv: list[str] | None = None) -> int:
             if pid == 0:
                 time.sleep(0.01)
             else:
-                children.pop(pid, None)
+                self.children.pop(pid, None)
         try:
-            injector.heal()  # only once the workers are gone: a healed link must find nothing to write
-            shm.unlink_segments(run_id, node)
-            if registered:
-                shm.unregister_owner(run_id)
+            self.injector.heal()  # only once the workers are gone: a healed link must find nothing to write
+            shm.unlink_segments(self.run_id, self.node)
+            if self.registered:
+                shm.unregister_owner(self.run_id)
         except Exception:  # noqa: BLE001 - best effort on the way out
             traceback.print_exc()
 
-    def stop(signum: int, frame: object) -> None:
-        cleanup()
+    def stop(self, signum: int, frame: object) -> None:
+        """Signal handler (and the node's way out): clean up and exit at once."""
+        self.cleanup()
         os._exit(128 + signum)
 
-    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(s, stop)
+    def leave(self) -> None:
+        """Tell the head this node has left (unless it was fenced); the head stops serving the store once
+        every node has left."""
+        from phoenixft.controlplane import keys
 
-    if not a.parent_pid:  # started by hand: free what dead runs left on this machine
-        res = shm.sweep(exclude=(run_id,))
-        if res.segments:
-            print(f"phoenixft agent: removed {res.segments} orphaned shared-memory segment(s), "
-                  f"{res.bytes / 2**20:.1f} MiB, of run(s) {', '.join(res.runs)}", file=sys.stderr)
-        # this machine's earlier incarnation in this run (its agent killed, its node fenced since; e.g. a
-        # repaired host that rejoins as a spare) left its node's memory here, which the sweep spares while
-        # the run lives: a fenced node never uses it again
         try:
-            dead = sorted(n for n in shm.nodes_with_segments(run_id) - {node} if store.check([keys.fence(n)]))
-        except Exception:  # noqa: BLE001 - the store did not answer: the heartbeat loop reconnects
-            dead = []
-        for n in dead:
-            freed = shm.unlink_segments(run_id, n)
-            print(f"phoenixft agent: removed {len(freed)} shared-memory segment(s), "
-                  f"{sum(b for _, b in freed) / 2**20:.1f} MiB, of fenced node {n} of this run", file=sys.stderr)
-    registered = True  # first: a signal during the registration must still unregister (a no-op if absent)
-    shm.register_owner(run_id, f"agent {node}")
-
-    import torch  # noqa: F401 - warm the image the workers are forked from
-
-    import phoenixft.runtime.worker  # noqa: F401
-
-    for i in range(a.workers):
-        children[_fork_worker(a.store, node, i, run_id, a.threads)] = i
-    restarts = {i: 0 for i in range(a.workers)}
-    from phoenixft.controlplane import Heartbeat, is_etcd
-
-    beat: Heartbeat | None = None
-    worst = 0
-    last_ok = time.monotonic()
-    # on etcd every look costs the cluster CPU (and a heartbeat is a raft write): look every second or a
-    # quarter of the failure timeout, whichever is shorter; a TCPStore is looked at every 0.25 s
-    look_every = min(1.0, cfg.failure_timeout / 4) if is_etcd(store) else 0.0
-    last_look = 0.0
-    stopped_workers = StoppedWorkers()
-    silent_said = False
-    while children:
-        try:
-            if store is None:
-                raise ConnectionError("no connection to the store")
-            if time.monotonic() - last_look >= look_every:
-                last_look = time.monotonic()
-                # one request on etcd; there a job's keys can also vanish (its head removed them at its end)
-                fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if is_etcd(store)
-                                     else (store.check([keys.fence(node)]), True))
-                if fenced_now:  # declared dead while stopped or cut off: never write again
-                    print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
-                    fenced = True
-                    stop(signal.SIGTERM, None)
-                if not there:  # nothing left to train for (its workers would wait for keys that never come)
-                    print(f"phoenixft agent {node}: the job's keys are gone from {a.store} (the run ended and its "
-                          "keys were removed); stopping the node", file=sys.stderr, flush=True)
-                    cleanup()
-                    return 1
-                if beat is None or beat.store is not store:
-                    beat = Heartbeat(store, keys.heartbeat(node), cfg.failure_timeout)  # a lease on etcd
-                # a worker stopped (SIGSTOP) for longer than the failure timeout while this agent runs: no
-                # longer vouch for the node (workers the partition fault's hold pauses itself are not judged)
-                if injector.holding:
-                    stopped_workers.forget()
-                stopped = stopped_workers.stopped(children)
-                if stopped and store.check([keys.RUN_STATE]):
-                    # the run ended: a stopped worker would never see it, and this agent would wait for it
-                    # (the launcher until its grace ran out); it has nothing left to do
-                    for wpid in [w for w, r in children.items() if r in stopped]:
-                        os.kill(wpid, signal.SIGKILL)
-                quiet = {lr: t for lr, t in stopped.items() if t > cfg.failure_timeout}
-                if not quiet:
-                    beat.beat(str(time.time()))
-                    silent_said = False
-                elif not silent_said:
-                    silent_said = True
-                    print(f"phoenixft agent {node}: worker(s) "
-                          + ", ".join(f"{node}.{lr} ({q:.1f}s)" for lr, q in sorted(quiet.items()))
-                          + f" stopped (SIGSTOP) for longer than --failure-timeout={cfg.failure_timeout:g}s; "
-                          "no heartbeat for the node until they run again", flush=True)
-                injector.tick(store)
-            last_ok = time.monotonic()
-        except Exception:  # noqa: BLE001 - control plane gone: keep supervising for a bounded time
-            if time.monotonic() - last_ok > a.control_plane_timeout:
-                print(f"phoenixft agent {node}: no control plane for {a.control_plane_timeout:g}s; "
-                      "stopping the node", file=sys.stderr, flush=True)
-                cleanup()
-                return 1
-            store = _reconnect(a.store)  # never reuse a connection whose call failed: its answer may come late
-            if store is None:
-                time.sleep(0.2)
-        deadline = time.monotonic() + 0.25
-        while children and time.monotonic() < deadline:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                time.sleep(0.02)
-                continue
-            lr = children.pop(pid, None)
-            code = os.waitstatus_to_exitcode(status)
-            if code == 0 or lr is None:
-                continue
-            wid = f"{node}.{lr}"
-            try:
-                over = store is not None and (store.check([keys.RUN_STATE]) or store.check([keys.fence(node)]))
-                if store is not None and not over and restarts[lr] < MAX_RESTARTS:
-                    # the node is healthy and one worker died: restart it in place from the snapshot it
-                    # left in shared memory (transient failure; no spare needed)
-                    restarts[lr] += 1
-                    store.set(keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
-                                                                 "incarnation": restarts[lr]}))
-                    store.add(keys.WORKER_EXITS, 1)  # the coordinator looks at wexit/ keys when this moves
-                    children[_fork_worker(a.store, node, lr, run_id, a.threads, restarts[lr])] = lr
-                    continue
-            except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin
-                pass
-            worst = max(worst, abs(code))
-            if restarts[lr] >= MAX_RESTARTS:  # crash loop: give up the whole node (permanent)
-                stop(signal.SIGTERM, None)
-    cleanup()
-    try:
-        if store is not None and not fenced and not store.check([keys.fence(node)]):
-            store.set(keys.left(node), str(worst))  # the head stops serving the store once every node has left
-            store.check([keys.left(node)])  # a set is not acknowledged: an answered request flushes it
-    except Exception:  # noqa: BLE001 - the store is gone already: nobody is waiting
-        pass
-    return worst
+            store, node = self.store, self.node
+            if store is not None and not self.fenced and not store.check([keys.fence(node)]):
+                store.set(keys.left(node), str(self.worst))
+                store.check([keys.left(node)])  # a set is not acknowledged: an answered request flushes it
+        except Exception:  # noqa: BLE001 - the store is gone already: nobody is waiting
+            pass
 
 
 if __name__ == "__main__":

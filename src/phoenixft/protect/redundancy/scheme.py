@@ -9,10 +9,11 @@ D' = min(D, n - H') members (a 1-member group with H' parity blocks is H' replic
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
-__all__ = ["Redundancy", "parse_redundancy", "VALID", "MAX_GROUP"]
+__all__ = ["Redundancy", "parse_redundancy", "replicas_of", "VALID", "MAX_GROUP"]
 
 VALID = "replicas:K (K >= 1 full copies) or ec:D+H (D >= 1 data shards per group, H >= 1 parity blocks)"
 MAX_GROUP = 256  # D + H: the codes work in GF(2^8)
@@ -54,8 +55,16 @@ class Redundancy:
 _RE = re.compile(r"^(?:(replicas):(\d+)|(ec):(\d+)\+(\d+))$")
 
 
+def replicas_of(text: str) -> int | None:
+    """K of a `replicas:K` text, whatever K (also one parse_redundancy refuses); None for any other text."""
+    m = _RE.match(text.strip())
+    return int(m.group(2)) if m and m.group(1) else None
+
+
+@functools.lru_cache(maxsize=64)
 def parse_redundancy(text: str) -> Redundancy:
-    """Parse `replicas:K` or `ec:D+H`; ValueError saying what is valid otherwise."""
+    """Parse `replicas:K` or `ec:D+H`; ValueError saying what is valid otherwise. (The one parser of
+    --redundancy; the result is immutable, so repeated texts are parsed once.)"""
     m = _RE.match(text.strip())
     if not m:
         raise ValueError("not replicas:K nor ec:D+H")

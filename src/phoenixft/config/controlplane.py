@@ -1,0 +1,54 @@
+"""The control-plane section: where the job's state is kept, its coordinators, and the timeouts that
+decide when a node, the start of the job, or the whole run is given up on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from phoenixft.config.checks import MAX_FAILURE_TIMEOUT_S, need, real
+from phoenixft.config.options import option
+
+if TYPE_CHECKING:
+    from phoenixft.config.run import RunConfig
+
+__all__ = ["ControlPlaneConfig", "validate_control_plane"]
+
+
+@dataclass(kw_only=True)
+class ControlPlaneConfig:
+    """Who coordinates the job, where its state lives, and how long anyone waits."""
+
+    join_timeout: float = option(600.0, "Seconds to wait at the start for the --nodes active nodes to join and be "
+                                 "ready; then the run fails naming who is missing.", flag="--join-timeout")
+    control_plane: str = option("tcpstore", "Where the control plane keeps its state: tcpstore (torch's TCPStore in "
+                                "the launcher's process: zero set-up, but the job depends on that process and host), "
+                                "etcd (a local 3-member etcd cluster started for the run) or "
+                                "etcd://HOST:PORT[,HOST:PORT...] (an existing etcd cluster: no single process or host "
+                                "whose loss ends the job).", flag="--control-plane")
+    coordinators: int = option(1, "Coordinator processes: one leads, the others stand by and take over within a few "
+                               "seconds of its death (more than 1 needs --control-plane etcd).", flag="--coordinators")
+    failure_timeout: float = option(10.0, "Seconds without a heartbeat or answer before a node is declared failed.",
+                                    flag="--failure-timeout")
+    fence_kill: bool = option(True, "Fence a failed node by SIGKILL of its process group in local runs, besides the "
+                              "logical fence every process obeys; off (--no-fence-kill) = logical fence only, as for a "
+                              "host that cannot be reached.", flag="--no-fence-kill", action="store_false")
+    timeout: float = option(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
+
+
+def validate_control_plane(cfg: RunConfig) -> None:
+    """The store spec, the coordinators it can hold, and the timeouts."""
+    c = cfg.control
+    # (the collectives wait up to 6x this, in milliseconds that gloo keeps in a 32-bit int)
+    real(c.failure_timeout, 0 < c.failure_timeout <= MAX_FAILURE_TIMEOUT_S, "--failure-timeout",
+         f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
+    from phoenixft.controlplane import validate_spec
+
+    why = validate_spec(c.control_plane)
+    need(why is None, "--control-plane", c.control_plane, why or "")
+    need(1 <= c.coordinators <= 9, "--coordinators", c.coordinators, "must be in 1..9")
+    need(c.coordinators == 1 or c.control_plane != "tcpstore", "--coordinators", c.coordinators,
+         "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
+         "store lives in the launcher's process, so a standby would not remove the single point of failure)")
+    real(c.join_timeout, c.join_timeout > 0, "--join-timeout", "> 0 seconds")
+    real(c.timeout, c.timeout > 0, "--timeout", "> 0 seconds")

@@ -1,0 +1,102 @@
+"""The training section: the model and its data, steps and batch, optimizer, learning-rate schedule,
+precision, evaluation, the seed, and the checkpoint a run resumes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from phoenixft.config.checks import need, real
+from phoenixft.config.options import option
+
+if TYPE_CHECKING:
+    from phoenixft.config.run import RunConfig
+
+__all__ = ["TrainingConfig", "validate_training", "DEFAULT_WORKLOAD"]
+
+DEFAULT_WORKLOAD = "phoenixft.gpt:workload"
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """What is trained, for how long, and how."""
+
+    steps: int = option(20, "Training steps to complete.")
+    model: str = option("tiny", "GPT size preset for the default workload: tiny (~1M), small (~11M), medium (~100M).")
+    workload: str = option(
+        DEFAULT_WORKLOAD,
+        "Workload factory 'pkg.module:function' returning phoenixft.Workload (default: the built-in GPT).",
+    )
+    data: str = option("", "Token file to train on: a flat uint16/uint32 array of token ids (nanoGPT's train.bin "
+                           "format; its last 5 percent held out), or a directory holding train.bin and val.bin. "
+                           "Make one from text with `phoenixft prepare-data`. '' = the built-in stdlib corpus.")
+    data_dtype: str = option("uint16", "Token id type of --data when it has no sidecar JSON (<file>.json or "
+                                       "meta.json): uint16 or uint32.", flag="--data-dtype")
+    micro_batch: int = option(8, "Sequences per microbatch.", flag="--micro-batch")
+    microbatches: int = option(
+        0,
+        "Microbatches per step across all data-parallel ranks (0 = one per worker). "
+        "Global batch = micro-batch x microbatches.",
+    )
+    optimizer: str = option("adamw", "Optimizer of the flat ZeRO shard: adamw, adam, sgd or lion (a workload may "
+                                     "bring its own elementwise one).")
+    lr: float = option(1e-3, "Peak learning rate.")
+    weight_decay: float = option(0.1, "Weight decay (decoupled for adamw and lion, L2 for adam and sgd).",
+                                 flag="--weight-decay")
+    beta1: float = option(0.9, "adamw/adam/lion: first-moment coefficient.")
+    beta2: float = option(0.95, "adamw/adam: second-moment coefficient; lion: momentum update coefficient.")
+    eps: float = option(1e-8, "adamw/adam: denominator epsilon.")
+    momentum: float = option(0.9, "sgd: momentum.")
+    nesterov: bool = option(False, "sgd: Nesterov momentum.", action="store_true")
+    lr_schedule: str = option("constant", "Learning-rate schedule: constant, cosine, linear or wsd "
+                                          "(warmup-stable-decay); a pure function of the step.", flag="--lr-schedule")
+    warmup_steps: int = option(0, "Linear warm-up steps (the rate reaches --lr at this step).", flag="--warmup-steps")
+    min_lr: float = option(0.0, "Final learning rate of cosine, linear and wsd.", flag="--min-lr")
+    decay_steps: int = option(0, "Decay length: cosine/linear after the warm-up (0 = to the end of the run); wsd: "
+                                 "the last N steps (0 = the last 20%).", flag="--decay-steps")
+    clip_grad_norm: float = option(0.0, "Clip gradients to this global norm over the whole model (0 = off).",
+                                   flag="--clip-grad-norm")
+    precision: str = option("fp32", "fp32, or bf16: bf16 parameters and compute, fp32 master weights and optimizer "
+                                    "state in the shard (then the master weights are protected and replicated too).")
+    eval_every: int = option(0, "Validation loss every N steps on held-out batches (0 = never).", flag="--eval-every")
+    eval_batches: int = option(4, "Held-out microbatches per evaluation, spread over the data-parallel ranks.",
+                               flag="--eval-batches")
+    seed: int = option(1234, "Seed of the model init and of the (pure) batch function.")
+    resume: str = option("", "Start from the newest complete checkpoint in this directory (any node count).")
+
+
+def validate_training(cfg: RunConfig) -> None:
+    """The training flags on their own and against the data-parallel size; what needs the workload
+    itself (its model, its data, a checkpoint to resume) is checked by `phoenixft.config.workload`."""
+    t = cfg.training
+    need(t.steps >= 1, "--steps", t.steps, "must be >= 1")
+    from phoenixft.train.gpt import PRESETS
+
+    need(t.model in PRESETS, "--model", t.model, f"valid presets: {', '.join(PRESETS)}")
+    need(t.micro_batch >= 1, "--micro-batch", t.micro_batch, "must be >= 1")
+    need(t.microbatches >= 0, "--microbatches", t.microbatches, "must be >= 0 (0 = one per worker)")
+    dpw = "nodes x workers-per-node" if cfg.tp * cfg.pp == 1 else "the data-parallel size"
+    need(cfg.total_microbatches % cfg.dp == 0, "--microbatches", t.microbatches,
+         f"must be a multiple of {dpw} = {cfg.dp} so every rank gets the same count")
+    _validate_optimizer(t)
+    need(t.precision in ("fp32", "bf16"), "--precision", t.precision, "one of fp32, bf16")
+    need(t.eval_every >= 0, "--eval-every", t.eval_every, "must be >= 0 (0 = never)")
+    need(t.eval_batches >= 1, "--eval-batches", t.eval_batches, "must be >= 1")
+
+
+def _validate_optimizer(t: TrainingConfig) -> None:
+    """The optimizer, its hyperparameters and the learning-rate schedule."""
+    real(t.lr, t.lr > 0, "--lr", "> 0")
+    real(t.weight_decay, t.weight_decay >= 0, "--weight-decay", ">= 0")
+    from phoenixft.optim import OPTIMIZERS, SCHEDULES
+
+    need(t.optimizer in OPTIMIZERS, "--optimizer", t.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+    real(t.beta1, 0 <= t.beta1 < 1, "--beta1", "in [0, 1)")
+    real(t.beta2, 0 <= t.beta2 < 1, "--beta2", "in [0, 1)")
+    real(t.eps, t.eps > 0, "--eps", "> 0")
+    real(t.momentum, 0 <= t.momentum < 1, "--momentum", "in [0, 1)")
+    need(t.lr_schedule in SCHEDULES, "--lr-schedule", t.lr_schedule, f"one of {', '.join(SCHEDULES)}")
+    need(0 <= t.warmup_steps <= t.steps, "--warmup-steps", t.warmup_steps, f"must be in 0..--steps ({t.steps})")
+    real(t.min_lr, 0 <= t.min_lr <= t.lr, "--min-lr", f"in 0..--lr ({t.lr})")
+    need(t.decay_steps >= 0, "--decay-steps", t.decay_steps, "must be >= 0")
+    real(t.clip_grad_norm, t.clip_grad_norm >= 0, "--clip-grad-norm", ">= 0 (0 = off)")
