@@ -42,10 +42,9 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any
 
 from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS
-from phoenixft.controlplane import auth
+from phoenixft.controlplane import Store, auth
 from phoenixft.errors import UserError
 from phoenixft.protect import shm
 from phoenixft.runtime.procs import die_with_parent, exit_now, process_state
@@ -112,22 +111,15 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
 
 
 def probe_store(addr: str, timeout_s: float, flag: str = "--store") -> tuple[str, int, str]:
-    """Wait (at most timeout_s) until something accepts TCP connections at HOST:PORT (for an
-    etcd:// URL: at any of its endpoints); UserError if not.
+    """Wait (at most timeout_s) until something accepts TCP connections at HOST:PORT (for a
+    cluster's URL: at any of its endpoints); UserError if not.
     Returns (host, port, the local address this host reaches it from)."""
-    if addr.startswith("etcd://"):
-        from phoenixft.controlplane import parse_etcd_url
+    from phoenixft.controlplane import describe
 
-        try:
-            eps, _ = parse_etcd_url(addr)
-        except ValueError as e:
-            raise UserError(f"{flag}={addr!r} is invalid: {e}") from None
-    else:
-        host, sep, port = addr.strip().rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"{flag}={addr!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:29500, or "
-                            "etcd://HOST:PORT[,HOST:PORT...]/PREFIX")
-        eps = [(host.strip("[]"), int(port))]
+    try:
+        eps = describe(addr).endpoints()
+    except ValueError as e:
+        raise UserError(f"{flag}={addr!r} is invalid: {e}") from None
     deadline = time.monotonic() + timeout_s
     why = "no answer"
     while True:
@@ -155,7 +147,7 @@ def _check_bind(addr: str) -> None:
                         "address the other hosts reach this one at, or leave it out") from None
 
 
-def _reconnect(addr: str) -> Any:
+def _reconnect(addr: str) -> Store | None:
     from phoenixft.dist.comm import connect_store
 
     try:
@@ -214,9 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     from phoenixft.dist.comm import BIND_ENV, connect_store
 
     connect_deadline = time.monotonic() + a.connect_timeout
+    store: Store | None
     while True:  # something listens there (probed): a client that times out on a loaded host tries again
         try:
-            store: Any = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
+            store = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
             store.check([keys.CONFIG])
             cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
             served = store.get(keys.RUN_ID).decode() if a.run_id and store.check([keys.RUN_ID]) else ""
@@ -307,14 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.workers):
         children[_fork_worker(a.store, node, i, run_id, a.threads)] = i
     restarts = {i: 0 for i in range(a.workers)}
-    from phoenixft.controlplane import Heartbeat, is_etcd
+    from phoenixft.controlplane import Heartbeat
 
     beat: Heartbeat | None = None
     worst = 0
     last_ok = time.monotonic()
-    # on etcd every look costs the cluster CPU (and a heartbeat is a raft write): look every second or a
-    # quarter of the failure timeout, whichever is shorter; a TCPStore is looked at every 0.25 s
-    look_every = min(1.0, cfg.failure_timeout / 4) if is_etcd(store) else 0.0
+    # where reads are costly every look costs the cluster CPU (and a heartbeat is a replicated write): look
+    # every second or a quarter of the failure timeout, whichever is shorter; otherwise at every turn
+    look_every = min(1.0, cfg.failure_timeout / 4) if store.costly_reads else 0.0
     last_look = 0.0
     stopped_workers = StoppedWorkers()
     silent_said = False
@@ -324,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConnectionError("no connection to the store")
             if time.monotonic() - last_look >= look_every:
                 last_look = time.monotonic()
-                # one request on etcd; there a job's keys can also vanish (its head removed them at its end)
-                fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if is_etcd(store)
+                # one request on a cluster; there a job's keys can also vanish (its head removed them at its end)
+                fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if store.replicated
                                      else (store.check([keys.fence(node)]), True))
                 if fenced_now:  # declared dead while stopped or cut off: never write again
                     print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
@@ -337,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     cleanup()
                     return 1
                 if beat is None or beat.store is not store:
-                    beat = Heartbeat(store, keys.heartbeat(node), cfg.failure_timeout)  # a lease on etcd
+                    beat = Heartbeat(store, keys.heartbeat(node), cfg.failure_timeout)  # (a lease where there are)
                 # a worker stopped (SIGSTOP) for longer than the failure timeout while this agent runs: no
                 # longer vouch for the node (workers the partition fault's hold pauses itself are not judged)
                 if injector.holding:
