@@ -16,21 +16,24 @@ has is reached through the helpers here, which fall back to plain store calls el
 standby coordinators), `guarded_set` (writes that succeed only while the writer still leads),
 `LogReader` (an incremental read of an appended key), `exists_many`, `get_nowait`.
 
-Store clients per process. A TCPStore client is one connection whose calls the torch client
-serializes: a blocking `wait` on one thread holds every other thread's call on it. So, on a
-TCPStore:
+Store clients per process (`clients_opened()` counts them). A TCPStore client is one connection whose
+calls the torch client serializes: a blocking `wait` on one thread holds every other thread's call on
+it. So, on a TCPStore:
 
-- a worker opens 4: its own (the training thread's polls and writes, and the rendezvous of its
-  process groups), the failure watcher's (one blocking `wait` on the epoch's failure flag, for
-  ever), a side client (the epoch-flag polls while the rendezvous blocks the first; opened at the
-  first build of process groups) and one shared by its replication and persistent-tier threads
-  (short non-blocking calls only: `check`, `append`);
-- an agent opens 1 (the workers it forks open their own); the coordinator 2 (its loop's, and the
-  blocking watch of the failure flags); the launcher 1; `phoenixft status` 1.
+- a worker opens 4 (3 before it first builds process groups, 3 without protection): its own (the
+  training thread's polls and writes, and the rendezvous of its process groups), the failure
+  watcher's (one blocking `wait` on the epoch's failure flag, for ever), a side client (the
+  epoch-flag polls while the rendezvous blocks its own; after an abort it becomes the worker's own,
+  the blocked one staying with the abandoned build, so it cannot be shared with a thread that must
+  never block) and one shared by its replication and persistent-tier threads (short non-blocking
+  calls only: `check`, `append`);
+- an agent opens 1 (a new one after a failed call; the workers it forks open their own); the
+  coordinator 2 (its loop's, and the blocking watch of the failure flags); the launcher 1;
+  `phoenixft status` 1.
 
-An `EtcdStore` serves every thread of its process on that thread's own connection (a blocking
-wait opens a watch connection of its own), so `independent()` is the client itself and every
-process opens 1.
+An `EtcdStore` serves every thread of its process on that thread's own connection (a blocking wait
+opens a watch connection of its own), so `independent()` is the client itself and every process
+opens 1 (the launcher 2: a bounded probe of the cluster before the run starts).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from typing import Any
 
 from phoenixft.controlplane.store import TcpStore
 from phoenixft.errors import UserError
@@ -42,8 +41,8 @@ class StoreServer:
         self.timeout_s = timeout_s
         import torch.distributed as dist
 
-        self.store: Any = dist.TCPStore(host, self.port, is_master=True, timeout=timedelta(seconds=timeout_s),
-                                        wait_for_workers=False, master_listen_fd=sock.fileno())
+        self.store = dist.TCPStore(host, self.port, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                   wait_for_workers=False, master_listen_fd=sock.fileno())
 
     @property
     def addr(self) -> str:
