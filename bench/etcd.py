@@ -44,7 +44,7 @@ _RDZV = textwrap.dedent("""
     times = []
     for i in range(5):
         t = time.perf_counter()
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{{pre}}/{{i}}", s), rank, 4, timedelta(seconds=30))
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{{pre}}/{{i}}", s.c10d), rank, 4, timedelta(seconds=30))
         times.append(time.perf_counter() - t)
     if rank == 0:
         open(out, "w").write(json.dumps(times))

@@ -98,7 +98,7 @@ def _member(addr: str, node: str, rank: int, epoch: int, q: Any) -> None:
         os.environ.setdefault("PHOENIXFT_GPU_PLACEMENT", "spread")
         d = place("cuda", 0, node, 2, 1)
         store = connect_store(addr)
-        comm = EpochComm(store, epoch, rank, 2, 30.0, backend="nccl", device=d)
+        comm = EpochComm(store.c10d, epoch, rank, 2, 30.0, backend="nccl", device=d)
         t = torch.tensor([float(rank + 1)], device=d.torch)
         wait_work(comm.dp.allreduce([t]), "allreduce", lambda: None, 30.0)
         q.put((node, epoch, "sum", float(t.item())))

@@ -81,7 +81,7 @@ def test_heartbeats_unread_while_the_coordinator_or_its_store_was_stopped_are_no
         def check(self, keys: list[str]) -> bool:
             return True
 
-        def multi_get(self, keys: list[str]) -> list[bytes]:
+        def multi_get_nowait(self, keys: list[str]) -> list[bytes | None]:
             return [b"same"] * len(keys)  # nothing beats while the store is stopped
 
     job = _Job()

@@ -1,6 +1,6 @@
-"""The control-plane seam: one contract suite run against both backends (torch's TCPStore and a real
-3-member etcd cluster), leader election and leases on etcd, and whole runs that lose their leading
-coordinator, a node and an etcd member (real processes, real SIGKILLs).
+"""The etcd backend of the control plane: what only it has (fork-safe clients, leases, leader election,
+failover between members) and whole runs that lose their leading coordinator, a node and an etcd
+member (real processes, real SIGKILLs). What both backends share is tests/test_store_contract.py.
 
 Needs the `etcd` binary (Debian: etcd-server; `.ci/run` installs it). Without it these tests skip,
 except on CI (CI=true), where a missing etcd is a failure."""
@@ -13,11 +13,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +26,9 @@ from phoenixft.controlplane import (
     Election,
     EtcdUnavailable,
     Heartbeat,
-    LogReader,
     connect,
-    exists_many,
     get_nowait,
     guarded_set,
-    multi_get_nowait,
     validate_spec,
 )
 from phoenixft.controlplane.etcd_cluster import EtcdCluster, etcd_binary
@@ -56,148 +51,6 @@ def cluster() -> Iterator[EtcdCluster]:
     finally:
         c.stop()
     assert not c.dir.exists(), "the cluster's data directory outlived it"
-
-
-@pytest.fixture(scope="module")
-def tcp_server() -> Iterator[Any]:
-    from phoenixft.controlplane.server import serve_store
-
-    s = serve_store("127.0.0.1", 0)
-    yield s
-
-
-@pytest.fixture(params=["tcpstore", "etcd"])
-def addr(request: pytest.FixtureRequest, cluster: EtcdCluster, tcp_server: Any) -> str:
-    """A fresh, empty namespace on either backend (TCPStore: a key prefix; etcd: a URL prefix)."""
-    if request.param == "etcd":
-        return f"{cluster.url}/contract/{uuid.uuid4().hex[:8]}"
-    return tcp_server.addr
-
-
-@pytest.fixture
-def clients(addr: str) -> Any:
-    """A factory of clients of one fresh namespace (a TCPStore client serves one thread at a time)."""
-    import torch.distributed as dist
-
-    pre = uuid.uuid4().hex[:8]
-
-    def make(timeout_s: float = 10.0) -> Any:
-        s = connect(addr, timeout_s=timeout_s)
-        return s if addr.startswith("etcd://") else dist.PrefixStore(pre, s)
-
-    return make
-
-
-@pytest.fixture
-def store(clients: Any) -> Any:
-    return clients()
-
-
-# ---------------------------------------------------------------------- the contract (both backends)
-def test_set_get_check_delete(store: Any) -> None:
-    assert not store.check(["a"])
-    store.set("a", "1")
-    store.set("b", b"\x00\xffbin")
-    assert store.get("a") == b"1" and store.get("b") == b"\x00\xffbin"
-    assert store.check(["a", "b"]) and not store.check(["a", "nope"])
-    assert store.delete_key("a") and not store.check(["a"]) and not store.delete_key("a")
-
-
-def test_get_blocks_until_set_and_wait_times_out(clients: Any) -> None:
-    store, other = clients(), clients()
-    threading.Timer(0.3, lambda: other.set("late", "here")).start()
-    t = time.monotonic()
-    assert store.get("late") == b"here"
-    assert 0.2 < time.monotonic() - t < 5.0
-    t = time.monotonic()
-    with pytest.raises(Exception, match="(?i)timeout"):
-        store.wait(["never"], timedelta(seconds=0.5))
-    assert time.monotonic() - t < 3.0
-
-
-def test_add_is_atomic_across_clients(clients: Any) -> None:
-    def client() -> Any:
-        return clients(20.0)
-
-    results: list[int] = []
-    lock = threading.Lock()
-
-    def bump() -> None:
-        s = client()
-        for _ in range(15):
-            v = s.add("n", 1)
-            with lock:
-                results.append(v)
-
-    ts = [threading.Thread(target=bump) for _ in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=60)
-    assert sorted(results) == list(range(1, 61))  # every value handed out exactly once
-    assert client().add("n", 0) == 60 and client().get("n") == b"60"
-
-
-def test_append_multi_and_compare_set(store: Any) -> None:
-    store.append("log", "x\n")
-    store.append("log", "y\n")
-    assert store.get("log") == b"x\ny\n" and store.check(["log"])
-    store.multi_set(["p", "q"], ["1", "2"])
-    assert store.multi_get(["p", "q", "log"]) == [b"1", b"2", b"x\ny\n"]
-    assert store.compare_set("c", "", "v1") == b"v1"
-    assert store.compare_set("c", "other", "v2") == b"v1"
-    assert store.compare_set("c", "v1", "v3") == b"v3" and store.get("c") == b"v3"
-
-
-def test_helpers_read_without_blocking(addr: str) -> None:
-    s = connect(addr, timeout_s=10.0)
-    key = f"h{uuid.uuid4().hex[:8]}"
-    assert get_nowait(s, key) is None
-    s.set(key, "v")
-    assert get_nowait(s, key) == b"v"
-    assert exists_many(s, [key, key + "x", key]) == [True, False, True]
-    assert multi_get_nowait(s, [key]) == [b"v"]
-    if addr.startswith("etcd://"):  # keys can vanish there (leases): a missing one reads as None, at once
-        assert multi_get_nowait(s, [key, key + "x"]) == [b"v", None]
-    log = LogReader(s, key + "/events")
-    assert log.read() == ""
-    s.append(key + "/events", "a\n")
-    s.append(key + "/events", "b\n")
-    assert log.read() == "a\nb\n"
-    s.append(key + "/events", "c\n")
-    assert log.read() == "c\n" and log.read() == ""
-
-
-_RDZV = textwrap.dedent("""
-    import sys
-    from datetime import timedelta
-    import torch, torch.distributed as dist
-    sys.path.insert(0, {src!r})
-    from phoenixft.controlplane import connect
-    rank, addr, pre = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    s = connect(addr, 20.0)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore(pre, s), rank, 3, timedelta(seconds=20))
-    x = torch.full((4,), float(rank + 1))
-    pg.allreduce([x]).wait()
-    print("SUM", x[0].item(), flush=True)
-""")
-
-
-def test_gloo_rendezvous_on_the_store(addr: str, tmp_path: Path) -> None:
-    """Process groups meet through either backend (3 processes, one all-reduce)."""
-    script = tmp_path / "rdzv.py"
-    script.write_text(_RDZV.format(src=SRC))
-    pre = uuid.uuid4().hex[:8]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), addr, pre], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, start_new_session=True) for r in range(3)]
-    try:
-        outs = [p.communicate(timeout=60)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    assert all("SUM 6.0" in o for o in outs), outs
 
 
 def test_etcd_client_survives_fork(cluster: EtcdCluster) -> None:

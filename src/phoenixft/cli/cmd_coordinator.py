@@ -67,15 +67,16 @@ def coordinator(args: argparse.Namespace) -> int:
 
 
 def standby(url: str, token_flag: str) -> int:
-    """A standby coordinator on this host for the job at `url` (etcd): it campaigns for the
-    leadership and, once it leads, carries the job on from etcd's state; it ends with the run."""
+    """A standby coordinator on this host for the job at `url` (a replicated store's URL): it
+    campaigns for the leadership and, once it leads, carries the job on from the store's state; it
+    ends with the run."""
     import os
 
-    from phoenixft.controlplane import auth, connect, keys, parse_etcd_url
+    from phoenixft.controlplane import auth, connect, describe, keys
     from phoenixft.errors import UserError
 
     try:
-        _, prefix = parse_etcd_url(url)
+        prefix = describe(url).job_prefix()
     except ValueError as e:
         raise UserError(f"--standby={url!r} is invalid: {e}") from None
     if not prefix:
@@ -89,7 +90,7 @@ def standby(url: str, token_flag: str) -> int:
     try:
         store = connect(url, 10.0)
         found = store.check([keys.CONFIG])
-    except Exception as e:  # noqa: BLE001 - EtcdUnavailable, EtcdError, OSError
+    except Exception as e:  # noqa: BLE001 - StoreUnavailable, StoreError, OSError
         raise UserError(f"--standby={url}: etcd is not reachable there ({str(e).splitlines()[0][:160]})") from None
     if not found:
         raise UserError(f"--standby={url}: no phoenixft job there (no config under that prefix; use the URL the "
@@ -99,7 +100,7 @@ def standby(url: str, token_flag: str) -> int:
     source = "--token" if token_flag else f"${auth.TOKEN_ENV}"
     try:
         matches = auth.token_matches_job(store, token)
-    except Exception as e:  # noqa: BLE001 - EtcdUnavailable, EtcdError, OSError
+    except Exception as e:  # noqa: BLE001 - StoreUnavailable, StoreError, OSError
         raise UserError(f"--standby={url}: etcd is not reachable there ({str(e).splitlines()[0][:160]})") from None
     if matches is None:
         raise UserError(f"--standby={url}: the job there has nothing signed to check the job token ({source}) on "

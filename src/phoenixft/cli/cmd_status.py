@@ -44,10 +44,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def status(args: argparse.Namespace) -> int:
+    from phoenixft.controlplane import describe
     from phoenixft.observe.status import connect, format_status, left_behind, parse_address, read_status
 
-    if not args.coordinator.startswith("etcd://"):
-        parse_address(args.coordinator)  # (an etcd URL is checked by connect)
+    if not describe(args.coordinator).replicated:
+        parse_address(args.coordinator)  # (a cluster's URL is checked by connect)
     if not args.timeout > 0:
         raise UserError(f"--timeout={args.timeout} must be > 0")
     if args.events < 0:

@@ -1,17 +1,39 @@
 """The control-plane seam: where the coordinator, agents and workers share state.
 
-Two backends, chosen by `--control-plane`:
+Every process is handed a `Store` (store.py: one typed protocol) opened by `connect(addr)`. Two
+backends, chosen by `--control-plane`:
 
 - `tcpstore` (default): torch's `TCPStore`, served by the launcher's process (zero set-up; the
-  job depends on that process and its host);
+  job depends on that process and its host), reached through `TcpStore`;
 - `etcd://HOST:PORT[,HOST:PORT...][/PREFIX]`: an etcd cluster (`EtcdStore`): no single process or
   host whose loss ends the job; `etcd` alone starts a local 3-member cluster for the run.
 
-Both are c10d stores (so process groups rendezvous on either); what only etcd has (leases,
-transactions) is reached through the helpers here, which fall back to plain store calls on a
-TCPStore: `Heartbeat` (a key that expires with its writer on etcd), `Election` (etcd's lease-based
-leader election, for standby coordinators), `guarded_set` (writes that succeed only while the writer
-still leads), `LogReader` (an incremental read of an appended key), `exists_many`, `get_nowait`.
+Callers never test which backend they hold: they ask the store (`replicated`, `has_leases`,
+`costly_reads`, `poll_s`, `abort_check_s`, `wait_slice_s`, `independent()`, `clear_job()`) or this
+package (`describe(addr)`, `validate_spec`, `provision_cluster`). What only a cluster with leases
+has is reached through the helpers here, which fall back to plain store calls elsewhere:
+`Heartbeat` (a key that expires with its writer), `Election` (lease-based leader election, for
+standby coordinators), `guarded_set` (writes that succeed only while the writer still leads),
+`LogReader` (an incremental read of an appended key), `exists_many`, `get_nowait`.
+
+Store clients per process (`clients_opened()` counts them). A TCPStore client is one connection whose
+calls the torch client serializes: a blocking `wait` on one thread holds every other thread's call on
+it. So, on a TCPStore:
+
+- a worker opens 4 (3 before it first builds process groups, 3 without protection): its own (the
+  training thread's polls and writes, and the rendezvous of its process groups), the failure
+  watcher's (one blocking `wait` on the epoch's failure flag, for ever), a side client (the
+  epoch-flag polls while the rendezvous blocks its own; after an abort it becomes the worker's own,
+  the blocked one staying with the abandoned build, so it cannot be shared with a thread that must
+  never block) and one shared by its replication and persistent-tier threads (short non-blocking
+  calls only: `check`, `append`);
+- an agent opens 1 (a new one after a failed call; the workers it forks open their own); the
+  coordinator 2 (its loop's, and the blocking watch of the failure flags); the launcher 1;
+  `phoenixft status` 1.
+
+An `EtcdStore` serves every thread of its process on that thread's own connection (a blocking wait
+opens a watch connection of its own), so `independent()` is the client itself and every process
+opens 1 (the launcher 2: a bounded probe of the cluster before the run starts).
 """
 
 from __future__ import annotations
@@ -22,104 +44,86 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
+from phoenixft.controlplane.address import (
+    ProvisionedCluster,
+    StoreAddress,
+    describe,
+    provision_cluster,
+    remote_spec_problem,
+    validate_spec,
+)
 from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable, parse_etcd_url
+from phoenixft.controlplane.store import Store, StoreError, StoreUnavailable, TcpStore, count_opened, tcp_client
 
-__all__ = ["connect", "is_etcd", "validate_spec", "Heartbeat", "Election", "guarded_set", "LogReader",
-           "exists_many", "get_nowait", "multi_get_nowait", "EtcdStore", "EtcdError", "EtcdUnavailable",
-           "parse_etcd_url", "LEADER_KEY", "poll_interval"]
+__all__ = ["Store", "StoreError", "StoreUnavailable", "TcpStore", "connect", "describe", "StoreAddress",
+           "validate_spec", "remote_spec_problem", "provision_cluster", "ProvisionedCluster", "Heartbeat",
+           "Election", "guarded_set", "LogReader", "exists_many", "get_nowait", "multi_get_nowait", "EtcdStore",
+           "EtcdError", "EtcdUnavailable", "LEADER_KEY", "poll_interval", "clients_opened"]
 
 LEADER_KEY = "coordinator/leader"
 
 
-def validate_spec(value: str) -> str | None:
-    """Why `--control-plane=value` is invalid, or None."""
-    if value in ("tcpstore", "etcd"):
-        return None
-    if value.startswith("etcd://"):
-        try:
-            parse_etcd_url(value)
-        except ValueError as e:
-            return str(e)
-        return None
-    return ("valid: tcpstore (embedded, the default), etcd (a local 3-member etcd cluster started for the run) "
-            "or etcd://HOST:PORT[,HOST:PORT...] (an existing cluster)")
-
-
-def connect(addr: str, timeout_s: float = 30.0) -> Any:
-    """A client of the store at `addr`: `HOST:PORT` (a TCPStore) or an `etcd://` URL."""
-    if addr.startswith("etcd://"):
+def connect(addr: str, timeout_s: float = 30.0) -> Store:
+    """A new client of the store at `addr`: `HOST:PORT` (a TCPStore) or an `etcd://` URL; each
+    blocking call waits at most `timeout_s`."""
+    if describe(addr).replicated:
         eps, prefix = parse_etcd_url(addr)
+        count_opened()
         return EtcdStore(eps, prefix or "/phoenixft/default", timeout_s)
-    import torch.distributed as dist
-
     host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return tcp_client(host, int(port), timeout_s)
 
 
-def is_etcd(store: Any) -> bool:
-    return isinstance(store, EtcdStore)
+def clients_opened() -> int:
+    """How many store clients this process has opened (`connect`, `Store.independent`)."""
+    return count_opened(0)
 
 
-def poll_interval(store: Any, tcp_s: float) -> float:
-    """How often a loop should poll `store`: a TCPStore answers in ~0.1 ms, etcd in ~1-2 ms."""
-    return max(tcp_s, store.poll_s) if is_etcd(store) else tcp_s
+def poll_interval(store: Store, base_s: float) -> float:
+    """How often a loop that would look every `base_s` should poll `store`."""
+    return max(base_s, store.poll_s)
 
 
-def exists_many(store: Any, names: Sequence[str]) -> list[bool]:
-    """Whether each key exists (a poll: one serializable request on etcd)."""
-    if is_etcd(store):
-        return store.exists_many(names, serializable=True)
-    return [bool(store.check([k])) for k in names]
+def exists_many(store: Store, names: Sequence[str]) -> list[bool]:
+    """Whether each key exists (a poll: one serializable request on a cluster)."""
+    return store.exists_many(names, serializable=True)
 
 
-def get_nowait(store: Any, key: str) -> bytes | None:
-    if is_etcd(store):
-        return store.get_nowait(key)
-    return bytes(store.get(key)) if store.check([key]) else None
+def get_nowait(store: Store, key: str) -> bytes | None:
+    return store.get_nowait(key)
 
 
-def multi_get_nowait(store: Any, names: Sequence[str]) -> list[bytes | None]:
-    """Values of keys that may have gone (an expired lease): None for those (never blocks on etcd;
-    on a TCPStore, where keys never expire, a plain multi_get of keys known to exist)."""
-    if is_etcd(store):
-        return store.multi_get_nowait(names)
-    return [bytes(b) for b in store.multi_get(list(names))]
+def multi_get_nowait(store: Store, names: Sequence[str]) -> list[bytes | None]:
+    """Values of keys that may have gone (an expired lease): None for those (see `Store`)."""
+    return store.multi_get_nowait(names)
 
 
 class LogReader:
     """Read what was appended to `key` since the last read (events)."""
 
-    def __init__(self, store: Any, key: str) -> None:
+    def __init__(self, store: Store, key: str) -> None:
         self.store, self.key = store, key
         self._cursor = 0
 
     def read(self) -> str:
-        if is_etcd(self.store):
-            raw, self._cursor = self.store.read_appended(self.key, self._cursor)
-            return bytes(raw).decode()
-        if not self.store.check([self.key]):
-            return ""
-        raw = bytes(self.store.get(self.key)).decode()
-        new, self._cursor = raw[self._cursor:], len(raw)
-        return new
+        raw, self._cursor = self.store.read_appended(self.key, self._cursor)
+        return bytes(raw).decode()
 
 
 class Heartbeat:
-    """`beat(value)` writes the key; on etcd the key is bound to a lease of `ttl_s` that each beat
-    refreshes, so etcd deletes it once its writer has been silent for the TTL (a dead host's
-    heartbeat disappears without anyone judging clocks)."""
+    """`beat(value)` writes the key; on a store with leases the key is bound to a lease of `ttl_s`
+    that each beat refreshes, so the store deletes it once its writer has been silent for the TTL (a
+    dead host's heartbeat disappears without anyone judging clocks)."""
 
-    def __init__(self, store: Any, key: str, ttl_s: float) -> None:
+    def __init__(self, store: Store, key: str, ttl_s: float) -> None:
         self.store, self.key = store, key
         self.ttl = max(2, math.ceil(ttl_s))
         self._lease = 0
 
     def beat(self, value: str) -> None:
-        if not is_etcd(self.store):
+        if not isinstance(self.store, EtcdStore):
             self.store.set(self.key, value)
             return
         if self._lease and self.store.lease_keepalive(self._lease, timeout_s=self.ttl) > 0:
@@ -129,9 +133,9 @@ class Heartbeat:
         self.store.put_leased(self.key, value, self._lease)
 
 
-def guarded_set(store: Any, guard: Any, names: Sequence[str], values: Sequence[str | bytes]) -> bool:
+def guarded_set(store: Store, guard: Election | None, names: Sequence[str], values: Sequence[str | bytes]) -> bool:
     """Write `names` atomically if `guard` (an `Election` or None) still leads; False if not."""
-    if guard is None or not is_etcd(store):
+    if guard is None or not isinstance(store, EtcdStore):
         store.multi_set(list(names), list(values))
         return True
     ops = [{"request_put": {"key": k, "value": v}} for k, v in zip(names, values, strict=True)]
@@ -140,14 +144,14 @@ def guarded_set(store: Any, guard: Any, names: Sequence[str], values: Sequence[s
 
 
 class Election:
-    """Leader election on etcd's leases: the leader holds `key` bound to its lease and keeps the
+    """Leader election on a store's leases (`Store.has_leases`): the leader holds `key` bound to its lease and keeps the
     lease alive from a thread; a standby waits for the key to go (its leader's lease expired:
     killed, stopped or cut off for `ttl_s`) and takes it in one transaction. `on_lost` runs if this
     leader's lease expires under it (it must stop acting at once: another may lead already)."""
 
-    def __init__(self, store: Any, ident: str = "", ttl_s: int = 2, key: str = LEADER_KEY,
+    def __init__(self, store: Store, ident: str = "", ttl_s: int = 2, key: str = LEADER_KEY,
                  on_lost: Callable[[], None] | None = None) -> None:
-        if not is_etcd(store):
+        if not isinstance(store, EtcdStore):
             raise ValueError("leader election needs the etcd control plane (--control-plane etcd://...)")
         self.store: EtcdStore = store
         self.key = key

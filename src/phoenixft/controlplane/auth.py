@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixft.controlplane import keys
+from phoenixft.controlplane.store import Store
 from phoenixft.errors import RunAborted, UserError
 
 __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "resolve_token", "generate_token", "check_token", "mac",
@@ -95,7 +96,7 @@ def sign_topology(token: str, epoch: int, raw: str | bytes) -> str:
     return mac(token, "topology", epoch, raw if isinstance(raw, bytes) else raw.encode())
 
 
-def verified_topology(store: Any, epoch: int, raw: bytes, timeout_s: float = 30.0) -> Any:
+def verified_topology(store: Store, epoch: int, raw: bytes, timeout_s: float = 30.0) -> Any:
     """The `Topology` of `raw` (just read from `topo/<epoch>`) once its signature verifies with the
     job token; a wrong one is re-read (the coordinator may be overwriting a forgery) until
     `timeout_s`, then RunAborted: a worker never acts on an unsigned plan."""
@@ -121,7 +122,7 @@ def sign_config(token: str, raw: str | bytes) -> str:
     return mac(token, "config", raw if isinstance(raw, bytes) else raw.encode())
 
 
-def token_matches_job(store: Any, token: str) -> bool | None:
+def token_matches_job(store: Store, token: str) -> bool | None:
     """Whether `token` is the token of the job in `store`: its signed config verifies with it (else
     the signature of its latest topology, for a job whose head wrote no config signature). None if
     the store holds nothing signed to check it on."""
@@ -139,7 +140,7 @@ class RunEnded(Exception):
     """The run ended (its final state is in the store) while this agent waited to be admitted."""
 
 
-def _wait_key(store: Any, key: str, deadline: float, what: str) -> bytes:
+def _wait_key(store: Store, key: str, deadline: float, what: str) -> bytes:
     """Poll (every 20 ms; no server-side wait, whose timeouts c10d logs as warnings) until `key`
     exists; TimeoutError at the deadline, RunEnded as soon as the run has a final state (an agent
     started just before the run was stopped must not wait out its join timeout). A failing store
@@ -161,7 +162,7 @@ def _wait_key(store: Any, key: str, deadline: float, what: str) -> bytes:
         time.sleep(0.02)
 
 
-def request_admission(store: Any, request: dict[str, Any], token: str | None, timeout_s: float,
+def request_admission(store: Store, request: dict[str, Any], token: str | None, timeout_s: float,
                       where: str) -> dict[str, Any]:
     """Ask the coordinator behind `store` to admit this agent; return its verdict ({node, run_id, note}).
 
@@ -226,7 +227,7 @@ class AdmissionDesk:
     `poll()` does nothing but read one counter unless an agent wrote something since the last call.
     The coordinator decides who is admitted (`answer`)."""
 
-    store: Any
+    store: Store
     token: str
     _posted_seen: int = -1
     _next_seq: int = 1

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phoenixft.controlplane.store import StoreError, StoreUnavailable
+
 __all__ = ["EtcdStore", "EtcdError", "EtcdUnavailable", "parse_etcd_url"]
 
 REQUEST_TIMEOUT_S = 2.0  # one HTTP request; a hung member is left after this, the call goes on elsewhere
@@ -45,11 +47,11 @@ _RETRYABLE = ("leader changed", "no leader", "timed out", "too many requests", "
               "stopped", "server is not ready", "raft")
 
 
-class EtcdError(RuntimeError):
+class EtcdError(StoreError):
     """etcd answered with an error that retrying does not fix."""
 
 
-class EtcdUnavailable(RuntimeError):
+class EtcdUnavailable(StoreUnavailable):
     """No member of the cluster answered before the call's deadline."""
 
 
@@ -85,7 +87,16 @@ def _bytes(v: Any) -> bytes:
 
 
 class EtcdStore(dist.Store):
-    """A c10d store on an etcd cluster (see the module docstring)."""
+    """A c10d store on an etcd cluster (see the module docstring), and a `controlplane.Store`.
+
+    One client serves every thread of its process: each thread has its own keep-alive connection and
+    each blocking wait opens a watch connection of its own, so `independent()` is this client."""
+
+    replicated = True
+    has_leases = True
+    costly_reads = True  # a read is a request to the cluster (linearizable ones cost its leader a quorum round)
+    abort_check_s = 0.2  # the failure watcher sees a flag first; this look is the fallback
+    wait_slice_s = WATCH_SLICE_S
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str, timeout_s: float = 30.0) -> None:
         super().__init__()
@@ -113,6 +124,20 @@ class EtcdStore(dist.Store):
     @property
     def url(self) -> str:
         return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.prefix.rstrip("/")
+
+    @property
+    def address(self) -> str:
+        return self.url
+
+    @property
+    def c10d(self) -> dist.Store:
+        return self
+
+    def independent(self) -> EtcdStore:
+        return self
+
+    def clear_job(self) -> int:
+        return self.delete_prefix()
 
     def _conn(self) -> http.client.HTTPConnection:
         loc = self._local
@@ -243,7 +268,7 @@ class EtcdStore(dist.Store):
                 out.append(self._join(kvs) if kvs else None)
         return out
 
-    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+    def multi_set(self, keys: list[str], values: Sequence[Any]) -> None:
         ops = [{"request_put": {"key": _b(self._k(k)), "value": _b(_bytes(v))}} for k, v in zip(keys, values,
                                                                                                    strict=True)]
         for i in range(0, len(ops), MAX_TXN_OPS):

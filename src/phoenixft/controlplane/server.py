@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from typing import Any
 
+from phoenixft.controlplane.store import TcpStore
 from phoenixft.errors import UserError
 
 __all__ = ["StoreServer", "serve_store", "format_addr"]
@@ -38,14 +38,19 @@ class StoreServer:
                             "address of this host and a free port (0 = any free port)") from None
         self._sock = sock  # the store serves on this socket: it must stay open as long as the store
         self.host, self.port = host, int(sock.getsockname()[1])
+        self.timeout_s = timeout_s
         import torch.distributed as dist
 
-        self.store: Any = dist.TCPStore(host, self.port, is_master=True, timeout=timedelta(seconds=timeout_s),
-                                        wait_for_workers=False, master_listen_fd=sock.fileno())
+        self.store = dist.TCPStore(host, self.port, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                   wait_for_workers=False, master_listen_fd=sock.fileno())
 
     @property
     def addr(self) -> str:
         return format_addr(self.host, self.port)
+
+    def as_store(self) -> TcpStore:
+        """The serving store as a `controlplane.Store` (it is a client of itself too)."""
+        return TcpStore(self.store, self.host, self.port, self.timeout_s)
 
 
 def serve_store(host: str, port: int, timeout_s: float = 60.0, what: str = "--host/--port") -> StoreServer:

@@ -15,10 +15,9 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any
 
 from phoenixft.controlplane import keys
-from phoenixft.dist.comm import connect_store
+from phoenixft.controlplane.store import Store
 from phoenixft.errors import PeerFailure
 
 __all__ = ["FailureWatcher"]
@@ -27,8 +26,10 @@ WAKE_S = 600.0  # a timed-out wait logs a c10d warning: wake rarely (the epoch a
 
 
 class FailureWatcher:
-    def __init__(self, store_addr: str) -> None:
-        self._store: Any = connect_store(store_addr)
+    def __init__(self, store: Store) -> None:
+        """Watch on `store`: a client of its own where a blocking wait holds up the client's other
+        callers (`Store.independent()`)."""
+        self._store = store
         self._epoch = -1
         self._raised = threading.Event()
         self._stop = threading.Event()

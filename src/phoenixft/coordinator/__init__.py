@@ -1,7 +1,7 @@
 """The coordinator: control plane, out of process.
 
 It works on the control-plane store every process meets at (`phoenixft.controlplane`: torch's
-TCPStore served by the launcher, or etcd) and owns membership,
+TCPStore served by the launcher, or a replicated cluster) and owns membership,
 failure detection on the node level (agent exits reported by the launcher, missed heartbeats),
 recovery epochs and the spare pool. On a failure in epoch e (Algorithm 2 of the paper):
 
@@ -30,14 +30,15 @@ the job when the `--nodes` active nodes have joined and are ready (`--join-timeo
 it publishes is signed (`topo/<e>/sig`, written first). Heartbeats are judged on its own clock (when
 it last saw a node's heartbeat change), never by comparing another host's clock with its own.
 
-On etcd several coordinators may run (`--coordinators N`, `phoenixft coordinator --standby`): each
-campaigns for `coordinator/leader` (`controlplane.Election`), only the leader acts, and every
-topology it publishes goes out in one transaction with its journal record, guarded on it still
-leading; a standby that wins reloads the journal from etcd and carries on (an epoch whose failure
-flag is set but unanswered is recovered by it). A leader that cannot renew its lease exits.
+On a store with leases (`Store.has_leases`) several coordinators may run (`--coordinators N`,
+`phoenixft coordinator --standby`): each campaigns for `coordinator/leader` (`controlplane.Election`),
+only the leader acts, and every topology it publishes goes out in one transaction with its journal
+record, guarded on it still leading; a standby that wins reloads the journal from the store and
+carries on (an epoch whose failure flag is set but unanswered is recovered by it). A leader that
+cannot renew its lease exits.
 
-Run as `python -m phoenixft.coordinator --store HOST:PORT|etcd://...` with the job token in
-PHOENIXFT_TOKEN (the launcher and `phoenixft coordinator` do this).
+Run as `python -m phoenixft.coordinator --store ADDRESS` (what `controlplane.connect` takes) with the
+job token in PHOENIXFT_TOKEN (the launcher and `phoenixft coordinator` do this).
 
 The package, one module per seam (each part is handed the shared `Job` and `Membership`, its
 other inputs explicitly):

@@ -100,7 +100,7 @@ class FailureDetector:
         # the agents' beats could not land either; every node's silence counts from now
         blind = self._read_at is not None and seen - self._read_at > max(1.0, self.cfg.failure_timeout / 2)
         self._read_at = seen
-        gone = set()  # etcd: the key expired with its agent's lease (silent for --failure-timeout)
+        gone = set()  # the key expired with its agent's lease (silent for --failure-timeout)
         for n, b in zip(have, beats, strict=True):
             if b is None:
                 gone.add(n)

@@ -3,7 +3,7 @@
 
 `Coordinator` wires the parts of the coordinator together over one `Job` and one `Membership`
 (`shared.py`): `Admission` (admission.py), `FailureDetector` (detect.py), `Publisher` (publish.py)
-and `Decider` (decide.py). On etcd it stands by until it leads (`controlplane.Election`); then it
+and `Decider` (decide.py). On a store with leases it stands by until it leads (`controlplane.Election`); then it
 reloads the journal or starts the job once the `--nodes` active nodes have joined and are ready
 (a node lost while starting gets a ready spare in its slot), and loops: answer join requests, wake
 on a failure flag (a watch thread), recover, keep `job/whole` up to date, until the run has a final
@@ -18,17 +18,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any
-
-import torch.distributed as dist
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import (
     Election,
-    EtcdUnavailable,
+    Store,
+    StoreUnavailable,
     auth,
     exists_many,
-    is_etcd,
     keys,
     poll_interval,
 )
@@ -43,11 +40,11 @@ __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
 
 POLL_S = 0.025  # steady state: a flag-watch thread wakes the loop at once on a failure (see _watch_flags)
 START_BEAT_GRACE_S = 15.0  # an active node admitted this long ago that never heartbeated died while starting
-STANDBY_GIVE_UP_S = 60.0  # a standby whose etcd has had no quorum for this long stops (no job outlives that)
+STANDBY_GIVE_UP_S = 60.0  # a standby whose store has had no quorum for this long stops (no job outlives that)
 
 
 class ControlPlaneLost(RuntimeError):
-    """etcd has not answered for too long: nothing this process could do would reach anyone."""
+    """The replicated store has not answered for too long: nothing this process could do would reach anyone."""
 
 
 class WrongToken(RuntimeError):
@@ -55,16 +52,16 @@ class WrongToken(RuntimeError):
 
 
 class Coordinator:
-    """The job's coordinator on `store` (a TCPStore client or etcd), signing with the job `token`; with
-    `journal` (a file) it journals there too; with `election` (etcd) it acts only while it leads."""
+    """The job's coordinator on `store`, signing with the job `token`; with `journal` (a file) it
+    journals there too; with `election` (a store with leases) it acts only while it leads."""
 
-    def __init__(self, store: Any, journal: str | None = None, token: str = "",
+    def __init__(self, store: Store, journal: str | None = None, token: str = "",
                  election: Election | None = None) -> None:
         if not token:
             raise ValueError("the coordinator needs the job token (it signs what it publishes)")
         self.store = store
-        self.election = election  # etcd: this process acts only while it leads
-        self.poll_s = poll_interval(store, POLL_S)  # steady state (etcd: 150 ms, woken by a watch; a TCPStore: 3 ms)
+        self.election = election  # this process acts only while it leads
+        self.poll_s = poll_interval(store, POLL_S)  # steady state (woken by a watch thread on a failure)
         self._wake = threading.Event()
         self.gather_poll_s = min(self.poll_s, 0.01)  # while a recovery waits for descriptors
         raw_cfg = wait_key(self.store, keys.CONFIG, 120.0)
@@ -84,7 +81,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ main loop
     def _lead(self, announce: str = "") -> bool:
-        """Stand by until this process leads (etcd); False if the run ended meanwhile. `announce` is
+        """Stand by until this process leads (under an election); False if the run ended meanwhile. `announce` is
         printed once this process stands by (its token checked, the job's config loaded)."""
         if self.election is None:
             return True
@@ -93,13 +90,13 @@ class Coordinator:
         t0 = time.monotonic()
         try:
             was = self.election.leader()
-        except (EtcdUnavailable, OSError):
-            was = "(unknown: etcd did not answer)"
+        except (StoreUnavailable, OSError):
+            was = "(unknown: the control plane did not answer)"
         while not self.election.campaign(timeout_s=2.0):
             if self._job_ended(serializable=True):
                 return False
             if time.monotonic() - self.election.last_contact > STANDBY_GIVE_UP_S:
-                raise ControlPlaneLost(f"no etcd quorum for {STANDBY_GIVE_UP_S:g}s at {self.store.url}: the job "
+                raise ControlPlaneLost(f"no quorum for {STANDBY_GIVE_UP_S:g}s at {self.store.address}: the job "
                                        "cannot go on without one; stopping")
         if self._job_ended(serializable=False):  # it ended meanwhile: never lead a job whose keys are gone
             self.election.resign()
@@ -112,7 +109,7 @@ class Coordinator:
     def _job_ended(self, serializable: bool) -> bool:
         """The run has a final state, or its keys are gone (it ended and its head removed them). A
         member that answers a serializable read may be behind (one just restarted): that the keys are
-        gone is believed only from a linearizable read. etcd not answering: not ended (stand by on)."""
+        gone is believed only from a linearizable read. The store not answering: not ended (stand by on)."""
         try:
             over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG], serializable=serializable)
             if not over and not there and serializable:
@@ -123,10 +120,10 @@ class Coordinator:
                       flush=True)
                 return True
             if not there:
-                print(f"phoenixft coordinator: the job's keys are gone from {self.store.url} (it ended); "
+                print(f"phoenixft coordinator: the job's keys are gone from {self.store.address} (it ended); "
                       "standing down", file=sys.stderr, flush=True)
             return not there
-        except (EtcdUnavailable, OSError):
+        except (StoreUnavailable, OSError):
             return False
 
     def run(self, announce: str = "") -> None:
@@ -246,18 +243,12 @@ class Coordinator:
                            why="its agent exited" if n in self.detector.exited_nodes else "no heartbeat")
 
     def _watch_flags(self) -> None:
-        """Block on the current epoch's failure flag (own connection: an etcd watch, or a TCPStore's
-        server-side wait) and wake the loop when it is set, so that the loop can poll slowly without
-        noticing failures late. Every epoch ends by its flag being set, which frees this wait."""
+        """Block on the current epoch's failure flag (on a client whose wait holds up no other caller:
+        `Store.independent()`) and wake the loop when it is set, so that the loop can poll slowly
+        without noticing failures late. Every epoch ends by its flag being set, which frees this wait."""
         from datetime import timedelta
 
-        from phoenixft.controlplane import connect
-
-        if is_etcd(self.store):
-            store, slice_s = connect(self.store.url, 30.0), 5.0
-        else:  # a TCPStore; a timed-out wait logs a c10d warning: wait long
-            store, slice_s = dist.TCPStore(self.store.host, self.store.port, is_master=False,
-                                           timeout=timedelta(seconds=30)), 600.0
+        store, slice_s = self.store.independent(), self.store.wait_slice_s
         while True:
             topo = self.state.topo
             if topo is None:
@@ -311,13 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         from phoenixft.controlplane.server import serve_store
 
         server = serve_store(a.host, a.port)
-        store = server.store
+        store = server.as_store()
         if a.port_file:
             tmp = a.port_file + ".tmp"
             with open(tmp, "w") as f:
                 f.write(str(server.port))
             os.replace(tmp, a.port_file)
-    election = Election(store, ttl_s=a.lease_ttl, on_lost=deposed) if is_etcd(store) else None
+    election = Election(store, ttl_s=a.lease_ttl, on_lost=deposed) if store.has_leases else None
     gc.freeze()  # start-up's objects (torch's modules, ~250k) are never garbage: no collection walks them again
     coord: Coordinator | None = None
     rc = 0

@@ -1,7 +1,7 @@
 """Publication of epochs, journal first.
 
 Every topology the coordinator publishes is signed (`topo/<e>/sig`, written first) and goes out with
-its journal record (the membership's spare pool and dead with it): on etcd in one transaction that
+its journal record (the membership's spare pool and dead with it): on a store with leases in one transaction that
 succeeds only while this process leads (`controlplane.guarded_set`), and, when a journal file is
 given, after the record was fsynced there. A restarted coordinator, or a standby that takes over,
 reloads the last record (`reload`) and finishes publishing whatever was decided, so that no epoch is
@@ -30,7 +30,7 @@ def deposed() -> None:
 
 class Publisher:
     """Publishes epochs into `job`'s store and `journal` (a file, or None), signed with `token`,
-    guarded by `election` (etcd: this process acts only while it leads; None on a TCPStore)."""
+    guarded by `election` (this process acts only while it leads; None where the store has no leases)."""
 
     def __init__(self, job: Job, state: Membership, journal: str | None, token: str,
                  election: Election | None) -> None:
@@ -44,7 +44,7 @@ class Publisher:
     def publish(self, topo: Topology, replay: bool = False) -> None:
         """Journal first, then publish: a restarted coordinator (or the standby that takes over)
         finishes publishing whatever was decided, and never decides the same epoch twice. The
-        journal record is a store key written with the topology (on etcd: in one transaction that
+        journal record is a store key written with the topology (under an election: in one transaction that
         succeeds only while this process leads); a local journal file, fsynced first, is kept too
         when given."""
         record = json.dumps({"topo": json.loads(topo.to_json()), "spare_pool": self.state.spare_pool,

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenixft.controlplane import exists_many, get_nowait, keys
+from phoenixft.controlplane import Store, exists_many, get_nowait, keys
 from phoenixft.dist.topology import Topology
 
 __all__ = ["NODE_ID", "Job", "Membership", "index", "wait_key"]
@@ -26,7 +26,7 @@ def index(node: str) -> int:
     return int(m.group(2)) if m else 1 << 30
 
 
-def wait_key(store: Any, key: str, timeout_s: float) -> bytes:
+def wait_key(store: Store, key: str, timeout_s: float) -> bytes:
     """The value of `key` once it exists; TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not store.check([key]):
@@ -59,7 +59,7 @@ class Job:
     """The job's keys, as the coordinator reads and writes them (`store`: the control-plane store;
     `g`: workers per node)."""
 
-    def __init__(self, store: Any, g: int) -> None:
+    def __init__(self, store: Store, g: int) -> None:
         self.store = store
         self.g = g
         self.final_state: str | None = None  # the run's final state, once this process has seen it

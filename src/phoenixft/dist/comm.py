@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ import torch.distributed as dist
 from phoenixft.dist.device import Device
 from phoenixft.errors import PeerFailure
 from phoenixft.parallel.layout import Layout
+
+if TYPE_CHECKING:
+    from phoenixft.controlplane import Store
 
 __all__ = ["EpochComm", "XFER_LANES", "wait_work", "connect_store", "alltoallv", "gloo_group", "sever", "BIND_ENV",
            "BACKENDS"]
@@ -46,14 +49,14 @@ _graveyard: list[Any] = []
 _error_checked_wait = False  # set once this process built NCCL groups (see the module docstring)
 
 
-def connect_store(addr: str, timeout_s: float = 30.0) -> Any:
-    """A client of the control-plane store at `addr` (HOST:PORT of a TCPStore, or an etcd:// URL)."""
+def connect_store(addr: str, timeout_s: float = 30.0) -> Store:
+    """A new client of the control-plane store at `addr` (see `controlplane.connect`)."""
     from phoenixft.controlplane import connect
 
     return connect(addr, timeout_s)
 
 
-def gloo_group(store: Any, rank: int, world: int, timeout: timedelta, lanes: int = 1, threads: int = 2) -> Any:
+def gloo_group(store: dist.Store, rank: int, world: int, timeout: timedelta, lanes: int = 1, threads: int = 2) -> Any:
     """A gloo process group on `store`, listening on this host's `PHOENIXFT_BIND` address if set.
 
     `lanes` > 1: that many gloo devices, i.e. that many TCP connections per pair, collectives taking

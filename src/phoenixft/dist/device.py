@@ -277,7 +277,7 @@ class Device:
         dst.copy_(src)
 
     # ---------------------------------------------------------------- process groups
-    def new_group(self, backend: str, store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    def new_group(self, backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
         """A process group on `store` (an epoch's PrefixStore), never registered with torch.
 
         gloo: `comm.gloo_group` (`ProcessGroupGloo(store, rank, size, timeout)`, on this host's

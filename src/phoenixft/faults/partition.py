@@ -29,9 +29,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import Store, keys
 from phoenixft.faults.spec import FaultSpec
 
 __all__ = ["PartitionError", "LinkCut", "interface_of", "cut_link", "PartitionInjector"]
@@ -122,7 +121,7 @@ class PartitionInjector:
         """Whether the node's workers are paused by this injector (a `wait=` hold): not a failure."""
         return self._stopped
 
-    def _slot(self, store: Any) -> int | None:
+    def _slot(self, store: Store) -> int | None:
         """This node's slot in the current epoch (from a topology whose signature verifies)."""
         from phoenixft.controlplane.auth import sign_topology
 
@@ -140,7 +139,7 @@ class PartitionInjector:
         nodes = self._topo[1]
         return nodes.index(self.node) if self.node in nodes else None
 
-    def tick(self, store: Any) -> None:
+    def tick(self, store: Store) -> None:
         if not self.todo or self.cut is not None:
             return
         slot = self._slot(store)
@@ -163,7 +162,7 @@ class PartitionInjector:
             self._fire(store, f, slot, progress + 1)
             return
 
-    def _fire(self, store: Any, f: FaultSpec, slot: int, step: int) -> None:
+    def _fire(self, store: Store, f: FaultSpec, slot: int, step: int) -> None:
         try:
             if store.add(keys.fault_claim(f.index, slot), 1) != 1:
                 return

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import Store, keys
 
 __all__ = ["build_report", "percentile"]
 
@@ -31,14 +31,14 @@ def percentile(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def _get(store: Any, key: str) -> Any:
+def _get(store: Store, key: str) -> Any:
     return json.loads(store.get(key)) if store.check([key]) else None
 
 
 STEP_BATCH = 512  # step records fetched per store round trip
 
 
-def _step_records(store: Any, first: int, last: int) -> list[dict[str, Any]]:
+def _step_records(store: Store, first: int, last: int) -> list[dict[str, Any]]:
     """The step records first..last (those present), STEP_BATCH keys per `check` + `multi_get`: the
     range is the steps that ran (a resumed run starts after its checkpoint's step; an interrupted one
     ends at its progress), never all of --steps, which took one round trip per step of a 10^11-step
@@ -89,7 +89,7 @@ def _failed_recovery(rec: dict[str, Any], answered: list[dict[str, Any]], cfg: R
     }
 
 
-def build_report(store: Any, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
+def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
     first_topo = _get(store, keys.topo(0))
     start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
     progress = int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import Store, keys
 from phoenixft.errors import UserError
 
 __all__ = [
@@ -113,13 +113,14 @@ def _why(e: BaseException) -> str:
     return text.splitlines()[0][:160] if text else type(e).__name__
 
 
-def connect(addr: str, timeout_s: float) -> Any:
+def connect(addr: str, timeout_s: float) -> Store:
     """A client of the coordinator's store; UserError (naming --coordinator) when it cannot be reached."""
-    if addr.startswith("etcd://"):
-        from phoenixft.controlplane import parse_etcd_url
+    from phoenixft.controlplane import describe
 
+    where = describe(addr)
+    if where.replicated:  # a cluster: its client fails over between members (no single port to probe)
         try:
-            parse_etcd_url(addr)
+            where.endpoints()
         except ValueError as e:
             raise UserError(f"--coordinator={addr!r} is invalid: {e}") from None
         target = addr
@@ -135,7 +136,7 @@ def connect(addr: str, timeout_s: float) -> Any:
             ) from None
     from phoenixft.dist.comm import connect_store
 
-    def attempt() -> Any:
+    def attempt() -> Store:
         # c10d retries a refused connect for up to about twice the client's timeout: half of --timeout
         # each, so that the whole attempt takes about --timeout (a dead port answered after 2x + 2 s)
         store = connect_store(target, max(0.5, timeout_s / 2))
@@ -152,7 +153,7 @@ def connect(addr: str, timeout_s: float) -> Any:
         ) from None
 
 
-def read_status(store: Any, addr: str, timeout_s: float, events: int = 10) -> dict[str, Any]:
+def read_status(store: Store, addr: str, timeout_s: float, events: int = 10) -> dict[str, Any]:
     """`collect_status` under a hard deadline; UserError (naming --coordinator) if the store fails."""
     try:
         return _bounded(lambda: collect_status(store, events=events), 4 * timeout_s + 2.0)
@@ -162,16 +163,16 @@ def read_status(store: Any, addr: str, timeout_s: float, events: int = 10) -> di
         ) from None
 
 
-def _get(store: Any, key: str) -> bytes | None:
+def _get(store: Store, key: str) -> bytes | None:
     return store.get(key) if store.check([key]) else None
 
 
-def _json(store: Any, key: str) -> Any:
+def _json(store: Store, key: str) -> Any:
     raw = _get(store, key)
     return None if raw is None else json.loads(raw)
 
 
-def collect_status(store: Any, events: int = 10, now: float | None = None) -> dict[str, Any]:
+def collect_status(store: Store, events: int = 10, now: float | None = None) -> dict[str, Any]:
     """Read the job's state from the store (read-only) into a plain dict."""
     now = time.time() if now is None else now
     cfg = _json(store, keys.CONFIG)

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import Store, keys
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import to_full
 from phoenixft.protect.snapshot import checksum
@@ -285,7 +285,7 @@ def _load_mesh(man: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, 
 class Persister:
     """Background DCP writer for one rank."""
 
-    def __init__(self, root: str, every: int, store: Any, fenced: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, root: str, every: int, store: Store, fenced: Callable[[], bool] = lambda: False) -> None:
         self.root, self.every, self.store = Path(root), every, store
         self._fenced = fenced
         self.root.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phoenixft.controlplane import exists_many, is_etcd, keys
-from phoenixft.dist.comm import connect_store
+from phoenixft.controlplane import Store, exists_many, keys
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import RunAborted
 from phoenixft.protect.persist import Persister
@@ -42,6 +41,8 @@ class Protection:
         self.w = w = worker
         cfg = w.cfg
         on = cfg.protect == "phoenix"
+        # the replication and persist threads' client: short non-blocking calls only, so one serves both
+        store = w.store.independent() if on else None
         self.repl: Replicator | None = None
         if on:
             self.repl = Replicator(
@@ -49,7 +50,7 @@ class Protection:
                 holding_factory=lambda s: Holding(w.trainer.flat.shard_numel, w.shm and f"{w.shm}-hold{s}",
                                                   rows=w.trainer.payload_rows),
                 chunk_numel=int(cfg.chunk_mb * (1 << 20) / 4),
-                abort_check=self._flag_check(store_addr),
+                abort_check=self._flag_check(store),  # type: ignore[arg-type]  # (on)
                 timeout_s=timeout_s,
                 on_in_flight=lambda s: w.inject.at(s + 1, "replicate"),
                 after_commit=self.after_replication,
@@ -61,13 +62,12 @@ class Protection:
         if self.repl is not None and self.redundancy.is_ec:
             self.ec = ErasureProtector(lambda gid, numel, dmax: ParityHolding(
                 numel, dmax, w.shm and f"{w.shm}-par{gid}"))
-        pstore = connect_store(store_addr) if cfg.persist_every and on else None
+        pstore = store if cfg.persist_every and on else None
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
                                    fenced=lambda: bool(pstore.check([keys.fence(w.node_id)]))) if pstore else None
 
-    def _flag_check(self, store_addr: str) -> Any:
-        store = connect_store(store_addr)  # the replication thread's own client
-        every = 0.2 if is_etcd(store) else 0.0  # an etcd round trip costs its leader CPU: the watcher sees it first
+    def _flag_check(self, store: Store) -> Any:
+        every = store.abort_check_s  # the watcher sees a flag first: a costly round trip is only the fallback
         last = [0.0, 0.0]  # the last look at the flag; at the run's end (not urgent: once a second)
 
         def check() -> str | None:

@@ -42,11 +42,10 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any
 
 from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS, RunConfig
 from phoenixft.config.agent import add_agent_arguments
-from phoenixft.controlplane import auth
+from phoenixft.controlplane import Store, auth
 from phoenixft.errors import UserError
 from phoenixft.protect import shm
 from phoenixft.runtime.procs import die_with_parent, exit_now, process_state
@@ -113,22 +112,15 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
 
 
 def probe_store(addr: str, timeout_s: float, flag: str = "--store") -> tuple[str, int, str]:
-    """Wait (at most timeout_s) until something accepts TCP connections at HOST:PORT (for an
-    etcd:// URL: at any of its endpoints); UserError if not.
+    """Wait (at most timeout_s) until something accepts TCP connections at HOST:PORT (for a
+    cluster's URL: at any of its endpoints); UserError if not.
     Returns (host, port, the local address this host reaches it from)."""
-    if addr.startswith("etcd://"):
-        from phoenixft.controlplane import parse_etcd_url
+    from phoenixft.controlplane import describe
 
-        try:
-            eps, _ = parse_etcd_url(addr)
-        except ValueError as e:
-            raise UserError(f"{flag}={addr!r} is invalid: {e}") from None
-    else:
-        host, sep, port = addr.strip().rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"{flag}={addr!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:29500, or "
-                            "etcd://HOST:PORT[,HOST:PORT...]/PREFIX")
-        eps = [(host.strip("[]"), int(port))]
+    try:
+        eps = describe(addr).endpoints()
+    except ValueError as e:
+        raise UserError(f"{flag}={addr!r} is invalid: {e}") from None
     deadline = time.monotonic() + timeout_s
     why = "no answer"
     while True:
@@ -156,7 +148,7 @@ def _check_bind(addr: str) -> None:
                         "address the other hosts reach this one at, or leave it out") from None
 
 
-def _reconnect(addr: str) -> Any:
+def _reconnect(addr: str) -> Store | None:
     from phoenixft.dist.comm import connect_store
 
     try:
@@ -216,16 +208,17 @@ def _check_args(a: argparse.Namespace) -> None:
             raise UserError(f"{name}={v:g} is invalid: must be > 0 and at most {MAX_AGENT_WAIT_S:g} seconds")
 
 
-def _connect(a: argparse.Namespace, flag: str) -> tuple[Any, RunConfig, str]:
+def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
     """(a client of the store, the job's config, the run id it serves when --run-id asks) - retried while
     the store's answers time out (a loaded host) until --connect-timeout; UserError if it is no phoenixft store."""
     from phoenixft.controlplane import keys
     from phoenixft.dist.comm import connect_store
 
     connect_deadline = time.monotonic() + a.connect_timeout
+    store: Store | None
     while True:  # something listens there (probed): a client that times out on a loaded host tries again
         try:
-            store: Any = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
+            store = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
             store.check([keys.CONFIG])
             cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
             served = store.get(keys.RUN_ID).decode() if a.run_id and store.check([keys.RUN_ID]) else ""
@@ -237,7 +230,7 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Any, RunConfig, str]:
                                 f"({str(e).splitlines()[0][:120]})") from None
 
 
-def _admit(a: argparse.Namespace, store: Any, token: str | None, bind: str) -> tuple[str, str]:
+def _admit(a: argparse.Namespace, store: Store, token: str | None, bind: str) -> tuple[str, str]:
     """Ask the coordinator to admit this node (proving the job token); (its node id, the run id). Sets the
     token and this host's address in the environment the workers are forked with."""
     from phoenixft.dist.comm import BIND_ENV
@@ -258,7 +251,7 @@ def _admit(a: argparse.Namespace, store: Any, token: str | None, bind: str) -> t
     return node, run_id
 
 
-def _sweep_leftovers(store: Any, run_id: str, node: str) -> None:
+def _sweep_leftovers(store: Store, run_id: str, node: str) -> None:
     """An agent started by hand frees what dead runs left on this machine, and the memory of this run's
     nodes that were fenced here (an earlier incarnation of this host, e.g. one repaired and rejoining
     as a spare: the sweep spares a live run's segments, and a fenced node never uses its memory again)."""
@@ -281,12 +274,13 @@ def _sweep_leftovers(store: Any, run_id: str, node: str) -> None:
 class _Node:
     """One admitted node: its workers, its heartbeat, its shared memory, and the way out."""
 
-    def __init__(self, a: argparse.Namespace, store: Any, cfg: RunConfig, node: str, run_id: str, bind: str,
+    def __init__(self, a: argparse.Namespace, store: Store, cfg: RunConfig, node: str, run_id: str, bind: str,
                  token: str) -> None:
-        from phoenixft.controlplane import Heartbeat, is_etcd
+        from phoenixft.controlplane import Heartbeat
         from phoenixft.faults.partition import PartitionInjector
 
-        self.a, self.store, self.cfg, self.node, self.run_id = a, store, cfg, node, run_id
+        self.a, self.cfg, self.node, self.run_id = a, cfg, node, run_id
+        self.store: Store | None = store  # None while reconnecting
         self.children: dict[int, int] = {}  # pid -> local rank
         self.restarts = {i: 0 for i in range(a.workers)}
         self.registered = False
@@ -295,9 +289,9 @@ class _Node:
         self.injector = PartitionInjector(cfg.faults, node, bind, lambda: list(self.children), token)
         self.beat: Heartbeat | None = None
         self.last_ok = time.monotonic()
-        # on etcd every look costs the cluster CPU (and a heartbeat is a raft write): look every second or a
-        # quarter of the failure timeout, whichever is shorter; a TCPStore is looked at every 0.25 s
-        self.look_every = min(1.0, cfg.failure_timeout / 4) if is_etcd(store) else 0.0
+        # where reads are costly every look costs the cluster CPU (and a heartbeat is a replicated write): look
+        # every second or a quarter of the failure timeout, whichever is shorter; otherwise at every turn
+        self.look_every = min(1.0, cfg.failure_timeout / 4) if store.costly_reads else 0.0
         self.last_look = 0.0
         self.stopped_workers = StoppedWorkers()
         self.silent_said = False
@@ -306,7 +300,7 @@ class _Node:
         """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
         for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(s, self.stop)
-        if not self.a.parent_pid:
+        if not self.a.parent_pid and self.store is not None:
             _sweep_leftovers(self.store, self.run_id, self.node)
         self.registered = True  # first: a signal during the registration must still unregister (a no-op if absent)
         shm.register_owner(self.run_id, f"agent {self.node}")
@@ -333,7 +327,7 @@ class _Node:
                     raise ConnectionError("no connection to the store")
                 if time.monotonic() - self.last_look >= self.look_every:
                     self.last_look = time.monotonic()
-                    if not self.look():
+                    if not self.look(self.store):
                         self.cleanup()
                         return 1
                 self.last_ok = time.monotonic()
@@ -349,14 +343,14 @@ class _Node:
             self.reap(0.25)
         return None
 
-    def look(self) -> bool:
+    def look(self, store: Store) -> bool:
         """One look at the control plane: stop if fenced, heartbeat unless a worker has been stopped too long,
         fire this host's partition fault. False when the job's keys are gone (nothing left to train for)."""
-        from phoenixft.controlplane import Heartbeat, is_etcd, keys
+        from phoenixft.controlplane import Heartbeat, keys
 
-        store, node = self.store, self.node
-        # one request on etcd; there a job's keys can also vanish (its head removed them at its end)
-        fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if is_etcd(store)
+        node = self.node
+        # one request on a cluster; there a job's keys can also vanish (its head removed them at its end)
+        fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if store.replicated
                              else (store.check([keys.fence(node)]), True))
         if fenced_now:  # declared dead while stopped or cut off: never write again
             print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
@@ -367,7 +361,7 @@ class _Node:
                   "keys were removed); stopping the node", file=sys.stderr, flush=True)
             return False
         if self.beat is None or self.beat.store is not store:
-            self.beat = Heartbeat(store, keys.heartbeat(node), self.cfg.failure_timeout)  # a lease on etcd
+            self.beat = Heartbeat(store, keys.heartbeat(node), self.cfg.failure_timeout)  # (a lease where there are)
         # a worker stopped (SIGSTOP) for longer than the failure timeout while this agent runs: no
         # longer vouch for the node (workers the partition fault's hold pauses itself are not judged)
         if self.injector.holding:

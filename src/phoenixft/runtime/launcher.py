@@ -1,22 +1,21 @@
 """The launcher behind `phoenixft run` (the whole job as local processes) and `phoenixft coordinator`
 (the head of a job whose nodes are on other hosts).
 
-It serves the control-plane store on the address given (127.0.0.1 for `run`; `--host/--port` for
-the head) or, with `--control-plane etcd[://...]`, uses an etcd cluster (starting a local one for
-`etcd`) under the job's own prefix, which it deletes at the end; it starts `--coordinators`
-coordinator processes (restarting any that dies: it reloads its journal, or stands by), publishes the
-config and the run id, and gives both the job token through the environment (never the command
-line, the store, the run directory or a log). `phoenixft run` then starts one agent per node and
-per spare node (each in its own session, so a node is one process group) and watches them: agent
-exits are reported to the control plane at once, fence requests are carried out (SIGKILL to the
-node's process group). The head starts no agent: agents on other hosts join it
-(`phoenixft agent --coordinator HOST:PORT`), failures are found by their heartbeats, a fence is
-only logical (the fenced host's own processes obey it), and the final model stays with rank 0's
+It serves the control-plane store on the address given (127.0.0.1 for `run`; `--host/--port` for the
+head) or, with `--control-plane` naming a replicated cluster, uses that cluster (starting a local
+one when asked: `controlplane.provision_cluster`) under the job's own prefix, which it deletes at
+the end; it starts `--coordinators` coordinator processes (restarting any that dies: it reloads its
+journal, or stands by), publishes the config and the run id, and gives both the job token through
+the environment (never the command line, the store, the run directory or a log). `phoenixft run`
+then starts one agent per node and per spare node (each in its own session, so a node is one process
+group) and watches them: agent exits are reported to the control plane at once, fence requests are
+carried out (SIGKILL to the node's process group). The head starts no agent: agents on other hosts
+join it (`phoenixft agent --coordinator HOST:PORT`), failures are found by their heartbeats, a fence
+is only logical (the fenced host's own processes obey it), and the final model stays with rank 0's
 host (no shared filesystem is assumed). Both show progress and events; at the end they read the
-results from the store, write the run directory and the report, and tear everything down;
-teardown is idempotent and runs on every exit path, so no process of theirs outlives a run (the
-head also waits, bounded, for every live node's agent to say it left before it stops serving the
-store).
+results from the store, write the run directory and the report, and tear everything down; teardown
+is idempotent and runs on every exit path, so no process of theirs outlives a run (the head also
+waits, bounded, for every live node's agent to say it left before it stops serving the store).
 
 The processes it starts are forked from a warm zygote (`phoenixft.runtime.zygote`: one `import torch` per
 launching process instead of one per coordinator and agent), each set up as a fresh `python -m`
@@ -41,7 +40,20 @@ from pathlib import Path
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import LEADER_KEY, EtcdUnavailable, LogReader, auth, exists_many, get_nowait, is_etcd, keys
+from phoenixft.controlplane import (
+    LEADER_KEY,
+    LogReader,
+    ProvisionedCluster,
+    Store,
+    StoreUnavailable,
+    auth,
+    describe,
+    exists_many,
+    get_nowait,
+    keys,
+    provision_cluster,
+    remote_spec_problem,
+)
 from phoenixft.errors import UserError
 from phoenixft.observe.display import Display
 from phoenixft.observe.report import build_report
@@ -52,14 +64,13 @@ from phoenixft.runtime.repair import RepairQueue
 
 __all__ = ["LocalJob", "run_job", "check_mode", "STOP_GRACE_S", "INTERRUPTED"]
 
-ETCD_PROBE_S = 10.0  # how long an etcd:// control plane may take to answer before the run is refused
 PARENT = "{parent}"  # in a spawned command line: the PID of the process it must not outlive
 Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
 STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
-CONTROL_PLANE_TIMEOUT_S = 15.0  # etcd: no answer for this long and the run is failed (agents' default too)
+CONTROL_PLANE_TIMEOUT_S = 15.0  # a cluster: no answer for this long and the run is failed (agents' default too)
 INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP
 ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coordinator gets to decide (and record why)
-LOST_TEARDOWN_CALL_S = 2.0  # etcd lost: each store call of the teardown gets this long (if it is back: cleaned)
+LOST_TEARDOWN_CALL_S = 2.0  # a replicated store lost: each teardown call gets this long (if it is back: cleaned)
 
 
 AGENT_FLOOR_MIB = 25  # what an agent process costs at least (its own pages; forked from the zygote: measured 27)
@@ -103,10 +114,9 @@ def check_mode(cfg: RunConfig, local: bool) -> None:
         if not local and f.coordinator:
             raise UserError(f"--inject={f.text!r} is invalid here: the workers that fire it sit on other hosts "
                             "than the coordinator (use `phoenixft run` for coordinator kills)")
-    if not local and cfg.control_plane == "etcd":
-        raise UserError("--control-plane=etcd is invalid here: it starts a cluster on this host's loopback, which "
-                        "agents on other hosts cannot reach; run etcd on your hosts and give "
-                        "--control-plane etcd://HOST:PORT,HOST:PORT,HOST:PORT")
+    problem = None if local else remote_spec_problem(cfg.control_plane)
+    if problem:
+        raise UserError(problem)
     if not local:
         for flag, v in (("--repair-after", cfg.repair_after), ("--spare-arrives-at-step", cfg.spare_arrives_at_step)):
             if v:
@@ -135,14 +145,14 @@ class LocalJob:
             self.display.info(replaced)
         self.display.joins = not local
         self.coords: dict[int, Proc] = {}  # --coordinators: one leads, the others stand by
-        self.etcd: Any = None  # --control-plane etcd: the local cluster this job started
-        self._etcd_fired: set[int] = set()
+        self.cluster: ProvisionedCluster | None = None  # a replicated control plane (and the one it started)
+        self._members_fired: set[int] = set()
         self._log: Any = None
         self.agents: dict[str, Proc] = {}
         self._zygote_error: str | None = None
         self.exited: set[str] = set()
         self.fenced: set[str] = set()
-        self.store: Any = None
+        self.store: Store = None  # type: ignore[assignment]  # connected by start()
         self.addr = ""
         self._torn_down = False
         self._server: Any = None
@@ -156,7 +166,7 @@ class LocalJob:
         self._owner = False
         self.events_seen: list[str] = []  # the events read so far (what is written if the store is lost)
         self.control_plane_lost: str | None = None  # why the store no longer answers, once it has not for too long
-        self.handed_over: str | None = None  # etcd: the coordinator (not ours) leading the job this one lost
+        self.handed_over: str | None = None  # the coordinator (not ours) leading the job this one lost
         self._unreported: list[str] = []  # agent exits not yet told to the control plane
         self.last_step_shown = 0
         # --repair-after: a lost node comes back as a fresh spare (ids past the configured ones)
@@ -216,10 +226,13 @@ class LocalJob:
             self.addr = self._server.addr
             (self.run_dir / "coordinator.port").write_text(str(self._server.port))
         else:
-            self.addr = self._etcd_address()
+            self.cluster = provision_cluster(self.cfg.control_plane, self.run_id, str(self.run_dir / "logs"),
+                                             self.display.info)
+            self.addr = self.cluster.addr
             (self.run_dir / "control_plane").write_text(self.addr)
-        # on etcd a call that no member answers fails after CONTROL_PLANE_TIMEOUT_S (the monitor then fails the run)
-        self.store = connect_store(self.addr, CONTROL_PLANE_TIMEOUT_S if self.addr.startswith("etcd://") else 30.0)
+        # on a replicated store a call that no member answers fails after CONTROL_PLANE_TIMEOUT_S (the monitor
+        # then fails the run)
+        self.store = connect_store(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0)
         self._log = LogReader(self.store, keys.EVENTS)
         raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
         self.store.multi_set([keys.CONFIG_SIG, keys.CONFIG], [auth.sign_config(self.token, raw_cfg), raw_cfg])
@@ -253,36 +266,10 @@ class LocalJob:
              "--run-id", self.run_id, "--parent-pid", PARENT],
             f"{node}.log")
 
-    def _etcd_address(self) -> str:
-        """The job's etcd URL: the cluster given (or a local one started now), keys under
-        `<prefix>/<run id>` (prefix `/phoenixft` unless the URL names one)."""
-        from phoenixft.controlplane import parse_etcd_url
-        from phoenixft.controlplane.etcd_cluster import EtcdCluster
-
-        url = self.cfg.control_plane
-        if url == "etcd":
-            try:
-                self.etcd = EtcdCluster(3, log_dir=str(self.run_dir / "logs"), tag=self.run_id).start()
-            except (FileNotFoundError, RuntimeError, TimeoutError) as e:
-                raise UserError(f"--control-plane=etcd: could not start a local etcd cluster ({e})") from None
-            url = self.etcd.url
-            self.display.info(f"started a local 3-member etcd cluster for this run: {url}")
-        eps, prefix = parse_etcd_url(url)
-        addr = "etcd://" + ",".join(f"{h}:{p}" for h, p in eps) + f"{prefix or '/phoenixft'}/{self.run_id}"
-        from phoenixft.controlplane import EtcdError, EtcdUnavailable, connect
-
-        try:  # one bounded look before anything starts: a wrong address is one line, not a 30 s traceback
-            connect(addr, ETCD_PROBE_S).num_keys()
-        except (EtcdUnavailable, EtcdError) as e:
-            raise UserError(f"--control-plane={self.cfg.control_plane}: no etcd cluster answered there within "
-                            f"{ETCD_PROBE_S:g}s ({str(e).rsplit('(last: ', 1)[-1].rstrip(')')}); give the client "
-                            "URLs of a running cluster, or --control-plane etcd to start one here") from None
-        return addr
-
     def _start_coordinator(self, i: int = 0) -> None:
         # it dies with the launcher (which serves the store it needs); --run-id makes it findable
         journal = ["--journal", rundir.journal_path(self.run_dir)] if self.cfg.control_plane == "tcpstore" \
-            else []  # on etcd the journal is in etcd (a standby on another host reads it)
+            else []  # on a cluster the journal is in the store (a standby on another host reads it)
         p = self._spawn(["phoenixft.runtime.procs", "--parent", PARENT, "--signal",
                          str(int(signal.SIGKILL)), "phoenixft.coordinator", "--store", self.addr,
                          *journal, "--run-id", self.run_id],
@@ -309,9 +296,9 @@ class LocalJob:
     def monitor(self) -> str:
         deadline = time.monotonic() + self.cfg.timeout
         last_progress = -1
-        # Local processes are looked at every 10 ms; the store every 50 ms, on etcd every 250 ms (every
-        # read costs CPU on the machines that train; its fences and the run state in one request)
-        store_every = 0.05 if not is_etcd(self.store) else 0.25
+        # Local processes are looked at every 10 ms; the store every 50 ms, where reads are costly every
+        # 250 ms (every read costs CPU on the machines that train; its fences and the run state in one request)
+        store_every = 0.25 if self.store.costly_reads else 0.05
         last_look = 0.0
         over = False
         last_ok = time.monotonic()  # when the store last answered every call of a look
@@ -362,7 +349,7 @@ class LocalJob:
                 raw_prog = get_nowait(self.store, keys.PROGRESS) if look else None
                 if raw_prog is not None:
                     prog = int(raw_prog)
-                    self._fire_etcd_faults(prog)
+                    self._fire_member_faults(prog)
                     late = self.cfg.spare_arrives_at_step
                     if late and prog >= late and f"s{self.cfg.spares}" not in self.agents:
                         self._start_agent(f"s{self.cfg.spares}")
@@ -386,33 +373,34 @@ class LocalJob:
                 time.sleep(0.01)
                 if look:
                     last_ok = time.monotonic()
-            except (EtcdUnavailable, TimeoutError, ConnectionError) as e:
-                if not is_etcd(self.store):
+            except (StoreUnavailable, TimeoutError, ConnectionError) as e:
+                if not self.store.replicated:
                     raise
                 # every call retries over the members until its deadline: this one found none for that long
                 if time.monotonic() - last_ok >= CONTROL_PLANE_TIMEOUT_S:
                     why = str(e).splitlines()[0] if str(e) else type(e).__name__
                     why = why.rsplit("(last: ", 1)[-1].rstrip(")") if "(last: " in why else why
-                    self.control_plane_lost = (f"etcd at {self.addr} did not answer for "
+                    self.control_plane_lost = (f"{describe(self.addr).name} at {self.addr} did not answer for "
                                                f"{time.monotonic() - last_ok:.0f}s (last: {why[:200]})")
                     return f"failed: control plane lost: {self.control_plane_lost}"
                 time.sleep(0.25)
 
-    def _fire_etcd_faults(self, progress: int) -> None:
-        """kill:etcd=I|leader@step=S: SIGKILL a member of the run's own etcd cluster during step S."""
+    def _fire_member_faults(self, progress: int) -> None:
+        """Kills of a member of the control-plane cluster the run started (`FaultSpec.etcd`: its index,
+        -1 for its leader) during step S."""
         for f in self.cfg.faults:
-            if f.etcd is None or f.index in self._etcd_fired or f.step is None or progress < f.step - 1:
+            member = f.etcd
+            if member is None or f.index in self._members_fired or f.step is None or progress < f.step - 1:
                 continue
-            self._etcd_fired.add(f.index)
-            assert self.etcd is not None  # validated: kill:etcd needs --control-plane etcd
-            i = f.etcd if f.etcd >= 0 else self.etcd.leader_index()
+            self._members_fired.add(f.index)
+            assert self.cluster is not None  # validated: needs a cluster the run starts itself
+            i, name = self.cluster.member(member)
             rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "kill",
-                   "node": f"etcd member m{i}" + (" (raft leader)" if f.etcd < 0 else ""), "step": f.step,
-                   "phase": "control plane", "by": "launcher"}
+                   "node": name, "step": f.step, "phase": "control plane", "by": "launcher"}
             self.store.add(keys.fault(f.index) + "/fired", 1)
             self.store.set(keys.fault(f.index), json.dumps(rec))
             self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
-            self.etcd.kill(i)
+            self.cluster.kill_member(i)
 
     # ------------------------------------------------------------------ node cleanup
     def _reap_async(self, node: str) -> None:
@@ -524,19 +512,19 @@ class LocalJob:
                 self.leaks["removed_segments"].append(name)
         if self._owner:
             shm.unregister_owner(self.run_id)
-        if is_etcd(self.store) and self._may_end_job():  # every process of the run is gone: leave nothing in etcd
+        if self.store is not None and self._may_end_job():  # every process of the run is gone: leave no key
             try:
-                self.store.delete_prefix()
+                self.store.clear_job()
             except Exception:  # noqa: BLE001 - the cluster is gone: nothing to clean there
                 pass
-        if self.etcd is not None:
-            self.etcd.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
 
     def _may_end_job(self) -> bool:
         """Whether this launcher may end the job (announce its end, remove its keys). Not once it was cut
-        off from etcd (`control_plane_lost`) while a coordinator it did not start leads the job: a standby
+        off from the control plane (`control_plane_lost`) while a coordinator it did not start leads the job: a standby
         on another host took over, and the job goes on without this host (`handed_over` names it); nor
-        while etcd still does not answer. Always, otherwise."""
+        while it still does not answer. Always, otherwise."""
         if self.control_plane_lost is None or self.handed_over is not None:
             return self.handed_over is None
         try:
@@ -604,9 +592,9 @@ def _interrupted_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, 
 def _lost_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
     """The report of a run whose control plane stopped answering: what the launcher saw itself (the
     events it had read, written to events.jsonl, and the last step it showed); nothing is read from
-    the store. Its teardown gives each store call LOST_TEARDOWN_CALL_S (etcd may be back: then the
+    the store. Its teardown gives each store call LOST_TEARDOWN_CALL_S (the store may be back: then the
     run's end is still announced and its keys removed)."""
-    if is_etcd(job.store):
+    if job.store.replicated:
         job.store.timeout_s = LOST_TEARDOWN_CALL_S
     (job.run_dir / "events.jsonl").write_text("".join(line + "\n" for line in job.events_seen))
     return {"run_id": job.run_id, "state": state, "config": json.loads(cfg.to_json()),
@@ -654,7 +642,7 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
         if job.handed_over is not None:
             report["handed_over_to"] = job.handed_over
             job.display.info(f"the job goes on without this host: coordinator {job.handed_over} leads it (a standby "
-                             "took over while this host was cut off from etcd); its keys are left to it")
+                             "took over while this host was cut off from the control plane); its keys are left to it")
         report["teardown_stopped_while_starting"] = job.stopped_starting
         (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
         if cfg.report:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import auth, exists_many, is_etcd, keys
+from phoenixft.controlplane import Store, auth, exists_many, keys
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.dist import device
 from phoenixft.dist.comm import EpochComm, connect_store, wait_work
@@ -43,8 +43,6 @@ from phoenixft.recovery.invariants import check_invariants
 from phoenixft.train.trainer import Trainer
 from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
 
-ABORT_CHECK_ETCD_S = 0.2
-
 __all__ = ["Worker", "worker_main"]
 
 
@@ -54,7 +52,7 @@ class Worker:
         self.node_id, self.local_rank, self.run_id = node_id, local_rank, run_id
         self.incarnation = incarnation
         self.wid = f"{node_id}.{local_rank}"
-        self.store: Any = connect_store(store_addr)
+        self.store: Store = connect_store(store_addr)
         self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
         cfg = self.cfg
         self.restarted = incarnation > 0
@@ -79,11 +77,10 @@ class Worker:
                 print(f"phoenixft worker {self.wid}: optimizer update: {line}", flush=True)
         self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
         self.protect = cfg.protect == "phoenix"
-        self.watcher = FailureWatcher(store_addr)
-        self._store_addr = store_addr
-        self._side_store: Any = None  # a second client, for polls while the first is busy (_build_comm)
+        self.watcher = FailureWatcher(self.store.independent())  # (its wait blocks)
+        self._side_store: Store | None = None  # for polls while the rendezvous blocks self.store (_build_comm)
         self._abort_checked = 0.0
-        self._abort_every = ABORT_CHECK_ETCD_S if is_etcd(self.store) else 0.0
+        self._abort_every = self.store.abort_check_s
         self.trainer: Trainer = None  # type: ignore[assignment]  # built for this rank's stage (_build)
         self.stage_of: tuple[int, int] | None = None  # the (pp, tp) coordinate the trainer was built for
         self.shm: str | None = None
@@ -183,8 +180,8 @@ class Worker:
 
     def _abort_reason(self) -> str | None:
         """Why a wait for a collective should give up, or None: the epoch's failure flag (the watcher
-        sees it without a round trip) or the end of the run. On etcd the store is asked at most every
-        ABORT_CHECK_ETCD_S (one request for both keys): a round trip there costs the cluster's leader CPU."""
+        sees it without a round trip) or the end of the run. The store is asked at most every
+        `Store.abort_check_s` (one request for both keys where a round trip costs a cluster's leader CPU)."""
         if self.watcher.flagged(self.epoch):
             return "recovery requested by the control plane"
         now = time.monotonic()
@@ -325,7 +322,7 @@ class Worker:
                 if self.device.is_cuda:  # the current CUDA device is per thread: this worker's GPU here too
                     torch.cuda.set_device(self.device.torch)
                 box["comm"] = EpochComm(
-                    self.store, topo.epoch, self.rank, topo.world, self._coll_timeout, backend=self.device.backend,
+                    self.store.c10d, topo.epoch, self.rank, topo.world, self._coll_timeout, backend=self.device.backend,
                     layout=topo.layout, device=self.device,
                     transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None)
             except BaseException as e:  # noqa: BLE001 - handed to the joining thread
@@ -333,18 +330,19 @@ class Worker:
 
         if self._side_store is None:  # the rendezvous blocks this worker's store client: poll on another,
             # connected before the build (EpochComm takes the sockets opened while it builds for its own)
-            self._side_store = connect_store(self._store_addr)
+            self._side_store = self.store.independent()
         t = threading.Thread(target=build, name=f"phoenixft-groups-e{topo.epoch}", daemon=True)
         t.start()
-        every, last = (ABORT_CHECK_ETCD_S if is_etcd(self._side_store) else 0.02), 0.0
+        side = self._side_store
+        every, last = max(0.02, side.abort_check_s), 0.0
         while t.is_alive():
             t.join(0.005)
             if not t.is_alive() or time.monotonic() - last < every:
                 continue
             last = time.monotonic()
-            failed, over = exists_many(self._side_store, [keys.failflag(topo.epoch), keys.RUN_STATE])
+            failed, over = exists_many(side, [keys.failflag(topo.epoch), keys.RUN_STATE])
             if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
-                self.store, self._side_store = self._side_store, None
+                self.store, self._side_store = side, None
             if over:
                 raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
             if failed:
