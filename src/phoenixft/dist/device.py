@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from phoenixft.errors import UserError
 
-__all__ = ["DEVICES", "Device", "Pending", "DONE", "resolve_device", "cuda_unavailable", "place", "nccl_env",
+__all__ = ["DEVICES", "Device", "Pending", "DONE", "alloc", "resolve_device", "cuda_unavailable", "place", "nccl_env",
            "apply_nccl_env",
            "gpu_index", "PLACEMENT_ENV", "HOSTID_ENV", "MIRROR_ENV"]
 
@@ -170,6 +170,19 @@ class _CudaPending(Pending):
         return True
 
 
+def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
+    """Host memory of `numel` elements: a shared-memory file at `path` (kept if it already has that size,
+    so a worker restarted in place finds what it held), else private zeroed memory."""
+    if path is None:
+        return torch.zeros(numel, dtype=dtype)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    fresh = not os.path.exists(path) or os.path.getsize(path) != nbytes
+    if fresh:
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+
 def _unpin(ptr: int) -> None:
     try:
         torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -237,8 +250,6 @@ class Device:
     def host(self, numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
         """Host memory for a snapshot: a shared-memory file when `path` is set (it outlives the
         process), pinned on CUDA."""
-        from phoenixft.protect.snapshot import alloc
-
         if path is None and self.is_cuda:
             return torch.zeros(numel, dtype=dtype, pin_memory=True)
         return self.pin(alloc(numel, dtype, path))
