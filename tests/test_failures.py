@@ -235,7 +235,7 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     from phoenixft.protect.replication import Replicator
 
     server = serve_store("127.0.0.1", 0)
-    fake = SimpleNamespace(w=SimpleNamespace(epoch=0, watcher=SimpleNamespace(flagged=lambda e: False)))
+    fake = SimpleNamespace(ctx=SimpleNamespace(epoch=0, watcher=SimpleNamespace(flagged=lambda e: False)))
     check = Protection._flag_check(fake, connect_store(server.addr))  # type: ignore[arg-type]  # (the workers' check)
     assert check() is None
 

@@ -161,8 +161,9 @@ def test_a_damaged_replica_does_not_hide_the_intact_half_of_the_same_step(
 def test_the_sender_uses_whichever_half_of_the_step_verifies() -> None:
     import torch
 
+    from phoenixft.protect.replicas import ReplicaScheme
     from phoenixft.protect.snapshot import Holding, checksum
-    from phoenixft.recovery.restore import copy_of
+    from phoenixft.runtime.context import RankContext
 
     h = Holding(8)
     for half in (0, 1):  # the same step in both halves, then the first one damaged at rest
@@ -178,7 +179,7 @@ def test_the_sender_uses_whichever_half_of_the_step_verifies() -> None:
     class M:
         rank, cfg = 2, type("C", (), {"tp": 1, "pp": 1})
         trainer = type("T", (), {"state": State()})
-        repl = type("R", (), {"holdings": {1: h}})
+        scheme = ReplicaScheme(type("R", (), {"holdings": {1: h}}))  # type: ignore[arg-type]
 
-    assert torch.equal(copy_of(M(), 1, 3, 0), h.payload(1))  # type: ignore[arg-type]
+    assert torch.equal(RankContext.copy_of(M(), 1, 3, 0), h.payload(1))  # type: ignore[arg-type]
     assert h.verified_half(0) == 1 and h.verified_half(5) is None

@@ -49,13 +49,14 @@ from typing import Any
 from phoenixft.controlplane.address import (
     ProvisionedCluster,
     StoreAddress,
+    connect,
     describe,
     provision_cluster,
     remote_spec_problem,
     validate_spec,
 )
-from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable, parse_etcd_url
-from phoenixft.controlplane.store import Store, StoreError, StoreUnavailable, TcpStore, count_opened, tcp_client
+from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable
+from phoenixft.controlplane.store import Store, StoreError, StoreUnavailable, TcpStore, count_opened
 
 __all__ = ["Store", "StoreError", "StoreUnavailable", "TcpStore", "connect", "describe", "StoreAddress",
            "validate_spec", "remote_spec_problem", "provision_cluster", "ProvisionedCluster", "Heartbeat",
@@ -63,17 +64,6 @@ __all__ = ["Store", "StoreError", "StoreUnavailable", "TcpStore", "connect", "de
            "EtcdError", "EtcdUnavailable", "LEADER_KEY", "poll_interval", "clients_opened"]
 
 LEADER_KEY = "coordinator/leader"
-
-
-def connect(addr: str, timeout_s: float = 30.0) -> Store:
-    """A new client of the store at `addr`: `HOST:PORT` (a TCPStore) or an `etcd://` URL; each
-    blocking call waits at most `timeout_s`."""
-    if describe(addr).replicated:
-        eps, prefix = parse_etcd_url(addr)
-        count_opened()
-        return EtcdStore(eps, prefix or "/phoenixft/default", timeout_s)
-    host, port = addr.rsplit(":", 1)
-    return tcp_client(host, int(port), timeout_s)
 
 
 def clients_opened() -> int:

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from phoenixft.controlplane.etcd_cluster import EtcdCluster
-from phoenixft.controlplane.etcd_store import EtcdError, EtcdUnavailable, parse_etcd_url
+from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable, parse_etcd_url
+from phoenixft.controlplane.store import Store, count_opened, tcp_client
 from phoenixft.errors import UserError
 
-__all__ = ["StoreAddress", "describe", "validate_spec", "remote_spec_problem", "ProvisionedCluster",
+__all__ = ["StoreAddress", "connect", "describe", "validate_spec", "remote_spec_problem", "ProvisionedCluster",
            "provision_cluster", "CLUSTER_PROBE_S"]
 
 CLUSTER_PROBE_S = 10.0  # how long a cluster control plane may take to answer before the run is refused
@@ -113,8 +114,6 @@ def provision_cluster(spec: str, run_id: str, log_dir: str, info: Callable[[str]
     """The job's cluster for `--control-plane=spec` (not tcpstore): the cluster given (or a local one
     started now), keys under `<prefix>/<run id>` (prefix `/phoenixft` unless the URL names one),
     answering within `probe_s`; UserError naming the flag if it cannot be had."""
-    from phoenixft.controlplane import connect
-
     url = spec
     local: EtcdCluster | None = None
     if spec == "etcd":
@@ -135,3 +134,14 @@ def provision_cluster(spec: str, run_id: str, log_dir: str, info: Callable[[str]
                         f"{probe_s:g}s ({str(e).rsplit('(last: ', 1)[-1].rstrip(')')}); give the client "
                         "URLs of a running cluster, or --control-plane etcd to start one here") from None
     return ProvisionedCluster(addr, local)
+
+
+def connect(addr: str, timeout_s: float = 30.0) -> Store:
+    """A new client of the store at `addr`: `HOST:PORT` (a TCPStore) or an `etcd://` URL; each
+    blocking call waits at most `timeout_s`."""
+    if describe(addr).replicated:
+        eps, prefix = parse_etcd_url(addr)
+        count_opened()
+        return EtcdStore(eps, prefix or "/phoenixft/default", timeout_s)
+    host, port = addr.rsplit(":", 1)
+    return tcp_client(host, int(port), timeout_s)

@@ -285,9 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port-file", default="", help="where to write the port of the store it hosts")
     ap.add_argument("--journal", default="", help="write-ahead journal of membership, epochs and spare pool")
     ap.add_argument("--run-id", default="", help="the run's id (unused here; makes the process findable by it)")
-    ap.add_argument("--lease-ttl", type=int, default=2, help="etcd: seconds of the leader's lease (a standby takes "
-                    "over at most this long after the leader's death)")
-    ap.add_argument("--announce", default="", help="a line to print once this coordinator stands by (etcd)")
+    ap.add_argument("--lease-ttl", type=int, default=2, help="seconds of the leader's lease, on a control plane "
+                    "with leases (a standby takes over at most this long after the leader's death)")
+    ap.add_argument("--announce", default="", help="a line to print once this coordinator stands by (a "
+                    "control plane with leases)")
     a = ap.parse_args(argv)
     token = os.environ.get(auth.TOKEN_ENV, "")
     if not token:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from phoenixft.dist.device import Device
+from phoenixft.dist.device import BIND_ENV, Device, gloo_group
 from phoenixft.errors import PeerFailure
 from phoenixft.parallel.layout import Layout
 
@@ -43,7 +43,6 @@ __all__ = ["EpochComm", "XFER_LANES", "wait_work", "connect_store", "alltoallv",
 
 POLL_S = 0.02
 XFER_LANES = 2  # connections per pair of the recovery-transfer group (see gloo_group)
-BIND_ENV = "PHOENIXFT_BIND"
 BACKENDS = ("gloo", "nccl")
 _graveyard: list[Any] = []
 _error_checked_wait = False  # set once this process built NCCL groups (see the module docstring)
@@ -54,26 +53,6 @@ def connect_store(addr: str, timeout_s: float = 30.0) -> Store:
     from phoenixft.controlplane import connect
 
     return connect(addr, timeout_s)
-
-
-def gloo_group(store: dist.Store, rank: int, world: int, timeout: timedelta, lanes: int = 1, threads: int = 2) -> Any:
-    """A gloo process group on `store`, listening on this host's `PHOENIXFT_BIND` address if set.
-
-    `lanes` > 1: that many gloo devices, i.e. that many TCP connections per pair, collectives taking
-    them in turn, and `threads` worker threads to drive them; a bulk transfer posted as several
-    rounds then moves over parallel connections (bench/gloo_link.py --lanes: 400 MB between two
-    processes here, 1.7-1.9 GB/s on one connection, 2.7-3.0 GB/s on two with four threads)."""
-    if lanes < 1 or threads < 1:
-        raise ValueError(f"a gloo group needs lanes >= 1 and threads >= 1, got {lanes} and {threads}")
-    bind = os.environ.get(BIND_ENV, "")
-    if not bind and lanes == 1 and threads == 2:
-        return dist.ProcessGroupGloo(store, rank, world, timeout)
-    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    opts._timeout = timeout
-    opts._threads = threads
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind
-                     else dist.ProcessGroupGloo.create_default_device() for _ in range(lanes)]
-    return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
 def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: float,

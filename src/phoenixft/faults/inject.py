@@ -16,22 +16,20 @@ import json
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from phoenixft.controlplane import keys
 from phoenixft.dist.topology import Topology
 from phoenixft.faults.spec import FaultSpec
 from phoenixft.protect.snapshot import Holding
-
-if TYPE_CHECKING:
-    from phoenixft.runtime.worker import Worker
+from phoenixft.runtime.context import RankContext
 
 __all__ = ["FaultInjector"]
 
 
 class FaultInjector:
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
+    def __init__(self, ctx: RankContext) -> None:
+        self.w = ctx  # the rank it runs on
         self._struck: list[str] = []  # the node ids the fault claimed last strikes (all of a rack's)
 
     def hold(self, step: int) -> None:

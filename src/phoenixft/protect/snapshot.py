@@ -22,16 +22,14 @@ worker process (the node agent can restart a crashed worker in place from them).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import xxhash
 
-if TYPE_CHECKING:
-    from phoenixft.dist.device import Device, Pending
+from phoenixft.dist.device import Device, Pending, alloc
 
 __all__ = ["PingPong", "ShardState", "Holding", "checksum", "StreamChecksum", "alloc", "INVALID"]
 
@@ -68,17 +66,6 @@ class StreamChecksum:
     def value(self, numel: int) -> int | None:
         """The checksum, or None if fewer than `numel` elements were fed."""
         return self._h.intdigest() & _MASK63 if self._next == numel else None
-
-
-def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
-    if path is None:
-        return torch.zeros(numel, dtype=dtype)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    fresh = not os.path.exists(path) or os.path.getsize(path) != nbytes
-    if fresh:
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
 
 H_STEP, H_CRC, H_VALID, H_SHARD, H_SHARDS = range(5)
@@ -216,8 +203,6 @@ class ShardState(PingPong):
 
     def __init__(self, numel: int, path: str | None = None, rows: int = 3, payload_from: int = 1,
                  device: Device | None = None) -> None:
-        from phoenixft.dist.device import Device
-
         self.device = device or Device("cpu")
         super().__init__(rows, numel, path)
         if self.device.is_cuda:

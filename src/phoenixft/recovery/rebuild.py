@@ -1,7 +1,8 @@
 """Rebuild lost shards from their group (`ec:D+H`): the restore side of a plan's decode jobs.
 
 `run_decodes` is called by every rank of the new epoch when the plan carries `meta["decode"]`
-(hot-swap, in-place, cascade: `restore.restore_in_place`; shrink and grow: `restore.reshard`).
+(hot-swap, in-place, cascade: `restore.restore_in_place`; shrink and grow: `restore.reshard`), through
+the `ec:D+H` scheme (`protect.redundancy.erasure.ErasureScheme.rebuild`).
 One targeted all-to-all moves each job's d pieces (members' committed payloads, padded to the
 block length, and parity blocks of the same step) from the ranks that hold them to the job's
 destinations; each destination verifies every piece against the checksum its holder committed
@@ -13,7 +14,7 @@ committed for that step before it is used.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,12 +22,10 @@ import torch
 from phoenixft.dist.comm import alltoallv
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import RunAborted
-from phoenixft.protect.redundancy.codes import Code, make_code, stripe_bytes
-from phoenixft.protect.redundancy.protect import u8
+from phoenixft.protect.redundancy.codes import Code, stripe_bytes
+from phoenixft.protect.redundancy.protect import ErasureProtector, u8
+from phoenixft.protect.scheme import RankView
 from phoenixft.protect.snapshot import checksum
-
-if TYPE_CHECKING:
-    from phoenixft.runtime.worker import Worker
 
 __all__ = ["run_decodes", "block_floats", "decode_blocks"]
 
@@ -49,27 +48,27 @@ def decode_blocks(code: Code, pieces: dict[int, np.ndarray], n: int, lost: list[
     return {i: t[:n] for i, t in rebuilt.items()}
 
 
-def _local_piece(m: Worker, job: dict[str, Any], p: dict[str, Any], r: int, n: int, pf: int) -> torch.Tensor:
+def _local_piece(m: RankView, ec: ErasureProtector, job: dict[str, Any], p: dict[str, Any], r: int,
+                 pf: int) -> torch.Tensor:
     """This rank's piece of a job: its own committed payload (padded) or a parity block of step r."""
-    from phoenixft.recovery.restore import copy_of
-
     d = len(job["shards"])
     if p["index"] < d:
-        data = copy_of(m, job["shards"][p["index"]], job["world"], r).reshape(-1)
+        data = m.copy_of(job["shards"][p["index"]], job["world"], r).reshape(-1)
         out = torch.zeros(pf)
         out[: data.numel()] = data
         return out
-    ph = m.ec.parity.get(job["gid"]) if m.ec is not None else None
+    ph = ec.parity.get(job["gid"])
     half = ph.verified_half(r) if ph is not None else None  # (either half of step r: see PingPong.verified_half)
     if ph is None or half is None or ph.info_of(half).j != p["index"] - d:
         raise RunAborted(f"rank {m.rank} holds no {p['name']} of step {r}")
     return ph.payload(half).reshape(-1)  # sent as committed: the receiver verifies its checksum
 
 
-def run_decodes(m: Worker, topo: Topology, r: int, n: int, timings: dict[str, Any],
+def run_decodes(m: RankView, ec: ErasureProtector, topo: Topology, r: int, n: int, timings: dict[str, Any],
                 bad: list[str]) -> dict[int, tuple[torch.Tensor, int]]:
-    """Carry out `topo.meta["decode"]`; returns {shard index: (payload of n float32, checksum)} for the
-    shards rebuilt for this rank. `n` is the payload size of the jobs' shards (in their world)."""
+    """Carry out `topo.meta["decode"]` on rank `m`, whose parity blocks `ec` keeps; returns {shard index:
+    (payload of n float32, checksum)} for the shards rebuilt for this rank. `n` is the payload size of
+    the jobs' shards (in their world)."""
     assert m.comm is not None
     jobs: list[dict[str, Any]] = topo.meta.get("decode") or []
     me = m.rank
@@ -82,7 +81,7 @@ def run_decodes(m: Worker, topo: Topology, r: int, n: int, timings: dict[str, An
         dsts = sorted(set(job["to"].values()))
         for p in job["pieces"]:
             if p["src"] == me:
-                piece = _local_piece(m, job, p, r, n, pf)
+                piece = _local_piece(m, ec, job, p, r, pf)
                 for dst in dsts:
                     sends.setdefault(dst, []).append(piece)
             if me in dsts:
@@ -115,7 +114,7 @@ def run_decodes(m: Worker, topo: Topology, r: int, n: int, timings: dict[str, An
             pieces[p["index"]] = u8(buf)
         if not ok:
             continue
-        code = m.ec.code(d, h) if m.ec is not None else make_code(d, h)
+        code = ec.code(d, h)
         rebuilt = decode_blocks(code, pieces, n, mine)
         for i in mine:
             payload, crc = rebuilt[i], int(job["mcrc"][i])

@@ -1,6 +1,6 @@
 """The restore paths: small functions that carry out one epoch's plan on one rank.
 
-Each takes the rank (`Member`: the worker's trainer, protection and communicators), the new
+Each takes the rank (`RankContext`: its trainer, redundancy scheme and communicators), the new
 topology and the resume step r, moves what the plan says, and appends to `bad` every copy that
 failed verification against the checksum its source committed (invariant I3):
 
@@ -12,15 +12,16 @@ failed verification against the checksum its source committed (invariant I3):
 - `restore_persistent`: every member reloads r from the persistent tier, cut for this world (a
   checkpoint that cannot be read or does not match its checksums is never installed).
 
-With `ec:D+H` a shard that has no copy left is rebuilt from its group's pieces of step r (the
-plan's `meta["decode"]`, carried out by `redundancy.rebuild.run_decodes`) on the first two paths.
+A shard that has no copy left is rebuilt by the redundancy scheme (`ec:D+H`: from its group's pieces
+of step r, the plan's `meta["decode"]`) on the first two paths.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,13 +31,11 @@ from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.parallel.logical import from_full
 from phoenixft.protect.persist import NOT_INSTALLED, load_full
 from phoenixft.protect.snapshot import H_CRC, H_VALID, StreamChecksum, checksum
-from phoenixft.recovery import rebuild, transfer
+from phoenixft.recovery import transfer
 from phoenixft.recovery.reshard import gather_full_optimizer, old_shard_numel
+from phoenixft.runtime.context import RankContext
 
-if TYPE_CHECKING:
-    from phoenixft.runtime.worker import Worker
-
-__all__ = ["path_of", "restore_in_place", "reshard", "restore_persistent", "copy_of"]
+__all__ = ["path_of", "restore_in_place", "reshard", "restore_persistent", "init_replicas"]
 
 
 def path_of(topo: Topology) -> str:
@@ -44,22 +43,8 @@ def path_of(topo: Topology) -> str:
     return topo.restore_path
 
 
-def copy_of(m: Worker, shard: int, shards: int, r: int) -> torch.Tensor:
-    """This rank's verified copy of (shard, step r): its own committed half, or a replica it keeps."""
-    st = m.trainer.state
-    half = st.half_with(r)
-    if half is not None and st.shard_of(half) == (shard, shards):
-        return st.payload(half)
-    if m.repl is not None and shard in m.repl.holdings:
-        h = m.repl.holdings[shard]
-        hh = h.verified_half(r)  # (the descriptor just verified it, as a rule: not hashed again)
-        if hh is not None:
-            return h.payload(hh)
-    name = shard_name(shard, shards, m.cfg.tp, m.cfg.pp)
-    raise RunAborted(f"rank {m.rank} holds no verified copy of {name} at step {r}")
-
-
-def _commit_received(m: Worker, payload: torch.Tensor, r: int, crc: int, shard: int, world: int, dp: int) -> None:
+def _commit_received(m: RankContext, payload: torch.Tensor, r: int, crc: int, shard: int, world: int,
+                     dp: int) -> None:
     """Install a verified payload as this rank's shard at step r (the master row from the
     parameters when the payload does not carry it; `dp` = the shard's slice of its stage)."""
     tr = m.trainer
@@ -73,18 +58,42 @@ def _commit_received(m: Worker, payload: torch.Tensor, r: int, crc: int, shard: 
     st.header[1 - half, H_VALID] = 0
 
 
-def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
-    """Roll survivors back to step r and move what the plan says to the members that lack it.
+def _rebuild_lost(m: RankContext, topo: Topology, r: int, n: int, timings: dict[str, Any],
+                  bad: list[str]) -> dict[int, tuple[torch.Tensor, int]]:
+    """The shards the plan rebuilds by the redundancy scheme (`ec:D+H`: every rank takes part, it may
+    hold a piece): {shard: (payload of n float32, checksum)} for this rank."""
+    if not topo.meta.get("decode") or m.scheme is None:
+        return {}
+    return m.scheme.rebuild(m, topo, r, n, timings, bad)
 
-    Both transfers are targeted collectives (all-to-all with only the involved pairs non-empty):
-    parameters (with the buffers) from a member that holds them at r, the optimizer shard from a
-    member that holds a verified copy (its own committed state or a replica), matched by logical
-    shard id and verified against the checksum its owner committed (I3).
-    """
-    assert m.comm is not None
-    tr = m.trainer
-    pg, me, w = m.comm.train, m.rank, topo.world
-    mine = [t for t in topo.transfers if t["dst"] == me]
+
+@dataclass
+class _XferGroup:
+    """The epoch's transfer group: only the ranks that send or receive, several connections per pair."""
+
+    pg: Any
+    local: dict[int, int]  # epoch rank -> rank in the group
+    me: int  # this rank's rank in the group (-1: not a member)
+    world: int
+
+    @classmethod
+    def of(cls, m: RankContext) -> _XferGroup:
+        assert m.comm is not None
+        local = {rk: i for i, rk in enumerate(m.comm.xfer_members)}
+        return cls(m.comm.xfer, local, local.get(m.rank, -1), len(local))
+
+    def ranks(self, need: dict[int, list[int]]) -> dict[int, list[int]]:
+        return {self.local[d]: [self.local[s] for s in srcs] for d, srcs in need.items()}
+
+    def post(self, rounds: list[list[transfer.Piece]], sends: dict[int, torch.Tensor], into: torch.Tensor | None,
+             **kw: Any) -> list[Any]:
+        return transfer.post(self.pg, self.world, self.me, rounds, sends, into, **kw) if self.pg is not None else []
+
+
+def _roll_back(m: RankContext, topo: Topology, r: int, mine: list[dict[str, Any]], bad: list[str]) -> bool:
+    """Check what this rank restores from itself: the parameters of step r (unless the plan sends them:
+    returns whether it does) and, on a survivor, its own committed half of r, verified."""
+    tr, me = m.trainer, m.rank
     need_params = any(t["param_src"] >= 0 for t in mine)
     if not need_params and not tr.flat.select(r):
         raise RunAborted(f"rank {me} has no parameters for step {r}")
@@ -95,97 +104,136 @@ def restore_in_place(m: Worker, topo: Topology, r: int, timings: dict[str, Any],
             raise RunAborted(f"rank {me} has no optimizer state for step {r}")
         if int(tr.state.header[half, H_CRC]) and not tr.state.verify(half):
             bad.append(f"own {topo.shard_name(me)} at step {r} does not match its committed checksum")
-    # who holds what is settled: wait until every member is here (so the transfer times below are the
-    # bytes moving, not a peer still rolling back), then move the parameters, then the optimizer shards
-    t0 = time.time()
-    m.wait(pg.allreduce([torch.zeros(1)]), "recovery transfer start")
-    # the transfers run in the epoch's transfer group (only the ranks that send or receive, several
-    # connections per pair): ranks below are that group's
-    xg, members = m.comm.xfer, m.comm.xfer_members
-    local = {rk: i for i, rk in enumerate(members)}
-    xme, xw = local.get(me, -1), len(members)
+    return need_params
 
-    def in_group(need: dict[int, list[int]]) -> dict[int, list[int]]:
-        return {local[d]: [local[s] for s in srcs] for d, srcs in need.items()}
 
-    # both transfers are posted at once, so that the link never idles between them: 1. parameters,
-    # striped over every peer that holds them at r (bitwise identical there); 2. the optimizer shard
-    # from a verified copy, received straight into the staging half and checksummed chunk by chunk as
-    # it arrives. Every member posts the same rounds in the same order (gloo matches them by order).
-    t1 = time.time()
-    flat, st = tr.flat, tr.state
+def _post_params(m: RankContext, topo: Topology, g: _XferGroup, need_params: bool) -> tuple[list[Any], Any]:
+    """Post the parameter transfer, striped over every peer that holds them at r (bitwise identical
+    there); returns (its works, the buffer it receives into or None)."""
+    flat = m.trainer.flat
     elem = torch.empty((), dtype=flat.dtype).element_size()
-    need = in_group(topo.param_need())
+    need = g.ranks(topo.param_need())
     rounds = transfer.schedule(need, flat.total, transfer.chunk_numel(elem))
     on_host = flat.device.type == "cpu"
     sends: dict[int, torch.Tensor] = {}
-    if any(p.src == xme for rd in rounds for p in rd):
+    if any(p.src == g.me for rd in rounds for p in rd):
         src_buf = flat.whole if on_host else flat.whole.cpu()
         sends = {d: src_buf for d in need}
     into = (flat.receive_buffer() if on_host else torch.empty(flat.total, dtype=flat.dtype)) if need_params else None
-    p_works = transfer.post(xg, xw, xme, rounds, sends, into, dtype=flat.dtype) if xg is not None else []
+    return g.post(rounds, sends, into, dtype=flat.dtype), into
+
+
+@dataclass
+class _OptReceive:
+    """The optimizer shard this rank receives as a copy (at most one), and where it lands."""
+
+    copied: list[dict[str, Any]]  # the plan's transfers to this rank with a copy to send (ec: the others are rebuilt)
+    works: list[Any]
+    half: int = -1  # the staging half
+    buf: torch.Tensor | None = None  # the staging half's payload itself (`in_place`), else a private buffer
+    in_place: bool = False
+    hasher: StreamChecksum | None = None
+
+
+def _post_optimizer(m: RankContext, topo: Topology, r: int, g: _XferGroup, mine: list[dict[str, Any]]) -> _OptReceive:
+    """Post the optimizer-shard transfer from a verified copy, received straight into the staging half
+    (unless that holds a committed step) and checksummed chunk by chunk as it arrives."""
+    tr, w = m.trainer, topo.world
+    st = tr.state
     sends = {}
     for t in topo.transfers:
-        if t["opt_src"] == me:
-            payload = copy_of(m, t["shard"], w, r).reshape(-1)
+        if t["opt_src"] == m.rank:
+            payload = m.copy_of(t["shard"], w, r).reshape(-1)
             if m.inject.corrupts_transfers(topo):  # fault injection: corruption in flight
                 payload = payload.clone()
                 payload[:: max(1, payload.numel() // 7)] += 1.0
-            sends[local[t["dst"]]] = payload
-    copied = [t for t in mine if t["opt_src"] >= 0]  # the others are rebuilt from their group (ec), below
-    n_opt = tr.payload_rows * flat.shard_numel
-    rounds = transfer.schedule(in_group(topo.opt_need()), n_opt, transfer.chunk_numel(4))
-    half, buf = -1, None
-    if copied:
-        half = st.staging()
-        if int(st.header[half, H_VALID]):  # it holds a committed step: keep it until the copy verified
-            buf = torch.empty(n_opt)
+            sends[g.local[t["dst"]]] = payload
+    rx = _OptReceive(copied=[t for t in mine if t["opt_src"] >= 0], works=[])
+    n_opt = tr.payload_rows * tr.flat.shard_numel
+    rounds = transfer.schedule(g.ranks(topo.opt_need()), n_opt, transfer.chunk_numel(4))
+    if rx.copied:
+        rx.half = st.staging()
+        if int(st.header[rx.half, H_VALID]):  # it holds a committed step: keep it until the copy verified
+            rx.buf = torch.empty(n_opt)
         else:
-            st.begin_write(half)
-            buf = st.payload(half).reshape(-1)
-    hasher = StreamChecksum(buf) if buf is not None else None
-    o_works = transfer.post(xg, xw, xme, rounds, sends, buf) if xg is not None else []
+            st.begin_write(rx.half)
+            rx.buf = st.payload(rx.half).reshape(-1)
+            rx.in_place = True
+        rx.hasher = StreamChecksum(rx.buf)
+    rx.works = g.post(rounds, sends, rx.buf)
+    return rx
+
+
+def _commit_copies(m: RankContext, topo: Topology, r: int, rx: _OptReceive, timings: dict[str, Any],
+                   bad: list[str]) -> None:
+    """Verify the received copy against the checksum its owner committed (I3) and commit it as step r."""
+    st, flat, w = m.trainer.state, m.trainer.flat, topo.world
+    elem = torch.empty((), dtype=flat.dtype).element_size()
+    for t in rx.copied:
+        assert rx.buf is not None and rx.hasher is not None
+        name = topo.shard_name(t["shard"])
+        if rx.hasher.value(rx.buf.numel()) != t["crc"]:
+            src = f"{topo.node_of_rank(t['opt_src'])}.{t['opt_src'] % topo.workers_per_node}"
+            bad.append(f"{name} from {src} does not match the checksum committed for step {r}")
+            m.bad_sources.append((name, r, src))
+            continue
+        if rx.in_place:  # the half holds the payload and its master row: commit it
+            st.commit(rx.half, r, t["crc"], (t["shard"], w))
+            st.header[1 - rx.half, H_VALID] = 0
+        else:
+            _commit_received(m, rx.buf, r, t["crc"], t["shard"], w, topo.layout.dp_rank(t["shard"]))
+        timings.update(bytes_params=flat.total * elem if t["param_src"] >= 0 else 0, bytes_opt=rx.buf.numel() * 4)
+
+
+def restore_in_place(m: RankContext, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
+    """Roll survivors back to step r and move what the plan says to the members that lack it.
+
+    Both transfers are targeted collectives (all-to-all with only the involved pairs non-empty):
+    parameters (with the buffers) from a member that holds them at r, the optimizer shard from a
+    member that holds a verified copy (its own committed state or a replica), matched by logical
+    shard id and verified against the checksum its owner committed (I3). Both are posted at once, so
+    that the link never idles between them; every member posts the same rounds in the same order
+    (gloo matches them by order).
+    """
+    assert m.comm is not None
+    tr = m.trainer
+    flat = tr.flat
+    mine = [t for t in topo.transfers if t["dst"] == m.rank]
+    need_params = _roll_back(m, topo, r, mine, bad)
+    # who holds what is settled: wait until every member is here (so the transfer times below are the
+    # bytes moving, not a peer still rolling back), then move the parameters, then the optimizer shards
+    t0 = time.time()
+    m.wait(m.comm.train.allreduce([torch.zeros(1)]), "recovery transfer start")
+    g = _XferGroup.of(m)
+    t1 = time.time()
+    p_works, into = _post_params(m, topo, g, need_params)
+    rx = _post_optimizer(m, topo, r, g, mine)
     t_posted = time.time()
     transfer.wait_all(p_works, m.wait, "parameter transfer")
     t_moved = time.time()
     if into is not None:
-        if on_host:
+        if flat.device.type == "cpu":
             flat.adopt_received(r)
         else:
             flat.install(into, r)
     t2 = time.time()
     m.inject.in_recovery(topo)  # (the optimizer shards are still moving)
-    in_place = buf is not None and buf.data_ptr() == st.payload(half).data_ptr()
-    if in_place and tr.payload_from == 1:  # the master row from the parameters, while the shard is moving
-        (t,) = copied
-        st.data[half, 0].copy_(flat.flat[flat.shard_slice(topo.layout.dp_rank(t["shard"]))])
-    transfer.wait_all(o_works, m.wait, "optimizer-state transfer", hasher.update if hasher is not None else None)
+    if rx.in_place and tr.payload_from == 1:  # the master row from the parameters, while the shard is moving
+        (t,) = rx.copied
+        tr.state.data[rx.half, 0].copy_(flat.flat[flat.shard_slice(topo.layout.dp_rank(t["shard"]))])
+    transfer.wait_all(rx.works, m.wait, "optimizer-state transfer", rx.hasher.update if rx.hasher is not None else None)
     timings.update(transfer_post_s=t_posted - t1, params_moved_s=t_moved - t1, params_adopt_s=t2 - t_moved,
                    opt_moved_s=time.time() - t2)
-    for t in copied:
-        assert buf is not None and hasher is not None
-        name = topo.shard_name(t["shard"])
-        if hasher.value(n_opt) != t["crc"]:
-            src = f"{topo.node_of_rank(t['opt_src'])}.{t['opt_src'] % topo.workers_per_node}"
-            bad.append(f"{name} from {src} does not match the checksum committed for step {r}")
-            m.bad_sources.append((name, r, src))
-            continue
-        if in_place:  # the half holds the payload and its master row: commit it
-            st.commit(half, r, t["crc"], (t["shard"], w))
-            st.header[1 - half, H_VALID] = 0
-        else:
-            _commit_received(m, buf, r, t["crc"], t["shard"], w, topo.layout.dp_rank(t["shard"]))
-        timings.update(bytes_params=flat.total * elem if t["param_src"] >= 0 else 0, bytes_opt=buf.numel() * 4)
-    if topo.meta.get("decode"):  # ec: every rank takes part (it may hold a piece)
-        rebuilt = rebuild.run_decodes(m, topo, r, tr.payload_rows * tr.flat.shard_numel, timings, bad)
-        for shard, (payload, crc) in rebuilt.items():
-            _commit_received(m, payload, r, crc, shard, w, topo.layout.dp_rank(shard))
-        if any(t["param_src"] >= 0 for t in mine if t["opt_src"] < 0):
-            timings["bytes_params"] = tr.flat.total * elem
+    _commit_copies(m, topo, r, rx, timings, bad)
+    rebuilt = _rebuild_lost(m, topo, r, tr.payload_rows * flat.shard_numel, timings, bad)
+    for shard, (payload, crc) in rebuilt.items():
+        _commit_received(m, payload, r, crc, shard, topo.world, topo.layout.dp_rank(shard))
+    if topo.meta.get("decode") and any(t["param_src"] >= 0 for t in mine if t["opt_src"] < 0):
+        timings["bytes_params"] = flat.total * torch.empty((), dtype=flat.dtype).element_size()
     timings.update(transfer_sync_s=t1 - t0, restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
 
 
-def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str, Any], bad: list[str]) -> None:
+def reshard(m: RankContext, topo: Topology, r: int, old_rank: int, timings: dict[str, Any], bad: list[str]) -> None:
     """Shrink or grow: repartition the state of step r over the new world (see reshard.py)."""
     assert m.comm is not None
     tr = m.trainer
@@ -208,10 +256,9 @@ def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str,
     old_world = meta["old_world"]
     providers = {int(k): v[0] for k, v in meta["providers"].items()}
     n_old = old_shard_numel(tr.flat.numel, old_world)
-    decoded = rebuild.run_decodes(m, topo, r, tr.payload_rows * n_old, timings, bad) \
-        if topo.meta.get("decode") else {}  # ec: shards with no copy left, rebuilt by their provider
+    decoded = _rebuild_lost(m, topo, r, tr.payload_rows * n_old, timings, bad)  # no copy left: rebuilt by its provider
     mine = {int(k): (decoded[int(k)][0] if int(k) in decoded else torch.zeros(tr.payload_rows * n_old))
-            if kind == "decode" else copy_of(m, int(k), old_world, r)
+            if kind == "decode" else m.copy_of(int(k), old_world, r)
             for k, (prov, kind, _crc) in meta["providers"].items() if prov == me}
     full = gather_full_optimizer(pg, w, me, providers, mine, n_old, m.wait, rows=tr.payload_rows)
     for k, (prov, _kind, crc) in meta["providers"].items():  # I3: every old shard as its owner committed it
@@ -235,7 +282,7 @@ def reshard(m: Worker, topo: Topology, r: int, old_rank: int, timings: dict[str,
     timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2, bytes_opt=full.numel() * 4)
 
 
-def init_replicas(m: Worker, topo: Topology) -> None:
+def init_replicas(m: RankContext, topo: Topology) -> None:
     """Epoch 0, a fresh start: the state of step 0 is the model as built under the seed (which every
     member has) and a zero optimizer state, so each member writes the replicas the ring gives it
     itself, as `Trainer.init_shard` writes its own shard. Without them a node lost during step 1,
@@ -255,7 +302,7 @@ def init_replicas(m: Worker, topo: Topology) -> None:
     _keep_replicas(m, topo, 0, fill)
 
 
-def _replicas_from_whole_state(m: Worker, topo: Topology, r: int, rows: torch.Tensor) -> None:
+def _replicas_from_whole_state(m: RankContext, topo: Topology, r: int, rows: torch.Tensor) -> None:
     """After a reshard or a reload from the persistent tier every member has the whole optimizer state
     of step r (`rows`: the payload rows, padded to the new partition): it keeps, at once, the replicas
     the new epoch's ring gives it, so each new shard has its copies on other nodes before training
@@ -265,23 +312,23 @@ def _replicas_from_whole_state(m: Worker, topo: Topology, r: int, rows: torch.Te
     _keep_replicas(m, topo, r, lambda out, sl: out.copy_(rows[:, sl]))
 
 
-def _keep_replicas(m: Worker, topo: Topology, r: int, fill: Callable[[torch.Tensor, slice], Any]) -> None:
-    """Commit, as step r, the replica of every shard the ring gives this rank: `fill(rows, slice)` writes
-    the shard's payload rows (`slice`: its range of the padded flat state). Parity (`--redundancy ec`)
-    is encoded by its next job instead (it needs the group's exchange)."""
-    if m.repl is None or m.ec is not None:
+def _keep_replicas(m: RankContext, topo: Topology, r: int, fill: Callable[[torch.Tensor, slice], Any]) -> None:
+    """Commit, as step r, what the scheme keeps for other ranks (`replicas:K`: the replica of every shard
+    the ring gives this rank): `fill(rows, slice)` writes the shard's payload rows (`slice`: its range of
+    the padded flat state). Parity (`ec:D+H`) is encoded by its next job instead (it needs the group's
+    exchange)."""
+    if m.scheme is None:
         return
     tr, lay = m.trainer, topo.layout
-    for src in topo.sources(m.rank):
-        h = m.repl.holding(src)
-        h.begin_write(0)
+
+    def shard_rows(src: int, out: torch.Tensor) -> None:
         # (not view(rows, -1): a stateless optimizer's fp32 payload has no row, and every node failed its epoch-0 join)
-        fill(h.payload(0).view(tr.payload_rows, tr.flat.shard_numel), tr.flat.shard_slice(lay.dp_rank(src)))
-        h.commit(0, r, checksum(h.payload(0)), (src, topo.world))
-        h.header[1, H_VALID] = 0
+        fill(out.view(tr.payload_rows, tr.flat.shard_numel), tr.flat.shard_slice(lay.dp_rank(src)))
+
+    m.scheme.keep(topo, m.rank, r, shard_rows)
 
 
-def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
+def restore_persistent(m: RankContext, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
     """Every member reloads step r from the persistent tier (resharded to this world size)."""
     t0 = time.time()
     tr = m.trainer
@@ -313,11 +360,7 @@ def restore_persistent(m: Worker, topo: Topology, r: int, timings: dict[str, Any
     st.data[half].copy_(padded[:, flat.shard_slice(topo.layout.dp_rank(m.rank))])
     st.commit(half, r, 0, (m.rank, topo.world))
     st.header[1 - half, H_VALID] = 0
-    if m.repl is not None:
-        for h in m.repl.holdings.values():
-            h.invalidate_after(-1)
-    if m.ec is not None:
-        for ph in m.ec.parity.values():
-            ph.invalidate_after(-1)
+    if m.scheme is not None:
+        m.scheme.invalidate_after(-1)
     _replicas_from_whole_state(m, topo, r, padded[tr.payload_from :])
     timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0, bytes_params=full.numel() * 4)

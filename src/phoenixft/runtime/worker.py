@@ -8,7 +8,8 @@ promotes it). Each epoch's mesh layout and process groups come from the publishe
 layer (protection.py) replicates the previous step and, every K steps, persists it. Any
 `PeerFailure` sends the worker into the recovery protocol: it posts a descriptor of what it holds
 (recovery/planner.py), waits for the next epoch's plan, and carries it out (recovery/restore.py);
-training resumes at the recovery step. Faults are injected by faultinject.py. Run as
+training resumes at the recovery step. Faults are injected by faults/inject.py. Protection, recovery
+and fault injection see the rank through its `RankContext` (runtime/context.py), never the worker. Run as
 `python -m phoenixft.runtime.worker` by the node agent (or forked by it).
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,20 +26,17 @@ from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, auth, exists_many, keys
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.dist import device
-from phoenixft.dist.comm import EpochComm, connect_store, wait_work
+from phoenixft.dist.comm import EpochComm, connect_store
 from phoenixft.dist.topology import Topology
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable, UserError
 from phoenixft.faults.inject import FaultInjector
-from phoenixft.faults.spec import FaultSpec
 from phoenixft.optim import native
 from phoenixft.parallel.layers import TPHandle
 from phoenixft.parallel.stage import StageSpec, WholeModel
-from phoenixft.protect import shm
 from phoenixft.protect.protection import Protection
-from phoenixft.protect.redundancy.protect import ErasureProtector
-from phoenixft.protect.replication import Replicator
 from phoenixft.recovery import restore
 from phoenixft.recovery.invariants import check_invariants
+from phoenixft.runtime.context import RankContext
 from phoenixft.train.trainer import Trainer
 from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
 
@@ -52,14 +49,14 @@ class Worker:
         self.node_id, self.local_rank, self.run_id = node_id, local_rank, run_id
         self.incarnation = incarnation
         self.wid = f"{node_id}.{local_rank}"
-        self.store: Store = connect_store(store_addr)
-        self.cfg = RunConfig.from_json(self.store.get(keys.CONFIG).decode())
+        store: Store = connect_store(store_addr)
+        self.cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
         cfg = self.cfg
         self.restarted = incarnation > 0
         cur: Topology | None = None  # restarted in place: the epoch it rejoins
-        if incarnation > 0 and self.store.check([keys.EPOCH]):
-            e0 = int(self.store.get(keys.EPOCH))
-            cur = auth.verified_topology(self.store, e0, self.store.get(keys.topo(e0)))
+        if incarnation > 0 and store.check([keys.EPOCH]):
+            e0 = int(store.get(keys.EPOCH))
+            cur = auth.verified_topology(store, e0, store.get(keys.topo(e0)))
         if incarnation > 0 and (cur is None or (node_id.startswith("s") and node_id not in cur.nodes)):
             # restarted before the run's first epoch was published, or as an idle spare: nothing to rejoin,
             # so a fresh start (the rejoin path waited 30 s for an epoch that never came while this node was
@@ -67,7 +64,7 @@ class Worker:
             # failed the run, or the agent gave the spare up, with a ready spare waiting)
             incarnation, cur = 0, None
             self.incarnation = 0
-            self.store.delete_key(keys.worker_exit(self.wid))  # (no recovery deals with it: none is needed)
+            store.delete_key(keys.worker_exit(self.wid))  # (no recovery deals with it: none is needed)
         torch.set_num_threads(threads)
         # CUDA: the GPU of this LOCAL_RANK, NCCL set up to report (not punish) a dead peer
         self.device = device.place(cfg.device, local_rank, node_id, cfg.nodes, cfg.workers_per_node)
@@ -77,48 +74,34 @@ class Worker:
                 print(f"phoenixft worker {self.wid}: optimizer update: {line}", flush=True)
         self.wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
         self.protect = cfg.protect == "phoenix"
-        self.watcher = FailureWatcher(self.store.independent())  # (its wait blocks)
-        self._side_store: Store | None = None  # for polls while the rendezvous blocks self.store (_build_comm)
-        self._abort_checked = 0.0
-        self._abort_every = self.store.abort_check_s
-        self.trainer: Trainer = None  # type: ignore[assignment]  # built for this rank's stage (_build)
-        self.stage_of: tuple[int, int] | None = None  # the (pp, tp) coordinate the trainer was built for
-        self.shm: str | None = None
-        self.repl: Replicator | None = None  # the protection layer's replicator (Protection, below)
+        self.watcher = FailureWatcher(store.independent())  # (its wait blocks)
+        # what protection, recovery and fault injection see of this rank: its trainer, epoch, communicators
+        self.ctx = RankContext(cfg, run_id, self.wid, node_id, store, self.watcher)
+        self._side_store: Store | None = None  # for polls while the rendezvous blocks ctx.store (_build_comm)
         world, gen = cfg.world, 0
         try:
             if cur is not None:  # restarted in place: the partition is the current epoch's, not the initial one
                 world, gen = cur.world, int(cur.meta.get("generation", 0))
                 self._build(cur.layout.coord(cur.rank_of(node_id, local_rank)).stage)
-                self._partition(world, gen)
+                self.ctx.partition(world, gen)
             elif cfg.tp == 1 and cfg.pp == 1:  # data-parallel only: every rank's stage is the whole model, built warm
                 self._build((0, 0))
-                self._partition(world, gen)
+                self.ctx.partition(world, gen)
                 if node_id.startswith("s") and self.protect:  # a spare: the memory it will receive into, touched now
-                    self.trainer.prefault()
+                    self.ctx.trainer.prefault()
         except Unhealable as e:  # (the workload's model cannot be built: every node would fail alike)
             self._stop_run(str(e))
             print(f"phoenixft worker {self.wid}: {e}", flush=True)
             raise
-        self.faults: list[FaultSpec] = cfg.faults
-        self.inject = FaultInjector(self)
-        self.protection = Protection(self, store_addr, self._coll_timeout)
-        self.repl, self.persister = self.protection.repl, self.protection.persister
-        self.ec: ErasureProtector | None = self.protection.ec  # --redundancy ec:D+H (phoenixft.protect.redundancy)
-        if self.repl is not None and self.trainer is not None:
-            self.repl.state = self.trainer.state
-        if self.repl is not None and incarnation > 0:  # adopt the replicas retained in shared memory
-            for f in shm.SHM_DIR.glob(shm.holding_glob(run_id, self.wid, gen)):
-                shard = int(f.name.rsplit("-hold", 1)[1].split(".")[0])
-                self.repl.holding(shard)
-        if self.ec is not None and incarnation > 0:  # adopt the parity retained in shared memory
-            self.ec.adopt(shm.SHM_DIR.glob(shm.parity_glob(run_id, self.wid, gen)))
-        self.comm: EpochComm | None = None
-        self.topo: Topology | None = None
-        self.epoch = -1
-        self.rank = -1
+        self.inject = self.ctx.inject = FaultInjector(self.ctx)
+        # the protection owns the replicator, the redundancy scheme and the persistent tier
+        self.protection = Protection(self.ctx, store_addr, self.ctx.coll_timeout)
+        scheme = self.ctx.scheme = self.protection.scheme
+        if scheme is not None and self.ctx.trainer is not None:
+            scheme.attach(self.ctx.trainer.state)
+        if scheme is not None and incarnation > 0:  # adopt what it kept in shared memory
+            scheme.adopt(run_id, self.wid, gen)
         self._first_after_join: int | None = None
-        self.bad_sources: list[tuple[str, int, str]] = []  # (shard, step, wid) whose transfer failed I3
         self.trained = False  # a training step done here (a failure before it may be the same on every node)
 
     def _build(self, stage: tuple[int, int]) -> None:
@@ -148,78 +131,28 @@ class Worker:
                                  f"{type(e).__name__}: {e}") from e
             tr = Trainer(cfg, self.wl, st, full_model=full.to("meta"), device=self.device)
         tr.watch(self.watcher.check)
-        self.trainer, self.stage_of = tr, stage
-        if self.repl is not None:
-            self.repl.holdings = {}
-
-    def _partition(self, world: int, gen: int, step: int = 0) -> None:
-        """Flat parameters and the own optimizer shard for a `world`-way mesh (generation `gen`): the
-        stage's state is sharded over its data-parallel peers."""
-        self.shm = shm.worker_base(self.run_id, self.wid, gen) if self.protect else None
-        self.trainer.partition(world // (self.cfg.tp * self.cfg.pp), self.shm, step)
-        if self.repl is not None:
-            self.repl.state = self.trainer.state
-
-    def repartition(self, world: int, gen: int, r: int) -> None:
-        """Cut the flat state anew for a `world`-way partition (shrink, grow, persistent reload)."""
-        old_shm = self.shm
-        self._partition(world, gen, step=r)
-        if self.repl is not None:
-            self.repl.state = self.trainer.state
-            self.repl.holdings = {}
-        if self.ec is not None:
-            self.ec.parity = {}
-        if old_shm and old_shm != self.shm:  # the old generation's segments are never used again
-            for f in shm.SHM_DIR.glob(Path(old_shm).name + "-*"):
-                f.unlink(missing_ok=True)
-
-    # ------------------------------------------------------------------ helpers
-    @property
-    def _coll_timeout(self) -> float:
-        return max(60.0, 6 * self.cfg.failure_timeout)
-
-    def _abort_reason(self) -> str | None:
-        """Why a wait for a collective should give up, or None: the epoch's failure flag (the watcher
-        sees it without a round trip) or the end of the run. The store is asked at most every
-        `Store.abort_check_s` (one request for both keys where a round trip costs a cluster's leader CPU)."""
-        if self.watcher.flagged(self.epoch):
-            return "recovery requested by the control plane"
-        now = time.monotonic()
-        if now - self._abort_checked < self._abort_every:
-            return None
-        self._abort_checked = now
-        failed, over = exists_many(self.store, [keys.failflag(self.epoch), keys.RUN_STATE])
-        if failed:
-            return "recovery requested by the control plane"
-        if over:
-            raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
-        return None
-
-    def wait(self, work: Any, what: str) -> None:
-        wait_work(work, what, self._abort_reason, self._coll_timeout)
-
-    def event(self, kind: str, **fields: Any) -> None:
-        rec = {"t": time.time(), "kind": kind, "wid": self.wid, **fields}
-        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+        self.ctx.trainer, self.ctx.stage_of = tr, stage
+        if self.ctx.scheme is not None:  # (what it kept belongs to the stage it was built for)
+            self.ctx.scheme.drop()
 
     # ------------------------------------------------------------------ training
     def train_step(self, s: int) -> None:
-        assert self.comm is not None and self.topo is not None
+        assert self.ctx.comm is not None and self.ctx.topo is not None
         self.inject.hold(s)  # `,wait=S` faults: before any collective of the step, on every rank
         t0 = time.perf_counter()
-        repl = self.repl
-        res = self.trainer.step(
-            s, self.comm, self.rank, self.topo.layout,
-            self.topo.microbatches(self.rank, self.cfg.total_microbatches),
-            self.wait, before_reduce=lambda: repl.wait(s - 1) if repl is not None else 0.0,
+        scheme, repl = self.ctx.scheme, self.protection.repl
+        res = self.ctx.trainer.step(
+            s, self.ctx.comm, self.ctx.rank, self.ctx.topo.layout,
+            self.ctx.topo.microbatches(self.ctx.rank, self.cfg.total_microbatches),
+            self.ctx.wait, before_reduce=lambda: scheme.wait(s - 1) if scheme is not None else 0.0,
             fault=lambda phase: self.inject.at(s, phase), nan=self.inject.nan_at(s))
-        if repl is not None:
-            repl.start(s)
+        if scheme is not None:
+            scheme.protect(s)
         self.trained = True
-        if self.rank == 0:
+        if self.ctx.rank == 0:
             now = time.time()
             rec = {"step": s, "loss": res.loss, "lr": res.lr, "dt": time.perf_counter() - t0, "t_end": now,
-                   "epoch": self.epoch, "world": self.topo.world, "compute_s": res.compute_s,
+                   "epoch": self.ctx.epoch, "world": self.ctx.topo.world, "compute_s": res.compute_s,
                    "repl_wait_s": res.repl_wait_s, **{k: round(v, 6) for k, v in res.phases.items()}}
             if repl is not None:  # the protection work of the previous step's replication, on this rank
                 rec.update(protect_bytes=repl.stats.last_bytes, protect_s=repl.stats.last_job_s,
@@ -234,29 +167,30 @@ class Worker:
                 values.append(json.dumps({"t": now, "step": s}))
                 self._first_after_join = None
             self._check_fence()  # a rank 0 resumed after its fence must not write a stale record
-            self.store.multi_set(names, values)
+            self.ctx.store.multi_set(names, values)
 
     def finish(self) -> None:
         """Hash the full state in logical order; rank 0 writes it to the run directory and says done."""
-        assert self.comm is not None and self.topo is not None
-        if self.repl is not None:
-            self.repl.wait(self.cfg.steps)  # the final state is protected (and persisted) like any other
-        sha, master = self.trainer.final_state(self.comm, self.rank, self.topo.layout, self.cfg.steps, self.wait)
-        if self.rank == 0:
+        ctx = self.ctx
+        assert ctx.comm is not None and ctx.topo is not None
+        if ctx.scheme is not None:
+            ctx.scheme.wait(self.cfg.steps)  # the final state is protected (and persisted) like any other
+        sha, master = ctx.trainer.final_state(ctx.comm, ctx.rank, ctx.topo.layout, self.cfg.steps, ctx.wait)
+        if self.ctx.rank == 0:
             self._check_fence()
             from phoenixft.observe.export import write_final
 
-            run_dir = self.store.get(keys.RUN_DIR).decode() if self.store.check([keys.RUN_DIR]) else ""
-            path = write_final(run_dir, self.trainer, master, self.cfg, sha) if run_dir else ""
-            self.store.set(keys.FINAL, json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.epoch,
+            run_dir = self.ctx.store.get(keys.RUN_DIR).decode() if self.ctx.store.check([keys.RUN_DIR]) else ""
+            path = write_final(run_dir, self.ctx.trainer, master, self.cfg, sha) if run_dir else ""
+            self.ctx.store.set(keys.FINAL, json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.ctx.epoch,
                                                    "path": path}))
-            self.store.set(keys.RUN_STATE, "done")
+            self.ctx.store.set(keys.RUN_STATE, "done")
             return
-        deadline = time.monotonic() + self._coll_timeout
+        deadline = time.monotonic() + self.ctx.coll_timeout
         while time.monotonic() < deadline:
-            if self.store.check([keys.RUN_STATE]):
+            if self.ctx.store.check([keys.RUN_STATE]):
                 return
-            if self._abort_reason():
+            if self.ctx.abort_reason():
                 raise PeerFailure("failure during the final gather")
             time.sleep(0.02)
         raise PeerFailure("rank 0 did not publish the final state")
@@ -265,10 +199,10 @@ class Worker:
     def _wait_key(self, key: str, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.store.check([key]):
-                return self.store.get(key)
-            if self.store.check([keys.RUN_STATE]):
-                raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
+            if self.ctx.store.check([key]):
+                return self.ctx.store.get(key)
+            if self.ctx.store.check([keys.RUN_STATE]):
+                raise RunAborted(f"run ended ({self.ctx.store.get(keys.RUN_STATE).decode()})")
             if time.monotonic() > deadline:
                 raise RunAborted(f"no answer from the control plane for {key!r} after {timeout_s:.0f}s")
             time.sleep(0.005)
@@ -278,31 +212,32 @@ class Worker:
             e = int(self._wait_key(keys.assign(self.node_id), 10 * 24 * 3600.0))
         else:
             e = 0
-        return auth.verified_topology(self.store, e, self._wait_key(keys.topo(e), 600.0))
+        return auth.verified_topology(self.ctx.store, e, self._wait_key(keys.topo(e), 600.0))
 
     def _check_fence(self) -> None:
         """A fenced node (declared dead while it was stopped or cut off) must never write again."""
-        if self.store.check([keys.fence(self.node_id)]):
+        if self.ctx.store.check([keys.fence(self.node_id)]):
             raise RunAborted(f"{self.node_id} was fenced: it is not a member any more and writes nothing")
 
     def recover(self, err: str) -> int:
-        e = self.epoch
+        e = self.ctx.epoch
         t_err = time.time()
         self.watcher.disarm()
         self._check_fence()
         if "requested by the control plane" not in err:  # else the flag is set already: no round trip
-            self.store.set(keys.failflag(e), "1")
-            self.store.set(keys.failflag(e) + "/by-worker", "1")
+            self.ctx.store.set(keys.failflag(e), "1")
+            self.ctx.store.set(keys.failflag(e) + "/by-worker", "1")
         # (no event of its own: the descriptor carries the error and its time, and the coordinator logs one
         # `failures_reported` event for all of them: W appends to one key would be W more store round trips)
-        if self.repl is not None:
-            self.repl.abort()
-        if self.comm is not None:
-            self.comm.retire()
+        if self.protection.repl is not None:
+            self.protection.repl.abort()
+        if self.ctx.comm is not None:
+            self.ctx.comm.retire()
         desc = self.protection.descriptor(err, t_err)
-        self.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
-        self.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
-        topo = auth.verified_topology(self.store, e + 1, self._wait_key(keys.topo(e + 1), self.cfg.next_epoch_wait_s))
+        self.ctx.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
+        self.ctx.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
+        topo = auth.verified_topology(self.ctx.store, e + 1,
+                                      self._wait_key(keys.topo(e + 1), self.cfg.next_epoch_wait_s))
         self._check_fence()
         if self.node_id not in topo.nodes:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
@@ -322,15 +257,15 @@ class Worker:
                 if self.device.is_cuda:  # the current CUDA device is per thread: this worker's GPU here too
                     torch.cuda.set_device(self.device.torch)
                 box["comm"] = EpochComm(
-                    self.store.c10d, topo.epoch, self.rank, topo.world, self._coll_timeout, backend=self.device.backend,
-                    layout=topo.layout, device=self.device,
+                    self.ctx.store.c10d, topo.epoch, self.ctx.rank, topo.world, self.ctx.coll_timeout,
+                    backend=self.device.backend, layout=topo.layout, device=self.device,
                     transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None)
             except BaseException as e:  # noqa: BLE001 - handed to the joining thread
                 box["error"] = e
 
         if self._side_store is None:  # the rendezvous blocks this worker's store client: poll on another,
             # connected before the build (EpochComm takes the sockets opened while it builds for its own)
-            self._side_store = self.store.independent()
+            self._side_store = self.ctx.store.independent()
         t = threading.Thread(target=build, name=f"phoenixft-groups-e{topo.epoch}", daemon=True)
         t.start()
         side = self._side_store
@@ -342,9 +277,9 @@ class Worker:
             last = time.monotonic()
             failed, over = exists_many(side, [keys.failflag(topo.epoch), keys.RUN_STATE])
             if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
-                self.store, self._side_store = side, None
+                self.ctx.store, self._side_store = side, None
             if over:
-                raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
+                raise RunAborted(f"run ended ({self.ctx.store.get(keys.RUN_STATE).decode()})")
             if failed:
                 raise PeerFailure(f"recovery requested by the control plane while the process groups of epoch "
                                   f"{topo.epoch} were being built (a member did not arrive)")
@@ -367,44 +302,44 @@ class Worker:
 
     def join(self, topo: Topology) -> int:
         t0 = time.time()
-        old_rank = self.rank
-        tr = self.trainer
-        self.topo, self.epoch = topo, topo.epoch
-        self.rank = topo.rank_of(self.node_id, self.local_rank)
+        old_rank = self.ctx.rank
+        tr = self.ctx.trainer
+        self.ctx.topo, self.ctx.epoch = topo, topo.epoch
+        self.ctx.rank = topo.rank_of(self.node_id, self.local_rank)
         lay = topo.layout
-        self.comm = None
-        self.comm = self._build_comm(topo)
+        self.ctx.comm = None
+        self.ctx.comm = self._build_comm(topo)
         t_pg = time.time()
         r = topo.resume_step
         timings: dict[str, Any] = {"reconfigure_s": t_pg - t0}
         bad: list[str] = []  # I3: what failed verification on this rank
-        stage = lay.coord(self.rank).stage
-        if self.stage_of != stage:  # a 3D rank's first epoch, or a spare promoted to a stage it was not built for
+        stage = lay.coord(self.ctx.rank).stage
+        if self.ctx.stage_of != stage:  # a 3D rank's first epoch, or a spare promoted to a stage it was not built for
             self._build(stage)
-            self._partition(topo.world, int(topo.meta.get("generation", 0)), r)
-            tr = self.trainer
-        tr.stage.bind(self.comm.tp, self.wait)
+            self.ctx.partition(topo.world, int(topo.meta.get("generation", 0)), r)
+            tr = self.ctx.trainer
+        tr.stage.bind(self.ctx.comm.tp, self.ctx.wait)
         if "reshard" not in topo.meta and tr.flat.shards != lay.dp:
             # a spare built for the initial world, promoted into a resized one: it holds nothing yet
-            self.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
+            self.ctx.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
         path = restore.path_of(topo)
         if path == "reshard":
-            restore.reshard(self, topo, r, old_rank, timings, bad)
+            restore.reshard(self.ctx, topo, r, old_rank, timings, bad)
         elif path == "persistent":
-            restore.restore_persistent(self, topo, r, timings, bad)
+            restore.restore_persistent(self.ctx, topo, r, timings, bad)
         elif path == "init":
-            tr.init_shard(lay.dp_rank(self.rank), self.rank, topo.world)
-            restore.init_replicas(self, topo)
+            tr.init_shard(lay.dp_rank(self.ctx.rank), self.ctx.rank, topo.world)
+            restore.init_replicas(self.ctx, topo)
         else:
-            restore.restore_in_place(self, topo, r, timings, bad)
+            restore.restore_in_place(self.ctx, topo, r, timings, bad)
         tr.resume(r)  # the restored host snapshot into the shard's working copy (H2D on CUDA)
-        self.protection.configure(topo, self.rank, r)
+        self.protection.configure(topo, self.ctx.rank, r)
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
-        inv, detail = check_invariants(self.comm.train, topo, self.rank, r, tr.flat.step, tr.state.steps(), held,
-                               not bad, self.wait)
+        inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step, tr.state.steps(),
+                                       held, not bad, self.ctx.wait)
         timings["join_s"] = time.time() - t0
-        self.store.set(keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.rank,
+        self.ctx.store.set(keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.ctx.rank,
                                                                      "invariants": inv, "i3_failures": bad,
                                                                      **timings}))
         if not inv["I3"]:
@@ -416,10 +351,10 @@ class Worker:
             why = f"invariant {bad_inv} failed after recovery to epoch {topo.epoch} to step {r} ({detail})"
             self._stop_run(why, ours=True)
             raise RunAborted(why)
-        self.bad_sources = []
+        self.ctx.bad_sources = []
         self.watcher.arm(topo.epoch)
-        if self.repl is not None:
-            self.repl.start(r)
+        if self.ctx.scheme is not None:
+            self.ctx.scheme.protect(r)
         if topo.epoch > 0:
             self._first_after_join = topo.epoch
         return r
@@ -428,23 +363,23 @@ class Worker:
     def _stop_run(self, why: str, ours: bool = False) -> None:
         """Stop the whole run at the last committed step, with one clear reason: a fault that is not
         ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past."""
-        if self.store.add("run/stop_claim", 1) == 1:
-            last = max(self.trainer.state.steps(), default=0) if self.trainer is not None else 0
+        if self.ctx.store.add("run/stop_claim", 1) == 1:
+            last = max(self.ctx.trainer.state.steps(), default=0) if self.ctx.trainer is not None else 0
             msg = (f"{why}; the run stops rather than train on a state it cannot vouch for" if ours
                    else f"{why}; not ours to heal, stopped at the last committed step {last}")
-            self.store.set(keys.RUN_ERROR, msg)
-            self.event("run_failed", error=why, last_committed=last)
-            self.store.set(keys.RUN_STATE, "failed")
+            self.ctx.store.set(keys.RUN_ERROR, msg)
+            self.ctx.event("run_failed", error=why, last_committed=last)
+            self.ctx.store.set(keys.RUN_STATE, "failed")
 
     def run(self) -> int:
-        self.store.set(keys.ready(self.wid), str(time.time()))
+        self.ctx.store.set(keys.ready(self.wid), str(time.time()))
         if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
-            self.store.delete_key(keys.start_failed(self.wid))
+            self.ctx.store.delete_key(keys.start_failed(self.wid))
         try:
             if self.incarnation > 0:  # restarted in place by the agent: rejoin from retained memory
-                e = int(self.store.get(keys.EPOCH))
-                self.topo = auth.verified_topology(self.store, e, self.store.get(keys.topo(e)))
-                self.epoch, self.rank = e, self.topo.rank_of(self.node_id, self.local_rank)
+                e = int(self.ctx.store.get(keys.EPOCH))
+                self.ctx.topo = auth.verified_topology(self.ctx.store, e, self.ctx.store.get(keys.topo(e)))
+                self.ctx.epoch, self.ctx.rank = e, self.ctx.topo.rank_of(self.node_id, self.local_rank)
                 step = self.recover(f"restarted in place (incarnation {self.incarnation})") + 1
             else:
                 try:
@@ -484,7 +419,7 @@ def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: st
     if w is not None and w.trained:
         return
     try:
-        store = w.store if w is not None else connect_store(store_addr, 10.0)
+        store = w.ctx.store if w is not None else connect_store(store_addr, 10.0)
         key = keys.start_failed(wid)  # (one process of the worker at a time: no other writer)
         rec: dict[str, Any] = (json.loads(store.get(key)) if store.check([key])
                                else {"t": time.time(), "error": error[:500]})

@@ -7,13 +7,14 @@
 - `plan`: one rank's part in an epoch (today's DP rings, one per local rank);
 - `parity`: the parity blocks a rank keeps, ping-pong in shared memory;
 - `protect`: the per-step distributed encode, run by the `Replicator` thread;
+- `erasure`: the `ec:D+H` side of `protect.scheme.RedundancyScheme` (the encode job, the parity a
+  rank keeps, the rebuild of a plan's decode jobs by `recovery.rebuild`);
 - `decodable`: which lost shards a group can rebuild and from which pieces (pure, for the planner);
-- `rebuild`: the restore side of a plan's decode jobs;
 - `estimate`: host memory per node and bytes per rank and step of a configuration (`--dry-run`).
 """
 
 # only the pure, torch-free modules here: `phoenixft.config` imports this package, and the CLI must
-# start without torch; import parity, plan, protect and rebuild from their modules
+# start without torch; import parity, plan, protect and erasure from their modules
 from phoenixft.protect.redundancy.decodable import DecodeJob, decode_options
 from phoenixft.protect.redundancy.placement import Group, RingRank, place_groups
 from phoenixft.protect.redundancy.scheme import Redundancy, parse_redundancy
