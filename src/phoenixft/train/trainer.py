@@ -203,7 +203,7 @@ class Trainer:
         grad = self.flat.grad32
         rs = self._reduce_scatter(comm.dp, grad)
         works: list[tuple[int, Any]] = []  # (bucket, its reduction), posted as backward completes each bucket
-        waited = [0.0]
+        waited = [0.0]  # how long the first bucket waited for the previous step's replication
 
         def launch(b: int) -> None:  # a bucket's gradients are complete on the last microbatch
             if not works:
@@ -216,7 +216,7 @@ class Trainer:
         if nan:
             loss_sum = math.nan
         t_compute = time.perf_counter() - t0
-        # 2-3. gradients and loss summed over the peers
+        # 2-3. (the first bucket waited for the previous step's replication) gradients and loss summed
         lt, w_loss = self._reduce_gradients(s, comm, c, microbatches, loss_sum, launch, works, rs, wait)
         t_reduced = time.perf_counter()
         loss = self._sum_tied_and_loss(s, comm, grad, lt, w_loss, m_total, wait)
