@@ -74,6 +74,53 @@ def verified_checkpoint(job: Job, roots: str | list[str], exclude: dict[str, str
     return man, skipped
 
 
+class _Planner:
+    """One recovery's planning: the planner over the gathered descriptors and the ready spares, which
+    falls back to the persistent tier only to a checkpoint whose files verify (read only then: a
+    recovery from memory never waits for the disk)."""
+
+    def __init__(self, job: Job, cfg: RunConfig, old: Topology, dead: set[str], restarted: set[str],
+                 descs: dict[str, Descriptor], grow_only: bool, tiers: list[str], exclude: dict[str, str]) -> None:
+        self.job, self.cfg, self.old, self.dead, self.restarted, self.descs = job, cfg, old, dead, restarted, descs
+        self.grow_only, self.tiers, self.exclude = grow_only, tiers, exclude
+        self.man: dict[str, Any] | None = max((m for m in map(latest_manifest, tiers) if m is not None),
+                                              key=lambda m: int(m["step"]), default=None)
+        self.verified: list[Any] = []  # [(manifest, skipped)] once the persistent tier was verified
+
+    def plan(self, pool: list[str]) -> Plan:
+        """The recovery plan with the spares of `pool`."""
+        p = self._plan_with(self.man, pool)
+        if p.persistent_step is not None and not self.verified:
+            good, skipped = verified_checkpoint(self.job, self.tiers, self.exclude)
+            self.verified.append((good, skipped))
+            if good is None or self.man is None or good["path"] != self.man["path"]:
+                self.man = good
+                p = self._plan_with(self.man, pool)
+        return p
+
+    def _plan_with(self, m: dict[str, Any] | None, pool: list[str]) -> Plan:
+        cfg = self.cfg
+        try:
+            return plan_recovery(PlanInput(old=self.old, dead=self.dead, restarted=self.restarted, descs=self.descs,
+                                           pool=pool, target_nodes=cfg.nodes, replicas=cfg.replicas,
+                                           racks=cfg.racks, manifest=m, grow_only=self.grow_only))
+        except Exception as ex:  # noqa: BLE001 - the planner is pure: a restarted coordinator would raise
+            # again, each time, until the launcher gave up on it; so the run fails in one line instead
+            traceback.print_exc(file=sys.stderr)  # (the coordinator's log: for the bug report)
+            return Plan(ok=False, error=f"the recovery planner failed ({type(ex).__name__}: {str(ex)[:200]}): "
+                                        "a defect of phoenixft; please report it with the run directory")
+
+    def failure(self, error: str, refused: str) -> str:
+        """Why no plan recovers: the planner's `error`, and when every complete checkpoint was skipped
+        why the newest one was (`refused`: the workers' refusal of the one this epoch restored)."""
+        skipped = self.verified[0][1] if self.verified else []
+        if skipped:
+            why = f"(the newest, step {skipped[0]['step']}: {skipped[0]['file']} {skipped[0]['why']})"
+            error = (f"{refused}; no other persistent checkpoint verifies {why}" if refused and self.exclude else
+                     f"{error} that verifies {why}")
+        return error
+
+
 class Decider:
     """Recovers the job from a failure: `recover` (flag, gather, decide) and `decide`."""
 
@@ -104,28 +151,61 @@ class Decider:
     def decide(self, old: Topology, t_start: float, dead: set[str], fenced: set[str], restarted: set[str]) -> None:
         """The gather is done: fence the dead, fetch and parse the descriptors, plan, publish."""
         e = old.epoch
+        restarted = self._fence(dead, restarted)
+        descs = self._descriptors(old, dead)
+        stuck = self.recovery_loop(descs)
+        if stuck:
+            self.recovery_failed(e, t_start, dead, fenced, restarted, descs, stuck)
+            self.job.fail_run(stuck)
+            return
+        t_first = self._failures_reported(e, t_start, descs)
+        self.admission.refresh_pool()
+        pool = self.admission.ready_spares()
+        grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
+                     and not self.store.check([keys.failflag(e) + "/by-worker"]))
+        tiers, refused = self._persistent_tiers(old, descs)
+        planner = _Planner(self.job, self.cfg, old, dead, restarted, descs, grow_only, tiers, dict(self._refused))
+        plan = planner.plan(pool)
+        coming = self.admission.spare_coming(pool)
+        if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
+            pool = self._wait_for_spares(e, dead, pool)
+            plan = planner.plan(pool)
+        if not plan.ok:
+            plan = self.fresh_start(old, dead, descs, pool, progress=self.job.progress()) or plan
+        if not plan.ok or plan.topo is None:
+            error = planner.failure(plan.error, refused)
+            self.recovery_failed(e, t_start, dead, fenced, restarted, descs, error)
+            self.job.fail_run(f"{error} (epoch {e})")
+            return
+        self._publish(old, plan, plan.topo, t_start, t_first, dead, fenced, restarted, descs)
+
+    def _fence(self, dead: set[str], restarted: set[str]) -> set[str]:
+        """Fence the dead nodes; the restarted workers that are not on one of them."""
         for w in restarted:
             self.store.delete_key(keys.worker_exit(w))
         restarted = {w for w in restarted if w.split(".")[0] not in dead}
         for n in dead:
             self.store.set(keys.fence(n), str(time.time()))  # when: nothing of n may be written after it
         self.state.dead |= dead
+        return restarted
+
+    def _descriptors(self, old: Topology, dead: set[str]) -> dict[str, Descriptor]:
+        """The surviving workers' descriptors of epoch `old`, fetched in one round trip."""
         live = [w for n in old.nodes if n not in dead for w in self.job.wids(n)]
-        raw = self.store.multi_get([keys.desc(e, w) for w in live]) if live else []
-        descs = {w: Descriptor.from_json(json.loads(r)) for w, r in zip(live, raw, strict=True)}
-        stuck = self.recovery_loop(descs)
-        if stuck:
-            self.recovery_failed(e, t_start, dead, fenced, restarted, descs, stuck)
-            self.job.fail_run(stuck)
-            return
+        raw = self.store.multi_get([keys.desc(old.epoch, w) for w in live]) if live else []
+        return {w: Descriptor.from_json(json.loads(r)) for w, r in zip(live, raw, strict=True)}
+
+    def _failures_reported(self, e: int, t_start: float, descs: dict[str, Descriptor]) -> float:
+        """Say who reported the failure first, and when (the time is returned)."""
         t_first = min([d.t for d in descs.values()] + [t_start])
         first = min(descs.values(), key=lambda d: d.t, default=None)
         self.job.event("failures_reported", epoch=e, reports=len(descs), first=first.wid if first else None,
                        t_first=t_first, errors=sorted({d.error[:300] for d in descs.values()})[:5])
-        self.admission.refresh_pool()
-        pool = self.admission.ready_spares()
-        grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
-                     and not self.store.check([keys.failflag(e) + "/by-worker"]))
+        return t_first
+
+    def _persistent_tiers(self, old: Topology, descs: dict[str, Descriptor]) -> tuple[list[str], str]:
+        """The persistent tier's directories, and the workers' refusal of the checkpoint this epoch restored
+        ('' if none; that checkpoint is then never chosen again in this run)."""
         # the persistent tier: --persist-dir's checkpoints, and the one --resume started from (until this
         # run has written a newer one, it is the newest state on disk: without it, losing a shard's every
         # copy before the first new checkpoint lost a run that had just been resumed)
@@ -133,67 +213,28 @@ class Decider:
         refused = next((d.error for d in descs.values() if d.error.startswith(NOT_INSTALLED)), "")
         if refused and old.meta.get("restore") == "persistent":
             # the workers refused the checkpoint this epoch restored (it changed after it was verified, or
-            # their hosts cannot read it): never again in this run (the set of them, not the last one only:
-            # with two refused, the choice went back and forth between them for 13 recoveries), and the newest
-            # other one
+            # their hosts cannot read it): never again in this run (the set of them, not the last one only,
+            # so that the choice cannot go back and forth between two refused ones), and the newest other one
             was = str(old.meta["manifest"]["path"])
             tiers = tiers or [os.path.dirname(was)]
             self._refused[was] = f"was refused by the workers ({refused.split(': ', 1)[-1][:200]})"
-        exclude = dict(self._refused)
-        man = max((m for m in map(latest_manifest, tiers) if m is not None), key=lambda m: int(m["step"]),
-                  default=None)
-        verified: list[Any] = []  # [(manifest, skipped)] once the persistent tier was verified
+        return tiers, refused
 
-        def decide() -> Any:
-            nonlocal man
+    def _wait_for_spares(self, e: int, dead: set[str], pool: list[str]) -> list[str]:
+        """A mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or for
+        the spare that is starting (--spare-arrives-at-step) to be ready; the ready spares then."""
+        self.job.event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
+        deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
+        while len(pool) < len(dead) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            self.admission.refresh_pool()
+            pool = self.admission.ready_spares()
+        return pool
 
-            def plan_with(m: dict[str, Any] | None) -> Any:
-                try:
-                    return plan_recovery(PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
-                                                   target_nodes=self.cfg.nodes, replicas=self.cfg.replicas,
-                                                   racks=self.cfg.racks, manifest=m, grow_only=grow_only))
-                except Exception as ex:  # noqa: BLE001 - the planner is pure: a restarted coordinator would raise
-                    # again, each time, until the launcher gave up on it; so the run fails in one line instead
-                    traceback.print_exc(file=sys.stderr)  # (the coordinator's log: for the bug report)
-                    return Plan(ok=False, error=f"the recovery planner failed ({type(ex).__name__}: {str(ex)[:200]}): "
-                                                "a defect of phoenixft; please report it with the run directory")
-
-            p = plan_with(man)
-            if p.persistent_step is not None and not verified:
-                # the plan falls back to the persistent tier: only to a checkpoint whose files verify (read
-                # only now: a recovery from memory never waits for the disk)
-                good, _ = verified_checkpoint(self.job, tiers, exclude)
-                verified.append((good, _))
-                if good is None or man is None or good["path"] != man["path"]:
-                    man = good
-                    p = plan_with(man)
-            return p
-
-        plan = decide()
-        coming = self.admission.spare_coming(pool)
-        if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
-            # a mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or
-            # for the spare that is starting (--spare-arrives-at-step) to be ready
-            self.job.event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
-            deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
-            while len(pool) < len(dead) and time.monotonic() < deadline:
-                time.sleep(0.1)
-                self.admission.refresh_pool()
-                pool = self.admission.ready_spares()
-            plan = decide()
-        if not plan.ok:
-            plan = self.fresh_start(old, dead, descs, pool, progress=self.job.progress()) or plan
-        if not plan.ok or plan.topo is None:
-            error = plan.error
-            skipped = verified[0][1] if verified else []
-            if skipped:  # every complete checkpoint was skipped: say why the newest one was
-                why = f"(the newest, step {skipped[0]['step']}: {skipped[0]['file']} {skipped[0]['why']})"
-                error = (f"{refused}; no other persistent checkpoint verifies {why}" if refused and exclude else
-                         f"{error} that verifies {why}")
-            self.recovery_failed(e, t_start, dead, fenced, restarted, descs, error)
-            self.job.fail_run(f"{error} (epoch {e})")
-            return
-        topo = plan.topo
+    def _publish(self, old: Topology, plan: Plan, topo: Topology, t_start: float, t_first: float, dead: set[str],
+                 fenced: set[str], restarted: set[str], descs: dict[str, Descriptor]) -> None:
+        """Take the promoted spares from the pool, record the recovery for the report, publish epoch e+1."""
+        e = old.epoch
         for s in plan.promoted:
             self.state.spare_pool.remove(s)
         if plan.dropped:

@@ -89,89 +89,100 @@ def _failed_recovery(rec: dict[str, Any], answered: list[dict[str, Any]], cfg: R
     }
 
 
-def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
-    first_topo = _get(store, keys.topo(0))
-    start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
-    progress = int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
-    steps = _step_records(store, start + 1, min(cfg.steps, progress))
-    dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
-    final = _get(store, keys.FINAL)
-    faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
+def _joins(store: Store, cfg: RunConfig, epoch: int, nodes: list[str]) -> list[dict[str, Any]]:
+    """The join records of an epoch's members (those present)."""
+    return [j for j in (_get(store, keys.join(epoch, f"{n}.{i}")) for n in nodes
+                        for i in range(cfg.workers_per_node)) if j]
+
+
+def _completion(store: Store, e: int) -> tuple[dict[str, Any] | None, int, bool]:
+    """Which epoch completed the recovery of epoch `e`: its first step record, that epoch, and whether none
+    ever will (another failure interrupted it and the recovery of that one failed: the run ended)."""
+    first = _get(store, keys.first_step(e))
+    done_epoch = e  # a recovery interrupted by another failure is completed by a later epoch
+    while first is None and store.check([keys.recovery(done_epoch + 1)]):
+        done_epoch += 1
+        first = _get(store, keys.first_step(done_epoch))
+    never = first is None and store.check([keys.recovery_failed(done_epoch + 1)])
+    return first, done_epoch, never
+
+
+def _recovery(store: Store, cfg: RunConfig, e: int, faults: list[dict[str, Any]], used: set[int]) -> dict[str, Any]:
+    """The report entry of the recovery of epoch `e`."""
+    rec = _get(store, keys.recovery(e))
+    topo = _get(store, keys.topo(e))
+    joins = _joins(store, cfg, e, topo["nodes"])
+    own_joins = joins  # this epoch's own join records: its invariants, even if a later epoch finished it
+    first, done_epoch, never = _completion(store, e)
+    if done_epoch != e:
+        joins = _joins(store, cfg, done_epoch, _get(store, keys.topo(done_epoch))["nodes"])
+    answered = _answered(faults, rec, used)
+    fault = answered[-1] if answered else None
+    t0 = answered[0]["t"] if answered else rec["t_first_report"]  # from the first of them
+    joined_at = max((j["t"] for j in joins), default=rec["t_decided"])
+    inv = {k: all(j["invariants"].get(k, False) for j in own_joins) and len(own_joins) == len(topo["nodes"])
+           * cfg.workers_per_node for k in ("I1", "I2", "I3", "I4")}
+    return {
+        "fault": fault["spec"] if fault else None,  # the latest it answers; all of them in `faults`
+        "faults": [f["spec"] for f in answered],
+        "fault_step": fault.get("step") if fault else None,
+        "class": rec["class"],
+        "action": rec["action"],
+        "epoch": e,
+        "completed_in_epoch": None if never else done_epoch,
+        "dead": rec["dead"],
+        "promoted": rec["promoted"],
+        "restarted": rec.get("restarted", []),
+        "detect_s": rec["t_first_report"] - t0,
+        "recovery_s": (first["t"] - t0) if first else None,
+        "lost_steps": rec["max_committed"] - rec["resume_step"],
+        "replayed_steps": rec["max_committed"] - rec["resume_step"],
+        "resumed_step": rec["resume_step"],
+        "stages": {
+            "detect_s": rec["t_first_report"] - t0,
+            "decide_s": rec["t_decided"] - rec["t_first_report"],
+            "reconfigure_s": max((j["reconfigure_s"] for j in joins), default=None),
+            "restore_params_s": max((j.get("restore_params_s", 0.0) for j in joins), default=None),
+            "restore_optimizer_s": max((j.get("restore_opt_s", 0.0) for j in joins), default=None),
+            "join_s": joined_at - rec["t_decided"],
+            "first_step_s": (first["t"] - joined_at) if first else None,
+        },
+        "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) + j.get("bytes_ec", 0) for j in joins),
+        # each member's own stage timings (the stages above are the slowest member's)
+        "per_rank": {str(j.get("rank")): {k: v for k, v in j.items() if k.endswith("_s")} for j in joins},
+        "redundancy": cfg.redundancy,
+        # ec:D+H: shards rebuilt from their group's pieces, the pieces' bytes, the slowest decode
+        "decoded": sorted({x for j in joins for x in j.get("decoded", [])}),
+        "bytes_decoded_from": sum(j.get("bytes_ec", 0) for j in joins),
+        "decode_s": max((j.get("decode_s", 0.0) for j in joins), default=0.0),
+        "invariants": inv,
+        "errors": rec.get("errors", []),
+        "replicas_rejected": rec.get("replicas_rejected", []),
+        "fenced": rec.get("fenced", []),
+        "unresponsive": rec.get("unresponsive", []),
+        "bad_sources": rec.get("bad_sources", []),
+        "i3_failures": [x for j in own_joins for x in j.get("i3_failures", [])],
+        "persistent_step": rec.get("persistent_step"),
+        "dropped": rec.get("dropped", []),
+    }
+
+
+def _recoveries(store: Store, cfg: RunConfig, faults: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per recovery epoch, then the recovery that ended the run, if one did."""
     recoveries = []
     e = 1
     used: set[int] = set()
     while store.check([keys.recovery(e)]):
-        rec = _get(store, keys.recovery(e))
-        topo = _get(store, keys.topo(e))
-        joins = [j for j in (_get(store, keys.join(e, f"{n}.{i}")) for n in topo["nodes"]
-                             for i in range(cfg.workers_per_node)) if j]
-        own_joins = joins  # this epoch's own join records: its invariants, even if a later epoch finished it
-        first = _get(store, keys.first_step(e))
-        done_epoch = e  # a recovery interrupted by another failure is completed by a later epoch
-        while first is None and store.check([keys.recovery(done_epoch + 1)]):
-            done_epoch += 1
-            first = _get(store, keys.first_step(done_epoch))
-        # ... or by none: another failure interrupted it and the recovery of that one failed (the run ended)
-        never = first is None and store.check([keys.recovery_failed(done_epoch + 1)])
-        if done_epoch != e:
-            topo_done = _get(store, keys.topo(done_epoch))
-            joins = [j for j in (_get(store, keys.join(done_epoch, f"{n}.{i}")) for n in topo_done["nodes"]
-                                 for i in range(cfg.workers_per_node)) if j]
-        answered = _answered(faults, rec, used)
-        fault = answered[-1] if answered else None
-        t0 = answered[0]["t"] if answered else rec["t_first_report"]  # from the first of them
-        joined_at = max((j["t"] for j in joins), default=rec["t_decided"])
-        inv = {k: all(j["invariants"].get(k, False) for j in own_joins) and len(own_joins) == len(topo["nodes"])
-               * cfg.workers_per_node for k in ("I1", "I2", "I3", "I4")}
-        recoveries.append({
-            "fault": fault["spec"] if fault else None,  # the latest it answers; all of them in `faults`
-            "faults": [f["spec"] for f in answered],
-            "fault_step": fault.get("step") if fault else None,
-            "class": rec["class"],
-            "action": rec["action"],
-            "epoch": e,
-            "completed_in_epoch": None if never else done_epoch,
-            "dead": rec["dead"],
-            "promoted": rec["promoted"],
-            "restarted": rec.get("restarted", []),
-            "detect_s": rec["t_first_report"] - t0,
-            "recovery_s": (first["t"] - t0) if first else None,
-            "lost_steps": rec["max_committed"] - rec["resume_step"],
-            "replayed_steps": rec["max_committed"] - rec["resume_step"],
-            "resumed_step": rec["resume_step"],
-            "stages": {
-                "detect_s": rec["t_first_report"] - t0,
-                "decide_s": rec["t_decided"] - rec["t_first_report"],
-                "reconfigure_s": max((j["reconfigure_s"] for j in joins), default=None),
-                "restore_params_s": max((j.get("restore_params_s", 0.0) for j in joins), default=None),
-                "restore_optimizer_s": max((j.get("restore_opt_s", 0.0) for j in joins), default=None),
-                "join_s": joined_at - rec["t_decided"],
-                "first_step_s": (first["t"] - joined_at) if first else None,
-            },
-            "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) + j.get("bytes_ec", 0) for j in joins),
-            # each member's own stage timings (the stages above are the slowest member's)
-            "per_rank": {str(j.get("rank")): {k: v for k, v in j.items() if k.endswith("_s")} for j in joins},
-            "redundancy": cfg.redundancy,
-            # ec:D+H: shards rebuilt from their group's pieces, the pieces' bytes, the slowest decode
-            "decoded": sorted({x for j in joins for x in j.get("decoded", [])}),
-            "bytes_decoded_from": sum(j.get("bytes_ec", 0) for j in joins),
-            "decode_s": max((j.get("decode_s", 0.0) for j in joins), default=0.0),
-            "invariants": inv,
-            "errors": rec.get("errors", []),
-            "replicas_rejected": rec.get("replicas_rejected", []),
-            "fenced": rec.get("fenced", []),
-            "unresponsive": rec.get("unresponsive", []),
-            "bad_sources": rec.get("bad_sources", []),
-            "i3_failures": [x for j in own_joins for x in j.get("i3_failures", [])],
-            "persistent_step": rec.get("persistent_step"),
-            "dropped": rec.get("dropped", []),
-        })
+        recoveries.append(_recovery(store, cfg, e, faults, used))
         e += 1
     failed = _get(store, keys.recovery_failed(e))
     if failed is not None:  # the recovery that ended the run: what it found and why it could not recover
         recoveries.append(_failed_recovery(failed, _answered(faults, failed, used), cfg))
-    events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines() if x.strip()] \
-        if store.check([keys.EVENTS]) else []
+    return recoveries
+
+
+def _control_plane(faults: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The control plane's faults: an etcd member killed, or the coordinator (its downtime, its successor)."""
     control_plane = []
     for f in faults:
         if f["spec"].startswith("kill:etcd"):
@@ -181,6 +192,21 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
             first = min(back, key=lambda ev: ev["t"]) if back else None
             control_plane.append({"fault": f["spec"], "t": f["t"], "downtime_s": first["t"] - f["t"] if first else None,
                                   "new_leader": first.get("leader") if first else None})
+    return control_plane
+
+
+def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
+    """The run's JSON report (fields in the module docstring); writes metrics.jsonl and events.jsonl."""
+    first_topo = _get(store, keys.topo(0))
+    start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
+    progress = int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+    steps = _step_records(store, start + 1, min(cfg.steps, progress))
+    dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
+    final = _get(store, keys.FINAL)
+    faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
+    recoveries = _recoveries(store, cfg, faults)
+    events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines() if x.strip()] \
+        if store.check([keys.EVENTS]) else []
     report: dict[str, Any] = {
         "run_id": run_id,
         "state": state,
@@ -202,7 +228,7 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         "faults_not_fired": [spec for i, spec in enumerate(cfg.inject or [])
                              if not store.check([keys.fault(i) + "/fired"]) and not store.check([keys.fault(i)])],
         "recoveries": recoveries,
-        "control_plane": control_plane,
+        "control_plane": _control_plane(faults, events),
         # persistent checkpoints that will not complete: skipped (the disk was slower than --persist-every)
         # or failed to write, per rank (persist.py)
         "persist_problems": [{k: ev.get(k) for k in ("kind", "step", "rank", "why")} for ev in events

@@ -215,7 +215,8 @@ def _add_scenario(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _build(sub: argparse._SubParsersAction) -> None:
+def _add_worked(sub: argparse._SubParsersAction) -> None:
+    """``worked-example``: the review's worked example, Eq. (1)-(5)."""
     p = _patch(
         sub.add_parser(
             "worked-example",
@@ -240,6 +241,9 @@ def _build(sub: argparse._SubParsersAction) -> None:
     _add_output(p)
     p.set_defaults(func=_guard(_cmd_worked))
 
+
+def _add_paper(sub: argparse._SubParsersAction) -> None:
+    """``paper-scenario``: the paper's 64-node scenario."""
     p = _patch(
         sub.add_parser(
             "paper-scenario",
@@ -253,6 +257,9 @@ def _build(sub: argparse._SubParsersAction) -> None:
     _add_output(p)
     p.set_defaults(func=_guard(_cmd_paper))
 
+
+def _add_shard(sub: argparse._SubParsersAction) -> None:
+    """``shard-loss``: the shard-loss probability table, Eq. (6)."""
     p = _patch(
         sub.add_parser(
             "shard-loss",
@@ -276,6 +283,9 @@ def _build(sub: argparse._SubParsersAction) -> None:
     _add_output(p)
     p.set_defaults(func=_guard(_cmd_shard))
 
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    """``scale-sweep``: ETTR of each policy across scales."""
     p = _patch(
         sub.add_parser(
             "scale-sweep",
@@ -301,6 +311,9 @@ def _build(sub: argparse._SubParsersAction) -> None:
     _add_output(p)
     p.set_defaults(func=_guard(_cmd_sweep))
 
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    """``run``: a free-form scenario from flags."""
     p = _patch(
         sub.add_parser(
             "run",
@@ -329,6 +342,15 @@ def _build(sub: argparse._SubParsersAction) -> None:
     _add_mc(p)
     _add_output(p)
     p.set_defaults(func=_guard(_cmd_run))
+
+
+def _build(sub: argparse._SubParsersAction) -> None:
+    """Add the simulator's subcommands."""
+    _add_worked(sub)
+    _add_paper(sub)
+    _add_shard(sub)
+    _add_sweep(sub)
+    _add_run(sub)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -273,6 +273,310 @@ class _RepairQueue:
         return back.sum(axis=1)
 
 
+def _checkpoint_plan(sc: Scenario, policy: str, ckpt_every: int | None, trajectories: int) -> tuple[int, float]:
+    """Validate the arguments; the checkpoint interval ``K`` (steps) and the cost of one write (s)."""
+    if trajectories < 1:
+        raise ValueError("trajectories must be >= 1")
+    if ckpt_every is not None and ckpt_every < 1:
+        raise ValueError("ckpt_every must be >= 1")
+    if policy == "checkpoint-restart" and ckpt_every is None:
+        raise ValueError("checkpoint-restart needs ckpt_every")
+    if ckpt_every is not None and policy in ("checkpoint-restart", "inplace"):
+        return int(ckpt_every), sc.ckpt_s
+    k_int = sc.persist_every if sc.persist_every > 0 else sc.steps + 1
+    return k_int, (sc.persist_s if sc.persist_every > 0 else 0.0)
+
+
+class _Runs:
+    """The state of every trajectory of one simulation, and one event's advance of all of them."""
+
+    def __init__(self, sc: Scenario, policy: str, k_int: int, delta: float, trajectories: int, seed: int,
+                 record_episodes: bool) -> None:
+        self.sc, self.policy, self.k_int, self.delta = sc, policy, k_int, delta
+        self.cr = policy == "checkpoint-restart"
+        self.over = 1.0 if self.cr else sc.overhead_ratio
+        self.T = T = trajectories
+        self.record_episodes = record_episodes
+        self.costs = np.array([0.0, sc.inplace_s, sc.shrink_s, sc.hotswap_s, sc.restart_s])
+        ss = np.random.SeedSequence(seed)
+        self.rng_node, self.rng_dom, self.rng_cls, self.rng_loss = (np.random.default_rng(s) for s in ss.spawn(4))
+        self.weib_scale = 1.0 / math.gamma(1.0 + 1.0 / sc.weibull_shape)
+        self.dom_mean = sc.domain_mttf_s / sc.domains
+
+        self.n_active = np.full(T, sc.nodes, dtype=np.int64)
+        self.t_node = self.node_mean(self.n_active) * self.node_unit()
+        self.t_dom = self.dom_gap() if math.isfinite(self.dom_mean) else np.full(T, np.inf)
+        self.active = np.ones(T, dtype=bool)
+        self.unfinished = np.zeros(T, dtype=bool)
+        self.end_time = np.zeros(T)
+        self.prog = np.zeros(T, dtype=np.int64)  # committed steps (in memory or persistent)
+        self.persist = np.zeros(T, dtype=np.int64)  # last persistent checkpoint (steps)
+        self.rec_end = np.zeros(T)  # time the job resumes / resumed training
+        self.rec_start = np.zeros(T)
+        self.rec_kind = np.zeros(T, dtype=np.int64)
+        self.rec_fb = np.zeros(T, dtype=bool)
+        self.rec_wait = np.zeros(T)
+        self.spare_at = np.full(T, -np.inf)
+        self.deficit = np.zeros(T, dtype=np.int64)
+        self.win_m = np.zeros(T, dtype=np.int64)
+        self.win_d = np.zeros(T, dtype=np.int64)
+        self.lost = np.zeros((T, len(CAUSES)))
+        self.useful = np.zeros(T)
+        self.cnt = {k: np.zeros(T, dtype=np.int64) for k in ("fail", "tr", "dom", "loss", "intr", "ep")}
+        self.ep_start = np.zeros(T)
+        self.ep_lost = np.zeros(T)
+        self.ep_sum = np.zeros(T)
+        self.samples: list[np.ndarray] = []
+        self.pool = _Pool(T, sc.spares, sc.provision_s)
+        self.repair = _RepairQueue(T)
+        self.loss_table = _LossTable(sc)
+        self.iterations = 0
+
+    # ------------------------------------------------------------------ arrivals
+    def node_unit(self) -> np.ndarray:
+        """Unit-mean inter-arrival draws of the node process (one per trajectory)."""
+        if self.sc.arrival == "weibull":
+            return self.weib_scale * self.rng_node.weibull(self.sc.weibull_shape, self.T)
+        return self.rng_node.standard_exponential(self.T)
+
+    def node_mean(self, active_nodes: np.ndarray) -> np.ndarray:
+        return self.sc.node_mttf_s / np.maximum(active_nodes, 1)
+
+    def dom_gap(self) -> np.ndarray:
+        return self.dom_mean * self.rng_dom.standard_exponential(self.T)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def commit(self, mask: np.ndarray, steps: np.ndarray, ckpts: np.ndarray, slow: np.ndarray) -> None:
+        """Count ``steps`` trained (and ``ckpts`` checkpoints written) where ``mask``."""
+        st = np.where(mask, steps, 0) * self.sc.step_s
+        self.useful[:] += st
+        self.lost[:, _C["protection"]] += st * (self.over - 1.0)
+        self.lost[:, _C["degraded"]] += st * self.over * (slow - 1.0)
+        self.lost[:, _C["checkpoint"]] += np.where(mask, ckpts, 0) * self.delta
+
+    def rollback(self, mask: np.ndarray, cause: str) -> None:
+        """Fall back to the last persistent checkpoint where ``mask``, charging the lost steps to ``cause``."""
+        back = np.where(mask, self.prog - self.persist, 0) * self.sc.step_s
+        self.useful[:] -= back
+        self.lost[:, _C[cause]] += back
+        self.ep_lost[:] += back
+        self.prog[:] = np.where(mask, self.persist, self.prog)
+
+    def shrink_by(self, count: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Drop ``count`` nodes but keep at least one; the rest are waited for (repaired)."""
+        removed = np.minimum(count, np.maximum(self.n_active - 1, 0))
+        self.n_active[:] -= removed
+        self.repair.push(removed, t + self.sc.provision_s)
+        return removed, np.where(count > removed, t + self.sc.provision_s, -np.inf)
+
+    # ------------------------------------------------------------------ one event
+    def advance(self, horizon: float) -> None:
+        """Advance every unfinished trajectory to its next event: a failure, or the end of the run."""
+        self.iterations += 1
+        t_e = np.minimum(self.t_node, self.t_dom)
+        is_dom = self.t_dom < self.t_node
+        in_rec = self.active & (t_e < self.rec_end)
+        run = self.active & ~in_rec
+        self.close_recoveries(run & (self.rec_kind > 0))
+        fail_run = self.train_until(t_e, run, in_rec)
+        if fail_run is None:
+            return
+        ev = in_rec | fail_run
+        self.fail(t_e, is_dom, in_rec, ev)
+        stuck = self.active & (t_e > horizon)
+        if stuck.any():
+            self.unfinished |= stuck
+            self.end_time[stuck] = t_e[stuck]
+            self.active[stuck] = False
+
+    def close_recoveries(self, done: np.ndarray) -> None:
+        """A recovery that ended before this event completed: charge it and close its episode."""
+        if not done.any():
+            return
+        idx = np.flatnonzero(done)
+        cause = np.where(self.rec_fb[idx], _C["fallback"], _KIND_CAUSE[self.rec_kind[idx]])
+        self.lost[idx, cause] += self.costs[self.rec_kind[idx]]
+        self.lost[idx, _C["spare_wait"]] += self.rec_wait[idx]
+        episode = self.rec_end[idx] - self.ep_start[idx] + self.ep_lost[idx]
+        self.ep_sum[idx] += episode
+        self.cnt["ep"][idx] += 1
+        if self.record_episodes:
+            self.samples.append(episode)
+        self.rec_kind[idx] = _NONE
+        self.rec_fb[idx] = False
+        self.rec_wait[idx] = 0.0
+        self.spare_at[idx] = -np.inf
+        self.win_m[idx] = 0
+        self.win_d[idx] = 0
+
+    def train_until(self, t_e: np.ndarray, run: np.ndarray, in_rec: np.ndarray) -> np.ndarray | None:
+        """Training from ``rec_end`` until the event or the end of the run: finish the runs that end
+        first, commit the progress of the others up to their failure and return them (None when no
+        trajectory has a failure to handle)."""
+        sc, k_int, delta, N, prog = self.sc, self.k_int, self.delta, self.sc.steps, self.prog
+        slow = sc.nodes / np.maximum(self.n_active, 1)
+        s = sc.step_s * self.over * slow
+        cyc = k_int * s + delta
+        j0 = prog // k_int
+        dt = t_e - self.rec_end
+        t_fin = (N - prog) * s + (N // k_int - j0) * delta
+        fin = run & (dt >= t_fin)
+        if fin.any():
+            self.commit(fin, N - prog, N // k_int - j0, slow)
+            self.end_time[fin] = self.rec_end[fin] + t_fin[fin]
+            prog[fin] = N
+            self.active[fin] = False
+        fail_run = run & ~fin
+        if not (in_rec | fail_run).any():
+            return None
+        x = (prog - j0 * k_int) * s + dt
+        jr = np.floor(x / cyc)
+        rem = x - jr * cyc
+        m = np.minimum(np.floor(rem / s), k_int)
+        if self.cr:
+            new_prog = (j0 + jr) * k_int
+            done_at = jr * cyc
+        else:
+            new_prog = (j0 + jr) * k_int + m
+            done_at = jr * cyc + m * s
+        new_prog = np.maximum(new_prog.astype(np.int64), prog)
+        seg_lost = np.where(fail_run, np.maximum(x - np.maximum(done_at, x - dt), 0.0), 0.0)
+        self.commit(fail_run, new_prog - prog, (j0 + jr).astype(np.int64) - j0, slow)
+        self.lost[:, _C["replay" if self.cr else "partial_step"]] += seg_lost
+        prog[:] = np.where(fail_run, new_prog, prog)
+        self.persist[:] = np.where(fail_run, np.maximum((j0 + jr).astype(np.int64) * k_int, self.persist), self.persist)
+        self.persist[:] = np.minimum(self.persist, prog)
+        self.ep_start[:] = np.where(fail_run, t_e, self.ep_start)
+        self.ep_lost[:] = np.where(fail_run, seg_lost, self.ep_lost)
+        return fail_run
+
+    def fail(self, t_e: np.ndarray, is_dom: np.ndarray, in_rec: np.ndarray, ev: np.ndarray) -> None:
+        """The failure event where ``ev``: classify it, apply the policy, start (or extend) the recovery,
+        draw the next arrivals."""
+        sc, T = self.sc, self.T
+        self.lost[:, _C["interrupted"]] += np.where(in_rec, t_e - self.rec_start, 0.0)
+        self.cnt["intr"] += in_rec
+        u_cls = self.rng_cls.random(T)
+        u_loss = self.rng_loss.random(T)
+        node_draw = self.node_unit()
+        dom_draw = self.dom_gap() if math.isfinite(self.dom_mean) else None
+        dom = ev & is_dom
+        trans = ev & ~is_dom & (u_cls < sc.transient_frac)
+        perm = ev & ~trans
+        g = np.where(dom, min(sc.domain_size, sc.nodes), np.where(perm, 1, 0)).astype(np.int64)
+        self.cnt["fail"] += ev
+        self.cnt["tr"] += trans
+        self.cnt["dom"] += dom
+
+        loss = np.zeros(T, dtype=bool)
+        if self.policy in ("phoenix", "shrink"):
+            loss = self.shard_loss(perm, dom, u_loss)
+        if self.cr:
+            kind = np.zeros(T, dtype=np.int64)
+            kind[ev] = _RESTART
+            ready = self.pool.take_wait(g, t_e)
+        elif self.policy == "inplace":
+            kind, ready = self.respond_inplace(t_e, trans, perm, g)
+        elif self.policy == "phoenix":
+            kind, ready = self.respond_phoenix(t_e, ev, trans, perm, g, loss)
+        else:
+            kind, ready = self.respond_shrink(t_e, ev, trans, perm, g, loss)
+        self.start_recovery(t_e, ev, in_rec, kind, ready, loss)
+
+        # Next arrivals (exponential node process is memoryless: redraw after any event).
+        redraw_node = ev if sc.arrival == "exponential" else ev & ~is_dom
+        self.t_node = np.where(redraw_node, t_e + self.node_mean(self.n_active) * node_draw, self.t_node)
+        if dom_draw is not None:
+            self.t_dom = np.where(dom, t_e + dom_draw, self.t_dom)
+
+    def shard_loss(self, perm: np.ndarray, dom: np.ndarray, u_loss: np.ndarray) -> np.ndarray:
+        """In-memory policies: whether this permanent failure lost a shard (owner and all replicas);
+        a loss falls back to the last persistent checkpoint."""
+        before = self.loss_table(self.win_m, self.win_d)
+        self.win_m += np.where(perm & ~dom & ~self.rec_fb, 1, 0)
+        self.win_d += np.where(dom & ~self.rec_fb, 1, 0)
+        after = self.loss_table(self.win_m, self.win_d)
+        p_loss = np.clip(np.nan_to_num(after - before, nan=1.0, posinf=1.0), 0.0, 1.0)
+        loss = perm & ~self.rec_fb & (u_loss < p_loss)
+        self.cnt["loss"] += loss
+        self.rollback(loss, "fallback")
+        return loss
+
+    def respond_inplace(self, t_e: np.ndarray, trans: np.ndarray, perm: np.ndarray,
+                        g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """In-place restart for transient failures, checkpoint-restart for permanent ones."""
+        kind = np.where(trans, _INPLACE, np.where(perm, _RESTART, _NONE))
+        self.rollback(perm, "replay")
+        return kind, self.pool.take_wait(g, t_e)
+
+    def respond_phoenix(self, t_e: np.ndarray, ev: np.ndarray, trans: np.ndarray, perm: np.ndarray, g: np.ndarray,
+                        loss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Refill the nodes a shrink removed, then in-place for transient failures, hot-swap of a spare for
+        permanent ones, shrink (or wait) when the pool is empty, restart after a shard loss."""
+        back = np.minimum(self.repair.pop_returned(ev, t_e), self.deficit)
+        self.n_active += back
+        self.deficit -= back
+        fill = self.pool.take_ready(np.where(ev, self.deficit, 0), t_e)
+        self.deficit -= fill
+        self.n_active += fill
+        kind = np.where(trans, _INPLACE, _NONE)
+        if self.sc.no_spare == "wait":
+            ready = self.pool.take_wait(g, t_e)
+            kind = np.where(perm, _HOTSWAP, kind)
+        else:
+            got = self.pool.take_ready(g, t_e)
+            kind = np.where(perm & (got > 0), _HOTSWAP, np.where(perm, _SHRINK, kind))
+            removed, ready = self.shrink_by(g - got, t_e)
+            self.deficit += removed
+        return np.where(loss, _RESTART, kind), ready
+
+    def respond_shrink(self, t_e: np.ndarray, ev: np.ndarray, trans: np.ndarray, perm: np.ndarray, g: np.ndarray,
+                       loss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """In-place for transient failures, continue on the survivors for permanent ones."""
+        self.n_active += self.repair.pop_returned(ev, t_e)
+        kind = np.where(trans, _INPLACE, np.where(perm, _SHRINK, _NONE))
+        kind = np.where(loss, _RESTART, kind)
+        _, ready = self.shrink_by(g, t_e)
+        return kind, ready
+
+    def start_recovery(self, t_e: np.ndarray, ev: np.ndarray, in_rec: np.ndarray, kind: np.ndarray,
+                       ready: np.ndarray, loss: np.ndarray) -> None:
+        """Start the recovery of ``kind`` where ``ev``; an interrupted one never gets lighter."""
+        kind = np.where(in_rec, np.maximum(kind, self.rec_kind), kind)
+        self.rec_fb |= loss
+        self.spare_at = np.where(ev, np.maximum(self.spare_at, ready), self.spare_at)
+        wait = np.where(ev, np.maximum(self.spare_at - t_e, 0.0), 0.0)
+        self.rec_kind = np.where(ev, kind, self.rec_kind)
+        self.rec_wait = np.where(ev, wait, self.rec_wait)
+        self.rec_start = np.where(ev, t_e, self.rec_start)
+        self.rec_end = np.where(ev, t_e + wait + self.costs[kind], self.rec_end)
+
+    def result(self, seed: int, runtime_s: float) -> MCResult:
+        """The per-trajectory outcomes."""
+        sc, cr, cnt = self.sc, self.cr, self.cnt
+        return MCResult(
+            policy=self.policy,
+            scenario=sc,
+            ckpt_every=self.k_int if (cr or sc.persist_every > 0) else 0,
+            trajectories=self.T,
+            seed=seed,
+            wall_s=self.end_time,
+            useful_s=self.useful,
+            failures=cnt["fail"],
+            transient=cnt["tr"],
+            domain_events=cnt["dom"],
+            shard_losses=cnt["loss"],
+            interrupted=cnt["intr"],
+            lost={c: self.lost[np.arange(self.T), _C[c]].copy() for c in CAUSES},
+            episodes=cnt["ep"],
+            episode_sum_s=self.ep_sum,
+            unfinished=int(self.unfinished.sum()),
+            iterations=self.iterations,
+            runtime_s=runtime_s,
+            episode_samples=np.concatenate(self.samples) if self.record_episodes and self.samples else None,
+        )
+
+
 def simulate(
     sc: Scenario,
     policy: str,
@@ -297,253 +601,10 @@ def simulate(
     """
     t_start = time.perf_counter()
     policy = canonical_policy(policy)
-    if trajectories < 1:
-        raise ValueError("trajectories must be >= 1")
-    cr = policy == "checkpoint-restart"
-    if ckpt_every is not None and ckpt_every < 1:
-        raise ValueError("ckpt_every must be >= 1")
-    if cr and ckpt_every is None:
-        raise ValueError("checkpoint-restart needs ckpt_every")
-    if ckpt_every is not None and policy in ("checkpoint-restart", "inplace"):
-        k_int, delta = int(ckpt_every), sc.ckpt_s
-    else:
-        k_int = sc.persist_every if sc.persist_every > 0 else sc.steps + 1
-        delta = sc.persist_s if sc.persist_every > 0 else 0.0
-    over = 1.0 if cr else sc.overhead_ratio
-    T, N, n = trajectories, sc.steps, sc.nodes
-    G, p_tr = min(sc.domain_size, sc.nodes), sc.transient_frac
-    costs = np.array([0.0, sc.inplace_s, sc.shrink_s, sc.hotswap_s, sc.restart_s])
+    k_int, delta = _checkpoint_plan(sc, policy, ckpt_every, trajectories)
+    runs = _Runs(sc, policy, k_int, delta, trajectories, seed, record_episodes)
     horizon = horizon_factor * sc.failure_free_s
-
-    ss = np.random.SeedSequence(seed)
-    rng_node, rng_dom, rng_cls, rng_loss = (np.random.default_rng(s) for s in ss.spawn(4))
-    weib_scale = 1.0 / math.gamma(1.0 + 1.0 / sc.weibull_shape)
-    dom_mean = sc.domain_mttf_s / sc.domains
-
-    def node_unit() -> np.ndarray:
-        """Unit-mean inter-arrival draws of the node process (one per trajectory)."""
-        if sc.arrival == "weibull":
-            return weib_scale * rng_node.weibull(sc.weibull_shape, T)
-        return rng_node.standard_exponential(T)
-
-    def node_mean(active_nodes: np.ndarray) -> np.ndarray:
-        return sc.node_mttf_s / np.maximum(active_nodes, 1)
-
-    def dom_gap() -> np.ndarray:
-        return dom_mean * rng_dom.standard_exponential(T)
-
-    n_active = np.full(T, n, dtype=np.int64)
-    t_node = node_mean(n_active) * node_unit()
-    t_dom = dom_gap() if math.isfinite(dom_mean) else np.full(T, np.inf)
-    active = np.ones(T, dtype=bool)
-    unfinished = np.zeros(T, dtype=bool)
-    end_time = np.zeros(T)
-    prog = np.zeros(T, dtype=np.int64)  # committed steps (in memory or persistent)
-    persist = np.zeros(T, dtype=np.int64)  # last persistent checkpoint (steps)
-    rec_end = np.zeros(T)  # time the job resumes / resumed training
-    rec_start = np.zeros(T)
-    rec_kind = np.zeros(T, dtype=np.int64)
-    rec_fb = np.zeros(T, dtype=bool)
-    rec_wait = np.zeros(T)
-    spare_at = np.full(T, -np.inf)
-    deficit = np.zeros(T, dtype=np.int64)
-    win_m = np.zeros(T, dtype=np.int64)
-    win_d = np.zeros(T, dtype=np.int64)
-    lost = np.zeros((T, len(CAUSES)))
-    useful = np.zeros(T)
-    cnt = {k: np.zeros(T, dtype=np.int64) for k in ("fail", "tr", "dom", "loss", "intr", "ep")}
-    ep_start = np.zeros(T)
-    ep_lost = np.zeros(T)
-    ep_sum = np.zeros(T)
-    samples: list[np.ndarray] = []
-    pool = _Pool(T, sc.spares, sc.provision_s)
-    repair = _RepairQueue(T)
-    loss_table = _LossTable(sc)
-    rows_all = np.arange(T)
-
-    def commit(mask: np.ndarray, steps: np.ndarray, ckpts: np.ndarray, slow: np.ndarray) -> None:
-        st = np.where(mask, steps, 0) * sc.step_s
-        useful[:] += st
-        lost[:, _C["protection"]] += st * (over - 1.0)
-        lost[:, _C["degraded"]] += st * over * (slow - 1.0)
-        lost[:, _C["checkpoint"]] += np.where(mask, ckpts, 0) * delta
-
-    def rollback(mask: np.ndarray, cause: str) -> None:
-        back = np.where(mask, prog - persist, 0) * sc.step_s
-        useful[:] -= back
-        lost[:, _C[cause]] += back
-        ep_lost[:] += back
-        prog[:] = np.where(mask, persist, prog)
-
-    def shrink_by(count: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Drop ``count`` nodes but keep at least one; the rest are waited for (repaired)."""
-        removed = np.minimum(count, np.maximum(n_active - 1, 0))
-        n_active[:] -= removed
-        repair.push(removed, t + sc.provision_s)
-        return removed, np.where(count > removed, t + sc.provision_s, -np.inf)
-
-    iterations = 0
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        while active.any():
-            iterations += 1
-            t_e = np.minimum(t_node, t_dom)
-            is_dom = t_dom < t_node
-            in_rec = active & (t_e < rec_end)
-            run = active & ~in_rec
-
-            # A recovery that ended before this event completed: charge it.
-            done = run & (rec_kind > 0)
-            if done.any():
-                idx = np.flatnonzero(done)
-                cause = np.where(rec_fb[idx], _C["fallback"], _KIND_CAUSE[rec_kind[idx]])
-                lost[idx, cause] += costs[rec_kind[idx]]
-                lost[idx, _C["spare_wait"]] += rec_wait[idx]
-                episode = rec_end[idx] - ep_start[idx] + ep_lost[idx]
-                ep_sum[idx] += episode
-                cnt["ep"][idx] += 1
-                if record_episodes:
-                    samples.append(episode)
-                rec_kind[idx] = _NONE
-                rec_fb[idx] = False
-                rec_wait[idx] = 0.0
-                spare_at[idx] = -np.inf
-                win_m[idx] = 0
-                win_d[idx] = 0
-
-            # Training from rec_end until the event (or the end of the run).
-            slow = n / np.maximum(n_active, 1)
-            s = sc.step_s * over * slow
-            cyc = k_int * s + delta
-            j0 = prog // k_int
-            dt = t_e - rec_end
-            t_fin = (N - prog) * s + (N // k_int - j0) * delta
-            fin = run & (dt >= t_fin)
-            if fin.any():
-                commit(fin, N - prog, N // k_int - j0, slow)
-                end_time[fin] = rec_end[fin] + t_fin[fin]
-                prog[fin] = N
-                active[fin] = False
-            fail_run = run & ~fin
-            ev = in_rec | fail_run
-            if not ev.any():
-                continue
-            x = (prog - j0 * k_int) * s + dt
-            jr = np.floor(x / cyc)
-            rem = x - jr * cyc
-            m = np.minimum(np.floor(rem / s), k_int)
-            if cr:
-                new_prog = (j0 + jr) * k_int
-                done_at = jr * cyc
-            else:
-                new_prog = (j0 + jr) * k_int + m
-                done_at = jr * cyc + m * s
-            new_prog = np.maximum(new_prog.astype(np.int64), prog)
-            seg_lost = np.where(fail_run, np.maximum(x - np.maximum(done_at, x - dt), 0.0), 0.0)
-            commit(fail_run, new_prog - prog, (j0 + jr).astype(np.int64) - j0, slow)
-            lost[:, _C["replay" if cr else "partial_step"]] += seg_lost
-            prog[:] = np.where(fail_run, new_prog, prog)
-            persist[:] = np.where(fail_run, np.maximum((j0 + jr).astype(np.int64) * k_int, persist), persist)
-            persist[:] = np.minimum(persist, prog)
-            ep_start[:] = np.where(fail_run, t_e, ep_start)
-            ep_lost[:] = np.where(fail_run, seg_lost, ep_lost)
-
-            # The failure event itself.
-            lost[:, _C["interrupted"]] += np.where(in_rec, t_e - rec_start, 0.0)
-            cnt["intr"] += in_rec
-            u_cls = rng_cls.random(T)
-            u_loss = rng_loss.random(T)
-            node_draw = node_unit()
-            dom_draw = dom_gap() if math.isfinite(dom_mean) else None
-            dom = ev & is_dom
-            trans = ev & ~is_dom & (u_cls < p_tr)
-            perm = ev & ~trans
-            g = np.where(dom, G, np.where(perm, 1, 0)).astype(np.int64)
-            cnt["fail"] += ev
-            cnt["tr"] += trans
-            cnt["dom"] += dom
-
-            kind = np.zeros(T, dtype=np.int64)
-            ready = np.full(T, -np.inf)
-            loss = np.zeros(T, dtype=bool)
-            if policy in ("phoenix", "shrink"):
-                before = loss_table(win_m, win_d)
-                win_m += np.where(perm & ~dom & ~rec_fb, 1, 0)
-                win_d += np.where(dom & ~rec_fb, 1, 0)
-                after = loss_table(win_m, win_d)
-                p_loss = np.clip(np.nan_to_num(after - before, nan=1.0, posinf=1.0), 0.0, 1.0)
-                loss = perm & ~rec_fb & (u_loss < p_loss)
-                cnt["loss"] += loss
-                rollback(loss, "fallback")
-            if cr:
-                kind[ev] = _RESTART
-                ready = pool.take_wait(g, t_e)
-            elif policy == "inplace":
-                kind = np.where(trans, _INPLACE, np.where(perm, _RESTART, _NONE))
-                rollback(perm, "replay")
-                ready = pool.take_wait(g, t_e)
-            elif policy == "phoenix":
-                back = np.minimum(repair.pop_returned(ev, t_e), deficit)
-                n_active += back
-                deficit -= back
-                fill = pool.take_ready(np.where(ev, deficit, 0), t_e)
-                deficit -= fill
-                n_active += fill
-                kind = np.where(trans, _INPLACE, _NONE)
-                if sc.no_spare == "wait":
-                    ready = pool.take_wait(g, t_e)
-                    kind = np.where(perm, _HOTSWAP, kind)
-                else:
-                    got = pool.take_ready(g, t_e)
-                    kind = np.where(perm & (got > 0), _HOTSWAP, np.where(perm, _SHRINK, kind))
-                    removed, ready = shrink_by(g - got, t_e)
-                    deficit += removed
-                kind = np.where(loss, _RESTART, kind)
-            else:  # shrink
-                n_active += repair.pop_returned(ev, t_e)
-                kind = np.where(trans, _INPLACE, np.where(perm, _SHRINK, _NONE))
-                kind = np.where(loss, _RESTART, kind)
-                _, ready = shrink_by(g, t_e)
-
-            kind = np.where(in_rec, np.maximum(kind, rec_kind), kind)
-            rec_fb |= loss
-            spare_at = np.where(ev, np.maximum(spare_at, ready), spare_at)
-            wait = np.where(ev, np.maximum(spare_at - t_e, 0.0), 0.0)
-            rec_kind = np.where(ev, kind, rec_kind)
-            rec_wait = np.where(ev, wait, rec_wait)
-            rec_start = np.where(ev, t_e, rec_start)
-            rec_end = np.where(ev, t_e + wait + costs[kind], rec_end)
-
-            # Next arrivals (exponential node process is memoryless: redraw after any event).
-            redraw_node = ev if sc.arrival == "exponential" else ev & ~is_dom
-            t_node = np.where(redraw_node, t_e + node_mean(n_active) * node_draw, t_node)
-            if dom_draw is not None:
-                t_dom = np.where(dom, t_e + dom_draw, t_dom)
-
-            stuck = active & (t_e > horizon)
-            if stuck.any():
-                unfinished |= stuck
-                end_time[stuck] = t_e[stuck]
-                active[stuck] = False
-
-    wall = end_time
-    return MCResult(
-        policy=policy,
-        scenario=sc,
-        ckpt_every=k_int if (cr or sc.persist_every > 0) else 0,
-        trajectories=T,
-        seed=seed,
-        wall_s=wall,
-        useful_s=useful,
-        failures=cnt["fail"],
-        transient=cnt["tr"],
-        domain_events=cnt["dom"],
-        shard_losses=cnt["loss"],
-        interrupted=cnt["intr"],
-        lost={c: lost[rows_all, _C[c]].copy() for c in CAUSES},
-        episodes=cnt["ep"],
-        episode_sum_s=ep_sum,
-        unfinished=int(unfinished.sum()),
-        iterations=iterations,
-        runtime_s=time.perf_counter() - t_start,
-        episode_samples=np.concatenate(samples) if record_episodes and samples else None,
-    )
+        while runs.active.any():
+            runs.advance(horizon)
+    return runs.result(seed, time.perf_counter() - t_start)

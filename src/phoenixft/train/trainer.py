@@ -47,7 +47,7 @@ from phoenixft.data import _mix
 from phoenixft.dist.device import DONE, Device
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.optim import ElementwiseOptimizer, lr_at, make_optimizer
-from phoenixft.parallel.layout import Layout
+from phoenixft.parallel.layout import Coord, Layout
 from phoenixft.parallel.logical import full_numel, segments, to_full
 from phoenixft.parallel.pipeline import Pipeline
 from phoenixft.parallel.stage import Stage
@@ -195,23 +195,52 @@ class Trainer:
     # ------------------------------------------------------------------ the step
     def step(self, s: int, comm: Any, rank: int, layout: Layout, microbatches: tuple[int, int], wait: Wait,
              before_reduce: Callable[[], float], fault: Callable[[str], None], nan: bool = False) -> StepResult:
-        cfg, flat, stage = self.cfg, self.flat, self.stage
-        c = layout.coord(rank)
-        dp_pg = comm.dp
-        t0 = time.perf_counter()
-        flat.zero_grad()
+        """Train step `s` on this rank (the phases of the module docstring); the shard commits step `s`."""
+        cfg, c = self.cfg, layout.coord(rank)
         m_total = cfg.total_microbatches
-        lo, hi = microbatches
-        grad = flat.grad32
-        works: list[tuple[int, Any]] = []
-        waited = [0.0]
-        rs = self._reduce_scatter(dp_pg, grad)
+        t0 = time.perf_counter()
+        self.flat.zero_grad()
+        grad = self.flat.grad32
+        rs = self._reduce_scatter(comm.dp, grad)
+        works: list[tuple[int, Any]] = []  # (bucket, its reduction), posted as backward completes each bucket
+        waited = [0.0]  # how long the first bucket waited for the previous step's replication
 
         def launch(b: int) -> None:  # a bucket's gradients are complete on the last microbatch
             if not works:
                 waited[0] = before_reduce()  # replication of the previous step committed before any reduction
             blo, bhi = self.buckets.ranges[b]
-            works.append((b, rs.post(b, blo, bhi) if rs is not None else dp_pg.allreduce([grad[blo:bhi]])))
+            works.append((b, rs.post(b, blo, bhi) if rs is not None else comm.dp.allreduce([grad[blo:bhi]])))
+
+        # 1. forward/backward over the microbatches; backward starts the bucket reductions
+        loss_sum = self._forward_backward(s, rank, c, layout, comm, microbatches, m_total, wait, fault, launch)
+        if nan:
+            loss_sum = math.nan
+        t_compute = time.perf_counter() - t0
+        # 2-3. (the first bucket waited for the previous step's replication) gradients and loss summed
+        lt, w_loss = self._reduce_gradients(s, comm, c, microbatches, loss_sum, launch, works, rs, wait)
+        t_reduced = time.perf_counter()
+        loss = self._sum_tied_and_loss(s, comm, grad, lt, w_loss, m_total, wait)
+        # 4. clipping by the global norm
+        gshard, norm = self._clip(s, comm, grad, c.dp, wait)
+        # 5. the optimizer writes the staging half
+        lr = self.lr(s)
+        dst, rows_out, gather = self._optimizer_update(s, rank, comm.dp, gshard, lr, fault)
+        t_opt = time.perf_counter()
+        # 6. buffers, parameter gather, then the hand-off: the shard commits, the flat buffers flip
+        self._hand_off(s, rank, layout.world, comm.dp, dst, rows_out, gather, wait)
+        t_end = time.perf_counter()
+        # metrics
+        val = self.evaluate(s, comm, rank, layout, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
+        phases = {"reduce_s": t_reduced - t0 - t_compute, "optimizer_s": t_opt - t_reduced, "gather_s": t_end - t_opt}
+        return StepResult(loss=loss, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
+                          val_loss=val, phases=phases)
+
+    def _forward_backward(self, s: int, rank: int, c: Coord, layout: Layout, comm: Any, microbatches: tuple[int, int],
+                          m_total: int, wait: Wait, fault: Callable[[str], None],
+                          launch: Callable[[int], None]) -> float:
+        """Forward and backward of this rank's microbatches through the pipeline; the sum of their losses."""
+        cfg, stage = self.cfg, self.stage
+        lo, hi = microbatches
 
         def batch(j: int) -> Any:
             with self._user_code(s, rank):
@@ -236,68 +265,88 @@ class Trainer:
                     torch.autograd.backward(out, g)
             self.buckets.end_microbatch()
 
-        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, flat.dtype, self.device.torch)
+        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype, self.device.torch)
         # the forward and backward fault phases: as microbatch 0's begins, before any wait on another stage
-        loss_sum = pipe.train(hi - lo, batch, forward, backward,
-                              before=lambda phase, j: fault(phase) if j == 0 else None)
-        if nan:
-            loss_sum = math.nan
-        t_compute = time.perf_counter() - t0
+        return pipe.train(hi - lo, batch, forward, backward, before=lambda phase, j: fault(phase) if j == 0 else None)
+
+    def _reduce_gradients(self, s: int, comm: Any, c: Coord, microbatches: tuple[int, int], loss_sum: float,
+                          launch: Callable[[int], None], works: list[tuple[int, Any]], rs: ShardReduce | None,
+                          wait: Wait) -> tuple[torch.Tensor, Any]:
+        """Post the loss all-reduce and wait for the gradient buckets; the loss tensor and its pending work."""
+        lo, hi = microbatches
         if lo == hi:  # no microbatch on this rank (an uneven split): it still takes part in every reduction
             self.buckets.begin_microbatch(last=True, launch=launch)
             self.buckets.end_microbatch()
-        mine = loss_sum if (stage.last and c.tp == 0) or math.isnan(loss_sum) else 0.0  # each loss counted once
+        mine = loss_sum if (self.stage.last and c.tp == 0) or math.isnan(loss_sum) else 0.0  # each loss counted once
         lt = torch.tensor([mine], dtype=torch.float64)
         w_loss = comm.train.allreduce([lt])
         for b, w in works:
             wait(w, f"gradient reduction of step {s}")
             if rs is not None:
                 rs.finish(b)
-        t_reduced = time.perf_counter()
+        return lt, w_loss
+
+    def _sum_tied_and_loss(self, s: int, comm: Any, grad: torch.Tensor, lt: torch.Tensor, w_loss: Any,
+                           m_total: int, wait: Wait) -> float:
+        """Sum the tied embedding's two gradient copies, then the step's loss (mean over microbatches), finite."""
         if self.tied_ranges and comm.emb is not None:  # the tied embedding: both copies get the summed gradient
             for tlo, thi in self.tied_ranges:
                 wait(comm.emb.allreduce([grad[tlo:thi]]), f"tied-embedding gradient of step {s}")
         wait(w_loss, f"loss all-reduce of step {s}")
         if not math.isfinite(float(lt)):
             raise Unhealable(f"the loss of step {s} is {float(lt) / m_total} (numerical error in the training itself)")
-        sl = flat.shard_slice(c.dp)
+        return float(lt) / m_total
+
+    def _clip(self, s: int, comm: Any, grad: torch.Tensor, dp: int, wait: Wait) -> tuple[torch.Tensor, float | None]:
+        """This rank's gradient shard, clipped by the global norm with `--clip-grad-norm`; and that norm."""
+        sl = self.flat.shard_slice(dp)
         gshard = grad[sl]
-        norm = None
-        if cfg.clip_grad_norm > 0:
-            sq64 = gshard.double().square()
-            if self.norm_mask is not None:
-                sq64 = sq64 * self.norm_mask[sl]
-            sq = torch.tensor([float(sq64.sum())], dtype=torch.float64)
-            wait(comm.train.allreduce([sq]), f"gradient norm of step {s}")
-            norm = math.sqrt(float(sq))
-            coef = cfg.clip_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                gshard = gshard * coef
-        src = self.state.half_with(s - 1)
+        if not self.cfg.clip_grad_norm > 0:
+            return gshard, None
+        sq64 = gshard.double().square()
+        if self.norm_mask is not None:
+            sq64 = sq64 * self.norm_mask[sl]
+        sq = torch.tensor([float(sq64.sum())], dtype=torch.float64)
+        wait(comm.train.allreduce([sq]), f"gradient norm of step {s}")
+        norm = math.sqrt(float(sq))
+        coef = self.cfg.clip_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            gshard = gshard * coef
+        return gshard, norm
+
+    def _optimizer_update(self, s: int, rank: int, dp_pg: Any, gshard: torch.Tensor, lr: float,
+                          fault: Callable[[str], None]) -> tuple[int, torch.Tensor, ShardGather | None]:
+        """The optimizer's update into the staging half (on gloo in chunks, each chunk's parameter gather
+        posted at once); that half, its rows in the working copy and the gloo gather (None: NCCL)."""
+        st = self.state
+        src = st.half_with(s - 1)
         if src is None:
             raise RuntimeError(f"no committed optimizer state for step {s - 1}")
         # the update goes to the other half, so that the committed one stays the recovery point; with
         # nothing to recover (--protect none) an optimizer that allows it updates the state in place
         dst = src if not self.snapshot and self.opt.in_place else 1 - src
-        lr = self.lr(s)
-        st = self.state
         st.begin_write(dst)
         rows_in, rows_out = st.dev[src], st.dev[dst]  # the working copy (CPU: the host halves themselves)
-        gather = None
         if self.device.is_cuda:
             self._update(s, rank, rows_in[0], list(rows_in[1:]), gshard, s, lr, rows_out[0], list(rows_out[1:]),
                          hook=lambda: fault("optimizer"))
-        else:  # gloo: the update in chunks, each chunk's parameter gather posted as soon as it is computed
-            gather = ShardGather(dp_pg, flat.begin_gather(), gshard.numel())
-            n, chunk = gshard.numel(), CHUNK_BYTES // 4
-            for lo in range(0, n, chunk):
-                hi = min(n, lo + chunk)
-                self._update(s, rank, rows_in[0][lo:hi], [x[lo:hi] for x in rows_in[1:]], gshard[lo:hi], s, lr,
-                             rows_out[0][lo:hi], [x[lo:hi] for x in rows_out[1:]],
-                             hook=(lambda: fault("optimizer")) if lo == 0 else None)
-                part = rows_out[0][lo:hi]
-                gather.post(part if self.dtype == torch.float32 else part.to(self.dtype), lo)
-        t_opt = time.perf_counter()
+            return dst, rows_out, None
+        gather = ShardGather(dp_pg, self.flat.begin_gather(), gshard.numel())
+        n, chunk = gshard.numel(), CHUNK_BYTES // 4
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            self._update(s, rank, rows_in[0][lo:hi], [x[lo:hi] for x in rows_in[1:]], gshard[lo:hi], s, lr,
+                         rows_out[0][lo:hi], [x[lo:hi] for x in rows_out[1:]],
+                         hook=(lambda: fault("optimizer")) if lo == 0 else None)
+            part = rows_out[0][lo:hi]
+            gather.post(part if self.dtype == torch.float32 else part.to(self.dtype), lo)
+        return dst, rows_out, gather
+
+    def _hand_off(self, s: int, rank: int, world: int, dp_pg: Any, dst: int, rows_out: torch.Tensor,
+                  gather: ShardGather | None, wait: Wait) -> None:
+        """Start the staging half's copy to the host, broadcast the buffers, finish the parameter gather,
+        then commit step `s` in the shard (once its copy is done) and flip the flat buffers."""
+        st, flat = self.state, self.flat
         copy = st.copy_out(dst) if self.snapshot else DONE  # into the host half, off the compute stream
         try:
             if flat.buffers:
@@ -314,13 +363,8 @@ class Trainer:
         except BaseException:
             st.abandon(copy)  # the copy still writes the staging half: let it finish before anyone else does
             raise
-        st.commit_when(dst, s, (rank, layout.world), copy)
+        st.commit_when(dst, s, (rank, world), copy)
         flat.flip(s)
-        t_end = time.perf_counter()
-        val = self.evaluate(s, comm, rank, layout, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
-        phases = {"reduce_s": t_reduced - t0 - t_compute, "optimizer_s": t_opt - t_reduced, "gather_s": t_end - t_opt}
-        return StepResult(loss=float(lt) / m_total, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
-                          val_loss=val, phases=phases)
 
     def _reduce_scatter(self, dp_pg: Any, grad: torch.Tensor) -> ShardReduce | None:
         """The gradient reduction as a reduce-scatter (shard_reduce.py) on gloo; None: an all-reduce
