@@ -26,7 +26,7 @@ from phoenixft.protect.redundancy.scheme import Redundancy, parse_redundancy
 __all__ = ["RunConfig", "add_run_arguments", "config_from_args", "checkpoint_bytes", "check_output_file",
            "PROTECT_MODES"]
 
-TRANSPORTS = ("auto", "tcp")  # --replica-transport (replica_link.py)
+TRANSPORTS = ("auto", "tcp")  # --replica-transport (protect/transport/: TransportMode)
 PROTECT_MODES = ("phoenix", "none")
 MAX_FAILURE_TIMEOUT_S = 86400.0  # larger ones overflow the collectives' timeouts (gloo: int milliseconds)
 _NUMEL: dict[tuple[Any, ...], int | None] = {}
