@@ -363,7 +363,7 @@ class RunConfig:
                 need(self.control_plane == "etcd", "--inject", f.text,
                      "an etcd member can be killed only in the cluster the run starts itself: --control-plane etcd")
                 need(f.etcd < 3, "--inject", f.text, "the run's etcd cluster has members 0, 1, 2")
-            if f.kind in ("kill", "hang", "crash", "corrupt", "partition"):
+            if f.kind_of.needs_protection:
                 need(self.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")
         need(self.persist_every >= 0, "--persist-every", self.persist_every, "must be >= 0")
         check_output_file("--report", self.report)

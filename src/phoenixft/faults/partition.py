@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phoenixft.controlplane import keys
+from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 
 __all__ = ["PartitionError", "LinkCut", "interface_of", "cut_link", "PartitionInjector"]
@@ -101,7 +102,7 @@ class PartitionInjector:
 
     def __init__(self, faults: list[FaultSpec], node: str, bind: str, workers: Callable[[], list[int]],
                  token: str | None) -> None:
-        self.todo = [f for f in faults if f.kind == "partition"]
+        self.todo = [f for f in faults if f.point is Point.HEARTBEAT]
         self.node, self.bind, self.workers, self.token = node, bind, workers, token
         self.cut: LinkCut | None = None
         self._held: dict[int, float] = {}  # fault index -> when its hold began
