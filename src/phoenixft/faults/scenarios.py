@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from phoenixft.dist.topology import Topology
+from phoenixft.faults.spec import parse_fault
 
 __all__ = ["ChaosFault", "Draw", "Scenario", "SCENARIOS"]
 
@@ -54,6 +55,12 @@ class Draw:
     ok_pairs: Callable[[int], list[tuple[int, int]]]  # pairs of slots whose loss at a step is survivable
 
 
+def _fault(d: Draw, name: str, spec: str, why: str, lost: tuple[int, ...]) -> ChaosFault:
+    """A scenario of one spec, described by its fault kind (and `why`, what the campaign expects of it)."""
+    f = parse_fault(spec)
+    return ChaosFault(d.i, name, d.s, (spec,), f.kind_of.describe(f) + why, lost)
+
+
 class Scenario:
     name: ClassVar[str]
     label: ClassVar[str]  # its column in the schedule
@@ -74,8 +81,7 @@ class Kill(Scenario):
 
     def draw(self, d: Draw) -> ChaosFault:
         node = d.rng.randrange(d.n)
-        return ChaosFault(d.i, self.name, d.s, (f"kill:node={node}@step={d.s},phase={d.phase}",),
-                          f"SIGKILL node {node} in its {d.phase} phase", (node,))
+        return _fault(d, self.name, f"kill:node={node}@step={d.s},phase={d.phase}", "", (node,))
 
 
 class Crash(Scenario):
@@ -83,8 +89,7 @@ class Crash(Scenario):
 
     def draw(self, d: Draw) -> ChaosFault:
         rank = d.rng.randrange(d.world)
-        return ChaosFault(d.i, self.name, d.s, (f"crash:rank={rank}@step={d.s},phase={d.phase}",),
-                          f"worker rank {rank} exits in its {d.phase} phase (restarted in place)", ())
+        return _fault(d, self.name, f"crash:rank={rank}@step={d.s},phase={d.phase}", " (restarted in place)", ())
 
 
 class Hang(Scenario):
@@ -92,9 +97,8 @@ class Hang(Scenario):
 
     def draw(self, d: Draw) -> ChaosFault:
         node = d.rng.randrange(d.n)
-        return ChaosFault(d.i, self.name, d.s, (f"hang:node={node}@step={d.s},phase={d.phase}",),
-                          f"SIGSTOP node {node} in its {d.phase} phase (found after --failure-timeout "
-                          f"{d.cfg.failure_timeout:g}s, fenced)", (node,))
+        return _fault(d, self.name, f"hang:node={node}@step={d.s},phase={d.phase}",
+                      f" (found after --failure-timeout {d.cfg.failure_timeout:g}s, fenced)", (node,))
 
 
 class Corrupt(Scenario):
@@ -116,8 +120,7 @@ class KillDuringRecovery(Scenario):
         j = d.rng.randrange(d.n)
         mates = [b if a == j else a for a, b in d.ok_pairs(d.s) if j in (a, b)]
         if d.spares == 0 and not mates:  # no spare to promote into slot j, no survivor whose loss is survivable
-            return ChaosFault(d.i, "kill", d.s, (f"kill:node={j}@step={d.s},phase={d.phase}",),
-                              f"SIGKILL node {j} in its {d.phase} phase", (j,))
+            return _fault(d, "kill", f"kill:node={j}@step={d.s},phase={d.phase}", "", (j,))
         other = d.rng.choice(mates) if mates else j
         # with spares the lost node's slot is taken by a spare and the others keep theirs; without, the
         # job shrinks: the survivors keep their order, so node `other` is in slot `other - 1` past j
@@ -135,9 +138,8 @@ class KillCoordinator(Scenario):
     by_journal = True
 
     def draw(self, d: Draw) -> ChaosFault:
-        return ChaosFault(d.i, self.name, d.s, (f"kill:coordinator@step={d.s},phase={d.phase}",),
-                          f"SIGKILL the coordinator when rank 0 is in its {d.phase} phase (restarted from its "
-                          "journal)", ())
+        return _fault(d, self.name, f"kill:coordinator@step={d.s},phase={d.phase}", " (restarted from its journal)",
+                      ())
 
 
 class TwoNodes(Scenario):
@@ -149,8 +151,7 @@ class TwoNodes(Scenario):
     def draw(self, d: Draw) -> ChaosFault:
         a, b = d.rng.choice(d.ok_pairs(d.s))
         ph = d.rng.choice(_PAIR_PHASES)
-        return ChaosFault(d.i, self.name, d.s, (f"kill:node={a},{b}@step={d.s},phase={ph}",),
-                          f"SIGKILL nodes {a} and {b} in the same step ({ph} phase)", (a, b))
+        return _fault(d, self.name, f"kill:node={a},{b}@step={d.s},phase={ph}", "", (a, b))
 
 
 SCENARIOS: dict[str, Scenario] = {x.name: x for x in (Kill(), Crash(), Hang(), Corrupt(), KillDuringRecovery(),
