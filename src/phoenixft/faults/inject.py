@@ -1,13 +1,14 @@
 """Deterministic fault injection inside the workers: real signals at named steps and phases.
 
-The `--inject` specs (faults.py) fire here, on the rank they name, at the step and phase they
-name: `at(step, phase)` is called by the training step at forward, backward, optimizer and (from
-the replication thread) replicate; `in_recovery(topo)` in the middle of a recovery's transfers;
-`nan_at(step)` poisons a loss; `corrupt_replicas` flips bits of a received replica at rest, and
-`corrupts_transfers` corrupts a copy in flight. A fault is claimed once per run through the store,
-recorded as an event, then carried out with a real SIGKILL / SIGSTOP / exit of the node's process
-group, or of the coordinator. `,wait=S` holds the step on every rank, before it begins (`hold`),
-until the job is whole (full size, and a warm spare if the job has spares), at most S seconds.
+The `--inject` specs (spec.py) that workers fire (their kind's `Point`, kinds.py) fire here, on the
+rank they name, at the step and phase they name: `at(step, phase)` is called by the training step at
+forward, backward, optimizer and (from the replication thread) replicate; `in_recovery(topo)` in the
+middle of a recovery's transfers; `nan_at(step)` poisons a loss; `corrupt_replicas` flips bits of a
+received replica at rest, and `corrupts_transfers` corrupts a copy in flight. A fault is claimed once
+per run through the store, recorded as an event, then carried out by its kind (`FaultKind.act`: a real
+SIGKILL / SIGSTOP / exit of the node's process group, or of the coordinator). `,wait=S` holds the step
+on every rank, before it begins (`hold`), until the job is whole (full size, and a warm spare if the
+job has spares), at most S seconds.
 """
 
 from __future__ import annotations

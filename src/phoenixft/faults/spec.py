@@ -34,6 +34,9 @@ pauses its node's workers with SIGSTOP) - training pauses there - until the job 
 `phoenixft chaos` uses it so that repaired spares can return between faults. A fault fires at
 most once per (fault, node): the first process that reaches it claims it atomically in the store
 (`store.add`), records the time, and only then acts, so a replayed step never fires it again.
+
+What each kind accepts beyond this grammar, where it fires and what it does there live with the kind
+(kinds.py); `FaultSpec.kind_of` is the lookup.
 """
 
 from __future__ import annotations
