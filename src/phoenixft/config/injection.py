@@ -63,5 +63,5 @@ def validate_injection(cfg: RunConfig) -> None:
             need(cfg.control_plane == "etcd", "--inject", f.text,
                  "an etcd member can be killed only in the cluster the run starts itself: --control-plane etcd")
             need(f.etcd < 3, "--inject", f.text, "the run's etcd cluster has members 0, 1, 2")
-        if f.kind in ("kill", "hang", "crash", "corrupt", "partition"):
+        if f.kind_of.needs_protection:
             need(cfg.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["ProtectionConfig", "validate_protection", "PROTECT_MODES", "TRANSPORTS"]
 
 PROTECT_MODES = ("phoenix", "none")
-TRANSPORTS = ("auto", "tcp")  # --replica-transport (protect/replica_link.py)
+TRANSPORTS = ("auto", "tcp")  # --replica-transport (protect/transport/: TransportMode)
 
 
 @dataclass(kw_only=True)

@@ -91,7 +91,7 @@ def fault_claim(index: int, who: int | str) -> str:
 
 
 def fault_targets(index: int) -> str:
-    """JSON list of the node ids a fault strikes, fixed by its first firing (faultinject.py)."""
+    """JSON list of the node ids a fault strikes, fixed by its first firing (faults/inject.py)."""
     return f"fault/{index}/targets"
 
 

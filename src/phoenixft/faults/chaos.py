@@ -41,7 +41,9 @@ from typing import Any, TextIO
 from phoenixft.config import RunConfig
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import UserError
-from phoenixft.faults.spec import KILL_PHASES
+from phoenixft.faults.kinds import Point
+from phoenixft.faults.scenarios import SCENARIOS, ChaosFault, Draw
+from phoenixft.faults.spec import KILL_PHASES, parse_fault
 
 __all__ = [
     "KINDS", "MIN_GAP", "FIRST_STEP", "SHRINK_REL_TOL", "MAX_COORDINATOR_KILLS", "ChaosFault", "Schedule",
@@ -49,15 +51,11 @@ __all__ = [
     "run_campaign", "EXIT_CODES",
 ]
 
-KINDS = ("kill", "crash", "hang", "corrupt", "kill_during_recovery", "kill_coordinator", "two_nodes")
-LOSSES = {"kill": 1, "crash": 0, "hang": 1, "corrupt": 1, "kill_during_recovery": 2, "kill_coordinator": 0,
-          "two_nodes": 2}  # nodes each kind takes out of the job
-LABELS = {"kill": "kill", "crash": "crash", "hang": "hang", "corrupt": "corrupt replica",
-          "kill_during_recovery": "kill during recovery", "kill_coordinator": "coordinator kill",
-          "two_nodes": "two nodes at once"}
+KINDS = tuple(SCENARIOS)
+LOSSES = {k: x.losses for k, x in SCENARIOS.items()}  # nodes each kind takes out of the job
+LABELS = {k: x.label for k, x in SCENARIOS.items()}
 # beyond one of each, node faults are drawn more often than the slow coordinator restart and hang
-WEIGHTS = {"kill": 3, "crash": 2, "hang": 1, "corrupt": 2, "kill_during_recovery": 2, "kill_coordinator": 1,
-           "two_nodes": 2}
+WEIGHTS = {k: x.weight for k, x in SCENARIOS.items()}
 FAULT_WAIT_S = 60.0  # how long a node fault may hold its step for the job to be whole again
 MIN_GAP = 3  # steps between two faults: the replay of a recovery plus at least one clean step
 FIRST_STEP = 3  # the first fault comes after two committed steps
@@ -65,25 +63,6 @@ SHRINK_REL_TOL = 1e-4  # after a shrink the reduction order changes: loss within
 MAX_COORDINATOR_KILLS = 4  # per campaign: the launcher takes 6 coordinator exits within a minute for a crash loop
 PERSIST_MARGIN = 4  # steps after a multiple of --persist-every until that checkpoint is surely complete
 EXIT_CODES = {"pass": 0, "fail": 1, "unsurvivable-by-design": 3}
-_PAIR_PHASES = ("forward", "backward", "optimizer")  # both nodes reach these before a collective fails
-
-
-@dataclass(frozen=True)
-class ChaosFault:
-    """One drawn fault: one or two `--inject` specs, the slots it loses together, survivability."""
-
-    index: int  # 1-based position in the schedule
-    kind: str
-    step: int
-    specs: tuple[str, ...]
-    what: str  # one line for people
-    lost: tuple[int, ...]  # node slots lost together (by one recovery)
-    unsurvivable: str | None = None  # why not, by design; None if survivable
-
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "kind": self.kind, "step": self.step, "inject": list(self.specs),
-                "what": self.what, "lost_slots": list(self.lost), "survivable": self.unsurvivable is None,
-                "unsurvivable": self.unsurvivable}
 
 
 @dataclass
@@ -293,55 +272,10 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
             after = _after_losses(cur, LOSSES[kind])
             if after.nodes < 2 or cur.tp * cur.pp > 1 and after.nodes < cur.nodes:
                 kind = "crash"  # no repairs: a loss now would leave one node (or shrink a mesh); lose nothing instead
-        if kind == "two_nodes" and not ok_pairs(s):
-            kind = "kill"  # no survivable pair this early (the first persistent checkpoint is not written yet)
-        if kind == "kill":
-            node = rng.randrange(n)
-            f = ChaosFault(i, kind, s, (f"kill:node={node}@step={s},phase={phase}",),
-                           f"SIGKILL node {node} in its {phase} phase", (node,))
-        elif kind == "crash":
-            rank = rng.randrange(world)
-            f = ChaosFault(i, kind, s, (f"crash:rank={rank}@step={s},phase={phase}",),
-                           f"worker rank {rank} exits in its {phase} phase (restarted in place)", ())
-        elif kind == "hang":
-            node = rng.randrange(n)
-            f = ChaosFault(i, kind, s, (f"hang:node={node}@step={s},phase={phase}",),
-                           f"SIGSTOP node {node} in its {phase} phase (found after --failure-timeout "
-                           f"{cfg.failure_timeout:g}s, fenced)", (node,))
-        elif kind == "corrupt":
-            owner = rng.randrange(n)
-            holder = ring.holders(owner)[0]  # node level: local rank 0's holder is on the same node as all
-            f = ChaosFault(i, kind, s, (f"corrupt:node={holder}@step={s}",
-                                        f"kill:node={owner}@step={s + 1},phase=optimizer"),
-                           f"corrupt node {holder}'s replica of node {owner}'s shard, then SIGKILL node {owner} at "
-                           f"step {s + 1}: the checksum must reject the corrupt copy", (owner,))
-        elif kind == "kill_during_recovery":
-            j = rng.randrange(n)
-            mates = [b if a == j else a for a, b in ok_pairs(s) if j in (a, b)]
-            if cur.spares == 0 and not mates:  # no spare to promote into slot j, no survivor whose loss is survivable
-                kind, node = "kill", j
-                f = ChaosFault(i, kind, s, (f"kill:node={node}@step={s},phase={phase}",),
-                               f"SIGKILL node {node} in its {phase} phase", (node,))
-            else:
-                other = rng.choice(mates) if mates else j
-                # with spares the lost node's slot is taken by a spare and the others keep theirs; without, the
-                # job shrinks: the survivors keep their order, so node `other` is in slot `other - 1` past j
-                slot = other - 1 if cur.spares == 0 and other > j else other
-                who = (f"node {other}" + (f" (slot {slot} once the job has shrunk)" if slot != other else "")
-                       if other != j else f"the spare promoted into slot {j}")
-                f = ChaosFault(i, kind, s, (f"kill:node={j}@step={s},phase=optimizer",
-                                            f"kill:node={slot}@step={s},phase=recovery"),
-                               f"SIGKILL node {j} in its optimizer phase, then {who} during that recovery's state "
-                               "transfer", tuple(sorted({j, other})))
-        elif kind == "kill_coordinator":
-            f = ChaosFault(i, kind, s, (f"kill:coordinator@step={s},phase={phase}",),
-                           f"SIGKILL the coordinator when rank 0 is in its {phase} phase (restarted from its "
-                           "journal)", ())
-        else:  # two_nodes
-            a, b = rng.choice(ok_pairs(s))
-            ph = rng.choice(_PAIR_PHASES)
-            f = ChaosFault(i, kind, s, (f"kill:node={a},{b}@step={s},phase={ph}",),
-                           f"SIGKILL nodes {a} and {b} in the same step ({ph} phase)", (a, b))
+        d = Draw(i=i, s=s, n=n, world=world, ring=ring, phase=phase, rng=rng, cfg=cfg, spares=cur.spares,
+                 ok_pairs=ok_pairs)
+        kind = SCENARIOS[kind].fallback(d) or kind
+        f = SCENARIOS[kind].draw(d)
         why = unsurvivable_reason(cur, f.lost, s) if f.lost else None
         out.append(dataclasses.replace(f, unsurvivable=why, specs=tuple(_gated(x) if whole else x for x in f.specs)))
         if no_repair and LOSSES[f.kind]:
@@ -357,9 +291,15 @@ def _gated(spec: str) -> str:
     """Node faults at a step hold that step until the job is whole again (full size, and a warm spare
     ready if the job has spares), at most FAULT_WAIT_S: a cluster with --repair-after repairs between
     faults, as a real one mostly is, rather than a burst that outruns the repairs by construction."""
-    if spec.startswith(("kill:node", "hang:", "crash:", "corrupt:")) and "phase=recovery" not in spec:
+    f = parse_fault(spec)
+    if f.kind_of.waits and f.point in (Point.STEP, Point.REPLICAS) and not f.coordinator:
         return f"{spec},wait={FAULT_WAIT_S:g}"
     return spec
+
+
+def _corrupts(spec: str) -> bool:
+    """A corruption: it acts without a fault record (the replicas it corrupted say it fired)."""
+    return parse_fault(spec).point in (Point.REPLICAS, Point.TRANSFER)
 
 
 def format_schedule(sched: Schedule, cfg: RunConfig) -> str:
@@ -426,12 +366,11 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
     spec_index = {s: i for i, s in enumerate(sched.inject)}
     per_fault = []
     for f in sched.faults:
-        evs = [ev for s in f.specs if not s.startswith("corrupt") for ev in fired.get(spec_index[s], [])]
-        injected = all((s in corrupted) if s.startswith("corrupt") else bool(fired.get(spec_index[s]))
-                       for s in f.specs)
+        evs = [ev for s in f.specs if not _corrupts(s) for ev in fired.get(spec_index[s], [])]
+        injected = all((s in corrupted) if _corrupts(s) else bool(fired.get(spec_index[s])) for s in f.specs)
         if not injected:
             recovered = False
-        elif f.kind == "kill_coordinator":  # back from its journal, or training finished without needing it
+        elif SCENARIOS[f.kind].by_journal:  # back from its journal, or training finished without needing it
             recovered = cp.get(f.specs[0], {}).get("downtime_s") is not None or run.get("state") == "done"
         else:
             recovered = max_epoch > max(ev.get("epoch", 0) for ev in evs)

@@ -1,13 +1,14 @@
 """Deterministic fault injection inside the workers: real signals at named steps and phases.
 
-The `--inject` specs (faults.py) fire here, on the rank they name, at the step and phase they
-name: `at(step, phase)` is called by the training step at forward, backward, optimizer and (from
-the replication thread) replicate; `in_recovery(topo)` in the middle of a recovery's transfers;
-`nan_at(step)` poisons a loss; `corrupt_replicas` flips bits of a received replica at rest, and
-`corrupts_transfers` corrupts a copy in flight. A fault is claimed once per run through the store,
-recorded as an event, then carried out with a real SIGKILL / SIGSTOP / exit of the node's process
-group, or of the coordinator. `,wait=S` holds the step on every rank, before it begins (`hold`),
-until the job is whole (full size, and a warm spare if the job has spares), at most S seconds.
+The `--inject` specs (spec.py) that workers fire (their kind's `Point`, kinds.py) fire here, on the
+rank they name, at the step and phase they name: `at(step, phase)` is called by the training step at
+forward, backward, optimizer and (from the replication thread) replicate; `in_recovery(topo)` in the
+middle of a recovery's transfers; `nan_at(step)` poisons a loss; `corrupt_replicas` flips bits of a
+received replica at rest, and `corrupts_transfers` corrupts a copy in flight. A fault is claimed once
+per run through the store, recorded as an event, then carried out by its kind (`FaultKind.act`: a real
+SIGKILL / SIGSTOP / exit of the node's process group, or of the coordinator). `,wait=S` holds the step
+on every rank, before it begins (`hold`), until the job is whole (full size, and a warm spare if the
+job has spares), at most S seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from phoenixft.controlplane import keys
 from phoenixft.dist.topology import Topology
+from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 from phoenixft.protect.snapshot import Holding
 from phoenixft.runtime.context import RankContext
@@ -43,8 +45,7 @@ class FaultInjector:
         if self.w.topo is None:
             return
         for f in self.w.faults:
-            due = f.step == step + 1 if f.kind == "corrupt" else f.step == step
-            if (f.wait and due and f.kind in ("kill", "hang", "crash", "corrupt") and f.phase != "transfer"
+            if (f.wait and f.kind_of.held_at(f, step)
                     and not self.w.store.check([keys.fault(f.index) + "/fired"])):
                 self._wait_whole(f)
 
@@ -53,17 +54,9 @@ class FaultInjector:
             return
         slot = self.w.topo.slot_of(self.w.node_id)
         for f in self.w.faults:
-            if f.step != step or f.phase != phase or f.kind not in ("kill", "hang", "crash"):
+            if f.point is not Point.STEP or f.step != step or f.phase != phase:
                 continue
-            if f.coordinator:
-                hit = self.w.rank == 0
-            elif f.kind == "crash":
-                hit = self.w.rank == f.rank
-            elif f.rack is not None:
-                hit = self.w.topo.rack_of(slot) == f.rack
-            else:
-                hit = slot in f.nodes
-            if hit:  # (a `,wait=S` fault held the step before it began: `hold`)
+            if f.kind_of.strikes(f, self.w.rank, slot, self.w.topo):  # (a `,wait=S` fault held the step: `hold`)
                 self.fire(f, step=step, phase=phase)
 
     def _targets(self, f: FaultSpec) -> list[str]:
@@ -73,13 +66,7 @@ class FaultInjector:
         topology whose slots may hold other nodes (a shrink renumbers them, and re-derives the racks),
         and those must not be struck again."""
         assert self.w.topo is not None
-        topo, n = self.w.topo, len(self.w.topo.nodes)
-        if f.coordinator or f.kind == "crash":
-            mine = [self.w.node_id]
-        elif f.rack is not None:
-            mine = [topo.nodes[s] for s in range(n) if topo.rack_of(s) == f.rack]
-        else:
-            mine = [topo.nodes[s] for s in f.nodes if s < n]
+        mine = f.kind_of.target_nodes(f, self.w.node_id, self.w.topo)
         key = keys.fault_targets(f.index)
         return list(json.loads(self.w.store.compare_set(key, "", json.dumps(mine))))  # the first to fire sets them
 
@@ -103,21 +90,14 @@ class FaultInjector:
         self.w.store.append(keys.EVENTS, json.dumps(rec) + "\n")
 
     def fire(self, f: FaultSpec, **where: Any) -> None:
-        """Claim fault f for this node (once per run), record it, then act with a real signal."""
+        """Claim fault f for this node (once per run), record it, then act (its kind: a real signal)."""
         assert self.w.topo is not None
         targets = self._claim(f)
         if not targets:
             return
         self._together(f, targets)
         self._record(f, **where)
-        if f.coordinator:
-            self._kill_coordinator()
-        elif f.kind == "kill":
-            os.killpg(os.getpgid(0), signal.SIGKILL)
-        elif f.kind == "hang":
-            os.killpg(os.getpgid(0), signal.SIGSTOP)
-        elif f.kind == "crash":
-            os._exit(17)
+        f.kind_of.act(f, self)
 
     def _together(self, f: FaultSpec, targets: int, timeout_s: float = 10.0) -> None:
         """A fault on several nodes (`node=I,J`, `rack=A`) strikes them in the same instant: the first
@@ -140,7 +120,7 @@ class FaultInjector:
             self.w.watcher.check()  # a recovery (the grow this waits for) takes the step over
             time.sleep(0.05)
 
-    def _kill_coordinator(self, timeout_s: float = 60.0) -> None:
+    def kill_coordinator(self, timeout_s: float = 60.0) -> None:
         """SIGKILL the coordinator that runs now: one restarted after an earlier kill may still be
         starting (it publishes its pid when it is up), so wait for a live pid, bounded."""
         deadline = time.monotonic() + timeout_s
@@ -157,7 +137,7 @@ class FaultInjector:
         """kill:node=I@recovery=N and kill:...,phase=recovery fire here, mid state transfer."""
         slot = topo.slot_of(self.w.node_id)
         for f in self.w.faults:
-            if f.kind != "kill" or slot not in f.nodes:
+            if f.point is not Point.RECOVERY or slot not in f.nodes:
                 continue
             # by step: the recovery of a failure at step S, not a planned grow that happens to resume there
             if f.recovery == topo.epoch or (f.phase == "recovery" and f.step is not None
@@ -166,14 +146,14 @@ class FaultInjector:
 
     def corrupts_transfers(self, topo: Topology) -> bool:
         slot = topo.slot_of(self.w.node_id)
-        hits = [f for f in self.w.faults if f.kind == "corrupt" and f.phase == "transfer" and slot in f.nodes
+        hits = [f for f in self.w.faults if f.point is Point.TRANSFER and slot in f.nodes
                 and f.step is not None and topo.resume_step >= f.step - 1]
         for f in hits:
             self._fired(f)
         return bool(hits)
 
     def nan_at(self, step: int) -> bool:
-        hits = [f for f in self.w.faults if f.kind == "nan" and f.step == step] if self.w.rank == 0 else []
+        hits = [f for f in self.w.faults if f.point is Point.LOSS and f.step == step] if self.w.rank == 0 else []
         for f in hits:
             self._fired(f)
         return bool(hits)
@@ -189,7 +169,7 @@ class FaultInjector:
         if self.w.topo is None:
             return
         for f in self.w.faults:
-            if (f.kind == "corrupt" and f.phase != "transfer" and f.step == step + 1
+            if (f.point is Point.REPLICAS and f.step == step + 1
                     and f.node == self.w.topo.slot_of(self.w.node_id)):
                 halves: dict[int, tuple[Holding, int]] = {}
                 for shard, h in received.items():

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 
 from phoenixft.controlplane import Store, keys
+from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 
 __all__ = ["PartitionError", "LinkCut", "interface_of", "cut_link", "PartitionInjector"]
@@ -100,7 +101,7 @@ class PartitionInjector:
 
     def __init__(self, faults: list[FaultSpec], node: str, bind: str, workers: Callable[[], list[int]],
                  token: str | None) -> None:
-        self.todo = [f for f in faults if f.kind == "partition"]
+        self.todo = [f for f in faults if f.point is Point.HEARTBEAT]
         self.node, self.bind, self.workers, self.token = node, bind, workers, token
         self.cut: LinkCut | None = None
         self._held: dict[int, float] = {}  # fault index -> when its hold began

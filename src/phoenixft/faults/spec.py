@@ -34,6 +34,9 @@ pauses its node's workers with SIGSTOP) - training pauses there - until the job 
 `phoenixft chaos` uses it so that repaired spares can return between faults. A fault fires at
 most once per (fault, node): the first process that reaches it claims it atomically in the store
 (`store.add`), records the time, and only then acts, so a replayed step never fires it again.
+
+What each kind accepts beyond this grammar, where it fires and what it does there live with the kind
+(kinds.py); `FaultSpec.kind_of` is the lookup.
 """
 
 from __future__ import annotations
@@ -42,18 +45,13 @@ import math
 import re
 from dataclasses import dataclass
 
-from phoenixft.errors import UserError
+from phoenixft.faults.kinds import KILL_PHASES, KINDS, FaultKind, Point, bad_spec, join_or
 
 __all__ = ["FaultSpec", "parse_fault", "KILL_PHASES", "FAULT_KINDS"]
 
-KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
-SPECIAL_PHASES = {"kill": ("recovery",), "corrupt": ("transfer",)}
-FAULT_KINDS = ("kill", "hang", "crash", "corrupt", "nan", "partition")
+FAULT_KINDS = tuple(KINDS)
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):(?:(?P<target>[^@]+)@)?(?P<when>.+)$")
-_VALID = ("expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, kill:node=I@recovery=N, "
-          "kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, kill:etcd=I|leader@step=S, "
-          "hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S or "
-          "partition:node=I@step=S[,for=SECONDS]")
+_VALID = "expected " + join_or([form for k in KINDS.values() for form in k.forms], "or")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,9 +74,21 @@ class FaultSpec:
     def node(self) -> int | None:
         return self.nodes[0] if self.nodes else None
 
+    @property
+    def kind_of(self) -> FaultKind:
+        """The kind's behaviour (kinds.py): the one lookup every dispatch on the kind goes through."""
+        return KINDS[self.kind]
 
-def _bad(text: str, why: str) -> UserError:
-    return UserError(f"--inject={text!r} is invalid: {why}")
+    @property
+    def point(self) -> Point:
+        """Where, and by which process, this fault fires."""
+        return self.kind_of.point(self)
+
+    def __str__(self) -> str:
+        return self.kind_of.format(self)
+
+
+_bad = bad_spec
 
 
 def _ints(text: str, value: str, what: str) -> tuple[int, ...]:
@@ -118,17 +128,18 @@ def _seconds(text: str, key: str, value: str, valid: str) -> float:
 
 def parse_fault(text: str, index: int = 0) -> FaultSpec:
     m = _SPEC.match(text.strip())
-    if not m or m["kind"] not in FAULT_KINDS:
+    if not m or m["kind"] not in KINDS:
         raise _bad(text, _VALID)
     kind = m["kind"]
+    fk = KINDS[kind]
     # target: one key whose value may hold commas (node=1,2)
     nodes: tuple[int, ...] = ()
     rack = rank = None
     coordinator = False
     etcd: int | None = None
-    if m["target"] == "coordinator" and kind == "kill":
+    if m["target"] == "coordinator" and "coordinator" in fk.targets:
         coordinator = True
-    elif kind == "kill" and m["target"] and m["target"].startswith("etcd="):
+    elif "etcd" in fk.targets and m["target"] and m["target"].startswith("etcd="):
         v = m["target"][len("etcd="):]
         if v != "leader" and not v.isdigit():
             raise _bad(text, f"etcd={v!r}: expected a member index (0, 1, 2) or leader")
@@ -137,9 +148,9 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         key, _, value = m["target"].partition("=")
         if key == "node":
             nodes = _distinct(text, value, "node")
-        elif key == "rack" and kind == "kill":
+        elif key == "rack" and "rack" in fk.targets:
             rack = _one(text, value, "rack", kind)
-        elif key == "rank" and kind == "crash":
+        elif key == "rank" and "rank" in fk.targets:
             rank = _one(text, value, "rank", kind)
         else:
             raise _bad(text, f"target {m['target']!r}; {_VALID}")
@@ -153,29 +164,21 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         when[k.strip()] = v.strip()
     if set(when) - {"step", "phase", "recovery", "wait", "for"} or ("step" in when) == ("recovery" in when):
         raise _bad(text, _VALID)
-    if kind == "partition" and ("step" not in when or "phase" in when):
-        raise _bad(text, "expected partition:node=I@step=S[,for=SECONDS][,wait=SECONDS]")
-    if "for" in when and kind != "partition":
+    fk.check_form(text, when)
+    if "for" in when and not fk.lasts:
         raise _bad(text, "for=SECONDS is only for partition faults (how long the host stays cut off)")
     step = _ints(text, when["step"], "step")[0] if "step" in when else None
     recovery = _ints(text, when["recovery"], "recovery")[0] if "recovery" in when else None
-    if "phase" in when and kind == "corrupt" and when["phase"] != "transfer":
-        raise _bad(text, f"phase={when['phase']!r}: a corruption is at rest (no phase: the replicas node I received "
-                         "during step S) or in flight (phase=transfer)")
-    if "phase" in when and kind == "nan":
-        raise _bad(text, "nan:step=S takes no phase (the loss of step S is NaN)")
+    fk.check_phase(text, when)
     phase = when.get("phase", "forward")
-    valid = KILL_PHASES + SPECIAL_PHASES.get(kind, ())
+    valid = fk.phases
     if phase not in valid:
         raise _bad(text, f"phase={phase!r}, valid phases: {', '.join(valid)}")
     if phase == "recovery" and (not nodes or "step" not in when):  # it fires only for node slots, by step
         raise _bad(text, "phase=recovery is only for kill:node=I@step=S,phase=recovery")
-    need_target = {"kill": nodes or rack is not None or coordinator or etcd is not None, "hang": len(nodes) == 1,
-                   "crash": rank is not None, "corrupt": len(nodes) == 1, "nan": not m["target"],
-                   "partition": len(nodes) == 1}
-    if not need_target[kind]:
+    if not fk.has_target(nodes, rack, rank, coordinator, etcd, m["target"]):
         raise _bad(text, _VALID)
-    if recovery is not None and kind != "kill":
+    if recovery is not None and not fk.during_recovery:
         raise _bad(text, "only kill faults can fire during a recovery (@recovery=N)")
     if coordinator and step is None:
         raise _bad(text, "kill:coordinator needs @step=S")
@@ -186,8 +189,9 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         wait = _seconds(text, "wait", when["wait"], ">= 0")
         if wait < 0:
             raise _bad(text, f"wait={when['wait']} must be >= 0 seconds")
-        if kind == "nan":
-            raise _bad(text, "wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan")
+        if not fk.waits:
+            raise _bad(text, f"wait=SECONDS is for {join_or([n for n, x in KINDS.items() if x.waits], 'and')} "
+                             f"faults, not {kind}")
         if step is None:
             raise _bad(text, "wait=SECONDS cannot be combined with recovery=N: that fault fires in the middle of a "
                              "recovery, not at a step boundary where training could hold; drop wait")

@@ -35,8 +35,8 @@ import torch
 
 from phoenixft.dist.comm import EpochComm, alltoallv, wait_work
 from phoenixft.errors import PeerFailure, RunAborted
-from phoenixft.protect.replica_link import Links, shard_hello
 from phoenixft.protect.snapshot import Holding, ShardState, checksum
+from phoenixft.protect.transport import ReplicaTransport, Routes, TransportMode
 
 __all__ = ["Replicator", "ReplicaPlan"]
 
@@ -50,6 +50,9 @@ class ReplicaPlan:
     shard: int
     send_to: list[int]  # ranks holding my shard, one per ring round
     recv_from: list[tuple[int, int]]  # (rank, shard) whose replica I keep, same rounds
+
+
+_Incoming = tuple[int, torch.Tensor, Holding, int, ReplicaTransport]  # (shard, header, holding, half, backend)
 
 
 @dataclass
@@ -73,11 +76,11 @@ class Replicator:
         timeout_s: float,
         on_in_flight: Callable[[int], None] | None = None,
         after_commit: Callable[[int, dict[int, Holding]], None] | None = None,
-        transport: str = "auto",
+        transport: str | TransportMode = TransportMode.AUTO,
     ) -> None:
         self.state = state
-        self.transport = transport  # "auto": through shared memory with holders on this host (replica_link.py)
-        self._links: Links | None = None  # this epoch's, made by the first job
+        self.transport = TransportMode.parse(transport)  # which backends each pair may use (transport/)
+        self._routes: Routes | None = None  # this epoch's, made by the first job
         self.holdings: dict[int, Holding] = {}
         self._holding_factory = holding_factory
         self.chunk = max(1, chunk_numel)
@@ -106,7 +109,7 @@ class Replicator:
         with self._cv:
             assert self._job is None, "reconfigure while a job runs"
             self.comm, self.plan, self.scheme = comm, plan, scheme
-            self._drop_links()
+            self._drop_routes()
             self._error = None
             self._ended = None
             self._done = -1
@@ -147,20 +150,20 @@ class Replicator:
             self._abort.set()
             self._cv.notify_all()
             if self._job is None:
-                self._drop_links()
+                self._drop_routes()
 
-    def _drop_links(self) -> None:
-        if self._links is not None:
-            self._links.close()
-            self._links = None
+    def _drop_routes(self) -> None:
+        if self._routes is not None:
+            self._routes.close()
+            self._routes = None
 
     # ---------------------------------------------------------------- background thread
     def _run(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._job is not None or self._stop)
-                if self._stop:  # (closed while a job ran: that job's epoch links are dropped here)
-                    self._drop_links()
+                if self._stop:  # (closed while a job ran: that job's epoch routes are dropped here)
+                    self._drop_routes()
                     return
                 step = self._job
             assert step is not None
@@ -224,14 +227,7 @@ class Replicator:
             return
         assert self.comm is not None and self.plan is not None
         comm, plan = self.comm, self.plan
-        pg, world = comm.repl, comm.world
-        if self._links is None:  # the epoch's first job: who reads whose shard through shared memory
-            self._links = Links.handshake(
-                pg, world, shard_hello(self.state) if self.transport == "auto" else None, plan.send_to,
-                [src for src, _ in plan.recv_from],
-                lambda w, what: wait_work(w, f"{what} (step {step})", self._abort_reason, self.timeout_s,
-                                          BACKGROUND_NAP_S))
-        links = self._links
+        routes = self._epoch_routes(step)
         mine = self.state.half_with(step)
         if mine is None:
             raise PeerFailure(f"replication of step {step}: no committed half holds it")
@@ -240,9 +236,50 @@ class Replicator:
         crc = checksum(payload)
         self.state.header[mine, 1] = crc
         hdr = torch.tensor([plan.shard, step, crc, n, mine], dtype=torch.int64)
+        works, incoming = self._post(step, routes, hdr, payload)
+        deadline = time.monotonic() + self.timeout_s
+        for w in works:
+            wait_work(w, f"replication of step {step}", self._abort_reason, max(0.1, deadline - time.monotonic()),
+                      BACKGROUND_NAP_S)
+        shm_bytes = self._complete(step, incoming, n)
+        committed: dict[int, Holding] = {}
+        with self._cv:
+            if self._abort.is_set() or self.comm is not comm:
+                raise PeerFailure(f"replication of step {step}: superseded by a recovery")
+            for shard, rhdr, h, half, _ in incoming:
+                # the sender's checksum is committed with it; the replica is verified where it is used
+                h.commit(half, int(rhdr[1]), int(rhdr[2]), (shard, comm.world))
+                committed[shard] = h
+        if self._after_commit is not None:
+            self._after_commit(step, committed)
+        dt = time.perf_counter() - t0
+        self.stats.jobs += 1
+        self.stats.bytes_sent += n * 4 * len(plan.send_to)
+        self.stats.seconds += dt
+        self.stats.last_job_s, self.stats.last_cpu_s = dt, time.thread_time() - c0
+        self.stats.last_bytes = n * 4 * len(plan.send_to)
+        self.stats.last_shm_bytes = shm_bytes
+
+    def _epoch_routes(self, step: int) -> Routes:
+        """The epoch's backend for each pair: the handshake, made by the epoch's first job."""
+        assert self.comm is not None and self.plan is not None
+        if self._routes is None:
+            self._routes = Routes.handshake(
+                self.comm.repl, self.comm.world, self.transport, self.state, self.plan.send_to,
+                [src for src, _ in self.plan.recv_from],
+                lambda w, what: wait_work(w, f"{what} (step {step})", self._abort_reason, self.timeout_s,
+                                          BACKGROUND_NAP_S))
+        return self._routes
+
+    def _post(self, step: int, routes: Routes, hdr: torch.Tensor, payload: torch.Tensor
+              ) -> tuple[list[object], list[_Incoming]]:
+        """Start one ring round per holder: the header, then the payload chunks of the pairs that move over
+        the group (every rank makes the same collective calls; a pair that does not contributes nothing)."""
+        assert self.comm is not None and self.plan is not None
+        pg, world, n = self.comm.repl, self.comm.world, payload.numel()
         works: list[object] = []
-        incoming: list[tuple[int, torch.Tensor, Holding, int, Any]] = []  # (shard, header, holding, half, reader)
-        for dst, (src, shard) in zip(plan.send_to, plan.recv_from, strict=True):
+        incoming: list[_Incoming] = []
+        for dst, (src, shard) in zip(self.plan.send_to, self.plan.recv_from, strict=True):
             w, rhdr, _ = alltoallv(pg, world, {dst: hdr}, {src: 5}, dtype=torch.int64)
             works.append(w)
             # received straight into the holding's staging half, marked torn until its checksum matched:
@@ -254,54 +291,38 @@ class Replicator:
             if buf.numel() != n:
                 raise PeerFailure(f"replication of step {step}: holding of shard {shard} has {buf.numel()} "
                                   f"elements, the shard {n}")
-            reader = links.pull_from.get(src)  # src's shard is read from its file on this host, after its header
-            if not links.all_shared:  # every rank makes the same collective calls; a shared-memory pair moves nothing
+            out, inn = routes.to(dst), routes.from_(src)
+            if routes.over_group:
                 for off in range(0, n, self.chunk):
                     m = min(self.chunk, n - off)
-                    w, _, _ = alltoallv(pg, world, {} if dst in links.pulled_by else {dst: payload[off : off + m]},
-                                        {} if reader is not None else {src: m},
-                                        out=None if reader is not None else buf[off : off + m])
+                    recv, into = inn.receive(src, buf[off : off + m])
+                    w, _, _ = alltoallv(pg, world, out.send(dst, payload[off : off + m]), recv, out=into)
                     works.append(w)
                     if off == 0 and self._on_in_flight is not None:
                         self._on_in_flight(step)
             elif self._on_in_flight is not None:
                 self._on_in_flight(step)
-            incoming.append((shard, rhdr, h, half, reader))
-        deadline = time.monotonic() + self.timeout_s
-        for w in works:
-            wait_work(w, f"replication of step {step}", self._abort_reason, max(0.1, deadline - time.monotonic()),
-                      BACKGROUND_NAP_S)
-        shm_bytes = 0
-        for shard, rhdr, h, half, reader in incoming:
+            incoming.append((shard, rhdr, h, half, inn))
+        return works, incoming
+
+    def _complete(self, step: int, incoming: list[_Incoming], n: int) -> int:
+        """Check each header; the pairs that did not move over the group fetch their bytes now, from the half
+        the header names (the owner's committed half of that step: not rewritten before this job ends).
+        Returns the bytes so fetched."""
+        fetched = 0
+        for shard, rhdr, h, half, inn in incoming:
             self._check_header(step, shard, rhdr, n)
-            if reader is None:
+            if inn.over_group:
                 continue
             why = self._abort_reason()
             if why:
                 raise PeerFailure(f"replication of step {step}: {why}")
-            try:  # the owner's committed half of that step: it is not rewritten before this job ends (module doc)
-                reader.read_into(h.payload(half).view(-1), int(rhdr[4]))
+            try:
+                fetched += inn.complete(h.payload(half).view(-1), int(rhdr[4]))
             except (OSError, ValueError) as e:
                 raise PeerFailure(f"replication of step {step}: reading shard {shard} from its owner's memory: "
                                   f"{e}") from e
-            shm_bytes += n * 4
-        committed: dict[int, Holding] = {}
-        with self._cv:
-            if self._abort.is_set() or self.comm is not comm:
-                raise PeerFailure(f"replication of step {step}: superseded by a recovery")
-            for shard, rhdr, h, half, _ in incoming:
-                # the sender's checksum is committed with it; the replica is verified where it is used
-                h.commit(half, int(rhdr[1]), int(rhdr[2]), (shard, world))
-                committed[shard] = h
-        if self._after_commit is not None:
-            self._after_commit(step, committed)
-        dt = time.perf_counter() - t0
-        self.stats.jobs += 1
-        self.stats.bytes_sent += n * 4 * len(plan.send_to)
-        self.stats.seconds += dt
-        self.stats.last_job_s, self.stats.last_cpu_s = dt, time.thread_time() - c0
-        self.stats.last_bytes = n * 4 * len(plan.send_to)
-        self.stats.last_shm_bytes = shm_bytes
+        return fetched
 
     @staticmethod
     def _check_header(step: int, shard: int, rhdr: torch.Tensor, n: int) -> None:

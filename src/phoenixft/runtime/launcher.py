@@ -107,13 +107,9 @@ def check_mode(cfg: RunConfig, local: bool) -> None:
     if local:
         check_local_size(cfg)
     for f in cfg.faults:
-        if local and f.kind == "partition":
-            raise UserError(f"--inject={f.text!r} is invalid here: a partition needs hosts with their own addresses "
-                            "(`phoenixft coordinator` on one host, `phoenixft agent` on the others), not one machine's "
-                            "loopback")
-        if not local and f.coordinator:
-            raise UserError(f"--inject={f.text!r} is invalid here: the workers that fire it sit on other hosts "
-                            "than the coordinator (use `phoenixft run` for coordinator kills)")
+        why = f.kind_of.refuse(f, local)
+        if why:
+            raise UserError(f"--inject={f.text!r} is invalid here: {why}")
     problem = None if local else remote_spec_problem(cfg.control_plane)
     if problem:
         raise UserError(problem)

@@ -1,4 +1,4 @@
-"""How a replica moves from its owner to a holder: over TCP, or through host shared memory.
+"""The shared-memory backend: a holder on its owner's host reads the replica from the owner's shard file.
 
 A worker's own optimizer shard lives in a host shared-memory file (`ShardState`, snapshot.py). When a
 holder runs on the same host as the shard's owner (same boot, same network and mount namespaces, the
@@ -6,7 +6,7 @@ same /dev/shm), it does not need the bytes sent over a socket: it reads them str
 committed half into its own staging half, one copy in all (loopback TCP costs a copy into the kernel
 and one out of it, plus the stack's work, on the same cores that train). This is the same-host path
 NCCL takes with its SHM transport; across hosts (or network namespaces, which is how the multi-host
-tests model hosts) the replica goes over the epoch's replication process group as before.
+tests model hosts) the pair goes over TCP (tcp.py).
 
 Why reading the owner's half needs no lock: the owner rewrites the half that holds step s only in the
 optimizer of step s+2. Every rank waits for its replication of step s (`Replicator.wait`) before it
@@ -15,12 +15,8 @@ step s before any rank can reach step s+1's optimizer, let alone s+2's. A recove
 first and starts a new link handshake. The copy is committed with the owner's checksum and, like
 every replica, verified against it before a recovery offers or uses it.
 
-The handshake (`Links`), once per epoch on the replication group: each owner tells its holders where
-its shard lives (host key, file, byte offsets of both halves); each holder says whether it will read
-from there (same host, file opened) or needs the bytes sent; an all-reduce tells every rank whether
-every pair of the group reads through shared memory, in which case the per-step payload collectives
-are skipped altogether (otherwise a pair that reads through shared memory takes part in them with
-nothing to send or receive, so that every rank still makes the same sequence of collective calls).
+What an owner tells its holders at the start of an epoch (`Hello`: host key, file, byte offsets of
+both halves) is exchanged by the link handshake (routes.py).
 """
 
 from __future__ import annotations
@@ -28,13 +24,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["host_key", "Hello", "Links", "PeerShard"]
+from phoenixft.protect.transport.base import ReplicaTransport
+
+__all__ = ["host_key", "Hello", "PeerShard", "ShmTransport", "shard_hello"]
 
 PATH_CHARS = 512  # the longest shard file path a hello carries (longer: that pair goes over TCP)
 _HEAD = 6  # host key, shm ok, offset of half 0, offset of half 1, numel, path length
@@ -136,52 +133,29 @@ class PeerShard:
             self.fd = -1
 
 
-@dataclass
-class Links:
-    """One epoch's outcome of the handshake, for one rank."""
+class ShmTransport(ReplicaTransport):
+    """A pair whose holder reads the owner's committed half itself: nothing travels in the collectives.
 
-    pull_from: dict[int, PeerShard] = field(default_factory=dict)  # src rank -> its shard file (I read it)
-    pulled_by: set[int] = field(default_factory=set)  # dst ranks that read my shard themselves
-    all_shared: bool = False  # every pair of the group reads through shared memory: no payload collectives
+    The holder's end holds the owner's file (`reader`); the owner's end holds nothing (`reader` None)."""
+
+    name: ClassVar[str] = "shm"
+    over_group: ClassVar[bool] = False
+
+    def __init__(self, reader: PeerShard | None = None) -> None:
+        self.reader = reader
+
+    def send(self, dst: int, part: torch.Tensor) -> dict[int, torch.Tensor]:
+        return {}
+
+    def receive(self, src: int, part: torch.Tensor) -> tuple[dict[int, int], torch.Tensor | None]:
+        return {}, None
+
+    def complete(self, dst: torch.Tensor, half: int) -> int:
+        if self.reader is None:
+            raise ValueError("replica read: the owner's end of a shared-memory pair reads nothing")
+        self.reader.read_into(dst, half)
+        return dst.numel() * dst.element_size()
 
     def close(self) -> None:
-        for p in self.pull_from.values():
-            p.close()
-        self.pull_from.clear()
-
-    @classmethod
-    def handshake(cls, pg: Any, world: int, mine: Hello | None, send_to: list[int], srcs: list[int],
-                  wait: Any) -> Links:
-        """Run the epoch's handshake (every rank of the group calls it); `mine` None: this rank sends
-        and reads everything over TCP (`--replica-transport tcp`, or a shard not in a shared file)."""
-        from phoenixft.dist.comm import alltoallv
-
-        n = Hello.numel_of()
-        me = mine.encode() if mine is not None else torch.zeros(n, dtype=torch.int64)
-        work, _, got = alltoallv(pg, world, {d: me for d in send_to}, {s: n for s in srcs}, dtype=torch.int64)
-        wait(work, "replica link handshake")
-        out = cls()
-        try:
-            for s in srcs:
-                h = Hello.decode(got[s])
-                if mine is None or not h.path or h.host != mine.host or h.numel != mine.numel:
-                    continue
-                try:
-                    out.pull_from[s] = PeerShard(h)
-                except OSError:
-                    continue  # not readable here after all: that pair goes over TCP
-            acks = {s: torch.tensor([1 if s in out.pull_from else 0], dtype=torch.int64) for s in srcs}
-            work, _, back = alltoallv(pg, world, acks, {d: 1 for d in send_to}, dtype=torch.int64)
-            wait(work, "replica link handshake")
-            out.pulled_by = {d for d in send_to if int(back[d][0]) == 1}
-            every = torch.tensor([1 if len(out.pulled_by) == len(send_to) and len(out.pull_from) == len(srcs) else 0],
-                                 dtype=torch.int64)
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # (torch's stubs: RedOpType)
-            work = pg.allreduce([every], opts)
-            wait(work, "replica link handshake")
-            out.all_shared = bool(int(every[0]))
-        except BaseException:  # a peer lost mid-handshake: the files opened so far are not kept open
-            out.close()
-            raise
-        return out
+        if self.reader is not None:
+            self.reader.close()

@@ -1,0 +1,299 @@
+"""The fault kinds of `--inject`, one class each, and the registry every dispatch goes through.
+
+A kind knows its own syntax (which targets it takes, which phases, whether it can wait for the job to
+be whole or last for a while), where its faults fire (`Point`: at a training step's phase, mid
+recovery, on the replicas at rest, in flight, on the loss, from the node agent's heartbeat, from the
+launcher), which processes it strikes, what it does there, what a run needs for it, and how a spec of
+it is written back as text. `spec.parse_fault` parses a spec into a `FaultSpec` and the kind checks
+what only it knows; `FaultSpec.kind_of` is the one registry lookup (`KINDS`) the injectors, the
+launcher, the agent and the config use instead of comparing kind names.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+from typing import TYPE_CHECKING, ClassVar
+
+from phoenixft.errors import UserError
+
+if TYPE_CHECKING:
+    from phoenixft.dist.topology import Topology
+    from phoenixft.faults.inject import FaultInjector
+    from phoenixft.faults.spec import FaultSpec
+
+__all__ = ["KILL_PHASES", "Point", "FaultKind", "KINDS", "bad_spec", "join_or"]
+
+KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
+
+
+class Point(enum.Enum):
+    """Where (and by which process) a fault fires."""
+
+    STEP = "step"  # a worker, at a training step's phase (`FaultInjector.at`)
+    RECOVERY = "recovery"  # a worker, mid state transfer of a recovery (`FaultInjector.in_recovery`)
+    REPLICAS = "replicas"  # a worker, on the replicas it received during a step (`FaultInjector.corrupt_replicas`)
+    TRANSFER = "transfer"  # a worker, on the optimizer-state transfers it sends (`FaultInjector.corrupts_transfers`)
+    LOSS = "loss"  # rank 0, on the loss of a step (`FaultInjector.nan_at`)
+    HEARTBEAT = "heartbeat"  # the node agent, from its heartbeat loop (`partition.PartitionInjector`)
+    PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_etcd_faults`)
+
+
+def bad_spec(text: str, why: str) -> UserError:
+    return UserError(f"--inject={text!r} is invalid: {why}")
+
+
+def _num(x: float) -> str:
+    return repr(float(x))  # parses back to the same float
+
+
+class FaultKind:
+    """One fault kind; subclasses set the class attributes and override what differs."""
+
+    name: ClassVar[str]
+    forms: ClassVar[tuple[str, ...]]  # its syntax, as the error for a malformed spec lists it
+    targets: ClassVar[frozenset[str]] = frozenset()  # target keys it takes besides node=
+    phases: ClassVar[tuple[str, ...]] = KILL_PHASES  # the phase= values it accepts
+    waits: ClassVar[bool] = True  # it takes ,wait=SECONDS
+    lasts: ClassVar[bool] = False  # it takes ,for=SECONDS
+    during_recovery: ClassVar[bool] = False  # it takes @recovery=N
+    needs_protection: ClassVar[bool] = True  # the run needs --protect phoenix for it
+
+    # ---------------------------------------------------------------- parsing
+    def check_form(self, text: str, when: dict[str, str]) -> None:
+        """Refuse a when-part this kind cannot take (before the step and phase are read)."""
+
+    def check_phase(self, text: str, when: dict[str, str]) -> None:
+        """Refuse a phase= this kind explains itself (before the generic phase check)."""
+
+    def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
+                   etcd: int | None, target: str | None) -> bool:
+        return len(nodes) == 1
+
+    def format(self, f: FaultSpec) -> str:
+        """The spec as text that parses back to `f` (what `str(f)` writes)."""
+        when = [f"step={f.step}" if f.step is not None else f"recovery={f.recovery}"]
+        if f.phase != "forward":
+            when.append(f"phase={f.phase}")
+        if f.wait:
+            when.append(f"wait={_num(f.wait)}")
+        if f.duration:
+            when.append(f"for={_num(f.duration)}")
+        target = self.format_target(f)
+        return f"{self.name}:{target + '@' if target else ''}{','.join(when)}"
+
+    def format_target(self, f: FaultSpec) -> str:
+        return "node=" + ",".join(map(str, f.nodes))
+
+    # ---------------------------------------------------------------- firing
+    def point(self, f: FaultSpec) -> Point:
+        return Point.STEP
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        """Whether the workers hold step `step` for f's `,wait=` (it is due in that step)."""
+        return f.step == step and f.phase != "transfer"
+
+    def strikes(self, f: FaultSpec, rank: int, slot: int, topo: Topology) -> bool:
+        """Whether the worker (rank, node slot) fires f at its step and phase."""
+        return slot in f.nodes
+
+    def target_nodes(self, f: FaultSpec, node_id: str, topo: Topology) -> list[str]:
+        """The node ids f strikes, from the topology of its first firing."""
+        return [topo.nodes[s] for s in f.nodes if s < len(topo.nodes)]
+
+    def act(self, f: FaultSpec, injector: FaultInjector) -> None:
+        """What the worker that fires f does, once it claimed and recorded it."""
+
+    def refuse(self, f: FaultSpec, local: bool) -> str | None:
+        """Why the launch mode cannot run f (`phoenixft run`: local), or None."""
+        return None
+
+    def describe(self, f: FaultSpec) -> str:
+        """One line for people."""
+        return str(f)
+
+
+class Kill(FaultKind):
+    name = "kill"
+    forms = ("kill:node=I[,J]@step=S[,phase=P]", "kill:rack=A@step=S", "kill:node=I@recovery=N",
+             "kill:node=I@step=S,phase=recovery", "kill:coordinator@step=S", "kill:etcd=I|leader@step=S")
+    targets = frozenset({"rack", "coordinator", "etcd"})
+    phases = KILL_PHASES + ("recovery",)
+    during_recovery = True
+
+    def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
+                   etcd: int | None, target: str | None) -> bool:
+        return bool(nodes) or rack is not None or coordinator or etcd is not None
+
+    def format_target(self, f: FaultSpec) -> str:
+        if f.coordinator:
+            return "coordinator"
+        if f.etcd is not None:
+            return f"etcd={'leader' if f.etcd < 0 else f.etcd}"
+        if f.rack is not None:
+            return f"rack={f.rack}"
+        return super().format_target(f)
+
+    def point(self, f: FaultSpec) -> Point:
+        if f.etcd is not None:
+            return Point.PROGRESS
+        if f.recovery is not None or f.phase == "recovery":
+            return Point.RECOVERY
+        return Point.STEP
+
+    def strikes(self, f: FaultSpec, rank: int, slot: int, topo: Topology) -> bool:
+        if f.coordinator:
+            return rank == 0
+        if f.rack is not None:
+            return topo.rack_of(slot) == f.rack
+        return slot in f.nodes
+
+    def target_nodes(self, f: FaultSpec, node_id: str, topo: Topology) -> list[str]:
+        if f.coordinator:
+            return [node_id]
+        if f.rack is not None:
+            return [topo.nodes[s] for s in range(len(topo.nodes)) if topo.rack_of(s) == f.rack]
+        return super().target_nodes(f, node_id, topo)
+
+    def act(self, f: FaultSpec, injector: FaultInjector) -> None:
+        if f.coordinator:
+            injector.kill_coordinator()
+        else:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def refuse(self, f: FaultSpec, local: bool) -> str | None:
+        if not local and f.coordinator:
+            return ("the workers that fire it sit on other hosts than the coordinator (use `phoenixft run` for "
+                    "coordinator kills)")
+        return None
+
+    def describe(self, f: FaultSpec) -> str:
+        if f.coordinator:
+            return f"SIGKILL the coordinator when rank 0 is in its {f.phase} phase"
+        if f.etcd is not None:
+            return f"SIGKILL etcd member {'leader' if f.etcd < 0 else f.etcd}"
+        if len(f.nodes) == 2:
+            return f"SIGKILL nodes {f.nodes[0]} and {f.nodes[1]} in the same step ({f.phase} phase)"
+        if len(f.nodes) == 1 and f.phase != "recovery" and f.recovery is None:
+            return f"SIGKILL node {f.nodes[0]} in its {f.phase} phase"
+        return super().describe(f)
+
+
+class Hang(FaultKind):
+    name = "hang"
+    forms = ("hang:node=I@step=S",)
+
+    def act(self, f: FaultSpec, injector: FaultInjector) -> None:
+        os.killpg(os.getpgid(0), signal.SIGSTOP)
+
+    def describe(self, f: FaultSpec) -> str:
+        return f"SIGSTOP node {f.node} in its {f.phase} phase"
+
+
+class Crash(FaultKind):
+    name = "crash"
+    forms = ("crash:rank=R@step=S",)
+    targets = frozenset({"rank"})
+
+    def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
+                   etcd: int | None, target: str | None) -> bool:
+        return rank is not None
+
+    def format_target(self, f: FaultSpec) -> str:
+        return f"rank={f.rank}"
+
+    def strikes(self, f: FaultSpec, rank: int, slot: int, topo: Topology) -> bool:
+        return rank == f.rank
+
+    def target_nodes(self, f: FaultSpec, node_id: str, topo: Topology) -> list[str]:
+        return [node_id]
+
+    def act(self, f: FaultSpec, injector: FaultInjector) -> None:
+        os._exit(17)
+
+    def describe(self, f: FaultSpec) -> str:
+        return f"worker rank {f.rank} exits in its {f.phase} phase"
+
+
+class Corrupt(FaultKind):
+    name = "corrupt"
+    forms = ("corrupt:node=I@step=S",)
+    phases = KILL_PHASES + ("transfer",)
+
+    def check_phase(self, text: str, when: dict[str, str]) -> None:
+        if "phase" in when and when["phase"] != "transfer":
+            raise bad_spec(text, f"phase={when['phase']!r}: a corruption is at rest (no phase: the replicas node I "
+                                 "received during step S) or in flight (phase=transfer)")
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.TRANSFER if f.phase == "transfer" else Point.REPLICAS
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return f.step == step + 1 and f.phase != "transfer"  # it hits the replicas received during `step`
+
+    def describe(self, f: FaultSpec) -> str:
+        if f.phase == "transfer":
+            return f"corrupt the optimizer-state transfers node {f.node} sends"
+        return f"corrupt node {f.node}'s replicas of step {(f.step or 0) - 1}"
+
+
+class Nan(FaultKind):
+    name = "nan"
+    forms = ("nan:step=S",)
+    waits = False
+    needs_protection = False
+
+    def check_phase(self, text: str, when: dict[str, str]) -> None:
+        if "phase" in when:
+            raise bad_spec(text, "nan:step=S takes no phase (the loss of step S is NaN)")
+
+    def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
+                   etcd: int | None, target: str | None) -> bool:
+        return not target
+
+    def format_target(self, f: FaultSpec) -> str:
+        return ""
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.LOSS
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return False
+
+    def describe(self, f: FaultSpec) -> str:
+        return f"the loss of step {f.step} is NaN"
+
+
+class Partition(FaultKind):
+    name = "partition"
+    forms = ("partition:node=I@step=S[,for=SECONDS]",)
+    lasts = True
+
+    def check_form(self, text: str, when: dict[str, str]) -> None:
+        if "step" not in when or "phase" in when:
+            raise bad_spec(text, "expected partition:node=I@step=S[,for=SECONDS][,wait=SECONDS]")
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.HEARTBEAT
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return False  # its agent holds it (SIGSTOP of the node's workers), not the workers
+
+    def refuse(self, f: FaultSpec, local: bool) -> str | None:
+        if local:
+            return ("a partition needs hosts with their own addresses (`phoenixft coordinator` on one host, "
+                    "`phoenixft agent` on the others), not one machine's loopback")
+        return None
+
+    def describe(self, f: FaultSpec) -> str:
+        return f"cut the host of node {f.node} off the network" + (f" for {f.duration:g}s" if f.duration else "")
+
+
+KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition())}
+
+
+def join_or(items: list[str], last: str) -> str:
+    """"a, b and c" (last="and")."""
+    return ", ".join(items[:-1]) + f" {last} " + items[-1] if len(items) > 1 else "".join(items)
+

@@ -1,0 +1,143 @@
+"""The fault-kind registry (faults/kinds.py): every kind writes its specs back as text that parses to the
+same spec, and the dispatch it carries (where a fault fires, whom it strikes, what a mode refuses)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+
+import pytest
+
+from phoenixft.dist.topology import Topology
+from phoenixft.errors import UserError
+from phoenixft.faults.kinds import KILL_PHASES, KINDS, Point
+from phoenixft.faults.spec import parse_fault
+
+
+def _nodes(rng: random.Random, most: int = 3) -> str:
+    return "node=" + ",".join(map(str, rng.sample(range(64), rng.randint(1, most))))
+
+
+def _secs(rng: random.Random) -> str:
+    return rng.choice(["0.5", "60", "1e-3", repr(rng.uniform(0.001, 1e4)), str(rng.randint(1, 999))])
+
+
+def _opt(rng: random.Random, item: str) -> list[str]:
+    return [item] if rng.random() < 0.5 else []
+
+
+def _kill(rng: random.Random) -> str:
+    step = f"step={rng.randint(0, 10**6)}"
+    form = rng.choice(["nodes", "rack", "coordinator", "etcd", "recovery", "phase_recovery"])
+    if form == "etcd":
+        return f"kill:etcd={rng.choice(['leader', str(rng.randint(0, 4))])}@{step}"
+    if form == "recovery":
+        target = rng.choice([_nodes(rng), f"rack={rng.randint(0, 9)}"])
+        return f"kill:{target}@recovery={rng.randint(0, 99)}" + "".join(
+            f",phase={p}" for p in _opt(rng, rng.choice(KILL_PHASES)))
+    if form == "phase_recovery":
+        return f"kill:{_nodes(rng)}@{step},phase=recovery"
+    target = {"nodes": _nodes(rng), "rack": f"rack={rng.randint(0, 9)}", "coordinator": "coordinator"}[form]
+    when = [step, *_opt(rng, f"phase={rng.choice(KILL_PHASES)}"), *_opt(rng, f"wait={_secs(rng)}")]
+    rng.shuffle(when)
+    return f"kill:{target}@{','.join(when)}"
+
+
+def _at_step(kind: str, target: Callable[[random.Random], str]) -> Callable[[random.Random], str]:
+    def gen(rng: random.Random) -> str:
+        when = [f"step={rng.randint(0, 10**6)}", *_opt(rng, f"phase={rng.choice(KILL_PHASES)}"),
+                *_opt(rng, f"wait={_secs(rng)}")]
+        rng.shuffle(when)
+        return f"{kind}:{target(rng)}@{','.join(when)}"
+    return gen
+
+
+def _corrupt(rng: random.Random) -> str:
+    step = f"step={rng.randint(0, 10**6)}"
+    node = f"node={rng.randint(0, 63)}"
+    if rng.random() < 0.5:
+        return f"corrupt:{node}@{step},phase=transfer"
+    return f"corrupt:{node}@{','.join([step, *_opt(rng, f'wait={_secs(rng)}')])}"
+
+
+def _partition(rng: random.Random) -> str:
+    when = [f"step={rng.randint(0, 10**6)}", *_opt(rng, f"for={_secs(rng)}"), *_opt(rng, f"wait={_secs(rng)}")]
+    rng.shuffle(when)
+    return f"partition:node={rng.randint(0, 63)}@{','.join(when)}"
+
+
+GENERATORS: dict[str, Callable[[random.Random], str]] = {
+    "kill": _kill,
+    "hang": _at_step("hang", lambda rng: f"node={rng.randint(0, 63)}"),
+    "crash": _at_step("crash", lambda rng: f"rank={rng.randint(0, 511)}"),
+    "corrupt": _corrupt,
+    "nan": lambda rng: f"nan:step={rng.randint(0, 10**6)}",
+    "partition": _partition,
+}
+
+
+def test_every_registered_kind_has_a_generator() -> None:
+    assert set(GENERATORS) == set(KINDS)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_kind_round_trips_parse_str_parse(kind: str) -> None:
+    rng = random.Random(f"fault-kinds/{kind}")
+    for i in range(1500):
+        text = GENERATORS[kind](rng)
+        f = parse_fault(text, i)
+        assert f.kind == kind
+        back = parse_fault(str(f), i)
+        assert back == dataclasses.replace(f, text=str(f)), (text, str(f))
+        assert str(back) == str(f)
+
+
+def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
+    with pytest.raises(UserError) as e:
+        parse_fault("boom:node=1@step=3")
+    assert str(e.value) == (
+        "--inject='boom:node=1@step=3' is invalid: expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, "
+        "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
+        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S or "
+        "partition:node=I@step=S[,for=SECONDS]")
+    with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
+        parse_fault("nan:step=3,wait=5")
+
+
+@pytest.mark.parametrize("text,point", [
+    ("kill:node=1@step=3", Point.STEP), ("kill:coordinator@step=3", Point.STEP), ("kill:rack=0@step=3", Point.STEP),
+    ("kill:node=1@recovery=2", Point.RECOVERY), ("kill:node=1@step=3,phase=recovery", Point.RECOVERY),
+    ("kill:etcd=leader@step=3", Point.PROGRESS), ("hang:node=1@step=3", Point.STEP),
+    ("crash:rank=2@step=3", Point.STEP),
+    ("corrupt:node=1@step=3", Point.REPLICAS), ("corrupt:node=1@step=3,phase=transfer", Point.TRANSFER),
+    ("nan:step=3", Point.LOSS), ("partition:node=1@step=3", Point.HEARTBEAT),
+])
+def test_each_spec_fires_at_its_point(text: str, point: Point) -> None:
+    assert parse_fault(text).point is point
+
+
+def test_whom_a_fault_strikes_and_what_it_holds() -> None:
+    topo = Topology(epoch=0, nodes=[f"n{i}" for i in range(4)], workers_per_node=1, replicas=1, racks=2,
+                    resume_step=0)
+    strikes = {text: [s for s in range(4) if parse_fault(text).kind_of.strikes(parse_fault(text), s, s, topo)]
+               for text in ("kill:node=1,3@step=3", "kill:rack=1@step=3", "kill:coordinator@step=3",
+                            "crash:rank=2@step=3", "hang:node=0@step=3")}
+    rack1 = [s for s in range(4) if topo.rack_of(s) == 1]
+    assert rack1 and len(rack1) < 4
+    assert strikes == {"kill:node=1,3@step=3": [1, 3], "kill:rack=1@step=3": rack1,
+                       "kill:coordinator@step=3": [0], "crash:rank=2@step=3": [2], "hang:node=0@step=3": [0]}
+    held = {text: [s for s in (3, 4) if parse_fault(text).kind_of.held_at(parse_fault(text), s)]
+            for text in ("kill:node=1@step=4,wait=5", "corrupt:node=1@step=4,wait=5", "partition:node=1@step=4,wait=5")}
+    # a corruption at rest holds the step before (it hits that step's replicas); a partition's agent holds it
+    assert held == {"kill:node=1@step=4,wait=5": [4], "corrupt:node=1@step=4,wait=5": [3],
+                    "partition:node=1@step=4,wait=5": []}
+
+
+def test_a_launch_mode_refuses_what_it_cannot_fire() -> None:
+    part, coord = parse_fault("partition:node=1@step=3"), parse_fault("kill:coordinator@step=3")
+    assert "hosts with their own addresses" in (part.kind_of.refuse(part, True) or "")
+    assert part.kind_of.refuse(part, False) is None
+    assert "other hosts than the coordinator" in (coord.kind_of.refuse(coord, False) or "")
+    assert coord.kind_of.refuse(coord, True) is None
+    assert [k for k, x in KINDS.items() if not x.needs_protection] == ["nan"]
