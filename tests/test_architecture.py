@@ -155,13 +155,53 @@ def _etcd_mentions(path: Path) -> list[tuple[str, bool]]:
     return found
 
 
+# where the command line's own text lives: flag help and errors (cli/, config/), and the `--inject`
+# grammar, whose `kill:etcd=I` names a member of the cluster the run started
+FLAG_TEXT = ("cli/", "config/", "faults/spec.py", "faults/kinds.py")
+
+
 def test_etcd_stays_inside_the_control_plane() -> None:
-    """Everything etcd-specific lives in controlplane/; elsewhere the word appears only in what the
-    command line shows a person (string literals of cli/ and config/: flag help and flag errors)."""
+    """Everything etcd-specific lives in controlplane/; elsewhere the word appears only in text the command
+    line shows a person (string literals of FLAG_TEXT): no code, name or comment elsewhere tests for it."""
     bad = []
     for path in sorted((SRC / PKG).rglob("*.py")):
-        role = path.relative_to(SRC / PKG).parts[0]
-        if role == "controlplane":
+        rel = path.relative_to(SRC / PKG).as_posix()
+        if rel.startswith("controlplane/"):
             continue
-        bad += [where for where, is_text in _etcd_mentions(path) if not (is_text and role in ("cli", "config"))]
+        bad += [where for where, is_text in _etcd_mentions(path) if not (is_text and rel.startswith(FLAG_TEXT))]
     assert not bad, "etcd outside controlplane/:\n" + "\n".join(bad)
+
+
+FAULT_KINDS = ("kill", "hang", "crash", "corrupt", "nan", "partition")
+
+
+def _kind_tests(tree: ast.AST) -> list[int]:
+    """Lines that dispatch on a fault kind's name: `x.kind == "kill"`, `x.kind in ("kill", ...)`, or
+    `spec.startswith("kill:")`."""
+    def names(node: ast.AST) -> list[str]:
+        elts = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+        return [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "kind":
+            if any(n in FAULT_KINDS for c in node.comparators for n in names(c)):
+                lines.append(node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
+            if any(n.split(":")[0] in FAULT_KINDS and ":" in n for a in node.args for n in names(a)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_fault_kinds_are_dispatched_in_one_place() -> None:
+    """Each fault kind's behaviour lives with the kind (faults/kinds.py, looked up through
+    `FaultSpec.kind_of`); no module tests a kind's name to decide what to do."""
+    bad = [f"{p.relative_to(SRC)}:{line}" for p in sorted((SRC / PKG).rglob("*.py"))
+           if p.relative_to(SRC / PKG).as_posix() != "faults/kinds.py"
+           for line in _kind_tests(ast.parse(p.read_text(), str(p)))]
+    assert not bad, "fault-kind dispatch outside faults/kinds.py:\n" + "\n".join(bad)
+
+
+def test_kind_dispatch_check_sees_a_test() -> None:
+    tree = ast.parse('if f.kind == "kill": pass\nif spec.startswith(("corrupt:", "x")): pass\nif d.kind == "cpu": pass')
+    assert _kind_tests(tree) == [1, 2]

@@ -59,9 +59,9 @@ def validate_injection(cfg: RunConfig) -> None:
             need(1 <= f.step <= cfg.steps, "--inject", f.text, f"step must be in 1..{cfg.steps}")
         if f.recovery is not None:
             need(f.recovery >= 1, "--inject", f.text, "recovery must be >= 1 (the first recovery is 1)")
-        if f.etcd is not None:
+        if f.member is not None:
             need(cfg.control_plane == "etcd", "--inject", f.text,
                  "an etcd member can be killed only in the cluster the run starts itself: --control-plane etcd")
-            need(f.etcd < 3, "--inject", f.text, "the run's etcd cluster has members 0, 1, 2")
+            need(f.member < 3, "--inject", f.text, "the run's etcd cluster has members 0, 1, 2")
         if f.kind_of.needs_protection:
             need(cfg.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")

@@ -297,6 +297,15 @@ def _gated(spec: str) -> str:
     return spec
 
 
+def _is_coordinator_kill(spec: str) -> bool:
+    """A kill of the coordinator (the control plane's loss, not a training node's); False for a record
+    whose spec does not parse."""
+    try:
+        return parse_fault(spec).coordinator
+    except UserError:
+        return False
+
+
 def _corrupts(spec: str) -> bool:
     """A corruption: it acts without a fault record (the replicas it corrupted say it fired)."""
     return parse_fault(spec).point in (Point.REPLICAS, Point.TRANSFER)
@@ -339,7 +348,7 @@ def _runtime_unsurvivable(cfg: RunConfig, run: dict[str, Any], events: list[dict
         return None
     nodes, t_ok = epochs[e_ok]["nodes"], epochs[e_ok]["t"]
     lost = {ev["node"] for ev in events if ev.get("kind") == "fault" and ev.get("fault") in ("kill", "hang")
-            and not str(ev.get("spec", "")).startswith("kill:coordinator") and ev["t"] >= t_ok}
+            and not _is_coordinator_kill(str(ev.get("spec", ""))) and ev["t"] >= t_ok}
     lost |= {n for ev in events if ev.get("kind") == "classified" and ev.get("epoch", -1) >= e_ok
              for n in ev.get("dead", [])}
     slots = {nodes.index(x) for x in lost if x in nodes}

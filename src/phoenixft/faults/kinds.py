@@ -23,9 +23,11 @@ if TYPE_CHECKING:
     from phoenixft.faults.inject import FaultInjector
     from phoenixft.faults.spec import FaultSpec
 
-__all__ = ["KILL_PHASES", "Point", "FaultKind", "KINDS", "bad_spec", "join_or"]
+__all__ = ["KILL_PHASES", "MEMBER_TARGET", "Point", "FaultKind", "KINDS", "bad_spec", "join_or"]
 
 KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
+# the --inject target naming a member of the control-plane cluster the run started, by that cluster's software
+MEMBER_TARGET = "etcd"
 
 
 class Point(enum.Enum):
@@ -37,7 +39,7 @@ class Point(enum.Enum):
     TRANSFER = "transfer"  # a worker, on the optimizer-state transfers it sends (`FaultInjector.corrupts_transfers`)
     LOSS = "loss"  # rank 0, on the loss of a step (`FaultInjector.nan_at`)
     HEARTBEAT = "heartbeat"  # the node agent, from its heartbeat loop (`partition.PartitionInjector`)
-    PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_etcd_faults`)
+    PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_member_faults`)
 
 
 def bad_spec(text: str, why: str) -> UserError:
@@ -68,7 +70,7 @@ class FaultKind:
         """Refuse a phase= this kind explains itself (before the generic phase check)."""
 
     def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
-                   etcd: int | None, target: str | None) -> bool:
+                   member: int | None, target: str | None) -> bool:
         return len(nodes) == 1
 
     def format(self, f: FaultSpec) -> str:
@@ -113,30 +115,39 @@ class FaultKind:
         """One line for people."""
         return str(f)
 
+    # ---------------------------------------------------------------- reporting
+    def answered_by_recovery(self, f: FaultSpec) -> bool:
+        """Whether a recovery of the training job answers f (the report pairs them)."""
+        return True
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        """Why f can end a run without having fired (its run reached its step)."""
+        return "its node, rank or phase was not in the job when its step came"
+
 
 class Kill(FaultKind):
     name = "kill"
     forms = ("kill:node=I[,J]@step=S[,phase=P]", "kill:rack=A@step=S", "kill:node=I@recovery=N",
              "kill:node=I@step=S,phase=recovery", "kill:coordinator@step=S", "kill:etcd=I|leader@step=S")
-    targets = frozenset({"rack", "coordinator", "etcd"})
+    targets = frozenset({"rack", "coordinator", MEMBER_TARGET})
     phases = KILL_PHASES + ("recovery",)
     during_recovery = True
 
     def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
-                   etcd: int | None, target: str | None) -> bool:
-        return bool(nodes) or rack is not None or coordinator or etcd is not None
+                   member: int | None, target: str | None) -> bool:
+        return bool(nodes) or rack is not None or coordinator or member is not None
 
     def format_target(self, f: FaultSpec) -> str:
         if f.coordinator:
             return "coordinator"
-        if f.etcd is not None:
-            return f"etcd={'leader' if f.etcd < 0 else f.etcd}"
+        if f.member is not None:
+            return f"{MEMBER_TARGET}={'leader' if f.member < 0 else f.member}"
         if f.rack is not None:
             return f"rack={f.rack}"
         return super().format_target(f)
 
     def point(self, f: FaultSpec) -> Point:
-        if f.etcd is not None:
+        if f.member is not None:
             return Point.PROGRESS
         if f.recovery is not None or f.phase == "recovery":
             return Point.RECOVERY
@@ -168,11 +179,19 @@ class Kill(FaultKind):
                     "coordinator kills)")
         return None
 
+    def answered_by_recovery(self, f: FaultSpec) -> bool:
+        return not f.coordinator and f.member is None  # those are the control plane's, answered by a standby
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        if f.recovery is not None or f.phase == "recovery":
+            return "no recovery of a failure (at or after its step) moved state through its node"
+        return super().why_not_fired(f)
+
     def describe(self, f: FaultSpec) -> str:
         if f.coordinator:
             return f"SIGKILL the coordinator when rank 0 is in its {f.phase} phase"
-        if f.etcd is not None:
-            return f"SIGKILL etcd member {'leader' if f.etcd < 0 else f.etcd}"
+        if f.member is not None:
+            return f"SIGKILL {MEMBER_TARGET} member {'leader' if f.member < 0 else f.member}"
         if len(f.nodes) == 2:
             return f"SIGKILL nodes {f.nodes[0]} and {f.nodes[1]} in the same step ({f.phase} phase)"
         if len(f.nodes) == 1 and f.phase != "recovery" and f.recovery is None:
@@ -197,7 +216,7 @@ class Crash(FaultKind):
     targets = frozenset({"rank"})
 
     def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
-                   etcd: int | None, target: str | None) -> bool:
+                   member: int | None, target: str | None) -> bool:
         return rank is not None
 
     def format_target(self, f: FaultSpec) -> str:
@@ -232,6 +251,14 @@ class Corrupt(FaultKind):
     def held_at(self, f: FaultSpec, step: int) -> bool:
         return f.step == step + 1 and f.phase != "transfer"  # it hits the replicas received during `step`
 
+    def answered_by_recovery(self, f: FaultSpec) -> bool:
+        return False  # a corruption kills nothing: the kill it comes with is what a recovery answers
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        if f.phase == "transfer":
+            return "no recovery at or after its step took a copy of the optimizer state from its node"
+        return "its node received no replica during its step (not in the job, or the run ended first)"
+
     def describe(self, f: FaultSpec) -> str:
         if f.phase == "transfer":
             return f"corrupt the optimizer-state transfers node {f.node} sends"
@@ -249,7 +276,7 @@ class Nan(FaultKind):
             raise bad_spec(text, "nan:step=S takes no phase (the loss of step S is NaN)")
 
     def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
-                   etcd: int | None, target: str | None) -> bool:
+                   member: int | None, target: str | None) -> bool:
         return not target
 
     def format_target(self, f: FaultSpec) -> str:
@@ -260,6 +287,9 @@ class Nan(FaultKind):
 
     def held_at(self, f: FaultSpec, step: int) -> bool:
         return False
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        return "the run ended before its step"
 
     def describe(self, f: FaultSpec) -> str:
         return f"the loss of step {f.step} is NaN"

@@ -45,7 +45,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from phoenixft.faults.kinds import KILL_PHASES, KINDS, FaultKind, Point, bad_spec, join_or
+from phoenixft.faults.kinds import KILL_PHASES, KINDS, MEMBER_TARGET, FaultKind, Point, bad_spec, join_or
 
 __all__ = ["FaultSpec", "parse_fault", "KILL_PHASES", "FAULT_KINDS"]
 
@@ -66,7 +66,7 @@ class FaultSpec:
     recovery: int | None = None
     phase: str = "forward"
     coordinator: bool = False
-    etcd: int | None = None  # kill:etcd=I: member I of the run's local etcd cluster (-1: its raft leader)
+    member: int | None = None  # a member of the control-plane cluster the run started (-1: its leader)
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
     duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
 
@@ -136,14 +136,14 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     nodes: tuple[int, ...] = ()
     rack = rank = None
     coordinator = False
-    etcd: int | None = None
+    member: int | None = None
     if m["target"] == "coordinator" and "coordinator" in fk.targets:
         coordinator = True
-    elif "etcd" in fk.targets and m["target"] and m["target"].startswith("etcd="):
-        v = m["target"][len("etcd="):]
+    elif MEMBER_TARGET in fk.targets and m["target"] and m["target"].startswith(MEMBER_TARGET + "="):
+        v = m["target"][len(MEMBER_TARGET) + 1:]
         if v != "leader" and not v.isdigit():
             raise _bad(text, f"etcd={v!r}: expected a member index (0, 1, 2) or leader")
-        etcd = -1 if v == "leader" else int(v)
+        member = -1 if v == "leader" else int(v)
     elif m["target"]:
         key, _, value = m["target"].partition("=")
         if key == "node":
@@ -176,13 +176,13 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         raise _bad(text, f"phase={phase!r}, valid phases: {', '.join(valid)}")
     if phase == "recovery" and (not nodes or "step" not in when):  # it fires only for node slots, by step
         raise _bad(text, "phase=recovery is only for kill:node=I@step=S,phase=recovery")
-    if not fk.has_target(nodes, rack, rank, coordinator, etcd, m["target"]):
+    if not fk.has_target(nodes, rack, rank, coordinator, member, m["target"]):
         raise _bad(text, _VALID)
     if recovery is not None and not fk.during_recovery:
         raise _bad(text, "only kill faults can fire during a recovery (@recovery=N)")
     if coordinator and step is None:
         raise _bad(text, "kill:coordinator needs @step=S")
-    if etcd is not None and (step is None or "phase" in when or "wait" in when):
+    if member is not None and (step is None or "phase" in when or "wait" in when):
         raise _bad(text, "expected kill:etcd=I@step=S or kill:etcd=leader@step=S (no phase, no wait)")
     wait = 0.0
     if "wait" in when:
@@ -205,4 +205,5 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         if not duration > 0:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
-                     recovery=recovery, phase=phase, coordinator=coordinator, etcd=etcd, wait=wait, duration=duration)
+                     recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
+                     duration=duration)

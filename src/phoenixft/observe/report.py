@@ -19,6 +19,8 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, keys
+from phoenixft.errors import UserError
+from phoenixft.faults.spec import FaultSpec, parse_fault
 
 __all__ = ["build_report", "percentile"]
 
@@ -53,13 +55,27 @@ def _step_records(store: Store, first: int, last: int) -> list[dict[str, Any]]:
     return out
 
 
+def _parsed(spec: str) -> FaultSpec | None:
+    """The fault record's spec parsed (None: not one this version parses, e.g. from another version's run)."""
+    try:
+        return parse_fault(spec)
+    except UserError:
+        return None
+
+
+def _answerable(spec: str) -> bool:
+    """Whether a recovery of the training job answers the fault (its kind says)."""
+    f = _parsed(spec)
+    return f is None or f.kind_of.answered_by_recovery(f)
+
+
 def _answered(faults: list[dict[str, Any]], rec: dict[str, Any], used: set[int]) -> list[dict[str, Any]]:
     """The faults a recovery answers (oldest first; added to `used`): those before its first report that hit
     a node it found dead, restarted or unresponsive (a kill and a crash handled in one epoch are both its
     own); else the latest one before it (a NaN). A coordinator kill is the control plane's, a corruption at
     rest is answered by the kill it comes with (corruptions are not fault records: they kill nothing)."""
     cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
-             and not f["spec"].startswith(("kill:coordinator", "kill:etcd", "corrupt:"))]
+             and _answerable(f["spec"])]
     hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", [])]}
     answered = sorted([f for f in cands if f.get("node") in hit or hit.intersection(f.get("nodes") or [])]
                       or ([max(cands, key=lambda f: f["t"])] if cands else []), key=lambda f: f["t"])
@@ -182,12 +198,14 @@ def _recoveries(store: Store, cfg: RunConfig, faults: list[dict[str, Any]]) -> l
 
 
 def _control_plane(faults: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The control plane's faults: an etcd member killed, or the coordinator (its downtime, its successor)."""
+    """The control plane's faults: a member of its cluster killed, or the coordinator (its downtime, its
+    successor)."""
     control_plane = []
     for f in faults:
-        if f["spec"].startswith("kill:etcd"):
+        spec = _parsed(f["spec"])
+        if spec is not None and spec.member is not None:
             control_plane.append({"fault": f["spec"], "t": f["t"], "member": f["node"]})
-        if f["spec"].startswith("kill:coordinator"):
+        if spec is not None and spec.coordinator:
             back = [ev for ev in events if ev["kind"] == "coordinator_restarted" and ev["t"] >= f["t"]]
             first = min(back, key=lambda ev: ev["t"]) if back else None
             control_plane.append({"fault": f["spec"], "t": f["t"], "downtime_s": first["t"] - f["t"] if first else None,

@@ -382,10 +382,10 @@ class LocalJob:
                 time.sleep(0.25)
 
     def _fire_member_faults(self, progress: int) -> None:
-        """Kills of a member of the control-plane cluster the run started (`FaultSpec.etcd`: its index,
+        """Kills of a member of the control-plane cluster the run started (`FaultSpec.member`: its index,
         -1 for its leader) during step S."""
         for f in self.cfg.faults:
-            member = f.etcd
+            member = f.member
             if member is None or f.index in self._members_fired or f.step is None or progress < f.step - 1:
                 continue
             self._members_fired.add(f.index)
