@@ -61,7 +61,7 @@ class HotSwap:
 
 TINY = ("--model", "tiny", "--steps", "12")
 HOTSWAPS = [
-    HotSwap("hotswap", ("--nodes", "2", "--workers-per-node", "1", *TINY), 6, "data-parallel on NCCL"),
+    HotSwap("hotswap", ("--nodes", "2", "--workers-per-node", "1", *TINY), 6, "data-parallel"),
     HotSwap("hotswap-tp2", ("--nodes", "2", "--workers-per-node", "2", "--tp", "2", *TINY), 6, "tensor-parallel 2"),
     HotSwap("hotswap-pp2", ("--nodes", "4", "--workers-per-node", "1", "--pp", "2", *TINY), 6,
             "pipeline-parallel 2"),
@@ -246,6 +246,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    src = str(ROOT / "src")  # the project as it is here, for this process and the runs (nothing installed)
+    if src not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = src + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    if src not in sys.path:
+        sys.path.insert(0, src)
     work = Path(a.work or ROOT / "runs" / time.strftime("gpu_check-%Y%m%d-%H%M%S"))
     deps = gpu_deps.check()
     if deps.missing and a.wheels and not a.dry_run:
