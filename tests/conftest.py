@@ -8,9 +8,13 @@ from typing import Any
 
 import pytest
 
-from phoenixft.config import RunConfig
-from phoenixft.observe.display import Display
-from phoenixft.runtime.launcher import run_job
+# `--device auto` means cpu in the suite, whatever GPUs the machine has (a test that wants CUDA asks for it:
+# `--device cuda`, `place("cuda", ...)`, or the `auto_device` fixture); set before phoenixft resolves anything
+os.environ.setdefault("PHOENIXFT_AUTO_DEVICE", "cpu")
+
+from phoenixft.config import RunConfig  # noqa: E402
+from phoenixft.observe.display import Display  # noqa: E402
+from phoenixft.runtime.launcher import run_job  # noqa: E402
 
 
 def processes_with(tag: str) -> list[int]:
@@ -68,6 +72,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return _refs[key]
 
     return get
+
+
+@pytest.fixture
+def auto_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--device auto` resolved by what this host has, as outside the suite."""
+    monkeypatch.delenv("PHOENIXFT_AUTO_DEVICE", raising=False)
 
 
 class FakeGroup:

@@ -23,12 +23,11 @@ from phoenixft.config import RunConfig
 from phoenixft.dist.comm import EpochComm, wait_work
 from phoenixft.dist.device import (
     DONE,
-    HOSTID_ENV,
     Device,
     Pending,
     apply_nccl_env,
     cuda_unavailable,
-    gpu_index,
+    gpu_slot,
     nccl_env,
     place,
     resolve_device,
@@ -69,17 +68,18 @@ def test_bad_device_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> Non
 
     assert main(["run", "--nodes", "2", "--device", "tpu"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "phoenixft run: error: --device='tpu' is invalid: one of cpu, cuda", err
+    assert err.strip() == "phoenixft run: error: --device='tpu' is invalid: one of auto, cpu, cuda", err
 
 
 @no_cuda
-def test_default_device_is_cpu_without_cuda() -> None:
+def test_auto_stays_auto_in_the_config_and_is_cpu_here(auto_device: None) -> None:
     cfg = RunConfig()
-    assert cfg.device == "cpu" and cfg.workers_per_node == 1
+    assert cfg.device == "auto" and cfg.workers_per_node == 1
+    assert RunConfig.from_json(cfg.to_json()).device == "auto"  # published as given: each host resolves it
     assert resolve_device("auto") == "cpu" and resolve_device("cuda") == "cuda"
-    assert RunConfig.from_json(cfg.to_json()).device == "cpu"  # published resolved, read back as is
-    with pytest.raises(UserError, match="--device=cuda is invalid"):
+    with pytest.raises(UserError, match="--device=cuda is invalid on this host"):
         place("cuda", 0, "n0", 2, 1)
+    assert place("auto", 0, "n0", 2, 1).describe() == "cpu"
 
 
 def test_help_lists_the_device_flag() -> None:
@@ -91,28 +91,29 @@ def test_help_lists_the_device_flag() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- placement
-def test_gpu_index_local_rank_and_spread() -> None:
-    # one host per node: LOCAL_RANK
-    assert [gpu_index(lr, "n3", 4, 2, 8, "local-rank") for lr in (0, 1)] == [0, 1]
-    assert gpu_index(9, "n0", 4, 1, 8, "local-rank") == 1
-    # every emulated node on one host: node ordinal x workers + local rank, spares after the nodes
-    assert [gpu_index(lr, n, 2, 2, 8, "spread") for n in ("n0", "n1", "s0") for lr in (0, 1)] == [0, 1, 2, 3, 4, 5]
-    assert gpu_index(0, "s1", 3, 1, 2, "spread") == 0  # (3 + 1) mod 2
-    assert gpu_index(0, "n5", 8, 1, 1, "spread") == 0  # one GPU: everybody on it
+def test_gpu_slot_local_rank_and_spread() -> None:
+    # one host per node: LOCAL_RANK, a host identity of its own only beyond the host's GPUs
+    assert [gpu_slot(lr, "n3", 4, 2, 8, "local-rank") for lr in (0, 1)] == [(0, False), (1, False)]
+    assert gpu_slot(9, "n0", 4, 10, 8, "local-rank") == (1, True)
+    # every node of a local run on this host: node ordinal x workers + local rank, spares after the nodes
+    assert [gpu_slot(lr, n, 2, 2, 8, "spread").gpu for n in ("n0", "n1", "s0") for lr in (0, 1)] == [0, 1, 2, 3, 4, 5]
+    assert gpu_slot(0, "s1", 3, 1, 2, "spread") == (0, True)  # slot 3 + 1 on 2 GPUs
+    assert gpu_slot(0, "n1", 3, 1, 2, "spread") == (1, False)
+    assert gpu_slot(0, "n5", 8, 1, 1, "spread") == (0, True)  # one GPU: everybody on it, all but n0 apart
     with pytest.raises(UserError, match="PHOENIXFT_GPU_PLACEMENT='rr' is invalid"):
-        gpu_index(0, "n0", 2, 1, 2, "rr")
+        gpu_slot(0, "n0", 2, 1, 2, "rr")
 
 
-def test_nccl_environment_keeps_what_the_user_set() -> None:
+def test_nccl_environment_keeps_acceptable_user_values_and_replaces_fatal_ones() -> None:
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
     set_now = apply_nccl_env(env, "n1", 0)
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in set_now
     assert env["TORCH_NCCL_ENABLE_MONITORING"] == "0" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
-    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and "NCCL_HOSTID" not in env
+    assert "NCCL_HOSTID" not in env
     assert nccl_env()["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # clean up, never tear the survivor down
-    env2 = {HOSTID_ENV: "worker"}
-    apply_nccl_env(env2, "s0", 1)
-    assert env2["NCCL_HOSTID"] == "phoenixft-s0.1"
+    env2 = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    apply_nccl_env(env2, "s0", 1, own_host=True)
+    assert env2["NCCL_HOSTID"] == "phoenixft-s0.1" and env2["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
 
 
 # ---------------------------------------------------------------------------------------------- the seam on CPU

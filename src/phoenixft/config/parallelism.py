@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from phoenixft.config.checks import MAX_THREADS, MAX_WORKERS, need, real
 from phoenixft.config.options import option
-from phoenixft.errors import UserError
 
 if TYPE_CHECKING:
     from phoenixft.config.run import RunConfig
@@ -22,8 +21,9 @@ class ParallelismConfig:
 
     nodes: int = option(2, "Number of active nodes (failure domains) at start.")
     device: str = option("auto", "Where the workers train: cpu (gloo groups), or cuda: one GPU per worker (its "
-                                 "LOCAL_RANK), NCCL training groups, the optimizer shard copied into pinned host "
-                                 "snapshots on a copy stream. auto = cuda when a CUDA device is available, else cpu.")
+                                 "LOCAL_RANK; a local run spreads its nodes over the GPUs), NCCL training groups, the "
+                                 "optimizer shard copied into pinned host snapshots on a copy stream. auto = cuda when "
+                                 "a CUDA device is available, else cpu; decided on each host where workers run.")
     workers_per_node: int = option(0, "Worker processes per node (one per accelerator; 0 = --tp on cpu, the GPUs of "
                                       "this host on cuda when that is a multiple of --tp, else --tp).",
                                    flag="--workers-per-node")
@@ -44,35 +44,26 @@ class ParallelismConfig:
                                    "backward has produced its gradients.", flag="--bucket-mb")
 
     def resolve(self) -> None:
-        """Turn `auto` values into what they mean on this host: the device, and the workers per node
-        (--tp on cpu; on cuda the GPUs of this host when they hold whole tensor-parallel groups)."""
-        if self.device == "auto":
-            from phoenixft.dist.device import resolve_device
-
-            self.device = resolve_device(self.device)
+        """Workers per node when 0: --tp, or the GPUs of this host when the device may be CUDA here and
+        they hold whole tensor-parallel groups. The device itself is resolved on each host, by its
+        agent and workers (`auto` stays `auto` in the published config)."""
         if self.workers_per_node == 0:
             self.workers_per_node = max(1, self.tp)
-            if self.device == "cuda":
-                from phoenixft.dist.device import cuda_unavailable
+            if self.device in ("auto", "cuda"):
+                from phoenixft.dist.device import resolve_device, visible_gpus
 
-                if cuda_unavailable() is None:
-                    import torch
-
-                    gpus = torch.cuda.device_count()
-                    if gpus >= 1 and gpus % max(1, self.tp) == 0:
-                        self.workers_per_node = gpus
+                gpus = visible_gpus() if resolve_device(self.device) == "cuda" else 0
+                if gpus >= 1 and gpus % max(1, self.tp) == 0:
+                    self.workers_per_node = gpus
 
 
 def validate_parallelism(cfg: RunConfig) -> None:
     """The device, the job's size, the mesh it is cut into, racks, spares and per-worker resources."""
     p = cfg.parallelism
-    from phoenixft.dist.device import DEVICES, cuda_unavailable
+    from phoenixft.dist.device import DEVICES
 
-    need(p.device in DEVICES, "--device", p.device, f"one of {', '.join(DEVICES)}")
-    if p.device == "cuda":
-        why = cuda_unavailable()
-        if why is not None:
-            raise UserError(f"--device=cuda is invalid: {why}; use --device cpu")
+    # (whether CUDA is there is checked where the workers run: by each agent, for its host)
+    need(p.device in ("auto", *DEVICES), "--device", p.device, f"one of auto, {', '.join(DEVICES)}")
     _validate_size(p)
     _validate_mesh(cfg)
     need(1 <= p.racks <= p.nodes and p.nodes % p.racks == 0, "--racks", p.racks,

@@ -13,17 +13,18 @@ interface, so the CPU tests exercise the same logic the GPU path runs:
   kernels never wait for it; the half is committed only once the copy's end event completed. On
   CPU the optimizer writes the host half itself: the copy is a no-op and `Pending` is done at once.
   `Device.h2d` (restore) copies a host half back into the working copy.
-- `place(kind, local_rank, node, nodes)`: the worker's device. On CUDA each worker takes the GPU
-  of its LOCAL_RANK (`torch.cuda.set_device`), NCCL's watchdog is set up so that a peer's death
-  raises in our polled wait instead of killing the survivor (`nccl_env`), and deterministic
-  kernels are requested (a recovered run must end bitwise equal to a failure-free one).
+- `place(kind, local_rank, node, nodes, workers_per_node)`: the worker's device, decided on its own
+  host (`auto`: CUDA when a GPU is visible here). On CUDA, before the first CUDA call, the process
+  gets the NCCL settings a survivor needs and deterministic kernels (`dist/cuda_env.py`: a recovered
+  run must end bitwise equal to a failure-free one), then selects its GPU: the GPU of its LOCAL_RANK
+  (one host per node), or, in a local run (`PHOENIXFT_GPU_PLACEMENT=spread`, set by `phoenixft run`),
+  its slot in the plan of every worker of the run over the host's GPUs (`cuda_env.plan_gpus`: workers
+  beyond the GPUs get an NCCL host identity of their own). `PHOENIXFT_NCCL_HOSTID=worker` gives
+  every worker its own identity.
 
-Two environment variables serve one-host setups (tests, the GPU check): `PHOENIXFT_GPU_PLACEMENT=spread`
-places the workers of the emulated nodes of a local run on different GPUs (node ordinal x
-workers + local rank, modulo the GPUs) instead of every node on GPUs 0..G-1, and
-`PHOENIXFT_NCCL_HOSTID=worker` gives each worker its own `NCCL_HOSTID`, so that NCCL accepts
-several ranks on one GPU (it then talks to them as to other hosts, over its network transport;
-for checks, not for speed). `PHOENIXFT_DEVICE_MIRROR=1` (tests only) makes a CPU worker keep a
+`check_device_here` and `visible_gpus` ask about this host without initialising CUDA (NVML), so an
+agent may check, then fork its CUDA workers. `PHOENIXFT_AUTO_DEVICE` pins what `auto` means (the
+test suite pins `cpu`). `PHOENIXFT_DEVICE_MIRROR=1` (tests only) makes a CPU worker keep a
 separate working copy of its shard and copy it into the host halves lazily, as the GPU path
 does, so the CPU suite covers that path's ordering: commit after the copy, H2D after a restore.
 """
@@ -31,25 +32,41 @@ does, so the CPU suite covers that path's ordering: commit after the copy, H2D a
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from phoenixft.dist.cuda_env import (
+    HOSTID_ENV,
+    PLACEMENT_ENV,
+    GpuSlot,
+    apply_determinism,
+    apply_nccl_env,
+    determinism_settings,
+    local_workers,
+    nccl_env,
+    nccl_overrides,
+    override_line,
+    plan_gpus,
+)
 from phoenixft.errors import UserError
 
 __all__ = ["DEVICES", "Device", "Pending", "DONE", "alloc", "resolve_device", "cuda_unavailable", "place", "nccl_env",
-           "apply_nccl_env", "gloo_group", "BIND_ENV", "gpu_index", "PLACEMENT_ENV", "HOSTID_ENV", "MIRROR_ENV"]
+           "apply_nccl_env", "gloo_group", "BIND_ENV", "gpu_slot", "PLACEMENT_ENV", "HOSTID_ENV", "MIRROR_ENV",
+           "AUTO_DEVICE_ENV", "visible_gpus", "cuda_unavailable_here", "check_device_here", "GpuSlot"]
 
 DEVICES = ("cpu", "cuda")
-PLACEMENT_ENV = "PHOENIXFT_GPU_PLACEMENT"
-HOSTID_ENV = "PHOENIXFT_NCCL_HOSTID"
 MIRROR_ENV = "PHOENIXFT_DEVICE_MIRROR"
+AUTO_DEVICE_ENV = "PHOENIXFT_AUTO_DEVICE"  # what `--device auto` resolves to, whatever the host has (tests: cpu)
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def cuda_unavailable() -> str | None:
@@ -62,58 +79,66 @@ def cuda_unavailable() -> str | None:
     return None
 
 
+def visible_gpus() -> int:
+    """The GPUs torch would see here, counted without initialising CUDA in this process (NVML, else a
+    short child process), so that an agent may still fork workers that use CUDA afterwards."""
+    if not torch.backends.cuda.is_built():
+        return 0
+    count_nvml = getattr(torch.cuda, "_device_count_nvml", None)
+    n = count_nvml() if count_nvml is not None else -1
+    if n >= 0:
+        return int(n)
+    try:
+        p = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True, timeout=120)
+        return int(p.stdout.strip() or 0) if p.returncode == 0 else 0
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0
+
+
+def cuda_unavailable_here() -> str | None:
+    """Why this host cannot run CUDA workers (None if it can), asked without initialising CUDA here."""
+    if not torch.backends.cuda.is_built():
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    if visible_gpus() < 1:
+        return "no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES)"
+    return None
+
+
 def resolve_device(name: str) -> str:
-    """`auto` becomes `cuda` when a CUDA device is available, else `cpu`; other names are returned as given."""
-    if name == "auto":
-        return "cuda" if cuda_unavailable() is None else "cpu"
-    return name
+    """What `name` means on this host: `auto` is `cuda` when a GPU is visible here, else `cpu` (or what
+    `PHOENIXFT_AUTO_DEVICE` says: the test suite pins `cpu`); other names are returned as given."""
+    if name != "auto":
+        return name
+    pinned = os.environ.get(AUTO_DEVICE_ENV, "")
+    if pinned in DEVICES:
+        return pinned
+    return "cuda" if cuda_unavailable_here() is None else "cpu"
 
 
-def nccl_env() -> dict[str, str]:
-    """Defaults for NCCL's error handling in a process that must survive its peers.
-
-    torch's defaults kill the process on an NCCL error or timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`),
-    let a heartbeat monitor terminate it when the watchdog stalls, and dump debug state into the
-    store on a timeout. Here an error only aborts the communicator (mode 2: clean up, never tear
-    down); the failed work then reports completion with an error, which our polled wait raises as
-    `PeerFailure`, and the recovery retires the whole epoch's groups with `abort()`."""
-    return {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-        "TORCH_NCCL_ENABLE_MONITORING": "0",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-        "TORCH_NCCL_PROPAGATE_ERROR": "0",
-        "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
-        "TORCH_NCCL_BLOCKING_WAIT": "0",
-        "NCCL_NVLS_ENABLE": "0",
-    }
+def check_device_here(name: str, where: str = "this host") -> str:
+    """The device the workers of this host train on (`auto` resolved here); UserError, one line,
+    when it is not one of the devices or is `cuda` on a host without one. Decided where the workers
+    run: the agent checks it for its host, the worker applies it."""
+    if name not in ("auto", *DEVICES):
+        raise UserError(f"--device={name!r} is invalid: one of auto, {', '.join(DEVICES)}")
+    kind = resolve_device(name)
+    if kind == "cuda":
+        why = cuda_unavailable_here()
+        if why is not None:
+            raise UserError(f"--device=cuda is invalid on {where}: {why}; use --device cpu (or --device auto)")
+    return kind
 
 
-def apply_nccl_env(env: MutableMapping[str, str], node: str, local_rank: int) -> dict[str, str]:
-    """Set the `nccl_env` defaults in `env` (values the user set are kept), deterministic cuBLAS,
-    and with `PHOENIXFT_NCCL_HOSTID=worker` a host id of this worker's own; returns what it set."""
-    want = {**nccl_env(), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    done = {k: v for k, v in want.items() if k not in env}
-    env.update(done)
-    if env.get(HOSTID_ENV, "") == "worker":
-        env["NCCL_HOSTID"] = done["NCCL_HOSTID"] = f"phoenixft-{node}.{local_rank}"
-    return done
-
-
-def gpu_index(local_rank: int, node: str, nodes: int, workers_per_node: int, count: int, placement: str) -> int:
-    """The GPU of a worker: its LOCAL_RANK (`local-rank`, one host per node), or with `spread`
-    (several emulated nodes on one host) the node's ordinal (n<i>: i, spare s<j>: nodes + j) times
-    the workers per node plus the local rank; both modulo the GPUs of the host."""
-    if count < 1:
-        raise ValueError("no GPU to place a worker on")
+def gpu_slot(local_rank: int, node: str, nodes: int, workers_per_node: int, count: int, placement: str) -> GpuSlot:
+    """The GPU of a worker: its LOCAL_RANK (`local-rank`: one host per node; a host identity of its own
+    only beyond the GPUs), or with `spread` (every node of a local run on this host) its slot in
+    `plan_gpus` over the run's workers."""
     if placement == "local-rank":
-        return local_rank % count
+        return plan_gpus(count, [(node, lr) for lr in range(max(workers_per_node, local_rank + 1))])[(node, local_rank)]
     if placement != "spread":
         raise UserError(f"{PLACEMENT_ENV}={placement!r} is invalid: one of local-rank, spread")
-    kind, num = node[:1], node[1:]
-    ordinal = int(num) if num.isdigit() else 0
-    if kind == "s":
-        ordinal += nodes
-    return (ordinal * workers_per_node + local_rank) % count
+    return plan_gpus(count, local_workers(nodes, 0, workers_per_node, node))[(node, local_rank)]
 
 
 class Pending:
@@ -258,10 +283,14 @@ class Device:
         return t.to(self.torch).contiguous()
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """Page-lock a host tensor in place (shared memory included: `cudaHostRegister`), so copies
-        between it and the GPU run asynchronously; unregistered when the tensor is freed. No-op on CPU."""
+        """`t` page-locked, so copies between it and the GPU run asynchronously: a page-aligned mapping
+        (a shared-memory file) in place (`cudaHostRegister`, unregistered when the tensor is freed),
+        other memory as a pinned copy (registering part of a page another registration shares fails).
+        `t` itself on CPU."""
         if not self.is_cuda or t.numel() == 0 or t.is_pinned():
             return t
+        if t.data_ptr() % PAGE or t.untyped_storage().data_ptr() != t.data_ptr():
+            return t.pin_memory()
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1 = cudaHostRegisterPortable
         if err != 0:
@@ -336,19 +365,22 @@ class Device:
 
 
 def place(kind: str, local_rank: int, node: str, nodes: int, workers_per_node: int) -> Device:
-    """The device of worker `local_rank` of `node`; on CUDA, selects its GPU and prepares NCCL."""
+    """The device of worker `local_rank` of `node` (`auto` resolved on this host); on CUDA, sets up the
+    process before its first CUDA call (NCCL settings, deterministic kernels), then selects its GPU."""
+    kind = check_device_here(kind, f"this host (node {node})")
     if kind == "cpu":
         return Device("cpu", mirror=os.environ.get(MIRROR_ENV, "") == "1")
-    if kind != "cuda":
-        raise UserError(f"--device={kind!r} is invalid: one of {', '.join(DEVICES)}")
+    apply_determinism(determinism_settings(os.environ), os.environ, torch)  # CUBLAS_WORKSPACE_CONFIG: before cuBLAS
     why = cuda_unavailable()
     if why is not None:
-        raise UserError(f"--device=cuda is invalid: {why}; use --device cpu")
-    apply_nccl_env(os.environ, node, local_rank)  # before the first NCCL group and the first cuBLAS call
-    index = gpu_index(local_rank, node, nodes, workers_per_node, torch.cuda.device_count(),
-                      os.environ.get(PLACEMENT_ENV, "local-rank") or "local-rank")
-    torch.cuda.set_device(index)
+        raise UserError(f"--device=cuda is invalid on this host (node {node}): {why}; use --device cpu")
+    slot = gpu_slot(local_rank, node, nodes, workers_per_node, torch.cuda.device_count(),
+                    os.environ.get(PLACEMENT_ENV, "local-rank") or "local-rank")
+    line = override_line(nccl_overrides(os.environ))
+    own = slot.own_host or os.environ.get(HOSTID_ENV, "") == "worker"
+    apply_nccl_env(os.environ, node, local_rank, own_host=own)  # before the first NCCL group
+    if line and local_rank == 0:  # (the agent normally did this already, and said so)
+        print(f"phoenixft worker {node}.{local_rank}: {line}", flush=True)
+    torch.cuda.set_device(slot.gpu)
     os.environ["LOCAL_RANK"] = str(local_rank)  # for workload code that looks for it
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    return Device("cuda", index)
+    return Device("cuda", slot.gpu)

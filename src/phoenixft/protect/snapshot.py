@@ -202,11 +202,13 @@ class ShardState(PingPong):
     _pending: tuple[int, int, tuple[int, int] | None, Pending] | None = None
 
     def __init__(self, numel: int, path: str | None = None, rows: int = 3, payload_from: int = 1,
-                 device: Device | None = None) -> None:
+                 device: Device | None = None, pin: bool | None = None) -> None:
         self.device = device or Device("cpu")
         super().__init__(rows, numel, path)
-        if self.device.is_cuda:
-            self.device.pin(self.data)
+        if self.device.is_cuda and (path is not None if pin is None else pin):
+            # only halves that protection copies out and replicates from (a shared-memory `path`) are
+            # page-locked: pinning memory nothing is copied into costs locked RAM for nothing
+            self.data = self.device.pin(self.data)
         self.payload_from = payload_from
         self.dev = self.device.working_copy(self.data)
         self._lock = threading.RLock()

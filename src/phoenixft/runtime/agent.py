@@ -48,6 +48,7 @@ from phoenixft.config.agent import add_agent_arguments
 from phoenixft.controlplane import Store, auth
 from phoenixft.errors import UserError
 from phoenixft.protect import shm
+from phoenixft.runtime import hostcheck
 from phoenixft.runtime.procs import die_with_parent, exit_now, process_state
 
 __all__ = ["main", "run_agent", "probe_store", "CALL_TIMEOUT_S"]
@@ -183,9 +184,23 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
     store, cfg, served = _connect(a, flag)
     if served and a.run_id != served:  # before asking to join: a refused agent must not hold a slot
         raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+    _prepare_host(cfg, a.node, shm=not a.parent_pid)  # (before asking to join, too)
     node, run_id = _admit(a, store, token, bind)
     assert token is not None  # admitted: the verdict verified with it
     return _Node(a, store, cfg, node, run_id, bind, token).run()
+
+
+def _prepare_host(cfg: RunConfig, node: str, shm: bool = True) -> None:
+    """The device is decided here, where the workers run: UserError (one line) when this host cannot
+    train on it or its /dev/shm cannot hold the node's snapshot halves; on CUDA, the NCCL settings a
+    survivor needs go into the environment the workers are forked with (said once when a user value
+    is replaced). Without CUDA being initialised here (the workers are forked after it). `shm` False:
+    an agent of `phoenixft run`, whose launcher checked /dev/shm for every node of this host."""
+    kind = hostcheck.check_host(cfg, 1 if shm else 0, f"this host (node {node})")
+    if kind == "cuda":
+        line = hostcheck.prepare_nccl(os.environ)
+        if line:
+            print(f"phoenixft agent {node}: {line}", flush=True)
 
 
 def _check_args(a: argparse.Namespace) -> None:

@@ -54,11 +54,12 @@ from phoenixft.controlplane import (
     provision_cluster,
     remote_spec_problem,
 )
+from phoenixft.dist.cuda_env import PLACEMENT_ENV
 from phoenixft.errors import UserError
 from phoenixft.observe.display import Display
 from phoenixft.observe.report import build_report
 from phoenixft.protect import shm
-from phoenixft.runtime import rundir, zygote
+from phoenixft.runtime import hostcheck, rundir, zygote
 from phoenixft.runtime.procs import group_members, group_stopped
 from phoenixft.runtime.repair import RepairQueue
 
@@ -106,6 +107,7 @@ def check_mode(cfg: RunConfig, local: bool) -> None:
     start nor kill agents, nor signal a coordinator from another host; a local run must fit this machine."""
     if local:
         check_local_size(cfg)
+        hostcheck.check_host(cfg, hostcheck.local_nodes(cfg), "this host")  # every node runs here
     for f in cfg.faults:
         why = f.kind_of.refuse(f, local)
         if why:
@@ -176,6 +178,8 @@ class LocalJob:
         (procs.die_with_parent), so a zygote that dies takes nothing with it."""
         path = self.run_dir / "logs" / log
         extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token}
+        if self.local and not os.environ.get(PLACEMENT_ENV):  # every node on this host: spread over its GPUs
+            extra[PLACEMENT_ENV] = "spread"
 
         argv = [str(os.getpid()) if a == PARENT else a for a in args]
         if zygote.enabled() and self._zygote_error is None:
@@ -204,6 +208,8 @@ class LocalJob:
                                   f"{swept.bytes / 2**20:.1f} MiB, of dead run(s) {', '.join(swept.runs)}")
             shm.register_owner(self.run_id, "launcher")
             self._owner = True
+            for line in hostcheck.local_notes(self.cfg, os.environ):
+                self.display.info(line)
         from phoenixft.workload import WorkloadContext, load_workload
 
         wl = load_workload(self.cfg.workload, WorkloadContext.from_config(self.cfg))

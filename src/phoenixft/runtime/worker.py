@@ -149,6 +149,8 @@ class Worker:
         if scheme is not None:
             scheme.protect(s)
         self.trained = True
+        if s >= 2:  # (step 1's half is committed by now: the run can no longer start afresh from step 0)
+            self.ctx.trainer.flat.release_init_master()
         if self.ctx.rank == 0:
             now = time.time()
             rec = {"step": s, "loss": res.loss, "lr": res.lr, "dt": time.perf_counter() - t0, "t_end": now,

@@ -81,9 +81,10 @@ class FlatModel:
         else:
             self.bufs = [torch.zeros(self.total, dtype=dtype, device=self.device) for _ in (0, 1)]
         self.tags = alloc(3, torch.int64, path and path + ".tags")  # step of buffer 0, 1; live index
-        # the fp32 values the model was built with: the master weights of step 0 (and of a fresh spare)
-        self.init_master = torch.cat([p.detach().reshape(-1).float() for p in self.params]).to(self.device) \
-            if self.params else torch.empty(0, device=self.device)
+        # the fp32 values the model was built with: the master weights of step 0 (and of a fresh spare), in
+        # host memory (never on the GPU) and only until the run has stepped past them (`release_init_master`)
+        self.init_master = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params]) \
+            if self.params else torch.empty(0)
         if retained:
             self.live = int(self.tags[2])
         else:
@@ -100,6 +101,12 @@ class FlatModel:
         for p in self.params:
             p.grad = self.grad[off : off + p.numel()].view_as(p)
             off += p.numel()
+
+    def release_init_master(self) -> None:
+        """Free the fp32 copy of the model as built (4 bytes per parameter): once this rank has stepped past
+        step 1, no plan starts the run afresh from step 0 (the coordinator does that only while no step
+        beyond 0 is held anywhere)."""
+        self.init_master = torch.empty(0)
 
     @property
     def buf_step(self) -> list[int]:

@@ -1,0 +1,329 @@
+"""How a CUDA worker's host and process are set up, checked on CPU through the device seam: the
+placement of a host's workers over its GPUs, the device decided on the host where the workers run,
+the NCCL settings a survivor needs whatever the environment held, deterministic kernels, snapshot
+halves pinned only with protection, the /dev/shm check, and the GPU check's dry run."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from phoenixft.config import RunConfig
+from phoenixft.dist import cuda_env, device
+from phoenixft.dist.cuda_env import (
+    apply_determinism,
+    apply_nccl_env,
+    determinism_settings,
+    local_workers,
+    nccl_env,
+    nccl_overrides,
+    override_line,
+    placement_line,
+    plan_gpus,
+)
+from phoenixft.dist.device import Device, check_device_here, gpu_slot
+from phoenixft.errors import UserError
+from phoenixft.protect.snapshot import ShardState
+from phoenixft.runtime import hostcheck
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------- placement
+def _layouts(total: int) -> list[tuple[int, int, int]]:
+    """Every (nodes, spares, workers per node) with `total` workers."""
+    return [(n, s, g) for g in range(1, total + 1) for n in range(1, total + 1) for s in range(0, total)
+            if (n + s) * g == total]
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+@pytest.mark.parametrize("total", range(2, 10))
+def test_the_plan_never_puts_two_workers_on_one_gpu_of_one_host_identity(gpus: int, total: int) -> None:
+    for nodes, spares, g in _layouts(total):
+        workers = local_workers(nodes, spares, g)
+        assert len(workers) == total
+        plan = plan_gpus(gpus, workers)
+        assert set(plan) == set(workers)
+        assert all(0 <= slot.gpu < gpus for slot in plan.values())
+        # NCCL's duplicate-GPU check: (host identity, GPU) must differ for any two workers
+        ident = {(slot.gpu, w if slot.own_host else "host") for w, slot in plan.items()}
+        assert len(ident) == total, (nodes, spares, g, plan)
+        per_gpu = [sum(1 for s in plan.values() if s.gpu == i) for i in range(gpus)]
+        assert max(per_gpu) - min(per_gpu) <= 1, per_gpu  # spread evenly
+        if total <= gpus:  # a GPU each, every worker with the host's own identity (NVLink / shared memory)
+            assert len({s.gpu for s in plan.values()}) == total and not any(s.own_host for s in plan.values())
+        else:
+            assert sum(s.own_host for s in plan.values()) == total - gpus
+            assert placement_line(gpus, total) is not None
+        shuffled = list(workers)
+        random.Random(total * 31 + gpus).shuffle(shuffled)
+        assert plan_gpus(gpus, shuffled) == plan  # deterministic: whatever order the workers are listed in
+        for w, slot in plan.items():  # what each worker computes alone agrees with the plan
+            assert gpu_slot(w[1], w[0], nodes, g, gpus, "spread") == slot
+
+
+def test_the_plan_orders_active_nodes_first_and_agrees_on_late_spares() -> None:
+    plan = plan_gpus(8, local_workers(2, 1, 2))
+    assert [plan[w].gpu for w in [("n0", 0), ("n0", 1), ("n1", 0), ("n1", 1), ("s0", 0), ("s0", 1)]] == list(range(6))
+    # a repaired spare s3 (beyond the configured ones) takes the slot after s0..s2, as the others see it
+    assert gpu_slot(0, "s3", 2, 1, 8, "spread") == (5, False)
+    assert gpu_slot(0, "s3", 2, 1, 4, "spread") == (1, True)
+    with pytest.raises(ValueError, match="no GPU"):
+        plan_gpus(0, [("n0", 0)])
+
+
+def test_the_placement_line_is_one_line_naming_the_counts() -> None:
+    assert placement_line(8, 3) is None and placement_line(2, 2) is None
+    line = placement_line(1, 3)
+    assert line is not None and "\n" not in line and line.startswith("3 workers on 1 GPU(s)") and "NCCL_HOSTID" in line
+
+
+def test_a_local_run_spreads_its_workers_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = RunConfig(device="cuda", nodes=2, spares=1)
+    monkeypatch.setattr(device, "visible_gpus", lambda: 1)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    assert hostcheck.local_notes(cfg, {}) == [placement_line(1, 3)]
+    notes = hostcheck.local_notes(cfg, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+    assert len(notes) == 2 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 2" in notes[1]
+    assert hostcheck.local_notes(RunConfig(device="cpu"), {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}) == []
+
+
+# ---------------------------------------------------------------------------------------------- NCCL settings
+@pytest.mark.parametrize("preset", ["1", "3"])
+def test_nccl_values_that_kill_a_survivor_are_replaced_and_named(preset: str) -> None:
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": preset, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+           "TORCH_NCCL_ENABLE_MONITORING": "1", "NCCL_ASYNC_ERROR_HANDLING": preset, "NCCL_DEBUG": "WARN"}
+    over = nccl_overrides(env)
+    assert over == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": (preset, "2"), "TORCH_NCCL_DUMP_ON_TIMEOUT": ("1", "0"),
+                    "TORCH_NCCL_ENABLE_MONITORING": ("1", "0"), "NCCL_ASYNC_ERROR_HANDLING": (preset, "2")}
+    line = override_line(over)
+    assert line is not None and "\n" not in line and f"TORCH_NCCL_ASYNC_ERROR_HANDLING={preset} -> 2" in line
+    apply_nccl_env(env, "n0", 0)
+    assert {k: env[k] for k in nccl_env()} == nccl_env() and env["NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert env["NCCL_DEBUG"] == "WARN"  # not ours: left alone
+    assert nccl_overrides(env) == {} and override_line({}) is None
+
+
+def test_acceptable_user_values_are_kept() -> None:
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert nccl_overrides(env) == {}
+    apply_nccl_env(env, "n0", 0)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_the_agent_sets_them_for_its_workers_and_says_so_once() -> None:
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    line = hostcheck.prepare_nccl(env)
+    assert line is not None and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 2" in line
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and "NCCL_HOSTID" not in env
+    assert hostcheck.prepare_nccl(env) is None  # nothing of the user's left to replace
+
+
+# ---------------------------------------------------------------------------------------------- determinism
+def test_determinism_settings_for_a_cuda_worker() -> None:
+    d = determinism_settings({})
+    assert d.env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert d.deterministic_algorithms and d.warn_only is False  # only then does torch force deterministic kernels
+    assert not d.cudnn_benchmark and d.cudnn_deterministic
+    assert d.sdpa == {"enable_flash_sdp": False, "enable_mem_efficient_sdp": False, "enable_cudnn_sdp": False,
+                      "enable_math_sdp": True}
+    assert all(hasattr(torch.backends.cuda, name) for name in d.sdpa)  # the names torch has
+    assert determinism_settings({"CUBLAS_WORKSPACE_CONFIG": ":16:8"}).env == {}  # deterministic too: kept
+    assert determinism_settings({"CUBLAS_WORKSPACE_CONFIG": ":0:0"}).env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def _recording_torch() -> tuple[Any, list[tuple[Any, ...]]]:
+    calls: list[tuple[Any, ...]] = []
+    cuda = SimpleNamespace(**{n: (lambda on, n=n: calls.append((n, on))) for n in determinism_settings({}).sdpa})
+    fake = SimpleNamespace(use_deterministic_algorithms=lambda mode, warn_only: calls.append(("det", mode, warn_only)),
+                           backends=SimpleNamespace(cudnn=SimpleNamespace(benchmark=True, deterministic=False),
+                                                    cuda=cuda))
+    return fake, calls
+
+
+def test_apply_determinism_sets_the_environment_and_every_flag() -> None:
+    fake, calls = _recording_torch()
+    env: dict[str, str] = {}
+    apply_determinism(determinism_settings(env), env, fake)
+    assert env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert ("det", True, False) in calls
+    assert ("enable_flash_sdp", False) in calls and ("enable_mem_efficient_sdp", False) in calls
+    assert ("enable_cudnn_sdp", False) in calls and ("enable_math_sdp", True) in calls
+    assert fake.backends.cudnn.benchmark is False and fake.backends.cudnn.deterministic is True
+
+
+def test_placing_a_cuda_worker_sets_up_its_process_before_cuda(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`place("cuda")` on a host with one GPU and three workers, through the seam: the environment
+    (cuBLAS, NCCL, the worker's own host identity) is set before the first CUDA call; deterministic
+    algorithms without warn_only; the GPU the plan gives it."""
+    fake, calls = _recording_torch()
+    monkeypatch.setattr(device, "apply_determinism", lambda d, env, _t: apply_determinism(d, env, fake))
+    monkeypatch.setattr(device, "check_device_here", lambda kind, where: "cuda")
+    seen: dict[str, Any] = {}
+
+    def first_cuda_call() -> None:
+        seen["env"] = {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+
+    monkeypatch.setattr(device, "cuda_unavailable", lambda: first_cuda_call())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("gpu", i))
+    for k in (*nccl_env(), "CUBLAS_WORKSPACE_CONFIG", "NCCL_HOSTID", "LOCAL_RANK", cuda_env.HOSTID_ENV):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.setenv(cuda_env.PLACEMENT_ENV, "spread")
+    d = device.place("cuda", 0, "s0", 2, 1)  # the third worker of n0, n1, s0 on one GPU
+    assert d.is_cuda and d.index == 0 and d.backend == "nccl" and seen["gpu"] == 0
+    assert seen["env"] == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and os.environ["NCCL_HOSTID"] == "phoenixft-s0.0"
+    assert ("det", True, False) in calls and ("enable_flash_sdp", False) in calls
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 2" in out
+    monkeypatch.delenv("NCCL_HOSTID")
+    assert device.place("cuda", 0, "n0", 2, 1).index == 0 and "NCCL_HOSTID" not in os.environ  # slot 0: the host's
+
+
+# ------------------------------------------------------------------------------------- where the device is decided
+def test_the_head_publishes_auto_and_does_not_refuse_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phoenixft.runtime.launcher import check_mode
+
+    monkeypatch.setattr(device, "visible_gpus", lambda: 0)
+    cfg = RunConfig(device="auto", nodes=2)
+    assert '"device": "auto"' in cfg.to_json()
+    cuda = RunConfig(device="cuda", nodes=2)
+    cuda.validate()  # a CPU-only head: the GPUs are on the agents' hosts
+    check_mode(cuda, local=False)
+    with pytest.raises(UserError, match=r"^--device=cuda is invalid on this host: .*use --device cpu"):
+        check_mode(cuda, local=True)  # `phoenixft run`: every worker runs here
+
+
+def test_the_agent_decides_the_device_for_its_host(monkeypatch: pytest.MonkeyPatch, auto_device: None) -> None:
+    from phoenixft.runtime import agent
+
+    cfg = RunConfig(device="cuda", nodes=2)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(device, "visible_gpus", lambda: 0)  # a CPU-only agent
+    with pytest.raises(UserError) as e:
+        agent._prepare_host(cfg, "n1")
+    assert str(e.value).startswith("--device=cuda is invalid on this host (node n1): no CUDA device is visible")
+    assert "\n" not in str(e.value)
+    assert check_device_here("auto") == "cpu"
+    for k in nccl_env():
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(device, "visible_gpus", lambda: 2)  # a GPU agent: auto is cuda there, NCCL set up
+    assert check_device_here("auto") == "cuda"
+    agent._prepare_host(RunConfig(device="auto", nodes=2, workers_per_node=1), "n1")
+    assert {k: os.environ[k] for k in nccl_env()} == nccl_env()
+
+
+# ---------------------------------------------------------------------------------------------- memory
+class _PinRecorder(Device):
+    """A CPU device that says it is CUDA for the snapshot's pinning decision and records what it pins."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu", mirror=True)
+        self.is_cuda = True
+        self.pinned: list[int] = []
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        self.pinned.append(t.numel())
+        return t
+
+
+def test_halves_are_pinned_only_when_protection_keeps_them(tmp_path: Path) -> None:
+    d = _PinRecorder()
+    ShardState(16, None, rows=2, device=d)  # --protect none: nothing is copied out into these
+    assert d.pinned == []
+    ShardState(16, str(tmp_path / "s"), rows=2, device=d)  # protection's shared-memory halves
+    assert d.pinned == [2 * 2 * 16]
+    ShardState(16, str(tmp_path / "t"), rows=2, device=d, pin=False)
+    assert len(d.pinned) == 1
+
+
+def test_shm_check_refuses_in_one_line_naming_the_size_and_the_docker_flag() -> None:
+    with pytest.raises(UserError) as e:
+        hostcheck.check_shm(300 * 2**20, 64 * 2**20, "this host")
+    msg = str(e.value)
+    assert "\n" not in msg and "64.0 MiB free" in msg and "300.0 MiB" in msg and "--shm-size=1g" in msg
+    with pytest.raises(UserError, match="--shm-size=13g"):
+        hostcheck.check_shm(10 * 2**30, 2**30, "this host")
+    hostcheck.check_shm(64 * 2**20, 64 * 2**20, "this host")  # fits exactly
+    hostcheck.check_shm(10, None, "this host")  # no /dev/shm to ask: nothing to say
+
+
+def test_shm_needed_follows_protection_and_the_device() -> None:
+    cfg = RunConfig(device="cpu", nodes=2, model="small")
+    cpu, cuda = hostcheck.shm_needed(cfg, 3, False), hostcheck.shm_needed(cfg, 3, True)
+    assert cpu > cuda > 0  # on CUDA the parameters live on the GPU, not in /dev/shm
+    assert hostcheck.shm_needed(cfg, 6, True) == 2 * cuda
+    assert hostcheck.shm_needed(RunConfig(device="cpu", nodes=2, protect="none"), 3, False) == 0
+
+
+def test_a_local_run_without_room_in_dev_shm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phoenixft.runtime.launcher import check_mode
+
+    monkeypatch.setattr(hostcheck, "shm_free", lambda path=hostcheck.SHM: 64 * 2**20)
+    with pytest.raises(UserError, match=r"/dev/shm on this host has 64.0 MiB free.*--shm-size="):
+        check_mode(RunConfig(device="cpu", nodes=2, model="medium"), local=True)
+    monkeypatch.setattr(hostcheck, "shm_free", lambda path=hostcheck.SHM: 2**30)
+    check_mode(RunConfig(device="cpu", nodes=2, model="tiny"), local=True)  # tens of MiB: fits
+
+
+def test_the_initial_master_copy_is_host_memory_and_can_be_freed() -> None:
+    from phoenixft.train.zero import FlatModel
+
+    flat = FlatModel(torch.nn.Linear(4, 3), shards=1)
+    assert flat.init_master.device.type == "cpu" and flat.init_master.numel() == 15
+    flat.release_init_master()
+    assert flat.init_master.numel() == 0
+
+
+# ---------------------------------------------------------------------------------------------- the GPU check
+def test_gpu_check_dry_run_lists_every_step_on_cpu() -> None:
+    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "dependencies:" in out and "torch" in out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    names = " ".join(steps)
+    for what in ("cuda-tests", "hotswap", "hotswap-tp2", "hotswap-pp2", "bf16-256", "overhead"):
+        assert f" {what}:" in names, out
+    assert all("would run:" in s for s in steps), steps
+    assert "-m pytest" in names and "tests/test_cuda.py" in names
+    assert "-m phoenixft run --device cuda" in names and "--inject kill:node=1@step=6,phase=optimizer" in names
+    assert "--precision bf16" in names and "--tp 2" in names and "--pp 2" in names and "--protect phoenix" in names
+    assert "nothing was run" in out
+def test_gpu_check_names_a_missing_dependency_and_leaves_its_step_out(capsys: pytest.CaptureFixture[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    gpu_deps = importlib.import_module("gpu_deps")
+    gpu_check = importlib.import_module("gpu_check")
+    real = importlib.util.find_spec
+    deps = gpu_deps.check(find=lambda m: None if m == "zfec" else real(m))
+    assert deps.missing == ["zfec"] and deps.fatal == [] and list(deps.left_out) == ["erasure-code"]
+    lines = deps.lines()
+    assert lines[0].startswith("dependencies: python ") and "torch " in lines[0]
+    assert lines[1:] == ["missing: zfec (Reed-Solomon parity of --redundancy ec:D+H with H >= 2)"]
+    assert gpu_deps.install_command("py", "/w", "zfec") == ["py", "-m", "pip", "install", "--no-index", "--no-deps",
+                                                            "--find-links", "/w", "zfec"]
+    assert gpu_deps.install_command("py", "/w", "torch") is None  # never over the machine's own
+    a = gpu_check.parse(["--dry-run"])
+    assert gpu_check.dry_run(a, gpu_check.selected(a), deps.left_out, ROOT / "runs" / "x") == 0
+    out = capsys.readouterr().out
+    assert "step 6 erasure-code: left out: zfec is missing" in out and "ec:2+2" not in out
+    assert sys.executable in out
+    no_torch = gpu_deps.check(find=lambda m: None if m == "torch" else real(m))
+    assert no_torch.fatal == ["torch"] and "torch: missing" in no_torch.lines()[0]
