@@ -329,7 +329,7 @@ class Worker:
             self._build(stage)
             self.ctx.partition(topo.world, int(topo.meta.get("generation", 0)), r)
             tr = self.ctx.trainer
-        tr.stage.bind(self.ctx.comm.tp, self.ctx.wait)
+        tr.stage.bind(self.ctx.comm.tp, tr.device_wait(self.ctx.wait))  # NCCL: stream-ordered (dist/streams.py)
         if "reshard" not in topo.meta and tr.flat.shards != lay.dp:
             # a spare built for the initial world, promoted into a resized one: it holds nothing yet
             self.ctx.repartition(topo.world, int(topo.meta.get("generation", 0)), r)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
 from phoenixft.dist.device import DONE, Device
+from phoenixft.dist.streams import StreamOrdered, stream_ordered
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.optim import ElementwiseOptimizer, lr_at, make_optimizer
 from phoenixft.parallel.layout import Coord, Layout
@@ -117,6 +118,7 @@ class Trainer:
         self.buckets: GradBuckets
         self._hooked = False
         self._rs: ShardReduce | OwnerReduce | None = None  # the gradient reduce-scatter of this group and buffer
+        self._ordered: StreamOrdered | None = None  # NCCL: the stream-ordered wait of this epoch (device_wait)
 
     def watch(self, interrupt: Callable[[], None]) -> None:
         """Leave the step within one layer when a recovery starts: `interrupt` is called between
@@ -124,6 +126,14 @@ class Trainer:
         self.interrupt = interrupt
         for mod in self.model.modules():
             mod.register_forward_pre_hook(lambda _m, _i: interrupt())
+
+    def device_wait(self, wait: Wait) -> Wait:
+        """The wait for collectives whose results only kernels read (tensor-parallel all-reduces, pipeline
+        receives): stream-ordered on NCCL (dist/streams.py), `wait` itself on gloo. Each epoch binds a
+        fresh one (what a failed step's waits kept belongs to the retired groups)."""
+        w = stream_ordered(wait, self.device.backend)
+        self._ordered = w if isinstance(w, StreamOrdered) else None
+        return w
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         self.interrupt()
@@ -220,6 +230,8 @@ class Trainer:
         t_compute = time.perf_counter() - t0
         # 2-3. (the first bucket waited for the previous step's replication) gradients and loss summed
         lt, w_loss = self._reduce_gradients(s, comm, c, microbatches, loss_sum, launch, works, rs, wait)
+        if self._ordered is not None:  # NCCL: no gradient is used before every collective it came from succeeded
+            self._ordered.settle()
         t_reduced = time.perf_counter()
         loss = self._sum_tied_and_loss(s, comm, grad, lt, w_loss, m_total, wait)
         # 4. clipping by the global norm
@@ -267,7 +279,9 @@ class Trainer:
                     torch.autograd.backward(out, g)
             self.buckets.end_microbatch()
 
-        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype, self.device.torch)
+        ordered = self._ordered
+        dwait = ordered if ordered is not None and ordered.polled == wait else self.device_wait(wait)
+        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype, self.device.torch, dwait)
         # the forward and backward fault phases: as microbatch 0's begins, before any wait on another stage
         return pipe.train(hi - lo, batch, forward, backward, before=lambda phase, j: fault(phase) if j == 0 else None)
 
