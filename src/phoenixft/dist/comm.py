@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -160,6 +161,7 @@ class EpochComm:
         self._gloo_sockets: set[str] | None = None
         self.retired = False
         self.retirement: Retirement | None = None  # the abort of these groups, once retired
+        self._retire_lock = threading.Lock()
         before = set(_socket_fds())
         try:
             self._build(store, epoch, rank, world, to, nccl_to, transfer_members)
@@ -226,14 +228,15 @@ class EpochComm:
         returned, False when it was abandoned (the caller goes on; the old groups stay with the abort's
         thread until it returns). A stuck op inside fails now instead of completing when a lost peer
         comes back. The groups are released once the aborts returned and nothing else refers to them
-        (no list keeps retired groups). Retiring twice does nothing the second time."""
-        if self.retired:
-            return True
-        self.retired = True
-        groups, self._groups = self._groups, []
-        sockets: set[str] = getattr(self, "_sockets", set())
-        self.retirement = Retirement(f"e{self.epoch}", groups, lambda: sever(sockets))
-        return self.retirement.wait(wait_s)
+        (no list keeps retired groups). Retiring again starts nothing: it waits for the first retirement."""
+        with self._retire_lock:  # (an abandoned build may be retired by two threads)
+            if self.retirement is None:
+                groups, self._groups = self._groups, []
+                sockets: set[str] = getattr(self, "_sockets", set())
+                self.retirement = Retirement(f"e{self.epoch}", groups, lambda: sever(sockets))
+                self.retired = True
+            retirement = self.retirement
+        return retirement.wait(wait_s) if retirement is not None else True
 
 
 def _socket_fds() -> dict[str, int]:

@@ -287,8 +287,8 @@ class Worker:
             if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
                 self.ctx.store, self._side_store = side, None
                 gave_up.set()
-                if "comm" in box:  # (completed between the join and this check)
-                    box["comm"].retire()
+                if "comm" in box:  # (completed between the join and this check: aborted without waiting,
+                    box["comm"].retire(0.0)  # the descriptor comes first)
             if over:
                 raise RunAborted(f"run ended ({self.ctx.store.get(keys.RUN_STATE).decode()})")
             if failed:
