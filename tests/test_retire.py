@@ -93,6 +93,9 @@ def test_descriptor_posted_before_a_blocking_abort(monkeypatch: pytest.MonkeyPat
         with pytest.raises(RunAborted):
             w.recover("peer lost")
         took = time.monotonic() - t0
+        until = time.monotonic() + 10.0  # (on a loaded machine the abort thread may start late)
+        while "abort started" not in [n for n, _ in log] and time.monotonic() < until:
+            time.sleep(0.01)
         names = [n for n, _ in log]
         first_abort = names.index("abort started")
         assert names.index(f"set {keys.desc(0, 'n0.0')}") < first_abort, names
