@@ -10,8 +10,9 @@ gloo: replication, and `train` (scalars, recovery transfers of the host snapshot
 A gloo collective whose peer died raises at once only on the dead peer's neighbours; the others
 wait on live peers that have given up. So no wait here is a plain `work.wait()`: `wait_work`
 waits in short slices and between them checks an abort condition (the control plane's failure
-flag for this epoch), and gives up after a hard timeout. Abandoned groups are kept referenced
-(never destroyed while a stuck op may still run inside them) and aborted.
+flag for this epoch), and gives up after a hard timeout. A failed epoch's groups are aborted and
+their connections severed on a thread of their own, within a bound (`EpochComm.retire`,
+dist/retire.py), then released.
 
 NCCL: a work's `wait()` only orders the current CUDA stream after it and does not report an error
 the work ended with; so once a process has NCCL groups, a completed work is waited with a timeout,
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.dist.device import BIND_ENV, Device, gloo_group
+from phoenixft.dist.retire import Retirement
 from phoenixft.errors import PeerFailure
 from phoenixft.parallel.layout import Layout
 
@@ -44,7 +47,6 @@ __all__ = ["EpochComm", "XFER_LANES", "wait_work", "connect_store", "alltoallv",
 POLL_S = 0.02
 XFER_LANES = 2  # connections per pair of the recovery-transfer group (see gloo_group)
 BACKENDS = ("gloo", "nccl")
-_graveyard: list[Any] = []
 _error_checked_wait = False  # set once this process built NCCL groups (see the module docstring)
 
 
@@ -155,15 +157,46 @@ class EpochComm:
             raise NotImplementedError(f"backend {backend!r}")
         # NCCL's own watchdog must never time an op out before our polled wait gives up
         nccl_to = timedelta(seconds=2 * timeout_s + 60.0)
+        self._groups: list[tuple[str, Any]] = []  # (kind, group), in the order they were built
+        self._gloo_sockets: set[str] | None = None
+        self.retired = False
+        self.retirement: Retirement | None = None  # the abort of these groups, once retired
+        self._retire_lock = threading.Lock()
+        before = set(_socket_fds())
+        try:
+            self._build(store, epoch, rank, world, to, nccl_to, transfer_members)
+        except BaseException:
+            # a build that failed half-way (a member did not arrive, a bad device): the groups already
+            # built are aborted and released, not left connected with their threads running
+            self._sockets = self._local_sockets(before)
+            self.retire()
+            raise
+        self._sockets = self._local_sockets(before)
+        if backend == "nccl":
+            _error_checked_wait = True
+
+    def _local_sockets(self, before: set[str]) -> set[str]:
+        """What the groups connected (gloo connects the full mesh as it builds); of NCCL groups nothing:
+        NCCL's abort closes its own connections, and a socket NCCL keeps per process must not be cut."""
+        if self.backend == "nccl" and self._gloo_sockets is not None:
+            return self._gloo_sockets
+        return set(_socket_fds()) - before
+
+    def _group(self, store: dist.Store, name: str, members: list[int], kind: str, timeout: timedelta) -> Any:
+        pg = self.device.new_group(kind, dist.PrefixStore(f"e{self.epoch}/{name}", store), members.index(self.rank),
+                                   len(members), timeout)
+        self._groups.append((kind, pg))
+        return pg
+
+    def _build(self, store: dist.Store, epoch: int, rank: int, world: int, to: timedelta, nccl_to: timedelta,
+               transfer_members: list[int] | None) -> None:
+        """Every group of this rank, in the one global order (see the class docstring)."""
+        backend = self.backend
 
         def group(name: str, members: list[int], kind: str = "gloo") -> Any:
-            pg = self.device.new_group(kind, dist.PrefixStore(f"e{epoch}/{name}", store), members.index(rank),
-                                       len(members), nccl_to if kind == "nccl" else to)
-            self._groups.append(pg)
-            return pg
+            return self._group(store, name, members, kind, nccl_to if kind == "nccl" else to)
 
         before = set(_socket_fds())
-        self._groups: list[Any] = []
         self.train: Any = group("train", list(range(world)))
         self.repl: Any = group("repl", list(range(world)))
         self.xfer_members = sorted(set(transfer_members or []))
@@ -171,8 +204,8 @@ class EpochComm:
         if rank in self.xfer_members:
             self.xfer = gloo_group(dist.PrefixStore(f"e{epoch}/xfer", store), self.xfer_members.index(rank),
                                    len(self.xfer_members), to, lanes=XFER_LANES, threads=2 * XFER_LANES)
-            self._groups.append(self.xfer)
-        gloo_sockets = set(_socket_fds()) - before
+            self._groups.append(("gloo", self.xfer))
+        self._gloo_sockets = set(_socket_fds()) - before
         lay, c = self.layout, self.layout.coord(rank)
         if lay.trivial and backend == "gloo":
             self.dp: Any = self.train
@@ -188,22 +221,22 @@ class EpochComm:
         self.emb: Any = None
         if lay.pp > 1 and c.pp in (0, lay.pp - 1):
             self.emb = group(f"emb/dp{c.dp}.tp{c.tp}", lay.embedding_group(rank), backend)
-        # what the groups connected (gloo connects the full mesh now); of NCCL groups nothing: NCCL's
-        # abort closes its own connections, and a socket NCCL keeps per process must not be cut
-        self._sockets = set(_socket_fds()) - before if backend == "gloo" else gloo_sockets
-        if backend == "nccl":
-            _error_checked_wait = True
 
-    def retire(self) -> None:
-        """Abort every group, sever their connections, and keep them referenced: a stuck op may still be
-        running inside (it fails now instead of completing when a lost peer comes back)."""
-        for pg in self._groups:
-            try:
-                pg.abort()
-            except Exception:  # noqa: BLE001 - best effort on an already broken group
-                pass
-            _graveyard.append(pg)
-        sever(self._sockets)
+    def retire(self, wait_s: float | None = None) -> bool:
+        """Abort every group and sever their connections, on a thread of its own (dist/retire.py),
+        and wait for that up to `wait_s` (default `retire.ABORT_WAIT_S`): True when every abort
+        returned, False when it was abandoned (the caller goes on; the old groups stay with the abort's
+        thread until it returns). A stuck op inside fails now instead of completing when a lost peer
+        comes back. The groups are released once the aborts returned and nothing else refers to them
+        (no list keeps retired groups). Retiring again starts nothing: it waits for the first retirement."""
+        with self._retire_lock:  # (an abandoned build may be retired by two threads)
+            if self.retirement is None:
+                groups, self._groups = self._groups, []
+                sockets: set[str] = getattr(self, "_sockets", set())
+                self.retirement = Retirement(f"e{self.epoch}", groups, lambda: sever(sockets))
+                self.retired = True
+            retirement = self.retirement
+        return retirement.wait(wait_s) if retirement is not None else True
 
 
 def _socket_fds() -> dict[str, int]:

@@ -9,6 +9,10 @@ process group per direction and stage boundary, where a transfer is a broadcast 
 (gloo's point-to-point works cannot be polled for completion; a broadcast can, so every transfer
 stays abortable). Each edge carries one direction in microbatch order, so sender and receiver
 always issue its transfers in the same order. Sends are asynchronous and waited at the end.
+Receives are waited with `device_wait`: on NCCL stream-ordered (dist/streams.py: the received tensor
+is read only by kernels), on gloo the polled wait. On CUDA the last stage's loss is read on the host
+only after the polled wait saw the stream's work complete (a `StreamMark`), so that a collective
+stuck on a dead peer ahead of it is noticed as in any other wait.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phoenixft.dist.streams import StreamMark
 from phoenixft.parallel.stage import Stage
 
 __all__ = ["Pipeline"]
@@ -36,16 +41,17 @@ class Pipeline:
     """One stage's view of the pipeline: its edges of this epoch and how it waits."""
 
     def __init__(self, stage: Stage, pp: int, pp_size: int, edges: dict[tuple[str, int], Any], wait: Wait,
-                 dtype: torch.dtype, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | None = None, device_wait: Wait | None = None) -> None:
         self.stage, self.p, self.P, self.edges, self.wait, self.dtype = stage, pp, pp_size, edges, wait, dtype
         self.device = device or torch.device("cpu")  # where activations are received (the stage's device)
+        self.device_wait = device_wait or wait  # for the receives (see the module docstring)
         self._sends: list[tuple[Any, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ transfers
     def _recv_act(self, batch: Any, j: int) -> torch.Tensor:
         buf = torch.empty(self.stage.act_shape(batch), dtype=self.dtype, device=self.device)
         what = f"activation of microbatch {j} from stage {self.p - 1}"
-        self.wait(_bcast(self.edges[("fwd", self.p - 1)], buf, 0), what)
+        self.device_wait(_bcast(self.edges[("fwd", self.p - 1)], buf, 0), what)
         return buf.requires_grad_()
 
     def _send(self, way: str, t: torch.Tensor) -> None:
@@ -55,8 +61,15 @@ class Pipeline:
 
     def _recv_grad(self, like: torch.Tensor, j: int) -> torch.Tensor:
         buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        self.wait(_bcast(self.edges[("bwd", self.p)], buf, 1), f"gradient of microbatch {j} from stage {self.p + 1}")
+        self.device_wait(_bcast(self.edges[("bwd", self.p)], buf, 1),
+                         f"gradient of microbatch {j} from stage {self.p + 1}")
         return buf
+
+    def _loss(self, out: torch.Tensor, j: int) -> float:
+        """The host's value of a microbatch's loss (CUDA: once the polled wait saw the stream reach it)."""
+        if self.device.type == "cuda":
+            self.wait(StreamMark(self.device), f"loss of microbatch {j}")
+        return float(out.detach().float())
 
     def flush(self) -> None:
         for w, _t in self._sends:
@@ -86,7 +99,7 @@ class Pipeline:
             inp = None if st.first else self._recv_act(b, j)
             out = forward(j, b, inp)
             if st.last:
-                loss_sum += float(out.detach().float())
+                loss_sum += self._loss(out, j)
             else:
                 self._send("fwd", out)
             saved[j] = (inp, out)
@@ -124,7 +137,7 @@ class Pipeline:
                 out = st.forward(inp, bt)
                 if st.last:
                     check(out)
-                    total += float(out.float())
+                    total += self._loss(out, j)
                 else:
                     self._send("fwd", out)
         self.flush()

@@ -233,11 +233,15 @@ class Worker:
         # `failures_reported` event for all of them: W appends to one key would be W more store round trips)
         if self.protection.repl is not None:
             self.protection.repl.abort()
-        if self.ctx.comm is not None:
-            self.ctx.comm.retire()
         desc = self.protection.descriptor(err, t_err)
         self.ctx.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         self.ctx.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
+        # only now the old epoch's groups are aborted: an NCCL abort can block up to the group's timeout,
+        # and the descriptor must reach the coordinator within its own; the abort gets a bounded wait
+        # (dist/retire.py: past it, the groups are abandoned to the abort's thread and the worker goes on)
+        comm, self.ctx.comm = self.ctx.comm, None
+        if comm is not None:
+            comm.retire()
         topo = auth.verified_topology(self.ctx.store, e + 1,
                                       self._wait_key(keys.topo(e + 1), self.cfg.next_epoch_wait_s))
         self._check_fence()
@@ -253,16 +257,20 @@ class Worker:
         built on a thread (the rendezvous releases the GIL) while this one watches the epoch's failure
         flag; when it is set the build is abandoned (its thread ends with the rendezvous' timeout)."""
         box: dict[str, Any] = {}
+        gave_up = threading.Event()
 
         def build() -> None:
             try:
                 if self.device.is_cuda:  # the current CUDA device is per thread: this worker's GPU here too
                     torch.cuda.set_device(self.device.torch)
-                box["comm"] = EpochComm(
+                comm = EpochComm(
                     self.ctx.store.c10d, topo.epoch, self.ctx.rank, topo.world, self.ctx.coll_timeout,
                     backend=self.device.backend, layout=topo.layout, device=self.device,
                     transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None)
-            except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+                box["comm"] = comm
+                if gave_up.is_set():  # completed after the worker abandoned it: nobody will use these groups
+                    comm.retire()
+            except BaseException as e:  # noqa: BLE001 - handed to the joining thread (a failed build aborted its groups)
                 box["error"] = e
 
         if self._side_store is None:  # the rendezvous blocks this worker's store client: poll on another,
@@ -280,6 +288,9 @@ class Worker:
             failed, over = exists_many(side, [keys.failflag(topo.epoch), keys.RUN_STATE])
             if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
                 self.ctx.store, self._side_store = side, None
+                gave_up.set()
+                if "comm" in box:  # (completed between the join and this check: aborted without waiting,
+                    box["comm"].retire(0.0)  # the descriptor comes first)
             if over:
                 raise RunAborted(f"run ended ({self.ctx.store.get(keys.RUN_STATE).decode()})")
             if failed:
@@ -320,7 +331,7 @@ class Worker:
             self._build(stage)
             self.ctx.partition(topo.world, int(topo.meta.get("generation", 0)), r)
             tr = self.ctx.trainer
-        tr.stage.bind(self.ctx.comm.tp, self.ctx.wait)
+        tr.stage.bind(self.ctx.comm.tp, tr.device_wait(self.ctx.wait))  # NCCL: stream-ordered (dist/streams.py)
         if "reshard" not in topo.meta and tr.flat.shards != lay.dp:
             # a spare built for the initial world, promoted into a resized one: it holds nothing yet
             self.ctx.repartition(topo.world, int(topo.meta.get("generation", 0)), r)

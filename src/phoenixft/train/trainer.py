@@ -11,8 +11,9 @@ the snapshot halves in pinned host memory; on CPU the working copy *is* the host
 1. forward/backward of this data-parallel rank's microbatches through the pipeline (1F1B, see
    parallel/pipeline.py; one stage = the plain loop), bf16 gradients accumulated in fp32;
 2. `before_reduce()` - the protection layer waits for the previous step's replication here;
-3. gradient sum over the data-parallel peers in buckets started from backward hooks; the tied
-   embedding's two copies (first and last stage) summed; the loss summed over every rank;
+3. gradient sum over the data-parallel peers in buckets started from backward hooks, a reduce-scatter
+   onto each shard's owner (grad_reduce.py); the tied embedding's two copies (first and last stage)
+   summed; the loss summed over every rank;
 4. optional clipping by the global norm (each element counted once over the whole mesh);
 5. the optimizer reads the committed half of the shard's working copy and writes the staging
    half (on gloo in 4 MiB chunks, each chunk's parameter gather posted as soon as it is computed:
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
 from phoenixft.dist.device import DONE, Device
+from phoenixft.dist.streams import StreamOrdered, stream_ordered
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.optim import ElementwiseOptimizer, lr_at, make_optimizer
 from phoenixft.parallel.layout import Coord, Layout
@@ -53,6 +55,7 @@ from phoenixft.parallel.pipeline import Pipeline
 from phoenixft.parallel.stage import Stage
 from phoenixft.protect.snapshot import H_VALID, INVALID, ShardState
 from phoenixft.train.buckets import GradBuckets
+from phoenixft.train.grad_reduce import OwnerReduce, gradient_reduction
 from phoenixft.train.shard_gather import CHUNK_BYTES, ShardGather
 from phoenixft.train.shard_reduce import ShardReduce
 from phoenixft.train.zero import DTYPES, FlatModel
@@ -114,7 +117,8 @@ class Trainer:
         self.interrupt: Callable[[], None] = lambda: None  # raises PeerFailure when a recovery started
         self.buckets: GradBuckets
         self._hooked = False
-        self._rs: ShardReduce | None = None  # the gradient reduce-scatter of the current group and buffer
+        self._rs: ShardReduce | OwnerReduce | None = None  # the gradient reduce-scatter of this group and buffer
+        self._ordered: StreamOrdered | None = None  # NCCL: the stream-ordered wait of this epoch (device_wait)
 
     def watch(self, interrupt: Callable[[], None]) -> None:
         """Leave the step within one layer when a recovery starts: `interrupt` is called between
@@ -122,6 +126,14 @@ class Trainer:
         self.interrupt = interrupt
         for mod in self.model.modules():
             mod.register_forward_pre_hook(lambda _m, _i: interrupt())
+
+    def device_wait(self, wait: Wait) -> Wait:
+        """The wait for collectives whose results only kernels read (tensor-parallel all-reduces, pipeline
+        receives): stream-ordered on NCCL (dist/streams.py), `wait` itself on gloo. Each epoch binds a
+        fresh one (what a failed step's waits kept belongs to the retired groups)."""
+        w = stream_ordered(wait, self.device.backend)
+        self._ordered = w if isinstance(w, StreamOrdered) else None
+        return w
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         self.interrupt()
@@ -218,6 +230,8 @@ class Trainer:
         t_compute = time.perf_counter() - t0
         # 2-3. (the first bucket waited for the previous step's replication) gradients and loss summed
         lt, w_loss = self._reduce_gradients(s, comm, c, microbatches, loss_sum, launch, works, rs, wait)
+        if self._ordered is not None:  # NCCL: no gradient is used before every collective it came from succeeded
+            self._ordered.settle()
         t_reduced = time.perf_counter()
         loss = self._sum_tied_and_loss(s, comm, grad, lt, w_loss, m_total, wait)
         # 4. clipping by the global norm
@@ -265,12 +279,15 @@ class Trainer:
                     torch.autograd.backward(out, g)
             self.buckets.end_microbatch()
 
-        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype, self.device.torch)
+        ordered = self._ordered
+        dwait = ordered if ordered is not None and ordered.polled == wait else self.device_wait(wait)
+        pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype, self.device.torch, dwait)
         # the forward and backward fault phases: as microbatch 0's begins, before any wait on another stage
         return pipe.train(hi - lo, batch, forward, backward, before=lambda phase, j: fault(phase) if j == 0 else None)
 
     def _reduce_gradients(self, s: int, comm: Any, c: Coord, microbatches: tuple[int, int], loss_sum: float,
-                          launch: Callable[[int], None], works: list[tuple[int, Any]], rs: ShardReduce | None,
+                          launch: Callable[[int], None], works: list[tuple[int, Any]],
+                          rs: ShardReduce | OwnerReduce | None,
                           wait: Wait) -> tuple[torch.Tensor, Any]:
         """Post the loss all-reduce and wait for the gradient buckets; the loss tensor and its pending work."""
         lo, hi = microbatches
@@ -366,15 +383,18 @@ class Trainer:
         st.commit_when(dst, s, (rank, world), copy)
         flat.flip(s)
 
-    def _reduce_scatter(self, dp_pg: Any, grad: torch.Tensor) -> ShardReduce | None:
-        """The gradient reduction as a reduce-scatter (shard_reduce.py) on gloo; None: an all-reduce
-        (NCCL, whose own collectives stay; and pipelines with a tied embedding, whose copies are summed
-        over the whole tied range after the data-parallel reduction)."""
-        if self.device.is_cuda or self.tied_ranges:
+    def _reduce_scatter(self, dp_pg: Any, grad: torch.Tensor) -> ShardReduce | OwnerReduce | None:
+        """The gradient reduction as a reduce-scatter: on gloo as all-to-alls (shard_reduce.py), on NCCL
+        as reduces onto each part's owner (grad_reduce.py); None: an all-reduce (pipelines with a tied
+        embedding, whose copies are summed over the whole tied range after the data-parallel reduction).
+        The choice is fixed for a stage and backend, so a recovered run reduces as before."""
+        how = gradient_reduction(self.device.backend, bool(self.tied_ranges))
+        if how == "all-reduce":
             return None
+        kind = OwnerReduce if how == "reduce-scatter" else ShardReduce
         rs = self._rs
-        if rs is None or rs.pg is not dp_pg or rs.grad is not grad:
-            rs = self._rs = ShardReduce(dp_pg, grad, self.flat.shard_numel)
+        if not isinstance(rs, kind) or rs.pg is not dp_pg or rs.grad is not grad:
+            rs = self._rs = kind(dp_pg, grad, self.flat.shard_numel)
         return rs
 
     @staticmethod
