@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+
+from phoenixft.config import RunConfig
+from phoenixft.dist import cuda_env, device
 from phoenixft.dist.cuda_env import (
     apply_determinism,
     apply_nccl_env,
@@ -26,9 +29,6 @@ from phoenixft.dist.cuda_env import (
     placement_line,
     plan_gpus,
 )
-
-from phoenixft.config import RunConfig
-from phoenixft.dist import cuda_env, device
 from phoenixft.dist.device import Device, check_device_here, gpu_slot
 from phoenixft.errors import UserError
 from phoenixft.protect.snapshot import ShardState
