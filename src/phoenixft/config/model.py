@@ -14,9 +14,19 @@ from phoenixft.errors import UserError
 if TYPE_CHECKING:
     from phoenixft.config.run import RunConfig
 
-__all__ = ["validate_model", "model_numel", "model_name"]
+__all__ = ["validate_split", "validate_model", "model_numel", "model_name"]
 
 _NUMEL: dict[tuple[Any, ...], int | None] = {}
+
+
+def validate_split(cfg: RunConfig) -> None:
+    """--tp/--pp > 1: the workload loads and its model splits over the mesh (checked with the mesh's
+    sizes, before the sections that build on the mesh)."""
+    from phoenixft.workload import check_workload_path
+
+    if cfg.tp * cfg.pp > 1:
+        check_workload_path(cfg.workload)
+        _check_split(cfg)
 
 
 def validate_model(cfg: RunConfig) -> None:
@@ -25,8 +35,6 @@ def validate_model(cfg: RunConfig) -> None:
     from phoenixft.workload import check_workload_path
 
     check_workload_path(cfg.workload)
-    if cfg.tp * cfg.pp > 1:
-        _check_split(cfg)
     if cfg.eval_every and cfg.workload != DEFAULT_WORKLOAD:
         from phoenixft.workload import WorkloadContext, load_workload
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from phoenixft.config.controlplane import ControlPlaneConfig, validate_control_plane
 from phoenixft.config.injection import InjectionConfig, validate_injection
-from phoenixft.config.model import model_numel, validate_model
+from phoenixft.config.model import model_numel, validate_model, validate_split
 from phoenixft.config.output import OutputConfig, validate_output
 from phoenixft.config.parallelism import ParallelismConfig, validate_parallelism
 from phoenixft.config.protection import ProtectionConfig, validate_protection
@@ -202,9 +202,11 @@ class RunConfig:
         return 3 * self.failure_timeout + 60.0 + (self.mesh_spare_wait_s if self.tp * self.pp > 1 else 0.0)
 
     def validate(self) -> None:
-        """Raise UserError naming the option, the value and what would be valid: each section's own
-        checks, then those that need the workload's model."""
+        """Raise UserError naming the option, the value and what would be valid: the mesh and how the
+        model splits over it first (the root of most other errors), each section's own checks, then
+        those that need the workload's model."""
         validate_parallelism(self)
+        validate_split(self)
         validate_training(self)
         validate_protection(self)
         validate_control_plane(self)
