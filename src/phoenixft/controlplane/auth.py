@@ -46,6 +46,7 @@ from typing import Any
 
 from phoenixft.controlplane import keys
 from phoenixft.controlplane.store import Store
+from phoenixft.controlplane.values import read_int
 from phoenixft.errors import RunAborted, UserError
 
 __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "resolve_token", "generate_token", "check_token", "mac",
@@ -234,11 +235,11 @@ class AdmissionDesk:
     _pending: dict[int, _Pending] = field(default_factory=dict)
 
     def poll(self, force: bool = False) -> list[Application]:
-        posted = int(self.store.add(keys.ADMIT_POSTED, 0))
+        posted = read_int(self.store, keys.ADMIT_POSTED)  # (`get`: an `add` on a garbage value cuts the connection)
         if posted == self._posted_seen and not force:
             return []
         self._posted_seen = posted
-        top = int(self.store.add(keys.ADMIT_SEQ, 0))
+        top = read_int(self.store, keys.ADMIT_SEQ)
         now = time.monotonic()
         for seq in range(self._next_seq, top + 1):
             self._pending[seq] = _Pending(t=now)
@@ -289,7 +290,7 @@ class AdmissionDesk:
         """(seq, request, verdict) of every admission in the store whose verdict verifies with the
         token, in order: what a restarted coordinator rebuilds its membership from."""
         out = []
-        top = int(self.store.add(keys.ADMIT_SEQ, 0))
+        top = read_int(self.store, keys.ADMIT_SEQ)
         for seq in range(1, top + 1):
             names = [keys.admit_req(seq), keys.admit_challenge(seq), keys.admit_verdict(seq)]
             if not self.store.check(names):
@@ -299,7 +300,7 @@ class AdmissionDesk:
                 verdict, req = json.loads(raw_verdict), json.loads(raw_req)
             except ValueError:
                 continue
-            if not verdict.get("ok"):
+            if not isinstance(verdict, dict) or not isinstance(req, dict) or not verdict.get("ok"):
                 continue
             body = {k: v for k, v in verdict.items() if k != "mac"}
             if _same(str(verdict.get("mac", "")), mac(self.token, "verdict", seq, challenge,

@@ -72,6 +72,7 @@ class Coordinator:
         self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
         self.g = self.cfg.workers_per_node
         self.job = Job(store, self.g)
+        self.job.run_id = self.run_id
         self.state = Membership()
         self.publisher = Publisher(self.job, self.state, journal, token, election)
         self.admission = Admission(self.job, self.cfg, self.state, auth.AdmissionDesk(store, token), self.run_id)

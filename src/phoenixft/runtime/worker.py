@@ -24,6 +24,7 @@ import torch
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, auth, exists_many, keys
+from phoenixft.controlplane.signed import env_token, run_ended, set_signed
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.dist import device
 from phoenixft.dist.comm import EpochComm, connect_store
@@ -182,13 +183,13 @@ class Worker:
 
             run_dir = self.ctx.store.get(keys.RUN_DIR).decode() if self.ctx.store.check([keys.RUN_DIR]) else ""
             path = write_final(run_dir, self.ctx.trainer, master, self.cfg, sha) if run_dir else ""
-            self.ctx.store.set(keys.FINAL, json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.ctx.epoch,
-                                                   "path": path}))
-            self.ctx.store.set(keys.RUN_STATE, "done")
+            final = json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.ctx.epoch, "path": path})
+            set_signed(self.ctx.store, env_token(), self.run_id, keys.FINAL, final)  # (the launcher believes
+            set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "done")  # only signed ones)
             return
         deadline = time.monotonic() + self.ctx.coll_timeout
         while time.monotonic() < deadline:
-            if self.ctx.store.check([keys.RUN_STATE]):
+            if self.ctx.store.check([keys.RUN_STATE]) and run_ended(self.ctx.store, self.run_id) is not None:
                 return
             if self.ctx.abort_reason():
                 raise PeerFailure("failure during the final gather")
@@ -201,8 +202,9 @@ class Worker:
         while True:
             if self.ctx.store.check([key]):
                 return self.ctx.store.get(key)
-            if self.ctx.store.check([keys.RUN_STATE]):
-                raise RunAborted(f"run ended ({self.ctx.store.get(keys.RUN_STATE).decode()})")
+            ended = run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
+            if ended is not None:
+                raise RunAborted(f"run ended ({ended})")
             if time.monotonic() > deadline:
                 raise RunAborted(f"no answer from the control plane for {key!r} after {timeout_s:.0f}s")
             time.sleep(0.005)
@@ -276,10 +278,11 @@ class Worker:
                 continue
             last = time.monotonic()
             failed, over = exists_many(side, [keys.failflag(topo.epoch), keys.RUN_STATE])
+            over = over and run_ended(side, self.run_id) is not None  # (a forged end is ignored)
             if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
                 self.ctx.store, self._side_store = side, None
             if over:
-                raise RunAborted(f"run ended ({self.ctx.store.get(keys.RUN_STATE).decode()})")
+                raise RunAborted(f"run ended ({run_ended(side, self.run_id)})")
             if failed:
                 raise PeerFailure(f"recovery requested by the control plane while the process groups of epoch "
                                   f"{topo.epoch} were being built (a member did not arrive)")
@@ -369,7 +372,7 @@ class Worker:
                    else f"{why}; not ours to heal, stopped at the last committed step {last}")
             self.ctx.store.set(keys.RUN_ERROR, msg)
             self.ctx.event("run_failed", error=why, last_committed=last)
-            self.ctx.store.set(keys.RUN_STATE, "failed")
+            set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "failed")
 
     def run(self) -> int:
         self.ctx.store.set(keys.ready(self.wid), str(time.time()))
