@@ -19,7 +19,6 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, keys
-from phoenixft.controlplane.signed import verified
 from phoenixft.controlplane.values import note_bad, parse_json, parse_lines, read_int, read_json, read_raw, read_text
 from phoenixft.errors import UserError
 from phoenixft.faults.spec import FaultSpec, parse_fault
@@ -228,17 +227,18 @@ def _control_plane(faults: list[dict[str, Any]], events: list[dict[str, Any]]) -
 
 
 def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str,
-                 token: str | None = None) -> dict[str, Any]:
+                 final: dict[str, Any] | None | str = "store") -> dict[str, Any]:
     """The run's JSON report (fields in the module docstring); writes metrics.jsonl and events.jsonl.
-    With the job `token`, the final state is taken only if it is signed with the run key."""
+    `final`: the run's final-state record as the caller verified it (the launcher: signed with the run
+    key), or "store" to read it unverified."""
     first_topo = _get(store, keys.topo(0))
     start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
     progress = read_int(store, keys.PROGRESS, 0)
     steps = _step_records(store, start + 1, min(cfg.steps, progress))
     dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
-    final = _get(store, keys.FINAL) if token is None else \
-        parse_json(verified(store, token, run_id, keys.FINAL), keys.FINAL)
-    if final is not None and not isinstance(final.get("sha256"), str):
+    if final == "store":
+        final = _get(store, keys.FINAL)
+    if not isinstance(final, dict) or not isinstance(final.get("sha256"), str):
         final = None
     faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
     recoveries = _recoveries(store, cfg, faults)

@@ -54,7 +54,7 @@ from phoenixft.controlplane import (
     provision_cluster,
     remote_spec_problem,
 )
-from phoenixft.controlplane.signed import run_ended, set_signed
+from phoenixft.controlplane.signed import run_ended, set_signed, verified
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json, read_json
 from phoenixft.errors import UserError
 from phoenixft.observe.display import Display
@@ -156,6 +156,7 @@ class LocalJob:
         self._server: Any = None
         self._coord_pids: list[int] = []
         self.coord_restarts = 0
+        self.final: dict[str, Any] | None = None  # the final-state record, once one signed with the run key is seen
         self._exits_told = 0  # node exits told to the coordinator (the `exits` counter, written by this launcher only)
         self._coord_exits: list[float] = []  # when the coordinator exited: a crash loop is 5 within a minute
         self._reapers: dict[str, threading.Thread] = {}
@@ -297,6 +298,12 @@ class LocalJob:
             except (KeyError, TypeError, ValueError, AttributeError):
                 note_bad(keys.EVENTS, "an event this launcher cannot show", line)
 
+    def _look_final(self) -> None:
+        """Keep the first final-state record signed with the run key (kept: a stranger that overwrites
+        the key afterwards cannot take the run's true final state away)."""
+        if self.final is None and self.store.check([keys.FINAL]):
+            self.final = parse_json(verified(self.store, self.token, self.run_id, keys.FINAL), keys.FINAL)
+
     def _show_progress(self, rec: dict[str, Any]) -> None:
         try:
             self.display.progress(rec)
@@ -374,6 +381,7 @@ class LocalJob:
                             self._show_progress(rec)
                 if look:
                     self._poll_events()
+                    self._look_final()
                 if over and ended is not None:
                     return ended
                 if time.monotonic() > deadline:
@@ -601,7 +609,7 @@ def _interrupted_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, 
     try:
         with _signals_held():  # a second signal must not cut this short either
             job._poll_events()
-            return build_report(job.store, cfg, state, job.run_dir, job.run_id, token=job.token)
+            return build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final)
     except Exception as e:  # noqa: BLE001 - the teardown must still run; the report says why it is short
         base["report_error"] = f"{type(e).__name__}: {e}"
         return base
@@ -641,11 +649,16 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
         try:
             job.start()
             state = job.monitor()
+            if state == "done":
+                job._look_final()
+                if job.final is None:  # "done" signed, its record not: overwritten since by a party without the key
+                    state = ("failed: the run's final state in the store is not signed with this run's key "
+                             "(something other than this job overwrote it)")
             if job.control_plane_lost is not None:
                 report = _lost_report(job, cfg, state)
             else:
                 job._poll_events()
-                report = build_report(job.store, cfg, state, job.run_dir, job.run_id, token=job.token)
+                report = build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final)
                 if job.store.check([keys.MEMBERS]):
                     report["members"] = read_json(job.store, keys.MEMBERS, {})
         except KeyboardInterrupt:
