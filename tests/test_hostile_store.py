@@ -87,11 +87,43 @@ def _finish(p: subprocess.Popen[str]) -> tuple[str, str]:
         return p.communicate()
 
 
+def _argv_watch(token_file: Path, launcher: subprocess.Popen[str], seen: dict[str, Any]) -> None:
+    """Reads every process's command line (what `ps` shows) while the run lasts, looking for the token."""
+    while not token_file.exists() and launcher.poll() is None:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    token = token_file.read_text().strip() if token_file.exists() else ""
+    seen["token"], seen["with_token"], seen["looks"] = token, [], 0
+    while token and launcher.poll() is None:
+        for d in Path("/proc").glob("[0-9]*"):
+            try:
+                argv = (d / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if token in argv:
+                seen["with_token"].append(argv.replace("\0", " "))
+        seen["looks"] += 1
+        time.sleep(0.1)
+
+
 def test_a_stranger_writing_garbage_and_forgeries_cannot_crash_or_fake_a_run(tmp_path: Path) -> None:
     ref = _cli(tmp_path / "ref")
+    seen: dict[str, Any] = {}
+    watch = threading.Thread(target=_argv_watch, args=(tmp_path / "ref" / "token", ref, seen), daemon=True)
+    watch.start()
     ref_out, ref_err = _finish(ref)
+    watch.join(timeout=30)
     assert ref.returncode == 0, ref_err
     ref_hash = json.loads((tmp_path / "ref" / "report.json").read_text())["final_state_sha256"]
+    # the generated token: in a file of the run directory readable by its owner only, never on a command line
+    # of the job's processes, never printed, never in a log, the report or another file of the run
+    assert (tmp_path / "ref" / "token").stat().st_mode & 0o777 == 0o600
+    token = seen["token"]
+    assert len(token) >= 22 and seen["looks"] >= 3 and seen["with_token"] == [], seen
+    assert token not in ref_out + ref_err
+    for f in (tmp_path / "ref").rglob("*"):
+        if f.is_file() and f.name != "token" and f.stat().st_size < 50_000_000:
+            assert token.encode() not in f.read_bytes(), f
 
     p = _cli(tmp_path / "run")
     did: list[str] = []
@@ -112,3 +144,34 @@ def test_a_stranger_writing_garbage_and_forgeries_cannot_crash_or_fake_a_run(tmp
     assert "Traceback" not in logs, logs[-3000:]
     assert "ignored the store value of" in err + logs  # (logged, one line each, escape codes stripped)
     assert "\x1b" not in err
+
+
+def test_token_files_must_be_private_and_tokens_strong(tmp_path: Path) -> None:
+    import secrets
+
+    import pytest
+
+    from phoenixft.controlplane import auth
+    from phoenixft.errors import UserError
+
+    f = tmp_path / "tok"
+    f.write_text(secrets.token_urlsafe(32) + "\n")
+    f.chmod(0o644)
+    with pytest.raises(UserError, match=r"^--token-file=.*/tok: mode 0644 lets other users read the job token; "
+                                        r"run `chmod 600 .*/tok`"):
+        auth.read_token_file(str(f))
+    f.chmod(0o600)
+    assert auth.resolve_token("", str(f)) == f.read_text().strip()
+    for weak in ("a" * 16, "a" * 40, "abcdefgh" * 4, "Password12345678"):
+        with pytest.raises(UserError, match=r"--token is too weak \(.*\): a job token needs 128 bits"):
+            auth.check_token(weak, "--token")
+    for strong in (secrets.token_hex(16), secrets.token_urlsafe(16), auth.generate_token()):
+        assert auth.check_token(strong, "--token") == strong
+    f.chmod(0o640)  # the command line: one line naming the flag, exit code 2, before anything starts
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    for cmd in (["agent", "--coordinator", "127.0.0.1:1", "--node", "x"], ["run", "--steps", "2"],
+                ["coordinator", "--host", "127.0.0.1", "--port", "0"]):
+        p = subprocess.run([sys.executable, "-m", "phoenixft", *cmd, "--token-file", str(f)], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (cmd, p.stderr)
+        assert "--token-file=" in p.stderr and "mode 0640" in p.stderr and "chmod 600" in p.stderr, p.stderr

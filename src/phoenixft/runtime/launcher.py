@@ -242,6 +242,8 @@ class LocalJob:
         for i in range(self.cfg.coordinators):
             self._start_coordinator(i)
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
+        if self.token_generated:  # for agents started by hand (--token-file); readable by this user only
+            auth.write_token_file(self.run_dir / rundir.TOKEN_FILE, self.token)
         if self.local:
             nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
             for n in nodes:
@@ -253,9 +255,9 @@ class LocalJob:
         self.display.info(f"phoenixft coordinator: run {self.run_id} serving at {self.addr}, dir {self.run_dir}; "
                           f"waiting for {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s) to join "
                           f"(--join-timeout {self.cfg.join_timeout:g}s), spares welcome")
-        if self.token_generated:
-            self.display.info(f"job token (generated; give it to every agent as ${auth.TOKEN_ENV} or --token, "
-                              f"it is not stored anywhere): {self.token}")
+        if self.token_generated:  # (never printed: a batch log is read by more people than the job's owner)
+            self.display.info(f"job token (generated): in {self.run_dir / rundir.TOKEN_FILE} (mode 0600); give it "
+                              f"to every agent with --token-file (or as ${auth.TOKEN_ENV})")
         self.display.info(f"join with: phoenixft agent --coordinator {self.addr} --node NAME "
                           f"--workers {self.cfg.workers_per_node} [--spare]")
 
