@@ -353,7 +353,7 @@ class LocalJob:
                 if self.local:
                     self._start_repaired()
                 for i, cp in list(self.coords.items()):
-                    if cp.poll() is None or over or self.store.check([keys.RUN_STATE]):
+                    if cp.poll() is None or over or run_ended(self.store, self.run_id, self.token) is not None:
                         continue
                     now_m = time.monotonic()
                     self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
