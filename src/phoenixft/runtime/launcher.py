@@ -300,6 +300,14 @@ class LocalJob:
             except (KeyError, TypeError, ValueError, AttributeError):
                 note_bad(keys.EVENTS, "an event this launcher cannot show", line)
 
+    def _tell_exits(self) -> None:
+        """Tell the coordinator of the nodes that exited: `exit/<node>`, then the `exits` counter."""
+        while self._unreported:  # (told once the store answers, if it did not at first)
+            self.store.set(keys.node_exit(self._unreported[0]), str(time.time()))
+            self._exits_told += 1  # `set`, not `add`: an `add` on a value someone else made a non-number
+            self.store.set(keys.EXITS, str(self._exits_told))  # would cut this process's connection
+            self._unreported.pop(0)
+
     def _look_final(self) -> None:
         """Keep the first final-state record signed with the run key (kept: a stranger that overwrites
         the key afterwards cannot take the run's true final state away)."""
@@ -345,11 +353,7 @@ class LocalJob:
                         if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
                             self._kill_group(n)
                         self.repair.lost(n)
-                while self._unreported:  # (told once the store answers, if it did not at first)
-                    self.store.set(keys.node_exit(self._unreported[0]), str(time.time()))
-                    self._exits_told += 1  # `set`, not `add`: an `add` on a value someone else made a
-                    self.store.set(keys.EXITS, str(self._exits_told))  # non-number would cut this connection
-                    self._unreported.pop(0)
+                self._tell_exits()
                 if self.local:
                     self._start_repaired()
                 for i, cp in list(self.coords.items()):
