@@ -25,6 +25,7 @@ import torch
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, auth, exists_many, keys
 from phoenixft.controlplane.signed import env_token, run_ended, set_signed
+from phoenixft.controlplane.values import parse_int, read_json, read_raw
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.dist import device
 from phoenixft.dist.comm import EpochComm, connect_store
@@ -55,7 +56,7 @@ class Worker:
         cfg = self.cfg
         self.restarted = incarnation > 0
         cur: Topology | None = None  # restarted in place: the epoch it rejoins
-        if incarnation > 0 and store.check([keys.EPOCH]):
+        if incarnation > 0 and parse_int(read_raw(store, keys.EPOCH), keys.EPOCH, -1) >= 0:
             e0 = int(store.get(keys.EPOCH))
             cur = auth.verified_topology(store, e0, store.get(keys.topo(e0)))
         if incarnation > 0 and (cur is None or (node_id.startswith("s") and node_id not in cur.nodes)):
@@ -424,9 +425,8 @@ def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: st
     try:
         store = w.ctx.store if w is not None else connect_store(store_addr, 10.0)
         key = keys.start_failed(wid)  # (one process of the worker at a time: no other writer)
-        rec: dict[str, Any] = (json.loads(store.get(key)) if store.check([key])
-                               else {"t": time.time(), "error": error[:500]})
-        rec["failures"] = int(rec.get("failures", 0)) + 1
+        rec: dict[str, Any] = read_json(store, key) or {"t": time.time(), "error": error[:500]}
+        rec["failures"] = parse_int(str(rec.get("failures", 0)), key) + 1
         store.set(key, json.dumps(rec))
         store.add(keys.START_FAILS, 1)  # the coordinator looks at startfail/ keys when this moves
     except Exception:  # noqa: BLE001 - no control plane: nobody to tell (the agent still reports the exit)
