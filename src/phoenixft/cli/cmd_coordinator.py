@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--port", type=int, default=29500, metavar="P", help="port to serve on (default 29500; 0 = any)")
     p.add_argument("--token", default="", help="the job token (default: $PHOENIXFT_TOKEN; else one is generated "
                                                "and printed); prefer the environment: a flag shows in `ps`")
+    p.add_argument("--token-file", dest="token_file", default="", metavar="PATH",
+                   help="read the job token from the first line of PATH (mode 0600, yours): unlike --token it "
+                        "does not show in `ps`")
     add_run_arguments(p, exclude=_LOCAL_ONLY)
     p.set_defaults(func=coordinator)
 
@@ -50,15 +53,15 @@ def coordinator(args: argparse.Namespace) -> int:
     from phoenixft.runtime.launcher import INTERRUPTED, run_job
 
     if args.standby:
-        return standby(args.standby, args.token)
+        return standby(args.standby, args.token, args.token_file)
     if not args.host:
         raise UserError("--host is required: the address to serve on (or --standby ETCD_URL for a standby "
                         "coordinator)")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port={args.port} is invalid: must be in 0..65535 (0 = any free port)")
-    token = auth.resolve_token(args.token)
+    token = auth.resolve_token(args.token, args.token_file)
     if token:
-        auth.check_token(token, "--token" if args.token else f"${auth.TOKEN_ENV}")
+        auth.check_token(token, auth.token_source(args.token, args.token_file))
     cfg = config_from_args(args)
     report = run_job(cfg, host=args.host, port=args.port, token=token, local=False)
     if report.get("state") == INTERRUPTED:  # stopped by Ctrl-C, SIGTERM or SIGHUP, as `phoenixft run`
@@ -66,7 +69,7 @@ def coordinator(args: argparse.Namespace) -> int:
     return 0 if report.get("state") == "done" else 1
 
 
-def standby(url: str, token_flag: str) -> int:
+def standby(url: str, token_flag: str, token_file: str = "") -> int:
     """A standby coordinator on this host for the job at `url` (a replicated store's URL): it
     campaigns for the leadership and, once it leads, carries the job on from the store's state; it
     ends with the run."""
@@ -82,11 +85,12 @@ def standby(url: str, token_flag: str) -> int:
     if not prefix:
         raise UserError(f"--standby={url!r} is invalid: it must name the job (etcd://HOST:PORT/phoenixft/RUN_ID, "
                         "as the head prints it)")
-    token = auth.resolve_token(token_flag)
+    token = auth.resolve_token(token_flag, token_file)
     if not token:
-        raise UserError(f"--standby needs the job token (--token or ${auth.TOKEN_ENV}): it verifies and signs "
-                        "what it publishes")
-    auth.check_token(token, "--token" if token_flag else f"${auth.TOKEN_ENV}")
+        raise UserError(f"--standby needs the job token (--token-file, --token or ${auth.TOKEN_ENV}): it verifies "
+                        "and signs what it publishes")
+    source = auth.token_source(token_flag, token_file)
+    auth.check_token(token, source)
     try:
         store = connect(url, 10.0)
         found = store.check([keys.CONFIG])
@@ -97,7 +101,6 @@ def standby(url: str, token_flag: str) -> int:
                         "head prints)")
     if store.check([keys.RUN_STATE]):
         raise UserError(f"--standby={url}: that job has ended ({store.get(keys.RUN_STATE).decode()})")
-    source = "--token" if token_flag else f"${auth.TOKEN_ENV}"
     try:
         matches = auth.token_matches_job(store, token)
     except Exception as e:  # noqa: BLE001 - StoreUnavailable, StoreError, OSError

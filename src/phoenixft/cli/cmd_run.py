@@ -15,6 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p)
     p.add_argument("--token", default="", help="the job token, for agents started by hand to join this run "
                                                "(default: $PHOENIXFT_TOKEN; else a random one)")
+    p.add_argument("--token-file", dest="token_file", default="", metavar="PATH",
+                   help="read the job token from the first line of PATH (mode 0600, yours): unlike --token it "
+                        "does not show in `ps`")
     p.add_argument("--dry-run", dest="dry_run", action="store_true",
                    help="Start nothing: print the host memory each node needs (parameters, ping-pong halves, "
                         "replicas or parity) and the bytes each rank sends per step, for these flags.")
@@ -24,9 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from phoenixft.controlplane import auth
     from phoenixft.runtime import zygote
-    token = auth.resolve_token(getattr(args, "token", ""))
+    flag, path = getattr(args, "token", ""), getattr(args, "token_file", "")
+    token = auth.resolve_token(flag, path)
     if token:
-        auth.check_token(token, "--token" if getattr(args, "token", "") else f"${auth.TOKEN_ENV}")
+        auth.check_token(token, auth.token_source(flag, path))
     cfg = config_from_args(args)
     if getattr(args, "dry_run", False):
         from phoenixft.protect.redundancy.estimate import estimate_config, format_estimate

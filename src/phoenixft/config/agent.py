@@ -23,6 +23,8 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--token", default="", help="the job token (default: $PHOENIXFT_TOKEN); prefer the "
                                                "environment: a flag shows in `ps`")
+    p.add_argument("--token-file", dest="token_file", default="", metavar="PATH",
+                   help="read the job token from the first line of PATH (mode 0600, yours): not shown in `ps`")
     p.add_argument("--host", default="", metavar="ADDR",
                    help="this host's address for the data plane (default: the one it reaches the coordinator from)")
     p.add_argument("--run-id", default="", help="check that the coordinator runs this run id")

@@ -34,47 +34,111 @@ delete keys, forge heartbeats): serve it on a private network, as with torchrun'
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from phoenixft.controlplane import keys
 from phoenixft.controlplane.store import Store
+from phoenixft.controlplane.values import read_int
 from phoenixft.errors import RunAborted, UserError
 
-__all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "resolve_token", "generate_token", "check_token", "mac",
+__all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "MIN_TOKEN_BITS", "resolve_token", "token_source", "read_token_file",
+           "write_token_file", "generate_token", "token_bits", "check_token", "mac",
            "sign_topology", "verified_topology", "sign_config", "token_matches_job", "request_admission",
            "Application", "AdmissionDesk", "NAME_RE"]
 
 TOKEN_ENV = "PHOENIXFT_TOKEN"
 MIN_TOKEN_CHARS = 16
+MIN_TOKEN_BITS = 128
+MIN_DISTINCT = 8
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _VERSION = b"phoenixft-auth-v1"
 _PENDING_TTL_S = 300.0  # a request whose agent went away is forgotten after this long
 
 
-def resolve_token(flag: str | None) -> str | None:
-    """The token from `--token`, else from the environment (PHOENIXFT_TOKEN), else None."""
-    tok = flag if flag else os.environ.get(TOKEN_ENV, "")
-    return tok or None
+def resolve_token(flag: str | None, token_file: str | None = None) -> str | None:
+    """The token from `--token`, else from `--token-file` (checked: `read_token_file`), else from the
+    environment (PHOENIXFT_TOKEN), else None."""
+    if flag:
+        return flag
+    if token_file:
+        return read_token_file(token_file)
+    return os.environ.get(TOKEN_ENV, "") or None
+
+
+def token_source(flag: str | None, token_file: str | None = None) -> str:
+    """What `resolve_token` took the token from, as an error message names it."""
+    return "--token" if flag else f"--token-file={token_file}" if token_file else f"${TOKEN_ENV}"
+
+
+def read_token_file(path: str, flag: str = "--token-file") -> str:
+    """The token in the first line of `path`; UserError (one line) unless the file is this user's and
+    readable by no one else (mode 0600 or stricter)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise UserError(f"{flag}={path}: cannot open it ({e.strerror})") from None
+    with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as f:
+        st = os.fstat(f.fileno())
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != os.getuid():
+            raise UserError(f"{flag}={path}: the file belongs to uid {st.st_uid}, not to this user (uid "
+                            f"{os.getuid()}); use a token file of your own with mode 0600")
+        if mode & 0o077:
+            raise UserError(f"{flag}={path}: mode {mode:04o} lets other users read the job token; run "
+                            f"`chmod 600 {path}` (a token file must be readable by its owner only)")
+        return f.readline().strip()
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Write `token` to a new file at `path` readable by this user only (0600, created so: never wider)."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
 
 
 def generate_token() -> str:
-    return secrets.token_hex(16)
+    return secrets.token_urlsafe(32)  # 256 bits
+
+
+def token_bits(token: str) -> float:
+    """The token's entropy as estimated from its character classes: length x log2(the size of the
+    alphabet that the classes it uses span: lower 26, upper 26, digits 10, anything else 32)."""
+    alphabet = sum(size for test, size in ((str.islower, 26), (str.isupper, 26), (str.isdigit, 10))
+                   if any(test(c) and c.isascii() for c in token))
+    alphabet += 32 if any(not (c.isascii() and c.isalnum()) for c in token) else 0
+    return len(token) * math.log2(alphabet) if alphabet > 1 else 0.0
 
 
 def check_token(token: str, source: str) -> str:
-    """Raise UserError unless `token` is usable; `source` names where it came from (a flag or the env)."""
+    """Raise UserError unless `token` is usable; `source` names where it came from (a flag or the env).
+
+    The rule: at least MIN_TOKEN_CHARS characters, no whitespace, at least MIN_TOKEN_BITS bits by
+    `token_bits`, at least MIN_DISTINCT distinct characters, and not one string repeated."""
+    how = "make one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
     if len(token) < MIN_TOKEN_CHARS or token != token.strip() or any(c.isspace() for c in token):
         raise UserError(f"{source} is invalid: a job token needs at least {MIN_TOKEN_CHARS} characters and no "
-                        f"whitespace (got {len(token)} characters); make one with "
-                        "`python -c 'import secrets; print(secrets.token_hex(16))'`")
+                        f"whitespace (got {len(token)} characters); {how}")
+    bits, distinct = token_bits(token), len(set(token))
+    weak = (f"{bits:.0f} bits" if bits < MIN_TOKEN_BITS else f"{distinct} distinct characters"
+            if distinct < MIN_DISTINCT else "one string repeated" if token in (token + token)[1:-1] else "")
+    if weak:
+        raise UserError(f"{source} is too weak ({weak}): a job token needs {MIN_TOKEN_BITS} bits of entropy, "
+                        f"estimated as length x log2(the alphabet its character classes span), at least "
+                        f"{MIN_DISTINCT} distinct characters and no repeated pattern; {how}")
     return token
 
 
@@ -234,11 +298,11 @@ class AdmissionDesk:
     _pending: dict[int, _Pending] = field(default_factory=dict)
 
     def poll(self, force: bool = False) -> list[Application]:
-        posted = int(self.store.add(keys.ADMIT_POSTED, 0))
+        posted = read_int(self.store, keys.ADMIT_POSTED)  # (`get`: an `add` on a garbage value cuts the connection)
         if posted == self._posted_seen and not force:
             return []
         self._posted_seen = posted
-        top = int(self.store.add(keys.ADMIT_SEQ, 0))
+        top = read_int(self.store, keys.ADMIT_SEQ)
         now = time.monotonic()
         for seq in range(self._next_seq, top + 1):
             self._pending[seq] = _Pending(t=now)
@@ -289,7 +353,7 @@ class AdmissionDesk:
         """(seq, request, verdict) of every admission in the store whose verdict verifies with the
         token, in order: what a restarted coordinator rebuilds its membership from."""
         out = []
-        top = int(self.store.add(keys.ADMIT_SEQ, 0))
+        top = read_int(self.store, keys.ADMIT_SEQ)
         for seq in range(1, top + 1):
             names = [keys.admit_req(seq), keys.admit_challenge(seq), keys.admit_verdict(seq)]
             if not self.store.check(names):
@@ -299,7 +363,7 @@ class AdmissionDesk:
                 verdict, req = json.loads(raw_verdict), json.loads(raw_req)
             except ValueError:
                 continue
-            if not verdict.get("ok"):
+            if not isinstance(verdict, dict) or not isinstance(req, dict) or not verdict.get("ok"):
                 continue
             body = {k: v for k, v in verdict.items() if k != "mac"}
             if _same(str(verdict.get("mac", "")), mac(self.token, "verdict", seq, challenge,

@@ -12,6 +12,7 @@ FINAL = "final"
 EPOCH = "epoch"
 JOURNAL = "coordinator/journal"  # the coordinator's last decision (topology, spare pool, dead nodes), write-ahead
 COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)
+EXITS = "exits"  # node exits the launcher told (it alone writes it, with `set`): `exit/<node>` keys to look at
 WORKER_EXITS = "wexits"  # counter an agent bumps after writing `wexit/<wid>` (a worker restarted in place)
 START_FAILS = "startfails"  # counter a worker bumps after writing `startfail/<wid>` (it failed before any step)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)

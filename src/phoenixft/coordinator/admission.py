@@ -15,6 +15,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import auth, keys
+from phoenixft.controlplane.values import read_int
 from phoenixft.coordinator.shared import NODE_ID, Job, Membership, index
 
 __all__ = ["ADMIT_POLL_S", "Admission"]
@@ -47,7 +48,7 @@ class Admission:
         if any(s not in pool and s not in st.dead and not self.job.node_ready(s) for s in st.spare_pool):
             return True
         late = self.cfg.spare_arrives_at_step
-        if not late or not self.store.check([keys.PROGRESS]) or int(self.store.get(keys.PROGRESS)) < late:
+        if not late or read_int(self.store, keys.PROGRESS, 0) < late:
             return False
         sid = f"s{self.cfg.spares}"  # the id the launcher starts it with
         return sid not in pool and sid not in st.dead and (st.topo is None or sid not in st.topo.nodes)

@@ -25,6 +25,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import keys
+from phoenixft.controlplane.values import note_bad, parse_json
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.publish import Publisher
@@ -193,7 +194,14 @@ class Decider:
         """The surviving workers' descriptors of epoch `old`, fetched in one round trip."""
         live = [w for n in old.nodes if n not in dead for w in self.job.wids(n)]
         raw = self.store.multi_get([keys.desc(old.epoch, w) for w in live]) if live else []
-        return {w: Descriptor.from_json(json.loads(r)) for w, r in zip(live, raw, strict=True)}
+        out = {}
+        for w, r in zip(live, raw, strict=True):
+            rec = parse_json(bytes(r), keys.desc(old.epoch, w))
+            try:
+                out[w] = Descriptor.from_json(rec)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                note_bad(keys.desc(old.epoch, w), "not a descriptor", bytes(r))  # (its worker counts as lost)
+        return out
 
     def _failures_reported(self, e: int, t_start: float, descs: dict[str, Descriptor]) -> float:
         """Say who reported the failure first, and when (the time is returned)."""

@@ -21,6 +21,7 @@ import time
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import keys, multi_get_nowait
+from phoenixft.controlplane.values import read_int, read_raw
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.shared import Job, Membership
 
@@ -46,7 +47,7 @@ class FailureDetector:
         self.gather_poll_s = gather_poll_s
         self._last_hb_check = 0.0
         self._last_grow_check = 0.0
-        self._exits_seen = 0
+        self._exits_seen: bytes | None = None
         self.exited_nodes: set[str] = set()  # nodes whose exit the launcher reported (exit keys stay)
         self._exit_checked: set[str] = set()  # nodes whose exit key was looked at since the counter moved
         self._restarts_seen = 0
@@ -60,7 +61,9 @@ class FailureDetector:
     def exited(self, nodes: list[str]) -> set[str]:
         """Those of `nodes` whose exit the launcher reported. A node's exit key is looked at once per
         value of the launcher's `exits` counter (which it bumps after setting the key)."""
-        exits = self.store.add("exits", 0)
+        # read with `get`, never `add(key, 0)`: an `add` on a value a stranger made a non-number would cut this
+        # process's store connection; any change of the value (a garbage one too) only means "look again"
+        exits = read_raw(self.store, keys.EXITS)
         if exits != self._exits_seen:
             self._exits_seen = exits
             self._exit_checked.clear()
@@ -75,7 +78,7 @@ class FailureDetector:
         """Those workers of `nodes` that their agent restarted in place (`wexit/<wid>`, deleted once a
         recovery has dealt with it). Single keys are looked at (and the worker ids listed) only when
         the agents' restart counter moved: a poll that finds it unchanged costs one store call."""
-        n = self.store.add(keys.WORKER_EXITS, 0)
+        n = read_int(self.store, keys.WORKER_EXITS)
         if n == self._restarts_seen:
             return set()
         self._restarts_seen = n
@@ -164,7 +167,7 @@ class FailureDetector:
                 deadline = time.monotonic() + self.cfg.failure_timeout
             # complete? the counter may overcount (a dead node's early post, a restarted worker's
             # second one), so a count that is high enough is verified on the keys, once per change
-            posted = self.store.add(keys.desc_posted(e), 0)
+            posted = read_int(self.store, keys.desc_posted(e))
             if posted >= len(live) * self.g and (posted, len(live)) != verified:
                 verified = (posted, len(live))
                 if self.job.posted(e, live):

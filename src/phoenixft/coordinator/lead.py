@@ -72,6 +72,7 @@ class Coordinator:
         self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
         self.g = self.cfg.workers_per_node
         self.job = Job(store, self.g)
+        self.job.run_id = self.run_id
         self.state = Membership()
         self.publisher = Publisher(self.job, self.state, journal, token, election)
         self.admission = Admission(self.job, self.cfg, self.state, auth.AdmissionDesk(store, token), self.run_id)
@@ -114,8 +115,7 @@ class Coordinator:
             over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG], serializable=serializable)
             if not over and not there and serializable:
                 over, there = self.store.exists_many([keys.RUN_STATE, keys.CONFIG])
-            if over:
-                self.job.over()
+            if over and self.job.over():  # (a run state not signed with the run key is ignored)
                 print(f"phoenixft coordinator: the run ended ({self.job.final_state or '?'}); standing down",
                       flush=True)
                 return True
@@ -198,8 +198,7 @@ class Coordinator:
             assert self.state.topo is not None
             # one request:
             over, flagged = exists_many(self.store, [keys.RUN_STATE, keys.failflag(self.state.topo.epoch)])
-            if over:
-                self.job.over()
+            if over and self.job.over():  # (a run state not signed with the run key is ignored)
                 break
             self.admission.admit()
             if flagged or self.detector.failure_pending():

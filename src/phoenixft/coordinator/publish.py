@@ -15,6 +15,7 @@ import os
 import sys
 
 from phoenixft.controlplane import Election, auth, guarded_set, keys
+from phoenixft.controlplane.values import note_bad, read_json
 from phoenixft.coordinator.shared import Job, Membership, index
 from phoenixft.dist.topology import Topology
 
@@ -74,7 +75,7 @@ class Publisher:
         """Restore membership, epoch and spare pool from the journal; True if there was one."""
         last = None
         if self.store.check([keys.JOURNAL]):
-            last = json.loads(self.store.get(keys.JOURNAL))
+            last = read_json(self.store, keys.JOURNAL)
         elif self.journal and os.path.exists(self.journal):
             with open(self.journal) as f:
                 for line in f:
@@ -85,8 +86,12 @@ class Publisher:
                             break  # a torn last line: the decision before it stands
         if last is None:
             return False
-        self.state.dead = set(last["dead"])
-        topo = Topology(**last["topo"])
+        try:
+            dead, topo = set(last["dead"]), Topology(**last["topo"])
+        except (KeyError, TypeError, ValueError):
+            note_bad(keys.JOURNAL, "not a journal record", json.dumps(last))
+            return False
+        self.state.dead = dead
         # the journal's pool, and spares admitted since (admissions are in the store, signed)
         pool = set(last["spare_pool"]) | {n for n, m in self.state.members.items() if m["spare"]}
         self.state.spare_pool = sorted((s for s in pool if s not in self.state.dead and s not in topo.nodes),

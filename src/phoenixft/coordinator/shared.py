@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixft.controlplane import Store, exists_many, get_nowait, keys
+from phoenixft.controlplane.signed import env_token, run_ended, set_signed
+from phoenixft.controlplane.values import clean, note_bad, parse_json, read_int, read_json
 from phoenixft.dist.topology import Topology
 
 __all__ = ["NODE_ID", "Job", "Membership", "index", "wait_key"]
@@ -62,6 +64,7 @@ class Job:
     def __init__(self, store: Store, g: int) -> None:
         self.store = store
         self.g = g
+        self.run_id = ""  # the run's id (the key of what this process signs), set once known
         self.final_state: str | None = None  # the run's final state, once this process has seen it
 
     def event(self, kind: str, **fields: Any) -> None:
@@ -83,22 +86,27 @@ class Job:
         return self.store.check([keys.desc(e, w) for n in nodes for w in self.wids(n)])
 
     def progress(self) -> int:
-        return int(self.store.get(keys.PROGRESS)) if self.store.check([keys.PROGRESS]) else 0
+        return read_int(self.store, keys.PROGRESS, 0)
 
     def start_failures(self, nodes: list[str], repeated: bool = False) -> dict[str, tuple[float, str, str]]:
         """node -> (t, wid, first error) of those of `nodes` with a worker that failed before the run's first
         step (`startfail/<wid>`, its earliest; with `repeated`, only a worker that failed so again after
         its restart in place); one store call while no worker has failed so."""
-        if not nodes or self.store.add(keys.START_FAILS, 0) == 0:
+        if not nodes or read_int(self.store, keys.START_FAILS, 0) == 0:
             return {}
         wids = [w for n in nodes for w in self.wids(n)]
         found: dict[str, tuple[float, str, str]] = {}
         for w, there in zip(wids, exists_many(self.store, [keys.start_failed(w) for w in wids]), strict=True):
             if there:
-                rec = json.loads(self.store.get(keys.start_failed(w)))
-                if repeated and int(rec.get("failures", 1)) < 2:
+                rec = read_json(self.store, keys.start_failed(w), {})
+                try:
+                    if repeated and int(rec.get("failures", 1)) < 2:
+                        continue
+                    mine = (float(rec.get("t", 0.0)), w, clean(str(rec.get("error", "?")), 2000))
+                except (TypeError, ValueError):
+                    note_bad(keys.start_failed(w), "not a start-failure record", json.dumps(rec))
                     continue
-                node, mine = w.rsplit(".", 1)[0], (float(rec.get("t", 0.0)), w, str(rec.get("error", "?")))
+                node = w.rsplit(".", 1)[0]
                 found[node] = min(found.get(node, mine), mine)
         return found
 
@@ -121,7 +129,7 @@ class Job:
         try:  # before the first step, a worker's own error says more (e.g. only some hosts lack the data)
             if "before the first step" not in why and self.progress() == 0:
                 raw = get_nowait(self.store, keys.MEMBERS)
-                failed = self.start_failures(sorted(json.loads(bytes(raw))) if raw is not None else [])
+                failed = self.start_failures(sorted(parse_json(raw, keys.MEMBERS, {})))
                 # (the error of a node the message names, not one an earlier start already replaced)
                 failed = {n: f for n, f in failed.items() if n in (blamed or ())} or failed
                 if failed:
@@ -131,12 +139,12 @@ class Job:
             pass
         self.store.set(keys.RUN_ERROR, why)
         self.event("run_failed", error=why)
-        self.store.set(keys.RUN_STATE, "failed")
+        set_signed(self.store, env_token(), self.run_id, keys.RUN_STATE, "failed")
         self.final_state = "failed"
 
     def over(self) -> bool:
         """The run has a final state (kept in `final_state`)."""
-        v = get_nowait(self.store, keys.RUN_STATE)
-        if v is not None:
-            self.final_state = bytes(v).decode(errors="replace")
+        v = run_ended(self.store, self.run_id) if self.store.check([keys.RUN_STATE]) else None
+        if v is not None:  # (a forged end is ignored)
+            self.final_state = v
         return v is not None

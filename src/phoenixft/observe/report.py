@@ -19,6 +19,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane.values import note_bad, parse_json, parse_lines, read_int, read_json, read_raw, read_text
 from phoenixft.errors import UserError
 from phoenixft.faults.spec import FaultSpec, parse_fault
 
@@ -34,7 +35,18 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def _get(store: Store, key: str) -> Any:
-    return json.loads(store.get(key)) if store.check([key]) else None
+    """The JSON object at `key`; None if absent or not one (logged: anyone reaching the store can write it)."""
+    return read_json(store, key)
+
+
+def _step_record(raw: bytes | None, key: str) -> dict[str, Any] | None:
+    rec = parse_json(raw, key)
+    if rec is None:
+        return None
+    if not all(isinstance(rec.get(f), (int, float)) for f in ("step", "dt", "loss")):
+        note_bad(key, "not a step record", raw or b"")
+        return None
+    return rec
 
 
 STEP_BATCH = 512  # step records fetched per store round trip
@@ -49,9 +61,10 @@ def _step_records(store: Store, first: int, last: int) -> list[dict[str, Any]]:
     for lo in range(first, last + 1, STEP_BATCH):
         names = [keys.step(s) for s in range(lo, min(last, lo + STEP_BATCH - 1) + 1)]
         if store.check(names):  # (multi_get blocks on a missing key: only when all are there)
-            out.extend(json.loads(bytes(raw)) for raw in store.multi_get(names))
+            recs = [_step_record(bytes(raw), n) for n, raw in zip(names, store.multi_get(names), strict=True)]
         else:
-            out.extend(rec for rec in (_get(store, n) for n in names) if rec is not None)
+            recs = [_step_record(read_raw(store, n), n) for n in names]
+        out.extend(r for r in recs if r is not None)
     return out
 
 
@@ -213,18 +226,23 @@ def _control_plane(faults: list[dict[str, Any]], events: list[dict[str, Any]]) -
     return control_plane
 
 
-def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str) -> dict[str, Any]:
-    """The run's JSON report (fields in the module docstring); writes metrics.jsonl and events.jsonl."""
+def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str,
+                 final: dict[str, Any] | None | str = "store") -> dict[str, Any]:
+    """The run's JSON report (fields in the module docstring); writes metrics.jsonl and events.jsonl.
+    `final`: the run's final-state record as the caller verified it (the launcher: signed with the run
+    key), or "store" to read it unverified."""
     first_topo = _get(store, keys.topo(0))
     start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
-    progress = int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+    progress = read_int(store, keys.PROGRESS, 0)
     steps = _step_records(store, start + 1, min(cfg.steps, progress))
     dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
-    final = _get(store, keys.FINAL)
+    if final == "store":
+        final = _get(store, keys.FINAL)
+    if not isinstance(final, dict) or not isinstance(final.get("sha256"), str):
+        final = None
     faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
     recoveries = _recoveries(store, cfg, faults)
-    events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines() if x.strip()] \
-        if store.check([keys.EVENTS]) else []
+    events = parse_lines(read_raw(store, keys.EVENTS) or b"", keys.EVENTS)
     report: dict[str, Any] = {
         "run_id": run_id,
         "state": state,
@@ -254,10 +272,10 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         "run_dir": str(run_dir),
     }
     if store.check([keys.RUN_ERROR]):
-        report["error"] = store.get(keys.RUN_ERROR).decode()
+        report["error"] = read_text(store, keys.RUN_ERROR)
     with open(run_dir / "metrics.jsonl", "w") as f:
         for r in steps:
             f.write(json.dumps(r) + "\n")
     if store.check([keys.EVENTS]):
-        (run_dir / "events.jsonl").write_text(store.get(keys.EVENTS).decode())
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(ev) + "\n" for ev in events))
     return report

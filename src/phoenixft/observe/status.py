@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane.values import clean, parse_int, parse_json, parse_lines
 from phoenixft.errors import UserError
 
 __all__ = [
@@ -168,8 +169,7 @@ def _get(store: Store, key: str) -> bytes | None:
 
 
 def _json(store: Store, key: str) -> Any:
-    raw = _get(store, key)
-    return None if raw is None else json.loads(raw)
+    return parse_json(_get(store, key), key, None, object)  # (None, logged, if it does not parse)
 
 
 def collect_status(store: Store, events: int = 10, now: float | None = None) -> dict[str, Any]:
@@ -190,12 +190,12 @@ def collect_status(store: Store, events: int = 10, now: float | None = None) -> 
         "events_total": 0,
     }
     raw = _get(store, keys.RUN_STATE)
-    st["run_state"] = raw.decode() if raw is not None else None
+    st["run_state"] = clean(raw, 200) if raw is not None else None
     raw = _get(store, keys.RUN_ERROR)
-    st["run_error"] = raw.decode() if raw is not None else None
+    st["run_error"] = clean(raw, 2000) if raw is not None else None
     raw = _get(store, keys.EPOCH)
     g = int((cfg or {}).get("workers_per_node", 1))
-    if raw is not None:
+    if raw is not None and parse_int(raw, keys.EPOCH, -1) >= 0:
         e = int(raw)
         st["epoch"] = e
         topos = [t for t in (_json(store, keys.topo(i)) for i in range(e + 1)) if t is not None]
@@ -239,14 +239,14 @@ def collect_status(store: Store, events: int = 10, now: float | None = None) -> 
             state = "ready" if ready else "starting (not ready yet)"
         st["spares"].append({"id": sid, "used": sid in used, "ready": ready, "state": state})
     raw = _get(store, keys.PROGRESS)
-    if raw is not None:
+    if raw is not None and parse_int(raw, keys.PROGRESS, -1) >= 0:
         n = int(raw)
         st["progress"] = {"step": n, "steps": (cfg or {}).get("steps"), "record": _json(store, keys.step(n))}
     raw = _get(store, keys.EVENTS)
     if raw is not None:
-        lines = [ln for ln in raw.decode().splitlines() if ln.strip()]
-        st["events_total"] = len(lines)
-        st["events"] = [json.loads(ln) for ln in lines[-events:]] if events > 0 else []
+        recs = parse_lines(raw, keys.EVENTS)
+        st["events_total"] = len(recs)
+        st["events"] = recs[-events:] if events > 0 else []
     return st
 
 

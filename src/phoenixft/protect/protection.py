@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from phoenixft.controlplane import Store, exists_many, keys
+from phoenixft.controlplane.signed import run_ended
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import RunAborted
 from phoenixft.protect.persist import Persister
@@ -97,8 +98,9 @@ class Protection:
             failed, *over = exists_many(store, names)
             if failed:
                 return "recovery requested"
-            if any(over):
-                raise RunAborted(f"run ended ({store.get(keys.RUN_STATE).decode()})")
+            ended = run_ended(store, self.ctx.run_id) if any(over) else None  # (a forged end is ignored)
+            if ended is not None:
+                raise RunAborted(f"run ended ({ended})")
             return None
 
         return check

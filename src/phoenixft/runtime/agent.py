@@ -173,9 +173,10 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
     """Check the flags, join the job at `a.store` (named `flag` in errors), run the node's workers until the
     run ends or the node must stop, and leave; the worst exit code of its workers."""
     _check_args(a)
-    token = auth.resolve_token(a.token)
+    path = getattr(a, "token_file", "")
+    token = auth.resolve_token(a.token, path)
     if token:
-        auth.check_token(token, "--token" if a.token else f"${auth.TOKEN_ENV}")
+        auth.check_token(token, auth.token_source(a.token, path))
     if a.parent_pid:
         die_with_parent(signal.SIGTERM, a.parent_pid)  # the launcher died: clean up (the node's signal handler)
     _, _, local_addr = probe_store(a.store, a.connect_timeout, flag)

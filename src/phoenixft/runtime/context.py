@@ -18,6 +18,7 @@ import torch
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, exists_many, keys
+from phoenixft.controlplane.signed import run_ended
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.dist.comm import EpochComm, wait_work
 from phoenixft.dist.topology import Topology, shard_name
@@ -98,8 +99,9 @@ class RankContext:
         failed, over = exists_many(self.store, [keys.failflag(self.epoch), keys.RUN_STATE])
         if failed:
             return "recovery requested by the control plane"
-        if over:
-            raise RunAborted(f"run ended ({self.store.get(keys.RUN_STATE).decode()})")
+        ended = run_ended(self.store, self.run_id) if over else None  # (a forged end is ignored)
+        if ended is not None:
+            raise RunAborted(f"run ended ({ended})")
         return None
 
     def wait(self, work: Any, what: str) -> None:

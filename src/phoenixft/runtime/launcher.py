@@ -54,6 +54,8 @@ from phoenixft.controlplane import (
     provision_cluster,
     remote_spec_problem,
 )
+from phoenixft.controlplane.signed import run_ended, set_signed, verified
+from phoenixft.controlplane.values import note_bad, parse_int, parse_json, read_json
 from phoenixft.dist.cuda_env import PLACEMENT_ENV
 from phoenixft.errors import UserError
 from phoenixft.observe.display import Display
@@ -156,6 +158,8 @@ class LocalJob:
         self._server: Any = None
         self._coord_pids: list[int] = []
         self.coord_restarts = 0
+        self.final: dict[str, Any] | None = None  # the final-state record, once one signed with the run key is seen
+        self._exits_told = 0  # node exits told to the coordinator (the `exits` counter, written by this launcher only)
         self._coord_exits: list[float] = []  # when the coordinator exited: a crash loop is 5 within a minute
         self._reapers: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -244,6 +248,8 @@ class LocalJob:
         for i in range(self.cfg.coordinators):
             self._start_coordinator(i)
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
+        if self.token_generated:  # for agents started by hand (--token-file); readable by this user only
+            auth.write_token_file(self.run_dir / rundir.TOKEN_FILE, self.token)
         if self.local:
             nodes = [f"n{i}" for i in range(self.cfg.nodes)] + [f"s{i}" for i in range(self.cfg.spares)]
             for n in nodes:
@@ -255,9 +261,9 @@ class LocalJob:
         self.display.info(f"phoenixft coordinator: run {self.run_id} serving at {self.addr}, dir {self.run_dir}; "
                           f"waiting for {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s) to join "
                           f"(--join-timeout {self.cfg.join_timeout:g}s), spares welcome")
-        if self.token_generated:
-            self.display.info(f"job token (generated; give it to every agent as ${auth.TOKEN_ENV} or --token, "
-                              f"it is not stored anywhere): {self.token}")
+        if self.token_generated:  # (never printed: a batch log is read by more people than the job's owner)
+            self.display.info(f"job token (generated): in {self.run_dir / rundir.TOKEN_FILE} (mode 0600); give it "
+                              f"to every agent with --token-file (or as ${auth.TOKEN_ENV})")
         self.display.info(f"join with: phoenixft agent --coordinator {self.addr} --node NAME "
                           f"--workers {self.cfg.workers_per_node} [--spare]")
 
@@ -291,9 +297,34 @@ class LocalJob:
     # ------------------------------------------------------------------ monitoring
     def _poll_events(self) -> None:
         for line in self._log.read().splitlines():
-            if line.strip():
-                self.events_seen.append(line)
-                self.display.event(json.loads(line))
+            ev = parse_json(line, keys.EVENTS) if line.strip() else None
+            if ev is None:
+                continue  # (a line that is not a JSON object: written by something other than this job)
+            self.events_seen.append(line)
+            try:
+                self.display.event(ev)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                note_bad(keys.EVENTS, "an event this launcher cannot show", line)
+
+    def _tell_exits(self) -> None:
+        """Tell the coordinator of the nodes that exited: `exit/<node>`, then the `exits` counter."""
+        while self._unreported:  # (told once the store answers, if it did not at first)
+            self.store.set(keys.node_exit(self._unreported[0]), str(time.time()))
+            self._exits_told += 1  # `set`, not `add`: an `add` on a value someone else made a non-number
+            self.store.set(keys.EXITS, str(self._exits_told))  # would cut this process's connection
+            self._unreported.pop(0)
+
+    def _look_final(self) -> None:
+        """Keep the first final-state record signed with the run key (kept: a stranger that overwrites
+        the key afterwards cannot take the run's true final state away)."""
+        if self.final is None and self.store.check([keys.FINAL]):
+            self.final = parse_json(verified(self.store, self.token, self.run_id, keys.FINAL), keys.FINAL)
+
+    def _show_progress(self, rec: dict[str, Any]) -> None:
+        try:
+            self.display.progress(rec)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            note_bad("step/<n>", "a step record this launcher cannot show", json.dumps(rec))
 
     def monitor(self) -> str:
         deadline = time.monotonic() + self.cfg.timeout
@@ -305,6 +336,7 @@ class LocalJob:
         over = False
         last_ok = time.monotonic()  # when the store last answered every call of a look
         all_gone: float | None = None  # when the launcher saw every node exited (local runs)
+        ended: str | None = None  # the run state, once one signed with the run key is in the store
         while True:
             try:
                 look = time.monotonic() - last_look >= store_every
@@ -314,6 +346,8 @@ class LocalJob:
                     unfenced = [n for n in self.agents if n not in self.fenced]
                     *fences, over = exists_many(self.store, [keys.fence(n) for n in unfenced] + [keys.RUN_STATE])
                     fenced_now = {n for n, f in zip(unfenced, fences, strict=True) if f}
+                    ended = run_ended(self.store, self.run_id, self.token) if over else None
+                    over = ended is not None  # (a run state not signed with the run key is ignored, logged)
                 for n, p in self.agents.items():  # (the head has none: remote agents are judged by heartbeats)
                     if n not in self.exited and p.poll() is not None:
                         self.exited.add(n)
@@ -325,14 +359,11 @@ class LocalJob:
                         if self.cfg.fence_kill:  # besides the logical fence that the node's processes obey
                             self._kill_group(n)
                         self.repair.lost(n)
-                while self._unreported:  # (told once the store answers, if it did not at first)
-                    self.store.set(keys.node_exit(self._unreported[0]), str(time.time()))
-                    self.store.add("exits", 1)
-                    self._unreported.pop(0)
+                self._tell_exits()
                 if self.local:
                     self._start_repaired()
                 for i, cp in list(self.coords.items()):
-                    if cp.poll() is None or over or self.store.check([keys.RUN_STATE]):
+                    if cp.poll() is None or over or run_ended(self.store, self.run_id, self.token) is not None:
                         continue
                     now_m = time.monotonic()
                     self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
@@ -349,24 +380,29 @@ class LocalJob:
                                                                "code": cp.returncode, "pid": cp.pid,
                                                                "standbys": self.cfg.coordinators - 1}) + "\n")
                 raw_prog = get_nowait(self.store, keys.PROGRESS) if look else None
-                if raw_prog is not None:
-                    prog = int(raw_prog)
+                prog = parse_int(raw_prog, keys.PROGRESS, -1) if raw_prog is not None else -1
+                if prog >= 0:
                     self._fire_member_faults(prog)
                     late = self.cfg.spare_arrives_at_step
                     if late and prog >= late and f"s{self.cfg.spares}" not in self.agents:
                         self._start_agent(f"s{self.cfg.spares}")
                     if prog != last_progress and self.store.check([keys.step(prog)]):
                         last_progress = self.last_step_shown = prog
-                        self.display.progress(json.loads(self.store.get(keys.step(prog))))
+                        rec = read_json(self.store, keys.step(prog))
+                        if rec is not None:
+                            self._show_progress(rec)
                 if look:
                     self._poll_events()
-                if over:
-                    return self.store.get(keys.RUN_STATE).decode()
+                    self._look_final()
+                if over and ended is not None:
+                    return ended
                 if time.monotonic() > deadline:
                     return f"failed: timeout after {self.cfg.timeout:g}s"  # (0.5 is not "0s")
                 if self.local and all(n in self.exited for n in self.agents):
-                    if self.store.check([keys.RUN_STATE]):  # the run ended, then its nodes: looked at since `over`
-                        return self.store.get(keys.RUN_STATE).decode()
+                    ended = run_ended(self.store, self.run_id, self.token) if self.store.check([keys.RUN_STATE]) \
+                        else None
+                    if ended is not None:  # the run ended, then its nodes: looked at since `over`
+                        return ended
                     # the last node was lost by a fault: the coordinator's recovery (told of the exits above)
                     # fails the run saying why, and the report lists that recovery; unless it does not answer
                     all_gone = all_gone or time.monotonic()
@@ -464,7 +500,7 @@ class LocalJob:
         self._torn_down = True
         try:
             if self.store is not None and self._may_end_job() and not self.store.check([keys.RUN_STATE]):
-                self.store.set(keys.RUN_STATE, "aborted")
+                set_signed(self.store, self.token, self.run_id, keys.RUN_STATE, "aborted")
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
         deadline = time.monotonic() + STOP_GRACE_S
@@ -547,7 +583,7 @@ class LocalJob:
         """Head: keep serving the store until every admitted node that is not fenced has left (its agent
         saw the final run state and stopped its workers), at most until `deadline`; record who did not."""
         try:
-            members = json.loads(self.store.get(keys.MEMBERS)) if self.store.check([keys.MEMBERS]) else {}
+            members = read_json(self.store, keys.MEMBERS, {})
             waiting = [n for n in members if not self.store.check([keys.fence(n)])]
             while waiting and time.monotonic() < deadline:
                 waiting = [n for n in waiting if not self.store.check([keys.left(n)])]
@@ -585,7 +621,7 @@ def _interrupted_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, 
     try:
         with _signals_held():  # a second signal must not cut this short either
             job._poll_events()
-            return build_report(job.store, cfg, state, job.run_dir, job.run_id)
+            return build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final)
     except Exception as e:  # noqa: BLE001 - the teardown must still run; the report says why it is short
         base["report_error"] = f"{type(e).__name__}: {e}"
         return base
@@ -625,13 +661,18 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
         try:
             job.start()
             state = job.monitor()
+            if state == "done":
+                job._look_final()
+                if job.final is None:  # "done" signed, its record not: overwritten since by a party without the key
+                    state = ("failed: the run's final state in the store is not signed with this run's key "
+                             "(something other than this job overwrote it)")
             if job.control_plane_lost is not None:
                 report = _lost_report(job, cfg, state)
             else:
                 job._poll_events()
-                report = build_report(job.store, cfg, state, job.run_dir, job.run_id)
+                report = build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final)
                 if job.store.check([keys.MEMBERS]):
-                    report["members"] = json.loads(job.store.get(keys.MEMBERS))
+                    report["members"] = read_json(job.store, keys.MEMBERS, {})
         except KeyboardInterrupt:
             state = INTERRUPTED
             report = _interrupted_report(job, cfg, state)

@@ -26,13 +26,14 @@ from pathlib import Path
 from phoenixft.errors import UserError
 from phoenixft.runtime.procs import cmdlines
 
-__all__ = ["RUN_FILES", "JOURNAL", "LOCK", "journal_path", "claim", "release", "prepare"]
+__all__ = ["RUN_FILES", "JOURNAL", "TOKEN_FILE", "LOCK", "journal_path", "claim", "release", "prepare"]
 
 JOURNAL = "coordinator.journal"
+TOKEN_FILE = "token"  # a generated job token (mode 0600)
 LOCK = ".phoenixft.lock"  # held (flock) by the launcher that uses the directory, from its start to its report
 # what a run writes at the top of its directory (report.html: `phoenixft report`); logs/ and final/ too
 RUN_FILES = ("config.json", JOURNAL, "coordinator.port", "control_plane", "events.jsonl", "metrics.jsonl",
-             "report.json", "report.html")
+             "report.json", "report.html", TOKEN_FILE)
 
 
 def journal_path(run_dir: Path) -> str:

@@ -24,6 +24,8 @@ import torch
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, auth, exists_many, keys
+from phoenixft.controlplane.signed import env_token, run_ended, set_signed
+from phoenixft.controlplane.values import parse_int, read_json, read_raw
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.dist import device
 from phoenixft.dist.comm import EpochComm, connect_store
@@ -54,7 +56,7 @@ class Worker:
         cfg = self.cfg
         self.restarted = incarnation > 0
         cur: Topology | None = None  # restarted in place: the epoch it rejoins
-        if incarnation > 0 and store.check([keys.EPOCH]):
+        if incarnation > 0 and parse_int(read_raw(store, keys.EPOCH), keys.EPOCH, -1) >= 0:
             e0 = int(store.get(keys.EPOCH))
             cur = auth.verified_topology(store, e0, store.get(keys.topo(e0)))
         if incarnation > 0 and (cur is None or (node_id.startswith("s") and node_id not in cur.nodes)):
@@ -184,13 +186,13 @@ class Worker:
 
             run_dir = self.ctx.store.get(keys.RUN_DIR).decode() if self.ctx.store.check([keys.RUN_DIR]) else ""
             path = write_final(run_dir, self.ctx.trainer, master, self.cfg, sha) if run_dir else ""
-            self.ctx.store.set(keys.FINAL, json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.ctx.epoch,
-                                                   "path": path}))
-            self.ctx.store.set(keys.RUN_STATE, "done")
+            final = json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.ctx.epoch, "path": path})
+            set_signed(self.ctx.store, env_token(), self.run_id, keys.FINAL, final)  # (the launcher believes
+            set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "done")  # only signed ones)
             return
         deadline = time.monotonic() + self.ctx.coll_timeout
         while time.monotonic() < deadline:
-            if self.ctx.store.check([keys.RUN_STATE]):
+            if self.ctx.store.check([keys.RUN_STATE]) and run_ended(self.ctx.store, self.run_id) is not None:
                 return
             if self.ctx.abort_reason():
                 raise PeerFailure("failure during the final gather")
@@ -203,8 +205,9 @@ class Worker:
         while True:
             if self.ctx.store.check([key]):
                 return self.ctx.store.get(key)
-            if self.ctx.store.check([keys.RUN_STATE]):
-                raise RunAborted(f"run ended ({self.ctx.store.get(keys.RUN_STATE).decode()})")
+            ended = run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
+            if ended is not None:
+                raise RunAborted(f"run ended ({ended})")
             if time.monotonic() > deadline:
                 raise RunAborted(f"no answer from the control plane for {key!r} after {timeout_s:.0f}s")
             time.sleep(0.005)
@@ -286,13 +289,14 @@ class Worker:
                 continue
             last = time.monotonic()
             failed, over = exists_many(side, [keys.failflag(topo.epoch), keys.RUN_STATE])
+            over = over and run_ended(side, self.run_id) is not None  # (a forged end is ignored)
             if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
                 self.ctx.store, self._side_store = side, None
                 gave_up.set()
                 if "comm" in box:  # (completed between the join and this check: aborted without waiting,
                     box["comm"].retire(0.0)  # the descriptor comes first)
             if over:
-                raise RunAborted(f"run ended ({self.ctx.store.get(keys.RUN_STATE).decode()})")
+                raise RunAborted(f"run ended ({run_ended(side, self.run_id)})")
             if failed:
                 raise PeerFailure(f"recovery requested by the control plane while the process groups of epoch "
                                   f"{topo.epoch} were being built (a member did not arrive)")
@@ -382,7 +386,7 @@ class Worker:
                    else f"{why}; not ours to heal, stopped at the last committed step {last}")
             self.ctx.store.set(keys.RUN_ERROR, msg)
             self.ctx.event("run_failed", error=why, last_committed=last)
-            self.ctx.store.set(keys.RUN_STATE, "failed")
+            set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "failed")
 
     def run(self) -> int:
         self.ctx.store.set(keys.ready(self.wid), str(time.time()))
@@ -434,9 +438,8 @@ def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: st
     try:
         store = w.ctx.store if w is not None else connect_store(store_addr, 10.0)
         key = keys.start_failed(wid)  # (one process of the worker at a time: no other writer)
-        rec: dict[str, Any] = (json.loads(store.get(key)) if store.check([key])
-                               else {"t": time.time(), "error": error[:500]})
-        rec["failures"] = int(rec.get("failures", 0)) + 1
+        rec: dict[str, Any] = read_json(store, key) or {"t": time.time(), "error": error[:500]}
+        rec["failures"] = parse_int(str(rec.get("failures", 0)), key) + 1
         store.set(key, json.dumps(rec))
         store.add(keys.START_FAILS, 1)  # the coordinator looks at startfail/ keys when this moves
     except Exception:  # noqa: BLE001 - no control plane: nobody to tell (the agent still reports the exit)
