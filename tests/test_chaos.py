@@ -226,7 +226,8 @@ def test_verdicts_from_reports() -> None:
     assert v["verdict"] == "fail" and "never fired" in v["reason"], v["reason"]
     assert judge(sched, cfg, ref, {**done, "final_state_sha256": "b"}, fired, after)["verdict"] == "fail"
     shrunk = {**done, "final_state_sha256": "b", "loss": [3.0, 2.0001],
-              "recoveries": [{"action": "shrink", "invariants": {"I1": True}, "lost_steps": 1}]}
+              "recoveries": [{"action": "shrink", "invariants": dict.fromkeys(("I1", "I2", "I3", "I4"), True),
+                              "lost_steps": 1}]}
     v = judge(sched, cfg, ref, shrunk, fired, after)
     assert v["verdict"] == "pass" and v["shrank"] and v["max_loss_rel_dev"] == pytest.approx(5e-5)
     assert judge(sched, cfg, ref, {**shrunk, "loss": [3.0, 2.01]}, fired, after)["verdict"] == "fail"
@@ -396,3 +397,40 @@ def test_a_local_run_that_cannot_fit_this_machine_is_refused(monkeypatch: pytest
     launcher.check_mode(RunConfig(nodes=200, spares=1), local=False)  # the head starts no agents
     monkeypatch.setattr(launcher, "_mem_total_mib", lambda: None)  # unknown: not refused
     launcher.check_mode(RunConfig(nodes=200, spares=1), local=True)
+
+
+def test_a_coordinator_kill_counts_as_recovered_only_once_a_coordinator_restarted_after_it() -> None:
+    cfg = _cfg(nodes=4, spares=2, steps=20)
+    sched = make_schedule(cfg, 2, 0)  # seed 0: a coordinator kill at step 3, then a corrupt replica
+    assert [f.kind for f in sched.faults] == ["kill_coordinator", "corrupt"]
+    ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
+    inv = {k: True for k in ("I1", "I2", "I3", "I4")}
+    done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a",
+            "recoveries": [{"action": "swap", "epoch": 1, "invariants": inv, "lost_steps": 1}]}
+    fired = [{"kind": "corrupted_replica", "spec": s} if s.startswith("corrupt") else
+             {"kind": "fault", "spec": s, "index": i, "epoch": 0, "t": 10.0 + i} for i, s in enumerate(sched.inject)]
+    after = [{"step": 20, "epoch": 1}]
+    restarted = {"kind": "coordinator_restarted", "epoch": 0}
+    v = judge(sched, cfg, ref, done, [*fired, {**restarted, "t": 10.5}], after)
+    assert v["verdict"] == "pass" and v["recovered"] == 2, v
+    # the run finished, but nothing shows the coordinator came back: no restart, or only one before the kill
+    for evs in (fired, [{**restarted, "t": 9.0}, *fired]):
+        v = judge(sched, cfg, ref, done, evs, after)
+        assert v["verdict"] == "fail" and "coordinator kill(s) #1" in v["reason"], v["reason"]
+        assert v["recovered"] == 1 and [p["recovered"] for p in v["per_fault"]] == [False, True]
+
+
+@pytest.mark.parametrize("inv", [None, {}, {"I1": True, "I2": True, "I3": True}])
+def test_a_recovery_without_its_four_invariants_fails_the_campaign(inv: dict[str, bool] | None) -> None:
+    cfg = _cfg(nodes=4, spares=2, steps=20)
+    sched = make_schedule(cfg, 2, 3)
+    ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
+    rec: dict[str, object] = {"action": "swap", "epoch": 1, "lost_steps": 1}
+    if inv is not None:
+        rec["invariants"] = inv
+    done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a", "recoveries": [rec]}
+    fired = [{"kind": "fault", "spec": s, "index": i, "epoch": 0} for i, s in enumerate(sched.inject)]
+    v = judge(sched, cfg, ref, done, fired, [{"step": 20, "epoch": 1}])
+    assert v["verdict"] == "fail" and "invariant" in v["reason"], v
+    rec["invariants"] = {k: True for k in ("I1", "I2", "I3", "I4")}
+    assert judge(sched, cfg, ref, done, fired, [{"step": 20, "epoch": 1}])["verdict"] == "pass"

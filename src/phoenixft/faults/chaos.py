@@ -44,6 +44,7 @@ from phoenixft.errors import UserError
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.scenarios import SCENARIOS, ChaosFault, Draw
 from phoenixft.faults.spec import KILL_PHASES, parse_fault
+from phoenixft.recovery.invariants import invariants_hold
 
 __all__ = [
     "KINDS", "MIN_GAP", "FIRST_STEP", "SHRINK_REL_TOL", "MAX_COORDINATOR_KILLS", "ChaosFault", "Schedule",
@@ -362,15 +363,22 @@ def _runtime_unsurvivable(cfg: RunConfig, run: dict[str, Any], events: list[dict
             f"({', '.join(sorted(lost))}); no persistent checkpoint to fall back to")
 
 
-def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, Any],
-          events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """The campaign's verdict and numbers (a pure function of the two reports and the run's records)."""
+def _restarted_after(evs: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
+    """A coordinator came back from its journal after the kill fired (`coordinator_restarted`, events.jsonl):
+    the evidence that a coordinator kill was recovered, not merely outlived by the run."""
+    t_kill = min((float(ev.get("t", 0.0)) for ev in evs), default=None)
+    return t_kill is not None and any(ev.get("kind") == "coordinator_restarted" and float(ev.get("t", -1.0)) >= t_kill
+                                      for ev in events)
+
+
+def _per_fault(sched: Schedule, events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each drawn fault: whether it fired (a corrupt spec: its `corrupted_replica` event) and whether it was
+    recovered (a node fault: a later epoch trained; a coordinator kill: a coordinator restarted after it)."""
     fired: dict[int, list[dict[str, Any]]] = {}
     for ev in events:
         if ev.get("kind") == "fault":
             fired.setdefault(int(ev["index"]), []).append(ev)
     corrupted = {ev.get("spec") for ev in events if ev.get("kind") == "corrupted_replica"}
-    cp = {c["fault"]: c for c in run.get("control_plane", [])}
     max_epoch = max((m.get("epoch", 0) for m in metrics), default=0)
     spec_index = {s: i for i, s in enumerate(sched.inject)}
     per_fault = []
@@ -379,12 +387,19 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
         injected = all((s in corrupted) if _corrupts(s) else bool(fired.get(spec_index[s])) for s in f.specs)
         if not injected:
             recovered = False
-        elif SCENARIOS[f.kind].by_journal:  # back from its journal, or training finished without needing it
-            recovered = cp.get(f.specs[0], {}).get("downtime_s") is not None or run.get("state") == "done"
+        elif SCENARIOS[f.kind].by_journal:
+            recovered = _restarted_after(evs, events)
         else:
             recovered = max_epoch > max(ev.get("epoch", 0) for ev in evs)
         per_fault.append({"index": f.index, "kind": f.kind, "step": f.step, "injected": injected,
                           "recovered": recovered, "fired": evs})
+    return per_fault
+
+
+def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, Any],
+          events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The campaign's verdict and numbers (a pure function of the two reports and the run's records)."""
+    per_fault = _per_fault(sched, events, metrics)
     recs = [r for r in run.get("recoveries", []) if r.get("action") != "failed"]  # (not the one that ended it)
     shrank = any(r.get("action") == "shrink" for r in recs)
     ref_loss, loss = ref.get("loss") or [], run.get("loss") or []
@@ -394,8 +409,10 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
     bitwise = bool(done and ref.get("final_state_sha256")
                    and run.get("final_state_sha256") == ref.get("final_state_sha256"))
     # an epoch interrupted by another failure never establishes its invariants; the epoch that completed it must
-    invariants_ok = all(all(r.get("invariants", {}).values()) for r in recs
+    invariants_ok = all(invariants_hold(r) for r in recs
                         if r.get("completed_in_epoch", r.get("epoch")) == r.get("epoch"))
+    unproven = [str(p["index"]) for p in per_fault
+                if p["injected"] and not p["recovered"] and SCENARIOS[p["kind"]].by_journal]
     static = [f"fault {f.index} ({' + '.join(f.specs)}): {f.unsurvivable}" for f in sched.unsurvivable]
     if ref.get("state") not in ("done", "skipped"):
         verdict = "fail"
@@ -416,6 +433,9 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
         missed = [str(p["index"]) for p in per_fault if not p["injected"]]
         verdict, reason = "fail", (f"fault(s) #{', #'.join(missed)} never fired (their target was not in the job at "
                                    "their step): the campaign did not test what it drew")
+    elif unproven:
+        verdict, reason = "fail", (f"coordinator kill(s) #{', #'.join(unproven)}: no coordinator restarted from its "
+                                   "journal after the kill, so the campaign cannot tell it was recovered")
     elif shrank:
         ok = max_dev is not None and len(loss) == len(ref_loss) and max_dev <= SHRINK_REL_TOL
         verdict = "pass" if ok else "fail"
