@@ -425,7 +425,7 @@ def test_a_coordinator_kill_counts_as_recovered_only_once_a_coordinator_restarte
     ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
     inv = {k: True for k in ("I1", "I2", "I3", "I4")}
     done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a",
-            "recoveries": [{"action": "swap", "epoch": 1, "invariants": inv, "lost_steps": 1,
+            "recoveries": [{"action": "swap", "epoch": 1, "invariants": inv, "lost_steps": 1, "resumed_step": 10,
                             "replicas_rejected": [["pp0.tp0.dp0of4", 10]]}]}
     fired = [{"kind": "corrupted_replica", "spec": s, "shard": 0, "step": 10} if s.startswith("corrupt") else
              {"kind": "fault", "spec": s, "index": i, "epoch": 0, "t": 10.0 + i} for i, s in enumerate(sched.inject)]
@@ -468,10 +468,10 @@ def test_a_corrupt_fault_passes_only_when_recovery_rejected_the_copy_it_corrupte
     ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
     inv = {k: True for k in ("I1", "I2", "I3", "I4")}
 
-    def verdict(rejected: list[list[object]], shards: tuple[int, ...] = (0,)) -> dict[str, Any]:
+    def verdict(rejected: list[list[object]], shards: tuple[int, ...] = (0,), resumed: int = 10) -> dict[str, Any]:
         done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a",
                 "recoveries": [{"action": "swap", "epoch": 1, "invariants": inv, "lost_steps": 0,
-                                "replicas_rejected": rejected}]}
+                                "resumed_step": resumed, "replicas_rejected": rejected}]}
         evs: list[dict[str, Any]] = [{"kind": "coordinator_restarted", "t": 20.0}]
         for i, spec in enumerate(sched.inject):
             if spec.startswith("corrupt"):
@@ -487,5 +487,10 @@ def test_a_corrupt_fault_passes_only_when_recovery_rejected_the_copy_it_corrupte
     for rejected in ([], [["pp0.tp0.dp0of4", 9]], [["pp0.tp0.dp1of4", 10]]):
         v = verdict(rejected)
         assert v["verdict"] == "fail" and "corrupt fault(s) #2" in v["reason"], (rejected, v["reason"])
+    # rejected by a recovery that resumed from a newer step: that copy was never a candidate (every descriptor
+    # verifies both halves), so the fault did not bite; one that went back further because of it did
+    v = verdict([["pp0.tp0.dp0of4", 10]], resumed=11)
+    assert v["verdict"] == "fail" and "corrupt fault(s) #2" in v["reason"], v["reason"]
+    assert verdict([["pp0.tp0.dp0of4", 10]], resumed=9)["verdict"] == "pass"
     # a copy of a shard whose owner lives on is never needed: only the killed owner's copy must be rejected
     assert verdict([["pp0.tp0.dp0of4", 10]], shards=(0, 3))["verdict"] == "pass"

@@ -398,8 +398,9 @@ def _per_fault(sched: Schedule, cfg: RunConfig, run: dict[str, Any], events: lis
                metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each drawn fault: whether it fired (a corrupt spec: its `corrupted_replica` event) and whether it was
     recovered (a node fault: a later epoch trained; a coordinator kill: a coordinator restarted after it). A
-    corrupt fault also lists the copies it damaged (`corrupted`) and whether a recovery rejected every one of
-    them (`corrupt_rejected`): the copy recovery would have used, caught by its checksum."""
+    corrupt fault also lists the copies it damaged (`corrupted`) and whether a recovery that resumed from their
+    step or an older one rejected every one of them (`corrupt_rejected`): the copy recovery would have used,
+    caught by its checksum."""
     fired: dict[int, list[dict[str, Any]]] = {}
     for ev in events:
         if ev.get("kind") == "fault":
@@ -407,7 +408,10 @@ def _per_fault(sched: Schedule, cfg: RunConfig, run: dict[str, Any], events: lis
     corrupted = {ev.get("spec") for ev in events if ev.get("kind") == "corrupted_replica"}
     max_epoch = max((m.get("epoch", 0) for m in metrics), default=0)
     spec_index = {s: i for i, s in enumerate(sched.inject)}
-    rejected = [[str(x[0]), int(x[1])] for r in run.get("recoveries", []) for x in r.get("replicas_rejected", [])]
+    # copies a recovery rejected while it would have used them: of its resume step or newer (every descriptor
+    # verifies both halves, so an older step's copy is rejected even though no recovery wanted it)
+    rejected = [[str(x[0]), int(x[1])] for r in run.get("recoveries", []) for x in r.get("replicas_rejected", [])
+                if r.get("resumed_step") is not None and int(x[1]) >= int(r["resumed_step"])]
     per_fault = []
     for f in sched.faults:
         evs = [ev for s in f.specs if not _corrupts(s) for ev in fired.get(spec_index[s], [])]
