@@ -57,6 +57,24 @@ def run(tmp: Path, **kw: Any) -> dict[str, Any]:
     return report
 
 
+def assert_one_hotswap(rep: dict[str, Any], dead: list[str], step: int) -> dict[str, Any]:
+    """The run's one injected kill (at `step`, before that step committed) fired and bit: nothing in
+    `faults_not_fired`, exactly one recovery, a permanent failure of `dead` answered by a hot-swap onto
+    the spare, resuming from the step before the kill or the one before that (lost steps 0 or 1), with
+    I1..I4 all true. Returns that recovery. (A fault that never fired leaves a clean run, which a
+    comparison with a clean run alone cannot tell apart.)"""
+    assert rep["faults_not_fired"] == [], rep["faults_not_fired"]
+    assert len(rep["faults"]) == 1, rep["faults"]
+    assert [r["action"] for r in rep["recoveries"]] == ["hotswap"], rep["recoveries"]
+    (rec,) = rep["recoveries"]
+    assert rec["class"] == "permanent" and rec["dead"] == dead and rec["promoted"] == ["s0"], rec
+    assert rec["faults"] == [rep["faults"][0]["spec"]] and rec["fault_step"] == step, rec
+    assert rec["resumed_step"] in (step - 2, step - 1) and rec["lost_steps"] in (0, 1), rec
+    assert rec["resumed_step"] + rec["lost_steps"] == step - 1, rec  # every step before the kill committed
+    assert all(rec["invariants"].get(k) is True for k in ("I1", "I2", "I3", "I4")), rec["invariants"]
+    return rec
+
+
 _refs: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 

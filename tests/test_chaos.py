@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import processes_with
@@ -105,7 +106,7 @@ def test_a_mesh_with_repairs_survives_losses_without_spares() -> None:
 
 
 def test_every_kind_is_drawn_and_counts_are_exact() -> None:
-    cfg = _cfg(nodes=4, spares=2, steps=400)
+    cfg = _cfg(nodes=4, spares=2, steps=400, replicas=2)  # (a corrupt replica needs a second copy to survive)
     for seed in range(300):
         for n in (1, 3, 7, 12, 50):
             sched = make_schedule(cfg, n, seed)
@@ -132,7 +133,17 @@ def test_survivability_classification() -> None:
     assert all(len(set(f.lost)) == 1 for f in drawn if f.kind == "kill_during_recovery")  # the spare itself
     risky = [f for s in range(500) for f in make_schedule(three, 12, s, allow_unsurvivable=True).faults
              if f.unsurvivable]
-    assert risky and all(f.kind in ("two_nodes", "kill_during_recovery") for f in risky)
+    assert risky and all(f.kind in ("two_nodes", "kill_during_recovery", "corrupt") for f in risky)
+    # a corrupt replica is the copy recovery needs: with one replica, rejecting it loses the owner's shard, so it
+    # is drawn only with --allow-unsurvivable (and is then unsurvivable), or with a second replica
+    assert "corrupt" not in {f.kind for f in drawn}
+    assert all(f.unsurvivable for f in risky if f.kind == "corrupt") and any(f.kind == "corrupt" for f in risky)
+    assert "'corrupt replica' not drawn" in " ".join(make_schedule(three, 12, 0).notes)
+    two = [f for s in range(100) for f in make_schedule(_cfg(nodes=3, spares=2, steps=60, replicas=2), 12, s).faults
+           if f.kind == "corrupt"]
+    assert two and not any(f.unsurvivable for f in two)
+    assert all(f.specs[0].split("@step=")[1].split(",")[0] == f.specs[1].split("@step=")[1].split(",")[0] == str(f.step)
+               for f in two)  # the corruption and the owner's kill in the same step: the copy is recovery's
     # four nodes: pairs drawn by default never hold each other's replicas; with --allow-unsurvivable some do
     pairs = [f for s in range(500) for f in make_schedule(four, 12, s).faults if len(f.lost) == 2]
     assert pairs and all(abs(f.lost[0] - f.lost[1]) == 2 for f in pairs)
@@ -218,15 +229,17 @@ def test_verdicts_from_reports() -> None:
     sched = make_schedule(cfg, 2, 3)
     ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
     done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a", "recoveries": []}
-    fired = [{"kind": "corrupted_replica", "spec": s} if s.startswith("corrupt") else
-             {"kind": "fault", "spec": s, "index": i, "epoch": 0} for i, s in enumerate(sched.inject)]
+    assert [f.kind for f in sched.faults] == ["two_nodes", "kill_coordinator"]
+    fired = [{"kind": "coordinator_restarted", "t": 100.0}]
+    fired += [{"kind": "fault", "spec": s, "index": i, "epoch": 0, "t": float(i)} for i, s in enumerate(sched.inject)]
     after = [{"step": 20, "epoch": 1}]
     assert judge(sched, cfg, ref, done, fired, after)["verdict"] == "pass"
     v = judge(sched, cfg, ref, done, fired[:-1], after)  # a drawn fault that never fired: not a pass
     assert v["verdict"] == "fail" and "never fired" in v["reason"], v["reason"]
     assert judge(sched, cfg, ref, {**done, "final_state_sha256": "b"}, fired, after)["verdict"] == "fail"
     shrunk = {**done, "final_state_sha256": "b", "loss": [3.0, 2.0001],
-              "recoveries": [{"action": "shrink", "invariants": {"I1": True}, "lost_steps": 1}]}
+              "recoveries": [{"action": "shrink", "invariants": dict.fromkeys(("I1", "I2", "I3", "I4"), True),
+                              "lost_steps": 1}]}
     v = judge(sched, cfg, ref, shrunk, fired, after)
     assert v["verdict"] == "pass" and v["shrank"] and v["max_loss_rel_dev"] == pytest.approx(5e-5)
     assert judge(sched, cfg, ref, {**shrunk, "loss": [3.0, 2.01]}, fired, after)["verdict"] == "fail"
@@ -259,20 +272,27 @@ def _chaos(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dic
 
 
 def test_campaign_end_to_end(tmp_path: Path) -> None:
-    # seed 8 on this setup: kill during recovery (step 4), corrupt replica + owner killed (7-8), crash (12);
-    # 3 spares cover the 3 lost nodes, so the job never shrinks and must end bitwise equal to the reference
-    p, rep = _chaos(tmp_path, "--nodes", "3", "--spares", "3", "--steps", "16", "--faults", "3", "--seed", "8")
+    # seed 13 on this setup: crash (step 3), corrupt replica + owner killed (8), kill during recovery (11); two
+    # replicas, so the owner's shard keeps a good copy when the corrupted one is rejected; 3 spares cover the 3
+    # lost nodes, so the job never shrinks and must end bitwise equal to the reference
+    p, rep = _chaos(tmp_path, "--nodes", "3", "--spares", "3", "--replicas", "2", "--steps", "16", "--faults", "3",
+                    "--seed", "13")
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    assert [f["kind"] for f in rep["schedule"]] == ["kill_during_recovery", "corrupt", "crash"]
+    assert [f["kind"] for f in rep["schedule"]] == ["crash", "corrupt", "kill_during_recovery"]
     assert rep["verdict"] == "pass", rep["reason"]
     assert rep["faults"] == rep["recovered"] == 3 and rep["injected"] == 3
     assert rep["bitwise_equal"] is True and rep["shrank"] is False and rep["max_loss_rel_dev"] == 0.0
     assert rep["run"]["final_state_sha256"] == rep["reference"]["final_state_sha256"]
-    assert rep["replicas_rejected"] >= 1  # the corrupt copy was never loaded
+    # the corrupted copy was the one recovery would have used, and it was rejected (never loaded)
+    (corrupt,) = [p for p in rep["per_fault"] if p["kind"] == "corrupt"]
+    assert corrupt["corrupt_rejected"] is True and len(corrupt["corrupted"]) == 1, corrupt
+    assert corrupt["corrupted"] == [["pp0.tp0.dp2of3", 7]], corrupt  # node 0's copy of node 2's shard, step 7
+    (rec,) = [r for r in rep["run"]["recoveries"] if ["pp0.tp0.dp2of3", 7] in r["replicas_rejected"]]
+    assert rec["resumed_step"] == 7 and rec["dead"] == ["n2"], rec  # from the other holder's copy of step 7
     assert rep["wall_s"] > 0 and rep["run"]["state"] == "done"
     assert "chaos verdict: PASS" in p.stdout and "#" in p.stdout.splitlines()[1]
     fired = {f["spec"]: f for f in rep["run"]["faults"]}
-    assert "recovery" in fired["kill:node=0@step=4,phase=recovery"]  # fired mid state transfer
+    assert "recovery" in fired["kill:node=0@step=11,phase=recovery"]  # fired mid state transfer
 
 
 def test_unsurvivable_schedule_is_reported_as_such(tmp_path: Path) -> None:
@@ -396,3 +416,81 @@ def test_a_local_run_that_cannot_fit_this_machine_is_refused(monkeypatch: pytest
     launcher.check_mode(RunConfig(nodes=200, spares=1), local=False)  # the head starts no agents
     monkeypatch.setattr(launcher, "_mem_total_mib", lambda: None)  # unknown: not refused
     launcher.check_mode(RunConfig(nodes=200, spares=1), local=True)
+
+
+def test_a_coordinator_kill_counts_as_recovered_only_once_a_coordinator_restarted_after_it() -> None:
+    cfg = _cfg(nodes=4, spares=2, steps=20, replicas=2)
+    sched = make_schedule(cfg, 2, 0)  # seed 0: a coordinator kill at step 3, then a corrupt replica
+    assert [f.kind for f in sched.faults] == ["kill_coordinator", "corrupt"]
+    ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
+    inv = {k: True for k in ("I1", "I2", "I3", "I4")}
+    done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a",
+            "recoveries": [{"action": "swap", "epoch": 1, "invariants": inv, "lost_steps": 1, "resumed_step": 10,
+                            "replicas_rejected": [["pp0.tp0.dp0of4", 10]]}]}
+    fired = [{"kind": "corrupted_replica", "spec": s, "shard": 0, "step": 10} if s.startswith("corrupt") else
+             {"kind": "fault", "spec": s, "index": i, "epoch": 0, "t": 10.0 + i} for i, s in enumerate(sched.inject)]
+    after = [{"step": 20, "epoch": 1}]
+    restarted = {"kind": "coordinator_restarted", "epoch": 0}
+    v = judge(sched, cfg, ref, done, [*fired, {**restarted, "t": 10.5}], after)
+    assert v["verdict"] == "pass" and v["recovered"] == 2, v
+    # the run finished, but nothing shows the coordinator came back: no restart, or only one before the kill
+    for evs in (fired, [{**restarted, "t": 9.0}, *fired]):
+        v = judge(sched, cfg, ref, done, evs, after)
+        assert v["verdict"] == "fail" and "coordinator kill(s) #1" in v["reason"], v["reason"]
+        assert v["recovered"] == 1 and [p["recovered"] for p in v["per_fault"]] == [False, True]
+
+
+@pytest.mark.parametrize("inv", [None, {}, {"I1": True, "I2": True, "I3": True}])
+def test_a_recovery_without_its_four_invariants_fails_the_campaign(inv: dict[str, bool] | None) -> None:
+    cfg = _cfg(nodes=4, spares=2, steps=20)
+    sched = make_schedule(cfg, 2, 3)
+    ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
+    rec: dict[str, object] = {"action": "swap", "epoch": 1, "lost_steps": 1}
+    if inv is not None:
+        rec["invariants"] = inv
+    done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a", "recoveries": [rec]}
+    fired = [{"kind": "fault", "spec": s, "index": i, "epoch": 0, "t": float(i)} for i, s in enumerate(sched.inject)]
+    fired.append({"kind": "coordinator_restarted", "t": 100.0})
+    v = judge(sched, cfg, ref, done, fired, [{"step": 20, "epoch": 1}])
+    assert v["verdict"] == "fail" and "invariant" in v["reason"], v
+    rec["invariants"] = {k: True for k in ("I1", "I2", "I3", "I4")}
+    assert judge(sched, cfg, ref, done, fired, [{"step": 20, "epoch": 1}])["verdict"] == "pass"
+
+
+def test_a_corrupt_fault_passes_only_when_recovery_rejected_the_copy_it_corrupted() -> None:
+    cfg = _cfg(nodes=4, spares=2, steps=20, replicas=2)
+    sched = make_schedule(cfg, 2, 0)  # seed 0: its corrupt fault damages node 1's copy of node 0's shard
+    corrupt = sched.faults[1]
+    # the copy it damages (received during step 11: that of step 10) is the one a kill of its owner in its
+    # optimizer step 11 makes recovery resume from
+    assert corrupt.specs == ("corrupt:node=1@step=11,wait=60", "kill:node=0@step=11,phase=optimizer,wait=60")
+    assert corrupt.lost == (0,)
+    ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
+    inv = {k: True for k in ("I1", "I2", "I3", "I4")}
+
+    def verdict(rejected: list[list[object]], shards: tuple[int, ...] = (0,), resumed: int = 10) -> dict[str, Any]:
+        done = {"state": "done", "steps_completed": 20, "loss": [3.0, 2.0], "final_state_sha256": "a",
+                "recoveries": [{"action": "swap", "epoch": 1, "invariants": inv, "lost_steps": 0,
+                                "resumed_step": resumed, "replicas_rejected": rejected}]}
+        evs: list[dict[str, Any]] = [{"kind": "coordinator_restarted", "t": 20.0}]
+        for i, spec in enumerate(sched.inject):
+            if spec.startswith("corrupt"):
+                evs += [{"kind": "corrupted_replica", "spec": spec, "shard": x, "step": 10, "t": 11.0} for x in shards]
+            else:
+                evs.append({"kind": "fault", "spec": spec, "index": i, "epoch": 0, "t": 10.0 + i})
+        return judge(sched, cfg, ref, done, evs, [{"step": 20, "epoch": 1}])
+
+    v = verdict([["pp0.tp0.dp0of4", 10]])
+    assert v["verdict"] == "pass", v["reason"]
+    assert v["per_fault"][1]["corrupted"] == [["pp0.tp0.dp0of4", 10]] and v["per_fault"][1]["corrupt_rejected"]
+    # nothing rejected (the copy was loaded, or never a candidate), or another step's copy or shard rejected
+    for rejected in ([], [["pp0.tp0.dp0of4", 9]], [["pp0.tp0.dp1of4", 10]]):
+        v = verdict(rejected)
+        assert v["verdict"] == "fail" and "corrupt fault(s) #2" in v["reason"], (rejected, v["reason"])
+    # rejected by a recovery that resumed from a newer step: that copy was never a candidate (every descriptor
+    # verifies both halves), so the fault did not bite; one that went back further because of it did
+    v = verdict([["pp0.tp0.dp0of4", 10]], resumed=11)
+    assert v["verdict"] == "fail" and "corrupt fault(s) #2" in v["reason"], v["reason"]
+    assert verdict([["pp0.tp0.dp0of4", 10]], resumed=9)["verdict"] == "pass"
+    # a copy of a shard whose owner lives on is never needed: only the killed owner's copy must be rejected
+    assert verdict([["pp0.tp0.dp0of4", 10]], shards=(0, 3))["verdict"] == "pass"

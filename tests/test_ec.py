@@ -15,14 +15,44 @@ from pathlib import Path
 import pytest
 from conftest import run
 
+NUMEL = 834304  # trained parameters of the tiny GPT (tests/test_ec.py::test_model_size_assumed_here)
+STATE_ROWS = 2  # AdamW's exp_avg and exp_avg_sq: the fp32 optimizer payload a member's shard holds
+ALIGN = 64  # elements per shard, and bytes per erasure-code stripe, are multiples of 64
 
-def _ok(rec: dict, action: str, decoded: list[str]) -> None:  # type: ignore[type-arg]
+
+def _up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+def _piece_bytes(world: int, d: int) -> int:
+    """Bytes of one block of a d-member group: a member's payload (its optimizer shard in the job of `world`
+    ranks) cut into d stripes, each padded to ALIGN bytes."""
+    payload = 4 * STATE_ROWS * _up(-(-NUMEL // world), ALIGN)
+    return d * max(ALIGN, _up(-(-payload // d), ALIGN))
+
+
+def _ok(rec: dict, action: str, decoded: list[str], d: list[int] | None = None) -> None:  # type: ignore[type-arg]
+    """A recovery that rebuilt `decoded`, each from the d pieces of its group (`d`: per decoded shard, 2 by
+    default), each piece sent to the rank that rebuilds it; a hot-swap moves, besides the pieces, the
+    parameters to each promoted spare, and nothing else."""
     assert rec["action"] == action, rec
-    assert all(rec["invariants"].values()), rec["invariants"]
+    assert all(rec["invariants"].get(k) is True for k in ("I1", "I2", "I3", "I4")), rec["invariants"]
     assert rec["redundancy"].startswith("ec:")
     assert rec["decoded"] == decoded, rec
-    assert rec["bytes_decoded_from"] > 0 and rec["decode_s"] >= 0.0
-    assert rec["bytes_moved"] >= rec["bytes_decoded_from"]
+    ds = d or [2] * len(decoded)
+    worlds = [int(x.rsplit("of", 1)[1]) for x in decoded]
+    assert rec["bytes_decoded_from"] == sum(k * _piece_bytes(w, k) for w, k in zip(worlds, ds, strict=True)), rec
+    assert rec["decode_s"] > 0.0, rec  # a decode ran (a recovery without one reports 0.0)
+    if action == "hotswap":
+        params = 4 * _up(-(-NUMEL // worlds[0]), ALIGN) * worlds[0]
+        assert rec["bytes_moved"] - rec["bytes_decoded_from"] == len(rec["promoted"]) * params, rec
+
+
+def test_model_size_assumed_here() -> None:
+    from phoenixft.workload import WorkloadContext, load_workload
+
+    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=8, model="tiny"))
+    assert sum(p.numel() for p in wl.build_model().parameters() if p.requires_grad) == NUMEL
 
 
 def test_ec31_node_killed_mid_run_is_bitwise_invisible(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -97,6 +127,7 @@ def test_ec_in_place_restart_then_node_loss(tmp_path: Path, reference) -> None: 
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     inplace, swap = rep["recoveries"]
     assert inplace["action"] == "inplace" and inplace["restarted"] == ["n1.0"] and inplace["decoded"] == []
+    assert inplace["bytes_decoded_from"] == 0 and inplace["decode_s"] == 0.0, inplace  # nothing was decoded
     _ok(swap, "hotswap", ["pp0.tp0.dp0of4"])
 
 
@@ -108,7 +139,7 @@ def test_ec42_eight_nodes_two_of_one_group_killed(tmp_path: Path, reference) -> 
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
-    _ok(rec, "hotswap", ["pp0.tp0.dp0of8", "pp0.tp0.dp2of8"])
+    _ok(rec, "hotswap", ["pp0.tp0.dp0of8", "pp0.tp0.dp2of8"], d=[4, 4])
 
 
 @pytest.mark.slow
@@ -121,4 +152,4 @@ def test_ec21_two_workers_per_node_one_ring_per_local_rank(tmp_path: Path, refer
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
-    _ok(rec, "hotswap", ["pp0.tp0.dp2of6", "pp0.tp0.dp3of6"])
+    _ok(rec, "hotswap", ["pp0.tp0.dp2of6", "pp0.tp0.dp3of6"], d=[2, 1])

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import processes_with, run
@@ -64,6 +65,29 @@ def _await_progress(run_dir: Path, step: int, deadline: float) -> None:
         time.sleep(0.01)
 
 
+def _proc_state(pid: int) -> str | None:
+    """The scheduler state letter of `pid` in /proc (R, S, T, Z, ...), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _sigstop(pid: int, seen: dict[str, object]) -> None:
+    """SIGSTOP `pid` and record in `seen` that the kernel stopped it: its /proc state read 'T' (stopped by a
+    signal) within 5 s, with the time; a signal that did not land leaves `seen` without them."""
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        if _proc_state(pid) == "T":
+            seen["state"], seen["stopped"] = "T", time.monotonic()
+            return
+        time.sleep(0.005)
+
+
 def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeout(
         tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """One worker SIGSTOPped (a debugger, a hang) while its agent runs on: the agent's heartbeat kept vouching
@@ -77,29 +101,33 @@ def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeo
 
 
     ref = reference(nodes=2, steps=40)
-    seen: dict[str, float] = {}
+    seen: dict[str, Any] = {}
 
     def stop_n1_mid_run() -> None:
-        deadline = time.monotonic() + 90
-        _await_progress(tmp_path, 4, deadline)
-        pid = _worker_of("n1", os.getpid())
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        seen["stopped"] = time.monotonic()
-        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and \
-                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-            time.sleep(0.02)
-        seen["gone"] = time.monotonic()  # fenced: its node's process group was killed
         try:
-            os.kill(pid, signal.SIGCONT)  # (a no-op now: it must change nothing)
-        except ProcessLookupError:
-            pass
+            deadline = time.monotonic() + 90
+            _await_progress(tmp_path, 4, deadline)
+            pid = _worker_of("n1", os.getpid())
+            assert pid is not None, "no worker of n1 found"
+            seen["pid"] = pid
+            _sigstop(pid, seen)
+            while time.monotonic() < deadline and _proc_state(pid) not in (None, "Z"):
+                time.sleep(0.02)
+            seen["gone"] = time.monotonic()  # fenced: its node's process group was killed
+            try:
+                os.kill(pid, signal.SIGCONT)  # (a no-op now: it must change nothing)
+            except ProcessLookupError:
+                pass
+        except BaseException as e:  # (a thread's failure is otherwise silent: the test asserts on `seen`)
+            seen["error"] = repr(e)
 
     t = threading.Thread(target=stop_n1_mid_run, daemon=True)
     t.start()
     rep = run(tmp_path, nodes=2, spares=1, steps=40, failure_timeout=2.0, timeout=120.0)
     t.join(timeout=10)
     assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert "error" not in seen, seen
+    assert seen.get("state") == "T", f"the SIGSTOP never showed in /proc: {seen}"  # the worker was stopped
     assert "stopped" in seen and "gone" in seen, seen
     assert seen["gone"] - seen["stopped"] < 15.0, f"fenced {seen['gone'] - seen['stopped']:.1f}s after its stop"
     (rec,) = rep["recoveries"]
@@ -120,22 +148,27 @@ def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
 
 
     ref = reference(nodes=2, steps=160)
+    seen: dict[str, Any] = {}
 
     def stop_agent_of_n1() -> None:
-        deadline = time.monotonic() + 90
-        _await_progress(tmp_path, 4, deadline)
-        worker = _worker_of("n1", os.getpid())
-        assert worker is not None
-        agent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        os.kill(agent, signal.SIGSTOP)
-        time.sleep(5.0)
-        os.kill(agent, signal.SIGCONT)
+        try:
+            deadline = time.monotonic() + 90
+            _await_progress(tmp_path, 4, deadline)
+            worker = _worker_of("n1", os.getpid())
+            assert worker is not None, "no worker of n1 found"
+            agent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            _sigstop(agent, seen)
+            time.sleep(5.0)
+            os.kill(agent, signal.SIGCONT)
+        except BaseException as e:  # (a thread's failure is otherwise silent: the test asserts on `seen`)
+            seen["error"] = repr(e)
 
     t = threading.Thread(target=stop_agent_of_n1, daemon=True)
     t.start()
     rep = run(tmp_path, nodes=2, spares=1, steps=160, failure_timeout=2.0, timeout=120.0)
     t.join(timeout=10)
     assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert "error" not in seen and seen.get("state") == "T", seen  # the agent was stopped
     recs = rep["recoveries"]
     assert 1 <= len(recs) <= 3, [(r["action"], r["resumed_step"]) for r in recs]
     assert all(r["action"] == "reconfigure" and r["dead"] == [] and r["fenced"] == [] for r in recs), recs
@@ -225,7 +258,6 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     replication timeout). The run's end now reaches the waiting training thread as RunAborted."""
     import time
     from types import SimpleNamespace
-    from typing import Any
 
     from phoenixft.controlplane import keys
     from phoenixft.controlplane.server import serve_store

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_with, run
+from conftest import assert_one_hotswap, processes_with, run
 
 
 @pytest.mark.parametrize(
@@ -124,6 +124,7 @@ def test_both_halves_corrupt_fails_clearly(tmp_path: Path) -> None:
 def test_no_process_left_after_fault(tmp_path: Path) -> None:
     rep = run(tmp_path, nodes=2, workers_per_node=2, spares=1, steps=6, inject=["kill:node=0@step=3,phase=forward"])
     assert rep["state"] == "done"
+    assert_one_hotswap(rep, ["n0"], 3)  # the kill fired and bit: processes were killed and a spare took over
     assert processes_with(rep["run_id"]) == []
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run
+from conftest import assert_one_hotswap, run
 from safetensors.torch import load_file
 
 from phoenixft.data import _mix
@@ -43,15 +43,25 @@ def test_recipe_survives_a_node_kill_bitwise(tmp_path: Path, reference, name: st
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     assert rep["loss"] == ref["loss"]
-    (rec,) = rep["recoveries"]
-    assert rec["action"] == "hotswap" and all(rec["invariants"].values())
-    if kw.get("precision") == "bf16":  # the master weights travel with the optimizer state
-        payload_rows = 1 + {"adamw": 2, "lion": 1}[kw["optimizer"]]
-        assert rec["bytes_moved"] > 0 and payload_rows >= 2
+    rec = assert_one_hotswap(rep, ["n1"], 6)
+    assert rec["bytes_moved"] == _hotswap_bytes(kw, world=2), (rec["bytes_moved"], _hotswap_bytes(kw, world=2))
+    assert rec["decoded"] == [] and rec["bytes_decoded_from"] == 0 and rec["decode_s"] == 0.0  # replicas: no decode
     lrs = [json.loads(x)["lr"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lrs == [lr_at(s, schedule=kw["lr_schedule"], lr=kw.get("lr", 1e-3), min_lr=0.0,
                          warmup=kw.get("warmup_steps", 0), decay=kw.get("decay_steps", 0), total=10)
                    for s in range(1, 11)]
+
+
+def _hotswap_bytes(kw: dict[str, Any], world: int) -> int:
+    """What a hot-swap of one rank of `world` moves, from the model's size alone: the whole parameter buffer
+    in the training dtype to the spare, and the lost rank's optimizer shard in fp32 (its state tensors, and
+    with bf16 its fp32 master weights as well). Shards are multiples of 64 elements."""
+    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=8, model="tiny"))
+    numel = sum(p.numel() for p in wl.build_model().parameters() if p.requires_grad)
+    shard = -(-numel // (world * 64)) * 64
+    bf16 = kw.get("precision") == "bf16"
+    rows = {"adamw": 2, "sgd": 1, "lion": 1}[kw.get("optimizer", "adamw")] + bf16
+    return shard * world * (2 if bf16 else 4) + rows * shard * 4
 
 
 def test_clipping_and_schedule_match_torch(reference) -> None:  # type: ignore[no-untyped-def]
@@ -102,6 +112,7 @@ def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch
     rep = run(tmp_path / "swap", spares=1, inject=["kill:node=0@step=6,phase=backward"],
               persist_every=5, persist_dir=str(tmp_path / "ckpt"), **kw)
     assert rep["state"] == "done" and clean["state"] == "done", rep.get("error")
+    assert_one_hotswap(rep, ["n0"], 6)
     assert rep["final_state_sha256"] == clean["final_state_sha256"]
     a = load_file(str(tmp_path / "clean" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))
@@ -160,15 +171,19 @@ def test_real_data_trains_evaluates_and_exports(tmp_path: Path) -> None:
     assert math.isclose(total / 4, val[-1], rel_tol=1e-6), (total / 4, val[-1])
 
 
-def _swapped_equals_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: str, fault: str) -> None:
-    """`tests/user_workload.py:<workload>` on 2 nodes for 6 steps: with a spare and `fault`, it ends bitwise
-    where the failure-free unprotected run ends."""
+def _swapped_equals_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: str, node: int, step: int,
+                          phase: str) -> None:
+    """`tests/user_workload.py:<workload>` on 2 nodes for 6 steps: with a spare, node `node` killed at `step`
+    in `phase` (and hot-swapped: the kill fired and bit), it ends bitwise where the failure-free unprotected
+    run ends."""
+    fault = f"kill:node={node}@step={step},phase={phase}"
     monkeypatch.syspath_prepend(str(HERE))
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
     kw: dict[str, Any] = {"workload": f"user_workload:{workload}", "steps": 6, "nodes": 2}
     clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
     rep = run(tmp_path / "swap", spares=1, inject=[fault], **kw)
     assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
+    assert_one_hotswap(rep, [f"n{node}"], step)
     assert rep["final_state_sha256"] == clean["final_state_sha256"]
 
 
@@ -176,7 +191,7 @@ def test_a_noncontiguous_buffer_is_protected_and_exported(tmp_path: Path, monkey
     """A buffer registered as a transposed tensor: its bytes went in and out of the flat buffers through
     `.view(-1)`, which a non-contiguous tensor refuses, so no run of such a model got past its first step
     (every worker crashed, "in-memory state lost")."""
-    _swapped_equals_clean(tmp_path, monkeypatch, "noncontiguous_buffer_workload", "kill:node=0@step=4,phase=backward")
+    _swapped_equals_clean(tmp_path, monkeypatch, "noncontiguous_buffer_workload", 0, 4, "backward")
     seen = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))["seen"]
     assert seen.shape == (3, 4) and torch.equal(seen, torch.full((3, 4), 6.0))
 
@@ -185,7 +200,7 @@ def test_a_nonpersistent_buffer_is_protected(tmp_path: Path, monkeypatch: pytest
     """A non-persistent buffer the forward changes and computes with (a counter, a cache) is state as well:
     it was left out of the flat buffers, so the promoted spare computed with it as built and the run
     reported `done` with a final state that differs from the failure-free run's."""
-    _swapped_equals_clean(tmp_path, monkeypatch, "nonpersistent_buffer_workload", "kill:node=1@step=3,phase=optimizer")
+    _swapped_equals_clean(tmp_path, monkeypatch, "nonpersistent_buffer_workload", 1, 3, "optimizer")
     sd = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))
     assert "calls" not in sd and "net.0.weight" in sd  # the export stays the model's state_dict
 
@@ -203,6 +218,7 @@ def test_frozen_parameters_train_in_bf16(tmp_path: Path, monkeypatch: pytest.Mon
     rep = run(tmp_path / "swap", spares=1, inject=["kill:node=1@step=5,phase=optimizer"], persist_every=3,
               persist_dir=str(tmp_path / "ckpt"), **kw)
     assert rep["state"] == "done" and clean["state"] == "done", rep.get("error") or clean.get("error")
+    assert_one_hotswap(rep, ["n1"], 5)
     assert rep["final_state_sha256"] == clean["final_state_sha256"]
     out = tmp_path / "ckpt.safetensors"
     p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(tmp_path / "ckpt"), "--out", str(out)],

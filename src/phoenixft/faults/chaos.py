@@ -42,8 +42,9 @@ from phoenixft.config import RunConfig
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import UserError
 from phoenixft.faults.kinds import Point
-from phoenixft.faults.scenarios import SCENARIOS, ChaosFault, Draw
+from phoenixft.faults.scenarios import SCENARIOS, ChaosFault, Draw, corrupt_owners
 from phoenixft.faults.spec import KILL_PHASES, parse_fault
+from phoenixft.recovery.invariants import invariants_hold
 
 __all__ = [
     "KINDS", "MIN_GAP", "FIRST_STEP", "SHRINK_REL_TOL", "MAX_COORDINATOR_KILLS", "ChaosFault", "Schedule",
@@ -253,14 +254,21 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
     no_repair = not cfg.repair_after
     cur = cfg
 
+    def pair_ok(pair: tuple[int, int], step: int) -> bool:
+        return allow_unsurvivable or unsurvivable_reason(cur, pair, step) is None
+
     def ok_pairs(step: int) -> list[tuple[int, int]]:
-        pairs = list(itertools.combinations(range(cur.nodes), 2))
-        return [p for p in pairs if allow_unsurvivable or unsurvivable_reason(cur, p, step) is None]
+        return [p for p in itertools.combinations(range(cur.nodes), 2) if pair_ok(p, step)]
 
     available = list(KINDS)
     if not ok_pairs(last):  # the most permissive step (a persistent checkpoint exists by then, if any)
         available.remove("two_nodes")
         notes.append(_pairs_note(cfg, pairs0, last))
+    if not corrupt_owners(_ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp), cfg.nodes, lambda p: pair_ok(p, last)):
+        available.remove("corrupt")
+        notes.append("'corrupt replica' not drawn: no node's shard survives its loss together with the copy the fault "
+                     "corrupts, the one recovery would load (with --replicas 1 it is the only copy; use --replicas 2, "
+                     "--persist-every, or --allow-unsurvivable)")
     kinds = _kinds(rng, faults, available)
     steps = _steps(rng, faults, first, last)
     out: list[ChaosFault] = []
@@ -273,10 +281,10 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
             if after.nodes < 2 or cur.tp * cur.pp > 1 and after.nodes < cur.nodes:
                 kind = "crash"  # no repairs: a loss now would leave one node (or shrink a mesh); lose nothing instead
         d = Draw(i=i, s=s, n=n, world=world, ring=ring, phase=phase, rng=rng, cfg=cfg, spares=cur.spares,
-                 ok_pairs=ok_pairs)
+                 ok_pairs=ok_pairs, pair_ok=pair_ok)
         kind = SCENARIOS[kind].fallback(d) or kind
         f = SCENARIOS[kind].draw(d)
-        why = unsurvivable_reason(cur, f.lost, s) if f.lost else None
+        why = unsurvivable_reason(cur, tuple(sorted({*f.lost, *f.unusable})), s) if f.lost else None
         out.append(dataclasses.replace(f, unsurvivable=why, specs=tuple(_gated(x) if whole else x for x in f.specs)))
         if no_repair and LOSSES[f.kind]:
             whole = False  # it never is again: a gated fault would wait out its whole hold
@@ -362,29 +370,71 @@ def _runtime_unsurvivable(cfg: RunConfig, run: dict[str, Any], events: list[dict
             f"({', '.join(sorted(lost))}); no persistent checkpoint to fall back to")
 
 
-def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, Any],
-          events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """The campaign's verdict and numbers (a pure function of the two reports and the run's records)."""
+def _restarted_after(evs: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
+    """A coordinator came back from its journal after the kill fired (`coordinator_restarted`, events.jsonl):
+    the evidence that a coordinator kill was recovered, not merely outlived by the run."""
+    t_kill = min((float(ev.get("t", 0.0)) for ev in evs), default=None)
+    return t_kill is not None and any(ev.get("kind") == "coordinator_restarted" and float(ev.get("t", -1.0)) >= t_kill
+                                      for ev in events)
+
+
+def _corrupted_copies(cfg: RunConfig, events: list[dict[str, Any]], spec: str, slots: tuple[int, ...]
+                      ) -> list[list[Any]]:
+    """[shard name, step] of each replica copy the corrupt `spec` damaged (its `corrupted_replica` events) of a
+    shard owned by a node in `slots` (the owner the scenario kills: the copies recovery needs), named as a
+    recovery's `replicas_rejected` names them (the shard's logical id in the job of that moment)."""
+    out = []
+    nodes = cfg.nodes
+    for ev in events:
+        if ev.get("kind") == "epoch" and ev.get("nodes"):
+            nodes = len(ev["nodes"])
+        if (ev.get("kind") == "corrupted_replica" and ev.get("spec") == spec
+                and int(ev["shard"]) // cfg.workers_per_node in slots):
+            out.append([shard_name(int(ev["shard"]), nodes * cfg.workers_per_node, cfg.tp, cfg.pp), int(ev["step"])])
+    return out
+
+
+def _per_fault(sched: Schedule, cfg: RunConfig, run: dict[str, Any], events: list[dict[str, Any]],
+               metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each drawn fault: whether it fired (a corrupt spec: its `corrupted_replica` event) and whether it was
+    recovered (a node fault: a later epoch trained; a coordinator kill: a coordinator restarted after it). A
+    corrupt fault also lists the copies it damaged (`corrupted`) and whether a recovery that resumed from their
+    step or an older one rejected every one of them (`corrupt_rejected`): the copy recovery would have used,
+    caught by its checksum."""
     fired: dict[int, list[dict[str, Any]]] = {}
     for ev in events:
         if ev.get("kind") == "fault":
             fired.setdefault(int(ev["index"]), []).append(ev)
     corrupted = {ev.get("spec") for ev in events if ev.get("kind") == "corrupted_replica"}
-    cp = {c["fault"]: c for c in run.get("control_plane", [])}
     max_epoch = max((m.get("epoch", 0) for m in metrics), default=0)
     spec_index = {s: i for i, s in enumerate(sched.inject)}
+    # copies a recovery rejected while it would have used them: of its resume step or newer (every descriptor
+    # verifies both halves, so an older step's copy is rejected even though no recovery wanted it)
+    rejected = [[str(x[0]), int(x[1])] for r in run.get("recoveries", []) for x in r.get("replicas_rejected", [])
+                if r.get("resumed_step") is not None and int(x[1]) >= int(r["resumed_step"])]
     per_fault = []
     for f in sched.faults:
         evs = [ev for s in f.specs if not _corrupts(s) for ev in fired.get(spec_index[s], [])]
         injected = all((s in corrupted) if _corrupts(s) else bool(fired.get(spec_index[s])) for s in f.specs)
         if not injected:
             recovered = False
-        elif SCENARIOS[f.kind].by_journal:  # back from its journal, or training finished without needing it
-            recovered = cp.get(f.specs[0], {}).get("downtime_s") is not None or run.get("state") == "done"
+        elif SCENARIOS[f.kind].by_journal:
+            recovered = _restarted_after(evs, events)
         else:
             recovered = max_epoch > max(ev.get("epoch", 0) for ev in evs)
-        per_fault.append({"index": f.index, "kind": f.kind, "step": f.step, "injected": injected,
-                          "recovered": recovered, "fired": evs})
+        entry = {"index": f.index, "kind": f.kind, "step": f.step, "injected": injected, "recovered": recovered,
+                 "fired": evs}
+        damaged = [c for s in f.specs if _corrupts(s) for c in _corrupted_copies(cfg, events, s, f.lost)]
+        if damaged:
+            entry.update(corrupted=damaged, corrupt_rejected=all(c in rejected for c in damaged))
+        per_fault.append(entry)
+    return per_fault
+
+
+def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, Any],
+          events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The campaign's verdict and numbers (a pure function of the two reports and the run's records)."""
+    per_fault = _per_fault(sched, cfg, run, events, metrics)
     recs = [r for r in run.get("recoveries", []) if r.get("action") != "failed"]  # (not the one that ended it)
     shrank = any(r.get("action") == "shrink" for r in recs)
     ref_loss, loss = ref.get("loss") or [], run.get("loss") or []
@@ -394,8 +444,11 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
     bitwise = bool(done and ref.get("final_state_sha256")
                    and run.get("final_state_sha256") == ref.get("final_state_sha256"))
     # an epoch interrupted by another failure never establishes its invariants; the epoch that completed it must
-    invariants_ok = all(all(r.get("invariants", {}).values()) for r in recs
+    invariants_ok = all(invariants_hold(r) for r in recs
                         if r.get("completed_in_epoch", r.get("epoch")) == r.get("epoch"))
+    unproven = [str(p["index"]) for p in per_fault
+                if p["injected"] and not p["recovered"] and SCENARIOS[p["kind"]].by_journal]
+    loaded = [str(p["index"]) for p in per_fault if p["injected"] and p.get("corrupt_rejected") is False]
     static = [f"fault {f.index} ({' + '.join(f.specs)}): {f.unsurvivable}" for f in sched.unsurvivable]
     if ref.get("state") not in ("done", "skipped"):
         verdict = "fail"
@@ -416,6 +469,12 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
         missed = [str(p["index"]) for p in per_fault if not p["injected"]]
         verdict, reason = "fail", (f"fault(s) #{', #'.join(missed)} never fired (their target was not in the job at "
                                    "their step): the campaign did not test what it drew")
+    elif loaded:
+        verdict, reason = "fail", (f"corrupt fault(s) #{', #'.join(loaded)}: no recovery rejected the corrupted copy "
+                                   "(it was not the copy recovery would use, or it was loaded)")
+    elif unproven:
+        verdict, reason = "fail", (f"coordinator kill(s) #{', #'.join(unproven)}: no coordinator restarted from its "
+                                   "journal after the kill, so the campaign cannot tell it was recovered")
     elif shrank:
         ok = max_dev is not None and len(loss) == len(ref_loss) and max_dev <= SHRINK_REL_TOL
         verdict = "pass" if ok else "fail"

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from phoenixft.dist.topology import Topology
 from phoenixft.faults.spec import parse_fault
 
-__all__ = ["ChaosFault", "Draw", "Scenario", "SCENARIOS"]
+__all__ = ["ChaosFault", "Draw", "Scenario", "SCENARIOS", "corrupt_owners"]
 
 _PAIR_PHASES = ("forward", "backward", "optimizer")  # both nodes reach these before a collective fails
 
@@ -32,6 +32,7 @@ class ChaosFault:
     what: str  # one line for people
     lost: tuple[int, ...]  # node slots lost together (by one recovery)
     unsurvivable: str | None = None  # why not, by design; None if survivable
+    unusable: tuple[int, ...] = ()  # slots whose copies of the lost shards recovery cannot use (corrupted)
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "kind": self.kind, "step": self.step, "inject": list(self.specs),
@@ -53,6 +54,7 @@ class Draw:
     cfg: Any  # RunConfig: the campaign's
     spares: int  # the job's spares now
     ok_pairs: Callable[[int], list[tuple[int, int]]]  # pairs of slots whose loss at a step is survivable
+    pair_ok: Callable[[tuple[int, int], int], bool]  # whether losing this pair of slots at a step is survivable
 
 
 def _fault(d: Draw, name: str, spec: str, why: str, lost: tuple[int, ...]) -> ChaosFault:
@@ -101,16 +103,31 @@ class Hang(Scenario):
                       f" (found after --failure-timeout {d.cfg.failure_timeout:g}s, fenced)", (node,))
 
 
+def corrupt_owners(ring: Topology, n: int, pair_ok: Callable[[tuple[int, int]], bool]) -> list[int]:
+    """Owners whose shard survives its loss together with its first holder's copy (which a corrupt fault
+    damages): another replica, or the persistent tier, still has it. None with --replicas 1 and no tier."""
+    pairs = ((o, ring.holders(o)[0]) for o in range(n))
+    return [o for o, h in pairs if pair_ok((min(o, h), max(o, h)))]
+
+
 class Corrupt(Scenario):
     name, label, weight, losses = "corrupt", "corrupt replica", 2, 1
 
+    def fallback(self, d: Draw) -> str | None:
+        return None if corrupt_owners(d.ring, d.n, lambda p: d.pair_ok(p, d.s)) else "kill"
+
     def draw(self, d: Draw) -> ChaosFault:
-        owner = d.rng.randrange(d.n)
+        owners = corrupt_owners(d.ring, d.n, lambda p: d.pair_ok(p, d.s))
+        owner = owners[d.rng.randrange(len(owners))]
         holder = d.ring.holders(owner)[0]  # node level: local rank 0's holder is on the same node as all
+        # the replicas node `holder` receives during step s are those of step s - 1; node `owner` killed in its
+        # optimizer phase of step s (no rank commits s without it), s - 1 is the step recovery resumes from, so
+        # the corrupted copy is the one it would load: its checksum must reject it
         return ChaosFault(d.i, self.name, d.s, (f"corrupt:node={holder}@step={d.s}",
-                                                f"kill:node={owner}@step={d.s + 1},phase=optimizer"),
-                          f"corrupt node {holder}'s replica of node {owner}'s shard, then SIGKILL node {owner} at "
-                          f"step {d.s + 1}: the checksum must reject the corrupt copy", (owner,))
+                                                f"kill:node={owner}@step={d.s},phase=optimizer"),
+                          f"corrupt node {holder}'s replica of node {owner}'s shard of step {d.s - 1}, then SIGKILL "
+                          f"node {owner} in its optimizer step {d.s}: recovery's copy of step {d.s - 1} is the "
+                          "corrupt one, which the checksum must reject", (owner,), unusable=(holder,))
 
 
 class KillDuringRecovery(Scenario):

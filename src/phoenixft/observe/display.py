@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+from phoenixft.recovery.invariants import failed_invariants, invariants_hold
+
 __all__ = ["Display"]
 
 
@@ -97,9 +99,9 @@ class Display:
 
     @staticmethod
     def _inv(r: dict[str, Any]) -> str:
-        if all(r["invariants"].values()):
+        if invariants_hold(r):
             return "ok"
-        bad = ", ".join(k for k, v in r["invariants"].items() if not v)
+        bad = ", ".join(failed_invariants(r))
         why = f" ({'; '.join(r.get('i3_failures', [])[:2])})" if r.get("i3_failures") else ""
         if r.get("completed_in_epoch", r["epoch"]) is None:  # (report.py: the next recovery failed)
             return f"{bad} not established in epoch {r['epoch']}{why}: another failure interrupted it, and its " \
@@ -116,7 +118,7 @@ class Display:
             st = r["stages"]
             fmt = lambda x: "-" if x is None else f"{x * 1e3:.0f}ms"  # noqa: E731
             # (one whose epoch was superseded by another recovery completed in that one)
-            failed = not all(r["invariants"].values()) and r.get("completed_in_epoch", r["epoch"]) in (r["epoch"], None)
+            failed = not invariants_hold(r) and r.get("completed_in_epoch", r["epoch"]) in (r["epoch"], None)
             what = " + ".join(r.get("faults") or []) or r["fault"] or (
                 "no fault (a planned grow)" if r.get("class") == "planned" else "failure")
             if r["action"] == "failed":  # the recovery that ended the run (report.py: _failed_recovery)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenixft.errors import UserError
+from phoenixft.recovery.invariants import failed_invariants, invariants_hold
 
 __all__ = ["RunData", "load_run", "write_report", "render_html", "fmt_ms", "STAGES", "tokens_per_step",
            "val_series"]
@@ -393,8 +394,8 @@ def _summary(run: RunData, ref: RunData | None, tokens: int | None) -> str:
         (
             "recoveries",
             f"{len(recs)}; lost steps in all: {sum(x.get('lost_steps') or 0 for x in recs)}; invariants "
-            + ("all true" if all(all((x.get("invariants") or {}).values()) for x in recs) else "VIOLATED"),
-            "ok" if all(all((x.get("invariants") or {}).values()) for x in recs) else "bad",
+            + ("all true" if all(invariants_hold(x) for x in recs) else "VIOLATED"),
+            "ok" if all(invariants_hold(x) for x in recs) else "bad",
         ),
     ]
     if r.get("error"):
@@ -478,7 +479,7 @@ def _recoveries_table(run: RunData) -> str:
             _td("; ".join(f"dp{x[0]} step {x[1]}" for x in rejected) or "-", "replicas_rejected"),
         ]
         for k in ("I1", "I2", "I3", "I4"):
-            ok = (r.get("invariants") or {}).get(k)
+            ok = k not in failed_invariants(r)
             cells.append(_td("ok" if ok else "FAILED", k, "ok" if ok else "bad"))
         errs = r.get("errors") or []
         detail = "".join(f"<li><code>{_e(x)}</code></li>" for x in errs)

@@ -17,13 +17,27 @@ or a wrong shard map shows up here:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # (the reports and the live display read entries without loading torch)
+    from phoenixft.dist.topology import Topology
 
-from phoenixft.dist.topology import Topology
+__all__ = ["INVARIANTS", "check_invariants", "failed_invariants", "invariants_hold"]
 
-__all__ = ["check_invariants"]
+INVARIANTS = ("I1", "I2", "I3", "I4")
+
+
+def failed_invariants(entry: dict[str, Any]) -> list[str]:
+    """The invariants a recovery entry does not show as established: false, or missing (an entry without
+    invariants, or without one of I1..I4, proves nothing)."""
+    inv = entry.get("invariants")
+    inv = inv if isinstance(inv, dict) else {}
+    return [k for k in INVARIANTS if inv.get(k) is not True]
+
+
+def invariants_hold(entry: dict[str, Any]) -> bool:
+    """A recovery entry's invariants I1..I4 are all present and true (what every display calls passing)."""
+    return not failed_invariants(entry)
 
 
 def check_invariants(
@@ -38,6 +52,8 @@ def check_invariants(
     wait: Callable[[Any, str], None],
 ) -> tuple[dict[str, bool], str]:
     """The four invariants (True = holds) and which ranks break each one (empty when all hold)."""
+    import torch
+
     digest = int(topo.digest()[:15], 16)
     mine = torch.tensor(
         [digest, topo.epoch, rank, int(opt_ok), param_step, opt_steps[0] if opt_steps else -1, *held_shard],

@@ -30,12 +30,12 @@ from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.parallel.logical import from_full
 from phoenixft.protect.persist import NOT_INSTALLED, load_full
-from phoenixft.protect.snapshot import H_CRC, H_VALID, StreamChecksum, checksum
+from phoenixft.protect.snapshot import H_CRC, H_VALID, PingPong, StreamChecksum, checksum
 from phoenixft.recovery import transfer
 from phoenixft.recovery.reshard import gather_full_optimizer, old_shard_numel
 from phoenixft.runtime.context import RankContext
 
-__all__ = ["path_of", "restore_in_place", "reshard", "restore_persistent", "init_replicas"]
+__all__ = ["path_of", "restore_in_place", "reshard", "restore_persistent", "init_replicas", "own_half_problem"]
 
 
 def path_of(topo: Topology) -> str:
@@ -102,9 +102,21 @@ def _roll_back(m: RankContext, topo: Topology, r: int, mine: list[dict[str, Any]
         half = tr.state.half_with(r)
         if half is None:
             raise RunAborted(f"rank {me} has no optimizer state for step {r}")
-        if int(tr.state.header[half, H_CRC]) and not tr.state.verify(half):
-            bad.append(f"own {topo.shard_name(me)} at step {r} does not match its committed checksum")
+        problem = own_half_problem(tr.state, half)
+        if problem:
+            bad.append(f"own {topo.shard_name(me)} at step {r} {problem}")
     return need_params
+
+
+def own_half_problem(st: PingPong, half: int) -> str | None:
+    """Why a survivor's own committed half fails I3, or None when it matches the checksum recorded when it
+    was written. A half whose checksum was never recorded (0: not computed yet) fails: nothing independent
+    of these bytes vouches for them, and I3 never skips."""
+    if int(st.header[half, H_CRC]) == 0:
+        return "has no recorded checksum to verify it against"
+    if not st.verify(half):
+        return "does not match its committed checksum"
+    return None
 
 
 def _post_params(m: RankContext, topo: Topology, g: _XferGroup, need_params: bool) -> tuple[list[Any], Any]:

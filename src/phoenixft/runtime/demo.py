@@ -14,6 +14,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.observe.display import Display
+from phoenixft.recovery.invariants import invariants_hold
 from phoenixft.runtime.launcher import INTERRUPTED, check_mode, run_job
 
 __all__ = ["demo"]
@@ -84,7 +85,7 @@ def demo(*, steps: int, nodes: int, model: str, kill_step: int, kill_node: int, 
               f"{ms(st.get('reconfigure_s'))}, params {ms(st.get('restore_params_s'))}, optimizer "
               f"{ms(st.get('restore_optimizer_s'))})")
         print(f"lost steps:                        {rec.get('lost_steps')}   invariants I1-I4: "
-              f"{'all true' if all(rec.get('invariants', {}).values()) else rec.get('invariants')}")
+              f"{'all true' if invariants_hold(rec) else rec.get('invariants')}")
     if overhead:
         print(f"protection overhead on step time:  {overhead:.3f}x (separate runs; `make bench` measures it "
               "interleaved)")
