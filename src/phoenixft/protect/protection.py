@@ -52,7 +52,7 @@ def make_scheme(redundancy: Redundancy, repl: Replicator, shm_base: Callable[[],
 
 
 class Protection:
-    def __init__(self, ctx: RankContext, store_addr: str, timeout_s: float) -> None:
+    def __init__(self, ctx: RankContext, timeout_s: float) -> None:
         self.ctx = ctx
         cfg = ctx.cfg
         on = cfg.protect == "phoenix"

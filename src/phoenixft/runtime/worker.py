@@ -97,7 +97,7 @@ class Worker:
             raise
         self.inject = self.ctx.inject = FaultInjector(self.ctx)
         # the protection owns the replicator, the redundancy scheme and the persistent tier
-        self.protection = Protection(self.ctx, store_addr, self.ctx.coll_timeout)
+        self.protection = Protection(self.ctx, self.ctx.coll_timeout)
         scheme = self.ctx.scheme = self.protection.scheme
         if scheme is not None and self.ctx.trainer is not None:
             scheme.attach(self.ctx.trainer.state)
