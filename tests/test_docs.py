@@ -204,3 +204,31 @@ def test_python_m_modules_exist(doc: Path, module: str) -> None:
 def test_the_module_check_can_fail() -> None:
     assert importlib.util.find_spec("phoenixft.runtime.zygote") is not None
     assert importlib.util.find_spec("phoenixft.zygote") is None  # the module's place before the role packages
+
+
+_PATH = re.compile(r"\b(?:src/phoenixft|tests|bench|examples)/[\w./-]+\.(?:py|sh|json|md)\b")
+_PACKAGE_PATH = re.compile(r"`((?:runtime|controlplane|coordinator|dist|train|parallel|protect|recovery|faults|observe|"
+                           r"config|sim|cli|optim)/[\w/]+\.py)`")
+
+
+def _paths() -> list[tuple[Path, str]]:
+    """Files of the repository the docs name: `src/...`, `tests/...`, `bench/...` paths, and
+    `package/module.py` inside src/phoenixft."""
+    out = []
+    for doc in DOCS + [ROOT / "CHANGELOG.md"]:
+        text = doc.read_text()
+        out += [(doc, p) for p in sorted(set(_PATH.findall(text)))]
+        out += [(doc, "src/phoenixft/" + p) for p in sorted(set(_PACKAGE_PATH.findall(text)))]
+    return out
+
+
+PATHS = _paths()
+
+
+def test_the_docs_name_files() -> None:
+    assert len(PATHS) > 50
+
+
+@pytest.mark.parametrize("doc,path", PATHS, ids=[f"{d.name}:{p}" for d, p in PATHS])
+def test_files_named_in_the_docs_exist(doc: Path, path: str) -> None:
+    assert (ROOT / path).exists(), f"{doc.name} names {path}, which is not in the repository"
