@@ -21,7 +21,7 @@ import pytest
 from conftest import free_port
 
 PY = sys.executable
-TOKEN = "5eed" * 8
+TOKEN = "q7Vx2-Lm9_Zr4Tb8Kc1Nw6Hd3Pj5Sf0Y"  # a job token of 32 url-safe characters
 
 
 def _wait_for(path: Path, text: str, timeout_s: float) -> None:

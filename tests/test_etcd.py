@@ -396,7 +396,7 @@ def test_a_standby_with_another_token_is_refused(cluster: EtcdCluster, tmp_path:
         url, s = jp.head(cluster.url, 8, "--join-timeout", "120")
         t = time.monotonic()
         wrong = jp.start("wrong", "coordinator", "--standby", url,
-                         env=dict(jp.env, **{TOKEN_ENV: "0123456789abcdef0123456789abcdef"}))
+                         env=dict(jp.env, **{TOKEN_ENV: generate_token()}))
         try:
             rc = wrong.wait(timeout=60)
         except subprocess.TimeoutExpired:

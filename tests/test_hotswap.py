@@ -137,7 +137,7 @@ class _HandJob:
         from conftest import free_port
 
         self.tmp, self.steps = tmp_path, steps
-        self.port, self.env = free_port(), dict(os.environ, PHOENIXFT_TOKEN="5eed" * 8)
+        self.port, self.env = free_port(), dict(os.environ, PHOENIXFT_TOKEN="q7Vx2-Lm9_Zr4Tb8Kc1Nw6Hd3Pj5Sf0Y")
         self.addr = f"127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
