@@ -4,14 +4,18 @@ Each rank contributes what its *state* says, not what the plan intended, so a wr
 or a wrong shard map shows up here:
 
 - I1 topology consistency: every member holds the same topology (same epoch, same digest).
-- I2 shard completeness: every logical shard of the plan has exactly one owner, and the state
-  each rank holds for the resume step is the shard the plan gives that rank (the shard id is
-  written into the snapshot header by whoever filled the half: the optimizer, a verified
-  transfer, a repartition or the persistent tier).
+- I2 shard completeness: every logical shard of the plan has exactly one owner, the state each
+  rank holds for the resume step is the shard the plan gives that rank (its snapshot header), and
+  its bytes match that shard's checksum recorded before the failure, not another shard's.
 - I3 optimizer availability: every rank's optimizer state was verified against the checksum
-  its source committed for the resume step (own half, transfer, repartition, persistent shard).
+  recorded when its bytes were first written (own half, transfer, repartition, persistent shard).
 - I4 step atomicity: every member restored exactly the resume step, parameters and optimizer
-  state alike; nothing of the interrupted step was kept.
+  state alike: the steps the restore set, the bytes (they match no other step's recorded
+  checksum, the parameters the recorded one of the resume step) and the data-parallel peers'
+  parameter checksums (all equal); nothing of the interrupted step was kept.
+
+The evidence for I2 and I4 (recovery/evidence.py) is what the survivors reported before the restore,
+not what the restore wrote.
 """
 
 from __future__ import annotations
