@@ -30,6 +30,7 @@ from phoenixft.protect.replicas import ReplicaScheme
 from phoenixft.protect.replication import Replicator
 from phoenixft.protect.scheme import RedundancyScheme
 from phoenixft.protect.snapshot import INVALID, Holding
+from phoenixft.recovery.evidence import params_checksums
 from phoenixft.recovery.planner import Descriptor
 from phoenixft.runtime.context import RankContext
 
@@ -150,6 +151,7 @@ class Protection:
             return d
         tp, pp = ctx.cfg.tp, ctx.cfg.pp
         d.params = tr.steps_held()
+        d.params_crc = params_checksums(tr.flat)
         d.stage = f"pp{ctx.stage_of[0]}.tp{ctx.stage_of[1]}" if ctx.stage_of else ""
         for x in (0, 1):
             st = tr.state.step_of(x)

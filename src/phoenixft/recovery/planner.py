@@ -33,6 +33,7 @@ from typing import Any
 
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.protect.redundancy.decodable import DecodeJob, decode_options
+from phoenixft.recovery.evidence import plan_evidence
 
 __all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps", "STRIPES"]
 
@@ -48,6 +49,7 @@ class Descriptor:
     stage: str = ""  # the (pp, tp) coordinate its parameters belong to, "pp0.tp0" when data-parallel only
     own: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> {step: crc}, its committed state
     holdings: dict[str, dict[int, int]] = field(default_factory=dict)  # shard -> {step: crc}, verified replicas
+    params_crc: dict[int, int] = field(default_factory=dict)  # step -> checksum of its parameters (host-resident)
     parity: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)  # ec: parity name -> {step: entry}
     rejected: list[tuple[str, int]] = field(default_factory=list)  # replicas whose checksum failed
     bad_sources: list[tuple[str, int, str]] = field(default_factory=list)  # (shard, step, wid) that sent bad data
@@ -63,7 +65,8 @@ class Descriptor:
                    holdings=steps(d.get("holdings", {})), rejected=[(a, int(b)) for a, b in d.get("rejected", [])],
                    bad_sources=[(a, int(b), c) for a, b, c in d.get("bad_sources", [])], t=float(d.get("t", 0.0)),
                    error=str(d.get("error", "")), stage=str(d.get("stage", "")),
-                   parity={p: {int(k): v for k, v in x.items()} for p, x in d.get("parity", {}).items()})
+                   parity={p: {int(k): v for k, v in x.items()} for p, x in d.get("parity", {}).items()},
+                   params_crc={int(k): int(v) for k, v in d.get("params_crc", {}).items()})
 
     def to_json(self) -> dict[str, Any]:
         return {"wid": self.wid, "params": self.params,
@@ -71,7 +74,8 @@ class Descriptor:
                 "holdings": {s: {str(k): v for k, v in x.items()} for s, x in self.holdings.items()},
                 "rejected": [list(x) for x in self.rejected], "bad_sources": [list(x) for x in self.bad_sources],
                 "t": self.t, "error": self.error, "stage": self.stage,
-                "parity": {p: {str(k): v for k, v in x.items()} for p, x in self.parity.items()}}
+                "parity": {p: {str(k): v for k, v in x.items()} for p, x in self.parity.items()},
+                "params_crc": {str(k): v for k, v in self.params_crc.items()}}
 
 
 @dataclass(kw_only=True)
@@ -288,7 +292,7 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
     if len(nodes) == len(old.nodes) and src_world == old.world:
         new = _new_topo(pi, nodes, r, {**base_meta, "generation": gen})
         lay = new.layout
-        transfers = []
+        transfers: list[dict[str, Any]] = []
         for rk in range(new.world):
             wid = _wid(new, rk)
             shard = new.shard_name(rk)
@@ -315,6 +319,7 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
             transfers.append({"dst": rk, "shard": rk, "param_src": par_src, "param_srcs": par_srcs,
                               "opt_src": new.rank_of(*_split(opt_w)), "crc": crc})
         new.transfers = transfers
+        new.meta["evidence"] = plan_evidence(pi, r, {t["shard"]: t["crc"] for t in transfers if "decode" in t})
         if jobs:
             new.meta["decode"] = jobs
         return Plan(ok=True, topo=new, klass=klass, action=action, resume_step=r, promoted=promoted,

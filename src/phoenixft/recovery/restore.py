@@ -288,7 +288,7 @@ def reshard(m: RankContext, topo: Topology, r: int, old_rank: int, timings: dict
     st.data[0, tr.payload_from :].copy_(rows[:, sl])
     if tr.payload_from == 1:
         st.data[0, 0].copy_(flat.flat[sl])
-    st.commit(0, r, 0, (me, w))
+    st.commit(0, r, checksum(st.payload(0)), (me, w))  # I3 later verifies it against what was written now
     st.header[1, H_VALID] = 0
     _replicas_from_whole_state(m, topo, r, rows)
     timings.update(restore_params_s=t2 - t1, restore_opt_s=time.time() - t2, bytes_opt=full.numel() * 4)
@@ -370,7 +370,7 @@ def restore_persistent(m: RankContext, topo: Topology, r: int, timings: dict[str
     half = st.staging()
     st.begin_write(half)
     st.data[half].copy_(padded[:, flat.shard_slice(topo.layout.dp_rank(m.rank))])
-    st.commit(half, r, 0, (m.rank, topo.world))
+    st.commit(half, r, checksum(st.payload(half)), (m.rank, topo.world))  # (recorded as it is written)
     st.header[1 - half, H_VALID] = 0
     if m.scheme is not None:
         m.scheme.invalidate_after(-1)

@@ -37,7 +37,8 @@ from phoenixft.parallel.layers import TPHandle
 from phoenixft.parallel.stage import StageSpec, WholeModel
 from phoenixft.protect.protection import Protection
 from phoenixft.recovery import restore
-from phoenixft.recovery.invariants import check_invariants
+from phoenixft.recovery.evidence import installed_seen
+from phoenixft.recovery.invariants import check_invariants, failure_message
 from phoenixft.runtime.context import RankContext
 from phoenixft.train.trainer import Trainer
 from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
@@ -353,8 +354,9 @@ class Worker:
         self.protection.configure(topo, self.ctx.rank, r)
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
+        seen = installed_seen(tr, topo, self.ctx.rank, r)
         inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step, tr.state.steps(),
-                                       held, not bad, self.ctx.wait)
+                                       held, not bad, self.ctx.wait, seen)
         timings["join_s"] = time.time() - t0
         self.ctx.store.set(keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.ctx.rank,
                                                                      "invariants": inv, "i3_failures": bad,
@@ -364,8 +366,7 @@ class Worker:
             raise PeerFailure(f"invariant I3 failed after recovery to epoch {topo.epoch}: "
                               f"{'; '.join(bad) or 'on another rank'}")
         if not all(inv.values()):
-            bad_inv = ", ".join(k for k, v in inv.items() if not v)
-            why = f"invariant {bad_inv} failed after recovery to epoch {topo.epoch} to step {r} ({detail})"
+            why = failure_message(inv, detail, topo.epoch, r)
             self._stop_run(why, ours=True)
             raise RunAborted(why)
         self.ctx.bad_sources = []

@@ -1,0 +1,230 @@
+"""I2 and I4 from evidence recorded before the failure (recovery/evidence.py): the comparison over generated
+evidence and installs against an oracle, data-parallel peers that disagree on their parameters, and the
+restore's last step over real ping-pong halves in mapped files, where a restore that installs the previous
+step or another rank's shard (headers saying otherwise) stops with "invariant I4/I2 failed" naming the
+shard and the step."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from phoenixft.dist.topology import Topology
+from phoenixft.protect.snapshot import PingPong, checksum
+from phoenixft.recovery.evidence import NO_EVIDENCE, NO_MATCH, Seen, installed_seen, match_opt, params_checksums
+from phoenixft.recovery.invariants import check_invariants, failure_message
+from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
+
+
+class _TwoPassGather:
+    """The train group's all-gather for ranks called one after another: the first pass records each
+    rank's row, the second hands every rank the rows of all."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+        self.full: torch.Tensor | None = None
+
+    def _allgather_base(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        if self.full is None:
+            self.rows.append(mine.clone())
+            out.zero_()
+        else:
+            out.copy_(self.full)
+
+
+def _check_all(topo: Topology, r: int, seens: list[Seen]) -> list[tuple[dict[str, bool], str]]:
+    """check_invariants on every rank of a job whose headers all say the right thing (the state a restore
+    writes whatever it installed): only the evidence can tell."""
+    g = _TwoPassGather()
+    wait = lambda work, what: None  # noqa: E731
+    w = topo.world
+
+    def one(i: int) -> tuple[dict[str, bool], str]:
+        return check_invariants(g, topo, i, r, r, [r], (i, w), True, wait, seens[i])
+
+    for i in range(w):
+        one(i)
+    g.full = torch.cat(g.rows)
+    return [one(i) for i in range(w)]
+
+
+def _topo(nodes: int, r: int) -> Topology:
+    return Topology(epoch=2, nodes=[f"n{i}" for i in range(nodes)], workers_per_node=1, replicas=1, resume_step=r)
+
+
+def test_installed_bytes_are_identified_by_shard_and_step_over_generated_evidence() -> None:
+    rng = random.Random(7)
+    seen_kinds = {"ok": 0, "prev": 0, "other": 0, "none": 0}
+    for _ in range(500):
+        world, r = rng.randint(2, 6), rng.randint(1, 40)
+        steps = [r - 1, r] + ([r + 1] if rng.random() < 0.3 else [])
+        crcs = rng.sample(range(1, 1 << 62), world * len(steps) + 1)
+        ev = {"step": r, "opt": {str(i): {str(s): crcs[i * len(steps) + k] for k, s in enumerate(steps)}
+                                 for i in range(world)}, "params": {}}
+        topo = _topo(world, r)
+        truth = []
+        seens = []
+        for i in range(world):
+            kind = rng.choice(["ok", "ok", "prev", "other", "none"])
+            seen_kinds[kind] += 1
+            j = rng.choice([x for x in range(world) if x != i])
+            crc = {"ok": ev["opt"][str(i)][str(r)], "prev": ev["opt"][str(i)][str(r - 1)],
+                   "other": ev["opt"][str(j)][str(r)], "none": crcs[-1]}[kind]
+            s, st = match_opt(ev, crc, i, r)
+            assert (s, st) == {"ok": (i, r), "prev": (i, r - 1), "other": (j, r), "none": (NO_MATCH, NO_MATCH)}[kind]
+            seens.append(Seen(opt_shard=s, opt_step=st, param_step=NO_EVIDENCE, param_crc=0))
+            truth.append(kind)
+        want_i2 = [i for i, k in enumerate(truth) if k in ("other", "none")]
+        want_i4 = [i for i, k in enumerate(truth) if k == "prev"]
+        for inv, detail in _check_all(topo, r, seens):
+            assert inv == {"I1": True, "I2": not want_i2, "I3": True, "I4": not want_i4}, (truth, detail)
+            for i in want_i4:
+                assert f"rank {i} ({topo.shard_name(i)}, step {r}) installed the optimizer state of " \
+                       f"{topo.shard_name(i)} at step {r - 1}" in detail
+    assert all(n > 50 for n in seen_kinds.values()), seen_kinds
+
+
+def test_a_data_parallel_peer_with_other_parameters_breaks_i4() -> None:
+    topo = _topo(4, 9)
+    seens = [Seen(param_crc=c) for c in (11, 11, 22, 11)]
+    for inv, detail in _check_all(topo, 9, seens):
+        assert inv["I4"] is False and "I4 fails on ranks [2]" in detail
+    tie = [Seen(param_crc=c) for c in (11, 11, 22, 22)]
+    for _inv, detail in _check_all(topo, 9, tie):
+        assert "I4 fails on ranks [0, 1, 2, 3]" in detail
+    for inv, _ in _check_all(topo, 9, [Seen(param_crc=5)] * 4):
+        assert all(inv.values())
+
+
+def test_parameters_of_another_step_than_recorded_break_i4() -> None:
+    topo = _topo(2, 9)
+    seens = [Seen(param_step=9, param_crc=3), Seen(param_step=8, param_crc=3)]
+    for inv, detail in _check_all(topo, 9, seens):
+        assert not inv["I4"] and inv["I2"] and "rank 1 (pp0.tp0.dp1of2, step 9) installed the parameters of step 8" \
+            in detail
+
+
+# -- the restore's last step over real halves ------------------------------------------------------------
+
+
+def _state(tmp: Path, name: str, n: int, steps: dict[int, torch.Tensor], shard: tuple[int, int]) -> PingPong:
+    """A rank's optimizer shard in mapped files, with committed halves of `steps` (payload rows x n)."""
+    st = PingPong(2, n, str(tmp / name))
+    for half, (s, rows) in enumerate(sorted(steps.items())):
+        st.begin_write(half)
+        st.data[half].copy_(rows)
+        st.commit(half, s, checksum(st.payload(half)), shard)
+    return st
+
+
+def _job(tmp: Path, r: int) -> tuple[Topology, list[PingPong], list[Any]]:
+    """Two ranks that committed steps r-1 and r, their flat parameters, and the plan of a restart in place
+    made from their descriptors (the evidence the coordinator gathers)."""
+    gen = torch.Generator().manual_seed(r)
+    n = 64
+    states, flats, descs = [], [], {}
+    old = Topology(epoch=1, nodes=["n0", "n1"], workers_per_node=1, replicas=1, resume_step=r - 1)
+    params = {s: torch.randn(n, generator=gen) for s in (r - 1, r)}
+    for i in range(2):
+        st = _state(tmp, f"rank{i}", n, {s: torch.randn(2, n, generator=gen) for s in (r - 1, r)}, (i, 2))
+        flat = SimpleNamespace(bufs=[params[r - 1].clone(), params[r].clone()], live=1, numel=n,
+                               device=torch.device("cpu"), buf_step=[r - 1, r])
+        d = Descriptor(wid=f"n{i}.0", params=[r - 1, r], params_crc=params_checksums(flat))
+        for h in (0, 1):
+            d.own.setdefault(old.shard_name(i), {})[st.step_of(h)] = st.known_crc(h)
+        states.append(st)
+        flats.append(flat)
+        descs[d.wid] = d
+    plan = plan_recovery(PlanInput(old=old, dead=set(), restarted={"n1.0"}, descs=descs, pool=[], target_nodes=2,
+                                   replicas=1, racks=1))
+    assert plan.ok and plan.topo is not None and plan.resume_step == r
+    return plan.topo, states, flats
+
+
+def _install_as(st: PingPong, rows: torch.Tensor, r: int, shard: tuple[int, int]) -> None:
+    """What a faulty restore does: commit `rows` as step r of `shard`, headers and checksum consistent."""
+    half = st.staging()
+    st.begin_write(half)
+    st.data[half].copy_(rows)
+    st.commit(half, r, checksum(st.payload(half)), shard)
+    st.header[1 - half, 2] = 0
+
+
+def _verdict(topo: Topology, states: list[PingPong], flats: list[Any], r: int) -> list[tuple[dict[str, bool], str]]:
+    seens = [installed_seen(SimpleNamespace(state=st, flat=f), topo, i, r) for i, (st, f) in
+             enumerate(zip(states, flats, strict=True))]
+    return _check_all(topo, r, seens)
+
+
+def test_a_correct_restore_passes_on_the_evidence(tmp_path: Path) -> None:
+    topo, states, flats = _job(tmp_path, 12)
+    assert topo.meta["evidence"]["step"] == 12 and set(topo.meta["evidence"]["opt"]) == {"0", "1"}
+    for inv, detail in _verdict(topo, states, flats, 12):
+        assert all(inv.values()), detail
+
+
+def test_a_restore_that_installs_the_previous_step_stops_with_i4(tmp_path: Path) -> None:
+    r = 12
+    topo, states, flats = _job(tmp_path, r)
+    prev = states[1].data[states[1].half_with(r - 1)].clone()
+    _install_as(states[1], prev, r, (1, 2))  # the header says step r, shard 1
+    for inv, detail in _verdict(topo, states, flats, r):
+        assert inv == {"I1": True, "I2": True, "I3": True, "I4": False}, detail
+        msg = failure_message(inv, detail, topo.epoch, r)
+        assert msg.startswith(f"invariant I4 failed after recovery to epoch {topo.epoch} to step {r}")
+        assert f"rank 1 (pp0.tp0.dp1of2, step {r}) installed the optimizer state of pp0.tp0.dp1of2 at step {r - 1}" \
+            in msg
+
+
+def test_a_restore_that_installs_another_ranks_shard_stops_with_i2(tmp_path: Path) -> None:
+    r = 12
+    topo, states, flats = _job(tmp_path, r)
+    other = states[0].data[states[0].half_with(r)].clone()
+    _install_as(states[1], other, r, (1, 2))
+    for inv, detail in _verdict(topo, states, flats, r):
+        assert inv == {"I1": True, "I2": False, "I3": True, "I4": True}, detail
+        msg = failure_message(inv, detail, topo.epoch, r)
+        assert msg.startswith("invariant I2 failed") and \
+            f"rank 1 (pp0.tp0.dp1of2, step {r}) installed the optimizer state of pp0.tp0.dp0of2 at step {r}" in msg
+
+
+def test_previous_step_parameters_break_i4_even_when_every_peer_agrees(tmp_path: Path) -> None:
+    r = 12
+    topo, states, flats = _job(tmp_path, r)
+    for f in flats:  # every rank rolled its parameters back one step too far, tagged as r
+        f.live = 0
+    for inv, detail in _verdict(topo, states, flats, r):
+        assert not inv["I4"] and inv["I2"] and f"installed the parameters of step {r - 1}" in detail
+
+
+# -- a whole run whose restore installs the wrong state ---------------------------------------------------
+
+
+def _run_mutated(tmp_path: Path, monkeypatch: Any, mode: str) -> dict[str, Any]:
+    """A 2-node run with a spare, node 1 killed in step 6's forward (the survivor's halves hold steps 5
+    and 4), with rank 0's restore mutated (tests/mutate_restore/sitecustomize.py)."""
+    from conftest import run
+
+    here = Path(__file__).parent / "mutate_restore"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PHOENIXFT_TEST_MUTATE_RESTORE", mode)
+    return run(tmp_path, nodes=2, spares=1, steps=8, inject=["kill:node=1@step=6,phase=forward"])
+
+
+def test_a_run_whose_restore_installs_the_previous_step_stops_on_i4(tmp_path: Path, monkeypatch: Any) -> None:
+    rep = _run_mutated(tmp_path, monkeypatch, "previous")
+    assert rep["state"] == "failed", rep.get("error")
+    assert "invariant I4 failed after recovery to epoch 1 to step 5" in rep["error"], rep["error"]
+    assert "rank 0 (pp0.tp0.dp0of2, step 5) installed the optimizer state of pp0.tp0.dp0of2 at step 4" in rep["error"]
+
+
+def test_a_run_whose_restore_installs_another_shard_stops_on_i2(tmp_path: Path, monkeypatch: Any) -> None:
+    rep = _run_mutated(tmp_path, monkeypatch, "other_shard")
+    assert rep["state"] == "failed", rep.get("error")
+    assert "invariant I2 failed after recovery to epoch 1 to step 5" in rep["error"], rep["error"]
+    assert "rank 0 (pp0.tp0.dp0of2, step 5) installed the optimizer state of pp0.tp0.dp1of2 at step 5" in rep["error"]
