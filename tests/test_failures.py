@@ -250,7 +250,7 @@ def test_exception_in_user_code_stops_cleanly(tmp_path: Path) -> None:
     assert len(reasons) == 1 and "ValueError: shapes do not line up" in reasons[0], p.stderr
 
 
-def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> None:
+def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """A node hung (SIGSTOP) while its replica transfer to a healthy node was in flight; the run then ended
     (--timeout, Ctrl-C): the healthy node's replication thread only looked for a recovery, and its training
     thread waited for it without looking at the run's end, so the node outlived the run until the launcher
@@ -267,7 +267,10 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     from phoenixft.protect.replication import Replicator
 
     server = serve_store("127.0.0.1", 0)
-    fake = SimpleNamespace(ctx=SimpleNamespace(epoch=0, watcher=SimpleNamespace(flagged=lambda e: False)))
+    token, run_id = "q7Vx2-Lm9_Zr4Tb8Kc1Nw6Hd3Pj5Sf0Y", "run1"
+    monkeypatch.setenv("PHOENIXFT_TOKEN", token)
+    watcher = SimpleNamespace(flagged=lambda e: False)
+    fake = SimpleNamespace(ctx=SimpleNamespace(epoch=0, run_id=run_id, watcher=watcher))
     check = Protection._flag_check(fake, connect_store(server.addr))  # type: ignore[arg-type]  # (the workers' check)
     assert check() is None
 
@@ -280,7 +283,13 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends() -> N
     repl.configure(None, None, Stuck())  # type: ignore[arg-type]
     repl.start(1)
     time.sleep(0.3)
-    connect_store(server.addr).set(keys.RUN_STATE, "aborted")  # the launcher's --timeout, or Ctrl-C
+    from phoenixft.controlplane.signed import set_signed
+
+    outsider = connect_store(server.addr)
+    outsider.set(keys.RUN_STATE, "aborted")  # unsigned: what a stranger could write, is ignored
+    time.sleep(1.2)  # (the end of the run is looked at once a second)
+    assert check() is None
+    set_signed(outsider, token, run_id, keys.RUN_STATE, "aborted")  # the launcher's --timeout, or Ctrl-C
     t0 = time.monotonic()
     with pytest.raises(RunAborted, match=r"run ended \(aborted\)"):
         repl.wait(1)
