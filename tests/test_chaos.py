@@ -54,6 +54,20 @@ def test_schedule_is_deterministic_spaced_and_valid(kw: dict[str, object]) -> No
     assert make_schedule(cfg, n, 1).inject != make_schedule(cfg, n, 2).inject
 
 
+def test_each_drawn_fault_reports_what_it_is_and_whether_it_is_survivable() -> None:
+    """The schedule's JSON form (the campaign report's `schedule`): every field of each fault, the survivable
+    ones and the one drawn unsurvivable alike."""
+    for allow in (False, True):
+        sched = make_schedule(_cfg(nodes=3, spares=2, steps=60), 6, 4, allow_unsurvivable=allow)
+        for f in sched.faults:
+            assert f.to_json() == {"index": f.index, "kind": f.kind, "step": f.step, "inject": list(f.specs),
+                                   "what": f.what, "lost_slots": list(f.lost), "survivable": f.unsurvivable is None,
+                                   "unsurvivable": f.unsurvivable}
+            assert f.to_json()["index"] >= 1 and f.what and f.specs
+    bad = [f.to_json() for f in make_schedule(_cfg(nodes=3, spares=2, steps=60), 6, 4, True).faults if f.unsurvivable]
+    assert bad and all(x["survivable"] is False and x["unsurvivable"] for x in bad), bad
+
+
 @pytest.mark.parametrize("kw", [dict(nodes=3, replicas=1), dict(nodes=4, replicas=2), dict(nodes=5, replicas=2),
                                 dict(nodes=6, replicas=1, racks=2)], ids=str)
 def test_kill_during_recovery_without_spares_strikes_a_survivor_by_its_slot_after_the_shrink(
