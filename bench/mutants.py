@@ -8,7 +8,7 @@ restores the file, always, and checks the restored file's SHA-256 against the or
 `<!-- mutants:begin -->` and `<!-- mutants:end -->`, and as JSON into bench/results/mutants.json.
 
     python bench/mutants.py                  every mutation; exit 1 if one survives (green) or is stale
-    python bench/mutants.py --only NAME ...  these mutations only (the docs and JSON are left alone)
+    python bench/mutants.py --only NAME ...  these mutations only (their rows replace those of the recorded run)
     python bench/mutants.py --list           the names, files and catching tests (and a staleness check)
     python bench/mutants.py --baseline       the catching tests on the unmutated tree (they must pass)
 """
@@ -246,9 +246,22 @@ def write_doc(rows: list[dict[str, object]]) -> None:
     DOC.write_text(f"{head}{BEGIN}\n{table(rows)}\n{END}{tail}")
 
 
+def merged(rows: list[dict[str, object]]) -> list[dict[str, object]] | None:
+    """The recorded run's rows with `rows` in place of theirs, when together they cover every mutation."""
+    try:
+        old = {r["name"]: r for r in json.loads(OUT.read_text())["mutations"]}
+    except (OSError, ValueError, KeyError):
+        return None
+    by_name = old | {r["name"]: r for r in rows}
+    if any(m.name not in by_name for m in MUTATIONS):
+        return None
+    return [by_name[m.name] for m in MUTATIONS]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", metavar="NAME", help="run these mutations only (docs and JSON untouched)")
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="run these mutations only (their rows replace the recorded run's)")
     ap.add_argument("--list", action="store_true", help="list the mutations, check none is stale, and exit")
     ap.add_argument("--baseline", action="store_true", help="run the catching tests on the unmutated tree and exit")
     a = ap.parse_args(argv)
@@ -279,11 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['result']:>8}  {row['seconds']:6.1f}s  {m.name}", flush=True)
         if row["result"] != "red" or a.only:  # (what the tests said: the red ones' first failure)
             print("          " + "\n          ".join(row["tail"]), flush=True)  # type: ignore[arg-type]
-    if not a.only:
+    record = merged(rows) if a.only else rows
+    if record is not None:  # (a partial run updates its rows of a recorded full run, in the list's order)
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"mutations": rows, "red": sum(r["result"] == "red" for r in rows),
-                                   "total": len(rows)}, indent=1) + "\n")
-        write_doc(rows)
+        OUT.write_text(json.dumps({"mutations": record, "red": sum(r["result"] == "red" for r in record),
+                                   "total": len(record)}, indent=1) + "\n")
+        write_doc(record)
     survivors = [r["name"] for r in rows if r["result"] != "red"]
     print(f"mutants: {len(rows) - len(survivors)}/{len(rows)} red" + (f"; not red: {', '.join(survivors)}"  # type: ignore[arg-type]
                                                                      if survivors else ""))
