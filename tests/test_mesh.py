@@ -63,6 +63,9 @@ def test_each_rank_knows_its_data_parallel_index_and_its_embedding_peers() -> No
             assert lay.shard_name(r) == f"pp{c.pp}.tp{c.tp}.dp{c.dp}of{d}"
     with pytest.raises(ValueError):
         Layout(4, 2, 1).coord(4)
+    for world, tp, pp in [(6, 4, 1), (4, -1, 1), (4, 1, 0), (4, 0, 2)]:
+        with pytest.raises(ValueError, match=rf"world {world} is not a multiple of tp x pp = {tp} x {pp}"):
+            Layout(world, tp, pp)
 
 
 def test_replicas_on_data_parallel_peers_of_other_nodes() -> None:
