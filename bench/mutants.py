@@ -229,11 +229,20 @@ def apply_one(m: Mutation) -> dict[str, object]:
             "result": result, "seconds": round(time.monotonic() - t0, 1), "tail": tail}
 
 
+def _first_failure(tail: list[str]) -> str:
+    """The first assertion line the catching tests printed, short (what turned them red)."""
+    lines = [x[1:].strip() for x in tail if x.startswith("E ")]
+    text = lines[0] if lines else ""
+    return (text[:110] + "...") if len(text) > 110 else text
+
+
 def table(rows: list[dict[str, object]]) -> str:
-    out = ["| mutation | file | catching tests | result | seconds |", "|---|---|---|---|---|"]
+    out = ["| mutation | file | catching tests | result | first failure | seconds |", "|---|---|---|---|---|---|"]
     for r in rows:
         tests = "<br>".join(f"`{t}`" for t in r["tests"])  # type: ignore[attr-defined]
-        out.append(f"| `{r['name']}`: {r['what']} | `{r['file']}` | {tests} | {r['result']} | {r['seconds']} |")
+        why = _first_failure(r.get("tail", [])).replace("|", "\\|").replace("`", "'")  # type: ignore[arg-type]
+        out.append(f"| `{r['name']}`: {r['what']} | `{r['file']}` | {tests} | {r['result']} | {why} | "
+                   f"{r['seconds']} |")
     return "\n".join(out)
 
 
