@@ -39,6 +39,24 @@ from phoenixft.faults.spec import parse_fault
         # a phase that means nothing for the kind was accepted and ignored
         ("corrupt:node=1@step=3,phase=optimizer", "a corruption is at rest (no phase"),
         ("nan:step=3,phase=backward", "nan:step=S takes no phase"),
+        # every other refusal names what is wrong, in its own words
+        ("kill:etcd=two@step=3", "etcd='two': expected a member index (0, 1, 2) or leader"),
+        ("kill:etcd=1@step=3,phase=backward", "expected kill:etcd=I@step=S or kill:etcd=leader@step=S (no phase, no"),
+        ("kill:etcd=1@recovery=2", "expected kill:etcd=I@step=S or kill:etcd=leader@step=S"),
+        ("kill:slot=1@step=3", "target 'slot=1'; expected "),
+        ("kill:node=1@step", "expected key=value, got 'step'"),
+        ("kill:node=1@step=3,for=2", "for=SECONDS is only for partition faults (how long the host stays cut off)"),
+        ("kill:node=1@step=3,phase=sideways", "phase='sideways', valid phases: forward, backward, replicate"),
+        ("kill:rack=1@step=3,phase=recovery", "phase=recovery is only for kill:node=I@step=S,phase=recovery"),
+        ("crash:rank=1@recovery=1", "only kill faults can fire during a recovery (@recovery=N)"),
+        ("kill:coordinator@recovery=1", "kill:coordinator needs @step=S"),
+        ("kill:node=a@step=3", "node must be integers, got 'a'"),
+        ("kill:node=1@step=x", "step must be integers, got 'x'"),
+        ("kill:node=1@step=3,wait=soon", "wait must be seconds, got 'soon'"),
+        ("partition:node=1@step=3,for=0", "for=0 must be > 0 seconds (leave it out: until the agent gives up)"),
+        ("partition:node=1@step=3,for=-2", "for=-2 must be > 0 seconds"),
+        ("bogus:node=1@step=3", "is invalid: expected kill:node=I"),
+        ("kill:node=1@step=3@step=4", "is invalid: "),
     ],
 )
 def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> None:
