@@ -478,7 +478,10 @@ def test_a_corrupt_fault_passes_only_when_recovery_rejected_the_copy_it_corrupte
     # the copy it damages (received during step 11: that of step 10) is the one a kill of its owner in its
     # optimizer step 11 makes recovery resume from
     assert corrupt.specs == ("corrupt:node=1@step=11,wait=60", "kill:node=0@step=11,phase=optimizer,wait=60")
-    assert corrupt.lost == (0,)
+    assert corrupt.lost == (0,) and corrupt.unusable == (1,)
+    assert corrupt.what == ("corrupt node 1's replica of node 0's shard of step 10, then SIGKILL node 0 in its "
+                            "optimizer step 11: recovery's copy of step 10 is the corrupt one, which the checksum "
+                            "must reject"), corrupt.what
     ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
     inv = {k: True for k in ("I1", "I2", "I3", "I4")}
 
