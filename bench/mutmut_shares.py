@@ -26,7 +26,22 @@ KILLED = {1, 3, 36, 24, -24, 152, 255, 37}  # a test failed, pytest broke, or th
 COMMAND = "make mutmut  # .venv/bin/python -m mutmut run --max-children 2; python bench/mutmut_shares.py"
 
 # mutant name -> why no test can tell it from the original
-EQUIVALENT: dict[str, str] = {}
+_C, _P = "phoenixft.protect.redundancy.codes.", "phoenixft.protect.redundancy.placement.x_place_groups__mutmut_"
+_XOR_DTYPE = ("the data blocks are uint8 arrays (the codes' contract; every caller passes uint8 views) and np.array "
+              "copies by default")
+_XOR_ONE = ("the message of a raise no input reaches: `_check` lets at most one lost data block through for h = 1 "
+            "(d of the d + 1 pieces given, a lost block never given)")
+_ZFEC_BYTES = "zfec's Decoder.decode returns bytes, so the other branch is never taken"
+_INT64 = "numpy's default integer is int64 here (Linux, 64-bit): the same array"
+_FLOAT_KEY = ("the parity load as float64 instead of int64: the placement key stays an exact integer below 2**53 "
+              "(rings of up to a million ranks), so argmin picks the same position")
+EQUIVALENT: dict[str, str] = {
+    **{f"{_C}xǁXorCodeǁ_xor__mutmut_{i}": _XOR_DTYPE for i in (3, 6, 7)},
+    **{f"{_C}xǁXorCodeǁdecode__mutmut_{i}": _XOR_ONE for i in (14, 15, 16, 17)},
+    **{f"{_C}xǁReedSolomonǁdecode__mutmut_{i}": _ZFEC_BYTES for i in (19, 24)},
+    **{f"{_P}{i}": _INT64 for i in (25, 27, 35, 37)},
+    **{f"{_P}{i}": _FLOAT_KEY for i in (30, 32)},
+}
 
 
 def results(root: Path) -> dict[str, dict[str, int | None]]:
