@@ -272,6 +272,7 @@ def test_the_persistent_fallback_plan_whole(spares: int) -> None:
          for i in (0, 3)}
     d["n0.0"].holdings = {"pp0.tp0.dp3of4": {12: 3, 11: 3}}
     d["n3.0"].holdings = {"pp0.tp0.dp2of4": {12: 2, 11: 2}}
+    d["n3.0"].rejected = [("pp0.tp0.dp1of4", 12)]
     man = {"step": 10, "shards": 4, "numel": 100, "shard_numel": 25, "path": "/ckpt/step_10"}
     pool = [f"s{i}" for i in range(spares)]
     plan = plan_recovery(PlanInput(old=old, dead={"n2", "n1"}, restarted=set(), descs=d, pool=pool, target_nodes=4,
@@ -280,12 +281,14 @@ def test_the_persistent_fallback_plan_whole(spares: int) -> None:
     dropped = ["n1", "n2"][spares:]
     assert (plan.ok, plan.klass, plan.action, plan.resume_step, plan.persistent_step) == (
         True, "permanent", "persistent", 10, 10)
-    assert (plan.promoted, plan.dropped, plan.lost, plan.rejected) == (pool, dropped, ["pp0.tp0.dp1of4"], [])
+    assert (plan.promoted, plan.dropped, plan.lost, plan.rejected) == (
+        pool, dropped, ["pp0.tp0.dp1of4"], [("pp0.tp0.dp1of4", 12)])
     assert plan.topo == Topology(
         epoch=5, nodes=nodes, workers_per_node=1, replicas=min(3, len(nodes) - 1), racks=1, resume_step=10,
         meta={"dead": ["n1", "n2"], "promoted": pool, "class": "permanent", "action": "persistent",
               "restore": "persistent", "manifest": man, "generation": 2 + (spares < 2),
-              "reason": "lost shards: pp0.tp0.dp1of4", "dropped": dropped})
+              "reason": "lost shards: pp0.tp0.dp1of4; replicas rejected by checksum (shard, step): "
+                        "[['pp0.tp0.dp1of4', 12]]", "dropped": dropped})
 
 
 def make_unfinished_reshard(rng: random.Random) -> tuple[PlanInput, int]:
