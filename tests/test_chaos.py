@@ -88,6 +88,10 @@ def test_what_each_scenario_draws_and_says() -> None:
     _, f = draw("crash", 3, 1, [])
     assert (f.kind, f.specs, f.lost, f.what) == ("crash", ("crash:rank=3@step=5,phase=forward",), (),
                                                  "worker rank 3 exits in its forward phase (restarted in place)")
+    _, f = draw("kill_coordinator", 0, 1, [])
+    assert (f.specs, f.lost, f.what) == (("kill:coordinator@step=5,phase=forward",), (),
+                                         "SIGKILL the coordinator when rank 0 is in its forward phase (restarted "
+                                         "from its journal)")
     assert draw("two_nodes", 0, 1, [])[0] == "kill" and draw("two_nodes", 0, 1, [(1, 3)])[0] is None
     _, f = draw("two_nodes", 0, 1, [(1, 3)])
     assert (f.kind, f.specs, f.lost, f.what) == ("two_nodes", ("kill:node=1,3@step=5,phase=forward",), (1, 3),
