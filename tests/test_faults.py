@@ -51,6 +51,8 @@ from phoenixft.faults.spec import parse_fault
         ("crash:rank=1@recovery=1", "only kill faults can fire during a recovery (@recovery=N)"),
         ("kill:coordinator@recovery=1", "kill:coordinator needs @step=S"),
         ("kill:node=a@step=3", "node must be integers, got 'a'"),
+        ("kill:rack=x@step=3", "rack must be integers, got 'x'"),
+        ("kill:node=1,1,2,2@step=4", "node=1,1,2,2 names node 1, 2 more than once; list each node once, e.g. node=1,2"),
         ("kill:node=1@step=x", "step must be integers, got 'x'"),
         ("kill:node=1@step=3,wait=soon", "wait must be seconds, got 'soon'"),
         ("partition:node=1@step=3,for=0", "for=0 must be > 0 seconds (leave it out: until the agent gives up)"),
@@ -72,7 +74,7 @@ def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> No
                                   "partition:node=1@step=3,for=2.5,wait=10", "corrupt:node=1@step=3,phase=transfer",
                                   "corrupt:node=1@step=3,wait=5"])
 def test_good_specs_still_parse(spec: str) -> None:
-    parse_fault(spec)
+    assert parse_fault(spec).coordinator is False
 
 
 def test_duplicate_node_from_the_command_line_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
