@@ -70,21 +70,23 @@ VERIFY_TESTS: dict[str, list[str]] = {
         "tests/test_mesh.py::test_each_rank_knows_its_data_parallel_index_and_its_embedding_peers",
         "tests/test_mesh.py::test_layout_is_megatron_order_and_groups_partition_the_world"],
     "src/phoenixft/faults/spec.py": ["tests/test_faults.py::test_bad_spec_is_one_line_saying_what_is_wrong",
-                                     "tests/test_fault_kinds.py"],
+                                     "tests/test_faults.py::test_good_specs_still_parse", "tests/test_fault_kinds.py"],
     "src/phoenixft/recovery/planner.py": ["tests/test_planner.py"],
 }
 VERIFIED = REPO / "bench" / "results" / "mutmut_verified.json"
 
 
 def verify(res: dict[str, dict[str, int | None]]) -> dict[str, str]:
-    """Each unexplained survivor applied to its source (`mutmut apply`), its module's VERIFY_TESTS run, the
-    file restored (checked by SHA-256): mutant name -> "killed" or "survived"."""
+    """Each unexplained survivor of a module-level function applied to its source (`mutmut apply`), its module's
+    VERIFY_TESTS run, the file restored (checked by SHA-256): mutant name -> "killed" or "survived"."""
     import hashlib
     import subprocess
 
     out: dict[str, str] = {}
     for mod, codes in res.items():
-        names = [k for k, c in codes.items() if c is not None and c not in KILLED and k not in EQUIVALENT]
+        # (module-level functions only: `mutmut apply` puts a mutated method into the first method of that name)
+        names = [k for k, c in codes.items() if c is not None and c not in KILLED and k not in EQUIVALENT
+                 and "ǁ" not in k]
         path = REPO / mod
         for name in names:
             original = path.read_bytes()
