@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-all bench lint clean
+.PHONY: demo test test-all bench lint mutants mutmut clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,10 +25,22 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]' || echo "bench: torchft did not install; its part will say why"
 	$(PY) bench/run_all.py $(if $(QUICK),--quick,)
 
+# named mutations of src/, each must turn its catching tests red (bench/mutants.py; ONLY="a b" for some)
+mutants: $(STAMP)
+	$(PY) bench/mutants.py $(if $(ONLY),--only $(ONLY),)
+	$(if $(TOOL),$(MAKE) mutmut,)
+
+# mutmut over the pure-logic modules ([tool.mutmut] in pyproject.toml); work files in mutants/
+mutmut: $(STAMP)
+	$(PY) -m pip install -q 'mutmut>=3.3,<4'
+	rm -rf mutants
+	$(PY) -m mutmut run --max-children 2
+	$(PY) bench/mutmut_shares.py
+
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff mypy
 	$(PY) -m ruff check src tests bench examples
 	$(PY) -m mypy src
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache mutants

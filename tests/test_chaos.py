@@ -54,6 +54,77 @@ def test_schedule_is_deterministic_spaced_and_valid(kw: dict[str, object]) -> No
     assert make_schedule(cfg, n, 1).inject != make_schedule(cfg, n, 2).inject
 
 
+class _FixedRng:
+    """A campaign stream that always draws `value` (randrange) and the first element (choice)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def randrange(self, n: int) -> int:
+        return self.value
+
+    def choice(self, seq: Any) -> Any:
+        return seq[0]
+
+
+def test_what_each_scenario_draws_and_says() -> None:
+    """Each scenario's specs, slots and description for fixed draws: a kill, a crash, two nodes and their
+    fallback, a kill during recovery whose second victim is a survivor (renumbered after a shrink, or not)
+    or the spare promoted into the slot, and its fallback to a plain kill with neither."""
+    from phoenixft.dist.topology import Topology
+    from phoenixft.faults.scenarios import SCENARIOS, Draw
+
+    ring = Topology(epoch=0, nodes=[f"n{i}" for i in range(4)], workers_per_node=1, replicas=2, resume_step=0)
+
+    def draw(kind: str, value: int, spares: int, pairs: list[tuple[int, int]]) -> Any:
+        d = Draw(i=1, s=5, n=4, world=4, ring=ring, phase="forward", rng=_FixedRng(value), cfg=_cfg(nodes=4),
+                 spares=spares, ok_pairs=lambda s: pairs, pair_ok=lambda p, s: p in pairs)
+        fallback = SCENARIOS[kind].fallback(d)  # (drawn only where the scenario can be: no fallback)
+        return fallback, SCENARIOS[kind].draw(d) if fallback is None else None
+
+    _, f = draw("kill", 2, 1, [])
+    assert (f.kind, f.specs, f.lost, f.what) == ("kill", ("kill:node=2@step=5,phase=forward",), (2,),
+                                                 "SIGKILL node 2 in its forward phase")
+    _, f = draw("crash", 3, 1, [])
+    assert (f.kind, f.specs, f.lost, f.what) == ("crash", ("crash:rank=3@step=5,phase=forward",), (),
+                                                 "worker rank 3 exits in its forward phase (restarted in place)")
+    _, f = draw("kill_coordinator", 0, 1, [])
+    assert (f.specs, f.lost, f.what) == (("kill:coordinator@step=5,phase=forward",), (),
+                                         "SIGKILL the coordinator when rank 0 is in its forward phase (restarted "
+                                         "from its journal)")
+    assert draw("two_nodes", 0, 1, [])[0] == "kill" and draw("two_nodes", 0, 1, [(1, 3)])[0] is None
+    _, f = draw("two_nodes", 0, 1, [(1, 3)])
+    assert (f.kind, f.specs, f.lost, f.what) == ("two_nodes", ("kill:node=1,3@step=5,phase=forward",), (1, 3),
+                                                 "SIGKILL nodes 1 and 3 in the same step (forward phase)")
+    _, f = draw("kill_during_recovery", 0, 0, [(0, 2)])  # no spare: node 2 is in slot 1 once node 0 is gone
+    assert (f.kind, f.specs, f.lost) == ("kill_during_recovery", ("kill:node=0@step=5,phase=optimizer",
+                                                                  "kill:node=1@step=5,phase=recovery"), (0, 2))
+    assert f.what == ("SIGKILL node 0 in its optimizer phase, then node 2 (slot 1 once the job has shrunk) during "
+                      "that recovery's state transfer"), f.what
+    _, f = draw("kill_during_recovery", 2, 0, [(0, 2)])  # node 0 keeps its slot
+    assert f.specs[1] == "kill:node=0@step=5,phase=recovery" and "then node 0 during" in f.what, f
+    _, f = draw("kill_during_recovery", 2, 1, [])  # no survivor to lose with it: the spare promoted into slot 2
+    assert (f.specs, f.lost) == (("kill:node=2@step=5,phase=optimizer", "kill:node=2@step=5,phase=recovery"), (2,))
+    assert "then the spare promoted into slot 2 during" in f.what, f.what
+    _, f = draw("kill_during_recovery", 1, 0, [])  # neither: a plain kill
+    assert (f.kind, f.specs, f.lost, f.what) == ("kill", ("kill:node=1@step=5,phase=forward",), (1,),
+                                                 "SIGKILL node 1 in its forward phase")
+
+
+def test_each_drawn_fault_reports_what_it_is_and_whether_it_is_survivable() -> None:
+    """The schedule's JSON form (the campaign report's `schedule`): every field of each fault, the survivable
+    ones and the one drawn unsurvivable alike."""
+    for allow in (False, True):
+        sched = make_schedule(_cfg(nodes=3, spares=2, steps=60), 6, 4, allow_unsurvivable=allow)
+        for f in sched.faults:
+            assert f.to_json() == {"index": f.index, "kind": f.kind, "step": f.step, "inject": list(f.specs),
+                                   "what": f.what, "lost_slots": list(f.lost), "survivable": f.unsurvivable is None,
+                                   "unsurvivable": f.unsurvivable}
+            assert f.to_json()["index"] >= 1 and f.what and f.specs
+    bad = [f.to_json() for f in make_schedule(_cfg(nodes=3, spares=2, steps=60), 6, 4, True).faults if f.unsurvivable]
+    assert bad and all(x["survivable"] is False and x["unsurvivable"] for x in bad), bad
+
+
 @pytest.mark.parametrize("kw", [dict(nodes=3, replicas=1), dict(nodes=4, replicas=2), dict(nodes=5, replicas=2),
                                 dict(nodes=6, replicas=1, racks=2)], ids=str)
 def test_kill_during_recovery_without_spares_strikes_a_survivor_by_its_slot_after_the_shrink(
@@ -464,7 +535,10 @@ def test_a_corrupt_fault_passes_only_when_recovery_rejected_the_copy_it_corrupte
     # the copy it damages (received during step 11: that of step 10) is the one a kill of its owner in its
     # optimizer step 11 makes recovery resume from
     assert corrupt.specs == ("corrupt:node=1@step=11,wait=60", "kill:node=0@step=11,phase=optimizer,wait=60")
-    assert corrupt.lost == (0,)
+    assert corrupt.lost == (0,) and corrupt.unusable == (1,)
+    assert corrupt.what == ("corrupt node 1's replica of node 0's shard of step 10, then SIGKILL node 0 in its "
+                            "optimizer step 11: recovery's copy of step 10 is the corrupt one, which the checksum "
+                            "must reject"), corrupt.what
     ref = {"state": "done", "loss": [3.0, 2.0], "final_state_sha256": "a"}
     inv = {k: True for k in ("I1", "I2", "I3", "I4")}
 

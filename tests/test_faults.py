@@ -39,6 +39,26 @@ from phoenixft.faults.spec import parse_fault
         # a phase that means nothing for the kind was accepted and ignored
         ("corrupt:node=1@step=3,phase=optimizer", "a corruption is at rest (no phase"),
         ("nan:step=3,phase=backward", "nan:step=S takes no phase"),
+        # every other refusal names what is wrong, in its own words
+        ("kill:etcd=two@step=3", "etcd='two': expected a member index (0, 1, 2) or leader"),
+        ("kill:etcd=1@step=3,phase=backward", "expected kill:etcd=I@step=S or kill:etcd=leader@step=S (no phase, no"),
+        ("kill:etcd=1@recovery=2", "expected kill:etcd=I@step=S or kill:etcd=leader@step=S"),
+        ("kill:slot=1@step=3", "target 'slot=1'; expected "),
+        ("kill:node=1@step", "expected key=value, got 'step'"),
+        ("kill:node=1@step=3,for=2", "for=SECONDS is only for partition faults (how long the host stays cut off)"),
+        ("kill:node=1@step=3,phase=sideways", "phase='sideways', valid phases: forward, backward, replicate"),
+        ("kill:rack=1@step=3,phase=recovery", "phase=recovery is only for kill:node=I@step=S,phase=recovery"),
+        ("crash:rank=1@recovery=1", "only kill faults can fire during a recovery (@recovery=N)"),
+        ("kill:coordinator@recovery=1", "kill:coordinator needs @step=S"),
+        ("kill:node=a@step=3", "node must be integers, got 'a'"),
+        ("kill:rack=x@step=3", "rack must be integers, got 'x'"),
+        ("kill:node=1,1,2,2@step=4", "node=1,1,2,2 names node 1, 2 more than once; list each node once, e.g. node=1,2"),
+        ("kill:node=1@step=x", "step must be integers, got 'x'"),
+        ("kill:node=1@step=3,wait=soon", "wait must be seconds, got 'soon'"),
+        ("partition:node=1@step=3,for=0", "for=0 must be > 0 seconds (leave it out: until the agent gives up)"),
+        ("partition:node=1@step=3,for=-2", "for=-2 must be > 0 seconds"),
+        ("bogus:node=1@step=3", "is invalid: expected kill:node=I"),
+        ("kill:node=1@step=3@step=4", "is invalid: "),
     ],
 )
 def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> None:
@@ -54,7 +74,7 @@ def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> No
                                   "partition:node=1@step=3,for=2.5,wait=10", "corrupt:node=1@step=3,phase=transfer",
                                   "corrupt:node=1@step=3,wait=5"])
 def test_good_specs_still_parse(spec: str) -> None:
-    parse_fault(spec)
+    assert parse_fault(spec).coordinator is False
 
 
 def test_duplicate_node_from_the_command_line_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -142,6 +142,52 @@ def test_fenced_node_resumed_after_its_fence_writes_nothing(tmp_path: Path, refe
     assert r["fenced"] == ["n2"] and r["promoted"] == ["s0"]
 
 
+class _FenceStore:
+    """The store calls a failing worker makes before anything else: which keys exist, and its writes."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self.keys = keys
+        self.writes: list[str] = []
+
+    def check(self, names: list[str]) -> bool:
+        return all(k in self.keys for k in names)
+
+    def set(self, key: str, value: str) -> None:
+        self.writes.append(key)
+
+    def add(self, key: str, value: int) -> int:
+        self.writes.append(key)
+        return 1
+
+
+def test_a_fenced_worker_that_fails_writes_nothing() -> None:
+    """The worker's own fence check, apart from its agent's (which stops the node first in a real run): a
+    worker whose node was fenced raises on a failure before its failure flag or its descriptor is written;
+    unfenced, the failure flag of its epoch is its first write."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from phoenixft.errors import RunAborted
+    from phoenixft.runtime.worker import Worker
+
+    def worker(keys: set[str]) -> Any:
+        w = Worker.__new__(Worker)  # (only what `recover` touches before it writes)
+        w.ctx = SimpleNamespace(epoch=3, store=_FenceStore(keys))  # type: ignore[assignment]
+        w.watcher = SimpleNamespace(disarm=lambda: None)  # type: ignore[assignment]
+        w.node_id = "n2"
+        return w
+
+    fenced = worker({"fence/n2"})
+    with pytest.raises(RunAborted, match="n2 was fenced"):
+        fenced.recover("peer failure")
+    assert fenced.ctx.store.writes == []
+    live = worker(set())
+    with pytest.raises(AttributeError):  # (it goes on to the protection this stand-in lacks)
+        live.recover("peer failure")
+    assert live.ctx.store.writes[:1] == ["failflag/3"], live.ctx.store.writes
+
+
 def test_a_damaged_replica_does_not_hide_the_intact_half_of_the_same_step(
         tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """n1 killed in step 1, and the replica of its step 0 on n2 corrupted at rest. n2 holds step 0 in both

@@ -48,6 +48,26 @@ def test_layout_is_megatron_order_and_groups_partition_the_world() -> None:
         Layout(6, 4, 1)
 
 
+def test_each_rank_knows_its_data_parallel_index_and_its_embedding_peers() -> None:
+    """dp_rank is the data-parallel coordinate; the embedding group is the first and the last stage at the
+    rank's (dp, tp) (one member without pipeline stages); the logical shard id names all three coordinates."""
+    rng = random.Random(11)
+    for _ in range(300):
+        t, p, d = rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 4)
+        lay = Layout(t * p * d, t, p)
+        for r in range(lay.world):
+            c = lay.coord(r)
+            assert lay.dp_rank(r) == c.dp == (r // t) % d
+            first, last = lay.rank(0, c.dp, c.tp), lay.rank(p - 1, c.dp, c.tp)
+            assert lay.embedding_group(r) == ([first, last] if p > 1 else [first])
+            assert lay.shard_name(r) == f"pp{c.pp}.tp{c.tp}.dp{c.dp}of{d}"
+    with pytest.raises(ValueError):
+        Layout(4, 2, 1).coord(4)
+    for world, tp, pp in [(6, 4, 1), (4, -1, 1), (4, 1, 0), (4, 0, 2)]:
+        with pytest.raises(ValueError, match=rf"world {world} is not a multiple of tp x pp = {tp} x {pp}"):
+            Layout(world, tp, pp)
+
+
 def test_replicas_on_data_parallel_peers_of_other_nodes() -> None:
     rng = random.Random(11)
     for _ in range(500):

@@ -261,6 +261,36 @@ def test_lost_replicas_fall_back_to_persistent_and_shrink_if_short(spares: int) 
     assert plan.topo.meta["generation"] == 1 and plan.lost == ["pp0.tp0.dp1of4"]
 
 
+@pytest.mark.parametrize("spares", [0, 1, 2])
+def test_the_persistent_fallback_plan_whole(spares: int) -> None:
+    """The persistent fallback's plan, every field: who is promoted and dropped, the new epoch's topology
+    (replicas capped by the nodes left), the generation (bumped only when the node count changes), the
+    manifest and the reason it carries, what is lost."""
+    old = Topology(epoch=4, nodes=["n0", "n1", "n2", "n3"], workers_per_node=1, replicas=1, resume_step=12,
+                   meta={"generation": 2})
+    d = {f"n{i}.0": Descriptor(wid=f"n{i}.0", params=[12, 11], own={shard_name(i, 4): {12: i, 11: i}})
+         for i in (0, 3)}
+    d["n0.0"].holdings = {"pp0.tp0.dp3of4": {12: 3, 11: 3}}
+    d["n3.0"].holdings = {"pp0.tp0.dp2of4": {12: 2, 11: 2}}
+    d["n3.0"].rejected = [("pp0.tp0.dp1of4", 12)]
+    man = {"step": 10, "shards": 4, "numel": 100, "shard_numel": 25, "path": "/ckpt/step_10"}
+    pool = [f"s{i}" for i in range(spares)]
+    plan = plan_recovery(PlanInput(old=old, dead={"n2", "n1"}, restarted=set(), descs=d, pool=pool, target_nodes=4,
+                                   replicas=3, racks=1, manifest=man))
+    nodes = ["n0", *pool[:2], "n3"] if spares else ["n0", "n3"]
+    dropped = ["n1", "n2"][spares:]
+    assert (plan.ok, plan.klass, plan.action, plan.resume_step, plan.persistent_step) == (
+        True, "permanent", "persistent", 10, 10)
+    assert (plan.promoted, plan.dropped, plan.lost, plan.rejected) == (
+        pool, dropped, ["pp0.tp0.dp1of4"], [("pp0.tp0.dp1of4", 12)])
+    assert plan.topo == Topology(
+        epoch=5, nodes=nodes, workers_per_node=1, replicas=min(3, len(nodes) - 1), racks=1, resume_step=10,
+        meta={"dead": ["n1", "n2"], "promoted": pool, "class": "permanent", "action": "persistent",
+              "restore": "persistent", "manifest": man, "generation": 2 + (spares < 2),
+              "reason": "lost shards: pp0.tp0.dp1of4; replicas rejected by checksum (shard, step): "
+                        "[['pp0.tp0.dp1of4', 12]]", "dropped": dropped})
+
+
 def make_unfinished_reshard(rng: random.Random) -> tuple[PlanInput, int]:
     """The last epoch repartitioned a `p`-rank state onto `q` nodes and a member was lost before it
     finished: the survivors still hold the state in the p-rank layout (own shards and ring replicas),
@@ -333,3 +363,24 @@ def test_planner_after_an_unfinished_repartition() -> None:
             assert plan.resume_step not in pi.descs[f"{plan.topo.node_of_rank(int(rk))}.0"].params
         seen["planned"] += 1
     assert seen["planned"] > 300 and seen["lost"] > 100, seen
+
+
+def test_descriptors_round_trip_through_their_json_form() -> None:
+    """What a survivor posts is what the planner reads: every field of generated descriptors survives
+    to_json -> JSON text -> from_json (step keys become strings on the way and come back as ints), and the
+    fields a descriptor leaves out read back as their defaults."""
+    import json
+
+    rng = random.Random(61)
+    for _ in range(300):
+        pi = make_case(rng, mesh=rng.random() < 0.5)
+        for d in pi.descs.values():
+            d.rejected = [(shard_name(rng.randrange(4), 4), rng.randint(0, 9)) for _ in range(rng.randint(0, 2))]
+            d.bad_sources = [(shard_name(0, 4), rng.randint(0, 9), f"n{rng.randint(0, 5)}.0")
+                             for _ in range(rng.randint(0, 2))]
+            d.t, d.error = rng.random() * 100, rng.choice(["", "peer failure: n3 lost"])
+            d.parity = {f"g{rng.randint(0, 3)}.p0": {rng.randint(0, 9): {"crc": rng.randint(1, 99)}}
+                        for _ in range(rng.randint(0, 2))}
+            back = Descriptor.from_json(json.loads(json.dumps(d.to_json())))
+            assert back == d, (back, d)
+    assert Descriptor.from_json({"wid": "n1.0"}) == Descriptor(wid="n1.0")

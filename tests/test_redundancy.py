@@ -137,6 +137,43 @@ def test_codes_are_position_wise_and_refuse_too_few_pieces() -> None:
             code.decode(pieces, list(range(h + 1)))  # h + 1 lost: not enough
 
 
+def test_codes_refuse_what_they_cannot_do_saying_why() -> None:
+    """Each refusal of a code names what is wrong: a parity count XOR cannot give, a group zfec cannot
+    build, the wrong number of data blocks, lost blocks that are parity or given, too few pieces; and
+    nothing lost is nothing rebuilt."""
+    with pytest.raises(ValueError, match=r"^XOR protects against one loss only \(h = 1\)$"):
+        XorCode(3, 2)
+    assert (XorCode(3).d, XorCode(3).h) == (3, 1)
+    one = ReedSolomon(3, 1)  # (make_code takes XOR for one parity block; Reed-Solomon gives it too)
+    blocks1 = _float_blocks(np.random.default_rng(9), 3, 128)
+    (p1,) = one.encode(blocks1)
+    assert p1.dtype == np.uint8 and p1.shape == (128,)
+    assert np.array_equal(one.decode({0: blocks1[0], 2: blocks1[2], 3: p1}, [1])[1], blocks1[1])
+    for d, h in [(0, 1), (1, 0), (200, 57)]:
+        with pytest.raises(ValueError, match=rf"ec:{d}\+{h}: need d >= 1, h >= 1, d \+ h <= 256"):
+            ReedSolomon(d, h)
+    assert (ReedSolomon(200, 56).d, ReedSolomon(200, 56).h) == (200, 56)
+    rng = np.random.default_rng(8)
+    for h in (1, 2):
+        code = make_code(3, h)
+        blocks = _float_blocks(rng, 3, 640)
+        with pytest.raises(ValueError, match="need 3 data blocks, got 2"):
+            code.encode(blocks[:2])
+        allb = {i: b for i, b in enumerate(blocks)} | {3 + j: p for j, p in enumerate(code.encode(blocks))}
+        assert code.decode(allb, []) == {}
+        without = {i: b for i, b in allb.items() if i != 3}
+        with pytest.raises(ValueError, match=r"lost blocks \[3\] must be data blocks \(0..2\) that are not given"):
+            code.decode(without, [3])  # a parity block
+        with pytest.raises(ValueError, match=r"lost blocks \[0\] must be data blocks"):
+            code.decode(allb, [0])  # given
+        few = {i: allb[i] for i in (1, 2)} | {3 + h: allb[1]}  # (index 3 + h is no piece of a 3 + h group)
+        with pytest.raises(ValueError, match=rf"^2 pieces cannot rebuild a 3\+{h} group: need 3$"):
+            code.decode(few, [0])
+        assert all(p.dtype == np.uint8 and p.shape == (640,) for p in code.encode(blocks))
+        exact = {i: allb[i] for i in (1, 2, 3)}  # exactly d pieces, one of them parity
+        assert np.array_equal(code.decode(exact, [0])[0], blocks[0])
+
+
 def test_stripe_bytes() -> None:
     for payload in (4, 100, 4096, 10**6 + 4):
         for d in (1, 2, 3, 7):
@@ -225,10 +262,16 @@ def test_placement_equals_its_definition_over_generated_rings() -> None:
 
 def test_placement_rejects_what_cannot_be_placed() -> None:
     ring = [RingRank(rank=i, node=i) for i in range(4)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^ec:3\+2 needs 5 nodes in the ring, it has 4$"):
         place_groups(ring, 3, 2)
-    with pytest.raises(ValueError):
+    distinct = r"^a ring has one rank per node: ranks and nodes must be distinct$"
+    with pytest.raises(ValueError, match=distinct):
         place_groups([RingRank(rank=0, node=0), RingRank(rank=1, node=0), RingRank(rank=2, node=1)], 1, 1)
+    with pytest.raises(ValueError, match=distinct):
+        place_groups([RingRank(rank=0, node=0), RingRank(rank=0, node=1), RingRank(rank=2, node=2)], 1, 1)
+    for d, h in [(0, 1), (1, 0), (2, -1)]:
+        with pytest.raises(ValueError, match=rf"^ec:{d}\+{h}: need d >= 1 and h >= 1$"):
+            place_groups(ring, d, h)
 
 
 def test_ec_plan_one_ring_per_local_rank() -> None:

@@ -1,0 +1,317 @@
+"""Named mutations of `src/`: each breaks one guarantee on purpose; the tests meant to catch it must fail.
+
+`make mutants` (or `python bench/mutants.py`) applies the mutations of `MUTATIONS` one at a time: an exact
+text substitution in one file (the old text must occur exactly once, so a mutation never goes stale
+silently), runs its catching tests (`pytest -x -q -p no:cacheprovider`), requires them to fail (red), then
+restores the file, always, and checks the restored file's SHA-256 against the original. The table
+(mutation, file, catching tests, result, seconds) goes into docs/testing.md between the markers
+`<!-- mutants:begin -->` and `<!-- mutants:end -->`, and as JSON into bench/results/mutants.json.
+
+    python bench/mutants.py                  every mutation; exit 1 if one survives (green) or is stale
+    python bench/mutants.py --only NAME ...  these mutations only (their rows replace those of the recorded run)
+    python bench/mutants.py --list           the names, files and catching tests (and a staleness check)
+    python bench/mutants.py --baseline       the catching tests on the unmutated tree (they must pass)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "testing.md"
+OUT = REPO / "bench" / "results" / "mutants.json"
+BEGIN, END = "<!-- mutants:begin -->", "<!-- mutants:end -->"
+TEST_TIMEOUT_S = 600.0  # one mutation's catching tests (a hung run under a mutation counts as caught)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str  # the guarantee it breaks, in words
+    file: str  # relative to src/phoenixft/
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids
+
+
+_HOT = "tests/test_hotswap.py::test_kill_in_every_phase_is_bitwise_invisible[optimizer-0-auto]"
+_INV = "tests/test_invariants.py::test_each_invariant_is_false_exactly_when_its_condition_is_violated"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation("restore_previous_step", "a survivor restores the parameters of the step before the resume step",
+             "recovery/restore.py",
+             "if not need_params and not tr.flat.select(r):",
+             "if not need_params and not tr.flat.select(r - 1):",
+             (_HOT,)),
+    Mutation("restore_previous_optimizer_step", "a survivor keeps its optimizer half of the step before",
+             "recovery/restore.py",
+             "half = tr.state.half_with(r)\n",
+             "half = tr.state.half_with(r - 1)\n",
+             (_HOT,)),
+    Mutation("wrong_shard_id", "a received optimizer shard is committed under another rank's shard id",
+             "recovery/restore.py",
+             'st.commit(rx.half, r, t["crc"], (t["shard"], w))',
+             'st.commit(rx.half, r, t["crc"], ((t["shard"] + 1) % w, w))',
+             (_HOT,)),
+    Mutation("checksum_skipped", "a snapshot half verifies without comparing its checksum",
+             "protect/snapshot.py",
+             "ok = bool(int(self.header[half, 2])) and checksum(self.payload(half)) == int(self.header[half, 1])",
+             "ok = bool(int(self.header[half, 2]))",
+             ("tests/test_invariants.py::test_i3_on_a_survivors_own_half_never_skips",
+              "tests/test_integrity.py::test_the_sender_uses_whichever_half_of_the_step_verifies")),
+    Mutation("stale_half", "verified_half returns the other half of the ping-pong pair",
+             "protect/snapshot.py",
+             "if self.step_of(h) == step and (self.verified(h) or self.verify(h)):\n                return h",
+             "if self.step_of(h) == step and (self.verified(h) or self.verify(h)):\n                return 1 - h",
+             ("tests/test_integrity.py::test_the_sender_uses_whichever_half_of_the_step_verifies",)),
+    Mutation("replica_on_owner_node", "a replica round at ring offset 0: the owner's own node keeps its replica",
+             "dist/topology.py",
+             "o = 1  # then the nearest others",
+             "o = 0  # then the nearest others",
+             ("tests/test_mesh.py::test_replicas_on_data_parallel_peers_of_other_nodes",
+              "tests/test_mesh.py::test_replica_rounds_whole_racks_away_first_then_the_nearest_nodes")),
+    Mutation("agent_ignores_fence", "an agent fenced by the control plane keeps its node running",
+             "runtime/agent.py",
+             "if fenced_now:  # declared dead",
+             "if False:  # declared dead",
+             ("tests/test_integrity.py::test_fenced_node_resumed_after_its_fence_writes_nothing",)),
+    Mutation("worker_ignores_fence", "a fenced worker goes on writing to the store",
+             "runtime/worker.py",
+             "if self.ctx.store.check([keys.fence(self.node_id)]):",
+             "if False:",
+             ("tests/test_integrity.py::test_a_fenced_worker_that_fails_writes_nothing",)),
+    Mutation("agent_keeps_segments", "an agent does not unlink its node's shared memory at exit",
+             "runtime/agent.py",
+             "shm.unlink_segments(self.run_id, self.node)\n            if self.registered:",
+             "if self.registered:",
+             (_HOT,)),
+    Mutation("planner_ignores_bad_source", "the planner counts a copy that already failed verification",
+             "recovery/planner.py",
+             "if (shard, st, w) not in bad:",
+             "if True:",
+             ("tests/test_planner.py::test_bad_source_is_avoided_and_the_other_replica_used",)),
+    Mutation("chaos_corrupt_one_step_early", "the chaos corrupt fault damages the replicas of the step before",
+             "faults/scenarios.py",
+             'f"corrupt:node={holder}@step={d.s}",',
+             'f"corrupt:node={holder}@step={d.s - 1}",',
+             ("tests/test_chaos.py::test_a_corrupt_fault_passes_only_when_recovery_rejected_the_copy_it_corrupted",)),
+    Mutation("persist_check_misses_a_rank", "a checkpoint is verified without its last rank's files",
+             "protect/persist.py",
+             'for r in range(int(man["shards"])):\n        d = root / f"rank{r}"',
+             'for r in range(int(man["shards"]) - 1):\n        d = root / f"rank{r}"',
+             ("tests/test_persistent.py::test_resume_skips_a_damaged_checkpoint_for_the_newest_that_verifies"
+              "[flipped]",)),
+    Mutation("planner_oldest_step", "the planner resumes from the oldest feasible step, not the newest",
+             "recovery/planner.py",
+             "r = max(steps)",
+             "r = min(steps)",
+             ("tests/test_planner.py::test_planner_against_generated_schedules",)),
+    Mutation("planner_new_node_skipped", "a dead node's slot is dropped although a spare is ready",
+             "recovery/planner.py",
+             "elif pool:\n            nodes.append(pool.pop(0))",
+             "elif pool and False:\n            nodes.append(pool.pop(0))",
+             ("tests/test_planner.py::test_planner_against_generated_schedules",)),
+    Mutation("placement_parity_on_member", "a parity block may land on a member of its own group",
+             "protect/redundancy/placement.py",
+             "            key[pos] = np.iinfo(np.int64).max\n",
+             "",
+             ("tests/test_redundancy.py::test_placement_properties_over_generated_rings",)),
+    Mutation("xor_drops_a_block", "the XOR parity leaves out the second data block",
+             "protect/redundancy/codes.py",
+             "for b in blocks[1:]:",
+             "for b in blocks[2:]:",
+             ("tests/test_redundancy.py::test_codes_rebuild_every_erasure_pattern_bit_for_bit",)),
+    Mutation("code_accepts_too_few_pieces", "a decode is attempted with one piece fewer than d",
+             "protect/redundancy/codes.py",
+             "if len(have) < d:",
+             "if len(have) < d - 1:",
+             ("tests/test_redundancy.py::test_codes_are_position_wise_and_refuse_too_few_pieces",)),
+    Mutation("layout_dp_coordinate", "the data-parallel coordinate ignores the tensor-parallel stride",
+             "parallel/layout.py",
+             "dp=(rank // t) % d,",
+             "dp=rank % d,",
+             ("tests/test_mesh.py::test_layout_is_megatron_order_and_groups_partition_the_world",)),
+    Mutation("spec_duplicate_node", "a fault naming the same node twice is accepted",
+             "faults/spec.py",
+             "    if dup:\n",
+             "    if False:\n",
+             ("tests/test_faults.py::test_bad_spec_is_one_line_saying_what_is_wrong",)),
+    Mutation("spec_negative_wait", "a negative wait= is accepted",
+             "faults/spec.py",
+             "if wait < 0:",
+             "if wait < -1:",
+             ("tests/test_faults.py::test_bad_spec_is_one_line_saying_what_is_wrong",)),
+    Mutation("kind_strikes_wrong_rank", "a crash fault strikes every rank but its own",
+             "faults/kinds.py",
+             "return rank == f.rank",
+             "return rank != f.rank",
+             ("tests/test_fault_kinds.py::test_whom_a_fault_strikes_and_what_it_holds",)),
+    Mutation("chaos_schedule_unsurvivable", "the chaos schedule keeps faults that cannot be survived",
+             "faults/chaos.py",
+             "return allow_unsurvivable or unsurvivable_reason(cur, pair, step) is None",
+             "return True",
+             ("tests/test_chaos.py::test_schedule_is_deterministic_spaced_and_valid",)),
+    Mutation("invariant_i4_ignores_optimizer", "I4 holds whatever step the optimizer state is at",
+             "recovery/invariants.py",
+             '"I4": [r[2] for r in rows if not (r[4] == resume_step and r[5] == resume_step)],',
+             '"I4": [r[2] for r in rows if not (r[4] == resume_step)],',
+             (_INV,)),
+    Mutation("invariants_missing_pass", "a recovery entry without an invariant shows as passing",
+             "recovery/invariants.py",
+             "return [k for k in INVARIANTS if inv.get(k) is not True]",
+             "return [k for k in INVARIANTS if inv.get(k) is False]",
+             ("tests/test_invariants.py::test_an_entry_without_all_four_invariants_true_never_passes",)),
+    Mutation("config_threads_unbounded", "--threads beyond the limit is accepted",
+             "config/parallelism.py",
+             "need(0 <= p.threads <= MAX_THREADS,",
+             "need(0 <= p.threads,",
+             ("tests/test_config.py::test_threads_out_of_range_are_refused",)),
+    Mutation("signed_run_end_unverified", "a run end is believed without checking its signature",
+             "controlplane/signed.py",
+             "if token and hmac.compare_digest(sig, sign(token, run_id, name, value).encode()):",
+             "if token:",
+             ("tests/test_hostile_store.py::test_signed_values_verify_only_with_the_run_key",)),
+)
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _path(m: Mutation) -> Path:
+    return REPO / "src" / "phoenixft" / m.file
+
+
+def check_fresh(ms: tuple[Mutation, ...]) -> list[str]:
+    """Every mutation's old text occurs exactly once in its file (else the mutation has gone stale)."""
+    bad = []
+    for m in ms:
+        n = _path(m).read_text().count(m.old)
+        if n != 1:
+            bad.append(f"{m.name}: its old text occurs {n} times in src/phoenixft/{m.file} (must be exactly once)")
+    return bad
+
+
+def apply_one(m: Mutation) -> dict[str, object]:
+    """Mutate, run the catching tests, restore (always) and check the restore; the row of the table."""
+    p = _path(m)
+    original = p.read_bytes()
+    digest = hashlib.sha256(original).hexdigest()
+    text = original.decode()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutants: {m.name}: old text occurs {text.count(m.old)} times in {p} (must be once)")
+    t0 = time.monotonic()
+    try:
+        p.write_text(text.replace(m.old, m.new))
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TEST_TIMEOUT_S,
+                                  env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            rc, tail = proc.returncode, [x for x in lines if x.startswith("E ")][:4] + lines[-1:]
+        except subprocess.TimeoutExpired:
+            rc, tail = -1, [f"timed out after {TEST_TIMEOUT_S:.0f}s"]
+    finally:
+        p.write_bytes(original)
+        if _sha(p) != digest:
+            raise SystemExit(f"mutants: {p} was not restored (its SHA-256 differs): restore it with git checkout")
+    # pytest: 1 = tests failed (red); 0 = all passed (the mutation survived); 2..5 = the run itself broke
+    result = "red" if rc in (1, -1) else "SURVIVED" if rc == 0 else f"error (pytest exit {rc})"
+    return {"name": m.name, "what": m.what, "file": f"src/phoenixft/{m.file}", "tests": list(m.tests),
+            "result": result, "seconds": round(time.monotonic() - t0, 1), "tail": tail}
+
+
+def _first_failure(tail: list[str]) -> str:
+    """The first assertion line the catching tests printed, short (what turned them red)."""
+    lines = [x[1:].strip() for x in tail if x.startswith("E ")]
+    text = lines[0] if lines else ""
+    return (text[:110] + "...") if len(text) > 110 else text
+
+
+def table(rows: list[dict[str, object]]) -> str:
+    out = ["| mutation | file | catching tests | result | first failure | seconds |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        tests = "<br>".join(f"`{t}`" for t in r["tests"])  # type: ignore[attr-defined]
+        why = _first_failure(r.get("tail", [])).replace("|", "\\|").replace("`", "'")  # type: ignore[arg-type]
+        out.append(f"| `{r['name']}`: {r['what']} | `{r['file']}` | {tests} | {r['result']} | {why} | "
+                   f"{r['seconds']} |")
+    return "\n".join(out)
+
+
+def write_doc(rows: list[dict[str, object]]) -> None:
+    text = DOC.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"mutants: {DOC} lacks the markers {BEGIN} / {END}")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(f"{head}{BEGIN}\n{table(rows)}\n{END}{tail}")
+
+
+def merged(rows: list[dict[str, object]]) -> list[dict[str, object]] | None:
+    """The recorded run's rows with `rows` in place of theirs, when together they cover every mutation."""
+    try:
+        old = {r["name"]: r for r in json.loads(OUT.read_text())["mutations"]}
+    except (OSError, ValueError, KeyError):
+        return None
+    by_name = old | {r["name"]: r for r in rows}
+    if any(m.name not in by_name for m in MUTATIONS):
+        return None
+    return [by_name[m.name] for m in MUTATIONS]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="run these mutations only (their rows replace the recorded run's)")
+    ap.add_argument("--list", action="store_true", help="list the mutations, check none is stale, and exit")
+    ap.add_argument("--baseline", action="store_true", help="run the catching tests on the unmutated tree and exit")
+    a = ap.parse_args(argv)
+    names = {m.name for m in MUTATIONS}
+    if len(names) != len(MUTATIONS):
+        raise SystemExit("mutants: two mutations share a name")
+    if a.list:
+        for m in MUTATIONS:
+            print(f"{m.name:34} src/phoenixft/{m.file:34} {' '.join(m.tests)}")
+        stale = check_fresh(MUTATIONS)
+        print("\n".join(stale) or f"{len(MUTATIONS)} mutations, each old text found exactly once")
+        return 1 if stale else 0
+    if a.baseline:  # the catching tests pass on the unmutated tree (else "red" would prove nothing)
+        tests = sorted({t for m in MUTATIONS if not a.only or m.name in a.only for t in m.tests})
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                              cwd=REPO).returncode
+    unknown = sorted(set(a.only or ()) - names)
+    if unknown:
+        raise SystemExit(f"mutants: no mutation named {', '.join(unknown)} (see --list)")
+    chosen = tuple(m for m in MUTATIONS if not a.only or m.name in a.only)
+    stale = check_fresh(chosen)
+    if stale:
+        raise SystemExit("mutants: stale mutations:\n  " + "\n  ".join(stale))
+    rows = []
+    for m in chosen:
+        row = apply_one(m)
+        rows.append(row)
+        print(f"{row['result']:>8}  {row['seconds']:6.1f}s  {m.name}", flush=True)
+        if row["result"] != "red" or a.only:  # (what the tests said: the red ones' first failure)
+            print("          " + "\n          ".join(row["tail"]), flush=True)  # type: ignore[arg-type]
+    record = merged(rows) if a.only else rows
+    if record is not None:  # (a partial run updates its rows of a recorded full run, in the list's order)
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps({"mutations": record, "red": sum(r["result"] == "red" for r in record),
+                                   "total": len(record)}, indent=1) + "\n")
+        write_doc(record)
+    survivors = [r["name"] for r in rows if r["result"] != "red"]
+    print(f"mutants: {len(rows) - len(survivors)}/{len(rows)} red" + (f"; not red: {', '.join(survivors)}"  # type: ignore[arg-type]
+                                                                     if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
