@@ -139,3 +139,22 @@ def run_ranks(target: Any, world: int, timeout_s: float = 120.0) -> dict[int, An
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+class TwoPassGather:
+    """The train group's all-gather for ranks called one after another (unit tests of the invariant
+    check): the first pass records each rank's row, in rank order, the second hands every rank the
+    rows of all."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.rows: list[torch.Tensor] = []
+        self.full: torch.Tensor | None = None
+
+    def _allgather_base(self, out: Any, mine: Any) -> None:
+        if self.full is None:
+            self.rows.append(mine.clone())
+            out.zero_()
+        else:
+            out.copy_(self.full)

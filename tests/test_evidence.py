@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from conftest import TwoPassGather
 
 from phoenixft.dist.topology import Topology
 from phoenixft.protect.snapshot import PingPong, checksum
@@ -22,26 +23,10 @@ from phoenixft.recovery.invariants import check_invariants, failure_message
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
 
 
-class _TwoPassGather:
-    """The train group's all-gather for ranks called one after another: the first pass records each
-    rank's row, the second hands every rank the rows of all."""
-
-    def __init__(self) -> None:
-        self.rows: list[torch.Tensor] = []
-        self.full: torch.Tensor | None = None
-
-    def _allgather_base(self, out: torch.Tensor, mine: torch.Tensor) -> None:
-        if self.full is None:
-            self.rows.append(mine.clone())
-            out.zero_()
-        else:
-            out.copy_(self.full)
-
-
 def _check_all(topo: Topology, r: int, seens: list[Seen]) -> list[tuple[dict[str, bool], str]]:
     """check_invariants on every rank of a job whose headers all say the right thing (the state a restore
     writes whatever it installed): only the evidence can tell."""
-    g = _TwoPassGather()
+    g = TwoPassGather()
     wait = lambda work, what: None  # noqa: E731
     w = topo.world
 

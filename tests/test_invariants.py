@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TwoPassGather
 
 from phoenixft.dist.topology import Topology
 from phoenixft.observe.display import Display
@@ -18,22 +19,6 @@ from phoenixft.observe.html_report import RunData, render_html
 from phoenixft.protect.snapshot import PingPong, checksum
 from phoenixft.recovery.invariants import INVARIANTS, check_invariants, failed_invariants, invariants_hold
 from phoenixft.recovery.restore import own_half_problem
-
-
-class _TwoPassGather:
-    """The train group's all-gather, for ranks called one after another: the first pass records each
-    rank's row (in rank order), the second hands every rank the rows of all."""
-
-    def __init__(self) -> None:
-        self.rows: list[torch.Tensor] = []
-        self.full: torch.Tensor | None = None
-
-    def _allgather_base(self, out: torch.Tensor, mine: torch.Tensor) -> None:
-        if self.full is None:
-            self.rows.append(mine.clone())
-            out.zero_()
-        else:
-            out.copy_(self.full)
 
 
 @dataclasses.dataclass
@@ -90,7 +75,7 @@ def _oracle(me: int, r: int, world: int, ranks: list[_Rank], topos: list[tuple[s
 
 
 def _run(r: int, ranks: list[_Rank]) -> list[tuple[dict[str, bool], str]]:
-    g = _TwoPassGather()
+    g = TwoPassGather()
     wait = lambda work, what: None  # noqa: E731
     for i, x in enumerate(ranks):
         check_invariants(g, x.topo, i, r, x.param_step, x.opt_steps, x.held, x.opt_ok, wait)
@@ -118,7 +103,7 @@ def test_each_invariant_is_false_exactly_when_its_condition_is_violated() -> Non
 def test_a_rank_id_missing_from_the_job_breaks_i2() -> None:
     topo = Topology(epoch=1, nodes=["n0", "n1"], workers_per_node=1, replicas=1, resume_step=4)
     ranks = [_Rank(topo, 4, [4, 3], (0, 2), True), _Rank(topo, 4, [4, 3], (0, 2), True)]
-    g = _TwoPassGather()
+    g = TwoPassGather()
     wait = lambda work, what: None  # noqa: E731
     for x in ranks:  # both claim rank 0: rank 1 has no member
         check_invariants(g, x.topo, 0, 4, x.param_step, x.opt_steps, x.held, x.opt_ok, wait)
