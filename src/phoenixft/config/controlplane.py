@@ -33,6 +33,15 @@ class ControlPlaneConfig:
     fence_kill: bool = option(True, "Fence a failed node by SIGKILL of its process group in local runs, besides the "
                               "logical fence every process obeys; off (--no-fence-kill) = logical fence only, as for a "
                               "host that cannot be reached.", flag="--no-fence-kill", action="store_false")
+    straggler_factor: float = option(1.3, "A node whose own compute time per step (forward, backward, optimizer; not "
+                                     "its waits for other nodes) exceeds its peers' median by this factor for "
+                                     "--straggler-window consecutive steps is a straggler: reported live and in the "
+                                     "report; 0 = no straggler detection.", flag="--straggler-factor")
+    straggler_window: int = option(20, "Consecutive steps a node must be slower than --straggler-factor times its "
+                                   "peers' median before it is flagged as a straggler.", flag="--straggler-window")
+    evict_stragglers: bool = option(True, "Move a straggler's role to a ready spare (at most once per node, never "
+                                    "during a recovery); --no-evict-stragglers: report it only.",
+                                    flag="--evict-stragglers", action="both")
     timeout: float = option(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
 
 
@@ -51,4 +60,8 @@ def validate_control_plane(cfg: RunConfig) -> None:
          "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
          "store lives in the launcher's process, so a standby would not remove the single point of failure)")
     real(c.join_timeout, c.join_timeout > 0, "--join-timeout", "> 0 seconds")
+    real(c.straggler_factor, c.straggler_factor == 0 or 1 < c.straggler_factor <= 1000, "--straggler-factor",
+         "> 1 and at most 1000 (how many times its peers' median a straggler's compute takes), or 0 = no detection")
+    need(1 <= c.straggler_window <= 1_000_000, "--straggler-window", c.straggler_window,
+         "must be in 1..1000000 (consecutive steps)")
     real(c.timeout, c.timeout > 0, "--timeout", "> 0 seconds")

@@ -2,8 +2,9 @@
 
 A section is a dataclass whose fields are made with `option(default, help, ...)`: the help text is the
 flag's `--help` line, `flag=` overrides the flag's name (default: `--` + the field name with dashes),
-`action=` is argparse's (`store_true`, `store_false`, `append`). `add_section_arguments` turns one
-section into one argparse argument group; nothing else declares a run flag.
+`action=` is argparse's (`store_true`, `store_false`, `append`; `both`: `--FLAG` and `--no-FLAG`).
+`add_section_arguments` turns one section into one argparse argument group; nothing else declares a
+run flag.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def add_section_arguments(group: argparse._ActionsContainer, section: type, defa
         flag = flag_of(f)
         default = defaults.get(f.name, f.default)
         action = f.metadata.get("action")
-        if action in ("store_true", "store_false"):
+        if action == "both":  # --flag and --no-flag
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
+        elif action in ("store_true", "store_false"):
             group.add_argument(flag, dest=f.name, action=action, default=default, help=text)
         elif action == "append":
             group.add_argument(flag, dest=f.name, action="append", default=None, metavar="SPEC", help=text)

@@ -129,3 +129,9 @@ def admit_verdict(seq: int) -> str:
 def left(node: str) -> str:
     """Set by an agent that ends normally (its workers are gone), never by a fenced one."""
     return f"left/{node}"
+
+
+def drain_key(node: int) -> str:
+    """A request to drain the node in slot `node` (JSON {reason, source, deadline}): the coordinator
+    moves its role to a spare at a step boundary."""
+    return f"drain/{node}"

@@ -34,6 +34,7 @@ from phoenixft.coordinator.decide import Decider, verified_checkpoint
 from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.publish import Publisher, deposed
 from phoenixft.coordinator.shared import Job, Membership, index, wait_key
+from phoenixft.coordinator.stragglers import StragglerMonitor
 from phoenixft.dist.topology import Topology
 
 __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
@@ -78,6 +79,7 @@ class Coordinator:
         self.admission = Admission(self.job, self.cfg, self.state, auth.AdmissionDesk(store, token), self.run_id)
         self.detector = FailureDetector(self.job, self.cfg, self.state, self.admission, self.gather_poll_s)
         self.decider = Decider(self.job, self.cfg, self.state, self.admission, self.detector, self.publisher)
+        self.stragglers = StragglerMonitor(self.job, self.cfg, self.state, self.admission, self.detector)
         self.admission.load_members()  # (again once this process leads: a standby's view is old by then)
 
     # ------------------------------------------------------------------ main loop
@@ -215,6 +217,7 @@ class Coordinator:
             if time.monotonic() - last_whole > 0.25:
                 last_whole = time.monotonic()
                 self._publish_whole()
+                self.stragglers.poll()  # (between recoveries: an eviction is recovered at the next look)
 
     def _replace_dead_before_start(self, active: list[str], swapped: dict[str, str]) -> None:
         """Before the start, every active slot filled: an active node that is not ready and is gone (its

@@ -33,6 +33,7 @@ class FaultInjector:
     def __init__(self, ctx: RankContext) -> None:
         self.w = ctx  # the rank it runs on
         self._struck: list[str] = []  # the node ids the fault claimed last strikes (all of a rack's)
+        self._slow: dict[int, float] = {}  # slow faults past their step: index -> factor on this node (1.0: not it)
 
     def hold(self, step: int) -> None:
         """`,wait=S`: before step `step`, on every rank, hold until the job is whole (at most S) while a
@@ -58,6 +59,25 @@ class FaultInjector:
                 continue
             if f.kind_of.strikes(f, self.w.rank, slot, self.w.topo):  # (a `,wait=S` fault held the step: `hold`)
                 self.fire(f, step=step, phase=phase)
+
+    def slow_factor(self, step: int) -> float:
+        """How many times as long this rank's compute of step `step` takes (`slow:` faults from their step on,
+        on the node they first struck: a spare that takes its slot later is not slow). A fault's first step
+        here claims and records it; later steps ask the store nothing."""
+        factor = 1.0
+        for f in self.w.faults:
+            if f.point is not Point.COMPUTE or f.step is None or step < f.step or self.w.topo is None:
+                continue
+            if f.index not in self._slow:
+                fired = self.w.store.check([keys.fault_targets(f.index)])
+                if not fired and self.w.topo.slot_of(self.w.node_id) in f.nodes:
+                    self.fire(f, step=step, phase="compute")  # (its first firing sets the targets: this node)
+                    fired = True
+                if not fired:  # its node reaches the step later: ask again at the next step
+                    continue
+                self._slow[f.index] = f.factor if self.w.node_id in self._targets(f) else 1.0
+            factor *= self._slow[f.index]
+        return factor
 
     def _targets(self, f: FaultSpec) -> list[str]:
         """The node ids fault f strikes: fixed by its first firing, from the topology of that moment.

@@ -40,6 +40,7 @@ class Point(enum.Enum):
     LOSS = "loss"  # rank 0, on the loss of a step (`FaultInjector.nan_at`)
     HEARTBEAT = "heartbeat"  # the node agent, from its heartbeat loop (`partition.PartitionInjector`)
     PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_member_faults`)
+    COMPUTE = "compute"  # a worker, on its own compute time from a step on (`FaultInjector.slow_factor`)
 
 
 def bad_spec(text: str, why: str) -> UserError:
@@ -61,6 +62,7 @@ class FaultKind:
     lasts: ClassVar[bool] = False  # it takes ,for=SECONDS
     during_recovery: ClassVar[bool] = False  # it takes @recovery=N
     needs_protection: ClassVar[bool] = True  # the run needs --protect phoenix for it
+    scales: ClassVar[bool] = False  # it takes ,factor=F (and needs it)
 
     # ---------------------------------------------------------------- parsing
     def check_form(self, text: str, when: dict[str, str]) -> None:
@@ -320,7 +322,42 @@ class Partition(FaultKind):
         return f"cut the host of node {f.node} off the network" + (f" for {f.duration:g}s" if f.duration else "")
 
 
-KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition())}
+class Slow(FaultKind):
+    """A straggler: from step S on, the node's compute takes F times as long (a thermally throttled GPU, a
+    noisy neighbour). It fires once (recorded at step S); a spare that later takes the node's slot is not
+    slow (the fault strikes the node it first struck, by id)."""
+
+    name = "slow"
+    forms = ("slow:node=I@step=S,factor=F",)
+    waits = False
+    scales = True
+    needs_protection = False  # (detection needs none; evicting the straggler is a hot-swap)
+
+    def check_form(self, text: str, when: dict[str, str]) -> None:
+        if "step" not in when or "factor" not in when:
+            raise bad_spec(text, "expected slow:node=I@step=S,factor=F (F > 1: how many times slower its compute is)")
+
+    def check_phase(self, text: str, when: dict[str, str]) -> None:
+        if "phase" in when:
+            raise bad_spec(text, "slow:node=I@step=S,factor=F takes no phase (the node's whole compute is slower)")
+
+    def format(self, f: FaultSpec) -> str:
+        return f"{self.name}:{self.format_target(f)}@step={f.step},factor={_num(f.factor)}"
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.COMPUTE
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return False
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        return "its node was not in the job when its step came, or the run ended first"
+
+    def describe(self, f: FaultSpec) -> str:
+        return f"node {f.node}'s compute {f.factor:g}x slower from step {f.step} on"
+
+
+KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition(), Slow())}
 
 
 def join_or(items: list[str], last: str) -> str:

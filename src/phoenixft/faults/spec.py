@@ -19,6 +19,8 @@
     corrupt:node=I@step=S,phase=transfer  flip bytes in every optimizer-state transfer node I sends in
                                           recoveries whose resume step is >= S-1 (corruption in flight)
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
+    slow:node=I@step=S,factor=F           from step S on, node I's compute takes F (> 1) times as long (a
+                                          straggler; a spare that replaces it is not slow)
     partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
                                           job reaches step S, its processes left running; the link comes
                                           back after T seconds (default: when its agent gives up and exits).
@@ -69,6 +71,7 @@ class FaultSpec:
     member: int | None = None  # a member of the control-plane cluster the run started (-1: its leader)
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
     duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
+    factor: float = 0.0  # slow: how many times as long the node's compute takes (0 = not a slow fault)
 
     @property
     def node(self) -> int | None:
@@ -162,11 +165,23 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         if k.strip() in when:
             raise _bad(text, f"{k.strip()}= is given twice; give it once")
         when[k.strip()] = v.strip()
-    if set(when) - {"step", "phase", "recovery", "wait", "for"} or ("step" in when) == ("recovery" in when):
+    if set(when) - {"step", "phase", "recovery", "wait", "for", "factor"} or ("step" in when) == ("recovery" in when):
         raise _bad(text, _VALID)
     fk.check_form(text, when)
     if "for" in when and not fk.lasts:
         raise _bad(text, "for=SECONDS is only for partition faults (how long the host stays cut off)")
+    if "factor" in when and not fk.scales:
+        raise _bad(text, "factor=F is only for slow faults (how many times slower the node's compute is)")
+    factor = 0.0
+    if "factor" in when:
+        try:
+            factor = float(when["factor"])
+        except ValueError:
+            raise _bad(text, f"factor must be a number, got {when['factor']!r}") from None
+        if not (math.isfinite(factor) and factor > 1):
+            raise _bad(text, f"factor={when['factor']} must be a number > 1 (how many times as long the compute takes)")
+        if factor > 1000:
+            raise _bad(text, f"factor={when['factor']} must be at most 1000")
     step = _ints(text, when["step"], "step")[0] if "step" in when else None
     recovery = _ints(text, when["recovery"], "recovery")[0] if "recovery" in when else None
     fk.check_phase(text, when)
@@ -206,4 +221,4 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
-                     duration=duration)
+                     duration=duration, factor=factor)

@@ -94,6 +94,15 @@ class Display:
             self._err(f"   {ev['name']} ({ev['host']}) joined as {role}{ev['node']}{note}")
         elif k == "join_refused":
             self._err(f"!! refused to admit {ev['name']!r} ({ev['host']}): {ev['reason']}")
+        elif k == "straggler":
+            then = "evicting it when a spare is ready" if ev.get("action") == "evict" else "reported only"
+            self._err(f"!! straggler: {ev['node']} computes {ev['ratio']:.2f}x its peers' median since step "
+                      f"{ev['first_step']} ({ev['window']} steps over {ev['factor']:g}x): {then}")
+        elif k == "straggler_evicted":
+            self._err(f"   evicting straggler {ev['node']} after step {ev['step']}: spare {ev['spare']} takes slot "
+                      f"{ev['slot']}")
+        elif k == "straggler_kept":
+            self._err(f"   straggler {ev['node']} stays for now: {ev['why']}")
         elif k == "fault_failed":
             self._err(f"!! fault {ev['spec']} could not be injected on {ev['node']}: {ev['error']}")
 
@@ -132,6 +141,11 @@ class Display:
                       f"params {fmt(st['restore_params_s'])}, optimizer {fmt(st['restore_optimizer_s'])}, "
                       f"first step {fmt(st['first_step_s'])}), lost {r['lost_steps']} step(s), "
                       f"invariants {self._inv(r)}")
+        for st in report.get("stragglers", []):
+            fate = (f"evicted after step {st['evicted_at_step']}, replaced by {st['replaced_by']}" if st["evicted"]
+                    else "not evicted")
+            self._err(f"   straggler {st['node']}: {st['ratio']:.2f}x its peers' median from step {st['first_step']}, "
+                      f"{fate}")
         for spec in report.get("faults_not_fired", []):
             self._err(f"!! fault never fired: {spec} ({_ended_first(spec, report) or _why_not_fired(spec)})")
         state = report.get("state")

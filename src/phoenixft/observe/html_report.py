@@ -16,8 +16,9 @@ script. It shows
   with the validation loss (`--eval-every`) as points on the same axes (and a summary row);
 - the recovery time of each fault broken into stages (detect, decide, reconfigure, restore
   parameters, restore optimizer, rest of the join, first step), stacked (PHOENIX, Fig. 10-11);
-- a summary, the table of recoveries (stage timings in ms with one decimal, invariants I1-I4),
-  the faults and the event log.
+- a summary, the table of recoveries (stage timings in ms with one decimal, invariants I1-I4), the
+  stragglers (node, compute over its peers' median, first slow step, eviction), the faults and the
+  event log.
 """
 
 from __future__ import annotations
@@ -513,6 +514,25 @@ def _recoveries_table(run: RunData) -> str:
     return what + "<h3>Stage timings</h3>" + timings
 
 
+def _stragglers_table(run: RunData) -> str:
+    """The nodes flagged as stragglers: how much slower, since when, and whether a spare replaced them."""
+    rows = run.report.get("stragglers") or []
+    if not rows:
+        return '<p class="muted">No stragglers.</p>'
+    body = "".join(
+        "<tr>"
+        + _td(st.get("class"), "class")
+        + _td(st.get("node"), "node")
+        + _td(f"{st['ratio']:.2f}x" if isinstance(st.get("ratio"), (int, float)) else "-", "ratio", "num")
+        + _td(st.get("first_step"), "first_step", "num")
+        + _td(st.get("flagged_step"), "flagged_step", "num")
+        + _td(f"after step {st.get('evicted_at_step')}, by {st.get('replaced_by') or '-'}" if st.get("evicted")
+              else "no", "evicted", None if st.get("evicted") else "bad")
+        + "</tr>" for st in rows)
+    head = ["class", "node", "compute vs peers' median", "first slow step", "flagged at step", "evicted"]
+    return f'<table id="stragglers"><tr>{"".join(f"<th>{_e(h)}</th>" for h in head)}</tr>{body}</table>'
+
+
 def _faults_table(run: RunData) -> str:
     pairs = fault_recoveries(run)
     if not pairs:
@@ -588,6 +608,8 @@ def render_html(run: RunData, ref: RunData | None = None) -> str:
         _img(plot_breakdown(run), "recovery time breakdown", "No recoveries: nothing to break down."),
         "<h2>Recoveries</h2>",
         _recoveries_table(run),
+        "<h2>Stragglers</h2>",
+        _stragglers_table(run),
         "<h2>Faults</h2>",
         _faults_table(run),
         "<h2>Events</h2>",

@@ -7,7 +7,8 @@ it found lost or restarted, or else the latest one before it), fault (the latest
 action, epoch, detect_s and recovery_s (from the first of them), lost_steps, resumed_step, stage
 timings, invariants, bytes_moved, with `--redundancy ec:D+H` the shards `decoded` from their group,
 the pieces' bytes `bytes_decoded_from` and `decode_s`),
-`redundancy`, `error` when the run failed.
+`redundancy`, `stragglers` (each node flagged as a straggler: node, slot, ratio, first_step, flagged_step,
+whether it was evicted, and by which recovery), `error` when the run failed.
 """
 
 from __future__ import annotations
@@ -226,6 +227,26 @@ def _control_plane(faults: list[dict[str, Any]], events: list[dict[str, Any]]) -
     return control_plane
 
 
+def _stragglers(events: list[dict[str, Any]], recoveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The nodes flagged as stragglers (coordinator/stragglers.py), each with its eviction if it had one;
+    the recovery that evicted one gets class `straggler`."""
+    out = []
+    evictions = {ev.get("node"): ev for ev in events if ev.get("kind") == "straggler_evicted"}
+    for ev in (e for e in events if e.get("kind") == "straggler"):
+        node, gone = ev.get("node"), evictions.get(ev.get("node"))
+        rec = next((r for r in recoveries if gone is not None and r.get("epoch") == int(gone.get("epoch", -2)) + 1
+                    and node in (r.get("dead") or [])), None)
+        if rec is not None:
+            rec["class"] = "straggler"
+        out.append({"class": "straggler", "node": node, "slot": ev.get("slot"), "ratio": ev.get("ratio"),
+                    "first_step": ev.get("first_step"), "flagged_step": ev.get("step"), "factor": ev.get("factor"),
+                    "window": ev.get("window"), "action": ev.get("action"), "evicted": gone is not None,
+                    "evicted_at_step": gone.get("step") if gone else None,
+                    "replaced_by": (rec.get("promoted") or [None])[0] if rec else None,
+                    "recovery_epoch": rec.get("epoch") if rec else None})
+    return out
+
+
 def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str,
                  final: dict[str, Any] | None | str = "store") -> dict[str, Any]:
     """The run's JSON report (fields in the module docstring); writes metrics.jsonl and events.jsonl.
@@ -264,6 +285,8 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         "faults_not_fired": [spec for i, spec in enumerate(cfg.inject or [])
                              if not store.check([keys.fault(i) + "/fired"]) and not store.check([keys.fault(i)])],
         "recoveries": recoveries,
+        # nodes slower than --straggler-factor x their peers' median for --straggler-window steps
+        "stragglers": _stragglers(events, recoveries),
         "control_plane": _control_plane(faults, events),
         # persistent checkpoints that will not complete: skipped (the disk was slower than --persist-every)
         # or failed to write, per rank (persist.py)

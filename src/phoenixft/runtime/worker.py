@@ -148,7 +148,7 @@ class Worker:
             s, self.ctx.comm, self.ctx.rank, self.ctx.topo.layout,
             self.ctx.topo.microbatches(self.ctx.rank, self.cfg.total_microbatches),
             self.ctx.wait, before_reduce=lambda: scheme.wait(s - 1) if scheme is not None else 0.0,
-            fault=lambda phase: self.inject.at(s, phase), nan=self.inject.nan_at(s))
+            fault=lambda phase: self.inject.at(s, phase), nan=self.inject.nan_at(s), slow=self.inject.slow_factor(s))
         if scheme is not None:
             scheme.protect(s)
         self.trained = True
@@ -162,6 +162,7 @@ class Worker:
             if repl is not None:  # the protection work of the previous step's replication, on this rank
                 rec.update(protect_bytes=repl.stats.last_bytes, protect_s=repl.stats.last_job_s,
                            protect_cpu_s=repl.stats.last_cpu_s, protect_shm_bytes=repl.stats.last_shm_bytes)
+            rec.update(own_s=round(res.own_s, 6), **nodes_compute(self.ctx.topo, s, res.ranks_own_s))
             if res.grad_norm is not None:
                 rec["grad_norm"] = res.grad_norm
             if res.val_loss is not None:
@@ -425,6 +426,20 @@ class Worker:
         finally:
             self.watcher.close()
             self.protection.close()
+
+
+def nodes_compute(topo: Topology, s: int, ranks_own_s: list[float]) -> dict[str, Any]:
+    """The step record's per-node compute: each node's own compute of step `s` - 1 (its slowest worker's;
+    a worker that measured none yet, e.g. a spare just promoted, counts for nothing), what the
+    coordinator's straggler detection reads (coordinator/stragglers.py)."""
+    per: dict[str, float] = {}
+    for r, t in enumerate(ranks_own_s):
+        if t > 0.0:
+            n = topo.node_of_rank(r)
+            per[n] = max(per.get(n, 0.0), t)
+    if not per:
+        return {}
+    return {"nodes_compute_s": {n: round(t, 6) for n, t in per.items()}, "nodes_compute_step": s - 1}
 
 
 def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: str) -> None:

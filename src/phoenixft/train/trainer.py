@@ -66,6 +66,21 @@ __all__ = ["Trainer", "StepResult", "check_loss"]
 Wait = Callable[[Any, str], None]
 
 
+class _Timed:
+    """A wait that adds up the time it blocks (`s`): the time a step spends waiting for other ranks is
+    not the rank's own compute."""
+
+    def __init__(self, inner: Wait) -> None:
+        self.inner, self.s = inner, 0.0
+
+    def __call__(self, work: Any, what: str) -> None:
+        t = time.perf_counter()
+        try:
+            self.inner(work, what)
+        finally:
+            self.s += time.perf_counter() - t
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -74,6 +89,9 @@ class StepResult:
     compute_s: float
     repl_wait_s: float
     val_loss: float | None = None
+    own_s: float = 0.0  # this rank's own compute of the step: its spans, less every wait for another rank
+    # every rank's own compute of its previous step (0.0: none measured yet), carried by the loss sum
+    ranks_own_s: list[float] = field(default_factory=list)
     # after compute: reduce_s (the gradient buckets' wait), optimizer_s (tied-embedding sum, loss wait,
     # clipping, the update; on gloo also posting the gather), gather_s (the rest until the flip)
     phases: dict[str, float] = field(default_factory=dict)
@@ -119,6 +137,8 @@ class Trainer:
         self._hooked = False
         self._rs: ShardReduce | OwnerReduce | None = None  # the gradient reduce-scatter of this group and buffer
         self._ordered: StreamOrdered | None = None  # NCCL: the stream-ordered wait of this epoch (device_wait)
+        self.own_prev = 0.0  # this rank's own compute of its previous step (sent with the next loss sum)
+        self._own_rest = 0.0  # ... of which the part after forward/backward (optimizer, hand-off)
 
     def watch(self, interrupt: Callable[[], None]) -> None:
         """Leave the step within one layer when a recovery starts: `interrupt` is called between
@@ -206,11 +226,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
     def step(self, s: int, comm: Any, rank: int, layout: Layout, microbatches: tuple[int, int], wait: Wait,
-             before_reduce: Callable[[], float], fault: Callable[[str], None], nan: bool = False) -> StepResult:
-        """Train step `s` on this rank (the phases of the module docstring); the shard commits step `s`."""
+             before_reduce: Callable[[], float], fault: Callable[[str], None], nan: bool = False,
+             slow: float = 1.0) -> StepResult:
+        """Train step `s` on this rank (the phases of the module docstring); the shard commits step `s`.
+        Its own compute (`StepResult.own_s`) is the step's time less the time blocked in waits for other
+        ranks (collectives, the previous step's replication); `slow` > 1 (the `slow:` fault) makes that
+        compute `slow` times as long, with a sleep inside the rank's compute span."""
         cfg, c = self.cfg, layout.coord(rank)
         m_total = cfg.total_microbatches
         t0 = time.perf_counter()
+        wait = timed = _Timed(wait)
         self.flat.zero_grad()
         grad = self.flat.grad32
         rs = self._reduce_scatter(comm.dp, grad)
@@ -225,11 +250,16 @@ class Trainer:
 
         # 1. forward/backward over the microbatches; backward starts the bucket reductions
         loss_sum = self._forward_backward(s, rank, c, layout, comm, microbatches, m_total, wait, fault, launch)
+        own_fb = time.perf_counter() - t0 - timed.s - waited[0]
+        if slow > 1.0:  # compute, not a wait: the peers wait for it in the loss sum
+            time.sleep((slow - 1.0) * max(0.0, own_fb + self._own_rest))
         if nan:
             loss_sum = math.nan
         t_compute = time.perf_counter() - t0
+        own_c, blocked_c = t_compute - timed.s - waited[0], timed.s
         # 2-3. (the first bucket waited for the previous step's replication) gradients and loss summed
-        lt, w_loss = self._reduce_gradients(s, comm, c, microbatches, loss_sum, launch, works, rs, wait)
+        lt, w_loss = self._reduce_gradients(s, comm, c, microbatches, loss_sum, launch, works, rs, wait,
+                                            (rank, layout.world))
         if self._ordered is not None:  # NCCL: no gradient is used before every collective it came from succeeded
             self._ordered.settle()
         t_reduced = time.perf_counter()
@@ -243,11 +273,13 @@ class Trainer:
         # 6. buffers, parameter gather, then the hand-off: the shard commits, the flat buffers flip
         self._hand_off(s, rank, layout.world, comm.dp, dst, rows_out, gather, wait)
         t_end = time.perf_counter()
+        self._own_rest = max(0.0, t_end - t0 - t_compute - (timed.s - blocked_c))
+        own, self.own_prev = own_c + self._own_rest, own_c + self._own_rest
         # metrics
         val = self.evaluate(s, comm, rank, layout, wait) if cfg.eval_every and s % cfg.eval_every == 0 else None
         phases = {"reduce_s": t_reduced - t0 - t_compute, "optimizer_s": t_opt - t_reduced, "gather_s": t_end - t_opt}
         return StepResult(loss=loss, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
-                          val_loss=val, phases=phases)
+                          val_loss=val, phases=phases, own_s=own, ranks_own_s=lt[1:].tolist())
 
     def _forward_backward(self, s: int, rank: int, c: Coord, layout: Layout, comm: Any, microbatches: tuple[int, int],
                           m_total: int, wait: Wait, fault: Callable[[str], None],
@@ -280,22 +312,28 @@ class Trainer:
             self.buckets.end_microbatch()
 
         ordered = self._ordered
-        dwait = ordered if ordered is not None and ordered.polled == wait else self.device_wait(wait)
+        base = wait.inner if isinstance(wait, _Timed) else wait  # (NCCL: the stream-ordered wait of the epoch)
+        dwait = ordered if ordered is not None and ordered.polled == base else self.device_wait(base)
+        if dwait is base:  # gloo: the polled wait itself, timed
+            dwait = wait
         pipe = Pipeline(stage, c.pp, layout.pp, comm.edges, wait, self.flat.dtype, self.device.torch, dwait)
         # the forward and backward fault phases: as microbatch 0's begins, before any wait on another stage
         return pipe.train(hi - lo, batch, forward, backward, before=lambda phase, j: fault(phase) if j == 0 else None)
 
     def _reduce_gradients(self, s: int, comm: Any, c: Coord, microbatches: tuple[int, int], loss_sum: float,
                           launch: Callable[[int], None], works: list[tuple[int, Any]],
-                          rs: ShardReduce | OwnerReduce | None,
-                          wait: Wait) -> tuple[torch.Tensor, Any]:
-        """Post the loss all-reduce and wait for the gradient buckets; the loss tensor and its pending work."""
+                          rs: ShardReduce | OwnerReduce | None, wait: Wait,
+                          me: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, Any]:
+        """Post the loss all-reduce and wait for the gradient buckets; the loss tensor and its pending work.
+        The sum carries every rank's own compute of its previous step too: rank r's in slot 1 + r of
+        `me` = (rank, world) slots (no collective or store round trip of its own)."""
         lo, hi = microbatches
         if lo == hi:  # no microbatch on this rank (an uneven split): it still takes part in every reduction
             self.buckets.begin_microbatch(last=True, launch=launch)
             self.buckets.end_microbatch()
         mine = loss_sum if (self.stage.last and c.tp == 0) or math.isnan(loss_sum) else 0.0  # each loss counted once
-        lt = torch.tensor([mine], dtype=torch.float64)
+        lt = torch.zeros(1 + me[1], dtype=torch.float64)
+        lt[0], lt[1 + me[0]] = mine, self.own_prev
         w_loss = comm.train.allreduce([lt])
         for b, w in works:
             wait(w, f"gradient reduction of step {s}")
@@ -310,9 +348,10 @@ class Trainer:
             for tlo, thi in self.tied_ranges:
                 wait(comm.emb.allreduce([grad[tlo:thi]]), f"tied-embedding gradient of step {s}")
         wait(w_loss, f"loss all-reduce of step {s}")
-        if not math.isfinite(float(lt)):
-            raise Unhealable(f"the loss of step {s} is {float(lt) / m_total} (numerical error in the training itself)")
-        return float(lt) / m_total
+        total = float(lt[0])
+        if not math.isfinite(total):
+            raise Unhealable(f"the loss of step {s} is {total / m_total} (numerical error in the training itself)")
+        return total / m_total
 
     def _clip(self, s: int, comm: Any, grad: torch.Tensor, dp: int, wait: Wait) -> tuple[torch.Tensor, float | None]:
         """This rank's gradient shard, clipped by the global norm with `--clip-grad-norm`; and that norm."""

@@ -1,0 +1,173 @@
+"""Stragglers: nodes whose own compute per step is slower than their peers', found, reported, evicted.
+
+Synchronous data parallelism runs at the speed of its slowest node. Each step's record (rank 0's
+`step/<s>`) carries every node's own compute time of the step before (`nodes_compute_s`: its slowest
+worker's forward, backward and optimizer time, less the time it was blocked waiting for other ranks;
+the workers add it to the step's loss all-reduce, so it costs neither a collective nor a store round
+trip of its own, see train/trainer.py). The coordinator's main loop polls `StragglerMonitor`, which
+reads the records as they come and feeds `StragglerDetector` (pure): a node whose time exceeds
+`--straggler-factor` times the median of its peers' for `--straggler-window` consecutive measured
+steps is flagged, once. The monitor says so (a `straggler` event: node, slot, ratio, first step; the
+live line and the reports show it) and, with `--evict-stragglers` and a ready spare, hands the node to
+`evict`: at most once per node, never while a recovery is pending, and only while it is still slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from phoenixft.config import RunConfig
+from phoenixft.controlplane import get_nowait, keys
+from phoenixft.controlplane.values import parse_json
+from phoenixft.coordinator.admission import Admission
+from phoenixft.coordinator.detect import FailureDetector
+from phoenixft.coordinator.shared import Job, Membership
+
+__all__ = ["Flag", "StragglerDetector", "StragglerMonitor", "evict", "DRAIN_REQUEST"]
+
+# the planned drain's request for a straggler (the value of `drain/<slot>`)
+DRAIN_REQUEST = {"reason": "straggler", "source": "coordinator", "deadline": None}
+MAX_RECORDS = 512  # step records read per poll at most (a restarted coordinator starts near the progress)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A node flagged as a straggler."""
+
+    node: str
+    ratio: float  # its compute over its peers' median: the median of that ratio over the window
+    first_step: int  # the first step of its run of slow steps
+    step: int  # the step that filled the window
+
+
+@dataclass
+class _Run:
+    first: int = 0  # the first step of the current run of slow steps
+    ratios: deque[float] = field(default_factory=deque)  # the last `window` ratios of the run
+
+
+class StragglerDetector:
+    """Flags a node whose compute exceeds `factor` times its peers' median for `window` consecutive
+    measured steps. Pure: `observe` one step's times at a time, in step order."""
+
+    def __init__(self, factor: float, window: int) -> None:
+        if not factor > 1 or window < 1:
+            raise ValueError(f"factor must be > 1 and window >= 1, got {factor}, {window}")
+        self.factor, self.window = factor, window
+        self.flagged: dict[str, Flag] = {}
+        self.last = -1  # the last step observed (a replayed step after a recovery is not counted twice)
+        self._runs: dict[str, _Run] = {}  # node -> its current run of slow steps (absent: its last step was not)
+
+    def slow_now(self, node: str) -> bool:
+        """Whether `node`'s last measured step was slower than `factor` times its peers' median."""
+        return node in self._runs
+
+    def observe(self, step: int, times: Mapping[str, float]) -> list[Flag]:
+        """One measured step: node -> its own compute time in seconds (a node without a positive, finite
+        time was not measured: its run is broken). The nodes flagged at this step (each node once)."""
+        if step <= self.last:
+            return []
+        self.last = step
+        valid = {n: float(t) for n, t in times.items() if isinstance(t, (int, float)) and math.isfinite(t) and t > 0}
+        for n in [n for n in self._runs if n not in valid]:
+            del self._runs[n]
+        out: list[Flag] = []
+        if len(valid) < 2:  # no peer to compare with
+            self._runs.clear()
+            return out
+        for n, t in valid.items():
+            ratio = t / statistics.median(v for m, v in valid.items() if m != n)
+            if not ratio > self.factor:
+                self._runs.pop(n, None)
+                continue
+            run = self._runs.setdefault(n, _Run(first=step, ratios=deque(maxlen=self.window)))
+            run.ratios.append(ratio)
+            if len(run.ratios) >= self.window and n not in self.flagged:
+                flag = Flag(node=n, ratio=statistics.median(run.ratios), first_step=run.first, step=step)
+                self.flagged[n] = flag
+                out.append(flag)
+        return out
+
+
+def evict(job: Job, detector: FailureDetector, slot: int, node: str) -> None:
+    """Move straggler `node` (in `slot`) off the job: the planned drain's request (`drain/<slot>`), and,
+    through the fence-and-hot-swap path, the node counted as lost at the main loop's next look (every
+    member leaves its step at the epoch's failure flag, the survivors resume from the last committed
+    step, a ready spare takes the slot, the node is fenced and its agent stops it)."""
+    job.store.set(keys.drain_key(slot), json.dumps(DRAIN_REQUEST))
+    detector.exited_nodes.add(node)
+
+
+class StragglerMonitor:
+    """The coordinator's straggler detection over the step records (`poll`, from its main loop)."""
+
+    def __init__(self, job: Job, cfg: RunConfig, state: Membership, admission: Admission,
+                 detector: FailureDetector) -> None:
+        self.job, self.cfg, self.state, self.admission, self.detector = job, cfg, state, admission, detector
+        self.on = cfg.straggler_factor > 0
+        self.det = StragglerDetector(cfg.straggler_factor, cfg.straggler_window) if self.on else None
+        self.seen: int | None = None  # the last step whose record was read
+        self.evicted: set[str] = set()
+        self._no_spare_said: set[str] = set()
+
+    def poll(self) -> None:
+        """Read the step records since the last poll, flag stragglers, evict one if it should be."""
+        if self.det is None or self.state.topo is None:
+            return
+        progress = self.job.progress()
+        if self.seen is None or progress < self.seen:  # (a restarted coordinator; a replay after a recovery)
+            self.seen = max(0, progress - self.cfg.straggler_window) if self.seen is None else progress
+        first, self.seen = max(self.seen + 1, progress - MAX_RECORDS + 1), progress
+        for rec in self._records(first, progress):
+            times, step = rec.get("nodes_compute_s"), rec.get("nodes_compute_step")
+            if isinstance(times, dict) and isinstance(step, int):
+                for flag in self.det.observe(step, times):
+                    self._flagged(flag)
+        if self.cfg.evict_stragglers:
+            for node in [n for n in self.det.flagged if n not in self.evicted]:
+                self._evict(node)
+
+    def _records(self, first: int, last: int) -> list[dict[str, object]]:
+        if first > last:
+            return []
+        names = [keys.step(s) for s in range(first, last + 1)]
+        raws = self.job.store.multi_get(names) if self.job.store.check(names) else [
+            get_nowait(self.job.store, n) for n in names]
+        recs = [parse_json(bytes(r), n) if r is not None else None for n, r in zip(names, raws, strict=True)]
+        return [r for r in recs if isinstance(r, dict)]
+
+    def _flagged(self, flag: Flag) -> None:
+        topo = self.state.topo
+        assert topo is not None
+        slot = topo.nodes.index(flag.node) if flag.node in topo.nodes else None
+        action = "evict" if self.cfg.evict_stragglers else "report"
+        self.job.event("straggler", node=flag.node, slot=slot, ratio=round(flag.ratio, 3), first_step=flag.first_step,
+                       step=flag.step, factor=self.cfg.straggler_factor, window=self.cfg.straggler_window,
+                       action=action)
+
+    def _evict(self, node: str) -> None:
+        """Evict `node` now if it is still in the job and still slow, no recovery is pending and a spare is
+        ready (else look again at the next poll)."""
+        topo, det = self.state.topo, self.det
+        assert topo is not None and det is not None
+        if node not in topo.nodes or node in self.state.dead:
+            self.evicted.add(node)  # (gone meanwhile: nothing to evict, ever)
+            return
+        if not det.slow_now(node) or self.job.store.check([keys.failflag(topo.epoch)]):
+            return
+        self.admission.refresh_pool()
+        spares = self.admission.ready_spares()
+        if not spares:
+            if node not in self._no_spare_said:
+                self._no_spare_said.add(node)
+                self.job.event("straggler_kept", node=node, epoch=topo.epoch, why="no ready spare")
+            return
+        self.evicted.add(node)
+        self.job.event("straggler_evicted", node=node, slot=topo.nodes.index(node), epoch=topo.epoch,
+                       spare=spares[0], step=self.job.progress())
+        evict(self.job, self.detector, topo.nodes.index(node), node)
