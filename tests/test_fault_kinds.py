@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from collections.abc import Callable
 
 import pytest
@@ -67,6 +68,12 @@ def _partition(rng: random.Random) -> str:
     return f"partition:node={rng.randint(0, 63)}@{','.join(when)}"
 
 
+def _slow(rng: random.Random) -> str:
+    when = [f"step={rng.randint(0, 10**6)}", f"factor={rng.choice(['3', '1.3', '1000', repr(rng.uniform(1.0001, 999))])}"]
+    rng.shuffle(when)
+    return f"slow:node={rng.randint(0, 63)}@{','.join(when)}"
+
+
 GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "kill": _kill,
     "hang": _at_step("hang", lambda rng: f"node={rng.randint(0, 63)}"),
@@ -74,6 +81,7 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "corrupt": _corrupt,
     "nan": lambda rng: f"nan:step={rng.randint(0, 10**6)}",
     "partition": _partition,
+    "slow": _slow,
 }
 
 
@@ -99,8 +107,8 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     assert str(e.value) == (
         "--inject='boom:node=1@step=3' is invalid: expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, "
         "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
-        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S or "
-        "partition:node=I@step=S[,for=SECONDS]")
+        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S, "
+        "partition:node=I@step=S[,for=SECONDS] or slow:node=I@step=S,factor=F")
     with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
         parse_fault("nan:step=3,wait=5")
 
@@ -112,6 +120,7 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     ("crash:rank=2@step=3", Point.STEP),
     ("corrupt:node=1@step=3", Point.REPLICAS), ("corrupt:node=1@step=3,phase=transfer", Point.TRANSFER),
     ("nan:step=3", Point.LOSS), ("partition:node=1@step=3", Point.HEARTBEAT),
+    ("slow:node=1@step=3,factor=2", Point.COMPUTE),
 ])
 def test_each_spec_fires_at_its_point(text: str, point: Point) -> None:
     assert parse_fault(text).point is point
@@ -140,4 +149,22 @@ def test_a_launch_mode_refuses_what_it_cannot_fire() -> None:
     assert part.kind_of.refuse(part, False) is None
     assert "other hosts than the coordinator" in (coord.kind_of.refuse(coord, False) or "")
     assert coord.kind_of.refuse(coord, True) is None
-    assert [k for k, x in KINDS.items() if not x.needs_protection] == ["nan"]
+    assert [k for k, x in KINDS.items() if not x.needs_protection] == ["nan", "slow"]
+
+
+@pytest.mark.parametrize("text,why", [
+    ("slow:node=1@step=5", "expected slow:node=I@step=S,factor=F"),
+    ("slow:node=1@step=5,factor=1", "factor=1 must be a number > 1"),
+    ("slow:node=1@step=5,factor=nan", "factor=nan must be a number > 1"),
+    ("slow:node=1@step=5,factor=1001", "factor=1001 must be at most 1000"),
+    ("slow:node=1@step=5,factor=x", "factor must be a number, got 'x'"),
+    ("slow:node=1@step=5,factor=2,phase=backward", "takes no phase"),
+    ("slow:node=1@step=5,factor=2,wait=3", "wait=SECONDS is for"),
+    ("slow:node=1,2@step=5,factor=2", "expected"),
+    ("kill:node=1@step=5,factor=2", "factor=F is only for slow faults"),
+])
+def test_a_slow_fault_needs_a_factor_above_one(text: str, why: str) -> None:
+    with pytest.raises(UserError, match=re.escape(why)):
+        parse_fault(text)
+    f = parse_fault("slow:node=2@step=7,factor=2.5")
+    assert (f.nodes, f.step, f.factor, str(f)) == ((2,), 7, 2.5, "slow:node=2@step=7,factor=2.5")
