@@ -69,7 +69,8 @@ def _partition(rng: random.Random) -> str:
 
 
 def _slow(rng: random.Random) -> str:
-    when = [f"step={rng.randint(0, 10**6)}", f"factor={rng.choice(['3', '1.3', '1000', repr(rng.uniform(1.0001, 999))])}"]
+    factor = rng.choice(["3", "1.3", "1000", repr(rng.uniform(1.0001, 999))])
+    when = [f"step={rng.randint(0, 10**6)}", f"factor={factor}"]
     rng.shuffle(when)
     return f"slow:node={rng.randint(0, 63)}@{','.join(when)}"
 
