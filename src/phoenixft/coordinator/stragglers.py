@@ -20,6 +20,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import get_nowait, keys
@@ -27,8 +28,9 @@ from phoenixft.controlplane.values import parse_json
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.shared import Job, Membership
+from phoenixft.dist.topology import Topology
 
-__all__ = ["Flag", "StragglerDetector", "StragglerMonitor", "evict", "DRAIN_REQUEST"]
+__all__ = ["Flag", "StragglerDetector", "StragglerMonitor", "evict", "nodes_compute", "DRAIN_REQUEST"]
 
 # the planned drain's request for a straggler (the value of `drain/<slot>`)
 DRAIN_REQUEST = {"reason": "straggler", "source": "coordinator", "deadline": None}
@@ -92,6 +94,30 @@ class StragglerDetector:
                 self.flagged[n] = flag
                 out.append(flag)
         return out
+
+
+def nodes_compute(topo: Topology, s: int, ranks_own_s: list[float]) -> dict[str, Any]:
+    """The step record's per-node compute: each node's own compute of step `s` - 1 (its slowest worker's;
+    a worker that measured none yet, e.g. a spare just promoted, counts for nothing), what the
+    coordinator's straggler detection reads. Under --tp/--pp the stages
+    differ in work: each rank's time is rescaled by its stage's median (over its data-parallel peers)
+    to the job's median, so that only a rank slower than the ranks doing the same work stands out."""
+    lay = topo.layout
+    measured = {r: t for r, t in enumerate(ranks_own_s) if t > 0.0}
+    if not measured:
+        return {}
+    if not lay.trivial:
+        job = statistics.median(measured.values())
+        by_stage: dict[tuple[int, int], list[float]] = {}
+        for r, t in measured.items():
+            by_stage.setdefault(lay.coord(r).stage, []).append(t)
+        medians = {st: statistics.median(ts) for st, ts in by_stage.items()}
+        measured = {r: t * job / medians[lay.coord(r).stage] for r, t in measured.items()}
+    per: dict[str, float] = {}
+    for r, t in measured.items():
+        n = topo.node_of_rank(r)
+        per[n] = max(per.get(n, 0.0), t)
+    return {"nodes_compute_s": {n: round(t, 6) for n, t in per.items()}, "nodes_compute_step": s - 1}
 
 
 def evict(job: Job, detector: FailureDetector, slot: int, node: str) -> None:

@@ -27,6 +27,7 @@ from phoenixft.controlplane import Store, auth, exists_many, keys
 from phoenixft.controlplane.signed import env_token, run_ended, set_signed
 from phoenixft.controlplane.values import parse_int, read_json, read_raw
 from phoenixft.controlplane.watcher import FailureWatcher
+from phoenixft.coordinator.stragglers import nodes_compute
 from phoenixft.dist import device
 from phoenixft.dist.comm import EpochComm, connect_store
 from phoenixft.dist.topology import Topology
@@ -426,20 +427,6 @@ class Worker:
         finally:
             self.watcher.close()
             self.protection.close()
-
-
-def nodes_compute(topo: Topology, s: int, ranks_own_s: list[float]) -> dict[str, Any]:
-    """The step record's per-node compute: each node's own compute of step `s` - 1 (its slowest worker's;
-    a worker that measured none yet, e.g. a spare just promoted, counts for nothing), what the
-    coordinator's straggler detection reads (coordinator/stragglers.py)."""
-    per: dict[str, float] = {}
-    for r, t in enumerate(ranks_own_s):
-        if t > 0.0:
-            n = topo.node_of_rank(r)
-            per[n] = max(per.get(n, 0.0), t)
-    if not per:
-        return {}
-    return {"nodes_compute_s": {n: round(t, 6) for n, t in per.items()}, "nodes_compute_step": s - 1}
 
 
 def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: str) -> None:

@@ -230,7 +230,8 @@ class Trainer:
              slow: float = 1.0) -> StepResult:
         """Train step `s` on this rank (the phases of the module docstring); the shard commits step `s`.
         Its own compute (`StepResult.own_s`) is the step's time less the time blocked in waits for other
-        ranks (collectives, the previous step's replication); `slow` > 1 (the `slow:` fault) makes that
+        ranks (collectives, the previous step's replication), its forward/backward scaled to an even share
+        of the microbatches when the split is uneven (after a shrink); `slow` > 1 (the `slow:` fault) makes that
         compute `slow` times as long, with a sleep inside the rank's compute span."""
         cfg, c = self.cfg, layout.coord(rank)
         m_total = cfg.total_microbatches
@@ -257,6 +258,8 @@ class Trainer:
             loss_sum = math.nan
         t_compute = time.perf_counter() - t0
         own_c, blocked_c = t_compute - timed.s - waited[0], timed.s
+        mine = microbatches[1] - microbatches[0]  # (an uneven split: forward/backward scaled to an even share)
+        own_c *= m_total / layout.dp / mine if mine and m_total % layout.dp else 1.0
         # 2-3. (the first bucket waited for the previous step's replication) gradients and loss summed
         lt, w_loss = self._reduce_gradients(s, comm, c, microbatches, loss_sum, launch, works, rs, wait,
                                             (rank, layout.world))
