@@ -40,7 +40,8 @@ class ControlPlaneConfig:
     straggler_window: int = option(20, "Consecutive steps a node must be slower than --straggler-factor times its "
                                    "peers' median before it is flagged as a straggler.", flag="--straggler-window")
     evict_stragglers: bool = option(True, "Move a straggler's role to a ready spare (at most once per node, never "
-                                    "during a recovery); --no-evict-stragglers: report it only.",
+                                    "during a recovery; needs --protect phoenix); --no-evict-stragglers: report "
+                                    "it only.",
                                     flag="--evict-stragglers", action="both")
     timeout: float = option(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
 

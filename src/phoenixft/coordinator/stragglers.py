@@ -8,8 +8,11 @@ trip of its own, see train/trainer.py). The coordinator's main loop polls `Strag
 reads the records as they come and feeds `StragglerDetector` (pure): a node whose time exceeds
 `--straggler-factor` times the median of its peers' for `--straggler-window` consecutive measured
 steps is flagged, once. The monitor says so (a `straggler` event: node, slot, ratio, first step; the
-live line and the reports show it) and, with `--evict-stragglers` and a ready spare, hands the node to
-`evict`: at most once per node, never while a recovery is pending, and only while it is still slow.
+live line and the reports show it) and, with `--evict-stragglers`, protection (`--protect phoenix`:
+the spare takes the node's state from its replicas) and a ready spare, hands the node to `evict`: at
+most once per node, never while a recovery is pending, and only while it is still slow.
+`nodes_compute` (what rank 0 writes into the step record) rescales each rank's time under --tp/--pp
+by its stage's median, so that a stage with more work is no straggler.
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ class StragglerMonitor:
                  detector: FailureDetector) -> None:
         self.job, self.cfg, self.state, self.admission, self.detector = job, cfg, state, admission, detector
         self.on = cfg.straggler_factor > 0
+        # (a job without protection has no replicas a spare could take the straggler's state from)
+        self.evicts = cfg.evict_stragglers and cfg.protect == "phoenix"
         self.det = StragglerDetector(cfg.straggler_factor, cfg.straggler_window) if self.on else None
         self.seen: int | None = None  # the last step whose record was read
         self.evicted: set[str] = set()
@@ -154,7 +159,7 @@ class StragglerMonitor:
             if isinstance(times, dict) and isinstance(step, int):
                 for flag in self.det.observe(step, times):
                     self._flagged(flag)
-        if self.cfg.evict_stragglers:
+        if self.evicts:
             for node in [n for n in self.det.flagged if n not in self.evicted]:
                 self._evict(node)
 
@@ -171,7 +176,7 @@ class StragglerMonitor:
         topo = self.state.topo
         assert topo is not None
         slot = topo.nodes.index(flag.node) if flag.node in topo.nodes else None
-        action = "evict" if self.cfg.evict_stragglers else "report"
+        action = "evict" if self.evicts else "report"
         self.job.event("straggler", node=flag.node, slot=slot, ratio=round(flag.ratio, 3), first_step=flag.first_step,
                        step=flag.step, factor=self.cfg.straggler_factor, window=self.cfg.straggler_window,
                        action=action)
