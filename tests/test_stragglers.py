@@ -242,3 +242,120 @@ def test_without_eviction_a_straggler_is_reported_and_stays(tmp_path: Path) -> N
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["node"] for e in events if e["kind"] == "straggler"] == ["n0"]
     assert not [e for e in events if e["kind"] == "straggler_evicted"]
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.kv[key] = value.encode()
+
+    def check(self, names: list[str]) -> bool:
+        return all(n in self.kv for n in names)
+
+    def multi_get(self, names: list[str]) -> list[bytes]:
+        return [self.kv[n] for n in names]
+
+    def get(self, name: str) -> bytes:
+        return self.kv[name]
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.store, self.at = _Store(), 0
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.events.append((kind, fields))
+
+    def progress(self) -> int:
+        return self.at
+
+    def steps(self, upto: int, slow: str = "n1") -> None:
+        for s in range(self.at + 1, upto + 1):
+            times = {n: (0.3 if n == slow else 0.1) for n in ("n0", "n1", "n2")}
+            measured = {"nodes_compute_s": times, "nodes_compute_step": s - 1} if s > 1 else {}  # (none before step 1)
+            self.store.set(f"step/{s}", json.dumps({"step": s, **measured}))
+        self.at = upto
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.ready: list[str] = []
+
+    def refresh_pool(self) -> None:
+        pass
+
+    def ready_spares(self) -> list[str]:
+        return self.ready
+
+
+class _Exits:
+    def __init__(self) -> None:
+        self.exited_nodes: set[str] = set()
+
+
+def _monitor(**cfg: Any) -> tuple[Any, _Job, _Pool, _Exits]:
+    from phoenixft.config import RunConfig
+    from phoenixft.coordinator.shared import Membership
+    from phoenixft.coordinator.stragglers import StragglerMonitor
+
+    state = Membership()
+    state.topo = Topology(epoch=3, nodes=["n0", "n1", "n2"], workers_per_node=1, replicas=1, racks=1, resume_step=0)
+    job, pool, exits = _Job(), _Pool(), _Exits()
+    mon = StragglerMonitor(job, RunConfig(nodes=3, straggler_window=5, **cfg), state, pool, exits)  # type: ignore[arg-type]
+    return mon, job, pool, exits
+
+
+def test_the_monitor_evicts_once_with_a_spare_and_never_during_a_recovery() -> None:
+    from phoenixft.coordinator.stragglers import DRAIN_REQUEST
+
+    mon, job, pool, exits = _monitor()
+    job.steps(4)
+    mon.poll()
+    assert job.events == [] and mon.seen == 4
+    job.steps(7)
+    mon.poll()  # steps 1..6 measured: n1 slow for 6 > 5 steps, flagged; no spare: it stays
+    kinds = [k for k, _ in job.events]
+    assert kinds == ["straggler", "straggler_kept"], job.events
+    flag = job.events[0][1]
+    assert (flag["node"], flag["slot"], flag["ratio"], flag["first_step"], flag["action"]) == ("n1", 1, 3.0, 1, "evict")
+    pool.ready = ["s0"]
+    job.store.set("failflag/3", "1")  # a recovery pending: not now
+    job.steps(8)
+    mon.poll()
+    assert exits.exited_nodes == set() and "drain/1" not in job.store.kv
+    del job.store.kv["failflag/3"]
+    job.steps(9)
+    mon.poll()
+    assert exits.exited_nodes == {"n1"} and json.loads(job.store.kv["drain/1"]) == DRAIN_REQUEST
+    assert [k for k, _ in job.events][-1] == "straggler_evicted" and job.events[-1][1]["spare"] == "s0"
+    exits.exited_nodes.clear()
+    job.steps(12)
+    mon.poll()
+    assert exits.exited_nodes == set() and len(job.events) == 3  # once per node
+
+
+@pytest.mark.parametrize("cfg", [{"evict_stragglers": False}, {"protect": "none", "spares": 0}])
+def test_the_monitor_only_reports_without_eviction_or_protection(cfg: dict[str, Any]) -> None:
+    mon, job, pool, exits = _monitor(**cfg)
+    pool.ready = ["s0"]
+    job.steps(10)
+    mon.poll()
+    assert [(k, f["action"]) for k, f in job.events] == [("straggler", "report")]
+    assert exits.exited_nodes == set() and "drain/1" not in job.store.kv
+
+
+def test_a_node_that_got_fast_again_is_not_evicted_and_off_means_off() -> None:
+    mon, job, pool, exits = _monitor()
+    job.steps(8)
+    mon.poll()
+    job.steps(10, slow="")  # n1 is as fast as its peers again before a spare is ready
+    pool.ready = ["s0"]
+    mon.poll()
+    assert exits.exited_nodes == set()
+    off, job2, _, _ = _monitor(straggler_factor=0.0)
+    job2.steps(30)
+    off.poll()
+    assert job2.events == []
