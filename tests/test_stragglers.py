@@ -239,6 +239,11 @@ def test_without_eviction_a_straggler_is_reported_and_stays(tmp_path: Path) -> N
     (st,) = rep["stragglers"]
     assert st["node"] == "n0" and st["ratio"] > 1.8 and st["action"] == "report" and not st["evicted"], st
     assert rep["recoveries"] == []
+    from phoenixft.observe.html_report import write_report
+
+    html = write_report(tmp_path).read_text()
+    table = html[html.index('<table id="stragglers">'):]
+    assert "<td data-key=\"node\">n0</td>" in table[:table.index("</table>")], table[:600]
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["node"] for e in events if e["kind"] == "straggler"] == ["n0"]
     assert not [e for e in events if e["kind"] == "straggler_evicted"]
