@@ -192,7 +192,7 @@ def test_under_a_mesh_only_a_rank_slower_than_its_stage_peers_stands_out() -> No
 
 
 # ---------------------------------------------------------------------------------------------- real runs
-STEPS, SLOW_AT, WINDOW = 50, 6, 10
+STEPS, SLOW_AT, WINDOW = 40, 6, 10
 
 
 def _dts(tmp: Path) -> dict[int, float]:
