@@ -1,0 +1,145 @@
+"""What the launcher records as the run goes: every step record appended to `metrics.jsonl` (line
+buffered, so `tail -f` follows it), the live goodput, and the exports (`observe/sinks.py`).
+
+Step records are read from the store in order, each once it exists and belongs to an epoch that may
+still write it: after a recovery resumed from step R in epoch E, steps past R are read again once
+their record is E's or later (the replay), and appended again. At the end the report makes
+`metrics.jsonl` hold each step's last execution once (`report.write_metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from phoenixft.config import RunConfig
+from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane.values import parse_json, read_json
+from phoenixft.observe.goodput import account
+from phoenixft.observe.report import STEP_BATCH, read_recoveries
+from phoenixft.observe.sinks import PrometheusSink, TensorBoardSink
+
+__all__ = ["LiveMetrics"]
+
+GOODPUT_EVERY_S = 1.0  # the live goodput is recomputed at most this often
+
+
+class LiveMetrics:
+    """The run's live records. `host`: where the Prometheus endpoint listens (the control plane's address)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, host: str, t_launch: float) -> None:
+        self.cfg, self.run_dir, self.t_launch = cfg, run_dir, t_launch
+        self.steps: dict[int, dict[str, Any]] = {}  # each step's latest execution seen
+        self.events: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self.next: int | None = None  # the next step record to read
+        self.floor: list[tuple[int, int]] = []  # (R, E): steps past R are read from epoch E's records on
+        self.pending = False  # a recovery planned whose first step has not been read yet
+        self.rank0_node: str | None = None
+        self.n_recoveries = 0
+        self.quarantined: set[str] = set()
+        self.goodput: dict[str, Any] | None = None
+        self._goodput_at = 0.0
+        self._file: IO[str] | None = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self.tb: TensorBoardSink | None = TensorBoardSink(cfg.tensorboard) if cfg.tensorboard else None
+        self.prom: PrometheusSink | None = PrometheusSink(host, cfg.metrics_port) if cfg.metrics_port >= 0 else None
+        if self.prom is not None:
+            (run_dir / "metrics.port").write_text(f"{self.prom.port}\n")
+
+    # ------------------------------------------------------------------ inputs
+    def event(self, ev: dict[str, Any]) -> None:
+        self.events.append(ev)
+        kind = ev.get("kind")
+        if kind == "epoch" and isinstance(ev.get("nodes"), list) and ev["nodes"]:
+            self.rank0_node = str(ev["nodes"][0])
+        elif kind == "recovery_planned" and isinstance(ev.get("resume_step"), int):
+            r, e = int(ev["resume_step"]), int(ev.get("epoch") or 0)
+            self.floor.append((r, e))
+            for s in [s for s in self.steps if s > r]:
+                del self.steps[s]
+            if self.next is not None:
+                self.next = min(self.next, r + 1)
+            self.pending = True
+        elif kind == "classified":
+            self.n_recoveries += 1
+            if self.prom is not None:
+                self.prom.recovery(str(ev.get("class")), str(ev.get("action")))
+            if self.tb is not None:
+                self.tb.recovery(self.n_recoveries, max(self.steps, default=0))
+        elif kind in ("quarantined", "host_quarantined") and ev.get("host"):
+            self.quarantined.add(str(ev["host"]))
+            if self.prom is not None:
+                self.prom.quarantined.set(len(self.quarantined))
+
+    def advance(self, store: Store, progress: int) -> None:
+        """Read the step records up to `progress` that are there (in order), record each."""
+        if self.next is None:
+            topo = read_json(store, keys.topo(0))
+            self.next = int(topo.get("resume_step", 0)) + 1 if isinstance(topo, dict) else 1
+        while self.next <= progress:
+            last = min(progress, self.next + STEP_BATCH - 1)
+            names = [keys.step(s) for s in range(self.next, last + 1)]
+            if store.check(names):
+                raws = store.multi_get(names)
+            elif store.check(names[:1]):  # (a later one missing: one at a time)
+                raws = [store.get(names[0])]
+            else:
+                return
+            for s, raw in zip(range(self.next, last + 1), raws, strict=False):
+                rec = parse_json(bytes(raw), names[s - self.next])
+                if rec is None or int(rec.get("epoch", 0)) < self._min_epoch(s):
+                    return  # (not written yet by the epoch that runs it now)
+                self._record(rec)
+                self.next = s + 1
+        if self.pending and self.steps and self.floor and \
+                max(int(r.get("epoch", 0)) for r in self.steps.values()) >= self.floor[-1][1]:
+            self.pending = False  # the recovery's first step is in: its entry is complete
+            self.recoveries = read_recoveries(store, self.cfg)
+            if self.tb is not None and self.recoveries:
+                self.tb.recovery(self.n_recoveries, max(self.steps), self.recoveries[-1])
+
+    def _min_epoch(self, s: int) -> int:
+        return max((e for r, e in self.floor if s > r), default=0)
+
+    def _record(self, rec: dict[str, Any]) -> None:
+        s = int(rec["step"])
+        self.steps[s] = rec
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            self.tb.step(rec)
+        if self.prom is not None:
+            self.prom.step(rec, self.rank0_node)
+
+    # ------------------------------------------------------------------ outputs
+    def live_goodput(self, now: float | None = None) -> dict[str, Any] | None:
+        """The goodput so far (recomputed at most every GOODPUT_EVERY_S), exported as it is computed."""
+        now = time.time() if now is None else now
+        if now - self._goodput_at >= GOODPUT_EVERY_S and self.steps:
+            self._goodput_at = now
+            self.set_goodput(account(self.steps.values(), self.recoveries, self.events, t_launch=self.t_launch,
+                                     t_now=now))
+        return self.goodput
+
+    def set_goodput(self, g: dict[str, Any]) -> None:
+        self.goodput = g
+        if self.prom is not None:
+            self.prom.set_goodput(g)
+        if self.tb is not None:
+            self.tb.goodput(g, max(self.steps, default=0))
+
+    def close(self, report: dict[str, Any] | None = None) -> None:
+        """The final goodput exported (the report's), the files flushed, the endpoint stopped."""
+        if report is not None and isinstance(report.get("goodput"), dict):
+            self.set_goodput(report["goodput"])
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.prom is not None:
+            self.prom.close()
+            self.prom = None
