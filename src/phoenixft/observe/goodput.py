@@ -174,8 +174,12 @@ def account(steps: Iterable[Mapping[str, Any]], recoveries: Iterable[Mapping[str
     step's last execution; `recoveries`: the report's entries (`times`, `stages`, `class`, `action`,
     `resumed_step`); `events`: the run's events; `t_launch`: the job's start (None: its first event or
     step); `t_now`: the end of a live window (None: the end of the last step or record)."""
-    recs = sorted((r for r in steps if _num(r.get("t_end")) is not None and _num(r.get("dt")) is not None),
-                  key=lambda r: float(r["t_end"]))
+    latest: dict[int, Mapping[str, Any]] = {}  # each step once: its last execution
+    for r in steps:
+        if _num(r.get("t_end")) is not None and _num(r.get("dt")) is not None and isinstance(r.get("step"), int):
+            if r["step"] not in latest or float(r["t_end"]) >= float(latest[r["step"]]["t_end"]):
+                latest[r["step"]] = r
+    recs = sorted(latest.values(), key=lambda r: float(r["t_end"]))
     recoveries, events = list(recoveries), list(events)
     ends = {int(r["step"]): float(r["t_end"]) for r in recs}
     decided = {int(r["epoch"]): t for r in recoveries if isinstance(r.get("epoch"), int)
