@@ -24,6 +24,7 @@ from phoenixft.observe.sinks import PrometheusSink, TensorBoardSink
 __all__ = ["LiveMetrics"]
 
 GOODPUT_EVERY_S = 1.0  # the live goodput is recomputed at most this often
+GOODPUT_SHARE = 0.02  # and at most this share of the launcher's time (a long run's records take longer)
 
 
 class LiveMetrics:
@@ -31,7 +32,7 @@ class LiveMetrics:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, host: str, t_launch: float) -> None:
         self.cfg, self.run_dir, self.t_launch = cfg, run_dir, t_launch
-        self.steps: dict[int, dict[str, Any]] = {}  # each step's latest execution seen
+        self.steps: dict[int, tuple[float, float, int]] = {}  # each step's latest execution seen: t_end, dt, epoch
         self.events: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
         self.next: int | None = None  # the next step record to read
@@ -41,7 +42,7 @@ class LiveMetrics:
         self.n_recoveries = 0
         self.quarantined: set[str] = set()
         self.goodput: dict[str, Any] | None = None
-        self._goodput_at = 0.0
+        self._goodput_next = 0.0  # when the live goodput may be recomputed
         self._file: IO[str] | None = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         self.tb: TensorBoardSink | None = TensorBoardSink(cfg.tensorboard) if cfg.tensorboard else None
         self.prom: PrometheusSink | None = PrometheusSink(host, cfg.metrics_port) if cfg.metrics_port >= 0 else None
@@ -93,8 +94,7 @@ class LiveMetrics:
                     return  # (not written yet by the epoch that runs it now)
                 self._record(rec)
                 self.next = s + 1
-        if self.pending and self.steps and self.floor and \
-                max(int(r.get("epoch", 0)) for r in self.steps.values()) >= self.floor[-1][1]:
+        if self.pending and self.steps and self.floor and self.steps[max(self.steps)][2] >= self.floor[-1][1]:
             self.pending = False  # the recovery's first step is in: its entry is complete
             self.recoveries = read_recoveries(store, self.cfg)
             if self.tb is not None and self.recoveries:
@@ -105,7 +105,7 @@ class LiveMetrics:
 
     def _record(self, rec: dict[str, Any]) -> None:
         s = int(rec["step"])
-        self.steps[s] = rec
+        self.steps[s] = (float(rec["t_end"]), float(rec["dt"]), int(rec.get("epoch", 0)))
         if self._file is not None:
             self._file.write(json.dumps(rec) + "\n")
         if self.tb is not None:
@@ -117,11 +117,17 @@ class LiveMetrics:
     def live_goodput(self, now: float | None = None) -> dict[str, Any] | None:
         """The goodput so far (recomputed at most every GOODPUT_EVERY_S), exported as it is computed."""
         now = time.time() if now is None else now
-        if now - self._goodput_at >= GOODPUT_EVERY_S and self.steps:
-            self._goodput_at = now
-            self.set_goodput(account(self.steps.values(), self.recoveries, self.events, t_launch=self.t_launch,
-                                     t_now=now))
+        if now >= self._goodput_next and self.steps:
+            took = time.perf_counter()
+            self.set_goodput(self.account(now))
+            took = time.perf_counter() - took
+            self._goodput_next = now + max(GOODPUT_EVERY_S, took / GOODPUT_SHARE)
         return self.goodput
+
+    def account(self, now: float | None = None) -> dict[str, Any]:
+        """The goodput of what was seen so far (`now`: the end of the window; None: the last record's)."""
+        steps = [{"step": s, "t_end": t, "dt": d} for s, (t, d, _) in self.steps.items()]
+        return account(steps, self.recoveries, self.events, t_launch=self.t_launch, t_now=now)
 
     def set_goodput(self, g: dict[str, Any]) -> None:
         self.goodput = g

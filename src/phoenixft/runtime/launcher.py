@@ -659,6 +659,7 @@ def _lost_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
             "error": f"control plane lost: {job.control_plane_lost}",
             "steps_completed": job.last_step_shown,
             "final_state_sha256": None, "recoveries": [], "faults": [], "run_dir": str(job.run_dir),
+            "goodput": job.live.account() if job.live is not None else None,  # (of what the launcher saw)
             "report_partial": "the control plane was lost: this report holds only what the launcher had seen"}
 
 
