@@ -117,6 +117,12 @@ def test_goodput_tensorboard_prometheus_and_live_metrics(tmp_path: Path, referen
     with pytest.raises((urllib.error.URLError, ConnectionError)):  # the endpoint stopped with the run
         _get(box["port"])
 
+    # the HTML report and `phoenixft report`: the same goodput, its causes in the table
+    from phoenixft.observe.html_report import write_report
+
+    page = write_report(d).read_text()
+    assert f"goodput <b>{g['goodput'] * 100:.1f}%</b>" in page and "<td>detection</td>" in page
+
     # TensorBoard's own reader: the per-step scalars equal metrics.jsonl's (the last write of a replayed step)
     acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
     acc.Reload()
@@ -152,3 +158,25 @@ def test_tensorboard_sink_writes_what_the_reader_reads_back(tmp_path: Path) -> N
     assert acc.Scalars("goodput/goodput")[-1].value == 0.75
     assert acc.Scalars("goodput/badput_detection_s")[-1].value == 0.5
     assert (acc.Scalars("recoveries/total")[-1].value, acc.Scalars("recoveries/recovery_s")[-1].value) == (1.0, 1.5)
+
+
+def test_export_flags_are_checked_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from phoenixft.config import RunConfig
+    from phoenixft.errors import UserError
+
+    (tmp_path / "f").write_text("")
+    for kw, words in (({"metrics_port": 65536}, "--metrics-port=65536 is invalid"),
+                      ({"metrics_port": -2}, "--metrics-port=-2 is invalid"),
+                      ({"tensorboard": str(tmp_path / "f")}, "it is a file"),
+                      ({"tensorboard": str(tmp_path / "f" / "sub")}, "cannot write there")):
+        with pytest.raises(UserError, match=words):
+            RunConfig(**kw).validate()
+    RunConfig(metrics_port=0, tensorboard=str(tmp_path / "new" / "tb")).validate()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prometheus_client"
+                        else real(name, *a))
+    with pytest.raises(UserError, match=r"--metrics-port needs .*pip install 'phoenixft\[metrics\]'"):
+        RunConfig(metrics_port=0).validate()
+    RunConfig(tensorboard=str(tmp_path)).validate()  # (tensorboard is there)
