@@ -4,7 +4,9 @@ labelling of the timeline, one time unit at a time, puts it."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,3 +164,59 @@ def test_spare_wait_ends_at_the_decision_of_its_recovery() -> None:
     g = account(steps, [rec], [{"kind": "waiting_for_spares", "t": 4.0, "epoch": 0}], t_launch=0.0)
     assert g["badput_s"]["spare_wait"] == pytest.approx(11.0)
     assert g["badput_s"]["decide"] == pytest.approx(1.0)
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: Any) -> None:
+        self.kv[key] = json.dumps(value).encode()
+
+    def check(self, ks: list[str]) -> bool:
+        return all(k in self.kv for k in ks)
+
+    def get(self, key: str) -> bytes:
+        return self.kv[key]
+
+    def multi_get(self, ks: list[str]) -> list[bytes]:
+        return [self.kv[k] for k in ks]
+
+
+def test_live_metrics_follow_a_rollback_and_the_report_keeps_each_step_once(tmp_path: Path) -> None:
+    """metrics.jsonl as the run goes: steps in order, none before the epoch that replays it wrote it (the
+    store still holds the rolled-back epoch's record then), the replay appended; at the end, each step once."""
+    from phoenixft.config import RunConfig
+    from phoenixft.controlplane import keys
+    from phoenixft.observe.live import LiveMetrics
+    from phoenixft.observe.report import write_metrics
+
+    st = _Store()
+    st.set(keys.topo(0), {"nodes": ["n0", "n1"], "resume_step": 0})
+
+    def step(s: int, epoch: int) -> dict[str, Any]:
+        rec = {"step": s, "loss": 1.0 / s + epoch, "dt": 0.1, "t_end": 100.0 + s + 10 * epoch, "epoch": epoch}
+        st.set(keys.step(s), rec)
+        return rec
+
+    live = LiveMetrics(RunConfig(nodes=2, steps=8), tmp_path, "127.0.0.1", 99.0, info=lambda _: None)
+    lines = lambda: [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    for s in range(1, 8):
+        step(s, 0)
+    live.advance(st, 3)
+    assert [r["step"] for r in lines()] == [1, 2, 3]  # written as the run goes, line by line
+    live.advance(st, 7)
+    live.event({"kind": "recovery_planned", "epoch": 1, "resume_step": 5, "t": 108.0})
+    live.advance(st, 7)  # progress still says 7: steps 6 and 7 are epoch 0's until the replay writes them
+    assert [r["step"] for r in lines()] == list(range(1, 8)) and sorted(live.steps) == [1, 2, 3, 4, 5]
+    final = [step(6, 1)]
+    live.advance(st, 6)
+    final += [step(7, 1), step(8, 1)]
+    live.advance(st, 8)
+    assert [(r["step"], r["epoch"]) for r in lines()][5:] == [(6, 0), (7, 0), (6, 1), (7, 1), (8, 1)]
+    g = live.account()
+    assert g["steps_counted"] == 8 and g["productive_s"] == pytest.approx(0.8)
+    live.close()
+    canon = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][:5] + final
+    write_metrics(tmp_path, canon)
+    assert lines() == canon

@@ -9,8 +9,10 @@ their record is E's or later (the replay), and appended again. At the end the re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,8 +32,9 @@ GOODPUT_SHARE = 0.02  # and at most this share of the launcher's time (a long ru
 class LiveMetrics:
     """The run's live records. `host`: where the Prometheus endpoint listens (the control plane's address)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, host: str, t_launch: float) -> None:
-        self.cfg, self.run_dir, self.t_launch = cfg, run_dir, t_launch
+    def __init__(self, cfg: RunConfig, run_dir: Path, host: str, t_launch: float,
+                 info: Callable[[str], None] = print) -> None:
+        self.cfg, self.run_dir, self.t_launch, self.info = cfg, run_dir, t_launch, info
         self.steps: dict[int, tuple[float, float, int]] = {}  # each step's latest execution seen: t_end, dt, epoch
         self.events: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -68,8 +71,7 @@ class LiveMetrics:
             self.n_recoveries += 1
             if self.prom is not None:
                 self.prom.recovery(str(ev.get("class")), str(ev.get("action")))
-            if self.tb is not None:
-                self.tb.recovery(self.n_recoveries, max(self.steps, default=0))
+            self._tb("recovery", self.n_recoveries, max(self.steps, default=0))
         elif kind in ("quarantined", "host_quarantined") and ev.get("host"):
             self.quarantined.add(str(ev["host"]))
             if self.prom is not None:
@@ -98,8 +100,8 @@ class LiveMetrics:
         if self.pending and self.steps and self.floor and self.steps[max(self.steps)][2] >= self.floor[-1][1]:
             self.pending = False  # the recovery's first step is in: its entry is complete
             self.recoveries = read_recoveries(store, self.cfg)
-            if self.tb is not None and self.recoveries:
-                self.tb.recovery(self.n_recoveries, max(self.steps), self.recoveries[-1])
+            if self.recoveries:
+                self._tb("recovery", self.n_recoveries, max(self.steps), self.recoveries[-1])
 
     def _min_epoch(self, s: int) -> int:
         return max((e for r, e in self.floor if s > r), default=0)
@@ -108,9 +110,13 @@ class LiveMetrics:
         s = int(rec["step"])
         self.steps[s] = (float(rec["t_end"]), float(rec["dt"]), int(rec.get("epoch", 0)))
         if self._file is not None:
-            self._file.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
-            self.tb.step(rec)
+            try:
+                self._file.write(json.dumps(rec) + "\n")
+            except OSError as e:  # (the report writes the whole file at the end)
+                self.info(f"!! metrics.jsonl: stopped writing it as the run goes ({e})")
+                self._file.close()
+                self._file = None
+        self._tb("step", rec)
         if self.prom is not None:
             self.prom.step(rec, self.rank0_node)
 
@@ -134,8 +140,17 @@ class LiveMetrics:
         self.goodput = g
         if self.prom is not None:
             self.prom.set_goodput(g)
-        if self.tb is not None:
-            self.tb.goodput(g, max(self.steps, default=0))
+        self._tb("goodput", g, max(self.steps, default=0))
+
+    def _tb(self, what: str, *args: Any) -> None:
+        """A write to the TensorBoard files; one that fails (a full disk) stops them, not the run."""
+        if self.tb is None:
+            return
+        try:
+            getattr(self.tb, what)(*args)
+        except Exception as e:  # noqa: BLE001 - whatever the writer raises: the training goes on
+            self.info(f"!! --tensorboard: stopped writing ({type(e).__name__}: {e})")
+            self.tb = None
 
     def close(self, report: dict[str, Any] | None = None) -> None:
         """The final goodput exported (the report's), the files flushed, the endpoint stopped."""
@@ -145,7 +160,8 @@ class LiveMetrics:
             self._file.close()
             self._file = None
         if self.tb is not None:
-            self.tb.close()
+            with contextlib.suppress(Exception):
+                self.tb.close()
             self.tb = None
         if self.prom is not None:
             self.prom.close()

@@ -243,7 +243,7 @@ class LocalJob:
         # then fails the run)
         self.store = connect_store(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0)
         self._log = LogReader(self.store, keys.EVENTS)
-        self.live = LiveMetrics(self.cfg, self.run_dir, self.host, self.t_launch)
+        self.live = LiveMetrics(self.cfg, self.run_dir, self.host, self.t_launch, self.display.info)
         if self.live.prom is not None:
             self.display.info(f"Prometheus metrics at http://{self.host}:{self.live.prom.port}/metrics")
         raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
