@@ -93,9 +93,11 @@ class LiveMetrics:
                 return
             for s, raw in zip(range(self.next, last + 1), raws, strict=False):
                 rec = parse_json(bytes(raw), names[s - self.next])
-                if rec is None or int(rec.get("epoch", 0)) < self._min_epoch(s):
+                epoch = rec.get("epoch") if rec is not None else None
+                if rec is not None and (epoch if isinstance(epoch, int) else 0) < self._min_epoch(s):
                     return  # (not written yet by the epoch that runs it now)
-                self._record(rec)
+                if rec is not None:  # (one that is not a JSON object is logged by parse_json, and passed)
+                    self._record(rec)
                 self.next = s + 1
         if self.pending and self.steps and self.floor and self.steps[max(self.steps)][2] >= self.floor[-1][1]:
             self.pending = False  # the recovery's first step is in: its entry is complete
@@ -107,8 +109,10 @@ class LiveMetrics:
         return max((e for r, e in self.floor if s > r), default=0)
 
     def _record(self, rec: dict[str, Any]) -> None:
-        s = int(rec["step"])
-        self.steps[s] = (float(rec["t_end"]), float(rec["dt"]), int(rec.get("epoch", 0)))
+        try:  # (a record without its times is written out, not accounted: anyone reaching the store can write one)
+            self.steps[int(rec["step"])] = (float(rec["t_end"]), float(rec["dt"]), int(rec.get("epoch", 0)))
+        except (KeyError, TypeError, ValueError):
+            pass
         if self._file is not None:
             try:
                 self._file.write(json.dumps(rec) + "\n")
