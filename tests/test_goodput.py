@@ -88,7 +88,7 @@ def _timeline(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], li
     events = []
     for _ in range(rng.randint(0, 3)):
         t = rng.randint(1, max(2, end + 3))
-        events.append({"kind": rng.choice(["health_check", "spare_wait"]), "t": t, "duration_s": rng.randint(0, t)})
+        events.append({"kind": rng.choice(["health_check", "spare_wait"]), "t": t, "duration_s": rng.randint(-2, t)})
     return steps, recs, events, launch
 
 
