@@ -30,10 +30,11 @@ class OutputConfig:
     tensorboard: str = option("", "Write TensorBoard event files to this directory as the run goes (loss, lr, "
                               "grad norm, step time, goodput and badput, recoveries); needs "
                               "`pip install 'phoenixft[metrics]'`.")
-    metrics_port: int = option(-1, "Serve Prometheus metrics on this port of the control plane's address "
-                               "(/metrics: steps, recoveries by class, goodput and badput, per-node step and compute "
-                               "time) while the run goes; 0 picks a free port (printed, and in RUN_DIR/metrics.port); "
-                               "-1: none. Needs `pip install 'phoenixft[metrics]'`.", flag="--metrics-port")
+    metrics_port: int = option(-1, "Serve Prometheus metrics on this port of the coordinator's address (127.0.0.1 "
+                               "for run, --host for coordinator) while the run goes (/metrics: steps, recoveries by "
+                               "class, goodput and badput, per-node step and compute time); 0 picks a free port "
+                               "(printed, and in RUN_DIR/metrics.port); -1: none. Needs "
+                               "`pip install 'phoenixft[metrics]'`.", flag="--metrics-port")
 
 
 def validate_output(cfg: RunConfig) -> None:

@@ -30,7 +30,8 @@ GOODPUT_SHARE = 0.02  # and at most this share of the launcher's time (a long ru
 
 
 class LiveMetrics:
-    """The run's live records. `host`: where the Prometheus endpoint listens (the control plane's address)."""
+    """The run's live records. `host`: where the Prometheus endpoint listens (the launcher's: 127.0.0.1, or
+    the head's --host)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, host: str, t_launch: float,
                  info: Callable[[str], None] = print) -> None:
