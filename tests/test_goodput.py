@@ -206,7 +206,12 @@ def test_live_metrics_follow_a_rollback_and_the_report_keeps_each_step_once(tmp_
     live.advance(st, 3)
     assert [r["step"] for r in lines()] == [1, 2, 3]  # written as the run goes, line by line
     live.advance(st, 7)
-    live.event({"kind": "recovery_planned", "epoch": 1, "resume_step": 5, "t": 108.0})
+    for ev in ({"kind": "fault", "t": 107.5}, {"kind": "failures_reported", "t": 108.01, "t_first": 108.0},
+               {"kind": "classified", "t": 108.2, "class": "permanent", "action": "hotswap"},
+               {"kind": "recovery_planned", "epoch": 1, "resume_step": 5, "t": 108.25}):
+        live.event(ev)
+    during = live.account(109.0)["badput_s"]  # the recovery under way: its detection and decision so far
+    assert (during["detection"], during["decide"]) == pytest.approx((0.5, 0.25))
     live.advance(st, 7)  # progress still says 7: steps 6 and 7 are epoch 0's until the replay writes them
     assert [r["step"] for r in lines()] == list(range(1, 8)) and sorted(live.steps) == [1, 2, 3, 4, 5]
     final = [step(6, 1)]

@@ -42,6 +42,7 @@ class LiveMetrics:
         self.next: int | None = None  # the next step record to read
         self.floor: list[tuple[int, int]] = []  # (R, E): steps past R are read from epoch E's records on
         self.pending = False  # a recovery planned whose first step has not been read yet
+        self.ongoing: dict[str, Any] | None = None  # the recovery under way, as its events tell it so far
         self.rank0_node: str | None = None
         self.n_recoveries = 0
         self.quarantined: set[str] = set()
@@ -60,7 +61,15 @@ class LiveMetrics:
         kind = ev.get("kind")
         if kind == "epoch" and isinstance(ev.get("nodes"), list) and ev["nodes"]:
             self.rank0_node = str(ev["nodes"][0])
+        elif kind == "failures_reported":
+            t_first = ev.get("t_first", ev.get("t"))
+            faults = [float(f["t"]) for f in self.events if f.get("kind") == "fault" and isinstance(f.get("t"), float)
+                      and isinstance(t_first, float) and f["t"] <= t_first]
+            self.ongoing = {"class": None, "action": None, "stages": {}, "resumed_step": None,
+                            "times": {"fault": max(faults, default=None), "first_report": t_first}}
         elif kind == "recovery_planned" and isinstance(ev.get("resume_step"), int):
+            if self.ongoing is not None:
+                self.ongoing["times"]["decided"] = ev.get("t")
             r, e = int(ev["resume_step"]), int(ev.get("epoch") or 0)
             self.floor.append((r, e))
             for s in [s for s in self.steps if s > r]:
@@ -69,6 +78,8 @@ class LiveMetrics:
                 self.next = min(self.next, r + 1)
             self.pending = True
         elif kind == "classified":
+            if self.ongoing is not None:
+                self.ongoing.update({"class": ev.get("class"), "action": ev.get("action")})
             self.n_recoveries += 1
             if self.prom is not None:
                 self.prom.recovery(str(ev.get("class")), str(ev.get("action")))
@@ -103,6 +114,7 @@ class LiveMetrics:
         if self.pending and self.steps and self.floor and self.steps[max(self.steps)][2] >= self.floor[-1][1]:
             self.pending = False  # the recovery's first step is in: its entry is complete
             self.recoveries = read_recoveries(store, self.cfg)
+            self.ongoing = None
             if self.recoveries:
                 self._tb("recovery", self.n_recoveries, max(self.steps), self.recoveries[-1])
 
@@ -139,7 +151,8 @@ class LiveMetrics:
     def account(self, now: float | None = None) -> dict[str, Any]:
         """The goodput of what was seen so far (`now`: the end of the window; None: the last record's)."""
         steps = [{"step": s, "t_end": t, "dt": d} for s, (t, d, _) in self.steps.items()]
-        return account(steps, self.recoveries, self.events, t_launch=self.t_launch, t_now=now)
+        ongoing = [self.ongoing] if self.ongoing is not None else []  # (its detection and decision so far)
+        return account(steps, self.recoveries + ongoing, self.events, t_launch=self.t_launch, t_now=now)
 
     def set_goodput(self, g: dict[str, Any]) -> None:
         self.goodput = g

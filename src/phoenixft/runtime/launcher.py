@@ -313,6 +313,8 @@ class LocalJob:
                 self.display.event(ev)
             except (KeyError, TypeError, ValueError, AttributeError):
                 note_bad(keys.EVENTS, "an event this launcher cannot show", line)
+        if self.live is not None:  # (the exported goodput moves on while no step completes: a recovery)
+            self.live.live_goodput()
 
     def _tell_exits(self) -> None:
         """Tell the coordinator of the nodes that exited: `exit/<node>`, then the `exits` counter."""
