@@ -7,6 +7,7 @@ The work is done by `phoenixft.observe.html_report.write_report`.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 __all__ = ["add_parser", "report"]
@@ -45,4 +46,8 @@ def report(args: argparse.Namespace) -> int:
         out=Path(args.out) if args.out else None,
     )
     print(path)
+    from phoenixft.observe.goodput import summary_line
+    from phoenixft.observe.html_report import load_run, run_goodput
+
+    print(summary_line(run_goodput(load_run(Path(args.run_dir)))), file=sys.stderr)  # (stdout: the path alone)
     return 0

@@ -165,6 +165,8 @@ class RunConfig:
     run_dir = _Flat[str]("output")
     quiet = _Flat[bool]("output")
     json_events = _Flat[bool]("output")
+    tensorboard = _Flat[str]("output")
+    metrics_port = _Flat[int]("output")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -545,7 +545,7 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
     camp.validate()
     ref_cfg = cfg.replace(protect="none", spares=0, repair_after=0.0, persist_every=0, persist_dir="",
                           spare_arrives_at_step=0, run_dir=str(root / "reference"), quiet=True,
-                          json_events=False)
+                          json_events=False, tensorboard="", metrics_port=-1)  # (the exports are the campaign's)
     ref_cfg.validate()
     print(format_schedule(sched, camp), file=out, flush=True)
     if sched.unsurvivable:  # the verdict is fixed: show how the system stops, no reference needed
@@ -578,6 +578,7 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
         **{k: v[k] for k in ("verdict", "reason", "faults", "injected", "recovered", "steps_lost", "bitwise_equal",
                              "max_loss_rel_dev", "shrank", "recoveries", "replicas_rejected", "per_fault")},
         "seed": seed, "wall_s": wall["total"], "wall": wall, "schedule": [f.to_json() for f in sched.faults],
+        "goodput": run.get("goodput"),  # the campaign run's (observe/goodput.py)
         "notes": sched.notes, "inject": sched.inject, "run_dir": str(root),
         "reference": {k: ref.get(k) for k in ("state", "run_id", "run_dir", "steps_completed", "final_state_sha256",
                                               "loss", "step_time_s", "error")},

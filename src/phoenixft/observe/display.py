@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from phoenixft.observe.goodput import summary_line
 from phoenixft.recovery.invariants import failed_invariants, invariants_hold
 
 __all__ = ["Display"]
@@ -29,6 +30,7 @@ class Display:
         self._last_line = 0
         self._tokens = 0
         self._val: float | None = None
+        self.goodput: dict[str, Any] | None = None  # the live goodput (observe/goodput.py), set by the launcher
 
     def _err(self, text: str) -> None:
         if self.tty:
@@ -47,7 +49,9 @@ class Display:
         if rec.get("val_loss") is not None:
             self._val = float(rec["val_loss"])
         val = f"val {self._val:.4f}  " if self._val is not None else ""  # the latest evaluation (--eval-every)
-        line = (f"step {s}/{n}  loss {rec['loss']:.4f}  {val}{rec['dt'] * 1e3:.0f} ms/step  {tput}"
+        gp = self.goodput.get("goodput") if self.goodput else None
+        good = f"goodput {gp * 100:.0f}%  " if gp is not None else ""
+        line = (f"step {s}/{n}  loss {rec['loss']:.4f}  {val}{rec['dt'] * 1e3:.0f} ms/step  {tput}{good}"
                 f"epoch {rec['epoch']}  world {rec['world']}  ETA {eta:.0f}s")
         if self.tty:
             sys.stderr.write("\r\033[K" + line)
@@ -148,6 +152,8 @@ class Display:
                       f"{fate}")
         for spec in report.get("faults_not_fired", []):
             self._err(f"!! fault never fired: {spec} ({_ended_first(spec, report) or _why_not_fired(spec)})")
+        if isinstance(report.get("goodput"), dict):
+            self._err(f"   {summary_line(report['goodput'])}")
         state = report.get("state")
         self._err(f"{state}: {report.get('steps_completed', 0)} steps, final state sha256 "
                   f"{(report.get('final_state_sha256') or '-')[:16]}, report in {report.get('run_dir', '-')}")

@@ -16,8 +16,9 @@ script. It shows
   with the validation loss (`--eval-every`) as points on the same axes (and a summary row);
 - the recovery time of each fault broken into stages (detect, decide, reconfigure, restore
   parameters, restore optimizer, rest of the join, first step), stacked (PHOENIX, Fig. 10-11);
-- a summary, the table of recoveries (stage timings in ms with one decimal, invariants I1-I4), the
-  stragglers (node, compute over its peers' median, first slow step, eviction), the faults and the
+- a summary, the goodput with the wall time by cause (a bar and a table: observe/goodput.py), the
+  table of recoveries (stage timings in ms with one decimal, invariants I1-I4), the stragglers (node,
+  compute over its peers' median, first slow step, eviction), the faults and the
   event log.
 """
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenixft.errors import UserError
+from phoenixft.observe.goodput import account
 from phoenixft.recovery.invariants import failed_invariants, invariants_hold
 
 __all__ = ["RunData", "load_run", "write_report", "render_html", "fmt_ms", "STAGES", "tokens_per_step",
@@ -433,6 +435,36 @@ def _summary(run: RunData, ref: RunData | None, tokens: int | None) -> str:
     return f'<table class="kv" id="summary">{body}</table>'
 
 
+def run_goodput(run: RunData) -> dict[str, Any] | None:
+    """The run's goodput: its report's, or (a report written before it had one) computed from its files."""
+    g = run.report.get("goodput")
+    if isinstance(g, dict):
+        return g
+    if not run.metrics:
+        return None
+    return account(run.metrics, [x for x in run.report.get("recoveries") or [] if isinstance(x, dict)], run.events)
+
+
+def _goodput(run: RunData) -> str:
+    """Goodput, and the wall time by cause: a bar (one segment per cause) and a table, largest first."""
+    g = run_goodput(run)
+    if not g or not g.get("wall_s"):
+        return '<p class="muted">No steps recorded: no goodput.</p>'
+    wall = float(g["wall_s"])
+    parts = [("productive", float(g["productive_s"]))] + sorted(
+        ((c, float(v)) for c, v in (g.get("badput_s") or {}).items() if v > 0), key=lambda x: -x[1])
+    colors = ["#2a7", "#c33", "#e80", "#36c", "#939", "#c9c", "#7a4", "#a63", "#099", "#666", "#b55", "#58a"]
+    bar = "".join(f'<span title="{_e(c)} {v:.3f}s" style="display:inline-block;height:14px;width:{100 * v / wall:.3f}%;'
+                  f'background:{colors[i % len(colors)]}"></span>' for i, (c, v) in enumerate(parts))
+    gp, gi = g.get("goodput"), g.get("goodput_incl_startup")
+    head = (f'<p id="goodput">goodput <b>{"-" if gp is None else f"{gp * 100:.1f}%"}</b> of the wall time since the '
+            f'first step ({"-" if gi is None else f"{gi * 100:.1f}%"} with the start-up), '
+            f'{wall:.2f} s in all</p>')
+    rows = "".join(f"<tr><td>{_e(c)}</td><td>{v:.3f}</td><td>{100 * v / wall:.1f}%</td></tr>" for c, v in parts)
+    return (head + f'<div style="width:100%;max-width:900px;white-space:nowrap">{bar}</div>'
+            f'<table id="badput"><tr><th>where the time went</th><th>s</th><th>share</th></tr>{rows}</table>')
+
+
 def _recoveries_table(run: RunData) -> str:
     """Two tables: what each recovery did (and its invariants), and its stage timings in ms."""
     recs = run.report.get("recoveries") or []
@@ -596,6 +628,8 @@ def render_html(run: RunData, ref: RunData | None = None) -> str:
         f'<p class="muted">{_e(run.run_dir)}</p>',
         "<h2>Summary</h2>",
         _summary(run, ref, tokens),
+        "<h2>Goodput</h2>",
+        _goodput(run),
         "<h2>Throughput over time</h2>",
         _img(
             plot_throughput(run, ref, tokens),

@@ -8,7 +8,8 @@ action, epoch, detect_s and recovery_s (from the first of them), lost_steps, res
 timings, invariants, bytes_moved, with `--redundancy ec:D+H` the shards `decoded` from their group,
 the pieces' bytes `bytes_decoded_from` and `decode_s`),
 `redundancy`, `stragglers` (each node flagged as a straggler: node, slot, ratio, first_step, flagged_step,
-whether it was evicted, and by which recovery), `error` when the run failed.
+whether it was evicted, and by which recovery), `goodput` (goodput and badput by cause,
+observe/goodput.py; each recovery's absolute `times` feed it), `error` when the run failed.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from phoenixft.controlplane import Store, keys
 from phoenixft.controlplane.values import note_bad, parse_json, parse_lines, read_int, read_json, read_raw, read_text
 from phoenixft.errors import UserError
 from phoenixft.faults.spec import FaultSpec, parse_fault
+from phoenixft.observe.goodput import account
 
-__all__ = ["build_report", "percentile"]
+__all__ = ["build_report", "percentile", "read_recoveries", "write_metrics"]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -116,6 +118,8 @@ def _failed_recovery(rec: dict[str, Any], answered: list[dict[str, Any]], cfg: R
         "decode_s": 0.0, "invariants": {k: False for k in ("I1", "I2", "I3", "I4")}, "errors": rec.get("errors", []),
         "replicas_rejected": [], "fenced": rec.get("fenced", []), "unresponsive": rec.get("unresponsive", []),
         "bad_sources": [], "i3_failures": [], "persistent_step": None, "dropped": [],
+        "times": {"fault": t0, "first_report": rec["t_first_report"], "decided": rec["t_decided"], "joined": None,
+                  "first_step": None},
     }
 
 
@@ -194,6 +198,9 @@ def _recovery(store: Store, cfg: RunConfig, e: int, faults: list[dict[str, Any]]
         "i3_failures": [x for j in own_joins for x in j.get("i3_failures", [])],
         "persistent_step": rec.get("persistent_step"),
         "dropped": rec.get("dropped", []),
+        # absolute times (epoch seconds) of the fault and of the ends of detection, decision, join and first step
+        "times": {"fault": t0, "first_report": rec["t_first_report"], "decided": rec["t_decided"],
+                  "joined": joined_at if joins else None, "first_step": first["t"] if first else None},
     }
 
 
@@ -209,6 +216,12 @@ def _recoveries(store: Store, cfg: RunConfig, faults: list[dict[str, Any]]) -> l
     if failed is not None:  # the recovery that ended the run: what it found and why it could not recover
         recoveries.append(_failed_recovery(failed, _answered(faults, failed, used), cfg))
     return recoveries
+
+
+def read_recoveries(store: Store, cfg: RunConfig) -> list[dict[str, Any]]:
+    """The report's `recoveries` as the store holds them now (read while the run goes, for its goodput)."""
+    faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
+    return _recoveries(store, cfg, faults)
 
 
 def _control_plane(faults: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -245,13 +258,27 @@ def _stragglers(events: list[dict[str, Any]], recoveries: list[dict[str, Any]]) 
                     "replaced_by": (rec.get("promoted") or [None])[0] if rec else None,
                     "recovery_epoch": rec.get("epoch") if rec else None})
     return out
+def write_metrics(run_dir: Path, steps: list[dict[str, Any]]) -> None:
+    """metrics.jsonl: one line per step, each step's last execution. Left as it is when it already holds
+    exactly that (written as the run went: a `tail -f` on it sees no truncation); else replaced at once."""
+    path = run_dir / "metrics.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in steps)
+    try:
+        if path.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str,
-                 final: dict[str, Any] | None | str = "store") -> dict[str, Any]:
+                 final: dict[str, Any] | None | str = "store", t_launch: float | None = None) -> dict[str, Any]:
     """The run's JSON report (fields in the module docstring); writes metrics.jsonl and events.jsonl.
     `final`: the run's final-state record as the caller verified it (the launcher: signed with the run
-    key), or "store" to read it unverified."""
+    key), or "store" to read it unverified. `t_launch`: when the job was launched (the start of the
+    goodput window; None: its first event)."""
     first_topo = _get(store, keys.topo(0))
     start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
     progress = read_int(store, keys.PROGRESS, 0)
@@ -292,13 +319,13 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         # or failed to write, per rank (persist.py)
         "persist_problems": [{k: ev.get(k) for k in ("kind", "step", "rank", "why")} for ev in events
                              if ev.get("kind") in ("persist_skipped", "persist_failed")],
+        # where the wall time went: goodput and badput by cause (observe/goodput.py)
+        "goodput": account(steps, recoveries, events, t_launch=t_launch),
         "run_dir": str(run_dir),
     }
     if store.check([keys.RUN_ERROR]):
         report["error"] = read_text(store, keys.RUN_ERROR)
-    with open(run_dir / "metrics.jsonl", "w") as f:
-        for r in steps:
-            f.write(json.dumps(r) + "\n")
+    write_metrics(run_dir, steps)
     if store.check([keys.EVENTS]):
         (run_dir / "events.jsonl").write_text("".join(json.dumps(ev) + "\n" for ev in events))
     return report

@@ -59,6 +59,7 @@ from phoenixft.controlplane.values import note_bad, parse_int, parse_json, read_
 from phoenixft.dist.cuda_env import PLACEMENT_ENV
 from phoenixft.errors import UserError
 from phoenixft.observe.display import Display
+from phoenixft.observe.live import LiveMetrics
 from phoenixft.observe.report import build_report
 from phoenixft.protect import shm
 from phoenixft.runtime import hostcheck, rundir, zygote
@@ -133,6 +134,7 @@ class LocalJob:
         self.token = token or auth.generate_token()
         self.token_generated = token is None
         self.run_id = uuid.uuid4().hex[:10]
+        self.t_launch = time.time()  # the start of the run's goodput window
         self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{self.run_id}"))
         self.dir_lock = rundir.claim(self.run_dir)  # held until the report is written (another launcher: refused)
         try:
@@ -171,6 +173,7 @@ class LocalJob:
         self.handed_over: str | None = None  # the coordinator (not ours) leading the job this one lost
         self._unreported: list[str] = []  # agent exits not yet told to the control plane
         self.last_step_shown = 0
+        self.live: LiveMetrics | None = None  # metrics.jsonl, the live goodput and the exports, once started
         # --repair-after: a lost node comes back as a fresh spare (ids past the configured ones)
         self.repair = RepairQueue(cfg.repair_after, cfg.spares + (1 if cfg.spare_arrives_at_step else 0))
 
@@ -240,6 +243,9 @@ class LocalJob:
         # then fails the run)
         self.store = connect_store(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0)
         self._log = LogReader(self.store, keys.EVENTS)
+        self.live = LiveMetrics(self.cfg, self.run_dir, self.host, self.t_launch, self.display.info)
+        if self.live.prom is not None:
+            self.display.info(f"Prometheus metrics at http://{self.host}:{self.live.prom.port}/metrics")
         raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
         self.store.multi_set([keys.CONFIG_SIG, keys.CONFIG], [auth.sign_config(self.token, raw_cfg), raw_cfg])
         self.store.set(keys.RUN_ID, self.run_id)
@@ -301,10 +307,14 @@ class LocalJob:
             if ev is None:
                 continue  # (a line that is not a JSON object: written by something other than this job)
             self.events_seen.append(line)
+            if self.live is not None:
+                self.live.event(ev)
             try:
                 self.display.event(ev)
             except (KeyError, TypeError, ValueError, AttributeError):
                 note_bad(keys.EVENTS, "an event this launcher cannot show", line)
+        if self.live is not None:  # (the exported goodput moves on while no step completes: a recovery)
+            self.live.live_goodput()
 
     def _tell_exits(self) -> None:
         """Tell the coordinator of the nodes that exited: `exit/<node>`, then the `exits` counter."""
@@ -320,8 +330,17 @@ class LocalJob:
         if self.final is None and self.store.check([keys.FINAL]):
             self.final = parse_json(verified(self.store, self.token, self.run_id, keys.FINAL), keys.FINAL)
 
+    def _last_steps(self) -> None:
+        """The step records not yet read when the run ended (to its exports; the report writes metrics.jsonl)."""
+        if self.live is not None:
+            with contextlib.suppress(Exception):  # (an export that fails must not cost the report)
+                self.live.advance(self.store, parse_int(get_nowait(self.store, keys.PROGRESS), keys.PROGRESS, 0))
+
     def _show_progress(self, rec: dict[str, Any]) -> None:
         try:
+            if self.live is not None:  # (every step record up to this one, in order: metrics.jsonl, the exports)
+                self.live.advance(self.store, int(rec["step"]))
+                self.display.goodput = self.live.live_goodput()
             self.display.progress(rec)
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             note_bad("step/<n>", "a step record this launcher cannot show", json.dumps(rec))
@@ -557,6 +576,8 @@ class LocalJob:
                 pass
         if self.cluster is not None:
             self.cluster.stop()
+        if self.live is not None:
+            self.live.close()
 
     def _may_end_job(self) -> bool:
         """Whether this launcher may end the job (announce its end, remove its keys). Not once it was cut
@@ -621,7 +642,8 @@ def _interrupted_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, 
     try:
         with _signals_held():  # a second signal must not cut this short either
             job._poll_events()
-            return build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final)
+            job._last_steps()
+            return build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final, t_launch=job.t_launch)
     except Exception as e:  # noqa: BLE001 - the teardown must still run; the report says why it is short
         base["report_error"] = f"{type(e).__name__}: {e}"
         return base
@@ -639,6 +661,7 @@ def _lost_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
             "error": f"control plane lost: {job.control_plane_lost}",
             "steps_completed": job.last_step_shown,
             "final_state_sha256": None, "recoveries": [], "faults": [], "run_dir": str(job.run_dir),
+            "goodput": job.live.account() if job.live is not None else None,  # (of what the launcher saw)
             "report_partial": "the control plane was lost: this report holds only what the launcher had seen"}
 
 
@@ -670,13 +693,17 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
                 report = _lost_report(job, cfg, state)
             else:
                 job._poll_events()
-                report = build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final)
+                job._last_steps()
+                report = build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final,
+                                      t_launch=job.t_launch)
                 if job.store.check([keys.MEMBERS]):
                     report["members"] = read_json(job.store, keys.MEMBERS, {})
         except KeyboardInterrupt:
             state = INTERRUPTED
             report = _interrupted_report(job, cfg, state)
         finally:
+            if job.live is not None:  # (the final goodput exported, before the endpoint stops)
+                job.live.close(report)
             with _signals_held():  # a second Ctrl-C / SIGHUP must not cut the teardown short
                 job.teardown()
         if not report:
