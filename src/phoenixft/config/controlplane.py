@@ -34,6 +34,14 @@ class ControlPlaneConfig:
                               "logical fence every process obeys; off (--no-fence-kill) = logical fence only, as for a "
                               "host that cannot be reached.", flag="--no-fence-kill", action="store_false")
     timeout: float = option(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
+    tls_cert: str = option("", "This host's TLS certificate (PEM, signed by --tls-ca; `phoenixft certs DIR` makes "
+                           "one). With --tls-key and --tls-ca: the store listens on loopback only and every agent "
+                           "reaches it through mutually authenticated TLS; an etcd control plane is spoken to over "
+                           "HTTPS with this client certificate (and a local one started with TLS).",
+                           flag="--tls-cert")
+    tls_key: str = option("", "The private key of --tls-cert (PEM; yours, mode 0600).", flag="--tls-key")
+    tls_ca: str = option("", "The job CA's certificate (PEM): only peers presenting a certificate it signed are "
+                         "let in.", flag="--tls-ca")
 
 
 def validate_control_plane(cfg: RunConfig) -> None:
@@ -52,3 +60,6 @@ def validate_control_plane(cfg: RunConfig) -> None:
          "store lives in the launcher's process, so a standby would not remove the single point of failure)")
     real(c.join_timeout, c.join_timeout > 0, "--join-timeout", "> 0 seconds")
     real(c.timeout, c.timeout > 0, "--timeout", "> 0 seconds")
+    from phoenixft.controlplane.tls import TlsFiles
+
+    TlsFiles.given(c.tls_cert, c.tls_key, c.tls_ca)  # (files present, key private, cert signed by the CA)
