@@ -85,7 +85,7 @@ def make_certs(d: Path, names: list[str], sans: list[str], days: int = 30) -> li
     if (d / "ca.key").exists() or (d / "ca.crt").exists():
         raise UserError(f"{d} already holds a CA (ca.crt/ca.key): give a new directory")
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     def pem_key(k: Any) -> bytes:

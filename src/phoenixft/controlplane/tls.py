@@ -15,8 +15,8 @@ job's store listens on loopback only and every other host reaches it through TLS
   through the store) work unchanged.
 
 Identity is "holds a certificate and key signed by the job CA" (no host-name check: one CA per
-job, made by `phoenixft certs`). Both relays are `phoenixft.controlplane.tlsproxy` processes that
-die with the process that started them.
+job, made by `phoenixft certs`). Both relays are `controlplane/tlsproxy.py` processes (a script:
+no torch to import) that die with the process that started them.
 
 `TlsFiles.check()` is what every command does with the three flags: a one-line UserError for a
 missing or unreadable file, a key file others can read, a certificate that does not go with its key
@@ -35,14 +35,14 @@ import sys
 import time
 from dataclasses import dataclass
 
+from phoenixft.controlplane import tlsproxy
+from phoenixft.controlplane.tlsproxy import TLS_ENV
 from phoenixft.errors import UserError
 
 __all__ = ["TlsFiles", "TLS_ENV", "from_env", "start_gateway", "start_forwarder", "Relay", "handshake_problem",
            "probe"]
 
-TLS_ENV = ("PHOENIXFT_TLS_CERT", "PHOENIXFT_TLS_KEY", "PHOENIXFT_TLS_CA")
 START_TIMEOUT_S = 20.0
-HANDSHAKE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -65,22 +65,11 @@ class TlsFiles:
 
     def server_context(self) -> ssl.SSLContext:
         """TLS 1.2+ server: presents our certificate, requires one from the job CA."""
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.cert, self.key)
-        ctx.load_verify_locations(self.ca)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        return ctx
+        return tlsproxy.server_context(self.cert, self.key, self.ca)
 
     def client_context(self) -> ssl.SSLContext:
         """TLS 1.2+ client: presents our certificate, accepts a server signed by the job CA (any name)."""
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.check_hostname = False  # identity = signed by this job's own CA (see the module docstring)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_cert_chain(self.cert, self.key)
-        ctx.load_verify_locations(self.ca)
-        return ctx
+        return tlsproxy.client_context(self.cert, self.key, self.ca)
 
     @staticmethod
     def given(cert: str, key: str, ca: str, prefix: str = "--tls") -> TlsFiles | None:
@@ -190,8 +179,8 @@ def _start(args: list[str], files: TlsFiles, pass_fds: tuple[int, ...], what: st
                                                                                               int]:
     """Start a tlsproxy process; (it, the port it listens on) once it says it listens."""
     env = dict(os.environ, **files.env())
-    p = subprocess.Popen([sys.executable, "-m", "phoenixft.controlplane.tlsproxy", "--parent", str(os.getpid()),
-                          *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, pass_fds=pass_fds)
+    p = subprocess.Popen([sys.executable, "-P", tlsproxy.__file__, "--parent", str(os.getpid()), *args],
+                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, pass_fds=pass_fds)
     assert p.stdout is not None
     deadline = time.monotonic() + START_TIMEOUT_S
     line = b""
@@ -249,7 +238,7 @@ def probe(host: str, port: int, files: TlsFiles, timeout_s: float = 10.0) -> str
                 s.settimeout(0.5)
                 try:
                     s.recv(1)
-                except (TimeoutError, socket.timeout):
+                except TimeoutError:
                     return None
                 return "the gateway closed the connection"
     except ssl.SSLError as e:
