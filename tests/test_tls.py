@@ -51,7 +51,8 @@ def _wait(what: str, cond: Any, timeout_s: float, log: Path) -> Any:
         if v:
             return v
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}:\n{log.read_text()[-3000:] if log.exists() else ''}")
+            logs = "\n".join(f"--- {p.name}:\n{p.read_text()[-1500:]}" for p in sorted(log.parent.glob("*.log")))
+            pytest.fail(f"timed out waiting for {what}:\n{logs}")
         time.sleep(0.1)
 
 

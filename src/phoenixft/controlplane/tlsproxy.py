@@ -120,6 +120,16 @@ def _exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any])
     _log(peer, f"refused a connection from {peer or 'a peer'}: {reason}")
 
 
+class _Paused(asyncio.StreamReaderProtocol):
+    """A stream whose reading starts paused: a client's first bytes (its TLS ClientHello) stay in the
+    socket until `start_tls` takes the connection over, instead of going to a StreamReader that the TLS
+    layer never looks at (the handshake would then wait for ever)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.pause_reading()  # type: ignore[attr-defined]
+        super().connection_made(transport)
+
+
 async def _gateway(fd: int, target: tuple[str, int], ctx: ssl.SSLContext) -> None:
     sock = socket.socket(fileno=fd)
 
@@ -141,7 +151,8 @@ async def _gateway(fd: int, target: tuple[str, int], ctx: ssl.SSLContext) -> Non
             return
         await _relay(r, w, r2, w2)
 
-    server = await asyncio.start_server(handle, sock=sock)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Paused(asyncio.StreamReader(limit=CHUNK), handle), sock=sock)
     _say_listening(sock.getsockname()[1])
     async with server:
         await server.serve_forever()
