@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import ssl
 import subprocess
@@ -211,3 +212,33 @@ def test_a_job_across_hosts_over_tls_recovers_and_keeps_strangers_out(tmp_path: 
     h1 = (tmp_path / "h1.log").read_text()
     assert "refused a local connection of uid 65534" in h1, h1[-2000:]
     assert "Traceback" not in head_log + h1
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary (apt-get install etcd-server)")
+def test_etcd_over_https_admits_only_clients_of_the_job_ca(tmp_path: Path) -> None:
+    """A local etcd started with the job's certificates (as `--control-plane etcd --tls-*` starts it)
+    serves HTTPS only: a client with a certificate of the job CA reads and writes; plain HTTP, TLS without
+    a client certificate and TLS with another CA's certificate are all refused, and write nothing."""
+    from phoenixft.controlplane.etcd_cluster import EtcdCluster
+    from phoenixft.controlplane.etcd_store import EtcdStore
+
+    d, other = tmp_path / "pki", tmp_path / "other"
+    make_certs(d, ["job"], [])
+    make_certs(other, ["job"], [])
+    files = TlsFiles(str(d / "job.crt"), str(d / "job.key"), str(d / "ca.crt"))
+    with EtcdCluster(1, tls=files, base_dir=str(tmp_path / "etcd")) as c:
+        eps = [(c.host, p) for p in c.client_ports]
+        ours = EtcdStore(eps, "/job", 5.0, files.client_context())
+        ours.set("k", "v")
+        assert ours.get("k") == b"v"
+        no_cert = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        no_cert.check_hostname = False
+        no_cert.load_verify_locations(files.ca)
+        foreign = TlsFiles(str(other / "job.crt"), str(other / "job.key"), str(d / "ca.crt")).client_context()
+        for name, ctx in (("plain http", None), ("no client certificate", no_cert), ("another CA", foreign)):
+            st = EtcdStore(eps, "/job", 1.0, ctx)
+            with pytest.raises(Exception, match="no answer"):
+                st.set("stranger", name)
+            with pytest.raises(Exception, match="no answer"):
+                st.get_nowait("k")
+        assert not ours.check(["stranger"])

@@ -207,7 +207,7 @@ class LocalJob:
         return max(1, (os.cpu_count() or 1) // max(1, self.cfg.world))
 
     def start(self) -> None:
-        from phoenixft.dist.comm import connect_store
+        from phoenixft.controlplane import connect
 
         if self.local:
             swept = shm.sweep(exclude=(self.run_id,))
@@ -235,12 +235,12 @@ class LocalJob:
             self._serve()
         else:
             self.cluster = provision_cluster(self.cfg.control_plane, self.run_id, str(self.run_dir / "logs"),
-                                             self.display.info)
+                                             self.display.info, tls=self.tls)
             self.addr = self.public_addr = self.cluster.addr
             (self.run_dir / "control_plane").write_text(self.addr)
         # on a replicated store a call that no member answers fails after CONTROL_PLANE_TIMEOUT_S (the monitor
         # then fails the run)
-        self.store = connect_store(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0)
+        self.store = connect(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0, self.tls)
         self._log = LogReader(self.store, keys.EVENTS)
         raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
         self.store.multi_set([keys.CONFIG_SIG, keys.CONFIG], [auth.sign_config(self.token, raw_cfg), raw_cfg])
