@@ -1,7 +1,7 @@
 """What TLS on the control plane costs: store round trips, step time, recovery time, with and without.
 
     python bench/tls.py            # model `small`, DP=2
-    python bench/tls.py --quick    # model `tiny`, fewer rounds
+    python bench/tls.py --quick    # model `tiny`, fewer rounds (--rounds N: N plain/TLS pairs)
 
 With `--tls-*` every agent reaches the store through its host's forwarder and the head's gateway
 (controlplane/tls.py): two relays and a TLS session per connection more than the plain store. Parts,
@@ -60,16 +60,17 @@ def round_trips(tls: Any) -> dict[str, float | None]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="model tiny, fewer rounds")
+    ap.add_argument("--rounds", type=int, default=0, help="plain/TLS round pairs (default: 3, --quick 2)")
     a = ap.parse_args()
-    return 0 if run(a.quick) else 1
+    return 0 if run(a.quick, rounds=a.rounds) else 1
 
 
-def run(quick: bool = False, out: Path = RESULTS) -> dict[str, Any]:
+def run(quick: bool = False, out: Path = RESULTS, rounds: int = 0) -> dict[str, Any]:
     from phoenixft.cli.cmd_certs import make_certs
     from phoenixft.controlplane.tls import TlsFiles
 
     model = "tiny" if quick else "small"
-    rounds, steps = (2, 14) if quick else (3, 24)
+    rounds, steps = rounds or (2 if quick else 3), (14 if quick else 24)
     common = {"model": model, "nodes": 2, "protect": "phoenix"}
     res: dict[str, Any] = {"machine": machine_info(), "model": model, "rounds": rounds, "steps": steps}
     with tempfile.TemporaryDirectory(prefix="phoenixft-bench-tls-") as tmp:

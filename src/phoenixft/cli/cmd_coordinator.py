@@ -57,7 +57,7 @@ def coordinator(args: argparse.Namespace) -> int:
         from phoenixft.controlplane.tls import TlsFiles
 
         files = TlsFiles.given(args.tls_cert, args.tls_key, args.tls_ca)
-        if files is not None:  # etcd over HTTPS with this host's certificate (its clients read the environment)
+        if files is not None:  # the cluster over HTTPS with this host's certificate (its clients read the environment)
             import os
 
             os.environ.update(files.env())

@@ -35,14 +35,14 @@ import sys
 import time
 from dataclasses import dataclass
 
-from phoenixft.controlplane import tlsproxy
-from phoenixft.controlplane.tlsproxy import TLS_ENV
+from phoenixft.controlplane.tlsproxy import TLS_ENV, client_context, server_context
 from phoenixft.errors import UserError
 
 __all__ = ["TlsFiles", "TLS_ENV", "from_env", "start_gateway", "start_forwarder", "Relay", "handshake_problem",
            "probe"]
 
 START_TIMEOUT_S = 20.0
+_PROXY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tlsproxy.py")  # run as a script (no torch)
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,11 @@ class TlsFiles:
 
     def server_context(self) -> ssl.SSLContext:
         """TLS 1.2+ server: presents our certificate, requires one from the job CA."""
-        return tlsproxy.server_context(self.cert, self.key, self.ca)
+        return server_context(self.cert, self.key, self.ca)
 
     def client_context(self) -> ssl.SSLContext:
         """TLS 1.2+ client: presents our certificate, accepts a server signed by the job CA (any name)."""
-        return tlsproxy.client_context(self.cert, self.key, self.ca)
+        return client_context(self.cert, self.key, self.ca)
 
     @staticmethod
     def given(cert: str, key: str, ca: str, prefix: str = "--tls") -> TlsFiles | None:
@@ -179,7 +179,7 @@ def _start(args: list[str], files: TlsFiles, pass_fds: tuple[int, ...], what: st
                                                                                               int]:
     """Start a tlsproxy process; (it, the port it listens on) once it says it listens."""
     env = dict(os.environ, **files.env())
-    p = subprocess.Popen([sys.executable, "-P", tlsproxy.__file__, "--parent", str(os.getpid()), *args],
+    p = subprocess.Popen([sys.executable, "-P", _PROXY, "--parent", str(os.getpid()), *args],
                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, pass_fds=pass_fds)
     assert p.stdout is not None
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -193,7 +193,7 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
 
 
 def _through_tls(a: argparse.Namespace, flag: str) -> None:
-    """With --tls-*: an etcd control plane is spoken to over HTTPS (the files go into the environment every
+    """With --tls-*: a replicated control plane is spoken to over HTTPS (the files go into the environment every
     client of this process and its workers reads); a TCPStore is reached through a forwarder of this host
     (controlplane.tls), whose loopback address becomes the store's for this agent and its workers."""
     from phoenixft.controlplane import describe, tls
