@@ -3,9 +3,10 @@ store listens on the head's loopback only, every agent reaching it through mutua
 
 Checked on a live job: a node killed is hot-swapped and the run ends bitwise equal to a failure-free
 run; strangers on the network (a plain TCPStore client, a TLS client with a certificate of another
-CA, a TLS client with no certificate, a plain connection to the store's own port) neither read nor
-write a key; another user of an agent's host cannot use that host's forwarder. Without namespaces:
-`phoenixft certs`, the flags' one-line errors, a store that listens on loopback only.
+CA, a TLS client with no certificate, a plain connection to the store's own port, an agent holding
+the job's token but another CA's certificate) neither read nor write a key nor join; another user
+of an agent's host cannot use that host's forwarder. Without namespaces: `phoenixft certs`, the
+flags' one-line errors, a store that listens on loopback only, etcd with client certificates.
 """
 
 from __future__ import annotations
@@ -186,6 +187,10 @@ def test_a_job_across_hosts_over_tls_recovers_and_keeps_strangers_out(tmp_path: 
         agents = {h: H.run(h, [PY, "-m", "phoenixft", "agent", "--coordinator", f"{head_addr}:{PORT}", "--node", h,
                                *(["--spare"] if h == "h3" else []), *_tls_args(d)], log=tmp_path / f"{h}.log",
                            env=_env(token)) for h in ("h1", "h2", "h3")}
+        intruder = H.run("x1", [PY, "-m", "phoenixft", "agent", "--coordinator", f"{head_addr}:{PORT}", "--node",
+                                "intruder", "--spare", "--tls-cert", str(other / "job.crt"), "--tls-key",
+                                str(other / "job.key"), "--tls-ca", str(other / "ca.crt")],
+                         log=tmp_path / "intruder.log", env=_env(token))  # the job's token, another job's CA
         port_file = tmp_path / "run" / "coordinator.port"
         store_port = int(_wait("the store", lambda: port_file.exists() and port_file.read_text().strip(), 60, log))
         mine = H.connect("head", f"127.0.0.1:{store_port}", 10)  # the head's own loopback: the store itself
@@ -198,6 +203,7 @@ def test_a_job_across_hosts_over_tls_recovers_and_keeps_strangers_out(tmp_path: 
         assert all(v.startswith("refused") or v == "closed" for v in got.values()), got
         assert got["store-port"].startswith("refused"), got
         assert other_user == "refused", other_user
+        assert intruder.wait(timeout=60) == 2
         head_rc = subprocess.Popen.wait(H.procs[0], timeout=240)
         for a in agents.values():
             a.wait(timeout=30)
@@ -212,6 +218,10 @@ def test_a_job_across_hosts_over_tls_recovers_and_keeps_strangers_out(tmp_path: 
     h1 = (tmp_path / "h1.log").read_text()
     assert "refused a local connection of uid 65534" in h1, h1[-2000:]
     assert "Traceback" not in head_log + h1
+    text = (tmp_path / "intruder.log").read_text()
+    assert "phoenixft agent: error: --coordinator=" in text and "no TLS channel to the coordinator" in text, text
+    assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    assert not any(m["name"] == "intruder" for m in rep["members"].values()), rep["members"]
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary (apt-get install etcd-server)")
