@@ -82,6 +82,12 @@ def test_certs_flags_and_a_loopback_store(tmp_path: Path) -> None:
     assert oct(d.stat().st_mode & 0o777) == "0o700"
     with pytest.raises(UserError, match="already holds a CA"):
         make_certs(d, ["c"], [])
+    from phoenixft.cli.main import main
+
+    assert main(["certs", str(tmp_path / "cli"), "--hosts", "h1,h2", "--san", "10.0.0.9", "--days", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["ca.crt", "ca.key", "h1.crt", "h1.key", "h2.crt",
+                                                                    "h2.key"]
+    assert main(["certs", str(tmp_path / "bad"), "--hosts", "ca"]) == 2 and not (tmp_path / "bad").exists()
     a = TlsFiles(str(d / "a.crt"), str(d / "a.key"), str(d / "ca.crt"))
     b = TlsFiles(str(d / "b.crt"), str(d / "b.key"), str(d / "ca.crt"))
     stranger = TlsFiles(str(other / "job.crt"), str(other / "job.key"), str(d / "ca.crt"))  # trusts our CA
