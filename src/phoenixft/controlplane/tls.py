@@ -177,7 +177,9 @@ class Relay:
 
 def _start(args: list[str], files: TlsFiles, pass_fds: tuple[int, ...], what: str) -> tuple[subprocess.Popen[bytes],
                                                                                               int]:
-    """Start a tlsproxy process; (it, the port it listens on) once it says it listens."""
+    """Start a tlsproxy process; (it, the port it listens on) once it says it listens. It ends when the
+    thread that started it ends (the kernel's parent-death signal follows the thread): start it from the
+    thread that lives as long as it should (the launcher's and the agent's main thread)."""
     env = dict(os.environ, **files.env())
     p = subprocess.Popen([sys.executable, "-P", _PROXY, "--parent", str(os.getpid()), *args],
                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, pass_fds=pass_fds)
