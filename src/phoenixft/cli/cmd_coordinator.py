@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--standby", default="", metavar="ETCD_URL",
                    help="run only a standby coordinator for the job at this etcd URL (the job's URL as its head "
                         "prints it, etcd://HOST:PORT[,...]/phoenixft/RUN_ID): it takes over if the leader dies, "
-                        "also when the head's host is lost; the job's flags come from etcd (other flags are ignored)")
+                        "also when the head's host is lost; the job's flags come from etcd (other flags are ignored, "
+                        "but --tls-cert/--tls-key/--tls-ca, for an etcd that requires client certificates)")
     p.add_argument("--port", type=int, default=29500, metavar="P", help="port to serve on (default 29500; 0 = any)")
     p.add_argument("--token", default="", help="the job token (default: $PHOENIXFT_TOKEN; else one is generated "
                                                "and printed); prefer the environment: a flag shows in `ps`")
@@ -53,6 +54,13 @@ def coordinator(args: argparse.Namespace) -> int:
     from phoenixft.runtime.launcher import INTERRUPTED, run_job
 
     if args.standby:
+        from phoenixft.controlplane.tls import TlsFiles
+
+        files = TlsFiles.given(args.tls_cert, args.tls_key, args.tls_ca)
+        if files is not None:  # the cluster over HTTPS with this host's certificate (its clients read the environment)
+            import os
+
+            os.environ.update(files.env())
         return standby(args.standby, args.token, args.token_file)
     if not args.host:
         raise UserError("--host is required: the address to serve on (or --standby ETCD_URL for a standby "

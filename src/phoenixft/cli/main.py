@@ -23,6 +23,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from phoenixft.cli import (
         cmd_agent,
+        cmd_certs,
         cmd_chaos,
         cmd_coordinator,
         cmd_demo,
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_agent.add_parser(sub)
     cmd_coordinator.add_parser(sub)
     cmd_gc.add_parser(sub)
+    cmd_certs.add_parser(sub)
     from phoenixft.observe import export
     export.add_parser(sub)
     try:

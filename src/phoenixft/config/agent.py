@@ -34,4 +34,9 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for the coordinator to admit it (120)")
     p.add_argument("--control-plane-timeout", type=float, default=15.0, metavar="S",
                    help="stop the node and free its shared memory after S seconds without the store (15)")
+    p.add_argument("--tls-cert", dest="tls_cert", default="", metavar="PATH",
+                   help="this host's TLS certificate (signed by --tls-ca): reach a coordinator started with TLS "
+                        "through a mutually authenticated channel (and etcd over HTTPS)")
+    p.add_argument("--tls-key", dest="tls_key", default="", metavar="PATH", help="the key of --tls-cert (mode 0600)")
+    p.add_argument("--tls-ca", dest="tls_ca", default="", metavar="PATH", help="the job CA's certificate")
     p.set_defaults(parent_pid=0)  # (--parent-pid: the launcher's, added by phoenixft.runtime.agent)

@@ -44,6 +44,14 @@ class ControlPlaneConfig:
                                     "it only.",
                                     flag="--evict-stragglers", action="both")
     timeout: float = option(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
+    tls_cert: str = option("", "This host's TLS certificate (PEM, signed by --tls-ca; `phoenixft certs DIR` makes "
+                           "one). With --tls-key and --tls-ca: the store listens on loopback only and every agent "
+                           "reaches it through mutually authenticated TLS; an etcd control plane is spoken to over "
+                           "HTTPS with this client certificate (and a local one started with TLS).",
+                           flag="--tls-cert")
+    tls_key: str = option("", "The private key of --tls-cert (PEM; yours, mode 0600).", flag="--tls-key")
+    tls_ca: str = option("", "The job CA's certificate (PEM): only peers presenting a certificate it signed are "
+                         "let in.", flag="--tls-ca")
 
 
 def validate_control_plane(cfg: RunConfig) -> None:
@@ -66,3 +74,6 @@ def validate_control_plane(cfg: RunConfig) -> None:
     need(1 <= c.straggler_window <= 1_000_000, "--straggler-window", c.straggler_window,
          "must be in 1..1000000 (consecutive steps)")
     real(c.timeout, c.timeout > 0, "--timeout", "> 0 seconds")
+    from phoenixft.controlplane.tls import TlsFiles
+
+    TlsFiles.given(c.tls_cert, c.tls_key, c.tls_ca)  # (files present, key private, cert signed by the CA)

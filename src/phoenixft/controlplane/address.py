@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from phoenixft.controlplane.etcd_cluster import EtcdCluster
 from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable, parse_etcd_url
 from phoenixft.controlplane.store import Store, count_opened, tcp_client
+from phoenixft.controlplane.tls import TlsFiles
+from phoenixft.controlplane.tls import from_env as tls_from_env
 from phoenixft.errors import UserError
 
 __all__ = ["StoreAddress", "connect", "describe", "validate_spec", "remote_spec_problem", "ProvisionedCluster",
@@ -110,15 +112,17 @@ class ProvisionedCluster:
 
 
 def provision_cluster(spec: str, run_id: str, log_dir: str, info: Callable[[str], None],
-                      probe_s: float = CLUSTER_PROBE_S) -> ProvisionedCluster:
+                      probe_s: float = CLUSTER_PROBE_S, tls: TlsFiles | None = None) -> ProvisionedCluster:
     """The job's cluster for `--control-plane=spec` (not tcpstore): the cluster given (or a local one
     started now), keys under `<prefix>/<run id>` (prefix `/phoenixft` unless the URL names one),
-    answering within `probe_s`; UserError naming the flag if it cannot be had."""
+    answering within `probe_s`; UserError naming the flag if it cannot be had. With `tls` a local cluster
+serves HTTPS only and admits clients with a certificate of the job CA (members among themselves too),
+and a given one is spoken to over HTTPS (this process's clients take the files from its environment)."""
     url = spec
     local: EtcdCluster | None = None
     if spec == "etcd":
         try:
-            local = EtcdCluster(3, log_dir=log_dir, tag=run_id).start()
+            local = EtcdCluster(3, log_dir=log_dir, tag=run_id, tls=tls).start()
         except (FileNotFoundError, RuntimeError, TimeoutError) as e:
             raise UserError(f"--control-plane=etcd: could not start a local etcd cluster ({e})") from None
         url = local.url
@@ -126,7 +130,7 @@ def provision_cluster(spec: str, run_id: str, log_dir: str, info: Callable[[str]
     eps, prefix = parse_etcd_url(url)
     addr = _SCHEME + ",".join(f"{h}:{p}" for h, p in eps) + f"{prefix or '/phoenixft'}/{run_id}"
     try:  # one bounded look before anything starts: a wrong address is one line, not a 30 s traceback
-        connect(addr, probe_s).num_keys()
+        connect(addr, probe_s, tls).num_keys()
     except (EtcdUnavailable, EtcdError) as e:
         if local is not None:
             local.stop()
@@ -136,12 +140,16 @@ def provision_cluster(spec: str, run_id: str, log_dir: str, info: Callable[[str]
     return ProvisionedCluster(addr, local)
 
 
-def connect(addr: str, timeout_s: float = 30.0) -> Store:
+def connect(addr: str, timeout_s: float = 30.0, tls: TlsFiles | None = None) -> Store:
     """A new client of the store at `addr`: `HOST:PORT` (a TCPStore) or an `etcd://` URL; each
-    blocking call waits at most `timeout_s`."""
+    blocking call waits at most `timeout_s`. An etcd cluster is spoken to over HTTPS with the client
+    certificate `tls`, or the one this process's environment names (`tls.TLS_ENV`: handed down by a
+    launcher or an agent started with --tls-*); a TCPStore address is always plain (with TLS it is the
+    loopback address of the store itself, or of this host's forwarder)."""
     if describe(addr).replicated:
         eps, prefix = parse_etcd_url(addr)
         count_opened()
-        return EtcdStore(eps, prefix or "/phoenixft/default", timeout_s)
+        files = tls or tls_from_env()
+        return EtcdStore(eps, prefix or "/phoenixft/default", timeout_s, files.client_context() if files else None)
     host, port = addr.rsplit(":", 1)
     return tcp_client(host, int(port), timeout_s)

@@ -26,6 +26,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from phoenixft.controlplane.tls import TlsFiles
+
 __all__ = ["EtcdCluster", "etcd_binary"]
 
 
@@ -52,7 +54,7 @@ class EtcdCluster:
     """A `members`-member etcd cluster of local processes (see the module docstring)."""
 
     def __init__(self, members: int = 3, host: str = "127.0.0.1", base_dir: str | None = None,
-                 log_dir: str | None = None, tag: str = "") -> None:
+                 log_dir: str | None = None, tag: str = "", tls: TlsFiles | None = None) -> None:
         if members < 1:
             raise ValueError(f"members={members}: an etcd cluster needs at least 1 member (3 tolerate one loss)")
         binary = etcd_binary()
@@ -62,6 +64,9 @@ class EtcdCluster:
         self.binary = binary
         self.members = members
         self.host = host
+        self.tls = tls  # HTTPS with client certificates of its CA, for clients and between members
+        self._ctx = tls.client_context() if tls else None
+        self.scheme = "https" if tls else "http"
         self._own_dir = base_dir is None
         self.dir = Path(base_dir or tempfile.mkdtemp(prefix=f"phoenixft-etcd-{tag + '-' if tag else ''}"))
         self.log_dir = Path(log_dir) if log_dir else self.dir
@@ -83,13 +88,19 @@ class EtcdCluster:
 
     # ------------------------------------------------------------------ life cycle
     def _cmd(self, i: int, state: str) -> list[str]:
-        h = self.host
-        cluster = ",".join(f"m{j}=http://{h}:{p}" for j, p in enumerate(self.peer_ports))
-        return [self.binary, "--name", f"m{i}", "--data-dir", str(self.dir / f"m{i}.etcd"),
-                "--listen-client-urls", f"http://{h}:{self.client_ports[i]}",
-                "--advertise-client-urls", f"http://{h}:{self.client_ports[i]}",
-                "--listen-peer-urls", f"http://{h}:{self.peer_ports[i]}",
-                "--initial-advertise-peer-urls", f"http://{h}:{self.peer_ports[i]}",
+        h, u = self.host, self.scheme
+        cluster = ",".join(f"m{j}={u}://{h}:{p}" for j, p in enumerate(self.peer_ports))
+        tls: list[str] = []
+        if self.tls is not None:
+            cert, key, ca = (os.path.abspath(x) for x in (self.tls.cert, self.tls.key, self.tls.ca))
+            tls = ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
+                   "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca,
+                   "--peer-client-cert-auth"]
+        return [self.binary, "--name", f"m{i}", "--data-dir", str(self.dir / f"m{i}.etcd"), *tls,
+                "--listen-client-urls", f"{u}://{h}:{self.client_ports[i]}",
+                "--advertise-client-urls", f"{u}://{h}:{self.client_ports[i]}",
+                "--listen-peer-urls", f"{u}://{h}:{self.peer_ports[i]}",
+                "--initial-advertise-peer-urls", f"{u}://{h}:{self.peer_ports[i]}",
                 "--initial-cluster", cluster, "--initial-cluster-state", state,
                 "--initial-cluster-token", self._token,
                 "--heartbeat-interval", "100", "--election-timeout", "1000",
@@ -116,7 +127,8 @@ class EtcdCluster:
 
     def healthy(self, i: int, timeout_s: float = 1.0) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.host}:{self.client_ports[i]}/health", timeout=timeout_s) as r:
+            with urllib.request.urlopen(f"{self.scheme}://{self.host}:{self.client_ports[i]}/health",
+                                        timeout=timeout_s, context=self._ctx) as r:
                 return b'"true"' in r.read()
         except OSError:
             return False
@@ -146,9 +158,9 @@ class EtcdCluster:
                 if self.procs[i] is None or self.procs[i].poll() is not None:  # type: ignore[union-attr]
                     continue
                 try:
-                    req = urllib.request.Request(f"http://{self.host}:{p}/v3/maintenance/status", data=b"{}",
+                    req = urllib.request.Request(f"{self.scheme}://{self.host}:{p}/v3/maintenance/status", data=b"{}",
                                                  headers={"Content-Type": "application/json"})
-                    with urllib.request.urlopen(req, timeout=1.0) as r:
+                    with urllib.request.urlopen(req, timeout=1.0, context=self._ctx) as r:
                         st = json.loads(r.read())
                 except OSError:
                     continue

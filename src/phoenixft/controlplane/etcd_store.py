@@ -28,6 +28,7 @@ import http.client
 import json
 import os
 import random
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -98,8 +99,10 @@ class EtcdStore(dist.Store):
     abort_check_s = 0.2  # the failure watcher sees a flag first; this look is the fallback
     wait_slice_s = WATCH_SLICE_S
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str, timeout_s: float = 30.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         super().__init__()
+        self._tls = tls  # HTTPS with this context (a client certificate of the job CA), or plain HTTP
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint")
         self.endpoints = list(endpoints)
@@ -139,11 +142,16 @@ class EtcdStore(dist.Store):
     def clear_job(self) -> int:
         return self.delete_prefix()
 
+    def _http(self, h: str, p: int, timeout: float) -> http.client.HTTPConnection:
+        if self._tls is not None:
+            return http.client.HTTPSConnection(h, p, timeout=timeout, context=self._tls)
+        return http.client.HTTPConnection(h, p, timeout=timeout)
+
     def _conn(self) -> http.client.HTTPConnection:
         loc = self._local
         if getattr(loc, "pid", None) != os.getpid() or getattr(loc, "conn", None) is None:
             h, p = self.endpoints[self._ep]
-            loc.conn = http.client.HTTPConnection(h, p, timeout=REQUEST_TIMEOUT_S)
+            loc.conn = self._http(h, p, REQUEST_TIMEOUT_S)
             loc.pid = os.getpid()
         return loc.conn
 
@@ -358,7 +366,7 @@ class EtcdStore(dist.Store):
         k = self._k(key)
         body = json.dumps({"create_request": {"key": _b(k), "range_end": _b(k + "\x01"),
                                               "start_revision": str(start_rev)}})
-        conn = http.client.HTTPConnection(h, p, timeout=min(left, WATCH_SLICE_S))
+        conn = self._http(h, p, min(left, WATCH_SLICE_S))
         try:
             conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
             r = conn.getresponse()
@@ -385,7 +393,7 @@ class EtcdStore(dist.Store):
     def _watch_failed(self, h: str, p: int) -> bool:
         """A watch slice ended without news: move on only if that member does not answer."""
         try:
-            c = http.client.HTTPConnection(h, p, timeout=0.5)
+            c = self._http(h, p, 0.5)
             c.request("GET", "/health")
             ok = c.getresponse().status == 200
             c.close()

@@ -180,6 +180,7 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
     if a.parent_pid:
         die_with_parent(signal.SIGTERM, a.parent_pid)  # the launcher died: clean up (the node's signal handler)
     _, _, local_addr = probe_store(a.store, a.connect_timeout, flag)
+    _through_tls(a, flag)
     bind = a.host.strip("[]") or local_addr
     _check_bind(bind)
     store, cfg, served = _connect(a, flag)
@@ -189,6 +190,30 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
     node, run_id = _admit(a, store, token, bind)
     assert token is not None  # admitted: the verdict verified with it
     return _Node(a, store, cfg, node, run_id, bind, token).run()
+
+
+def _through_tls(a: argparse.Namespace, flag: str) -> None:
+    """With --tls-*: a replicated control plane is spoken to over HTTPS (the files go into the environment every
+    client of this process and its workers reads); a TCPStore is reached through a forwarder of this host
+    (controlplane.tls), whose loopback address becomes the store's for this agent and its workers."""
+    from phoenixft.controlplane import describe, tls
+
+    files = tls.TlsFiles.given(a.tls_cert, a.tls_key, a.tls_ca)
+    if files is None:
+        return
+    os.environ.update(files.env())
+    if describe(a.store).replicated:
+        return
+    host, _, port = a.store.rpartition(":")
+    why = tls.probe(host.strip("[]"), int(port), files)
+    if why:
+        raise UserError(f"{flag}={a.store}: no TLS channel to the coordinator ({why}): is it started with TLS, and "
+                        "are --tls-cert and the coordinator's certificate both signed by --tls-ca?")
+    relay = tls.start_forwarder(a.store, files)
+    print(f"phoenixft agent {a.node}: reaching the store at {a.store} through TLS (this host's forwarder at "
+          f"{relay.addr})", flush=True)
+    a.store = relay.addr
+    a.tls_relay = relay  # (kept referenced; it exits with this process)
 
 
 def _prepare_host(cfg: RunConfig, node: str, shm: bool = True) -> None:

@@ -132,6 +132,11 @@ class LocalJob:
         self.local = local  # False: the head of a multi-host job (agents join from other hosts)
         self.host, self.port = host, port
         self.token = token or auth.generate_token()
+        from phoenixft.controlplane.tls import TlsFiles
+
+        self.tls = TlsFiles.given(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)  # (checked again: files may have changed)
+        self._gateway: Any = None  # with TLS: the relay agents reach the loopback-only store through
+        self.public_addr = ""  # where agents join: the store, or with TLS its gateway
         self.token_generated = token is None
         self.run_id = uuid.uuid4().hex[:10]
         self.t_launch = time.time()  # the start of the run's goodput window
@@ -184,7 +189,7 @@ class LocalJob:
         this process's PID: it follows the launcher, whether its parent is the launcher or the zygote
         (procs.die_with_parent), so a zygote that dies takes nothing with it."""
         path = self.run_dir / "logs" / log
-        extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token}
+        extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token, **(self.tls.env() if self.tls else {})}
         if self.local and not os.environ.get(PLACEMENT_ENV):  # every node on this host: spread over its GPUs
             extra[PLACEMENT_ENV] = "spread"
 
@@ -205,8 +210,7 @@ class LocalJob:
         return max(1, (os.cpu_count() or 1) // max(1, self.cfg.world))
 
     def start(self) -> None:
-        from phoenixft.controlplane.server import serve_store
-        from phoenixft.dist.comm import connect_store
+        from phoenixft.controlplane import connect
 
         if self.local:
             swept = shm.sweep(exclude=(self.run_id,))
@@ -231,17 +235,15 @@ class LocalJob:
             # The store is served from this process (its server thread needs no GIL), so that the
             # coordinator's logic can crash and be restarted without taking the store with it. It
             # listens on the address given only (see store_server).
-            self._server = serve_store(self.host, self.port)
-            self.addr = self._server.addr
-            (self.run_dir / "coordinator.port").write_text(str(self._server.port))
+            self._serve()
         else:
             self.cluster = provision_cluster(self.cfg.control_plane, self.run_id, str(self.run_dir / "logs"),
-                                             self.display.info)
-            self.addr = self.cluster.addr
+                                             self.display.info, tls=self.tls)
+            self.addr = self.public_addr = self.cluster.addr
             (self.run_dir / "control_plane").write_text(self.addr)
         # on a replicated store a call that no member answers fails after CONTROL_PLANE_TIMEOUT_S (the monitor
         # then fails the run)
-        self.store = connect_store(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0)
+        self.store = connect(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0, self.tls)
         self._log = LogReader(self.store, keys.EVENTS)
         self.live = LiveMetrics(self.cfg, self.run_dir, self.host, self.t_launch, self.display.info)
         if self.live.prom is not None:
@@ -261,21 +263,44 @@ class LocalJob:
             for n in nodes:
                 self._start_agent(n)
             self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
-                              f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}, "
+                              f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}"
+                              f"{' (agents through TLS at ' + self.public_addr + ')' if self._gateway else ''}, "
                               f"dir {self.run_dir}")
             return
-        self.display.info(f"phoenixft coordinator: run {self.run_id} serving at {self.addr}, dir {self.run_dir}; "
+        self.display.info(f"phoenixft coordinator: run {self.run_id} serving at {self.public_addr}"
+                          f"{' (TLS, store on ' + self.addr + ')' if self._gateway else ''}, dir {self.run_dir}; "
                           f"waiting for {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s) to join "
                           f"(--join-timeout {self.cfg.join_timeout:g}s), spares welcome")
         if self.token_generated:  # (never printed: a batch log is read by more people than the job's owner)
             self.display.info(f"job token (generated): in {self.run_dir / rundir.TOKEN_FILE} (mode 0600); give it "
                               f"to every agent with --token-file (or as ${auth.TOKEN_ENV})")
-        self.display.info(f"join with: phoenixft agent --coordinator {self.addr} --node NAME "
-                          f"--workers {self.cfg.workers_per_node} [--spare]")
+        tls = " --tls-cert CERT --tls-key KEY --tls-ca CA" if self.tls else ""
+        self.display.info(f"join with: phoenixft agent --coordinator {self.public_addr} --node NAME "
+                          f"--workers {self.cfg.workers_per_node} [--spare]{tls}")
+
+    def _serve(self) -> None:
+        """Serve the store from this process (its server thread needs no GIL), so that the coordinator's
+        logic can crash and be restarted without taking the store with it. It listens on the address
+        given only (see controlplane.server); with TLS on loopback only, agents reaching it through a
+        TLS gateway on the address given (controlplane.tls)."""
+        from phoenixft.controlplane.server import serve_store
+
+        if self.tls is None:
+            self._server = serve_store(self.host, self.port)
+            self.addr = self.public_addr = self._server.addr
+        else:
+            from phoenixft.controlplane.tls import start_gateway
+
+            self._server = serve_store("127.0.0.1", 0)
+            self.addr = self._server.addr  # this host's own processes (coordinator, launcher) connect directly
+            self._gateway = start_gateway(self.host, self.port, self._server.port, self.tls)
+            self.public_addr = self._gateway.addr
+        (self.run_dir / "coordinator.port").write_text(str(self._server.port))
 
     def _start_agent(self, node: str) -> None:
         self.agents[node] = self._spawn(
-            ["phoenixft.runtime.agent", "--store", self.addr, "--node", node,
+            ["phoenixft.runtime.agent", "--store", self.public_addr, *(self.tls.args() if self.tls else []),
+             "--node", node,
              "--workers", str(self.cfg.workers_per_node), "--threads", str(self._threads()),
              "--run-id", self.run_id, "--parent-pid", PARENT],
             f"{node}.log")
@@ -578,6 +603,8 @@ class LocalJob:
             self.cluster.stop()
         if self.live is not None:
             self.live.close()
+        if self._gateway is not None:
+            self._gateway.stop()
 
     def _may_end_job(self) -> bool:
         """Whether this launcher may end the job (announce its end, remove its keys). Not once it was cut
