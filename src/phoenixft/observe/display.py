@@ -94,6 +94,13 @@ class Display:
             self._err(f"   {ev['name']} ({ev['host']}) joined as {role}{ev['node']}{note}")
         elif k == "join_refused":
             self._err(f"!! refused to admit {ev['name']!r} ({ev['host']}): {ev['reason']}")
+        elif k == "scrub_found":
+            what = {"own": "its own snapshot", "replica": "its replica", "parity": "its parity block"}.get(
+                str(ev.get("copy")), "a copy")
+            fix = (f"repaired: {ev['repaired_from']}" if ev.get("repaired")
+                   else f"NOT repaired ({ev.get('why_not')}); no recovery will use it")
+            self._err(f"!! scrub: {ev.get('node')} found {what} {ev.get('shard') or ''} of step {ev.get('step')} "
+                      f"corrupt at rest; {fix}")
         elif k == "fault_failed":
             self._err(f"!! fault {ev['spec']} could not be injected on {ev['node']}: {ev['error']}")
 

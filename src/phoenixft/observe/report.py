@@ -7,7 +7,8 @@ it found lost or restarted, or else the latest one before it), fault (the latest
 action, epoch, detect_s and recovery_s (from the first of them), lost_steps, resumed_step, stage
 timings, invariants, bytes_moved, with `--redundancy ec:D+H` the shards `decoded` from their group,
 the pieces' bytes `bytes_decoded_from` and `decode_s`),
-`redundancy`, `error` when the run failed.
+`redundancy`, `scrub` (the scrubber's findings: every held copy found corrupt at rest, the node holding
+it, whose shard, the step, and where its repair came from), `error` when the run failed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from phoenixft.faults.spec import FaultSpec, parse_fault
 
 __all__ = ["build_report", "percentile"]
 
+
+def _scrub(cfg: RunConfig, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The scrubber's findings: each a held copy whose bytes no longer matched their checksum (the node
+    holding it, whose shard or parity block, the step, repaired or not and from where)."""
+    found = [{k: ev.get(k) for k in ("node", "rank", "copy", "shard", "step", "repaired", "repaired_from", "why_not",
+                                     "repair_s", "t")} for ev in events if ev.get("kind") == "scrub_found"]
+    return {"every": cfg.scrub_every, "found": len(found),
+            "repaired": sum(1 for f in found if f["repaired"]), "findings": found}
 
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
@@ -269,6 +278,8 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         # or failed to write, per rank (persist.py)
         "persist_problems": [{k: ev.get(k) for k in ("kind", "step", "rank", "why")} for ev in events
                              if ev.get("kind") in ("persist_skipped", "persist_failed")],
+        # copies found corrupt at rest by the scrubber (--scrub-every), and where each repair came from
+        "scrub": _scrub(cfg, events),
         "run_dir": str(run_dir),
     }
     if store.check([keys.RUN_ERROR]):
