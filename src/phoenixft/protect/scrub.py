@@ -60,7 +60,7 @@ class ScrubSchedule:
         self.pass_ticks += 1
         self._allowed += self._budget
         due: list[Hashable] = []
-        while self._pending and self._spent < self._allowed:
+        while self._pending and (self._spent < self._allowed or not sizes.get(self._pending[0])):
             k = self._pending.pop(0)
             if k in sizes:  # (an item gone since the pass began is skipped)
                 due.append(k)
@@ -103,6 +103,7 @@ class ScrubStats:
     verified_bytes: int = 0  # over the run
     last_bytes: int = 0  # verified by the newest tick
     last_s: float = 0.0  # wall seconds of the newest tick (verification and repairs)
+    last_cpu_s: float = 0.0  # CPU seconds the thread spent on it (what it took from the cores training uses)
     found: int = 0
     repaired: int = 0
     findings: list[Finding] = field(default_factory=list)
@@ -122,7 +123,7 @@ class Scrubber:
 
     def tick(self, abort: Callable[[], str | None] = lambda: None) -> None:
         """Verify the halves this step's share of the pass names; repair and report what does not match."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         held = {(c.kind, c.ident, x): c for c in self._copies() for x in (0, 1)}
         due = self.schedule.tick({k: c.nbytes() for k, c in held.items()})
         done = 0
@@ -135,6 +136,7 @@ class Scrubber:
         self.stats.verified_bytes += done
         self.stats.last_bytes = done
         self.stats.last_s = time.perf_counter() - t0
+        self.stats.last_cpu_s = time.thread_time() - c0
 
     def _verify(self, c: HeldCopy, half: int) -> int:
         """Verify one half (a half not committed, or whose checksum is not recorded yet, is skipped);

@@ -164,7 +164,8 @@ class Worker:
                            protect_cpu_s=repl.stats.last_cpu_s, protect_shm_bytes=repl.stats.last_shm_bytes)
             scrub = self.protection.scrubber
             if scrub is not None:  # its share of the previous step's job: bytes re-hashed, seconds (with repairs)
-                rec.update(scrub_bytes=scrub.stats.last_bytes, scrub_s=round(scrub.stats.last_s, 6))
+                rec.update(scrub_bytes=scrub.stats.last_bytes, scrub_s=round(scrub.stats.last_s, 6),
+                           scrub_cpu_s=round(scrub.stats.last_cpu_s, 6))
             if res.grad_norm is not None:
                 rec["grad_norm"] = res.grad_norm
             if res.val_loss is not None:
