@@ -22,7 +22,7 @@ import torch
 from phoenixft.controlplane import Store, exists_many, keys
 from phoenixft.controlplane.signed import run_ended
 from phoenixft.dist.topology import Topology, shard_name
-from phoenixft.errors import RunAborted
+from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.protect.persist import Persister
 from phoenixft.protect.redundancy.erasure import ErasureScheme
 from phoenixft.protect.redundancy.scheme import Redundancy
@@ -96,6 +96,8 @@ class Protection:
         assert self.scrubber is not None
         try:
             self.scrubber.tick(abort)
+        except (RunAborted, PeerFailure):  # the run ended, a recovery started: the job says so
+            raise
         except Exception as e:  # noqa: BLE001 - scrubbing is a check: it must not take the protection down
             print(f"phoenixft worker {self.ctx.wid}: scrub before step {step}'s protection failed: "
                   f"{type(e).__name__}: {e}", flush=True)
