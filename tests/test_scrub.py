@@ -145,6 +145,18 @@ def test_scrubber_spreads_a_pass_over_n_steps() -> None:
     assert per_tick == [16000] * 4 and sc.schedule.passes == 1
 
 
+def test_halves_older_than_any_recovery_point_are_not_hashed() -> None:
+    h = _holding(5)  # halves of steps 4 and 5
+    flip_bit(h.payload(h.half_with(4) or 0), 1, 1)  # damage in the half of step 4
+    found: list[Finding] = []
+    sc = Scrubber(1, lambda: [HeldCopy("replica", 0, h)], lambda *a: "", found.append, oldest=lambda: 5)
+    sc.tick()
+    assert found == [] and sc.stats.last_bytes == 1000 * 2 * 4  # only the half of step 5: a recovery point
+    sc._oldest = lambda: 4
+    sc.tick()
+    assert [f.step for f in found] == [4]
+
+
 def test_read_peer_half_reads_the_half_of_that_step_and_checks_it(tmp_path: Path) -> None:
     base = str(tmp_path / "peer-hold0")
     h = _holding(7, path=base, seed=3)
@@ -177,6 +189,20 @@ def test_sdc_shard_fires_at_rest_and_writes_back() -> None:
     assert (f.point, f.target, f.bit, f.step, f.nodes) == (Point.AT_REST, "shard", 30, 6, (1,))
     assert str(f) == "sdc:node=1@step=6,target=shard,bit=30"
     assert not f.kind_of.answered_by_recovery(f)
+
+
+def test_a_finding_is_one_live_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from phoenixft.observe.display import Display
+
+    d = Display(quiet=True, steps=10)
+    d.event({"kind": "scrub_found", "node": "n1", "copy": "replica", "shard": "pp0.tp0.dp0of3", "step": 3,
+             "repaired": True, "repaired_from": "owner n0.0"})
+    d.event({"kind": "scrub_found", "node": "n2", "copy": "parity", "shard": "parity0:a,b", "step": 4,
+             "repaired": False, "why_not": "no good copy of step 4 readable on this host (tried n0.0)"})
+    assert capsys.readouterr().err.splitlines() == [
+        "!! scrub: n1 found its replica pp0.tp0.dp0of3 of step 3 corrupt at rest; repaired: owner n0.0",
+        "!! scrub: n2 found its parity block parity0:a,b of step 4 corrupt at rest; NOT repaired (no good copy of "
+        "step 4 readable on this host (tried n0.0)); no recovery will use it"]
 
 
 def test_scrub_every_is_validated_in_one_line() -> None:
@@ -217,6 +243,11 @@ def test_scrub_repairs_a_replica_before_the_recovery_that_needs_it(tmp_path: Pat
     rep = run(tmp_path, **E2E, inject=INJECT)
     _check(rep, tmp_path, ref, "owner n0.0")
     assert rep["scrub"]["findings"][0]["shard"] == "pp0.tp0.dp0of3"
+    from phoenixft.observe.html_report import write_report
+
+    html = write_report(tmp_path).read_text()
+    table = html[html.index('<table id="scrub">'):]
+    assert "from owner n0.0" in table[: table.index("</table>")] and ">n1<" in table[: table.index("</table>")]
 
 
 def test_scrub_reencodes_a_parity_block_before_the_rebuild_that_needs_it(tmp_path: Path, reference: Any) -> None:

@@ -65,7 +65,7 @@ class Protection:
         self.scheme: RedundancyScheme | None = None
         # --scrub-every N: the held copies re-verified at the start of each protection job (scrub.py)
         self.scrubber = Scrubber(cfg.scrub_every, self._held, lambda c, x, s, crc: repair_half(ctx, c, x, s, crc),
-                                 self._found) if on and cfg.scrub_every > 0 else None
+                                 self._found, self._oldest) if on and cfg.scrub_every > 0 else None
         if on:
             self.repl = Replicator(
                 None,  # type: ignore[arg-type]  # the trainer's shard, set when the worker partitions
@@ -89,6 +89,12 @@ class Protection:
         tr = self.ctx.trainer
         own = [HeldCopy("own", self.ctx.rank, tr.state)] if tr is not None and getattr(tr, "state", None) else []
         return own + (self.scheme.held() if self.scheme is not None else [])
+
+    def _oldest(self) -> int:
+        """The oldest step a recovery could resume from: the older of the steps the parameters are held at."""
+        tr = self.ctx.trainer
+        held = tr.steps_held() if tr is not None and getattr(tr, "flat", None) is not None else []
+        return min(held, default=0)
 
     def _scrub(self, step: int, abort: Any) -> None:
         """The scrubber's share of step `step`, on the replication thread before its job (a scrub that fails

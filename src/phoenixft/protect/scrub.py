@@ -10,6 +10,10 @@ a half that differs is repaired from a good copy (`scrub_repair.py`: its owner's
 another holder's replica, or for a parity block a fresh encode of its group's data) before any
 recovery needs it, and every finding is reported (an event: the live line, the report's `scrub`).
 
+Only halves that are recovery points are hashed: a half of a step older than both steps the rank's
+parameter buffers hold is the staging half of the next protection job (a replica's or parity block's
+older half, every other step), which no recovery can resume from and which is about to be rewritten.
+
 `ScrubSchedule` is the rate limiter, pure logic: a *pass* visits every held half once, in a fixed
 order, and is spread over at most N steps: each step may verify ceil(pass bytes / N) bytes (plus the
 one half that crosses the line), so the per-step cost is bounded and every byte held when the pass
@@ -115,16 +119,21 @@ class Scrubber:
     `report(finding)`: publish it."""
 
     def __init__(self, every: int, copies: Callable[[], list[HeldCopy]],
-                 repair: Callable[[HeldCopy, int, int, int], str], report: Callable[[Finding], Any]) -> None:
+                 repair: Callable[[HeldCopy, int, int, int], str], report: Callable[[Finding], Any],
+                 oldest: Callable[[], int] = lambda: 0) -> None:
+        """`oldest()`: the oldest step a recovery could resume from now (the older of the two steps the
+        rank's parameter buffers hold); a half of an older step is the next protection job's staging half,
+        a recovery point no more, and is not hashed."""
         self.schedule = ScrubSchedule(every)
-        self._copies, self._repair, self._report = copies, repair, report
+        self._copies, self._repair, self._report, self._oldest = copies, repair, report, oldest
         self._reported: set[tuple[str, int, int, int, int]] = set()  # (kind, ident, half, step, crc)
         self.stats = ScrubStats()
 
     def tick(self, abort: Callable[[], str | None] = lambda: None) -> None:
         """Verify the halves this step's share of the pass names; repair and report what does not match."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        held = {(c.kind, c.ident, x): c for c in self._copies() for x in (0, 1)}
+        oldest = self._oldest()
+        held = {(c.kind, c.ident, x): c for c in self._copies() for x in (0, 1) if c.pp.step_of(x) >= oldest}
         due = self.schedule.tick({k: c.nbytes() for k, c in held.items()})
         done = 0
         for key in due:
