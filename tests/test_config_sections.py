@@ -32,7 +32,8 @@ DEFAULT_JSON = (
     '"optimizer": "adamw", "persist_dir": "", "persist_every": 0, "pp": 1, "precision": "fp32", "protect": '
     '"phoenix", "quiet": false, "racks": 1, "redundancy": "replicas:1", "repair_after": 0.0, "replica_transport": '
     '"auto", "replicas": 1, "report": "", "resume": "", "run_dir": "", "scrub_every": 1, "seed": 1234, '
-    '"spare_arrives_at_step": 0, "spares": 1, "steps": 20, "threads": 0, "timeout": 600.0, "tp": 1, "warmup_steps": 0, "weight_decay": 0.1, '
+    '"spare_arrives_at_step": 0, "spares": 1, "steps": 20, "threads": 0, "timeout": 600.0, "tp": 1, '
+    '"warmup_steps": 0, "weight_decay": 0.1, '
     '"workers_per_node": 1, "workload": "phoenixft.gpt:workload"}'
 )
 
