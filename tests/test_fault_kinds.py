@@ -73,6 +73,10 @@ def _slow(rng: random.Random) -> str:
     when = [f"step={rng.randint(0, 10**6)}", f"factor={factor}"]
     rng.shuffle(when)
     return f"slow:node={rng.randint(0, 63)}@{','.join(when)}"
+def _sdc(rng: random.Random) -> str:
+    when = [f"step={rng.randint(0, 10**6)}", "target=shard", *_opt(rng, f"bit={rng.randint(0, 31)}")]
+    rng.shuffle(when)
+    return f"sdc:node={rng.randint(0, 63)}@{','.join(when)}"
 
 
 GENERATORS: dict[str, Callable[[random.Random], str]] = {
@@ -83,6 +87,7 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "nan": lambda rng: f"nan:step={rng.randint(0, 10**6)}",
     "partition": _partition,
     "slow": _slow,
+    "sdc": _sdc,
 }
 
 
@@ -109,7 +114,8 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
         "--inject='boom:node=1@step=3' is invalid: expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, "
         "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
         "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S, "
-        "partition:node=I@step=S[,for=SECONDS] or slow:node=I@step=S,factor=F")
+        "partition:node=I@step=S[,for=SECONDS], slow:node=I@step=S,factor=F or "
+        "sdc:node=I@step=S,target=shard[,bit=B]")
     with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
         parse_fault("nan:step=3,wait=5")
 

@@ -114,7 +114,8 @@ def test_a_corruption_at_rest_fires_once_even_when_its_step_is_replayed(tmp_path
 
 
 def test_both_halves_corrupt_fails_clearly(tmp_path: Path) -> None:
-    rep = run(tmp_path, nodes=2, spares=1, steps=10,
+    # without scrubbing (which would repair the first corrupted copy before the kill: tests/test_scrub.py)
+    rep = run(tmp_path, nodes=2, spares=1, steps=10, scrub_every=0,
               inject=["corrupt:node=1@step=4", "corrupt:node=1@step=5", "kill:node=0@step=5,phase=optimizer"])
     assert rep["state"] == "failed"
     assert "lost shards: pp0.tp0.dp0of2" in rep["error"], rep["error"]

@@ -18,6 +18,7 @@ __all__ = ["ProtectionConfig", "validate_protection", "PROTECT_MODES", "TRANSPOR
 
 PROTECT_MODES = ("phoenix", "none")
 TRANSPORTS = ("auto", "tcp")  # --replica-transport (protect/transport/: TransportMode)
+SCRUB_EVERY = 1  # --scrub-every default: measured by bench/scrub.py (docs/scrubbing.md)
 
 
 @dataclass(kw_only=True)
@@ -41,6 +42,12 @@ class ProtectionConfig:
                                     "network and mount namespaces - reads the owner's committed half straight from "
                                     "host shared memory, one copy; other holders get it over TCP) or tcp (always over "
                                     "TCP).", flag="--replica-transport")
+    scrub_every: int = option(SCRUB_EVERY, "Scrub the committed copies each node holds (its own snapshot halves, the "
+                              "replicas or parity blocks it keeps): every held byte is re-hashed against the "
+                              "checksum recorded at commit at least once every N steps, in the background (at most "
+                              "1/N of the held bytes per step, on the replication thread), and a copy that no "
+                              "longer matches is repaired at once from a good one (its owner, another replica, or "
+                              "re-encoded from its group) and reported. 0 = off.", flag="--scrub-every")
 
     def resolve(self) -> None:
         """--replicas K is a shorthand for --redundancy replicas:K: make the two fields agree."""
@@ -70,6 +77,8 @@ def validate_protection(cfg: RunConfig) -> None:
     need(p.replica_transport in TRANSPORTS, "--replica-transport", p.replica_transport,
          f"one of {', '.join(TRANSPORTS)}")
     need(p.persist_every >= 0, "--persist-every", p.persist_every, "must be >= 0")
+    need(p.scrub_every >= 0, "--scrub-every", p.scrub_every,
+         "must be >= 0 (steps per full scrub of the held copies; 0 = off)")
     if p.persist_every:
         need(bool(p.persist_dir), "--persist-dir", p.persist_dir, "needed with --persist-every")
         need(p.protect == "phoenix", "--persist-every", p.persist_every, "needs --protect phoenix")

@@ -151,6 +151,7 @@ class RunConfig:
     persist_dir = _Flat[str]("protection")
     chunk_mb = _Flat[float]("protection")
     replica_transport = _Flat[str]("protection")
+    scrub_every = _Flat[int]("protection")
     join_timeout = _Flat[float]("control")
     control_plane = _Flat[str]("control")
     coordinators = _Flat[int]("control")

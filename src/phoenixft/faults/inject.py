@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 from typing import Any
@@ -177,6 +178,25 @@ class FaultInjector:
         for f in hits:
             self._fired(f)
         return bool(hits)
+
+    def at_rest(self, step: int) -> None:
+        """sdc:node=I@step=S,target=shard fires here, on the replication thread of the node in slot I, once
+        the protection of step S-1 committed (during step S): a bit of a copy it holds flips at rest."""
+        if self.w.topo is None:
+            return
+        slot = self.w.topo.slot_of(self.w.node_id)
+        for f in self.w.faults:
+            if f.point is Point.AT_REST and f.step == step + 1 and f.kind_of.strikes(f, self.w.rank, slot, self.w.topo):
+                self.fire(f, step=f.step, phase="at rest")
+
+    def flip_at_rest(self, f: FaultSpec) -> None:
+        """Flip one bit (f.bit, or one drawn from the run's seed) of a committed copy of step S-1 this rank
+        holds; the event says which copy, element and bit."""
+        from phoenixft.faults.at_rest import corrupt_at_rest
+
+        rng = random.Random(f"{self.w.cfg.seed}/{f.index}/{self.w.wid}")
+        what = corrupt_at_rest(self.w, (f.step or 1) - 1, f.bit, rng)
+        self.w.event("corrupted_at_rest", spec=f.text, node=self.w.node_id, **(what or {"copy": None}))
 
     def _fired(self, f: FaultSpec) -> None:
         """Mark a fault that acts without `fire` (a corruption, a NaN) as fired: the report lists the

@@ -36,6 +36,7 @@ class Point(enum.Enum):
     STEP = "step"  # a worker, at a training step's phase (`FaultInjector.at`)
     RECOVERY = "recovery"  # a worker, mid state transfer of a recovery (`FaultInjector.in_recovery`)
     REPLICAS = "replicas"  # a worker, on the replicas it received during a step (`FaultInjector.corrupt_replicas`)
+    AT_REST = "at_rest"  # a worker, on a committed copy it holds, once a step's protection committed (`at_rest`)
     TRANSFER = "transfer"  # a worker, on the optimizer-state transfers it sends (`FaultInjector.corrupts_transfers`)
     LOSS = "loss"  # rank 0, on the loss of a step (`FaultInjector.nan_at`)
     HEARTBEAT = "heartbeat"  # the node agent, from its heartbeat loop (`partition.PartitionInjector`)
@@ -63,6 +64,7 @@ class FaultKind:
     during_recovery: ClassVar[bool] = False  # it takes @recovery=N
     needs_protection: ClassVar[bool] = True  # the run needs --protect phoenix for it
     scales: ClassVar[bool] = False  # it takes ,factor=F (and needs it)
+    options: ClassVar[frozenset[str]] = frozenset()  # when-part keys it takes besides step, phase, recovery, wait, for
 
     # ---------------------------------------------------------------- parsing
     def check_form(self, text: str, when: dict[str, str]) -> None:
@@ -357,7 +359,53 @@ class Slow(FaultKind):
         return f"node {f.node}'s compute {f.factor:g}x slower from step {f.step} on"
 
 
-KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition(), Slow())}
+class Sdc(FaultKind):
+    """Silent data corruption: one bit flipped, nothing crashes. `target=shard`: a committed copy the node
+    holds at rest (a replica or parity block it received, else its own older snapshot half), flipped right
+    after the replication of step S-1 committed during step S (faults/at_rest.py)."""
+
+    name = "sdc"
+    forms = ("sdc:node=I@step=S,target=shard[,bit=B]",)
+    options = frozenset({"target", "bit"})
+    targets_at_rest: ClassVar[tuple[str, ...]] = ("shard",)
+    waits = False
+
+    def check_form(self, text: str, when: dict[str, str]) -> None:
+        if "step" not in when or "phase" in when:
+            raise bad_spec(text, "expected sdc:node=I@step=S,target=shard[,bit=B] (no phase: the copy is at rest)")
+        if when.get("target") not in self.targets_at_rest:
+            raise bad_spec(text, f"target={when.get('target', '')!r}: expected target=shard (a committed copy the "
+                                 "node holds at rest)")
+        bit = when.get("bit")
+        if bit is not None and not (bit.isdigit() and 0 <= int(bit) < 32):
+            raise bad_spec(text, f"bit={bit!r}: expected a bit index 0..31 of a float32 element")
+
+    def format(self, f: FaultSpec) -> str:
+        bit = f",bit={f.bit}" if f.bit is not None else ""
+        return f"{self.name}:{self.format_target(f)}@step={f.step},target={f.target}{bit}"
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.AT_REST
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return False
+
+    def act(self, f: FaultSpec, injector: FaultInjector) -> None:
+        injector.flip_at_rest(f)
+
+    def answered_by_recovery(self, f: FaultSpec) -> bool:
+        return False  # nothing dies: the scrubber (or a recovery's checksum) answers it
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        return "its node committed no protected copy during its step (not in the job, or the run ended first)"
+
+    def describe(self, f: FaultSpec) -> str:
+        bit = f"bit {f.bit}" if f.bit is not None else "a drawn bit"
+        return f"flip {bit} of a committed copy node {f.node} holds at rest, in step {f.step}"
+
+
+KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition(), Slow(),
+                                                    Sdc())}
 
 
 def join_or(items: list[str], last: str) -> str:

@@ -21,6 +21,8 @@
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
     slow:node=I@step=S,factor=F           from step S on, node I's compute takes F (> 1) times as long (a
                                           straggler; a spare that replaces it is not slow)
+    sdc:node=I@step=S,target=shard[,bit=B]  flip one bit (B, or a drawn one) of a committed copy node I
+                                          holds at rest (a replica or parity block received in step S)
     partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
                                           job reaches step S, its processes left running; the link comes
                                           back after T seconds (default: when its agent gives up and exits).
@@ -72,6 +74,8 @@ class FaultSpec:
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
     duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
     factor: float = 0.0  # slow: how many times as long the node's compute takes (0 = not a slow fault)
+    target: str = ""  # sdc: what it corrupts (shard: a committed copy at rest)
+    bit: int | None = None  # sdc: the bit of a float32 element it flips (None: drawn)
 
     @property
     def node(self) -> int | None:
@@ -165,7 +169,8 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         if k.strip() in when:
             raise _bad(text, f"{k.strip()}= is given twice; give it once")
         when[k.strip()] = v.strip()
-    if set(when) - {"step", "phase", "recovery", "wait", "for", "factor"} or ("step" in when) == ("recovery" in when):
+    known = {"step", "phase", "recovery", "wait", "for", "factor"} | fk.options
+    if set(when) - known or ("step" in when) == ("recovery" in when):
         raise _bad(text, _VALID)
     fk.check_form(text, when)
     if "for" in when and not fk.lasts:
@@ -221,4 +226,5 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
-                     duration=duration, factor=factor)
+                     duration=duration, factor=factor, target=when.get("target", ""),
+                     bit=int(when["bit"]) if "bit" in when else None)

@@ -107,6 +107,13 @@ class Display:
                       f"{ev['slot']}")
         elif k == "straggler_kept":
             self._err(f"   straggler {ev['node']} stays for now: {ev['why']}")
+        elif k == "scrub_found":
+            what = {"own": "its own snapshot", "replica": "its replica", "parity": "its parity block"}.get(
+                str(ev.get("copy")), "a copy")
+            fix = (f"repaired: {ev['repaired_from']}" if ev.get("repaired")
+                   else f"NOT repaired ({ev.get('why_not')}); no recovery will use it")
+            self._err(f"!! scrub: {ev.get('node')} found {what} {ev.get('shard') or ''} of step {ev.get('step')} "
+                      f"corrupt at rest; {fix}")
         elif k == "fault_failed":
             self._err(f"!! fault {ev['spec']} could not be injected on {ev['node']}: {ev['error']}")
 

@@ -591,6 +591,27 @@ def _faults_table(run: RunData) -> str:
     return f'<table id="faults"><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>{"".join(rows)}</table>'
 
 
+def _scrub_table(run: RunData) -> str:
+    """The scrubber's findings (report `scrub`): each held copy found corrupt at rest and its repair."""
+    sc = run.report.get("scrub") or {}
+    found = sc.get("findings") or []
+    every = sc.get("every")
+    if not found:
+        how = f" (every held byte re-verified every {every} step(s))" if every else " (scrubbing off)"
+        return f'<p class="muted">No corrupt copy found{how}.</p>'
+    t0 = run.t0 or 0.0
+    rows = []
+    for f in found:
+        fix = f"from {f.get('repaired_from')}" if f.get("repaired") else f"not repaired: {f.get('why_not')}"
+        rows.append("<tr>" + _td(f"{(f.get('t') or t0) - t0:.3f}", "t", "num") + _td(f.get("node"), "node")
+                    + _td(f.get("copy"), "copy") + _td(f.get("shard"), "shard") + _td(f.get("step"), "step", "num")
+                    + _td(fix, "repair", None if f.get("repaired") else "bad") + "</tr>")
+    head = ["t (s)", "node holding it", "copy", "whose shard", "step", "repair"]
+    return (f'<p>{len(found)} corrupt cop{"y" if len(found) == 1 else "ies"} found, '
+            f'{sum(1 for f in found if f.get("repaired"))} repaired.</p>'
+            f'<table id="scrub"><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>{"".join(rows)}</table>')
+
+
 def _events_table(run: RunData) -> str:
     if not run.events:
         return '<p class="muted">No events recorded (events.jsonl missing or empty).</p>'
@@ -600,7 +621,7 @@ def _events_table(run: RunData) -> str:
         src = ev.get("by") or ev.get("wid") or ev.get("node") or "-"
         rest = {k: v for k, v in ev.items() if k not in ("t", "kind", "by", "wid")}
         detail = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in rest.items())
-        cls = "bad" if ev.get("kind") in ("fault", "run_failed", "corrupted_replica") else None
+        cls = "bad" if ev.get("kind") in ("fault", "run_failed", "corrupted_replica", "scrub_found") else None
         rows.append(
             "<tr>"
             + _td(f"{ev.get('t', t0) - t0:.3f}", "t", "num")
@@ -646,6 +667,8 @@ def render_html(run: RunData, ref: RunData | None = None) -> str:
         _stragglers_table(run),
         "<h2>Faults</h2>",
         _faults_table(run),
+        "<h2>Scrubbing</h2>",
+        _scrub_table(run),
         "<h2>Events</h2>",
         _events_table(run),
         "</body></html>",

@@ -9,7 +9,9 @@ timings, invariants, bytes_moved, with `--redundancy ec:D+H` the shards `decoded
 the pieces' bytes `bytes_decoded_from` and `decode_s`),
 `redundancy`, `stragglers` (each node flagged as a straggler: node, slot, ratio, first_step, flagged_step,
 whether it was evicted, and by which recovery), `goodput` (goodput and badput by cause,
-observe/goodput.py; each recovery's absolute `times` feed it), `error` when the run failed.
+observe/goodput.py; each recovery's absolute `times` feed it), `scrub` (the scrubber's findings: every
+held copy found corrupt at rest, the node holding it, whose shard, the step, and where its repair came
+from), `error` when the run failed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from phoenixft.observe.goodput import account
 
 __all__ = ["build_report", "percentile", "read_recoveries", "write_metrics"]
 
+
+def _scrub(cfg: RunConfig, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The scrubber's findings: each a held copy whose bytes no longer matched their checksum (the node
+    holding it, whose shard or parity block, the step, repaired or not and from where)."""
+    found = [{k: ev.get(k) for k in ("node", "rank", "copy", "shard", "step", "repaired", "repaired_from", "why_not",
+                                     "repair_s", "t")} for ev in events if ev.get("kind") == "scrub_found"]
+    return {"every": cfg.scrub_every, "found": len(found),
+            "repaired": sum(1 for f in found if f["repaired"]), "findings": found}
 
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
@@ -321,6 +331,8 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
                              if ev.get("kind") in ("persist_skipped", "persist_failed")],
         # where the wall time went: goodput and badput by cause (observe/goodput.py)
         "goodput": account(steps, recoveries, events, t_launch=t_launch),
+        # copies found corrupt at rest by the scrubber (--scrub-every), and where each repair came from
+        "scrub": _scrub(cfg, events),
         "run_dir": str(run_dir),
     }
     if store.check([keys.RUN_ERROR]):

@@ -22,13 +22,15 @@ import torch
 from phoenixft.controlplane import Store, exists_many, keys
 from phoenixft.controlplane.signed import run_ended
 from phoenixft.dist.topology import Topology, shard_name
-from phoenixft.errors import RunAborted
+from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.protect.persist import Persister
 from phoenixft.protect.redundancy.erasure import ErasureScheme
 from phoenixft.protect.redundancy.scheme import Redundancy
 from phoenixft.protect.replicas import ReplicaScheme
 from phoenixft.protect.replication import Replicator
 from phoenixft.protect.scheme import RedundancyScheme
+from phoenixft.protect.scrub import Finding, HeldCopy, Scrubber
+from phoenixft.protect.scrub_repair import repair_half
 from phoenixft.protect.snapshot import INVALID, Holding
 from phoenixft.recovery.evidence import params_checksums
 from phoenixft.recovery.planner import Descriptor
@@ -61,6 +63,9 @@ class Protection:
         store = ctx.store.independent() if on else None
         self.repl: Replicator | None = None
         self.scheme: RedundancyScheme | None = None
+        # --scrub-every N: the held copies re-verified at the start of each protection job (scrub.py)
+        self.scrubber = Scrubber(cfg.scrub_every, self._held, lambda c, x, s, crc: repair_half(ctx, c, x, s, crc),
+                                 self._found, self._oldest) if on and cfg.scrub_every > 0 else None
         if on:
             self.repl = Replicator(
                 None,  # type: ignore[arg-type]  # the trainer's shard, set when the worker partitions
@@ -72,11 +77,55 @@ class Protection:
                 on_in_flight=lambda s: ctx.inject.at(s + 1, "replicate"),
                 after_commit=self.after_replication,
                 transport=cfg.replica_transport,
+                before_job=self._scrub if self.scrubber is not None else None,
             )
             self.scheme = make_scheme(cfg.scheme, self.repl, lambda: ctx.shm)
         pstore = store if cfg.persist_every and on else None
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
                                    fenced=lambda: bool(pstore.check([keys.fence(ctx.node_id)]))) if pstore else None
+
+    # ---------------------------------------------------------------- scrubbing (protect/scrub.py)
+    def _held(self) -> list[HeldCopy]:
+        tr = self.ctx.trainer
+        own = [HeldCopy("own", self.ctx.rank, tr.state)] if tr is not None and getattr(tr, "state", None) else []
+        return own + (self.scheme.held() if self.scheme is not None else [])
+
+    def _oldest(self) -> int:
+        """The oldest step a recovery could resume from: the older of the steps the parameters are held at."""
+        tr = self.ctx.trainer
+        held = tr.steps_held() if tr is not None and getattr(tr, "flat", None) is not None else []
+        return min(held, default=0)
+
+    def _scrub(self, step: int, abort: Any) -> None:
+        """The scrubber's share of step `step`, on the replication thread before its job (a scrub that fails
+        is said in the worker's log and never fails the replication)."""
+        assert self.scrubber is not None
+        try:
+            self.scrubber.tick(abort)
+        except (RunAborted, PeerFailure):  # the run ended, a recovery started: the job says so
+            raise
+        except Exception as e:  # noqa: BLE001 - scrubbing is a check: it must not take the protection down
+            print(f"phoenixft worker {self.ctx.wid}: scrub before step {step}'s protection failed: "
+                  f"{type(e).__name__}: {e}", flush=True)
+
+    def _found(self, f: Finding) -> None:
+        """A corrupt held half: one event (the live line, the report's `scrub`)."""
+        ctx = self.ctx
+        tp, pp = ctx.cfg.tp, ctx.cfg.pp
+        c = next((c for c in self._held() if (c.kind, c.ident) == (f.kind, f.ident)), None)
+        name = ""
+        if c is not None and f.kind == "parity":
+            from phoenixft.protect.redundancy.parity import ParityHolding, parity_name
+
+            if isinstance(c.pp, ParityHolding):
+                info = c.pp.info_of(f.half)
+                name = parity_name([shard_name(i, info.world, tp, pp) for i in info.members], info.j)
+        elif c is not None:
+            idx, count = c.pp.shard_of(f.half)
+            name = shard_name(idx, count, tp, pp) if count else ""
+        ctx.event("scrub_found", node=ctx.node_id, rank=ctx.rank, copy=f.kind, shard=name, step=f.step,
+                  repaired=f.repaired_from is not None, repaired_from=f.repaired_from, why_not=f.why_not or None,
+                  repair_s=round(f.repair_s, 6))
 
     def _flag_check(self, store: Store) -> Any:
         every = store.abort_check_s  # the watcher sees a flag first: a costly round trip is only the fallback
@@ -140,6 +189,7 @@ class Protection:
                 self.persister.stage(step, tr.state.data[half], meta,
                                      buffers=tr.flat.buffers_at(step) if ctx.rank == 0 and lay.trivial else None)
         ctx.inject.corrupt_replicas(step, received)
+        ctx.inject.at_rest(step)
 
     def descriptor(self, err: str, t_err: float) -> Descriptor:
         """What this worker holds, for the planner: parameter steps, own shard and what its scheme keeps

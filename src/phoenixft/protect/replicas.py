@@ -18,6 +18,7 @@ from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.protect import shm
 from phoenixft.protect.replication import ReplicaPlan
 from phoenixft.protect.scheme import RankView, RedundancyScheme
+from phoenixft.protect.scrub import HeldCopy
 from phoenixft.protect.snapshot import H_VALID, INVALID, checksum
 from phoenixft.recovery.planner import Descriptor
 
@@ -42,6 +43,9 @@ class ReplicaScheme(RedundancyScheme):
                     d.holdings.setdefault(name, {})[st] = h.crc_of(x)
                 else:
                     d.rejected.append((name, st))
+
+    def held(self) -> list[HeldCopy]:
+        return [HeldCopy("replica", shard, h) for shard, h in list(self.repl.holdings.items())]
 
     def drop(self) -> None:
         self.repl.holdings = {}

@@ -77,6 +77,7 @@ class Replicator:
         on_in_flight: Callable[[int], None] | None = None,
         after_commit: Callable[[int, dict[int, Holding]], None] | None = None,
         transport: str | TransportMode = TransportMode.AUTO,
+        before_job: Callable[[int, Callable[[], str | None]], None] | None = None,
     ) -> None:
         self.state = state
         self.transport = TransportMode.parse(transport)  # which backends each pair may use (transport/)
@@ -88,6 +89,7 @@ class Replicator:
         self.timeout_s = timeout_s
         self._on_in_flight = on_in_flight
         self._after_commit = after_commit
+        self._before_job = before_job  # (step, abort check): e.g. the scrubber's share of the step (scrub.py)
         self._cv = threading.Condition()
         self._job: int | None = None
         self._done = -1
@@ -212,6 +214,8 @@ class Replicator:
             self._on_in_flight(step)
 
     def _replicate(self, step: int) -> None:
+        if self._before_job is not None:
+            self._before_job(step, self._abort_reason)
         t0 = time.perf_counter()
         c0 = time.thread_time()
         if self.scheme is not None:  # parity instead of replicas: the scheme moves the bytes

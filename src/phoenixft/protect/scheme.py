@@ -24,6 +24,7 @@ import torch
 from phoenixft.dist.comm import EpochComm
 from phoenixft.dist.topology import Topology
 from phoenixft.protect.replication import Replicator
+from phoenixft.protect.scrub import HeldCopy
 from phoenixft.protect.snapshot import ShardState
 from phoenixft.recovery.planner import Descriptor
 
@@ -75,6 +76,10 @@ class RedundancyScheme(ABC):
     def describe(self, d: Descriptor, shards: int, tp: int, pp: int) -> None:
         """Add to `d` what this rank holds for other ranks (verified, with checksums), and what failed
         verification (`d.rejected`); `shards` is the data-parallel width of the rank's partition."""
+
+    def held(self) -> list[HeldCopy]:
+        """The committed copies this rank keeps for other ranks (what the scrubber re-verifies)."""
+        return []
 
     @abstractmethod
     def drop(self) -> None:

@@ -44,6 +44,8 @@ class FaultHooks(Protocol):
 
     def corrupt_replicas(self, step: int, received: dict[int, Holding]) -> None: ...
 
+    def at_rest(self, step: int) -> None: ...
+
 
 class NoFaults:
     """No fault injected anywhere."""
@@ -58,6 +60,9 @@ class NoFaults:
         return False
 
     def corrupt_replicas(self, step: int, received: dict[int, Holding]) -> None:
+        pass
+
+    def at_rest(self, step: int) -> None:
         pass
 
 

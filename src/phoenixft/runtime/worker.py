@@ -164,6 +164,10 @@ class Worker:
                 rec.update(protect_bytes=repl.stats.last_bytes, protect_s=repl.stats.last_job_s,
                            protect_cpu_s=repl.stats.last_cpu_s, protect_shm_bytes=repl.stats.last_shm_bytes)
             rec.update(own_s=round(res.own_s, 6), **nodes_compute(self.ctx.topo, s, res.ranks_own_s))
+            scrub = self.protection.scrubber
+            if scrub is not None:  # its share of the previous step's job: bytes re-hashed, seconds (with repairs)
+                rec.update(scrub_bytes=scrub.stats.last_bytes, scrub_s=round(scrub.stats.last_s, 6),
+                           scrub_cpu_s=round(scrub.stats.last_cpu_s, 6))
             if res.grad_norm is not None:
                 rec["grad_norm"] = res.grad_norm
             if res.val_loss is not None:

@@ -21,6 +21,7 @@ from phoenixft.protect.redundancy.protect import ErasureProtector
 from phoenixft.protect.redundancy.scheme import Redundancy
 from phoenixft.protect.replication import ReplicaPlan, Replicator
 from phoenixft.protect.scheme import RankView, RedundancyScheme
+from phoenixft.protect.scrub import HeldCopy
 from phoenixft.protect.snapshot import INVALID
 from phoenixft.recovery import rebuild
 from phoenixft.recovery.planner import Descriptor
@@ -58,6 +59,9 @@ class ErasureScheme(RedundancyScheme):
                                                          "members": members, "mcrc": list(info.mcrc)}
                 else:
                     d.rejected.append((name, st))
+
+    def held(self) -> list[HeldCopy]:
+        return [HeldCopy("parity", gid, ph) for gid, ph in list(self.ec.parity.items())]
 
     def drop(self) -> None:
         self.ec.parity = {}
