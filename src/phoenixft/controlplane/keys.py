@@ -129,3 +129,21 @@ def admit_verdict(seq: int) -> str:
 def left(node: str) -> str:
     """Set by an agent that ends normally (its workers are gone), never by a fenced one."""
     return f"left/{node}"
+
+
+def drain_key(node: int) -> str:
+    """A request to drain the node in slot `node` of the current epoch (its position in the topology's node
+    list): JSON {"reason": str, "source": str, "deadline": seconds since the epoch or null} and optionally
+    "t" (when the notice came) and "node_id" (the node id the request means; a request whose slot holds
+    another node by the time it is read is stale and ignored). Written by `phoenixft drain`, an agent that
+    received its drain signal, the `preempt:` fault, and any other producer (a straggler detector: reason
+    "straggler"); the coordinator is its one consumer and deletes it once it has acted on it."""
+    return f"drain/{int(node)}"
+
+
+def drain_notice(epoch: int) -> str:
+    """Set by the coordinator before the failure flag of `epoch` when the epoch ends for a planned drain
+    (JSON: node, slot, reason, source, t_notice): workers then let the replication of their last completed
+    step finish before they post their descriptors, so that the drained node's shard has a committed
+    replica of that step elsewhere and nothing is lost."""
+    return f"drain_notice/{epoch}"

@@ -39,6 +39,7 @@ class Point(enum.Enum):
     TRANSFER = "transfer"  # a worker, on the optimizer-state transfers it sends (`FaultInjector.corrupts_transfers`)
     LOSS = "loss"  # rank 0, on the loss of a step (`FaultInjector.nan_at`)
     HEARTBEAT = "heartbeat"  # the node agent, from its heartbeat loop (`partition.PartitionInjector`)
+    NOTICE = "notice"  # the node agent, from its heartbeat loop: a preemption notice (`faults/notice.py`)
     PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_member_faults`)
 
 
@@ -61,6 +62,7 @@ class FaultKind:
     lasts: ClassVar[bool] = False  # it takes ,for=SECONDS
     during_recovery: ClassVar[bool] = False  # it takes @recovery=N
     needs_protection: ClassVar[bool] = True  # the run needs --protect phoenix for it
+    notices: ClassVar[bool] = False  # it takes ,notice=SECONDS
 
     # ---------------------------------------------------------------- parsing
     def check_form(self, text: str, when: dict[str, str]) -> None:
@@ -320,7 +322,38 @@ class Partition(FaultKind):
         return f"cut the host of node {f.node} off the network" + (f" for {f.duration:g}s" if f.duration else "")
 
 
-KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition())}
+class Preempt(FaultKind):
+    """A preemption with notice (a spot instance's two minutes, Slurm's `--signal`, Kubernetes' grace period):
+    the node's agent receives its drain signal once the job reaches step S, and T seconds later the node's
+    every process is SIGKILLed unless it has left. Fired by the agent (`faults/notice.py`)."""
+
+    name = "preempt"
+    forms = ("preempt:node=I@step=S,notice=T",)
+    waits = False
+    notices = True
+
+    def check_form(self, text: str, when: dict[str, str]) -> None:
+        if "step" not in when or "phase" in when or "notice" not in when:
+            raise bad_spec(text, "expected preempt:node=I@step=S,notice=SECONDS")
+
+    def format(self, f: FaultSpec) -> str:
+        return f"{self.name}:{self.format_target(f)}@step={f.step},notice={_num(f.notice or 0.0)}"
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.NOTICE
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return False
+
+    def describe(self, f: FaultSpec) -> str:
+        return f"preemption notice to node {f.node} ({f.notice or 0:g}s before its SIGKILL)"
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        return "its slot's agent did not see the job reach its step (the run ended first)"
+
+
+KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition(),
+                                                   Preempt())}
 
 
 def join_or(items: list[str], last: str) -> str:

@@ -19,6 +19,10 @@
     corrupt:node=I@step=S,phase=transfer  flip bytes in every optimizer-state transfer node I sends in
                                           recoveries whose resume step is >= S-1 (corruption in flight)
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
+    preempt:node=I@step=S,notice=T        a preemption notice: once the job reaches step S, the agent of
+                                          slot I gets its drain signal (a planned drain moves its role to a
+                                          spare), and T seconds later every process of the node is
+                                          SIGKILLed if it has not left by then
     partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
                                           job reaches step S, its processes left running; the link comes
                                           back after T seconds (default: when its agent gives up and exits).
@@ -69,6 +73,7 @@ class FaultSpec:
     member: int | None = None  # a member of the control-plane cluster the run started (-1: its leader)
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
     duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
+    notice: float | None = None  # preempt: seconds from the drain signal to the SIGKILL of the node
 
     @property
     def node(self) -> int | None:
@@ -162,9 +167,16 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         if k.strip() in when:
             raise _bad(text, f"{k.strip()}= is given twice; give it once")
         when[k.strip()] = v.strip()
-    if set(when) - {"step", "phase", "recovery", "wait", "for"} or ("step" in when) == ("recovery" in when):
+    if set(when) - {"step", "phase", "recovery", "wait", "for", "notice"} or ("step" in when) == ("recovery" in when):
         raise _bad(text, _VALID)
     fk.check_form(text, when)
+    notice = None
+    if "notice" in when:
+        if not fk.notices:
+            raise _bad(text, "notice=SECONDS is only for preempt faults (the time from the notice to the kill)")
+        notice = _seconds(text, "notice", when["notice"], ">= 0")
+        if notice < 0:
+            raise _bad(text, f"notice={when['notice']} must be >= 0 seconds")
     if "for" in when and not fk.lasts:
         raise _bad(text, "for=SECONDS is only for partition faults (how long the host stays cut off)")
     step = _ints(text, when["step"], "step")[0] if "step" in when else None
@@ -206,4 +218,4 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
-                     duration=duration)
+                     duration=duration, notice=notice)
