@@ -143,7 +143,13 @@ def drain_key(node: int) -> str:
 
 def drain_notice(epoch: int) -> str:
     """Set by the coordinator before the failure flag of `epoch` when the epoch ends for a planned drain
-    (JSON: node, slot, reason, source, t_notice): workers then let the replication of their last completed
-    step finish before they post their descriptors, so that the drained node's shard has a committed
-    replica of that step elsewhere and nothing is lost."""
+    (JSON: node, slot, reason, source, t_notice, after_step): every worker completes step `after_step`, stops
+    at that step boundary, lets the replication of that step finish and posts its descriptor, so that the
+    drained node's shard has a committed replica of that step elsewhere and nothing is lost."""
     return f"drain_notice/{epoch}"
+
+
+def drain_abort(epoch: int) -> str:
+    """Set by the coordinator once a drain of `epoch` has gathered what it waits for (or waited long enough):
+    a worker still inside a step of `epoch` leaves it now, as on a failure flag."""
+    return f"drain_abort/{epoch}"

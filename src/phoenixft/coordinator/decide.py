@@ -164,19 +164,22 @@ class Decider:
             self.decide(old, t_start, dead, fenced, restarted)
 
     def drain(self, req: DrainRequest, desk: DrainDesk) -> None:
-        """A planned drain of the node `req` names (coordinator/drain.py): at the next step boundary, the
-        epoch's drain notice and failure flag, the gather (the drained node posts too), then the decision
-        with that node leaving. Had it died meanwhile (its notice ran out), the failure path takes over."""
+        """A planned drain of the node `req` names (coordinator/drain.py): the epoch's drain notice (the step
+        boundary every rank stops at) and failure flag; once every worker stopped there and posted (or after
+        a bounded wait), the drain's end and the gather (the drained node posts too), then the decision with
+        that node leaving. Had it died meanwhile (its notice ran out), the failure path takes over."""
         assert self.state.topo is not None
         old = self.state.topo
         e = old.epoch
-        desk.await_boundary(req)
+        after = desk.boundary()
         t_start = time.time()
         self.job.event("drain_requested", epoch=e, node=req.node, slot=req.slot, reason=req.reason,
-                       source=req.source, deadline=req.deadline, t_notice=req.t_notice)
-        desk.notice(e, req)
+                       source=req.source, deadline=req.deadline, t_notice=req.t_notice, after_step=after)
+        desk.notice(e, req, after)
         self.store.set(keys.failflag(e), "1")
         self.store.delete_key(keys.JOB_WHOLE)
+        desk.await_stopped(e, old.world, req)
+        self.store.set(keys.drain_abort(e), "1")  # (whoever is still inside a step of e leaves it now)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         if req.node in dead:
             self.job.event("drain_failed", epoch=e, node=req.node, why="the node was lost before its drain was "
@@ -299,7 +302,7 @@ class Decider:
         max_committed = max((max(d.params) for d in descs.values() if d.params), default=plan.resume_step)
         progress = self.job.progress()
         self.job.event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
-                       **{"class": plan.klass}, action=plan.action)
+                       **{"class": plan.klass}, action=plan.action, drained=topo.meta.get("drained", []))
         t_decided = time.time()
         rec: dict[str, Any] = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
                "t_decided": t_decided, "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),

@@ -8,10 +8,14 @@ or by any other producer (a straggler detector writes reason "straggler"). The c
 consumer: `DrainDesk.pending` looks for requests (one `exists_many` every DRAIN_CHECK_S), ignores and
 logs a malformed or stale one, and hands a valid one to `Decider.drain`, which
 
-1. waits (bounded) for the next step record, so that the drain starts right at a step boundary;
-2. writes the epoch's drain notice (`keys.drain_notice(e)`), then its failure flag: every worker leaves
-   the step it just began, lets the replication of its last completed step finish (so the drained node's
-   shard has a committed replica of that step on another node), and posts its descriptor;
+1. picks the step boundary every rank stops at (two steps past rank 0's last completed one) and writes
+   the epoch's drain notice with it (`keys.drain_notice(e)`), then the epoch's failure flag: each worker's
+   failure watcher sees a drain, not a failure, so the rank trains on to that boundary, stops there (no
+   collective of the next step begun), lets the replication of that step finish (so the drained node's
+   shard has a committed replica of it on another node) and posts its descriptor;
+2. once every worker posted (bounded: a few steps' time, and half the notice left), sets the drain's end
+   (`keys.drain_abort(e)`: a rank that missed the boundary leaves the step it waits in, as on a failure,
+   having committed nothing of it) and gathers the descriptors as for any recovery;
 3. plans the next epoch as a hot-swap with the drained node's slot given to a ready spare (or dropped:
    a shrink, when none is ready) and the drained node's descriptors left out (it is no member of the
    next epoch's groups: the spare's optimizer shard comes from its replica, its parameters from
@@ -30,14 +34,15 @@ from dataclasses import asdict, dataclass
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import exists_many, keys
-from phoenixft.controlplane.values import parse_drain_request, read_raw
+from phoenixft.controlplane.values import parse_drain_request, read_int, read_json, read_raw
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.shared import Job, Membership
 
 __all__ = ["DRAIN_CHECK_S", "DrainDesk", "DrainRequest"]
 
 DRAIN_CHECK_S = 0.1  # how often the coordinator looks for drain requests
-BOUNDARY_WAIT_S = 2.0  # at most this long for the next step record before a drain starts anyway
+STOP_WAIT_S = 5.0  # at least this long for every rank to stop at the drain's step boundary
+SPARE_WAIT_S = 30.0  # at most this long for a starting spare to be ready (else the drain shrinks the job)
 
 
 @dataclass
@@ -63,6 +68,7 @@ class DrainDesk:
         self.store = job.store
         self._last = 0.0
         self._seen: dict[int, float] = {}  # slot -> when this coordinator first saw its request
+        self._waiting: set[int] = set()  # slots whose drain waits for a starting spare (said once)
 
     def pending(self) -> DrainRequest | None:
         """The first valid drain request of a node of the current epoch (throttled: None between looks)."""
@@ -96,7 +102,26 @@ class DrainDesk:
         if why:
             self.ignore(req, why)
             return None
+        if self._spare_worth_waiting_for(req):
+            return None  # (looked at again at the next look)
         return req
+
+    def _spare_worth_waiting_for(self, req: DrainRequest) -> bool:
+        """No spare is ready, one is starting, and the notice leaves time: wait for it (at most SPARE_WAIT_S
+        and half of what is left of the notice) rather than shrink."""
+        if self.admission.ready_spares():
+            return False
+        st = self.state
+        admitted = sum(1 for m in st.members.values() if m.get("spare"))
+        coming = self.admission.spare_coming(self.admission.ready_spares()) or admitted < self.cfg.spares
+        waited = time.time() - self._seen.get(req.slot, time.time())
+        budget = SPARE_WAIT_S if req.deadline is None else min(SPARE_WAIT_S, (req.deadline - req.t_notice) / 2)
+        if coming and waited < budget:
+            if req.slot not in self._waiting:
+                self._waiting.add(req.slot)
+                self.job.event("drain_waits_for_spare", node=req.node, slot=req.slot, at_most_s=round(budget, 1))
+            return True
+        return False
 
     def refusal(self, req: DrainRequest, node_id: str | None) -> str:
         """Why `req` cannot be carried out as a drain ('' if it can): the node it names left that slot, the
@@ -107,6 +132,8 @@ class DrainDesk:
             return f"it names {node_id}, and slot {req.slot} holds {req.node} now (a stale request)"
         if self.cfg.protect != "phoenix":
             return "the run is not protected (--protect none): no replica of its state to move"
+        if self.boundary() >= self.cfg.steps:
+            return f"the run ends (step {self.cfg.steps}) before a step boundary could drain it"
         self.admission.refresh_pool()
         if not self.admission.ready_spares():
             if len(topo.nodes) <= 1:
@@ -123,18 +150,26 @@ class DrainDesk:
     def done(self, req: DrainRequest) -> None:
         self.store.delete_key(keys.drain_key(req.slot))
         self._seen.pop(req.slot, None)
+        self._waiting.discard(req.slot)
 
-    def await_boundary(self, req: DrainRequest) -> None:
-        """Wait (at most BOUNDARY_WAIT_S, and well within the request's deadline) for the next step record:
-        the drain then starts as a step has just completed, when the least work is in flight."""
-        left = BOUNDARY_WAIT_S if req.deadline is None else min(BOUNDARY_WAIT_S, (req.deadline - time.time()) / 4)
-        start = self.job.progress()
-        if start <= 0:
-            return
-        end = time.monotonic() + max(0.0, left)
-        while time.monotonic() < end and not self.store.check([keys.step(start + 1)]):
-            time.sleep(0.002)
+    def boundary(self) -> int:
+        """The step after which every rank stops: two past the last one rank 0 completed, so that every rank
+        learns of the drain before it gets there (its failure watcher wakes within milliseconds); a rank that
+        did not is inside the next step, waiting for the others, until the drain's end releases it."""
+        return self.job.progress() + 2
 
-    def notice(self, e: int, req: DrainRequest) -> None:
-        """The epoch's drain notice (before its failure flag): the workers let their last replication finish."""
-        self.store.set(keys.drain_notice(e), json.dumps(req.record()))
+    def await_stopped(self, e: int, world: int, req: DrainRequest) -> None:
+        """Wait until every worker of epoch e stopped at the boundary and posted its descriptor, at most
+        STOP_WAIT_S (a few steps: the last step's time counts) and half of what is left of the notice."""
+        rec = read_json(self.store, keys.step(self.job.progress())) or {}
+        dt = rec.get("dt")
+        budget = max(STOP_WAIT_S, 6 * float(dt) if isinstance(dt, (int, float)) else 0.0)
+        if req.deadline is not None:
+            budget = min(budget, max(0.0, (req.deadline - time.time()) / 2))
+        end = time.monotonic() + budget
+        while time.monotonic() < end and read_int(self.store, keys.desc_posted(e)) < world:
+            time.sleep(0.005)
+
+    def notice(self, e: int, req: DrainRequest, after: int) -> None:
+        """The epoch's drain notice (before its failure flag): every rank stops after step `after`."""
+        self.store.set(keys.drain_notice(e), json.dumps({**req.record(), "after_step": after}))

@@ -432,6 +432,17 @@ def _summary(run: RunData, ref: RunData | None, tokens: int | None) -> str:
     return f'<table class="kv" id="summary">{body}</table>'
 
 
+def _drained(r: dict[str, Any]) -> str:
+    """A recovery's drain: the node, why, from whom, and the notice-to-swapped time (or that it fell back)."""
+    d = r.get("drain")
+    if not isinstance(d, dict):
+        return "-"
+    t = d.get("notice_to_swapped_s")
+    how = (f"notice to swapped {t * 1e3:.0f} ms" if isinstance(t, (int, float)) else "completed") \
+        if d.get("completed") else "the node was lost first: failure path"
+    return f"{d.get('node')} ({d.get('reason')}; {d.get('source')}): {how}"
+
+
 def _recoveries_table(run: RunData) -> str:
     """Two tables: what each recovery did (and its invariants), and its stage timings in ms."""
     recs = run.report.get("recoveries") or []
@@ -447,6 +458,7 @@ def _recoveries_table(run: RunData) -> str:
         "dead",
         "promoted",
         "restarted in place",
+        "drained",
         "lost steps",
         "resumed step",
         "bytes moved",
@@ -473,6 +485,7 @@ def _recoveries_table(run: RunData) -> str:
             _td(", ".join(r.get("dead") or []) or "-", "dead"),
             _td(", ".join(r.get("promoted") or []) or "-", "promoted"),
             _td(", ".join(r.get("restarted") or []) or "-", "restarted"),
+            _td(_drained(r), "drain"),
             _td(r.get("lost_steps"), "lost_steps", "num"),
             _td(r.get("resumed_step"), "resumed_step", "num"),
             _td(f"{r.get('bytes_moved', 0):,}", "bytes_moved", "num"),

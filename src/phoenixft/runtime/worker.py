@@ -262,6 +262,13 @@ class Worker:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
         return self.join(topo)
 
+    def _stop_for_drain(self, done: int) -> None:
+        """At the step boundary after step `done`: a planned drain of this epoch stops every rank here, once
+        the drain's step is done (no collective of the next step has begun, nothing is left half-done)."""
+        after = self.watcher.drain_step(self.ctx.epoch)
+        if after is not None and done >= after:
+            raise PeerFailure(f"drain requested by the control plane: stopped at the step boundary after step {done}")
+
     def _drain_wait_s(self) -> float:
         """How long a drain waits for the replication of the last completed step (and for every peer to
         have posted): every peer is alive, so it takes milliseconds; past this, what is there is described."""
@@ -430,6 +437,7 @@ class Worker:
             while True:
                 try:
                     while step <= self.cfg.steps:
+                        self._stop_for_drain(step - 1)
                         self.train_step(step)
                         step += 1
                     self.finish()
