@@ -91,7 +91,8 @@ class StoppedWorkers:
         self._since.clear()
 
 
-def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0) -> int:
+def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0,
+                 drain_signal: int = 0) -> int:
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # child
@@ -99,6 +100,8 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
         try:
             for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
                 signal.signal(s, signal.SIG_DFL)
+            if drain_signal not in (0, signal.SIGTERM):  # a notice sent to the node's whole process group (Slurm
+                signal.signal(drain_signal, signal.SIG_IGN)  # signals every process of a step) is the agent's
             die_with_parent(signal.SIGKILL, parent)  # never outlive the agent that owns the node's memory
             from phoenixft.runtime.worker import worker_main
 
@@ -341,7 +344,8 @@ class _Node:
         import phoenixft.runtime.worker  # noqa: F401
 
         for i in range(self.a.workers):
-            self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads)] = i
+            self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads,
+                                       drain_signal=self.notice.drain_signal)] = i
         stopped_early = self.supervise()
         if stopped_early is not None:
             return stopped_early
@@ -467,7 +471,7 @@ class _Node:
                                                          "incarnation": self.restarts[lr]}))
             store.add(keys.WORKER_EXITS, 1)  # the coordinator looks at wexit/ keys when this moves
             self.children[_fork_worker(self.a.store, self.node, lr, self.run_id, self.a.threads,
-                                       self.restarts[lr])] = lr
+                                       self.restarts[lr], self.notice.drain_signal)] = lr
             return True
         except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin
             return False
