@@ -67,6 +67,12 @@ def _partition(rng: random.Random) -> str:
     return f"partition:node={rng.randint(0, 63)}@{','.join(when)}"
 
 
+def _preempt(rng: random.Random) -> str:
+    when = [f"step={rng.randint(0, 10**6)}", f"notice={rng.choice(['0', _secs(rng)])}"]
+    rng.shuffle(when)
+    return f"preempt:node={rng.randint(0, 63)}@{','.join(when)}"
+
+
 GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "kill": _kill,
     "hang": _at_step("hang", lambda rng: f"node={rng.randint(0, 63)}"),
@@ -74,6 +80,7 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "corrupt": _corrupt,
     "nan": lambda rng: f"nan:step={rng.randint(0, 10**6)}",
     "partition": _partition,
+    "preempt": _preempt,
 }
 
 
@@ -99,8 +106,8 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     assert str(e.value) == (
         "--inject='boom:node=1@step=3' is invalid: expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, "
         "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
-        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S or "
-        "partition:node=I@step=S[,for=SECONDS]")
+        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S, "
+        "partition:node=I@step=S[,for=SECONDS] or preempt:node=I@step=S,notice=T")
     with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
         parse_fault("nan:step=3,wait=5")
 
@@ -112,6 +119,7 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     ("crash:rank=2@step=3", Point.STEP),
     ("corrupt:node=1@step=3", Point.REPLICAS), ("corrupt:node=1@step=3,phase=transfer", Point.TRANSFER),
     ("nan:step=3", Point.LOSS), ("partition:node=1@step=3", Point.HEARTBEAT),
+    ("preempt:node=1@step=3,notice=5", Point.NOTICE),
 ])
 def test_each_spec_fires_at_its_point(text: str, point: Point) -> None:
     assert parse_fault(text).point is point
