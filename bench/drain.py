@@ -10,7 +10,9 @@ Two runs of the same job (`tiny`, N nodes, one warm spare, same seed):
   a planned drain moves the node's role to the spare at a step boundary.
 
 For each: detection (the fault's record to the first descriptor posted), lost steps (committed steps
-replayed), time from the fault (the notice) to the first step completed at full strength, bytes moved,
+replayed), training time lost (from the last step before the recovery to the first new step after it,
+less one ordinary step: detection, pause and replay; a drain trains on while its notice runs), time
+from the fault (the notice) to the first step completed at full strength, bytes moved,
 and the final state hash (both must equal each other: the trajectory is the same). Ratios kill/preempt
 are printed from this one invocation, and the JSON goes to `--out`.
 
@@ -36,14 +38,31 @@ def _one(run_dir: Path, nodes: int, steps: int, inject: str) -> dict[str, Any]:
     recs = rep.get("recoveries") or []
     rec = recs[0] if recs else {}
     drain = rec.get("drain") or {}
-    dts = [m["dt"] for m in rep.get("metrics", [])[2:]]
+    metrics = rep.get("metrics", [])
+    dts = [m["dt"] for m in metrics[2:]]
     return {
         "inject": inject, "state": rep.get("state"), "final_state_sha256": rep.get("final_state_sha256"),
         "class": rec.get("class"), "action": rec.get("action"), "detect_s": rec.get("detect_s"),
         "lost_steps": rec.get("lost_steps"), "fault_to_full_strength_s": rec.get("recovery_s"),
         "notice_to_swapped_s": drain.get("notice_to_swapped_s"), "bytes_moved": rec.get("bytes_moved"),
         "stages": rec.get("stages"), "median_step_s": sorted(dts)[len(dts) // 2] if dts else None,
+        "training_time_lost_s": _time_lost(metrics, sorted(dts)[len(dts) // 2] if dts else 0.0),
     }
+
+
+def _time_lost(metrics: list[dict[str, Any]], step_s: float) -> float | None:
+    """Wall time the recovery cost training: from the last step completed before it (the newest step of the
+    first epoch) to the first step after it that goes past that one, less one ordinary step. Replayed
+    steps, detection and the pause all count; steps trained while a notice ran do not."""
+    before = [m for m in metrics if m.get("epoch") == 0]
+    if not before:
+        return None
+    last = max(before, key=lambda m: m["step"])
+    after = [m for m in metrics if m.get("epoch", 0) > 0 and m["step"] > last["step"]]
+    if not after:
+        return None
+    first = min(after, key=lambda m: m["step"])
+    return float(first["t_end"] - last["t_end"] - step_s)
 
 
 def straggler_eviction(**kw: Any) -> dict[str, Any] | None:
@@ -62,14 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "drain.json"))
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="phoenixft-bench-drain-") as tmp:
-        kill = _one(Path(tmp) / "kill", a.nodes, a.steps, f"kill:node=2@step={a.step_at},wait=120")
+        # a kill mid-replication: the node completed the step before, its replica of it was still on the way
+        kill = _one(Path(tmp) / "kill", a.nodes, a.steps, f"kill:node=2@step={a.step_at},phase=replicate,wait=120")
         preempt = _one(Path(tmp) / "preempt", a.nodes, a.steps, f"preempt:node=2@step={a.step_at},notice={a.notice:g}")
     same = kill["final_state_sha256"] is not None and kill["final_state_sha256"] == preempt["final_state_sha256"]
     ratios = {"detect_s": ratio(kill["detect_s"], preempt["detect_s"]),
+              "training_time_lost_s": ratio(kill["training_time_lost_s"], preempt["training_time_lost_s"]),
               "fault_to_full_strength_s": ratio(kill["fault_to_full_strength_s"], preempt["fault_to_full_strength_s"])}
     rows = [[k, fmt(kill[k]), fmt(preempt[k]), fmt(ratios.get(k))] for k in
-            ("detect_s", "lost_steps", "fault_to_full_strength_s", "notice_to_swapped_s", "bytes_moved",
-             "median_step_s")]
+            ("detect_s", "lost_steps", "training_time_lost_s", "fault_to_full_strength_s", "notice_to_swapped_s",
+             "bytes_moved", "median_step_s")]
     print(table(f"kill vs preemption with {a.notice:g}s notice ({a.nodes} nodes, tiny, step {a.step_at} of "
                 f"{a.steps}; final states {'bitwise equal' if same else 'DIFFERENT'})",
                 ["", "kill", "preempt", "kill/preempt"], rows))

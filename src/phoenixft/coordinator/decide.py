@@ -159,6 +159,8 @@ class Decider:
         t_start = time.time()
         self.store.set(keys.failflag(e), "1")
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
+        if self.store.check([keys.drain_notice(e)]):  # a drain this process did not finish (it took over since):
+            self.store.set(keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         with gc_paused():
             self.decide(old, t_start, dead, fenced, restarted)
