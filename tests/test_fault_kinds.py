@@ -73,10 +73,18 @@ def _slow(rng: random.Random) -> str:
     when = [f"step={rng.randint(0, 10**6)}", f"factor={factor}"]
     rng.shuffle(when)
     return f"slow:node={rng.randint(0, 63)}@{','.join(when)}"
+
+
 def _sdc(rng: random.Random) -> str:
     when = [f"step={rng.randint(0, 10**6)}", "target=shard", *_opt(rng, f"bit={rng.randint(0, 31)}")]
     rng.shuffle(when)
     return f"sdc:node={rng.randint(0, 63)}@{','.join(when)}"
+
+
+def _preempt(rng: random.Random) -> str:
+    when = [f"step={rng.randint(0, 10**6)}", f"notice={rng.choice(['0', _secs(rng)])}"]
+    rng.shuffle(when)
+    return f"preempt:node={rng.randint(0, 63)}@{','.join(when)}"
 
 
 GENERATORS: dict[str, Callable[[random.Random], str]] = {
@@ -88,6 +96,7 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "partition": _partition,
     "slow": _slow,
     "sdc": _sdc,
+    "preempt": _preempt,
 }
 
 
@@ -114,8 +123,8 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
         "--inject='boom:node=1@step=3' is invalid: expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, "
         "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
         "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S, "
-        "partition:node=I@step=S[,for=SECONDS], slow:node=I@step=S,factor=F or "
-        "sdc:node=I@step=S,target=shard[,bit=B]")
+        "partition:node=I@step=S[,for=SECONDS], slow:node=I@step=S,factor=F, "
+        "sdc:node=I@step=S,target=shard[,bit=B] or preempt:node=I@step=S,notice=T")
     with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
         parse_fault("nan:step=3,wait=5")
 
@@ -128,6 +137,7 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     ("corrupt:node=1@step=3", Point.REPLICAS), ("corrupt:node=1@step=3,phase=transfer", Point.TRANSFER),
     ("nan:step=3", Point.LOSS), ("partition:node=1@step=3", Point.HEARTBEAT),
     ("slow:node=1@step=3,factor=2", Point.COMPUTE),
+    ("preempt:node=1@step=3,notice=5", Point.NOTICE),
 ])
 def test_each_spec_fires_at_its_point(text: str, point: Point) -> None:
     assert parse_fault(text).point is point

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UserError", "PeerFailure", "RunAborted", "Unhealable"]
+__all__ = ["UserError", "PeerFailure", "RunAborted", "Unhealable", "Drained"]
 
 
 class UserError(Exception):
@@ -22,3 +22,8 @@ class RunAborted(Exception):
 
 class Unhealable(Exception):
     """NaN/Inf loss or an exception in user code: not a node failure; stop cleanly, say why."""
+
+
+class Drained(RunAborted):
+    """This node was drained (a planned departure): a spare took its role and nothing was lost; its
+    processes leave cleanly (exit code 0)."""

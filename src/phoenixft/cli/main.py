@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_chaos,
         cmd_coordinator,
         cmd_demo,
+        cmd_drain,
         cmd_gc,
         cmd_prepare_data,
         cmd_report,
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_demo.add_parser(sub)
     cmd_report.add_parser(sub)
     cmd_status.add_parser(sub)
+    cmd_drain.add_parser(sub)
     cmd_prepare_data.add_parser(sub)
     cmd_agent.add_parser(sub)
     cmd_coordinator.add_parser(sub)

@@ -39,4 +39,11 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
                         "through a mutually authenticated channel (and etcd over HTTPS)")
     p.add_argument("--tls-key", dest="tls_key", default="", metavar="PATH", help="the key of --tls-cert (mode 0600)")
     p.add_argument("--tls-ca", dest="tls_ca", default="", metavar="PATH", help="the job CA's certificate")
+    p.add_argument("--drain-signal", default="SIGUSR1", metavar="SIG",
+                   help="the signal that asks for this node to be drained: its role moves to a warm spare at the "
+                        "next step boundary and the node leaves with nothing lost (SIGUSR1; e.g. what Slurm's "
+                        "--signal=B:USR1@120 sends)")
+    p.add_argument("--drain-on-sigterm", action="store_true",
+                   help="treat SIGTERM as a drain notice too (Kubernetes: SIGTERM, then SIGKILL after the grace "
+                        "period); a second SIGTERM still stops the node at once")
     p.set_defaults(parent_pid=0)  # (--parent-pid: the launcher's, added by phoenixft.runtime.agent)

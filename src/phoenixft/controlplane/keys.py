@@ -132,6 +132,24 @@ def left(node: str) -> str:
 
 
 def drain_key(node: int) -> str:
-    """A request to drain the node in slot `node` (JSON {reason, source, deadline}): the coordinator
-    moves its role to a spare at a step boundary."""
-    return f"drain/{node}"
+    """A request to drain the node in slot `node` of the current epoch (its position in the topology's node
+    list): JSON {"reason": str, "source": str, "deadline": seconds since the epoch or null} and optionally
+    "t" (when the notice came) and "node_id" (the node id the request means; a request whose slot holds
+    another node by the time it is read is stale and ignored). Written by `phoenixft drain`, an agent that
+    received its drain signal, the `preempt:` fault, and any other producer (a straggler detector: reason
+    "straggler"); the coordinator is its one consumer and deletes it once it has acted on it."""
+    return f"drain/{int(node)}"
+
+
+def drain_notice(epoch: int) -> str:
+    """Set by the coordinator before the failure flag of `epoch` when the epoch ends for a planned drain
+    (JSON: node, slot, reason, source, t_notice, after_step): every worker completes step `after_step`, stops
+    at that step boundary, lets the replication of that step finish and posts its descriptor, so that the
+    drained node's shard has a committed replica of that step elsewhere and nothing is lost."""
+    return f"drain_notice/{epoch}"
+
+
+def drain_abort(epoch: int) -> str:
+    """Set by the coordinator once a drain of `epoch` has gathered what it waits for (or waited long enough):
+    a worker still inside a step of `epoch` leaves it now, as on a failure flag."""
+    return f"drain_abort/{epoch}"

@@ -20,7 +20,7 @@ from typing import Any
 from phoenixft.controlplane.store import Store
 
 __all__ = ["clean", "note_bad", "parse_json", "read_raw", "read_json", "read_int", "parse_int", "parse_lines",
-           "read_text"]
+           "read_text", "parse_drain_request"]
 
 _NOTES_PER_KEY = 5
 _noted: Counter[str] = Counter()
@@ -98,4 +98,33 @@ def parse_lines(raw: str | bytes, key: str) -> list[dict[str, Any]]:
             rec = parse_json(line, key, None)
             if rec is not None:
                 out.append(rec)
+    return out
+
+
+_DRAIN_TEXT = {"reason": 200, "source": 200, "node_id": 64}
+
+
+def parse_drain_request(raw: str | bytes | None, key: str) -> dict[str, Any] | None:
+    """A drain request (`keys.drain_key`) checked field by field: {"reason": str, "source": str, "deadline":
+    float or None, "t": float or None, "node_id": str or None}; None (logged) if it is not one: a JSON
+    object whose reason and source are strings and whose deadline and t, when given, are finite numbers."""
+    rec = parse_json(raw, key)
+    if rec is None:
+        return None
+    out: dict[str, Any] = {}
+    for f, limit in _DRAIN_TEXT.items():
+        v = rec.get(f, None if f == "node_id" else "")
+        if v is not None and not isinstance(v, str):
+            note_bad(key, f"not a drain request ({f} is not a string)", raw or b"")
+            return None
+        out[f] = clean(v, limit) if v is not None else None
+    for f in ("deadline", "t"):
+        v = rec.get(f)
+        ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(float(v)) < 1e12)
+        if not ok:
+            note_bad(key, f"not a drain request ({f} is not seconds since the epoch or null)", raw or b"")
+            return None
+        out[f] = None if v is None else float(v)
+    out["reason"] = out["reason"] or "requested"
+    out["source"] = out["source"] or "unknown"
     return out

@@ -18,9 +18,10 @@ from datetime import timedelta
 
 from phoenixft.controlplane import keys
 from phoenixft.controlplane.store import Store
+from phoenixft.controlplane.values import parse_json
 from phoenixft.errors import PeerFailure
 
-__all__ = ["FailureWatcher"]
+__all__ = ["FailureWatcher", "drain_step"]
 
 WAKE_S = 600.0  # a timed-out wait logs a c10d warning: wake rarely (the epoch always changes by its flag)
 
@@ -32,6 +33,7 @@ class FailureWatcher:
         self._store = store
         self._epoch = -1
         self._raised = threading.Event()
+        self._drain: tuple[int, int] | None = None  # (epoch, step) of a planned drain: stop after that step
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, name="phoenixft-failure-watcher", daemon=True)
         self._t.start()
@@ -49,6 +51,12 @@ class FailureWatcher:
         """The failure flag of `epoch` is set (and this watcher watches that epoch)."""
         return self._raised.is_set() and self._epoch == epoch
 
+    def drain_step(self, epoch: int) -> int | None:
+        """The step after which `epoch` ends for a planned drain (every rank stops at that step boundary),
+        or None."""
+        d = self._drain
+        return d[1] if d is not None and d[0] == epoch == self._epoch else None
+
     def check(self) -> None:
         if self._raised.is_set():
             raise PeerFailure("recovery requested by the control plane (noticed mid-step)")
@@ -64,7 +72,19 @@ class FailureWatcher:
                 continue
             try:
                 self._store.wait([keys.failflag(e)], timedelta(seconds=WAKE_S))
+                if e == self._epoch and self._store.check([keys.drain_notice(e)]):
+                    # a planned drain: not a failure to leave the step for; the worker stops at the drain's step
+                    # boundary, and only the drain's end (which the coordinator always sets) ends the step
+                    self._drain = (e, drain_step(self._store.get(keys.drain_notice(e))))
+                    self._store.wait([keys.drain_abort(e)], timedelta(seconds=WAKE_S))
             except Exception:  # noqa: BLE001 - a timeout (the flag is not set), or the store is gone
                 continue
             if e == self._epoch:
                 self._raised.set()
+
+
+def drain_step(raw: bytes) -> int:
+    """The step a drain notice's workers stop after (-1: at once, for a notice that does not say)."""
+    rec = parse_json(raw, "drain_notice", {})
+    after = rec.get("after_step")
+    return after if isinstance(after, int) and not isinstance(after, bool) else -1

@@ -28,13 +28,14 @@ from phoenixft.controlplane import keys
 from phoenixft.controlplane.values import note_bad, parse_json
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.detect import FailureDetector
+from phoenixft.coordinator.drain import DrainDesk, DrainRequest
 from phoenixft.coordinator.publish import Publisher
 from phoenixft.coordinator.shared import Job, Membership
 from phoenixft.dist.topology import Topology
 from phoenixft.protect.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
 
-__all__ = ["MAX_RECOVERIES_WITHOUT_PROGRESS", "Decider", "gc_paused", "verified_checkpoint"]
+__all__ = ["MAX_RECOVERIES_WITHOUT_PROGRESS", "Decider", "gc_paused", "planned_drain", "verified_checkpoint"]
 
 MAX_RECOVERIES_WITHOUT_PROGRESS = 12
 
@@ -73,6 +74,19 @@ def verified_checkpoint(job: Job, roots: str | list[str], exclude: dict[str, str
         job.event("checkpoint_skipped", **x,
               using=man["step"] if man is not None else None, line=skipped_line(x))
     return man, skipped
+
+
+def planned_drain(plan: Plan, topo: Topology, dead: set[str], leaving: set[str], drain: DrainRequest) -> None:
+    """A plan made with the drained node as if it were lost, told as what it is: class `planned`, action
+    `drain` (its slot went to a spare) or `shrink` (no spare was ready); the drained node is named in the
+    topology so that its workers leave cleanly (a fenced node's exit is a failure, a drained one's is not).
+    A drained node that died before the plan is a failure like any other: then nothing changes."""
+    if not leaving:
+        return
+    plan.klass = "planned"
+    plan.action = "shrink" if plan.dropped else "drain"
+    topo.meta.update({"class": plan.klass, "action": plan.action, "dead": sorted(dead), "drained": sorted(leaving),
+                      "drain": {"reason": drain.reason, "source": drain.source}})
 
 
 class _Planner:
@@ -145,15 +159,45 @@ class Decider:
         t_start = time.time()
         self.store.set(keys.failflag(e), "1")
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
+        if self.store.check([keys.drain_notice(e)]):  # a drain this process did not finish (it took over since):
+            self.store.set(keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         with gc_paused():
             self.decide(old, t_start, dead, fenced, restarted)
 
-    def decide(self, old: Topology, t_start: float, dead: set[str], fenced: set[str], restarted: set[str]) -> None:
-        """The gather is done: fence the dead, fetch and parse the descriptors, plan, publish."""
+    def drain(self, req: DrainRequest, desk: DrainDesk) -> None:
+        """A planned drain of the node `req` names (coordinator/drain.py): the epoch's drain notice (the step
+        boundary every rank stops at) and failure flag; once every worker stopped there and posted (or after
+        a bounded wait), the drain's end and the gather (the drained node posts too), then the decision with
+        that node leaving. Had it died meanwhile (its notice ran out), the failure path takes over."""
+        assert self.state.topo is not None
+        old = self.state.topo
+        e = old.epoch
+        after = desk.boundary()
+        t_start = time.time()
+        self.job.event("drain_requested", epoch=e, node=req.node, slot=req.slot, reason=req.reason,
+                       source=req.source, deadline=req.deadline, t_notice=req.t_notice, after_step=after)
+        desk.notice(e, req, after)
+        self.store.set(keys.failflag(e), "1")
+        self.store.delete_key(keys.JOB_WHOLE)
+        desk.await_stopped(e, old.world, req)
+        self.store.set(keys.drain_abort(e), "1")  # (whoever is still inside a step of e leaves it now)
+        dead, fenced, restarted = self.detector.gather(e, old.nodes)
+        if req.node in dead:
+            self.job.event("drain_failed", epoch=e, node=req.node, why="the node was lost before its drain was "
+                           "planned (its notice ran out): recovered as a failure")
+        with gc_paused():
+            self.decide(old, t_start, dead, fenced, restarted, drain=req)
+        desk.done(req)
+
+    def decide(self, old: Topology, t_start: float, dead: set[str], fenced: set[str], restarted: set[str],
+               drain: DrainRequest | None = None) -> None:
+        """The gather is done: fence the dead, fetch and parse the descriptors, plan, publish. `drain`: the
+        epoch ended for a planned drain; its node leaves (unless it died: then it is one of `dead`)."""
         e = old.epoch
         restarted = self._fence(dead, restarted)
-        descs = self._descriptors(old, dead)
+        leaving = {drain.node} if drain is not None and drain.node not in dead else set()
+        descs = self._descriptors(old, dead | leaving)
         stuck = self.recovery_loop(descs)
         if stuck:
             self.recovery_failed(e, t_start, dead, fenced, restarted, descs, stuck)
@@ -162,23 +206,27 @@ class Decider:
         t_first = self._failures_reported(e, t_start, descs)
         self.admission.refresh_pool()
         pool = self.admission.ready_spares()
-        grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
+        grow_only = (not dead and not leaving and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
         tiers, refused = self._persistent_tiers(old, descs)
-        planner = _Planner(self.job, self.cfg, old, dead, restarted, descs, grow_only, tiers, dict(self._refused))
+        planner = _Planner(self.job, self.cfg, old, dead | leaving, restarted, descs, grow_only, tiers,
+                           dict(self._refused))
         plan = planner.plan(pool)
         coming = self.admission.spare_coming(pool)
         if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
             pool = self._wait_for_spares(e, dead, pool)
             plan = planner.plan(pool)
         if not plan.ok:
-            plan = self.fresh_start(old, dead, descs, pool, progress=self.job.progress()) or plan
+            plan = self.fresh_start(old, dead | leaving, descs, pool, progress=self.job.progress()) or plan
         if not plan.ok or plan.topo is None:
             error = planner.failure(plan.error, refused)
             self.recovery_failed(e, t_start, dead, fenced, restarted, descs, error)
             self.job.fail_run(f"{error} (epoch {e})")
             return
-        self._publish(old, plan, plan.topo, t_start, t_first, dead, fenced, restarted, descs)
+        if drain is not None:
+            planned_drain(plan, plan.topo, dead, leaving, drain)
+        self._publish(old, plan, plan.topo, t_start, t_first, dead, fenced, restarted, descs, drain)
+        self.state.dead |= leaving  # (gone for good: never a spare again, also after a journal reload)
 
     def _fence(self, dead: set[str], restarted: set[str]) -> set[str]:
         """Fence the dead nodes; the restarted workers that are not on one of them."""
@@ -240,7 +288,8 @@ class Decider:
         return pool
 
     def _publish(self, old: Topology, plan: Plan, topo: Topology, t_start: float, t_first: float, dead: set[str],
-                 fenced: set[str], restarted: set[str], descs: dict[str, Descriptor]) -> None:
+                 fenced: set[str], restarted: set[str], descs: dict[str, Descriptor],
+                 drain: DrainRequest | None = None) -> None:
         """Take the promoted spares from the pool, record the recovery for the report, publish epoch e+1."""
         e = old.epoch
         for s in plan.promoted:
@@ -255,7 +304,7 @@ class Decider:
         max_committed = max((max(d.params) for d in descs.values() if d.params), default=plan.resume_step)
         progress = self.job.progress()
         self.job.event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
-                       **{"class": plan.klass}, action=plan.action)
+                       **{"class": plan.klass}, action=plan.action, drained=topo.meta.get("drained", []))
         t_decided = time.time()
         rec: dict[str, Any] = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
                "t_decided": t_decided, "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
@@ -267,6 +316,9 @@ class Decider:
                "replicas_rejected": [list(x) for x in plan.rejected],
                "bad_sources": sorted({x for d in descs.values() for x in d.bad_sources}),
                "persistent_step": plan.persistent_step}
+        if drain is not None:  # the drain it answers: whether it completed as one, or fell back to a failure
+            rec["drain"] = {**drain.record(), "completed": drain.node in topo.meta.get("drained", [])}
+            rec["drained"] = list(topo.meta.get("drained", []))
         self.store.set(keys.recovery(e + 1), json.dumps(rec))
         self.publisher.publish(topo)
         self.job.event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,

@@ -32,6 +32,7 @@ from phoenixft.controlplane import (
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.decide import Decider, verified_checkpoint
 from phoenixft.coordinator.detect import FailureDetector
+from phoenixft.coordinator.drain import DrainDesk
 from phoenixft.coordinator.publish import Publisher, deposed
 from phoenixft.coordinator.shared import Job, Membership, index, wait_key
 from phoenixft.coordinator.stragglers import StragglerMonitor
@@ -80,6 +81,7 @@ class Coordinator:
         self.detector = FailureDetector(self.job, self.cfg, self.state, self.admission, self.gather_poll_s)
         self.decider = Decider(self.job, self.cfg, self.state, self.admission, self.detector, self.publisher)
         self.stragglers = StragglerMonitor(self.job, self.cfg, self.state, self.admission, self.detector)
+        self.drains = DrainDesk(self.job, self.cfg, self.state, self.admission)
         self.admission.load_members()  # (again once this process leads: a standby's view is old by then)
 
     # ------------------------------------------------------------------ main loop
@@ -211,6 +213,8 @@ class Coordinator:
                     self.job.fail_run(why)
                     continue
                 self.decider.recover()
+            elif (drain := self.drains.pending()) is not None:
+                self.decider.drain(drain, self.drains)
             else:
                 self._wake.wait(self.poll_s)
                 self._wake.clear()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -124,12 +125,11 @@ def nodes_compute(topo: Topology, s: int, ranks_own_s: list[float]) -> dict[str,
 
 
 def evict(job: Job, detector: FailureDetector, slot: int, node: str) -> None:
-    """Move straggler `node` (in `slot`) off the job: the planned drain's request (`drain/<slot>`), and,
-    through the fence-and-hot-swap path, the node counted as lost at the main loop's next look (every
-    member leaves its step at the epoch's failure flag, the survivors resume from the last committed
-    step, a ready spare takes the slot, the node is fenced and its agent stops it)."""
-    job.store.set(keys.drain_key(slot), json.dumps(DRAIN_REQUEST))
-    detector.exited_nodes.add(node)
+    """Move straggler `node` (in `slot`) off the job through a planned drain (coordinator/drain.py): its
+    request (`drain/<slot>`, naming the node so that a request outliving the slot's owner is stale) is read
+    at the main loop's next look; every rank stops at an agreed step boundary, a ready spare takes the slot
+    from the committed replicas and the node leaves with nothing lost."""
+    job.store.set(keys.drain_key(slot), json.dumps({**DRAIN_REQUEST, "t": time.time(), "node_id": node}))
 
 
 class StragglerMonitor:

@@ -40,6 +40,7 @@ class Point(enum.Enum):
     TRANSFER = "transfer"  # a worker, on the optimizer-state transfers it sends (`FaultInjector.corrupts_transfers`)
     LOSS = "loss"  # rank 0, on the loss of a step (`FaultInjector.nan_at`)
     HEARTBEAT = "heartbeat"  # the node agent, from its heartbeat loop (`partition.PartitionInjector`)
+    NOTICE = "notice"  # the node agent, from its heartbeat loop: a preemption notice (`faults/notice.py`)
     PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_member_faults`)
     COMPUTE = "compute"  # a worker, on its own compute time from a step on (`FaultInjector.slow_factor`)
 
@@ -65,6 +66,7 @@ class FaultKind:
     needs_protection: ClassVar[bool] = True  # the run needs --protect phoenix for it
     scales: ClassVar[bool] = False  # it takes ,factor=F (and needs it)
     options: ClassVar[frozenset[str]] = frozenset()  # when-part keys it takes besides step, phase, recovery, wait, for
+    notices: ClassVar[bool] = False  # it takes ,notice=SECONDS
 
     # ---------------------------------------------------------------- parsing
     def check_form(self, text: str, when: dict[str, str]) -> None:
@@ -359,6 +361,36 @@ class Slow(FaultKind):
         return f"node {f.node}'s compute {f.factor:g}x slower from step {f.step} on"
 
 
+class Preempt(FaultKind):
+    """A preemption with notice (a spot instance's two minutes, Slurm's `--signal`, Kubernetes' grace period):
+    the node's agent receives its drain signal once the job reaches step S, and T seconds later the node's
+    every process is SIGKILLed unless it has left. Fired by the agent (`faults/notice.py`)."""
+
+    name = "preempt"
+    forms = ("preempt:node=I@step=S,notice=T",)
+    waits = False
+    notices = True
+
+    def check_form(self, text: str, when: dict[str, str]) -> None:
+        if "step" not in when or "phase" in when or "notice" not in when:
+            raise bad_spec(text, "expected preempt:node=I@step=S,notice=SECONDS")
+
+    def format(self, f: FaultSpec) -> str:
+        return f"{self.name}:{self.format_target(f)}@step={f.step},notice={_num(f.notice or 0.0)}"
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.NOTICE
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return False
+
+    def describe(self, f: FaultSpec) -> str:
+        return f"preemption notice to node {f.node} ({f.notice or 0:g}s before its SIGKILL)"
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        return "its slot's agent did not see the job reach its step (the run ended first)"
+
+
 class Sdc(FaultKind):
     """Silent data corruption: one bit flipped, nothing crashes. `target=shard`: a committed copy the node
     holds at rest (a replica or parity block it received, else its own older snapshot half), flipped right
@@ -405,7 +437,7 @@ class Sdc(FaultKind):
 
 
 KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition(), Slow(),
-                                                    Sdc())}
+                                                    Sdc(), Preempt())}
 
 
 def join_or(items: list[str], last: str) -> str:

@@ -23,6 +23,10 @@
                                           straggler; a spare that replaces it is not slow)
     sdc:node=I@step=S,target=shard[,bit=B]  flip one bit (B, or a drawn one) of a committed copy node I
                                           holds at rest (a replica or parity block received in step S)
+    preempt:node=I@step=S,notice=T        a preemption notice: once the job reaches step S, the agent of
+                                          slot I gets its drain signal (a planned drain moves its role to a
+                                          spare), and T seconds later every process of the node is
+                                          SIGKILLed if it has not left by then
     partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
                                           job reaches step S, its processes left running; the link comes
                                           back after T seconds (default: when its agent gives up and exits).
@@ -76,6 +80,7 @@ class FaultSpec:
     factor: float = 0.0  # slow: how many times as long the node's compute takes (0 = not a slow fault)
     target: str = ""  # sdc: what it corrupts (shard: a committed copy at rest)
     bit: int | None = None  # sdc: the bit of a float32 element it flips (None: drawn)
+    notice: float | None = None  # preempt: seconds from the drain signal to the SIGKILL of the node
 
     @property
     def node(self) -> int | None:
@@ -133,6 +138,35 @@ def _seconds(text: str, key: str, value: str, valid: str) -> float:
     return x
 
 
+def _notice(text: str, fk: FaultKind, when: dict[str, str]) -> float | None:
+    """preempt's notice=SECONDS (None when not given)."""
+    if "notice" not in when:
+        return None
+    if not fk.notices:
+        raise _bad(text, "notice=SECONDS is only for preempt faults (the time from the notice to the kill)")
+    notice = _seconds(text, "notice", when["notice"], ">= 0")
+    if notice < 0:
+        raise _bad(text, f"notice={when['notice']} must be >= 0 seconds")
+    return notice
+
+
+def _factor(text: str, fk: FaultKind, when: dict[str, str]) -> float:
+    """slow's factor=F (0.0 when not given)."""
+    if "factor" not in when:
+        return 0.0
+    if not fk.scales:
+        raise _bad(text, "factor=F is only for slow faults (how many times slower the node's compute is)")
+    try:
+        factor = float(when["factor"])
+    except ValueError:
+        raise _bad(text, f"factor must be a number, got {when['factor']!r}") from None
+    if not (math.isfinite(factor) and factor > 1):
+        raise _bad(text, f"factor={when['factor']} must be a number > 1 (how many times as long the compute takes)")
+    if factor > 1000:
+        raise _bad(text, f"factor={when['factor']} must be at most 1000")
+    return factor
+
+
 def parse_fault(text: str, index: int = 0) -> FaultSpec:
     m = _SPEC.match(text.strip())
     if not m or m["kind"] not in KINDS:
@@ -169,24 +203,14 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
         if k.strip() in when:
             raise _bad(text, f"{k.strip()}= is given twice; give it once")
         when[k.strip()] = v.strip()
-    known = {"step", "phase", "recovery", "wait", "for", "factor"} | fk.options
+    known = {"step", "phase", "recovery", "wait", "for", "factor", "notice"} | fk.options
     if set(when) - known or ("step" in when) == ("recovery" in when):
         raise _bad(text, _VALID)
     fk.check_form(text, when)
+    notice = _notice(text, fk, when)
     if "for" in when and not fk.lasts:
         raise _bad(text, "for=SECONDS is only for partition faults (how long the host stays cut off)")
-    if "factor" in when and not fk.scales:
-        raise _bad(text, "factor=F is only for slow faults (how many times slower the node's compute is)")
-    factor = 0.0
-    if "factor" in when:
-        try:
-            factor = float(when["factor"])
-        except ValueError:
-            raise _bad(text, f"factor must be a number, got {when['factor']!r}") from None
-        if not (math.isfinite(factor) and factor > 1):
-            raise _bad(text, f"factor={when['factor']} must be a number > 1 (how many times as long the compute takes)")
-        if factor > 1000:
-            raise _bad(text, f"factor={when['factor']} must be at most 1000")
+    factor = _factor(text, fk, when)
     step = _ints(text, when["step"], "step")[0] if "step" in when else None
     recovery = _ints(text, when["recovery"], "recovery")[0] if "recovery" in when else None
     fk.check_phase(text, when)
@@ -227,4 +251,4 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
                      duration=duration, factor=factor, target=when.get("target", ""),
-                     bit=int(when["bit"]) if "bit" in when else None)
+                     bit=int(when["bit"]) if "bit" in when else None, notice=notice)

@@ -68,6 +68,16 @@ class Display:
             where = (f"step {ev['step']}, phase {ev['phase']}" if "step" in ev
                      else f"during recovery epoch {ev.get('recovery')}")
             self._err(f"!! fault injected: {ev['spec']} (node {ev['node']}, {where})")
+        elif k == "classified" and ev.get("drained"):
+            self._err(f"== drain in epoch {ev['epoch']}: {', '.join(ev['drained'])} leaves at the step boundary "
+                      f"-> class {ev['class']}, action {ev['action']}")
+        elif k == "drain_requested":
+            until = f", notice ends in {ev['deadline'] - ev['t']:.1f}s" if ev.get("deadline") else ""
+            self._err(f"== drain of {ev['node']} requested ({ev['reason']}; from {ev['source']}{until})")
+        elif k in ("drain_ignored", "drain_failed"):
+            self._err(f"!! drain of {ev['node']} {'not done' if k == 'drain_ignored' else 'failed'}: {ev['why']}")
+        elif k == "drain_waits_for_spare":
+            self._err(f"   drain of {ev['node']} waits for a starting spare (at most {ev['at_most_s']:g}s)")
         elif k == "classified":
             extra = f", restarted in place {ev['restarted']}" if ev.get("restarted") else ""
             self._err(f"!! failure in epoch {ev['epoch']}: dead {ev['dead'] or 'none'}{extra} -> class {ev['class']}, "
@@ -151,7 +161,7 @@ class Display:
                       f"(detect {fmt(st['detect_s'])}, reconfigure {fmt(st['reconfigure_s'])}, "
                       f"params {fmt(st['restore_params_s'])}, optimizer {fmt(st['restore_optimizer_s'])}, "
                       f"first step {fmt(st['first_step_s'])}), lost {r['lost_steps']} step(s), "
-                      f"invariants {self._inv(r)}")
+                      f"invariants {self._inv(r)}{_drain_line(r)}")
         for st in report.get("stragglers", []):
             fate = (f"evicted after step {st['evicted_at_step']}, replaced by {st['replaced_by']}" if st["evicted"]
                     else "not evicted")
@@ -164,6 +174,18 @@ class Display:
         state = report.get("state")
         self._err(f"{state}: {report.get('steps_completed', 0)} steps, final state sha256 "
                   f"{(report.get('final_state_sha256') or '-')[:16]}, report in {report.get('run_dir', '-')}")
+
+
+def _drain_line(r: dict[str, Any]) -> str:
+    """What a recovery's drain adds to its line: notice-to-swapped time and bytes moved, or why it failed."""
+    d = r.get("drain")
+    if not d:
+        return ""
+    if not d.get("completed"):
+        return f"; drain of {d.get('node')} fell back to the failure path (the node was lost first)"
+    t = d.get("notice_to_swapped_s")
+    return (f"; drained {d.get('node')} ({d.get('reason')}): notice to swapped "
+            f"{'-' if t is None else f'{t * 1e3:.0f}ms'}, {r.get('bytes_moved', 0) / 2**20:.1f} MiB moved")
 
 
 def _ended_first(spec: str, report: dict[str, Any]) -> str | None:

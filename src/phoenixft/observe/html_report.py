@@ -463,6 +463,15 @@ def _goodput(run: RunData) -> str:
     rows = "".join(f"<tr><td>{_e(c)}</td><td>{v:.3f}</td><td>{100 * v / wall:.1f}%</td></tr>" for c, v in parts)
     return (head + f'<div style="width:100%;max-width:900px;white-space:nowrap">{bar}</div>'
             f'<table id="badput"><tr><th>where the time went</th><th>s</th><th>share</th></tr>{rows}</table>')
+def _drained(r: dict[str, Any]) -> str:
+    """A recovery's drain: the node, why, from whom, and the notice-to-swapped time (or that it fell back)."""
+    d = r.get("drain")
+    if not isinstance(d, dict):
+        return "-"
+    t = d.get("notice_to_swapped_s")
+    how = (f"notice to swapped {t * 1e3:.0f} ms" if isinstance(t, (int, float)) else "completed") \
+        if d.get("completed") else "the node was lost first: failure path"
+    return f"{d.get('node')} ({d.get('reason')}; {d.get('source')}): {how}"
 
 
 def _recoveries_table(run: RunData) -> str:
@@ -480,6 +489,7 @@ def _recoveries_table(run: RunData) -> str:
         "dead",
         "promoted",
         "restarted in place",
+        "drained",
         "lost steps",
         "resumed step",
         "bytes moved",
@@ -506,6 +516,7 @@ def _recoveries_table(run: RunData) -> str:
             _td(", ".join(r.get("dead") or []) or "-", "dead"),
             _td(", ".join(r.get("promoted") or []) or "-", "promoted"),
             _td(", ".join(r.get("restarted") or []) or "-", "restarted"),
+            _td(_drained(r), "drain"),
             _td(r.get("lost_steps"), "lost_steps", "num"),
             _td(r.get("resumed_step"), "resumed_step", "num"),
             _td(f"{r.get('bytes_moved', 0):,}", "bytes_moved", "num"),

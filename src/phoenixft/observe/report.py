@@ -5,7 +5,8 @@ Report fields: `config`, `state`, `steps_completed`, `loss` (one value per step)
 `recoveries` (one entry per recovery epoch: faults (every fault it answers: those that hit a node
 it found lost or restarted, or else the latest one before it), fault (the latest of them), class,
 action, epoch, detect_s and recovery_s (from the first of them), lost_steps, resumed_step, stage
-timings, invariants, bytes_moved, with `--redundancy ec:D+H` the shards `decoded` from their group,
+timings, invariants, bytes_moved, `drain` (a planned drain: node, reason, source, completed,
+notice_to_swapped_s; None otherwise), with `--redundancy ec:D+H` the shards `decoded` from their group,
 the pieces' bytes `bytes_decoded_from` and `decode_s`),
 `redundancy`, `stragglers` (each node flagged as a straggler: node, slot, ratio, first_step, flagged_step,
 whether it was evicted, and by which recovery), `goodput` (goodput and badput by cause,
@@ -102,7 +103,8 @@ def _answered(faults: list[dict[str, Any]], rec: dict[str, Any], used: set[int])
     rest is answered by the kill it comes with (corruptions are not fault records: they kill nothing)."""
     cands = [f for f in faults if f["t"] <= rec["t_first_report"] + 1e-3 and f["index"] not in used
              and _answerable(f["spec"])]
-    hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", [])]}
+    hit = {str(x).split(".")[0] for x in [*rec["dead"], *rec.get("restarted", []), *rec.get("unresponsive", []),
+                                          *rec.get("drained", [])]}
     answered = sorted([f for f in cands if f.get("node") in hit or hit.intersection(f.get("nodes") or [])]
                       or ([max(cands, key=lambda f: f["t"])] if cands else []), key=lambda f: f["t"])
     used.update(f["index"] for f in answered)
@@ -211,7 +213,23 @@ def _recovery(store: Store, cfg: RunConfig, e: int, faults: list[dict[str, Any]]
         # absolute times (epoch seconds) of the fault and of the ends of detection, decision, join and first step
         "times": {"fault": t0, "first_report": rec["t_first_report"], "decided": rec["t_decided"],
                   "joined": joined_at if joins else None, "first_step": first["t"] if first else None},
+        "drain": _drain(rec, first),
     }
+
+
+def _drain(rec: dict[str, Any], first: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A recovery that answered a drain request: the node, why, who asked, and whether it completed as a
+    planned drain (else its node was lost first and this is a failure's recovery); `notice_to_swapped_s`:
+    from the notice to the first step completed with the spare in the node's place (or the job shrunk)."""
+    d = rec.get("drain")
+    if not isinstance(d, dict):
+        return None
+    done = bool(d.get("completed"))
+    t_notice = d.get("t_notice")
+    return {"node": d.get("node"), "slot": d.get("slot"), "reason": d.get("reason"), "source": d.get("source"),
+            "deadline": d.get("deadline"), "t_notice": t_notice, "completed": done,
+            "notice_to_swapped_s": (first["t"] - t_notice) if done and first and isinstance(t_notice, (int, float))
+            else None}
 
 
 def _recoveries(store: Store, cfg: RunConfig, faults: list[dict[str, Any]]) -> list[dict[str, Any]]:

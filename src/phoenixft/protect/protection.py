@@ -130,13 +130,21 @@ class Protection:
     def _flag_check(self, store: Store) -> Any:
         every = store.abort_check_s  # the watcher sees a flag first: a costly round trip is only the fallback
         last = [0.0, 0.0]  # the last look at the flag; at the run's end (not urgent: once a second)
+        drains: dict[int, bool] = {}  # epoch -> whether it ends for a planned drain (looked up once)
+
+        def flagged(epoch: int) -> str | None:
+            """The failure flag of `epoch` is set: give up, unless the epoch ends for a planned drain, where
+            the job finishes (every peer is alive; the worker waits for it before its descriptor, then aborts)."""
+            if epoch not in drains:
+                drains[epoch] = bool(store.check([keys.drain_notice(epoch)]))
+            return None if drains[epoch] else "recovery requested"
 
         def check() -> str | None:
             """Why the replication of a step should give up: a recovery of this epoch, or (RunAborted) the
             end of the run: a peer that stopped mid-transfer (a hang, a timeout of the run) must not keep
             this node waiting out the replication timeout after the run has ended."""
             if self.ctx.watcher.flagged(self.ctx.epoch):
-                return "recovery requested"
+                return flagged(self.ctx.epoch)
             now = time.monotonic()
             if now - last[0] < every:
                 return None
@@ -146,7 +154,7 @@ class Protection:
                 last[1] = now
                 names.append(keys.RUN_STATE)
             failed, *over = exists_many(store, names)
-            if failed:
+            if failed and flagged(self.ctx.epoch):
                 return "recovery requested"
             ended = run_ended(store, self.ctx.run_id) if any(over) else None  # (a forged end is ignored)
             if ended is not None:

@@ -140,6 +140,12 @@ class Replicator:
                 raise PeerFailure(self._error)
         return time.perf_counter() - t0
 
+    def settle(self, timeout_s: float) -> bool:
+        """Let the in-flight job finish (a planned drain: every peer is alive and replicates the same step,
+        so it completes); True once the thread is idle, False if it is still busy after `timeout_s`."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._job is None, timeout=timeout_s)
+
     def abort(self, timeout_s: float = 5.0) -> None:
         """Make an in-flight job give up and wait until the thread is idle."""
         self._abort.set()

@@ -47,6 +47,7 @@ from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS, Ru
 from phoenixft.config.agent import add_agent_arguments
 from phoenixft.controlplane import Store, auth
 from phoenixft.errors import UserError
+from phoenixft.faults.notice import NoticeHandler, signal_number
 from phoenixft.protect import shm
 from phoenixft.runtime import hostcheck
 from phoenixft.runtime.procs import die_with_parent, exit_now, process_state
@@ -90,7 +91,8 @@ class StoppedWorkers:
         self._since.clear()
 
 
-def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0) -> int:
+def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0,
+                 drain_signal: int = 0) -> int:
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # child
@@ -98,6 +100,8 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
         try:
             for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
                 signal.signal(s, signal.SIG_DFL)
+            if drain_signal not in (0, signal.SIGTERM):  # a notice sent to the node's whole process group (Slurm
+                signal.signal(drain_signal, signal.SIG_IGN)  # signals every process of a step) is the agent's
             die_with_parent(signal.SIGKILL, parent)  # never outlive the agent that owns the node's memory
             from phoenixft.runtime.worker import worker_main
 
@@ -241,6 +245,14 @@ def _check_args(a: argparse.Namespace) -> None:
         shm.check_run_id(a.run_id)
     if not 1 <= a.workers <= MAX_WORKERS:
         raise UserError(f"--workers={a.workers} is invalid: need 1 to {MAX_WORKERS:,}")
+    try:
+        sig = signal_number(a.drain_signal)
+    except (KeyError, ValueError):
+        raise UserError(f"--drain-signal={a.drain_signal!r} is invalid: not a signal name (e.g. SIGUSR1) or "
+                        "number") from None
+    if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+        raise UserError(f"--drain-signal={a.drain_signal} is invalid: {signal.Signals(sig).name} cannot be caught "
+                        "or already means something to the agent; use SIGUSR1, SIGUSR2 or SIGTERM")
     if not 1 <= a.threads <= MAX_THREADS:
         raise UserError(f"--threads={a.threads} is invalid: need 1 to {MAX_THREADS} (torch threads per worker)")
     for name, v in (("--connect-timeout", a.connect_timeout), ("--control-plane-timeout", a.control_plane_timeout),
@@ -336,11 +348,17 @@ class _Node:
         self.last_look = 0.0
         self.stopped_workers = StoppedWorkers()
         self.silent_said = False
+        sig = signal_number(getattr(a, "drain_signal", "SIGUSR1"))
+        self.notice = NoticeHandler(node, cfg.faults, sig, getattr(a, "drain_on_sigterm", False)
+                                    or sig == signal.SIGTERM)
 
     def run(self) -> int:
         """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
-        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        for s in (signal.SIGHUP, signal.SIGINT):
             signal.signal(s, self.stop)
+        if self.notice.drain_signal != signal.SIGTERM:
+            self.notice.install()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
         if not self.a.parent_pid and self.store is not None:
             _sweep_leftovers(self.store, self.run_id, self.node)
         self.registered = True  # first: a signal during the registration must still unregister (a no-op if absent)
@@ -351,7 +369,8 @@ class _Node:
         import phoenixft.runtime.worker  # noqa: F401
 
         for i in range(self.a.workers):
-            self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads)] = i
+            self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads,
+                                       drain_signal=self.notice.drain_signal)] = i
         stopped_early = self.supervise()
         if stopped_early is not None:
             return stopped_early
@@ -381,8 +400,26 @@ class _Node:
                 self.store = _reconnect(self.a.store)  # never reuse a failed connection: its answer may come late
                 if self.store is None:
                     time.sleep(0.2)
+            if self.notice.expired():  # a preemption's notice ran out before the node left: it goes now
+                print(f"phoenixft agent {self.node}: preemption notice ran out; SIGKILL of the node", flush=True)
+                os.killpg(os.getpgid(0), signal.SIGKILL)
             self.reap(0.25)
         return None
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        """SIGTERM: a drain notice with --drain-on-sigterm (the first one, the launcher alive), else stop."""
+        parent_gone = False
+        if self.a.parent_pid:
+            try:
+                os.kill(self.a.parent_pid, 0)
+            except ProcessLookupError:
+                parent_gone = True
+            except PermissionError:
+                pass
+        if self.notice.takes_sigterm() and not parent_gone:
+            self.notice.on_signal(signum, frame)
+            return
+        self.stop(signum, frame)
 
     def look(self, store: Store) -> bool:
         """One look at the control plane: stop if fenced, heartbeat unless a worker has been stopped too long,
@@ -424,6 +461,7 @@ class _Node:
                   + f" stopped (SIGSTOP) for longer than --failure-timeout={self.cfg.failure_timeout:g}s; "
                   "no heartbeat for the node until they run again", flush=True)
         self.injector.tick(store)
+        self.notice.tick(store)
         return True
 
     def reap(self, window_s: float) -> None:
@@ -458,7 +496,7 @@ class _Node:
                                                          "incarnation": self.restarts[lr]}))
             store.add(keys.WORKER_EXITS, 1)  # the coordinator looks at wexit/ keys when this moves
             self.children[_fork_worker(self.a.store, self.node, lr, self.run_id, self.a.threads,
-                                       self.restarts[lr])] = lr
+                                       self.restarts[lr], self.notice.drain_signal)] = lr
             return True
         except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin
             return False

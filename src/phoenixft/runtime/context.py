@@ -102,12 +102,18 @@ class RankContext:
             return None
         self._abort_checked = now
         failed, over = exists_many(self.store, [keys.failflag(self.epoch), keys.RUN_STATE])
-        if failed:
+        if failed and not self._draining():
             return "recovery requested by the control plane"
         ended = run_ended(self.store, self.run_id) if over else None  # (a forged end is ignored)
         if ended is not None:
             raise RunAborted(f"run ended ({ended})")
         return None
+
+    def _draining(self) -> bool:
+        """The epoch's failure flag is a planned drain's, and the drain has not ended: a rank keeps training
+        to the drain's step boundary (the watcher tells it, and raises once the drain ends)."""
+        notice, ended = exists_many(self.store, [keys.drain_notice(self.epoch), keys.drain_abort(self.epoch)])
+        return notice and not ended
 
     def wait(self, work: Any, what: str) -> None:
         wait_work(work, what, self.abort_reason, self.coll_timeout)

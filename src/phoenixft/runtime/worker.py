@@ -31,7 +31,7 @@ from phoenixft.coordinator.stragglers import nodes_compute
 from phoenixft.dist import device
 from phoenixft.dist.comm import EpochComm, connect_store
 from phoenixft.dist.topology import Topology
-from phoenixft.errors import PeerFailure, RunAborted, Unhealable, UserError
+from phoenixft.errors import Drained, PeerFailure, RunAborted, Unhealable, UserError
 from phoenixft.faults.inject import FaultInjector
 from phoenixft.optim import native
 from phoenixft.parallel.layers import TPHandle
@@ -241,11 +241,16 @@ class Worker:
             self.ctx.store.set(keys.failflag(e) + "/by-worker", "1")
         # (no event of its own: the descriptor carries the error and its time, and the coordinator logs one
         # `failures_reported` event for all of them: W appends to one key would be W more store round trips)
+        drain = self.ctx.store.check([keys.drain_notice(e)])  # the epoch ends for a planned drain
         if self.protection.repl is not None:
+            if drain:  # nothing failed: the replication of the last completed step finishes first, so that
+                self.protection.repl.settle(self._drain_wait_s())  # the drained node's shard has its replica
             self.protection.repl.abort()
         desc = self.protection.descriptor(err, t_err)
         self.ctx.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
-        self.ctx.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
+        posted = self.ctx.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
+        if drain and self.ctx.topo is not None:
+            self._await_peers_settled(e, posted, self.ctx.topo.world)
         # only now the old epoch's groups are aborted: an NCCL abort can block up to the group's timeout,
         # and the descriptor must reach the coordinator within its own; the abort gets a bounded wait
         # (dist/retire.py: past it, the groups are abandoned to the abort's thread and the worker goes on)
@@ -255,9 +260,34 @@ class Worker:
         topo = auth.verified_topology(self.ctx.store, e + 1,
                                       self._wait_key(keys.topo(e + 1), self.cfg.next_epoch_wait_s))
         self._check_fence()
+        if self.node_id not in topo.nodes and self.node_id in topo.meta.get("drained", []):
+            raise Drained(f"{self.node_id} was drained: {topo.meta.get('drain', {}).get('reason', 'requested')}; "
+                          f"its role moved to {', '.join(topo.meta.get('promoted', [])) or 'the other nodes'} "
+                          f"at step {topo.resume_step}")
         if self.node_id not in topo.nodes:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
         return self.join(topo)
+
+    def _stop_for_drain(self, done: int) -> None:
+        """At the step boundary after step `done`: a planned drain of this epoch stops every rank here, once
+        the drain's step is done (no collective of the next step has begun, nothing is left half-done)."""
+        after = self.watcher.drain_step(self.ctx.epoch)
+        if after is not None and done >= after:
+            raise PeerFailure(f"drain requested by the control plane: stopped at the step boundary after step {done}")
+
+    def _drain_wait_s(self) -> float:
+        """How long a drain waits for the replication of the last completed step (and for every peer to
+        have posted): every peer is alive, so it takes milliseconds; past this, what is there is described."""
+        return min(5.0, max(1.0, self.cfg.failure_timeout / 2))
+
+    def _await_peers_settled(self, e: int, posted: int, world: int) -> None:
+        """A drain: every worker of the epoch has posted its descriptor (so its replication is complete)
+        before this one retires the epoch's groups: a retired group could cut a transfer a peer is still
+        receiving from this rank. Bounded (a peer lost meanwhile is the ordinary failure path)."""
+        deadline = time.monotonic() + self._drain_wait_s()
+        while posted < world and time.monotonic() < deadline:
+            time.sleep(0.002)
+            posted = parse_int(read_raw(self.ctx.store, keys.desc_posted(e)), keys.desc_posted(e), 0)
 
     def _build_comm(self, topo: Topology) -> EpochComm:
         """The epoch's process groups. Their rendezvous waits for every member (up to the collective
@@ -413,6 +443,7 @@ class Worker:
             while True:
                 try:
                     while step <= self.cfg.steps:
+                        self._stop_for_drain(step - 1)
                         self.train_step(step)
                         step += 1
                     self.finish()
@@ -423,6 +454,9 @@ class Worker:
             self._stop_run(str(e))
             print(f"phoenixft worker {self.wid}: {e}", flush=True)
             return 4
+        except Drained as e:
+            print(f"phoenixft worker {self.wid}: {e}; leaving", flush=True)
+            return 0
         except RunAborted as e:
             if "done" in str(e):
                 return 0

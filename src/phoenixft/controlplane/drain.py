@@ -1,0 +1,39 @@
+"""Writing a drain request (`keys.drain_key`): the one helper every producer uses (`phoenixft drain`, a
+node's agent on its drain signal, the `preempt:` fault), so that the coordinator reads one format.
+
+The request names the node by its slot in the current epoch and carries the node id it means, so a
+request that arrives after that slot changed hands is recognised as stale by the coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from phoenixft.controlplane import keys
+from phoenixft.controlplane.store import Store
+from phoenixft.controlplane.values import parse_int, parse_json, read_raw
+
+__all__ = ["current_nodes", "request_drain"]
+
+
+def current_nodes(store: Store) -> list[str]:
+    """The node ids of the current epoch, in slot order ([] before the first epoch, or if unreadable)."""
+    e = parse_int(read_raw(store, keys.EPOCH), keys.EPOCH, -1)
+    if e < 0:
+        return []
+    topo = parse_json(read_raw(store, keys.topo(e)), keys.topo(e), {})
+    nodes = topo.get("nodes", [])
+    return [str(n) for n in nodes] if isinstance(nodes, list) else []
+
+
+def request_drain(store: Store, node: str, reason: str, source: str, deadline: float | None = None) -> int | None:
+    """Ask the coordinator to drain `node` (a node id of the current epoch); the slot the request was
+    written for, or None when `node` is in no slot of the current epoch (not a member: nothing to drain)."""
+    nodes = current_nodes(store)
+    if node not in nodes:
+        return None
+    slot = nodes.index(node)
+    store.set(keys.drain_key(slot), json.dumps({"reason": reason, "source": source, "deadline": deadline,
+                                                "t": time.time(), "node_id": node}))
+    return slot

@@ -1,0 +1,148 @@
+"""Planned drain: a live node's role moves to a spare at a step boundary with nothing lost (real processes,
+real signals), from each source of a request: the `preempt:` fault, a signal to the agent, `phoenixft drain`;
+without a spare the job shrinks; a notice too short for the drain is an ordinary failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import processes_with, run
+
+from phoenixft.controlplane import keys
+from phoenixft.controlplane.values import parse_drain_request
+
+
+def _drained_cleanly(rep: dict[str, Any], run_dir: Path, node: str, spare: str | None) -> dict[str, Any]:
+    """The run's recovery that drained `node`: class planned, nothing lost, the spare in its slot (or a shrink),
+    invariants true, the node's workers and agent gone with exit code 0 (its log says why)."""
+    (rec,) = [r for r in rep["recoveries"] if (r.get("drain") or {}).get("node") == node]
+    assert rec["class"] == "planned" and rec["lost_steps"] == 0, rec
+    assert rec["action"] == ("drain" if spare else "shrink") and rec["dead"] == [], rec
+    assert rec["promoted"] == ([spare] if spare else []), rec
+    assert rec["drain"]["completed"] and rec["drain"]["notice_to_swapped_s"] > 0, rec["drain"]
+    assert all(rec["invariants"].get(k) is True for k in ("I1", "I2", "I3", "I4")), rec["invariants"]
+    assert rec["bytes_moved"] > 0 or not spare, rec
+    log = (run_dir / "logs" / f"{node}.log").read_text()
+    assert f"{node} was drained" in log and "Traceback" not in log, log[-2000:]
+    return rec
+
+
+def test_preempt_notice_drains_with_nothing_lost(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """The fault sends the agent of slot 2 its drain signal at step 5 and would SIGKILL it 30 s later: the
+    node's role moves to the spare before that, the final state is the failure-free run's, and nothing of the
+    node is left (conftest.run: no process, no /dev/shm segment, an empty teardown record)."""
+    ref = reference(nodes=4, steps=12)
+    rep = run(tmp_path, nodes=4, spares=1, steps=12, inject=["preempt:node=2@step=5,notice=30"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert rep["faults_not_fired"] == [] and rep["faults"][0]["fault"] == "preempt", rep["faults"]
+    rec = _drained_cleanly(rep, tmp_path, "n2", "s0")
+    assert rec["faults"] == ["preempt:node=2@step=5,notice=30"] and rec["resumed_step"] >= 5, rec
+    assert rec["drain"]["source"] == "preempt" and rec["drain"]["deadline"] is not None, rec["drain"]
+    assert rec["drain"]["notice_to_swapped_s"] < 30.0, rec["drain"]  # within the notice: no SIGKILL was needed
+    html = subprocess.run([sys.executable, "-m", "phoenixft", "report", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert html.returncode == 0, html.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert 'data-key="drain"' in page and "n2 (preemption notice (SIGUSR1); preempt)" in page
+
+
+def test_no_spare_shrinks_and_short_notice_is_a_failure(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """Without a spare the drain shrinks the job (nothing lost; after a shrink the loss matches within 1e-4,
+    not bitwise); with a notice of 0 s the node is SIGKILLed at once and the ordinary failure path recovers
+    it, bitwise."""
+    ref = reference(nodes=4, steps=12)
+    rep = run(tmp_path / "shrink", nodes=4, spares=0, steps=12, inject=["preempt:node=1@step=5,notice=30"])
+    assert rep["state"] == "done", rep.get("error")
+    _drained_cleanly(rep, tmp_path / "shrink", "n1", None)
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(rep["loss"], ref["loss"], strict=True))
+    rep = run(tmp_path / "kill", nodes=4, spares=1, steps=12, inject=["preempt:node=1@step=6,notice=0"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["class"] == "permanent" and rec["action"] == "hotswap" and rec["dead"] == ["n1"], rec
+    assert rec["lost_steps"] <= 1 and rec["promoted"] == ["s0"], rec
+    assert rec["drain"] is None or not rec["drain"]["completed"], rec["drain"]
+
+
+def _wait(what: str, cond: Any, timeout_s: float = 90.0) -> Any:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_signal_and_cli_drain_a_live_run(tmp_path: Path, reference, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A live run: `phoenixft drain n0 --run-dir D --wait` drains the node of rank 0 onto a spare (its step
+    records and the final state are then written by the new rank 0), and SIGUSR1 to the whole process group
+    of node n1 (as Slurm signals every process of a step) drains it onto the other spare: its workers ignore
+    the signal, its agent turns it into a request. Both are planned drains with nothing lost, and the run ends
+    bitwise equal to the failure-free one."""
+    from phoenixft.cli.main import main
+    from phoenixft.dist.comm import connect_store
+
+    ref = reference(nodes=3, steps=16, microbatches=6)
+    d = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--nodes", "3", "--spares", "2", "--steps", "16",
+                          "--microbatches", "6", "--run-dir", str(d), "--quiet"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    try:
+        port = _wait("the store", lambda: (d / "coordinator.port").is_file() and (d / "coordinator.port").read_text())
+        store = connect_store(f"127.0.0.1:{port}", 30.0)
+        run_id = store.get(keys.RUN_ID).decode()
+        _wait("step 1", lambda: store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 1)
+        store.set(keys.drain_key(2), "not json")  # a malformed request is ignored (logged), never a crash
+        # the command in this process (a new interpreter importing torch takes longer than the run on a loaded
+        # machine): its parser, the run found by its directory, the request, and --wait's answer
+        rc = main(["drain", "n0", "--run-dir", str(d), "--wait", "--reason", "maintenance", "--timeout", "120"])
+        out = capsys.readouterr().out
+        assert rc == 0 and "n0 drained at step" in out and "action drain, spare s0, lost 0 step(s)" in out, out
+        agent = [q for q in processes_with(run_id) if _is_agent(q, "n1")]
+        assert len(agent) == 1, agent
+        os.killpg(agent[0], signal.SIGUSR1)
+        assert p.wait(timeout=180) == 0, p.stderr.read().decode() if p.stderr else ""
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    rep = json.loads((d / "report.json").read_text())
+    assert rep["state"] == "done" and rep["teardown"] == {"killed": [], "removed_segments": []}, rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert [r["action"] for r in rep["recoveries"]] == ["drain", "drain"], rep["recoveries"]
+    cli_rec = _drained_cleanly(rep, d, "n0", "s0")["drain"]
+    assert cli_rec["source"] == "cli" and cli_rec["reason"] == "maintenance", cli_rec
+    assert _drained_cleanly(rep, d, "n1", "s1")["drain"]["source"] == "signal"
+    assert processes_with(run_id) == [] and not list(Path("/dev/shm").glob(f"phoenixft-{run_id}[-.]*"))
+    assert "ignored the store value of 'drain/2'" in (d / "logs" / "coordinator.log").read_text()
+
+
+def _is_agent(pid: int, node: str) -> bool:
+    """`pid` is the agent of `node` (its process group's leader; its workers share its command line)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return "runtime.agent" in cmd and f"--node {node} " in cmd and os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+def test_drain_requests_are_validated() -> None:
+    """What a producer writes is checked field by field; anything else is ignored (None), never raised."""
+    ok = parse_drain_request(json.dumps({"reason": "straggler", "source": "detector", "deadline": None}), "k")
+    assert ok == {"reason": "straggler", "source": "detector", "deadline": None, "t": None, "node_id": None}
+    assert parse_drain_request(json.dumps({"reason": "x", "source": "y", "deadline": 12.5, "t": 3,
+                                           "node_id": "n1"}), "k")["deadline"] == 12.5
+    for bad in (b"not json", b"[1]", json.dumps({"reason": 3}), json.dumps({"deadline": "soon"}),
+                json.dumps({"deadline": float("inf")}), json.dumps({"t": True}), json.dumps({"node_id": 2}),
+                b"\xff\xfe"):
+        assert parse_drain_request(bad, "k") is None, bad
+    assert keys.drain_key(2) == "drain/2"
