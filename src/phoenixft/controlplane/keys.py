@@ -129,3 +129,12 @@ def admit_verdict(seq: int) -> str:
 def left(node: str) -> str:
     """Set by an agent that ends normally (its workers are gone), never by a fenced one."""
     return f"left/{node}"
+
+
+HOST_HISTORY = "hosts/history"  # appended JSON records: a host's failures and quarantines (phoenixft.health.history)
+HEALTH_ASK = "health/ask"  # JSON {seq, nodes, t}: the coordinator asks these spares to check themselves again
+
+
+def health(node: str) -> str:
+    """JSON: spare `node`'s latest health check (ok, reason, phase, the ask it answers, per-check times)."""
+    return f"health/node/{node}"

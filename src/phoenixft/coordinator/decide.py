@@ -145,6 +145,7 @@ class Decider:
         t_start = time.time()
         self.store.set(keys.failflag(e), "1")
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
+        self.admission.health.begin(self.admission.ready_spares())  # their checks run while the survivors report
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         with gc_paused():
             self.decide(old, t_start, dead, fenced, restarted)
@@ -153,6 +154,7 @@ class Decider:
         """The gather is done: fence the dead, fetch and parse the descriptors, plan, publish."""
         e = old.epoch
         restarted = self._fence(dead, restarted)
+        self.admission.health.note_dead(dead, e)  # (the failure history of their hosts)
         descs = self._descriptors(old, dead)
         stuck = self.recovery_loop(descs)
         if stuck:
@@ -161,7 +163,8 @@ class Decider:
             return
         t_first = self._failures_reported(e, t_start, descs)
         self.admission.refresh_pool()
-        pool = self.admission.ready_spares()
+        pool = self.admission.ready_spares()  # then checked again just before their promotion:
+        pool = self.admission.health.vet(pool, len(dead) + max(0, self.cfg.nodes - len(old.nodes)))
         grow_only = (not dead and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
         tiers, refused = self._persistent_tiers(old, descs)

@@ -19,6 +19,8 @@
     corrupt:node=I@step=S,phase=transfer  flip bytes in every optimizer-state transfer node I sends in
                                           recoveries whose resume step is >= S-1 (corruption in flight)
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
+    sick:spare=J[@step=S]                 spare sJ's health checks fail (its matrix product is wrong): it is
+                                          never promoted; with @step=S only its checks once the job reached S
     partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
                                           job reaches step S, its processes left running; the link comes
                                           back after T seconds (default: when its agent gives up and exits).
@@ -69,6 +71,7 @@ class FaultSpec:
     member: int | None = None  # a member of the control-plane cluster the run started (-1: its leader)
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
     duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
+    spare: int | None = None  # sick: the spare id's number (s<J>)
 
     @property
     def node(self) -> int | None:
@@ -127,7 +130,12 @@ def _seconds(text: str, key: str, value: str, valid: str) -> float:
 
 
 def parse_fault(text: str, index: int = 0) -> FaultSpec:
-    m = _SPEC.match(text.strip())
+    head, colon, rest = text.strip().partition(":")
+    if colon and head in KINDS and not KINDS[head].needs_when and "@" not in rest:
+        text_m = f"{head}:{rest}@"  # a target alone (sick:spare=J): no when part
+        m = re.match(r"^(?P<kind>[a-z]+):(?P<target>[^@]+)@(?P<when>)$", text_m)
+    else:
+        m = _SPEC.match(text.strip())
     if not m or m["kind"] not in KINDS:
         raise _bad(text, _VALID)
     kind = m["kind"]
@@ -137,6 +145,7 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     rack = rank = None
     coordinator = False
     member: int | None = None
+    spare: int | None = None
     if m["target"] == "coordinator" and "coordinator" in fk.targets:
         coordinator = True
     elif MEMBER_TARGET in fk.targets and m["target"] and m["target"].startswith(MEMBER_TARGET + "="):
@@ -152,17 +161,22 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             rack = _one(text, value, "rack", kind)
         elif key == "rank" and "rank" in fk.targets:
             rank = _one(text, value, "rank", kind)
+        elif key == "spare" and "spare" in fk.targets:
+            spare = _one(text, value, "spare", kind)
+            if spare < 0:
+                raise _bad(text, f"spare={value}: a spare's number (s0, s1, ...) is >= 0")
         else:
             raise _bad(text, f"target {m['target']!r}; {_VALID}")
     when: dict[str, str] = {}
-    for item in m["when"].split(","):
+    for item in m["when"].split(",") if m["when"] else []:
         k, sep, v = item.partition("=")
         if not sep:
             raise _bad(text, f"expected key=value, got {item!r}")
         if k.strip() in when:
             raise _bad(text, f"{k.strip()}= is given twice; give it once")
         when[k.strip()] = v.strip()
-    if set(when) - {"step", "phase", "recovery", "wait", "for"} or ("step" in when) == ("recovery" in when):
+    if set(when) - {"step", "phase", "recovery", "wait", "for"} or (
+            ("step" in when) == ("recovery" in when) and (fk.needs_when or when)):
         raise _bad(text, _VALID)
     fk.check_form(text, when)
     if "for" in when and not fk.lasts:
@@ -206,4 +220,4 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
-                     duration=duration)
+                     duration=duration, spare=spare)

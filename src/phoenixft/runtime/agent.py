@@ -250,9 +250,11 @@ def _admit(a: argparse.Namespace, store: Store, token: str | None, bind: str) ->
     """Ask the coordinator to admit this node (proving the job token); (its node id, the run id). Sets the
     token and this host's address in the environment the workers are forked with."""
     from phoenixft.dist.comm import BIND_ENV
+    from phoenixft.health.history import HOST_ID_ENV
 
     request = {"name": a.node, "spare": a.spare or (a.node.startswith("s") and bool(_ID.match(a.node))),
-               "workers": a.workers, "host": bind, "hostname": socket.gethostname(), "pid": os.getpid()}
+               "workers": a.workers, "host": bind, "hostname": socket.gethostname(), "pid": os.getpid(),
+               "hostid": os.environ.get(HOST_ID_ENV, "") or socket.gethostname()}
     verdict = auth.request_admission(store, request, token, a.join_timeout, a.store)
     node, run_id = str(verdict["node"]), str(verdict["run_id"])
     shm.check_run_id(run_id)
@@ -294,6 +296,8 @@ class _Node:
                  token: str) -> None:
         from phoenixft.controlplane import Heartbeat
         from phoenixft.faults.partition import PartitionInjector
+        from phoenixft.health.history import HOST_ID_ENV
+        from phoenixft.health.spare import SpareHealth
 
         self.a, self.cfg, self.node, self.run_id = a, cfg, node, run_id
         self.store: Store | None = store  # None while reconnecting
@@ -311,6 +315,8 @@ class _Node:
         self.last_look = 0.0
         self.stopped_workers = StoppedWorkers()
         self.silent_said = False
+        # a spare's health checks: when it joins, and when the coordinator asks before a promotion
+        self.health = SpareHealth(cfg, node, run_id, os.environ.get(HOST_ID_ENV, "") or socket.gethostname())
 
     def run(self) -> int:
         """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
@@ -325,6 +331,8 @@ class _Node:
 
         import phoenixft.runtime.worker  # noqa: F401
 
+        if self.store is not None:  # before its workers: a spare is not ready before its first check passed
+            self.health.at_join(self.store, lambda: self.tick(self.store))
         for i in range(self.a.workers):
             self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads)] = i
         stopped_early = self.supervise()
@@ -399,7 +407,21 @@ class _Node:
                   + f" stopped (SIGSTOP) for longer than --failure-timeout={self.cfg.failure_timeout:g}s; "
                   "no heartbeat for the node until they run again", flush=True)
         self.injector.tick(store)
+        self.health.answer(store, lambda: self.tick(store))  # (a spare asked to check itself again)
         return True
+
+    def tick(self, store: Store | None) -> None:
+        """A heartbeat while a health check runs (it may take up to its command's timeout)."""
+        from phoenixft.controlplane import Heartbeat, keys
+
+        try:
+            if store is None:
+                return
+            if self.beat is None or self.beat.store is not store:
+                self.beat = Heartbeat(store, keys.heartbeat(self.node), self.cfg.failure_timeout)
+            self.beat.beat(str(time.time()))
+        except Exception:  # noqa: BLE001 - the supervision loop reconnects
+            pass
 
     def reap(self, window_s: float) -> None:
         """For `window_s`, collect the workers that exit: restart one in place when the node is healthy, give
