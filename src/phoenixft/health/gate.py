@@ -49,7 +49,8 @@ class HealthGate:
         self._said: set[str] = set()  # health failures already announced (node:t)
         self._quarantined: dict[str, HostRecord] = {}
         self._q_read = 0.0
-        self._q_said: set[str] = set(self.quarantined(force=True))  # (said before a restart: not again)
+        # (hosts quarantined before this process started, e.g. before a coordinator restart: said already)
+        self._q_said: set[str] = set(quarantined_hosts(self.store, cfg.quarantine_after, cfg.quarantine_window))
         self.asked: dict[str, int] = {}  # spare -> the ask its next answer must carry
 
     def publish_reference(self) -> None:
@@ -73,7 +74,18 @@ class HealthGate:
                 if h not in self._q_said:
                     self._q_said.add(h)
                     self.job.event("host_quarantined", host=h, reason=r.reason, failures=r.failures)
+                self._dismiss(h)
         return self._quarantined
+
+    def _dismiss(self, host: str) -> None:
+        """The idle spares of quarantined `host` leave the pool, fenced (their agents stop; the nodes the job
+        runs on are left alone: moving them off is a drain's business)."""
+        st = self.state
+        for n in [s for s in st.spare_pool if self.host(s) == host and not st.in_use(s)]:
+            st.spare_pool.remove(n)
+            st.dead.add(n)
+            self.store.set(keys.fence(n), str(time.time()))
+            self.job.event("spare_dismissed", node=n, host=host, reason="its host is quarantined")
 
     def refusal(self, req: dict[str, Any]) -> str:
         """Why a join request is refused because its host is quarantined ('' if it is not)."""
@@ -81,7 +93,7 @@ class HealthGate:
         rec = self.quarantined(force=True).get(host) if host else None
         if rec is None:
             return ""
-        last = rec.failures[-1]["reason"] if rec.failures else rec.reason
+        last = (rec.failures[-1]["reason"] if rec.failures else rec.reason)[:160]
         return (f"host {host} is quarantined ({rec.reason}; {len(rec.failures)} failure(s), the last: {last}): it is "
                 "not admitted to this job again")
 

@@ -7,7 +7,8 @@ it found lost or restarted, or else the latest one before it), fault (the latest
 action, epoch, detect_s and recovery_s (from the first of them), lost_steps, resumed_step, stage
 timings, invariants, bytes_moved, with `--redundancy ec:D+H` the shards `decoded` from their group,
 the pieces' bytes `bytes_decoded_from` and `decode_s`),
-`redundancy`, `error` when the run failed.
+`redundancy`, `health` (the spares' latest health checks: ok, reason, phase; `unhealthy`: the spares never
+promoted for it), `quarantine` (each host's failures, the `quarantined` hosts), `error` when the run failed.
 """
 
 from __future__ import annotations
@@ -271,6 +272,9 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
                              if ev.get("kind") in ("persist_skipped", "persist_failed")],
         "run_dir": str(run_dir),
     }
+    from phoenixft.health.summary import summarize
+
+    report.update(summarize(store, report["config"]))  # `health` (the spares' checks) and `quarantine` (hosts)
     if store.check([keys.RUN_ERROR]):
         report["error"] = read_text(store, keys.RUN_ERROR)
     with open(run_dir / "metrics.jsonl", "w") as f:
