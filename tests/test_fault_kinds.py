@@ -74,6 +74,7 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "corrupt": _corrupt,
     "nan": lambda rng: f"nan:step={rng.randint(0, 10**6)}",
     "partition": _partition,
+    "sick": lambda rng: f"sick:spare={rng.randint(0, 63)}" + rng.choice(["", f"@step={rng.randint(0, 10**6)}"]),
 }
 
 
@@ -99,8 +100,8 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     assert str(e.value) == (
         "--inject='boom:node=1@step=3' is invalid: expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, "
         "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
-        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S or "
-        "partition:node=I@step=S[,for=SECONDS]")
+        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S, "
+        "partition:node=I@step=S[,for=SECONDS] or sick:spare=J[@step=S]")
     with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
         parse_fault("nan:step=3,wait=5")
 

@@ -336,7 +336,6 @@ class Sick(FaultKind):
     targets = frozenset({"spare"})
     phases = ("forward",)
     waits = False
-    needs_protection = False
     needs_when = False
 
     def check_form(self, text: str, when: dict[str, str]) -> None:

@@ -2,7 +2,7 @@
 
 Every failure of a host (a node of it declared dead, a health check of it failed) and every explicit
 quarantine is one JSON line appended to `hosts/history` (`keys.HOST_HISTORY`): appends are atomic on
-both backends (TCPStore and etcd), so any process may write (the coordinator, or a detector of silent
+every backend of the `Store` protocol, so any process may write (the coordinator, or a detector of silent
 data corruption calling `quarantine`), and the history outlives a coordinator restart or a standby's
 takeover like the rest of the job's keys. Each record has an `id` (a coordinator that records the
 same failure again after a restart writes the same id, and reading keeps one). Lines that do not parse
