@@ -36,7 +36,7 @@ QUARANTINE_TTL_S = 1.0  # the quarantined hosts are read again at most this ofte
 
 
 def host_of_request(req: dict[str, Any]) -> str:
-    """The host a join request comes from: its agent's host id (PHOENIXFT_HOST_ID, else its hostname)."""
+    """The host a join request comes from: its agent's host id (PHOENIXFT_HOST_ID, else HOSTNAME@ADDRESS)."""
     return str(req.get("hostid") or req.get("hostname") or "")[:128]
 
 

@@ -8,8 +8,9 @@ takeover like the rest of the job's keys. Each record has an `id` (a coordinator
 same failure again after a restart writes the same id, and reading keeps one). Lines that do not parse
 are ignored and logged (`controlplane.values`).
 
-A host's identity is the `hostid` of its agent's join request: the machine's hostname, or
-`PHOENIXFT_HOST_ID` where several agents share a machine (a local run names each simulated host).
+A host's identity is the `hostid` of its agent's join request: `PHOENIXFT_HOST_ID` when set (a local
+run names each simulated host so), else the machine's hostname and the address the agent's workers
+listen on (`HOSTNAME@ADDRESS`: containers or network namespaces that share a hostname stay apart).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from phoenixft.health.window import quarantined_at
 __all__ = ["HOST_ID_ENV", "HostRecord", "quarantine", "record_failure", "read_history", "host_records",
            "quarantined_hosts"]
 
-HOST_ID_ENV = "PHOENIXFT_HOST_ID"  # the identity of the host an agent runs on (default: its hostname)
+HOST_ID_ENV = "PHOENIXFT_HOST_ID"  # the identity of the host an agent runs on (default: HOSTNAME@ADDRESS)
 
 
 @dataclass

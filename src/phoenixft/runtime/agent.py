@@ -254,7 +254,7 @@ def _admit(a: argparse.Namespace, store: Store, token: str | None, bind: str) ->
 
     request = {"name": a.node, "spare": a.spare or (a.node.startswith("s") and bool(_ID.match(a.node))),
                "workers": a.workers, "host": bind, "hostname": socket.gethostname(), "pid": os.getpid(),
-               "hostid": os.environ.get(HOST_ID_ENV, "") or socket.gethostname()}
+               "hostid": os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"}
     verdict = auth.request_admission(store, request, token, a.join_timeout, a.store)
     node, run_id = str(verdict["node"]), str(verdict["run_id"])
     shm.check_run_id(run_id)
@@ -316,7 +316,8 @@ class _Node:
         self.stopped_workers = StoppedWorkers()
         self.silent_said = False
         # a spare's health checks: when it joins, and when the coordinator asks before a promotion
-        self.health = SpareHealth(cfg, node, run_id, os.environ.get(HOST_ID_ENV, "") or socket.gethostname())
+        host = os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"
+        self.health = SpareHealth(cfg, node, run_id, host)
 
     def run(self) -> int:
         """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
@@ -332,7 +333,11 @@ class _Node:
         import phoenixft.runtime.worker  # noqa: F401
 
         if self.store is not None:  # before its workers: a spare is not ready before its first check passed
-            self.health.at_join(self.store, lambda: self.tick(self.store))
+            try:
+                self.health.at_join(self.store, lambda: self.tick(self.store))
+            except Exception as e:  # noqa: BLE001 - no verdict posted: the spare is never promoted unchecked
+                print(f"phoenixft agent {self.node}: health check not posted ({type(e).__name__}: {e})",
+                      file=sys.stderr, flush=True)
         for i in range(self.a.workers):
             self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads)] = i
         stopped_early = self.supervise()
