@@ -124,6 +124,19 @@ def test_a_sick_spare_is_passed_over_for_the_next(tmp_path: Path, reference) -> 
     assert 'id="spare-health"' in html and "UNHEALTHY" in html and "matrix product: checksum" in html
 
 
+@pytest.mark.slow
+def test_a_spare_that_falls_sick_after_joining_fails_its_check_before_promotion(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    ref = reference(nodes=2, steps=12)
+    rep = run(tmp_path, nodes=2, spares=2, steps=12, inject=["sick:spare=0@step=4", "kill:node=1@step=6"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["promoted"] == ["s1"], rec
+    health = {s["node"]: s for s in rep["health"]["spares"]}
+    assert health["s0"]["phase"] == "promotion" and not health["s0"]["ok"], health  # it passed when it joined
+    assert health["s1"]["phase"] == "promotion" and health["s1"]["ok"], health
+
+
 def test_failing_and_hanging_health_commands_leave_no_spare(tmp_path: Path) -> None:
     # spare s0's command fails, s1's outlives its timeout: no spare may be promoted, so the job shrinks
     cmd = 'case "$PHOENIXFT_HOST_ID" in */s0) echo no GPU; exit 3;; */s1) sleep 60;; esac'
