@@ -15,7 +15,15 @@ from conftest import processes_with
 from phoenixft.cli.main import main
 from phoenixft.config import RunConfig
 from phoenixft.errors import UserError
-from phoenixft.faults.chaos import KINDS, MAX_COORDINATOR_KILLS, MIN_GAP, judge, make_schedule, unsurvivable_reason
+from phoenixft.faults.chaos import (
+    KINDS,
+    MAX_COORDINATOR_KILLS,
+    MIN_GAP,
+    format_verdict,
+    judge,
+    make_schedule,
+    unsurvivable_reason,
+)
 from phoenixft.faults.spec import parse_fault
 from phoenixft.runtime.repair import RepairQueue
 
@@ -325,6 +333,18 @@ def test_verdicts_from_reports() -> None:
     assert v["verdict"] == "unsurvivable-by-design" and "after a shrink" in v["reason"], v["reason"]
     events[0]["nodes"] = ["n0", "s1", "n2", "n3"]  # on 4 nodes s1 keeps n0's replica, n3 keeps n2's: a fail
     assert judge(sched, cfg, ref, failed, events, [{"step": 8, "epoch": 2}])["verdict"] == "fail"
+    # a campaign may end with a host quarantined: named in the verdict; a shrink for it is judged as any shrink,
+    # and a run that then ran out of spares is the policy at work, not a defect
+    q = {"quarantine": {"quarantined": ["vm/n1"], "hosts": []}}
+    v = judge(sched, cfg, ref, {**shrunk, **q}, fired, after)
+    assert v["verdict"] == "pass" and v["quarantined_hosts"] == ["vm/n1"]
+    assert "quarantined       vm/n1" in format_verdict(v, ref, {**shrunk, **q}, {"total": 1, "reference": 0,
+                                                                                  "campaign": 1})
+    lost = {"state": "failed", "error": "every node is lost (n0) and no spare is ready", "loss": [3.0],
+            "recoveries": []}
+    assert judge(sched, cfg, ref, lost, fired, after)["verdict"] == "fail"
+    v = judge(sched, cfg, ref, {**lost, **q}, fired, after)
+    assert v["verdict"] == "unsurvivable-by-design" and "vm/n1 were quarantined" in v["reason"], v["reason"]
 
 
 def _chaos(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]

@@ -97,6 +97,7 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "slow": _slow,
     "sdc": _sdc,
     "preempt": _preempt,
+    "sick": lambda rng: f"sick:spare={rng.randint(0, 63)}" + rng.choice(["", f"@step={rng.randint(0, 10**6)}"]),
 }
 
 
@@ -124,7 +125,7 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
         "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
         "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S, "
         "partition:node=I@step=S[,for=SECONDS], slow:node=I@step=S,factor=F, "
-        "sdc:node=I@step=S,target=shard[,bit=B] or preempt:node=I@step=S,notice=T")
+        "sdc:node=I@step=S,target=shard[,bit=B], preempt:node=I@step=S,notice=T or sick:spare=J[@step=S]")
     with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
         parse_fault("nan:step=3,wait=5")
 

@@ -9,6 +9,7 @@ with its validation:
     parallelism   ParallelismConfig   nodes, device, workers per node, tp/pp, spares, racks, threads
     protection    ProtectionConfig    protect, redundancy/replicas, persistent checkpoints, replica transport
     control       ControlPlaneConfig  store, coordinators, failure/join/run timeouts, fencing
+    health        HealthConfig        the spares' health gate, --health-check, the quarantine of hosts
     injection     InjectionConfig     --inject fault specs (parsed by phoenixft.faults.spec)
     output        OutputConfig        run directory, report, live display, JSON events
 
@@ -29,6 +30,7 @@ from phoenixft.config.checks import (
 )
 from phoenixft.config.controlplane import ControlPlaneConfig
 from phoenixft.config.flags import add_run_arguments, config_from_args
+from phoenixft.config.health import HealthConfig
 from phoenixft.config.injection import InjectionConfig
 from phoenixft.config.output import OutputConfig
 from phoenixft.config.parallelism import ParallelismConfig
@@ -37,6 +39,7 @@ from phoenixft.config.run import SECTIONS, RunConfig, run_fields
 from phoenixft.config.training import TrainingConfig
 
 __all__ = ["RunConfig", "TrainingConfig", "ParallelismConfig", "ProtectionConfig", "ControlPlaneConfig",
-           "InjectionConfig", "OutputConfig", "SECTIONS", "run_fields", "add_run_arguments", "config_from_args",
+           "HealthConfig", "InjectionConfig", "OutputConfig", "SECTIONS", "run_fields", "add_run_arguments",
+           "config_from_args",
            "checkpoint_bytes", "check_output_file", "PROTECT_MODES", "TRANSPORTS", "MAX_FAILURE_TIMEOUT_S",
            "MAX_THREADS", "MAX_WORKERS"]

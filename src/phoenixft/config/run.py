@@ -1,7 +1,7 @@
 """`RunConfig`: a run's configuration, composed of its sections.
 
 The sections (`TrainingConfig`, `ParallelismConfig`, `ProtectionConfig`, `ControlPlaneConfig`,
-`InjectionConfig`, `OutputConfig`) each own their fields, whose help texts are the run flags' --help
+`HealthConfig`, `InjectionConfig`, `OutputConfig`) each own their fields, whose help texts are the run flags' --help
 lines, and their validation. `RunConfig` holds one of each (`cfg.training.steps`) and also reads and
 writes every field by its flat name (`cfg.steps`), which is how the rest of the code and the JSON form
 (config.json, the report's `config`, the store's signed config) name them: the JSON is one flat object.
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from phoenixft.config.controlplane import ControlPlaneConfig, validate_control_plane
+from phoenixft.config.health import HealthConfig, validate_health
 from phoenixft.config.injection import InjectionConfig, validate_injection
 from phoenixft.config.model import model_numel, validate_model, validate_split
 from phoenixft.config.output import OutputConfig, validate_output
@@ -36,6 +37,7 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("parallelism", ParallelismConfig, "parallelism"),
     ("protection", ProtectionConfig, "protection"),
     ("control", ControlPlaneConfig, "control plane"),
+    ("health", HealthConfig, "spare health and quarantine"),
     ("injection", InjectionConfig, "fault injection"),
     ("output", OutputConfig, "output"),
 )
@@ -84,15 +86,16 @@ class RunConfig:
     parallelism: ParallelismConfig
     protection: ProtectionConfig
     control: ControlPlaneConfig
+    health: HealthConfig
     injection: InjectionConfig
     output: OutputConfig
 
     def __init__(self, *, training: TrainingConfig | None = None, parallelism: ParallelismConfig | None = None,
                  protection: ProtectionConfig | None = None, control: ControlPlaneConfig | None = None,
-                 injection: InjectionConfig | None = None, output: OutputConfig | None = None,
-                 **fields: Any) -> None:
+                 health: HealthConfig | None = None, injection: InjectionConfig | None = None,
+                 output: OutputConfig | None = None, **fields: Any) -> None:
         given = {"training": training, "parallelism": parallelism, "protection": protection, "control": control,
-                 "injection": injection, "output": output}
+                 "health": health, "injection": injection, "output": output}
         for attr, cls, _ in SECTIONS:  # a copy of each given section: a replace() never changes its source
             sec = given[attr]
             setattr(self, attr, dataclasses.replace(sec) if sec is not None else cls())
@@ -164,6 +167,11 @@ class RunConfig:
     tls_cert = _Flat[str]("control")
     tls_key = _Flat[str]("control")
     tls_ca = _Flat[str]("control")
+    health_gate = _Flat[bool]("health")
+    health_check = _Flat[str]("health")
+    health_check_timeout = _Flat[float]("health")
+    quarantine_after = _Flat[int]("health")
+    quarantine_window = _Flat[float]("health")
     inject = _Flat[list[str]]("injection")
     report = _Flat[str]("output")
     run_dir = _Flat[str]("output")
@@ -219,6 +227,7 @@ class RunConfig:
         validate_training(self)
         validate_protection(self)
         validate_control_plane(self)
+        validate_health(self)
         validate_injection(self)
         validate_output(self)
         validate_model(self)

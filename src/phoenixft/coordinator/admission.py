@@ -17,6 +17,7 @@ from phoenixft.config import RunConfig
 from phoenixft.controlplane import auth, keys
 from phoenixft.controlplane.values import read_int
 from phoenixft.coordinator.shared import NODE_ID, Job, Membership, index
+from phoenixft.health.gate import HealthGate, host_of_request
 
 __all__ = ["ADMIT_POLL_S", "Admission"]
 
@@ -35,6 +36,7 @@ class Admission:
         self.desk = desk
         self.run_id = run_id
         self._last_admit = 0.0
+        self.health = HealthGate(job, cfg, state)  # which spares may be promoted; quarantined hosts
 
     def load_members(self) -> None:
         for _, req, verdict in self.desk.admitted():  # a restarted coordinator or a new leader: admissions stand
@@ -58,7 +60,8 @@ class Admission:
         knows (a spare whose agent died while it waited is not handed a slot: it would answer nothing,
         and the recovery would wait out --failure-timeout to find that out)."""
         st = self.state
-        return [s for s in st.spare_pool if s not in st.dead and s not in st.gone_spares and self.job.node_ready(s)]
+        ready = [s for s in st.spare_pool if s not in st.dead and s not in st.gone_spares and self.job.node_ready(s)]
+        return self.health.healthy(ready)  # (and whose last health check passed, on a host not quarantined)
 
     def refresh_pool(self) -> None:
         """Spares admitted since (`phoenixft agent --spare`, or a repaired node) are in the pool already."""
@@ -67,7 +70,7 @@ class Admission:
     def _add_member(self, node: str, req: dict[str, Any], quiet: bool = False) -> None:
         spare = node.startswith("s")
         self.state.members[node] = {"name": str(req.get("name", node)), "host": str(req.get("host", "")),
-                                    "spare": spare, "t": time.time()}
+                                    "hostid": host_of_request(req), "spare": spare, "t": time.time()}
         if spare and node not in self.state.dead and not self.state.in_use(node) and node not in self.state.spare_pool:
             self.state.spare_pool.append(node)
             self.state.spare_pool.sort(key=index)
@@ -81,6 +84,9 @@ class Admission:
             return None, (f"--workers={req.get('workers')} does not match this job's --workers-per-node={self.g}"), ""
         if not auth.NAME_RE.match(name):
             return None, f"--node={name!r} is not a valid node name", ""
+        quarantined = self.health.refusal(req)
+        if quarantined:
+            return None, quarantined, ""
         started = self.state.topo is not None
         m = NODE_ID.match(name)
         if m:  # asks for exactly this id

@@ -161,6 +161,7 @@ class Decider:
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
         if self.store.check([keys.drain_notice(e)]):  # a drain this process did not finish (it took over since):
             self.store.set(keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
+        self.admission.health.begin(self.admission.ready_spares())  # their checks run while the survivors report
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         with gc_paused():
             self.decide(old, t_start, dead, fenced, restarted)
@@ -196,6 +197,7 @@ class Decider:
         epoch ended for a planned drain; its node leaves (unless it died: then it is one of `dead`)."""
         e = old.epoch
         restarted = self._fence(dead, restarted)
+        self.admission.health.note_dead(dead, e)  # (the failure history of their hosts; a drained node is no failure)
         leaving = {drain.node} if drain is not None and drain.node not in dead else set()
         descs = self._descriptors(old, dead | leaving)
         stuck = self.recovery_loop(descs)
@@ -205,7 +207,8 @@ class Decider:
             return
         t_first = self._failures_reported(e, t_start, descs)
         self.admission.refresh_pool()
-        pool = self.admission.ready_spares()
+        pool = self.admission.ready_spares()  # then checked again just before their promotion:
+        pool = self.admission.health.vet(pool, len(dead) + len(leaving) + max(0, self.cfg.nodes - len(old.nodes)))
         grow_only = (not dead and not leaving and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
         tiers, refused = self._persistent_tiers(old, descs)

@@ -135,6 +135,7 @@ class Coordinator:
             return
         self.led = True
         self.admission.load_members()
+        self.admission.health.publish_reference()
         self.store.set(keys.COORDINATOR_PID, str(os.getpid()))
         if self.publisher.reload():
             assert self.state.topo is not None

@@ -18,8 +18,11 @@ Three parts:
 - `judge(...)`: the verdict of a finished campaign against its failure-free reference: `pass`,
   `fail` (a survivable run was lost, or the final state differs) or `unsurvivable-by-design`
   (the schedule loses every copy of a shard, statically, or after the run shrank and its ring
-  changed). Bitwise equality of the final state is required unless the run shrank; then the
-  loss must stay within `SHRINK_REL_TOL` of the reference at every step.
+  changed; or, with --repair-after, a host failed --quarantine-after times and was quarantined, and the
+  job then ran out of spares). A campaign that ends with hosts quarantined says which
+  (`quarantined_hosts`); a run that shrank for it is judged as any shrink. Bitwise equality of the
+  final state is required unless the run shrank; then the loss must stay
+  within `SHRINK_REL_TOL` of the reference at every step.
 - `run_campaign(...)`: the reference run (`--protect none --spares 0`, no faults), then the
   campaign (live display of each fault and recovery), then the verdict; optional JSON report.
 """
@@ -370,6 +373,24 @@ def _runtime_unsurvivable(cfg: RunConfig, run: dict[str, Any], events: list[dict
             f"({', '.join(sorted(lost))}); no persistent checkpoint to fall back to")
 
 
+def _quarantined(run: dict[str, Any]) -> list[str]:
+    """The hosts the campaign's run quarantined (the report's `quarantine`; none in an older report)."""
+    q = run.get("quarantine")
+    return [str(h) for h in q.get("quarantined") or []] if isinstance(q, dict) else []
+
+
+def _quarantine_outcome(cfg: RunConfig, run: dict[str, Any]) -> str | None:
+    """A run that stopped for want of a spare after hosts were quarantined: the campaign drew more losses of a
+    host than --quarantine-after lets the job take back, so the repairs stopped returning it. That is the
+    configured policy working, not a defect; None when it does not apply."""
+    err, hosts = run.get("error") or "", _quarantined(run)
+    if not hosts or not any(x in err for x in ("no spare", "needs a spare", "every node is lost")):
+        return None
+    return (f"host(s) {', '.join(hosts)} were quarantined ({cfg.quarantine_after} failures within "
+            f"{cfg.quarantine_window:g}s, --quarantine-after), so repairs stopped returning them and the job ran "
+            f"out of spares: {err[:200]}")
+
+
 def _restarted_after(evs: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
     """A coordinator came back from its journal after the kill fired (`coordinator_restarted`, events.jsonl):
     the evidence that a coordinator kill was recovered, not merely outlived by the run."""
@@ -458,7 +479,7 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
         if done:
             reason += " (the run still finished: that fault did not hit as drawn)"
     elif not done:
-        why = _runtime_unsurvivable(cfg, run, events, metrics)
+        why = _runtime_unsurvivable(cfg, run, events, metrics) or _quarantine_outcome(cfg, run)
         if why:
             verdict, reason = "unsurvivable-by-design", why
         else:
@@ -490,6 +511,7 @@ def judge(sched: Schedule, cfg: RunConfig, ref: dict[str, Any], run: dict[str, A
         "steps_lost": sum(r.get("lost_steps") or 0 for r in recs), "bitwise_equal": bitwise,
         "max_loss_rel_dev": max_dev, "shrank": shrank, "per_fault": per_fault,
         "recoveries": len(recs), "replicas_rejected": sum(len(r.get("replicas_rejected", [])) for r in recs),
+        "quarantined_hosts": _quarantined(run),
     }
 
 
@@ -521,6 +543,9 @@ def format_verdict(v: dict[str, Any], ref: dict[str, Any], run: dict[str, Any], 
         f"  wall time         {wall['total']:.1f}s (reference {wall['reference']:.1f}s, campaign "
         f"{wall['campaign']:.1f}s)",
     ]
+    if v.get("quarantined_hosts"):  # an accepted outcome: the policy kept a repeat offender out
+        lines.insert(-1, f"  quarantined       {', '.join(v['quarantined_hosts'])} (failed --quarantine-after times; "
+                         "not admitted again)")
     return "\n".join(lines)
 
 
@@ -576,7 +601,8 @@ def run_campaign(cfg: RunConfig, faults: int, seed: int, *, allow_unsurvivable: 
     print(format_verdict(v, ref, run, wall), file=out, flush=True)
     result = {
         **{k: v[k] for k in ("verdict", "reason", "faults", "injected", "recovered", "steps_lost", "bitwise_equal",
-                             "max_loss_rel_dev", "shrank", "recoveries", "replicas_rejected", "per_fault")},
+                             "max_loss_rel_dev", "shrank", "recoveries", "replicas_rejected", "per_fault",
+                             "quarantined_hosts")},
         "seed": seed, "wall_s": wall["total"], "wall": wall, "schedule": [f.to_json() for f in sched.faults],
         "goodput": run.get("goodput"),  # the campaign run's (observe/goodput.py)
         "notes": sched.notes, "inject": sched.inject, "run_dir": str(root),

@@ -43,6 +43,7 @@ class Point(enum.Enum):
     NOTICE = "notice"  # the node agent, from its heartbeat loop: a preemption notice (`faults/notice.py`)
     PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_member_faults`)
     COMPUTE = "compute"  # a worker, on its own compute time from a step on (`FaultInjector.slow_factor`)
+    HEALTH = "health"  # a spare's agent, in its health check (`phoenixft.health.spare`)
 
 
 def bad_spec(text: str, why: str) -> UserError:
@@ -67,6 +68,7 @@ class FaultKind:
     scales: ClassVar[bool] = False  # it takes ,factor=F (and needs it)
     options: ClassVar[frozenset[str]] = frozenset()  # when-part keys it takes besides step, phase, recovery, wait, for
     notices: ClassVar[bool] = False  # it takes ,notice=SECONDS
+    needs_when: ClassVar[bool] = True  # its spec has an @when part (sick:spare=J may have none)
 
     # ---------------------------------------------------------------- parsing
     def check_form(self, text: str, when: dict[str, str]) -> None:
@@ -116,6 +118,10 @@ class FaultKind:
     def refuse(self, f: FaultSpec, local: bool) -> str | None:
         """Why the launch mode cannot run f (`phoenixft run`: local), or None."""
         return None
+
+    def fails_health_check(self, f: FaultSpec, node: str, progress: int) -> bool:
+        """Whether f makes the health check of spare `node` fail now (the job at step `progress`)."""
+        return False
 
     def describe(self, f: FaultSpec) -> str:
         """One line for people."""
@@ -436,8 +442,63 @@ class Sdc(FaultKind):
         return f"flip {bit} of a committed copy node {f.node} holds at rest, in step {f.step}"
 
 
+class Sick(FaultKind):
+    """A spare whose health checks fail: its matrix product computes a wrong checksum (one operand entry
+    off by one, as a faulty unit would), from the start or, with @step=S, in every check once the job has
+    reached step S (the check just before its promotion)."""
+
+    name = "sick"
+    forms = ("sick:spare=J[@step=S]",)
+    targets = frozenset({"spare"})
+    phases = ("forward",)
+    waits = False
+    needs_when = False
+
+    def check_form(self, text: str, when: dict[str, str]) -> None:
+        if set(when) - {"step"}:
+            raise bad_spec(text, "expected sick:spare=J or sick:spare=J@step=S")
+
+    def check_phase(self, text: str, when: dict[str, str]) -> None:
+        if "phase" in when:
+            raise bad_spec(text, "sick:spare=J takes no phase (its health checks fail)")
+
+    def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
+                   member: int | None, target: str | None) -> bool:
+        return bool(target) and str(target).startswith("spare=")
+
+    def format(self, f: FaultSpec) -> str:
+        return f"sick:spare={f.spare}" + (f"@step={f.step}" if f.step is not None else "")
+
+    def format_target(self, f: FaultSpec) -> str:
+        return f"spare={f.spare}"
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.HEALTH
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return False
+
+    def strikes(self, f: FaultSpec, rank: int, slot: int, topo: Topology) -> bool:
+        return False  # no worker fires it: the spare's agent does, in its health check
+
+    def target_nodes(self, f: FaultSpec, node_id: str, topo: Topology) -> list[str]:
+        return [f"s{f.spare}"]
+
+    def fails_health_check(self, f: FaultSpec, node: str, progress: int) -> bool:
+        return node == f"s{f.spare}" and (f.step is None or progress >= f.step)
+
+    def answered_by_recovery(self, f: FaultSpec) -> bool:
+        return False  # the gate answers it: the spare is never promoted
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        return f"spare s{f.spare} ran no health check after its step (not started, or the run ended first)"
+
+    def describe(self, f: FaultSpec) -> str:
+        return f"spare s{f.spare}'s health checks fail" + (f" from step {f.step} on" if f.step is not None else "")
+
+
 KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition(), Slow(),
-                                                    Sdc(), Preempt())}
+                                                    Sdc(), Preempt(), Sick())}
 
 
 def join_or(items: list[str], last: str) -> str:

@@ -27,6 +27,8 @@
                                           slot I gets its drain signal (a planned drain moves its role to a
                                           spare), and T seconds later every process of the node is
                                           SIGKILLed if it has not left by then
+    sick:spare=J[@step=S]                 spare sJ's health checks fail (its matrix product is wrong): it is
+                                          never promoted; with @step=S only its checks once the job reached S
     partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
                                           job reaches step S, its processes left running; the link comes
                                           back after T seconds (default: when its agent gives up and exits).
@@ -81,6 +83,7 @@ class FaultSpec:
     target: str = ""  # sdc: what it corrupts (shard: a committed copy at rest)
     bit: int | None = None  # sdc: the bit of a float32 element it flips (None: drawn)
     notice: float | None = None  # preempt: seconds from the drain signal to the SIGKILL of the node
+    spare: int | None = None  # sick: the spare id's number (s<J>)
 
     @property
     def node(self) -> int | None:
@@ -168,7 +171,12 @@ def _factor(text: str, fk: FaultKind, when: dict[str, str]) -> float:
 
 
 def parse_fault(text: str, index: int = 0) -> FaultSpec:
-    m = _SPEC.match(text.strip())
+    head, colon, rest = text.strip().partition(":")
+    if colon and head in KINDS and not KINDS[head].needs_when and "@" not in rest:
+        text_m = f"{head}:{rest}@"  # a target alone (sick:spare=J): no when part
+        m = re.match(r"^(?P<kind>[a-z]+):(?P<target>[^@]+)@(?P<when>)$", text_m)
+    else:
+        m = _SPEC.match(text.strip())
     if not m or m["kind"] not in KINDS:
         raise _bad(text, _VALID)
     kind = m["kind"]
@@ -178,6 +186,7 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     rack = rank = None
     coordinator = False
     member: int | None = None
+    spare: int | None = None
     if m["target"] == "coordinator" and "coordinator" in fk.targets:
         coordinator = True
     elif MEMBER_TARGET in fk.targets and m["target"] and m["target"].startswith(MEMBER_TARGET + "="):
@@ -193,10 +202,14 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             rack = _one(text, value, "rack", kind)
         elif key == "rank" and "rank" in fk.targets:
             rank = _one(text, value, "rank", kind)
+        elif key == "spare" and "spare" in fk.targets:
+            spare = _one(text, value, "spare", kind)
+            if spare < 0:
+                raise _bad(text, f"spare={value}: a spare's number (s0, s1, ...) is >= 0")
         else:
             raise _bad(text, f"target {m['target']!r}; {_VALID}")
     when: dict[str, str] = {}
-    for item in m["when"].split(","):
+    for item in m["when"].split(",") if m["when"] else []:
         k, sep, v = item.partition("=")
         if not sep:
             raise _bad(text, f"expected key=value, got {item!r}")
@@ -204,7 +217,7 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             raise _bad(text, f"{k.strip()}= is given twice; give it once")
         when[k.strip()] = v.strip()
     known = {"step", "phase", "recovery", "wait", "for", "factor", "notice"} | fk.options
-    if set(when) - known or ("step" in when) == ("recovery" in when):
+    if set(when) - known or (("step" in when) == ("recovery" in when) and (fk.needs_when or when)):
         raise _bad(text, _VALID)
     fk.check_form(text, when)
     notice = _notice(text, fk, when)
@@ -251,4 +264,4 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
                      duration=duration, factor=factor, target=when.get("target", ""),
-                     bit=int(when["bit"]) if "bit" in when else None, notice=notice)
+                     bit=int(when["bit"]) if "bit" in when else None, notice=notice, spare=spare)

@@ -623,6 +623,36 @@ def _scrub_table(run: RunData) -> str:
             f'<table id="scrub"><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr>{"".join(rows)}</table>')
 
 
+def _health_tables(run: RunData) -> str:
+    """The spares' latest health checks, and each host's failures with its quarantine."""
+    health = run.report.get("health") or {}
+    quarantine = run.report.get("quarantine") or {}
+    spares, hosts = health.get("spares") or [], quarantine.get("hosts") or []
+    if not spares and not hosts:
+        return '<p class="muted">No spare health checks and no host failures recorded.</p>'
+    parts = []
+    if spares:
+        rows = "".join(
+            "<tr>" + _td(sp.get("node"), "node") + _td(sp.get("host"), "host")
+            + _td("healthy" if sp.get("ok") else "UNHEALTHY", "state", None if sp.get("ok") else "bad")
+            + _td(sp.get("phase"), "phase") + _td(sp.get("reason") or "-", "reason") + "</tr>" for sp in spares)
+        parts.append('<table id="spare-health"><tr><th>spare</th><th>host</th><th>state</th><th>last check</th>'
+                     f"<th>reason</th></tr>{rows}</table>")
+    if hosts:
+        rows = "".join(
+            "<tr>" + _td(h.get("host"), "host")
+            + _td("QUARANTINED" if h.get("quarantined") else "admitted", "state",
+                  "bad" if h.get("quarantined") else None)
+            + _td(len(h.get("failures") or []), "failures", "num")
+            + _td("; ".join(f"{f.get('node')}: {f.get('reason')}" for f in h.get("failures") or []) or h.get("reason"),
+                  "detail") + "</tr>" for h in hosts)
+        parts.append(f'<p>Quarantine: {_e(quarantine.get("after"))} failures within {_e(quarantine.get("window_s"))} '
+                     's; quarantined hosts are never admitted again.</p>'
+                     '<table id="hosts"><tr><th>host</th><th>state</th><th>failures</th><th>what failed</th></tr>'
+                     f"{rows}</table>")
+    return "\n".join(parts)
+
+
 def _events_table(run: RunData) -> str:
     if not run.events:
         return '<p class="muted">No events recorded (events.jsonl missing or empty).</p>'
@@ -632,7 +662,8 @@ def _events_table(run: RunData) -> str:
         src = ev.get("by") or ev.get("wid") or ev.get("node") or "-"
         rest = {k: v for k, v in ev.items() if k not in ("t", "kind", "by", "wid")}
         detail = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in rest.items())
-        cls = "bad" if ev.get("kind") in ("fault", "run_failed", "corrupted_replica", "scrub_found") else None
+        cls = "bad" if ev.get("kind") in ("fault", "run_failed", "corrupted_replica", "scrub_found", "spare_unhealthy",
+                                          "host_quarantined") else None
         rows.append(
             "<tr>"
             + _td(f"{ev.get('t', t0) - t0:.3f}", "t", "num")
@@ -680,6 +711,8 @@ def render_html(run: RunData, ref: RunData | None = None) -> str:
         _faults_table(run),
         "<h2>Scrubbing</h2>",
         _scrub_table(run),
+        "<h2>Spare health and quarantined hosts</h2>",
+        _health_tables(run),
         "<h2>Events</h2>",
         _events_table(run),
         "</body></html>",

@@ -12,7 +12,8 @@ the pieces' bytes `bytes_decoded_from` and `decode_s`),
 whether it was evicted, and by which recovery), `goodput` (goodput and badput by cause,
 observe/goodput.py; each recovery's absolute `times` feed it), `scrub` (the scrubber's findings: every
 held copy found corrupt at rest, the node holding it, whose shard, the step, and where its repair came
-from), `error` when the run failed.
+from), `health` (the spares' latest health checks: ok, reason, phase; `unhealthy`: the spares never
+promoted for it), `quarantine` (each host's failures, the `quarantined` hosts), `error` when the run failed.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def _stragglers(events: list[dict[str, Any]], recoveries: list[dict[str, Any]]) 
     for ev in (e for e in events if e.get("kind") == "straggler"):
         node, gone = ev.get("node"), evictions.get(ev.get("node"))
         rec = next((r for r in recoveries if gone is not None and r.get("epoch") == int(gone.get("epoch", -2)) + 1
-                    and node in (r.get("dead") or [])), None)
+                    and (node in (r.get("dead") or []) or (r.get("drain") or {}).get("node") == node)), None)
         if rec is not None:
             rec["class"] = "straggler"
         out.append({"class": "straggler", "node": node, "slot": ev.get("slot"), "ratio": ev.get("ratio"),
@@ -353,6 +354,9 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         "scrub": _scrub(cfg, events),
         "run_dir": str(run_dir),
     }
+    from phoenixft.health.summary import summarize
+
+    report.update(summarize(store, report["config"]))  # `health` (the spares' checks) and `quarantine` (hosts)
     if store.check([keys.RUN_ERROR]):
         report["error"] = read_text(store, keys.RUN_ERROR)
     write_metrics(run_dir, steps)

@@ -242,6 +242,9 @@ def collect_status(store: Store, events: int = 10, now: float | None = None) -> 
     if raw is not None and parse_int(raw, keys.PROGRESS, -1) >= 0:
         n = int(raw)
         st["progress"] = {"step": n, "steps": (cfg or {}).get("steps"), "record": _json(store, keys.step(n))}
+    from phoenixft.health.summary import summarize
+
+    st.update(summarize(store, cfg))  # the spares' health checks, each host's failures, the quarantined hosts
     raw = _get(store, keys.EVENTS)
     if raw is not None:
         recs = parse_lines(raw, keys.EVENTS)
@@ -314,6 +317,10 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
         f"spares: {len(sp)} in the pool, {free} ready and unused"
         + (": " + "; ".join(f"{s['id']} {s['state']}" for s in sp) if sp else "")
     )
+    if st.get("health") and st.get("quarantine"):
+        from phoenixft.health.summary import format_lines
+
+        out += format_lines({"health": st["health"], "quarantine": st["quarantine"]})
     prog = st.get("progress")
     if prog is None:
         out.append("progress: no step completed yet")

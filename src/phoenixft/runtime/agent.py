@@ -287,9 +287,11 @@ def _admit(a: argparse.Namespace, store: Store, token: str | None, bind: str) ->
     """Ask the coordinator to admit this node (proving the job token); (its node id, the run id). Sets the
     token and this host's address in the environment the workers are forked with."""
     from phoenixft.dist.comm import BIND_ENV
+    from phoenixft.health.history import HOST_ID_ENV
 
     request = {"name": a.node, "spare": a.spare or (a.node.startswith("s") and bool(_ID.match(a.node))),
-               "workers": a.workers, "host": bind, "hostname": socket.gethostname(), "pid": os.getpid()}
+               "workers": a.workers, "host": bind, "hostname": socket.gethostname(), "pid": os.getpid(),
+               "hostid": os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"}
     verdict = auth.request_admission(store, request, token, a.join_timeout, a.store)
     node, run_id = str(verdict["node"]), str(verdict["run_id"])
     shm.check_run_id(run_id)
@@ -331,6 +333,8 @@ class _Node:
                  token: str) -> None:
         from phoenixft.controlplane import Heartbeat
         from phoenixft.faults.partition import PartitionInjector
+        from phoenixft.health.history import HOST_ID_ENV
+        from phoenixft.health.spare import SpareHealth
 
         self.a, self.cfg, self.node, self.run_id = a, cfg, node, run_id
         self.store: Store | None = store  # None while reconnecting
@@ -351,6 +355,9 @@ class _Node:
         sig = signal_number(getattr(a, "drain_signal", "SIGUSR1"))
         self.notice = NoticeHandler(node, cfg.faults, sig, getattr(a, "drain_on_sigterm", False)
                                     or sig == signal.SIGTERM)
+        # a spare's health checks: when it joins, and when the coordinator asks before a promotion
+        host = os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"
+        self.health = SpareHealth(cfg, node, run_id, host)
 
     def run(self) -> int:
         """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
@@ -368,6 +375,12 @@ class _Node:
 
         import phoenixft.runtime.worker  # noqa: F401
 
+        if self.store is not None:  # before its workers: a spare is not ready before its first check passed
+            try:
+                self.health.at_join(self.store, lambda: self.tick(self.store))
+            except Exception as e:  # noqa: BLE001 - no verdict posted: the spare is never promoted unchecked
+                print(f"phoenixft agent {self.node}: health check not posted ({type(e).__name__}: {e})",
+                      file=sys.stderr, flush=True)
         for i in range(self.a.workers):
             self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads,
                                        drain_signal=self.notice.drain_signal)] = i
@@ -462,7 +475,21 @@ class _Node:
                   "no heartbeat for the node until they run again", flush=True)
         self.injector.tick(store)
         self.notice.tick(store)
+        self.health.answer(store, lambda: self.tick(store))  # (a spare asked to check itself again)
         return True
+
+    def tick(self, store: Store | None) -> None:
+        """A heartbeat while a health check runs (it may take up to its command's timeout)."""
+        from phoenixft.controlplane import Heartbeat, keys
+
+        try:
+            if store is None:
+                return
+            if self.beat is None or self.beat.store is not store:
+                self.beat = Heartbeat(store, keys.heartbeat(self.node), self.cfg.failure_timeout)
+            self.beat.beat(str(time.time()))
+        except Exception:  # noqa: BLE001 - the supervision loop reconnects
+            pass
 
     def reap(self, window_s: float) -> None:
         """For `window_s`, collect the workers that exit: restart one in place when the node is healthy, give

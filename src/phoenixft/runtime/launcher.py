@@ -58,6 +58,7 @@ from phoenixft.controlplane.signed import run_ended, set_signed, verified
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json, read_json
 from phoenixft.dist.cuda_env import PLACEMENT_ENV
 from phoenixft.errors import UserError
+from phoenixft.health.history import HOST_ID_ENV, quarantined_hosts
 from phoenixft.observe.display import Display
 from phoenixft.observe.live import LiveMetrics
 from phoenixft.observe.report import build_report
@@ -154,6 +155,8 @@ class LocalJob:
         self.coords: dict[int, Proc] = {}  # --coordinators: one leads, the others stand by
         self.cluster: ProvisionedCluster | None = None  # a replicated control plane (and the one it started)
         self._members_fired: set[int] = set()
+        self.hosts: dict[str, str] = {}  # node -> the (simulated) host its agent runs on
+        self._quarantine_shown: set[str] = set()  # quarantined hosts that came back repaired once (and were refused)
         self._log: Any = None
         self.agents: dict[str, Proc] = {}
         self._zygote_error: str | None = None
@@ -183,13 +186,14 @@ class LocalJob:
         self.repair = RepairQueue(cfg.repair_after, cfg.spares + (1 if cfg.spare_arrives_at_step else 0))
 
     # ------------------------------------------------------------------ processes
-    def _spawn(self, args: list[str], log: str) -> Proc:
+    def _spawn(self, args: list[str], log: str, env: dict[str, str] | None = None) -> Proc:
         """Start `python -m args...` in its own session, logging to logs/`log`: forked from the warm
         zygote (phoenixft.runtime.zygote), or fresh if that is off or failed. PARENT in `args` is replaced by
         this process's PID: it follows the launcher, whether its parent is the launcher or the zygote
         (procs.die_with_parent), so a zygote that dies takes nothing with it."""
         path = self.run_dir / "logs" / log
-        extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token, **(self.tls.env() if self.tls else {})}
+        extra = {"PYTHONUNBUFFERED": "1", auth.TOKEN_ENV: self.token, **(self.tls.env() if self.tls else {}),
+                 **(env or {})}
         if self.local and not os.environ.get(PLACEMENT_ENV):  # every node on this host: spread over its GPUs
             extra[PLACEMENT_ENV] = "spread"
 
@@ -297,13 +301,16 @@ class LocalJob:
             self.public_addr = self._gateway.addr
         (self.run_dir / "coordinator.port").write_text(str(self._server.port))
 
-    def _start_agent(self, node: str) -> None:
+    def _start_agent(self, node: str, host: str = "") -> None:
+        """Start node's agent; `host`: the simulated host it runs on (a repaired node's: the host it was lost
+        on), by default a host of its own, named after the node (the failure history is kept per host)."""
+        self.hosts[node] = host or f"{socket.gethostname()}/{node}"
         self.agents[node] = self._spawn(
             ["phoenixft.runtime.agent", "--store", self.public_addr, *(self.tls.args() if self.tls else []),
              "--node", node,
              "--workers", str(self.cfg.workers_per_node), "--threads", str(self._threads()),
              "--run-id", self.run_id, "--parent-pid", PARENT],
-            f"{node}.log")
+            f"{node}.log", {HOST_ID_ENV: self.hosts[node]})
 
     def _start_coordinator(self, i: int = 0) -> None:
         # it dies with the launcher (which serves the store it needs); --run-id makes it findable
@@ -521,7 +528,12 @@ class LocalJob:
     def _start_repaired(self) -> None:
         """--repair-after: start the spares whose repair is due; the coordinator admits them."""
         for spare, lost in self.repair.due(self.agents):
-            self._start_agent(spare)
+            host = self.hosts.get(lost, "")
+            if host and host in quarantined_hosts(self.store, self.cfg.quarantine_after, self.cfg.quarantine_window):
+                if host in self._quarantine_shown:
+                    continue  # it came back once and was refused: it is not repaired again
+                self._quarantine_shown.add(host)
+            self._start_agent(spare, host)
             self.store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "spare_repaired", "by": "launcher",
                                                        "node": spare, "replaces": lost}) + "\n")
 

@@ -1,0 +1,252 @@
+"""The health gate for spares and the quarantine of hosts that fail again and again (docs/health.md).
+
+Real runs: a sick spare is passed over for the next one (bitwise equal to a failure-free run); a
+`--health-check` command that fails and one that outlives its timeout leave no healthy spare, so the job
+shrinks; a host that failed twice is dismissed, refused when it comes back repaired, shown quarantined by
+`phoenixft status`, and still refused by the coordinator after it was restarted. The built-in probes and
+the quarantine rule are tested here directly (the rule over generated histories, against brute force).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import processes_with, run
+
+from phoenixft.controlplane import keys
+from phoenixft.health import quarantine, quarantined_at, quarantined_hosts, read_history, record_failure
+from phoenixft.health.check import builtin_checks, reference_checksum, run_command
+from phoenixft.health.history import host_records
+from phoenixft.health.summary import format_lines
+from phoenixft.health.window import failures_in_window
+from phoenixft.observe.status import collect_status, connect, format_status
+
+
+# ---------------------------------------------------------------- the quarantine rule (pure)
+def _brute(times: list[float], after: int, window: float) -> float | None:
+    """The earliest failure time t such that `after` failures lie in [t - window, t]."""
+    if after <= 0:
+        return None
+    hits = [t for t in sorted(times) if sum(1 for x in times if t - window <= x <= t) >= after]
+    return hits[0] if hits else None
+
+
+def test_the_quarantine_rule_against_brute_force() -> None:
+    rng = random.Random(7)
+    for _ in range(3000):
+        n = rng.randint(0, 8)
+        times = [float(rng.randint(0, 60)) for _ in range(n)]
+        after, window = rng.randint(0, 4), float(rng.choice([0, 1, 5, 10, 30, 100]))
+        got = quarantined_at(times, after, window)
+        assert got == _brute(times, after, window), (times, after, window, got)
+        if got is not None:  # at that moment the window holds enough failures; never before
+            assert failures_in_window(times, got, window) >= after
+            assert all(failures_in_window(times, t, window) < after for t in times if t < got)
+        # order does not matter, and one more failure never lifts a quarantine or makes it later
+        assert quarantined_at(list(reversed(times)), after, window) == got
+        more = quarantined_at(times + [float(rng.randint(0, 60))], after, window)
+        assert got is None or (more is not None and more <= got)
+
+
+def test_the_history_in_a_store_dedups_ignores_garbage_and_quarantines() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store = connect(f"127.0.0.1:{master.port}", 5.0)
+    record_failure(store, "h1", "n1", "lost", "dead:n1", t=100.0)
+    record_failure(store, "h1", "n1", "lost", "dead:n1", t=100.0)  # the same failure again (a restarted coordinator)
+    store.append(keys.HOST_HISTORY, "not json\n")
+    store.append(keys.HOST_HISTORY, json.dumps({"kind": "failure", "host": "h1", "t": "soon"}) + "\n")
+    assert quarantined_hosts(store, 2, 3600.0) == {}
+    record_failure(store, "h1", "s4", "health check failed", "health:s4:1", t=200.0)
+    record_failure(store, "h2", "n2", "lost", "dead:n2", t=100.0)
+    q = quarantined_hosts(store, 2, 3600.0)
+    assert list(q) == ["h1"] and q["h1"].quarantined == 200.0 and len(q["h1"].failures) == 2
+    assert quarantined_hosts(store, 2, 50.0) == {}  # the two failures lie 100 s apart
+    assert quarantined_hosts(store, 0, 3600.0) == {}  # 0: the rule is off
+    quarantine(store, "h3", "found corrupting gradients")  # what other detectors call
+    q = quarantined_hosts(store, 0, 3600.0)
+    assert list(q) == ["h3"] and q["h3"].reason == "found corrupting gradients" and q["h3"].failures == []
+    recs = host_records(read_history(store), 2, 3600.0)
+    assert sorted(recs) == ["h1", "h2", "h3"] and len(recs["h2"].failures) == 1
+
+
+# ---------------------------------------------------------------- the built-in check
+def test_the_builtin_check_and_the_command(tmp_path: Path) -> None:
+    from phoenixft.dist.device import Device
+
+    ref = reference_checksum()
+    assert ref == reference_checksum() and len(ref) == 32
+    path = f"/dev/shm/phoenixft-healthtest{os.getpid()}-x.health"
+    ok = builtin_checks(Device("cpu"), path, 1 << 20, ref)
+    assert ok.ok and set(ok.times) == {"matmul", "shm", "collective"}, ok
+    bad = builtin_checks(Device("cpu"), path, 1 << 20, ref, perturb=True)
+    assert not bad.ok and bad.reason.startswith("matrix product: checksum"), bad
+    assert not os.path.exists(path)
+    assert run_command("true", 5) == ""
+    assert "exited 3: boom" in run_command("echo boom; exit 3", 5)
+    t = time.monotonic()
+    assert "did not finish within --health-check-timeout=0.5s" in run_command(f"sleep 30; touch {tmp_path}/x", 0.5)
+    assert time.monotonic() - t < 5 and not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- real runs
+def test_a_sick_spare_is_passed_over_for_the_next(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    ref = reference(nodes=3, steps=14)
+    rep = run(tmp_path, nodes=3, spares=2, steps=14, inject=["sick:spare=0", "kill:node=1@step=8"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert rep["faults_not_fired"] == []
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and rec["promoted"] == ["s1"], rec
+    health = {s["node"]: s for s in rep["health"]["spares"]}
+    assert rep["health"]["unhealthy"] == ["s0"]
+    assert health["s0"]["reason"].startswith("matrix product: checksum") and health["s0"]["phase"] == "join"
+    assert health["s1"]["ok"] and health["s1"]["phase"] == "promotion"  # checked again just before it
+    hosts = {h["host"].rsplit("/", 1)[-1]: h for h in rep["quarantine"]["hosts"]}
+    assert sorted(hosts) == ["n1", "s0"] and rep["quarantine"]["quarantined"] == []  # one failure each
+    from phoenixft.observe.html_report import write_report
+
+    html = write_report(tmp_path).read_text()
+    assert 'id="spare-health"' in html and "UNHEALTHY" in html and "matrix product: checksum" in html
+
+
+@pytest.mark.slow
+def test_a_spare_that_falls_sick_after_joining_fails_its_check_before_promotion(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    ref = reference(nodes=2, steps=12)
+    rep = run(tmp_path, nodes=2, spares=2, steps=12, inject=["sick:spare=0@step=4", "kill:node=1@step=6"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["promoted"] == ["s1"], rec
+    health = {s["node"]: s for s in rep["health"]["spares"]}
+    assert health["s0"]["phase"] == "promotion" and not health["s0"]["ok"], health  # it passed when it joined
+    assert health["s1"]["phase"] == "promotion" and health["s1"]["ok"], health
+
+
+def test_failing_and_hanging_health_commands_leave_no_spare(tmp_path: Path) -> None:
+    # spare s0's command fails, s1's outlives its timeout: no spare may be promoted, so the job shrinks
+    cmd = 'case "$PHOENIXFT_HOST_ID" in */s0) echo no GPU; exit 3;; */s1) sleep 60;; esac'
+    rep = run(tmp_path, nodes=2, spares=2, steps=8, health_check=cmd, health_check_timeout=1.0,
+              inject=["kill:node=1@step=5,wait=3"])
+    assert rep["state"] == "done", rep.get("error")
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "shrink" and rec["promoted"] == [], rec
+    health = {s["node"]: s for s in rep["health"]["spares"]}
+    assert rep["health"]["unhealthy"] == ["s0", "s1"], health
+    assert "exited 3: no GPU" in health["s0"]["reason"], health["s0"]
+    assert "did not finish within --health-check-timeout=1s" in health["s1"]["reason"], health["s1"]
+
+
+def test_a_host_that_failed_twice_is_dismissed_and_refused_when_repaired(tmp_path: Path) -> None:
+    """n1's host is lost (failure 1); repaired (--repair-after), it comes back as spare s1, whose check fails
+    (failure 2): the host is quarantined, s1 dismissed, and its next return refused. (The corruption at rest
+    holds step 12 for up to 8 s, as the job is never whole again: time for the host's second return; the
+    replicas it corrupts are never used.)"""
+    rep = run(tmp_path, nodes=2, spares=1, steps=30, repair_after=0.5,
+              inject=["kill:node=1@step=3", "sick:spare=1", "corrupt:node=0@step=12,wait=8"])
+    assert rep["state"] == "done", rep.get("error")
+    host = f"{socket.gethostname()}/n1"
+    assert rep["quarantine"]["quarantined"] == [host], rep["quarantine"]
+    (h,) = [h for h in rep["quarantine"]["hosts"] if h["host"] == host]
+    assert [f["node"] for f in h["failures"]] == ["n1", "s1"] and h["reason"] == "2 failures within 86400s", h
+    assert rep["health"]["unhealthy"] == ["s1"]
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["node"] for e in events if e["kind"] == "spare_dismissed"] == ["s1"]
+    refused = [e for e in events if e["kind"] == "join_refused"]
+    assert len(refused) == 1 and f"host {host} is quarantined" in refused[0]["reason"], refused
+    lines = "\n".join(format_lines(rep))  # what `phoenixft status` prints of it
+    assert f"host {host}: QUARANTINED, 2 failure(s)" in lines and f"quarantined hosts: {host}" in lines, lines
+
+
+def _wait(what: str, fn: Any, proc: subprocess.Popen[bytes], timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        assert proc.poll() is None, f"the run exited (code {proc.returncode}) while waiting for {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+LAUNCH = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "from phoenixft.cli.main import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.slow
+def test_a_host_that_failed_twice_is_quarantined_across_a_coordinator_restart(tmp_path: Path) -> None:
+    """n1's host is lost (failure 1); repaired, it comes back as spare s1, whose check fails (failure 2): it
+    is quarantined, s1 dismissed, and its next return (s2) refused. `phoenixft status` shows it; the
+    coordinator is then killed, and the restarted one refuses that host too (an agent started by hand)."""
+    run_dir, log = tmp_path / "live", tmp_path / "launcher.log"
+    cmd = [sys.executable, "-c", LAUNCH, "run", "--nodes", "2", "--spares", "1", "--steps", "2000", "--repair-after",
+           "1", "--inject", "kill:node=1@step=3,wait=60", "--inject", "sick:spare=1", "--run-dir", str(run_dir),
+           "--quiet"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    needles = [str(run_dir)]
+    try:
+        port_file = run_dir / "coordinator.port"
+        _wait("coordinator.port", lambda: port_file.exists() and port_file.read_text().strip(), proc, 90)
+        addr = f"127.0.0.1:{port_file.read_text().strip()}"
+        needles.append(addr)
+        store = connect(addr, 5.0)
+
+        def refused() -> Any:
+            st = collect_status(store, events=100)
+            return st["quarantine"]["quarantined"] and any(
+                e["kind"] == "join_refused" and "quarantined" in e.get("reason", "") for e in st["events"]) and st
+
+        st = _wait("the repaired host refused", refused, proc, 150)
+        host = f"{socket.gethostname()}/n1"
+        assert st["quarantine"]["quarantined"] == [host], st["quarantine"]
+        text = format_status(st, addr)
+        assert f"host {host}: QUARANTINED, 2 failure(s)" in text and "quarantined hosts: " in text, text
+        assert re.search(r"s1 UNHEALTHY \(join check\): matrix product", text), text
+        kinds = [e["kind"] for e in st["events"]]
+        assert "spare_dismissed" in kinds and "host_quarantined" in kinds
+
+        # the coordinator dies; the launcher restarts it; the history is the store's, not the process's
+        pid = int(store.get(keys.COORDINATOR_PID))
+        os.kill(pid, signal.SIGKILL)
+        _wait("the coordinator restarted", lambda: any(
+            e["kind"] == "coordinator_restarted" for e in collect_status(store, events=200)["events"]), proc, 60)
+        agent = subprocess.run(
+            [sys.executable, "-m", "phoenixft", "agent", "--coordinator", addr, "--node", "back-again", "--spare",
+             "--token-file", str(run_dir / "token"), "--join-timeout", "60"],
+            env=dict(os.environ, PHOENIXFT_HOST_ID=host), capture_output=True, text=True, timeout=120)
+        assert agent.returncode == 2 and f"host {host} is quarantined" in agent.stderr, agent.stderr
+        assert collect_status(store)["quarantine"]["quarantined"] == [host]
+
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        report = json.loads((run_dir / "report.json").read_text())
+        assert report["quarantine"]["quarantined"] == [host] and report["health"]["unhealthy"] == ["s1"]
+        gone_by = time.monotonic() + 15
+        while any(processes_with(n) for n in needles) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        assert not any(processes_with(n) for n in needles), "processes of the run outlived it"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        for pid in sorted({p for n in needles for p in processes_with(n)}):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
