@@ -112,6 +112,9 @@ def test_goodput_tensorboard_prometheus_and_live_metrics(tmp_path: Path, referen
     assert _one(last, "phoenixft_loss") == pytest.approx(by_step[step]["loss"])
     assert _one(last, "phoenixft_node_step_seconds", node="n0") == pytest.approx(by_step[step]["dt"])
     assert _one(last, "phoenixft_node_compute_seconds", node="n0") == pytest.approx(by_step[step]["compute_s"])
+    own = by_step[step]["nodes_compute_s"]  # every node's own compute of the step before, as the detector reads it
+    assert own and all(_one(last, "phoenixft_node_own_compute_seconds", node=n) == pytest.approx(v)
+                       for n, v in own.items()), own
     gps = [v for s in scrapes if (v := _one(s, "phoenixft_goodput"))]
     assert gps and all(0 < v <= 1 for v in gps)
     assert _one(last, "phoenixft_badput_seconds", cause="detection") is not None

@@ -220,7 +220,10 @@ def test_a_slow_node_is_evicted_and_the_run_stays_bitwise(tmp_path: Path, refere
     assert SLOW_AT - WINDOW < st["first_step"] <= SLOW_AT + 2, st
     assert st["evicted_at_step"] <= SLOW_AT + WINDOW + 6, st
     (rec,) = rep["recoveries"]
-    assert rec["class"] == "straggler" and rec["dead"] == ["n1"] and rec["promoted"] == ["s0"], rec
+    # evicted by a planned drain: nothing lost, the node alive until it left
+    assert rec["class"] == "straggler" and rec["action"] == "drain" and rec["dead"] == [], rec
+    assert rec["promoted"] == ["s0"] and rec["lost_steps"] == 0 and rec["drain"]["node"] == "n1", rec
+    assert rec["drain"]["reason"] == "straggler" and rec["drain"]["completed"], rec
     assert rec["fault"] == f"slow:node=1@step={SLOW_AT},factor=3" and all(rec["invariants"].values()), rec
     dt = _dts(tmp_path)
     gone = st["evicted_at_step"]

@@ -151,8 +151,8 @@ class StragglerMonitor:
         if self.det is None or self.state.topo is None:
             return
         progress = self.job.progress()
-        if self.seen is None or progress < self.seen:  # (a restarted coordinator; a replay after a recovery)
-            self.seen = max(0, progress - self.cfg.straggler_window) if self.seen is None else progress
+        if self.seen is None or progress < self.seen:  # (the first look, also of a restarted coordinator: every
+            self.seen = 0 if self.seen is None else progress  # record so far, MAX_RECORDS at most; a replay)
         first, self.seen = max(self.seen + 1, progress - MAX_RECORDS + 1), progress
         for rec in self._records(first, progress):
             times, step = rec.get("nodes_compute_s"), rec.get("nodes_compute_step")

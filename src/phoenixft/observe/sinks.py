@@ -93,6 +93,9 @@ class PrometheusSink:
         self.node_compute = g("phoenixft_node_compute_seconds",
                               "The last step's compute time (forward, backward, optimizer), per node.", ["node"],
                               registry=reg)
+        self.node_own = g("phoenixft_node_own_compute_seconds",
+                          "Each node's own compute of the step before (its slowest rank, less its waits for others).",
+                          ["node"], registry=reg)
         self.recoveries = c("phoenixft_recoveries", "Recoveries, by class and action.", ["class", "action"],
                             registry=reg)
         self.goodput = g("phoenixft_goodput", "Time inside steps that count over the wall time since the first step.",
@@ -122,7 +125,7 @@ class PrometheusSink:
         per_node = rec.get("nodes_compute_s")  # every node's own compute of the step before (coordinator/stragglers.py)
         for n, v in (per_node.items() if isinstance(per_node, Mapping) else ()):
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.node_compute.labels(node=str(n)).set(float(v))
+                self.node_own.labels(node=str(n)).set(float(v))
 
     def recovery(self, klass: str, action: str) -> None:
         self.recoveries.labels(**{"class": klass, "action": action}).inc()
