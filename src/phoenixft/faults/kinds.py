@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import os
 import signal
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from phoenixft.errors import UserError
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from phoenixft.faults.inject import FaultInjector
     from phoenixft.faults.spec import FaultSpec
 
-__all__ = ["KILL_PHASES", "MEMBER_TARGET", "Point", "FaultKind", "KINDS", "bad_spec", "join_or"]
+__all__ = ["KILL_PHASES", "MEMBER_TARGET", "SDC_TARGETS", "Point", "FaultKind", "KINDS", "bad_spec", "join_or"]
 
 KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
 # the --inject target naming a member of the control-plane cluster the run started, by that cluster's software
@@ -38,6 +38,7 @@ class Point(enum.Enum):
     REPLICAS = "replicas"  # a worker, on the replicas it received during a step (`FaultInjector.corrupt_replicas`)
     TRANSFER = "transfer"  # a worker, on the optimizer-state transfers it sends (`FaultInjector.corrupts_transfers`)
     LOSS = "loss"  # rank 0, on the loss of a step (`FaultInjector.nan_at`)
+    SDC = "sdc"  # a worker, on a tensor it computes with (`FaultInjector.sdc_flip`)
     HEARTBEAT = "heartbeat"  # the node agent, from its heartbeat loop (`partition.PartitionInjector`)
     PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_member_faults`)
 
@@ -61,6 +62,8 @@ class FaultKind:
     lasts: ClassVar[bool] = False  # it takes ,for=SECONDS
     during_recovery: ClassVar[bool] = False  # it takes @recovery=N
     needs_protection: ClassVar[bool] = True  # the run needs --protect phoenix for it
+    options: ClassVar[frozenset[str]] = frozenset()  # its own when-part keys (besides step, phase, ...)
+    flags: ClassVar[frozenset[str]] = frozenset()  # those of them written bare (no =VALUE)
 
     # ---------------------------------------------------------------- parsing
     def check_form(self, text: str, when: dict[str, str]) -> None:
@@ -68,6 +71,10 @@ class FaultKind:
 
     def check_phase(self, text: str, when: dict[str, str]) -> None:
         """Refuse a phase= this kind explains itself (before the generic phase check)."""
+
+    def parse_options(self, text: str, when: dict[str, str]) -> dict[str, Any]:
+        """The FaultSpec fields of this kind's own when-part keys (`options`)."""
+        return {}
 
     def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
                    member: int | None, target: str | None) -> bool:
@@ -320,7 +327,72 @@ class Partition(FaultKind):
         return f"cut the host of node {f.node} off the network" + (f" for {f.duration:g}s" if f.duration else "")
 
 
-KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition())}
+SDC_TARGETS = ("param", "grad", "shard")
+SDC_BITS = {"param": 32, "grad": 32, "shard": 32}  # bits of an element (bf16 parameters: 16, checked on the rank)
+
+
+class Sdc(FaultKind):
+    """Silent data corruption: one bit flipped in a tensor of a node, nothing crashes. The training
+    process carries out `param` and `grad` (phoenixft.sdc); `shard` (a snapshot half or a replica at
+    rest) is the scrubber's."""
+
+    name = "sdc"
+    forms = ("sdc:node=I@step=S,target=param|grad|shard[,bit=B][,persist]",)
+    options = frozenset({"target", "bit", "persist"})
+    flags = frozenset({"persist"})
+    waits = False
+
+    def check_form(self, text: str, when: dict[str, str]) -> None:
+        if "step" not in when or "phase" in when or "target" not in when:
+            raise bad_spec(text, "expected " + self.forms[0])
+
+    def parse_options(self, text: str, when: dict[str, str]) -> dict[str, Any]:
+        target = when["target"]
+        if target not in SDC_TARGETS:
+            raise bad_spec(text, f"target={target!r}: one of {', '.join(SDC_TARGETS)}")
+        bit = None
+        if "bit" in when:
+            if not when["bit"].isdigit() or int(when["bit"]) >= SDC_BITS[target]:
+                raise bad_spec(text, f"bit={when['bit']!r}: a bit of a {SDC_BITS[target]}-bit element, "
+                                     f"0..{SDC_BITS[target] - 1}")
+            bit = int(when["bit"])
+        if when.get("persist", "") != "":
+            raise bad_spec(text, "persist takes no value (write ,persist)")
+        return {"target": target, "bit": bit, "persist": "persist" in when}
+
+    def format(self, f: FaultSpec) -> str:
+        when = [f"step={f.step}", f"target={f.target}"]
+        if f.bit is not None:
+            when.append(f"bit={f.bit}")
+        if f.persist:
+            when.append("persist")
+        return f"{self.name}:{self.format_target(f)}@{','.join(when)}"
+
+    def point(self, f: FaultSpec) -> Point:
+        return Point.SDC
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        return False
+
+    def fires_at(self, f: FaultSpec, step: int, target: str) -> bool:
+        """Whether f corrupts `target` in step `step` (once at its step, or every step from it on)."""
+        return f.target == target and f.step is not None and (step == f.step or (f.persist and step > f.step))
+
+    def answered_by_recovery(self, f: FaultSpec) -> bool:
+        return f.target != "shard"  # a corrupt copy at rest is repaired, not recovered from
+
+    def why_not_fired(self, f: FaultSpec) -> str:
+        return "its node computed nothing at its step (not in the job, or the run ended first)"
+
+    def describe(self, f: FaultSpec) -> str:
+        what = {"param": "its copy of the parameters", "grad": "a microbatch's gradient",
+                "shard": "a snapshot half or replica it holds"}[f.target]
+        bit = f"bit {f.bit}" if f.bit is not None else "a drawn bit"
+        return f"flip {bit} of {what} on node {f.node}" + (" every step" if f.persist else "") + \
+            f" from step {f.step}"
+
+
+KINDS: dict[str, FaultKind] = {k.name: k for k in (Kill(), Hang(), Crash(), Corrupt(), Nan(), Partition(), Sdc())}
 
 
 def join_or(items: list[str], last: str) -> str:

@@ -19,6 +19,13 @@
     corrupt:node=I@step=S,phase=transfer  flip bytes in every optimizer-state transfer node I sends in
                                           recoveries whose resume step is >= S-1 (corruption in flight)
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
+    sdc:node=I@step=S,target=T[,bit=B][,persist]
+                                          silent data corruption: flip one bit (B, else one drawn from the
+                                          run's seed) of a tensor on node I, nothing crashes: T=param its copy
+                                          of the full parameters after the gather, before the forward;
+                                          T=grad one microbatch's gradient before the reduction; T=shard a
+                                          committed snapshot half or a replica it holds, at rest. persist: the
+                                          node corrupts every time it computes from step S on (a bad unit)
     partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
                                           job reaches step S, its processes left running; the link comes
                                           back after T seconds (default: when its agent gives up and exits).
@@ -69,6 +76,9 @@ class FaultSpec:
     member: int | None = None  # a member of the control-plane cluster the run started (-1: its leader)
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
     duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
+    target: str = ""  # sdc: the tensor it corrupts (param, grad, shard)
+    bit: int | None = None  # sdc: the bit it flips (None: drawn from the run's seed)
+    persist: bool = False  # sdc: every time the node computes from its step on, not once
 
     @property
     def node(self) -> int | None:
@@ -157,12 +167,15 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     when: dict[str, str] = {}
     for item in m["when"].split(","):
         k, sep, v = item.partition("=")
+        if not sep and k.strip() in fk.flags:  # a bare flag (sdc's persist)
+            sep, v = "=", ""
         if not sep:
             raise _bad(text, f"expected key=value, got {item!r}")
         if k.strip() in when:
             raise _bad(text, f"{k.strip()}= is given twice; give it once")
         when[k.strip()] = v.strip()
-    if set(when) - {"step", "phase", "recovery", "wait", "for"} or ("step" in when) == ("recovery" in when):
+    if (set(when) - {"step", "phase", "recovery", "wait", "for"} - fk.options
+            or ("step" in when) == ("recovery" in when)):
         raise _bad(text, _VALID)
     fk.check_form(text, when)
     if "for" in when and not fk.lasts:
@@ -206,4 +219,4 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
-                     duration=duration)
+                     duration=duration, **fk.parse_options(text, when))

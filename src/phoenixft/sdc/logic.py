@@ -1,0 +1,193 @@
+"""The pure logic of silent-data-corruption detection: fingerprints, who diverged, the spike score and
+the verdict of a replay. No process, no store, no collective: property-tested (tests/test_sdc_logic.py).
+
+A fingerprint is a few int64 sums over a tensor's raw bits viewed as integers (wrapping, so one
+flipped bit always changes the first sum by +-2^b, never by a multiple of 2^64). It is additive: the
+fingerprint of a buffer is the sum of the fingerprints of the ranges that cut it, as long as every
+range starts at an 8-byte boundary of the same buffer (the gradient buckets and the parameter
+slices do), so a gradient fingerprinted bucket by bucket as its reduction starts equals the same
+gradient fingerprinted whole after a recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FP_WORDS", "Fingerprint", "fingerprint", "add_fp", "diverged", "SpikeGuard", "Computation",
+           "Verdict", "judge"]
+
+FP_WORDS = 2
+Fingerprint = tuple[int, ...]
+_MASK = (1 << 64) - 1
+
+
+def _wrap(x: int) -> int:
+    x &= _MASK
+    return x - (1 << 64) if x >> 63 else x
+
+
+def fingerprint(t: torch.Tensor) -> Fingerprint:
+    """(sum of the 64-bit words, sum of their squares), wrapping; bytes outside the 8-byte-aligned middle
+    (a range that does not start or end on a word) count by their position."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    by = flat.view(torch.uint8)
+    n = by.numel()
+    start = min(n, (-(flat.storage_offset() * flat.element_size())) % 8)
+    mid = (n - start) // 8 * 8
+    w = by[start:start + mid].view(torch.int64)
+    s1, s2 = int(w.sum()), int((w * w).sum())
+    if start or mid + start < n:
+        edge = torch.cat([by[:start], by[start + mid:]]).to(torch.int64)
+        pos = torch.arange(1, edge.numel() + 1, dtype=torch.int64)
+        s1 += int((edge * pos).sum())
+        s2 += int((edge * edge * pos).sum())
+    return (_wrap(s1), _wrap(s2))
+
+
+def add_fp(a: Fingerprint, b: Fingerprint) -> Fingerprint:
+    return tuple(_wrap(x + y) for x, y in zip(a, b, strict=True))
+
+
+def diverged(copies: Sequence[Sequence[Fingerprint]], ref: Sequence[Fingerprint] | None = None) -> list[int] | None:
+    """The members whose copy diverged, from `copies[m][j]`: member m's fingerprint of slice j of a
+    buffer every member should hold alike. [] when all agree. With `ref` (ref[j]: the fingerprint of
+    what slice j must be, from its owner's committed state) every member differing from it in any
+    slice; without one, the members outvoted by a strict majority in some slice; None when no
+    majority decides (two members, or a tie) and a reference is needed."""
+    m = len(copies)
+    if m == 0 or all(list(c) == list(copies[0]) for c in copies):
+        return []
+    bad: set[int] = set()
+    for j in range(len(copies[0])):
+        if ref is not None:
+            bad |= {i for i in range(m) if tuple(copies[i][j]) != tuple(ref[j])}
+            continue
+        votes: dict[Fingerprint, list[int]] = {}
+        for i in range(m):
+            votes.setdefault(tuple(copies[i][j]), []).append(i)
+        if len(votes) == 1:
+            continue
+        top = max(votes.values(), key=len)
+        if 2 * len(top) <= m:
+            return None
+        bad |= {i for v in votes.values() if v is not top for i in v}
+    return sorted(bad)
+
+
+@dataclass
+class SpikeGuard:
+    """A robust score of the loss and the gradient norm against a window of recent committed steps:
+    (x - median) / (1.4826 * MAD), upward only; a non-finite value is always suspect. `threshold` 0
+    turns the score off (non-finite values stay suspect)."""
+
+    threshold: float = 12.0
+    window: int = 32
+    min_history: int = 8
+    history: dict[str, list[float]] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    def score(self, name: str, x: float) -> float:
+        if not math.isfinite(x):
+            return math.inf
+        h = self.history.get(name, [])
+        if len(h) < self.min_history:
+            return 0.0
+        s = sorted(h)
+        med = s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+        dev = sorted(abs(v - med) for v in h)
+        mad = dev[len(dev) // 2] if len(dev) % 2 else (dev[len(dev) // 2 - 1] + dev[len(dev) // 2]) / 2
+        scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
+        return (x - med) / scale
+
+    def suspect(self, values: dict[str, float | None]) -> str | None:
+        """Why the step with these values is suspect (None: it is not)."""
+        for name, x in values.items():
+            if x is None:
+                continue
+            sc = self.score(name, x)
+            if not math.isfinite(x):
+                return f"{name} is {x}"
+            if self.threshold > 0 and sc > self.threshold:
+                return f"{name} {x:.6g} is {sc:.1f} robust deviations above the last {len(self.history[name])} steps"
+        return None
+
+    def observe(self, values: dict[str, float | None]) -> None:
+        """A committed step's values join the window."""
+        for name, x in values.items():
+            if x is not None and math.isfinite(x):
+                h = self.history.setdefault(name, [])
+                h.append(x)
+                del h[: max(0, len(h) - self.window)]
+
+
+@dataclass(frozen=True)
+class Computation:
+    """One computation of a slot's gradient (slot: (pp, tp, dp) of the microbatches it holds), by a node."""
+
+    slot: tuple[int, ...]
+    fp: Fingerprint
+    node: str
+    kind: str  # original, replay (on another node), rerun (on the same node), audit
+
+
+@dataclass
+class Verdict:
+    equal: bool  # every slot's computations agree bit for bit
+    culprit: str | None = None  # the one node whose computations explain every disagreement
+    candidates: list[str] = field(default_factory=list)  # nodes that could explain it (several: undetermined)
+    persistent: bool = False  # every one of the culprit's checkable computations was wrong
+    slots: list[tuple[int, ...]] = field(default_factory=list)  # slots whose computations disagree
+
+    @property
+    def label(self) -> str:
+        if self.equal:
+            return "genuine"
+        if self.culprit is None:
+            return "undetermined"
+        return "persistent" if self.persistent else "transient"
+
+
+def judge(comps: Sequence[Computation]) -> Verdict:
+    """Which single node explains the disagreements among the computations of each slot.
+
+    Hypothesis "node x is bad": every computation by another node is right, so those of one slot agree;
+    and at least one of x's computations differs from the right value of its slot (or from x's other
+    computation of that slot: a node that disagrees with itself). The verdict names x when exactly one
+    hypothesis holds; persistent when every computation of x that another node checked was wrong."""
+    by_slot: dict[tuple[int, ...], list[Computation]] = {}
+    for c in comps:
+        by_slot.setdefault(c.slot, []).append(c)
+    bad_slots = sorted(s for s, cs in by_slot.items() if len({c.fp for c in cs}) > 1)
+    if not bad_slots:
+        return Verdict(equal=True)
+    nodes = sorted({c.node for s in bad_slots for c in by_slot[s]})
+    fits: list[tuple[str, bool]] = []
+    for x in nodes:
+        ok, shown, all_wrong = True, False, True
+        for cs in by_slot.values():
+            good = {c.fp for c in cs if c.node != x}
+            mine = [c.fp for c in cs if c.node == x]
+            if len(good) > 1:
+                ok = False
+                break
+            if good:
+                wrong = [fp for fp in mine if fp not in good]
+                shown |= bool(wrong)
+                all_wrong &= len(wrong) == len(mine)
+            elif len(set(mine)) > 1:
+                shown = True
+                all_wrong = False
+        if ok and shown:
+            fits.append((x, all_wrong))
+    if len(fits) == 1:
+        return Verdict(equal=False, culprit=fits[0][0], candidates=[fits[0][0]], persistent=fits[0][1],
+                       slots=bad_slots)
+    return Verdict(equal=False, candidates=[x for x, _ in fits] or nodes, slots=bad_slots)
