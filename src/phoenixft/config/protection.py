@@ -54,7 +54,8 @@ class ProtectionConfig:
                                    "microbatches are recomputed on another node) or full (every rank's, on another node: double "
                                    "compute) or off; the gradients' fingerprints must agree bit for bit.",
                             flag="--sdc-audit")
-    sdc_audit_every: int = option(10, "Steps between audits (with --sdc-audit).", flag="--sdc-audit-every")
+    sdc_audit_every: int = option(0, "Steps between audits (with --sdc-audit; 0 = every step for full, every 10 "
+                                     "steps for sample).", flag="--sdc-audit-every")
 
     def resolve(self) -> None:
         """--replicas K is a shorthand for --redundancy replicas:K: make the two fields agree."""
@@ -102,7 +103,7 @@ def _validate_sdc(p: ProtectionConfig) -> None:
          ">= 0 (0: only non-finite values), or -1 (the guard off)")
     need(p.spike_window >= 4, "--spike-window", p.spike_window, "must be >= 4 steps")
     need(p.sdc_audit in SDC_AUDITS, "--sdc-audit", p.sdc_audit, f"one of {', '.join(SDC_AUDITS)}")
-    need(p.sdc_audit_every >= 1, "--sdc-audit-every", p.sdc_audit_every, "must be >= 1")
+    need(p.sdc_audit_every >= 0, "--sdc-audit-every", p.sdc_audit_every, "must be >= 0 (0 = the audit's default)")
 
 
 def _validate_scheme(cfg: RunConfig) -> None:

@@ -188,10 +188,11 @@ class FaultInjector:
 
 
     # ------------------------------------------------------------------ silent data corruption
-    def sdc_due(self, step: int, target: str) -> list[FaultSpec]:
+    def sdc_due(self, step: int, target: str, first: bool = True) -> list[FaultSpec]:
         """The sdc faults that corrupt `target` on this node in step `step`: claimed (and recorded) at
-        their first firing, once per run; a `,persist` one fires again every later step on the node it
-        struck first (a replacement in its slot is healthy)."""
+        their first firing, once per run; a `,persist` one fires again every later computation on the
+        node it struck first (a replacement in its slot is healthy). `first=False`: only those that
+        already struck (a recomputation never takes a fault's first firing)."""
         if self.w.topo is None:
             return []
         slot = self.w.topo.slot_of(self.w.node_id)
@@ -203,7 +204,7 @@ class FaultInjector:
                 if f.persist and self._sdc_struck[f.index]:
                     due.append(f)
                 continue
-            if step != f.step or not f.kind_of.strikes(f, self.w.rank, slot, self.w.topo):
+            if not first or step != f.step or not f.kind_of.strikes(f, self.w.rank, slot, self.w.topo):
                 continue
             mine = bool(self._claim(f))
             self._sdc_struck[f.index] = mine

@@ -58,7 +58,8 @@ class SdcChecks:
         self.check_every = cfg.sdc_check_every
         self.guard = SpikeGuard(threshold=max(0.0, cfg.spike_threshold), window=cfg.spike_window)
         self.guarded = cfg.spike_threshold >= 0
-        self.audit, self.audit_every = cfg.sdc_audit, cfg.sdc_audit_every
+        self.audit = cfg.sdc_audit
+        self.audit_every = cfg.sdc_audit_every or (1 if cfg.sdc_audit == "full" else 10)
         self.wants_norm = self.guarded
         self.guards_loss = self.guarded
         self.grad_fp: Fingerprint = _ZERO
@@ -214,9 +215,8 @@ class SdcChecks:
             tr.flat.select(tr.flat.step)  # the model's buffers as the step began (a forward may update them)
         tr.forward_backward_only(s, ctx.comm, ctx.rank, lay, mbs, ctx.wait)
         grad = tr.flat.grad32
-        for f in self.inject.sdc_due(s, "grad"):  # a persistent bad unit corrupts what it recomputes too
-            if f.persist:
-                self.inject.sdc_flip(f, s, grad, nonzero=True)
+        for f in self.inject.sdc_due(s, "grad", first=False):  # a persistent bad unit corrupts what it
+            self.inject.sdc_flip(f, s, grad, nonzero=True)  # recomputes too
         fp = _ZERO
         for lo, hi in tr.buckets.ranges:
             fp = add_fp(fp, fingerprint(grad[lo:hi]))
