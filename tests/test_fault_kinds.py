@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from collections.abc import Callable
 
 import pytest
@@ -67,6 +68,14 @@ def _partition(rng: random.Random) -> str:
     return f"partition:node={rng.randint(0, 63)}@{','.join(when)}"
 
 
+def _sdc(rng: random.Random) -> str:
+    target = rng.choice(["param", "grad", "shard"])
+    when = [f"step={rng.randint(0, 10**6)}", f"target={target}", *_opt(rng, f"bit={rng.randint(0, 31)}"),
+            *_opt(rng, "persist")]
+    rng.shuffle(when)
+    return f"sdc:node={rng.randint(0, 63)}@{','.join(when)}"
+
+
 GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "kill": _kill,
     "hang": _at_step("hang", lambda rng: f"node={rng.randint(0, 63)}"),
@@ -74,6 +83,7 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "corrupt": _corrupt,
     "nan": lambda rng: f"nan:step={rng.randint(0, 10**6)}",
     "partition": _partition,
+    "sdc": _sdc,
 }
 
 
@@ -99,8 +109,8 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     assert str(e.value) == (
         "--inject='boom:node=1@step=3' is invalid: expected kill:node=I[,J]@step=S[,phase=P], kill:rack=A@step=S, "
         "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
-        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S or "
-        "partition:node=I@step=S[,for=SECONDS]")
+        "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S, "
+        "partition:node=I@step=S[,for=SECONDS] or sdc:node=I@step=S,target=param|grad|shard[,bit=B][,persist]")
     with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
         parse_fault("nan:step=3,wait=5")
 
@@ -112,6 +122,7 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     ("crash:rank=2@step=3", Point.STEP),
     ("corrupt:node=1@step=3", Point.REPLICAS), ("corrupt:node=1@step=3,phase=transfer", Point.TRANSFER),
     ("nan:step=3", Point.LOSS), ("partition:node=1@step=3", Point.HEARTBEAT),
+    ("sdc:node=1@step=3,target=grad,bit=30", Point.SDC), ("sdc:node=0@step=3,target=shard,persist", Point.SDC),
 ])
 def test_each_spec_fires_at_its_point(text: str, point: Point) -> None:
     assert parse_fault(text).point is point
@@ -132,6 +143,29 @@ def test_whom_a_fault_strikes_and_what_it_holds() -> None:
     # a corruption at rest holds the step before (it hits that step's replicas); a partition's agent holds it
     assert held == {"kill:node=1@step=4,wait=5": [4], "corrupt:node=1@step=4,wait=5": [3],
                     "partition:node=1@step=4,wait=5": []}
+
+
+@pytest.mark.parametrize("text,why", [
+    ("sdc:node=1@step=3", "expected sdc:node=I@step=S,target="),
+    ("sdc:node=1@step=3,target=disk", "target='disk': one of param, grad, shard"),
+    ("sdc:node=1@step=3,target=grad,bit=32", "bit='32': a bit of a 32-bit element, 0..31"),
+    ("sdc:node=1@step=3,target=grad,persist=yes", "persist takes no value"),
+    ("sdc:node=1@step=3,target=grad,phase=backward", "expected sdc:node=I@step=S,target="),
+    ("sdc:node=1@step=3,target=grad,wait=5", "wait=SECONDS is for"),
+    ("kill:node=1@step=3,persist", "expected"),
+])
+def test_sdc_specs_are_refused_with_the_reason(text: str, why: str) -> None:
+    with pytest.raises(UserError, match=re.escape(why)):
+        parse_fault(text)
+
+
+def test_an_sdc_fault_fires_once_or_from_its_step_on() -> None:
+    once, bad = parse_fault("sdc:node=1@step=5,target=grad"), parse_fault("sdc:node=1@step=5,target=grad,persist")
+    k = once.kind_of
+    assert [s for s in range(1, 10) if k.fires_at(once, s, "grad")] == [5]  # type: ignore[attr-defined]
+    assert [s for s in range(1, 10) if k.fires_at(bad, s, "grad")] == [5, 6, 7, 8, 9]  # type: ignore[attr-defined]
+    assert not k.fires_at(once, 5, "param")  # type: ignore[attr-defined]
+    assert not k.answered_by_recovery(parse_fault("sdc:node=1@step=5,target=shard"))
 
 
 def test_a_launch_mode_refuses_what_it_cannot_fire() -> None:

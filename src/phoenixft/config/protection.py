@@ -51,8 +51,8 @@ class ProtectionConfig:
     spike_window: int = option(32, "Spike guard: committed steps in the window the score is taken against.",
                                flag="--spike-window")
     sdc_audit: str = option("off", "Audits: sample (every --sdc-audit-every steps one data-parallel rank's "
-                                   "microbatches are recomputed on another node) or full (every rank's, on another node: double "
-                                   "compute) or off; the gradients' fingerprints must agree bit for bit.",
+                                   "microbatches are recomputed on another node) or full (every rank's, on another "
+                                   "node: double compute) or off; the gradients' fingerprints must agree bit for bit.",
                             flag="--sdc-audit")
     sdc_audit_every: int = option(0, "Steps between audits (with --sdc-audit; 0 = every step for full, every 10 "
                                      "steps for sample).", flag="--sdc-audit-every")

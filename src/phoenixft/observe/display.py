@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from phoenixft.recovery.invariants import failed_invariants, invariants_hold
+from phoenixft.sdc.report import detection_line
 
 __all__ = ["Display"]
 
@@ -96,6 +97,8 @@ class Display:
             self._err(f"!! refused to admit {ev['name']!r} ({ev['host']}): {ev['reason']}")
         elif k == "fault_failed":
             self._err(f"!! fault {ev['spec']} could not be injected on {ev['node']}: {ev['error']}")
+        elif k in ("sdc_detected", "sdc_verdict"):
+            self._err(detection_line(ev) or "")
 
     @staticmethod
     def _inv(r: dict[str, Any]) -> str:

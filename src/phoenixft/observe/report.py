@@ -22,6 +22,7 @@ from phoenixft.controlplane import Store, keys
 from phoenixft.controlplane.values import note_bad, parse_json, parse_lines, read_int, read_json, read_raw, read_text
 from phoenixft.errors import UserError
 from phoenixft.faults.spec import FaultSpec, parse_fault
+from phoenixft.sdc.report import sdc_report
 
 __all__ = ["build_report", "percentile"]
 
@@ -193,6 +194,7 @@ def _recovery(store: Store, cfg: RunConfig, e: int, faults: list[dict[str, Any]]
         "i3_failures": [x for j in own_joins for x in j.get("i3_failures", [])],
         "persistent_step": rec.get("persistent_step"),
         "dropped": rec.get("dropped", []),
+        "sdc": rec.get("sdc", {}),  # class sdc: the node convicted of silent data corruption, and why
     }
 
 
@@ -269,6 +271,7 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         # or failed to write, per rank (persist.py)
         "persist_problems": [{k: ev.get(k) for k in ("kind", "step", "rank", "why")} for ev in events
                              if ev.get("kind") in ("persist_skipped", "persist_failed")],
+        "sdc": sdc_report(store, cfg, steps),  # silent data corruption: detections, verdicts, cost (docs/sdc.md)
         "run_dir": str(run_dir),
     }
     if store.check([keys.RUN_ERROR]):

@@ -117,9 +117,9 @@ class SdcChecks:
         lay = ctx.topo.layout
         group = lay.dp_group(ctx.rank)
         nodes = sorted({ctx.topo.node_of_rank(group[m]) for m in bad or []})
-        if lay.coord(ctx.rank).dp == 0:  # (one record per data-parallel group)
-            record.log(ctx.store, "sdc_detected", step=s, check="fingerprint", target="param", nodes=nodes,
-                       rank=ctx.rank, wid=ctx.wid, epoch=ctx.epoch)
+        c = lay.coord(ctx.rank)
+        record.log_once(ctx.store, f"e{ctx.epoch}/s{s}/param/{c.pp}.{c.tp}", "sdc_detected", step=s,
+                        check="fingerprint", target="param", nodes=nodes, wid=ctx.wid, epoch=ctx.epoch)
         if not nodes:
             raise Unhealable(f"the parameters of step {s - 1} differ across data-parallel peers and no member's "
                              "copy matches its owner's committed state")
@@ -172,18 +172,21 @@ class SdcChecks:
         why = self.guard.suspect(self._values) if self.guarded and self.verified != s else None
         self._timed("guard", t0)
         if why is not None:
-            record.log(self.ctx.store, "sdc_detected", step=s, check="spike guard", reason=why,
-                       rank=self.ctx.rank, wid=self.ctx.wid, epoch=self.ctx.epoch) if self.ctx.rank == 0 else None
+            record.log_once(self.ctx.store, f"e{self.ctx.epoch}/s{s}/guard", "sdc_detected", step=s,
+                            check="spike guard", reason=why, epoch=self.ctx.epoch)
             raise SdcSuspect(s, why)
         if self.audit_comp is not None or (self.audit != "off" and s % self.audit_every == 0):
             t0 = time.perf_counter()
             comps = self._exchange([self._original(s)] + ([self.audit_comp] if self.audit_comp else []))
             self._timed("audit", t0)
             v = judge(comps)
+            if v.equal and self.audit == "sample" and self.ctx.rank == 0:  # (the report's honest limits)
+                audited = {c.slot for c in comps if c.kind == "audit"}
+                record.log(self.ctx.store, "sdc_audit", event=False, step=s, slots=[list(x) for x in audited],
+                           nodes=sorted({c.node for c in comps if c.slot in audited}))
             if not v.equal:
-                if self.ctx.rank == 0:
-                    record.log(self.ctx.store, "sdc_detected", step=s, check=f"audit ({self.audit})",
-                               slots=[list(x) for x in v.slots], epoch=self.ctx.epoch)
+                record.log_once(self.ctx.store, f"e{self.ctx.epoch}/s{s}/audit", "sdc_detected", step=s,
+                                check=f"audit ({self.audit})", slots=[list(x) for x in v.slots], epoch=self.ctx.epoch)
                 raise SdcSuspect(s, f"the {self.audit} audit's recomputation differs", comps)
 
     # ------------------------------------------------------------------ recomputations
@@ -276,10 +279,9 @@ class SdcChecks:
 
     def _verdict(self, s: int, e: SdcSuspect, v: Verdict, took: float) -> None:
         ctx = self.ctx
-        if ctx.rank == 0:
-            record.log(ctx.store, "sdc_verdict", step=s, verdict=v.label, reason=e.reason, node=v.culprit,
-                       candidates=v.candidates, slots=[list(x) for x in v.slots], rolled_back_to=s - 1,
-                       replay_s=round(took, 4), epoch=ctx.epoch)
+        record.log_once(ctx.store, f"e{ctx.epoch}/s{s}/verdict", "sdc_verdict", step=s, verdict=v.label,
+                        reason=e.reason, node=v.culprit, candidates=v.candidates, slots=[list(x) for x in v.slots],
+                        rolled_back_to=s - 1, replay_s=round(took, 4), epoch=ctx.epoch)
         if v.equal:
             loss = self._values.get("loss")
             if loss is not None and not math.isfinite(loss):

@@ -40,8 +40,10 @@ def fingerprint(t: torch.Tensor) -> Fingerprint:
     n = by.numel()
     start = min(n, (-(flat.storage_offset() * flat.element_size())) % 8)
     mid = (n - start) // 8 * 8
-    w = by[start:start + mid].view(torch.int64)
-    s1, s2 = int(w.sum()), int((w * w).sum())
+    s1 = s2 = 0
+    if mid:
+        w = by[start:start + mid].view(torch.int64)
+        s1, s2 = int(w.sum()), int((w * w).sum())
     if start or mid + start < n:
         edge = torch.cat([by[:start], by[start + mid:]]).to(torch.int64)
         pos = torch.arange(1, edge.numel() + 1, dtype=torch.int64)
@@ -61,7 +63,7 @@ def diverged(copies: Sequence[Sequence[Fingerprint]], ref: Sequence[Fingerprint]
     slice; without one, the members outvoted by a strict majority in some slice; None when no
     majority decides (two members, or a tie) and a reference is needed."""
     m = len(copies)
-    if m == 0 or all(list(c) == list(copies[0]) for c in copies):
+    if m == 0 or (ref is None and all(list(c) == list(copies[0]) for c in copies)):
         return []
     bad: set[int] = set()
     for j in range(len(copies[0])):

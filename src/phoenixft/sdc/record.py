@@ -11,7 +11,7 @@ from typing import Any
 from phoenixft.controlplane import Store, keys
 from phoenixft.controlplane.values import parse_json
 
-__all__ = ["SDC_LOG", "accuse", "accused", "sdc_quarantine", "quarantined", "log"]
+__all__ = ["SDC_LOG", "accuse", "accused", "sdc_quarantine", "quarantined", "log", "log_once"]
 
 SDC_LOG = "sdc/log"  # newline-separated JSON records: detections, verdicts, audits (the report's `sdc`)
 
@@ -55,8 +55,16 @@ def quarantined(store: Store, node: str) -> bool:
     return store.check([_quarantine_key(node)])
 
 
-def log(store: Store, kind: str, **fields: Any) -> None:
-    """One detection or verdict: in `sdc/log` (the report) and as an event (the live line)."""
+def log(store: Store, kind: str, event: bool = True, **fields: Any) -> None:
+    """One detection or verdict: in `sdc/log` (the report) and (`event`) as an event (the live line)."""
     rec = {"t": time.time(), "kind": kind, **fields}
     store.append(SDC_LOG, json.dumps(rec) + "\n")
-    store.append(keys.EVENTS, json.dumps(rec) + "\n")
+    if event:
+        store.append(keys.EVENTS, json.dumps(rec) + "\n")
+
+
+def log_once(store: Store, what: str, kind: str, **fields: Any) -> None:
+    """`log`, by the first rank that gets here for `what` (every rank of a group reaches the same
+    decision, and any of them may be interrupted right after it by another's recovery request)."""
+    if store.add(f"sdc/logged/{what}", 1) == 1:
+        log(store, kind, **fields)

@@ -1,0 +1,93 @@
+"""The report's `sdc` section: what the checks found, the verdicts of the replays, the nodes named, the
+steps rolled back, what a sampled audit cannot prove clean, and the checks' cost per step."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from phoenixft.config import RunConfig
+from phoenixft.controlplane import Store
+from phoenixft.controlplane.values import parse_lines, read_raw
+from phoenixft.sdc.record import SDC_LOG
+
+__all__ = ["sdc_report", "COSTS", "detection_line"]
+
+# the per-step cost of each check in metrics.jsonl (`sdc_<name>_s`); a check added later adds its name here
+COSTS = ("params", "guard", "audit", "replay")
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _costs(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median seconds per step of each check (over every step, 0 where it did not run), and all of them
+    as a share of the median step time."""
+    out: dict[str, Any] = {}
+    for name in COSTS:
+        out[f"{name}_s"] = _median([float(r.get(f"sdc_{name}_s", 0.0)) for r in steps])
+    total = [sum(float(r.get(f"sdc_{n}_s", 0.0)) for n in COSTS if n != "replay") for r in steps]
+    dt = _median([float(r["dt"]) for r in steps])
+    out["total_s"] = _median(total)
+    out["share_of_step"] = (out["total_s"] / dt) if dt and out["total_s"] is not None else None
+    return out
+
+
+def _limits(cfg: RunConfig, log: list[dict[str, Any]], verdicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sampled audits check one slot now and then: a node that corrupts low bits every step poisons
+    the steps between its last passed audit and the one that failed, and rolling back one step does not
+    undo them. Per node named after a failed sampled audit: that audit, the last one it passed, and the
+    steps that may be affected."""
+    if cfg.sdc_audit != "sample":
+        return []
+    out = []
+    for v in verdicts:
+        if not v.get("node") or "audit" not in str(v.get("reason", "")):
+            continue
+        node, step = v["node"], int(v["step"])
+        passed = [int(a["step"]) for a in log if a.get("kind") == "sdc_audit" and node in a.get("nodes", [])
+                  and int(a["step"]) < step]
+        last_ok = max(passed, default=0)
+        out.append({"node": node, "first_failed_audit": step, "last_passed_audit": last_ok or None,
+                    "steps_that_may_be_affected": [last_ok + 1, step - 1] if step - 1 > last_ok else [],
+                    "resume_from_checkpoint_before": last_ok + 1 if cfg.persist_every else None})
+    return out
+
+
+def sdc_report(store: Store, cfg: RunConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    log = parse_lines(read_raw(store, SDC_LOG) or b"", SDC_LOG)
+    detections = [{k: v for k, v in x.items() if k != "kind"} for x in log if x.get("kind") == "sdc_detected"]
+    verdicts = [{k: v for k, v in x.items() if k != "kind"} for x in log if x.get("kind") == "sdc_verdict"]
+    named = sorted({n for d in detections for n in d.get("nodes", [])} | {v["node"] for v in verdicts if v.get("node")})
+    return {
+        "checks": {"fingerprint_every": cfg.sdc_check_every, "spike_threshold": cfg.spike_threshold,
+                   "spike_window": cfg.spike_window, "audit": cfg.sdc_audit,
+                   "audit_every": cfg.sdc_audit_every or (1 if cfg.sdc_audit == "full" else 10)},
+        "detections": detections,
+        "verdicts": verdicts,
+        "verified_spikes": [v["step"] for v in verdicts if v.get("verdict") == "genuine"],
+        "nodes_named": named,
+        # a suspect step is rolled back to the committed state of the step before it
+        "rolled_back": [{"step": v["step"], "to": v.get("rolled_back_to")} for v in verdicts]
+        + [{"step": d["step"], "to": d["step"] - 1} for d in detections if d.get("target") == "param"],
+        "limits": _limits(cfg, log, verdicts),
+        "cost_per_step": _costs(steps),
+    }
+
+
+def detection_line(ev: dict[str, Any]) -> str | None:
+    """The live line of an sdc event, or None."""
+    k = ev.get("kind")
+    if k == "sdc_detected":
+        who = f": {', '.join(ev['nodes'])} diverged" if ev.get("nodes") else ""
+        why = f" ({ev['reason']})" if ev.get("reason") else ""
+        return f"!! silent data corruption check: step {ev['step']} suspect by {ev['check']}{who}{why}"
+    if k == "sdc_verdict":
+        if ev.get("verdict") == "genuine":
+            return f"   step {ev['step']} replayed on other nodes: bit for bit equal, a genuine spike; training goes on"
+        if ev.get("node"):
+            return (f"!! step {ev['step']} replayed on other nodes: {ev['node']} computed wrong ({ev['verdict']}); "
+                    f"rolled back to step {ev['rolled_back_to']}, fencing it")
+        return f"!! step {ev['step']} replayed: {', '.join(ev.get('candidates', []))} disagree, undetermined"
+    return None
