@@ -31,8 +31,10 @@ DEFAULT_JSON = (
     '"microbatches": 0, "min_lr": 0.0, "model": "tiny", "momentum": 0.9, "nesterov": false, "nodes": 2, '
     '"optimizer": "adamw", "persist_dir": "", "persist_every": 0, "pp": 1, "precision": "fp32", "protect": '
     '"phoenix", "quiet": false, "racks": 1, "redundancy": "replicas:1", "repair_after": 0.0, "replica_transport": '
-    '"auto", "replicas": 1, "report": "", "resume": "", "run_dir": "", "seed": 1234, "spare_arrives_at_step": 0, '
-    '"spares": 1, "steps": 20, "threads": 0, "timeout": 600.0, "tp": 1, "warmup_steps": 0, "weight_decay": 0.1, '
+    '"auto", "replicas": 1, "report": "", "resume": "", "run_dir": "", "sdc_audit": "off", "sdc_audit_every": 0, '
+    '"sdc_check_every": 1, "seed": 1234, "spare_arrives_at_step": 0, '
+    '"spares": 1, "spike_threshold": 12.0, "spike_window": 32, "steps": 20, "threads": 0, "timeout": 600.0, '
+    '"tp": 1, "warmup_steps": 0, "weight_decay": 0.1, '
     '"workers_per_node": 1, "workload": "phoenixft.gpt:workload"}'
 )
 
@@ -48,7 +50,7 @@ def test_the_json_form_is_the_flat_object_of_every_field() -> None:
     cfg = RunConfig(device="cpu")
     assert cfg.to_json() == DEFAULT_JSON
     assert {f.name for f in run_fields()} == set(json.loads(DEFAULT_JSON))
-    assert len(run_fields()) == 54
+    assert len(run_fields()) == 59
 
 
 def test_the_json_form_round_trips() -> None:

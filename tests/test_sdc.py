@@ -34,7 +34,7 @@ def _convicted(rep: dict[str, Any], node: str, step: int) -> dict[str, Any]:
     return rec
 
 
-def test_a_flipped_parameter_is_caught_before_the_forward_and_its_node_swapped(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+def test_a_flipped_parameter_is_caught_before_its_step_commits_and_its_node_swapped(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=12)
     rep = run(tmp_path, nodes=3, spares=1, steps=12, inject=["sdc:node=1@step=10,target=param"])
     _convicted(rep, "n1", 10)

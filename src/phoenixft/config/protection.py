@@ -41,8 +41,9 @@ class ProtectionConfig:
                                     "network and mount namespaces - reads the owner's committed half straight from "
                                     "host shared memory, one copy; other holders get it over TCP) or tcp (always over "
                                     "TCP).", flag="--replica-transport")
-    sdc_check_every: int = option(1, "Compare a fingerprint of the full parameters across each data-parallel group "
-                                     "before the forward every N steps, naming a member whose copy diverged "
+    sdc_check_every: int = option(1, "Fingerprint the full parameters before the forward every N steps and compare "
+                                     "them across each data-parallel group before the step commits, naming a member "
+                                     "whose copy diverged "
                                      "(0 = never; see docs/sdc.md).", flag="--sdc-check-every")
     spike_threshold: float = option(12.0, "Spike guard: a loss or gradient norm this many robust deviations (median "
                                           "absolute deviations) above the recent window, or not finite, marks the step "

@@ -67,6 +67,7 @@ class SdcChecks:
         self.verified: int | None = None  # a step proven genuine: its values pass the guard
         self.cost: dict[str, float] = {}
         self._values: dict[str, float | None] = {}
+        self._pending: tuple[int, Any, torch.Tensor] | None = None  # the parameter fingerprints' exchange
 
     # ------------------------------------------------------------------ lifecycle
     def joined(self) -> None:
@@ -86,7 +87,7 @@ class SdcChecks:
 
     # ------------------------------------------------------------------ before the forward
     def before_step(self, s: int) -> None:
-        self.cost, self.grad_fp, self.audit_comp = {}, _ZERO, None
+        self.cost, self.grad_fp, self.audit_comp, self._pending = {}, _ZERO, None, None
         if self.check_every and s % self.check_every == 0:
             self.check_params(s)
         if self.audit != "off" and s % self.audit_every == 0:
@@ -95,25 +96,41 @@ class SdcChecks:
             self._timed("audit", t0)
 
     def check_params(self, s: int) -> None:
-        """Fingerprint every data-parallel slice of this rank's full parameters; all-gather them over the
-        group; on any disagreement, each owner's committed master slice is the reference that names who
-        diverged."""
+        """Fingerprint every data-parallel slice of this rank's full parameters and post their all-gather
+        over the group; `_resolve_params` compares them once the step's gradients are reduced (the
+        exchange then waits for nobody: no synchronisation point is added before the forward)."""
         ctx = self.ctx
-        assert ctx.comm is not None and ctx.topo is not None
+        assert ctx.comm is not None
         flat = ctx.trainer.flat
         for f in self.inject.sdc_due(s, "param"):
             self.inject.sdc_flip(f, s, flat.flat[: flat.numel], nonzero=False)
         t0 = time.perf_counter()
         d = flat.shards
-        mine = [fingerprint(flat.flat[flat.shard_slice(j)]) for j in range(d)]
-        copies = self._gather_dp([x for fp in mine for x in fp], d * FP_WORDS)
-        copies3 = [[tuple(m[j * FP_WORDS:(j + 1) * FP_WORDS]) for j in range(d)] for m in copies]
-        bad = diverged(copies3)
+        mine = torch.tensor([x for j in range(d) for x in fingerprint(flat.flat[flat.shard_slice(j)])],
+                            dtype=torch.int64)
+        out = torch.empty(d * d * FP_WORDS, dtype=torch.int64)
+        self._pending = (s, ctx.comm.dp._allgather_base(out, mine), out)
+        self._timed("params", t0)
+
+    def _resolve_params(self) -> None:
+        """The parameter fingerprints posted before the forward: all agree, or each owner's committed
+        master slice is the reference that names who diverged (fenced: PeerFailure)."""
+        if self._pending is None:
+            return
+        ctx = self.ctx
+        assert ctx.topo is not None
+        (s, work, out), self._pending = self._pending, None
+        t0 = time.perf_counter()
+        ctx.wait(work, "sdc parameter fingerprints")
+        d = ctx.trainer.flat.shards
+        rows = out.view(d, d * FP_WORDS).tolist()
+        copies = [[tuple(m[j * FP_WORDS:(j + 1) * FP_WORDS]) for j in range(d)] for m in rows]
+        bad = diverged(copies)
         self._timed("params", t0)
         if bad == []:
             return
         ref = self._gather_dp(list(self._reference(s)), FP_WORDS)
-        bad = diverged(copies3, [tuple(r) for r in ref])
+        bad = diverged(copies, [tuple(r) for r in ref])
         lay = ctx.topo.layout
         group = lay.dp_group(ctx.rank)
         nodes = sorted({ctx.topo.node_of_rank(group[m]) for m in bad or []})
@@ -166,7 +183,9 @@ class SdcChecks:
         self._timed("guard", t0)
 
     def before_update(self, s: int, loss: float, norm: float | None) -> None:
-        """Before the optimizer writes anything: the spike guard, then an audit's comparison."""
+        """Before the optimizer writes anything: the parameter fingerprints, the spike guard, then an audit's
+        comparison."""
+        self._resolve_params()
         t0 = time.perf_counter()
         self._values = {"loss": loss, "grad_norm": norm}
         why = self.guard.suspect(self._values) if self.guarded and self.verified != s else None

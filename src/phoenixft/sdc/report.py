@@ -91,3 +91,52 @@ def detection_line(ev: dict[str, Any]) -> str | None:
                     f"rolled back to step {ev['rolled_back_to']}, fencing it")
         return f"!! step {ev['step']} replayed: {', '.join(ev.get('candidates', []))} disagree, undetermined"
     return None
+
+
+def timeline_marks(report: dict[str, Any], t0: float) -> list[tuple[float, str]]:
+    """(seconds since the start, label) of each detection and verdict, for the HTML timeline."""
+    sdc = report.get("sdc") or {}
+    out = [(float(d["t"]) - t0, f"sdc: step {d['step']} suspect ({d.get('check')})")
+           for d in sdc.get("detections", []) if "t" in d]
+    out += [(float(v["t"]) - t0, f"sdc: step {v['step']} {v.get('verdict')}"
+             + (f", {v['node']}" if v.get("node") else "")) for v in sdc.get("verdicts", []) if "t" in v]
+    return sorted(out)
+
+
+def sdc_html(report: dict[str, Any]) -> str:
+    """The HTML report's section: the checks, every detection with its verdict, the honest limits and the
+    checks' cost per step."""
+    import html
+
+    sdc = report.get("sdc")
+    if not sdc:
+        return '<p class="muted">No silent-data-corruption record in this report.</p>'
+    e = lambda x: html.escape(str(x))  # noqa: E731
+    ch = sdc.get("checks", {})
+    cost = sdc.get("cost_per_step", {})
+    share = cost.get("share_of_step")
+    parts = [f"<p>Checks: fingerprints every {e(ch.get('fingerprint_every'))} step(s), spike threshold "
+             f"{e(ch.get('spike_threshold'))} (window {e(ch.get('spike_window'))}), audits {e(ch.get('audit'))}"
+             f"{' every ' + e(ch.get('audit_every')) + ' step(s)' if ch.get('audit') != 'off' else ''}. Cost per step "
+             f"(median): fingerprints {1e3 * (cost.get('params_s') or 0):.2f} ms, spike guard "
+             f"{1e3 * (cost.get('guard_s') or 0):.2f} ms, audits {1e3 * (cost.get('audit_s') or 0):.2f} ms"
+             f"{f', {100 * share:.2f}% of the step' if share is not None else ''}.</p>"]
+    verdict_of = {v["step"]: v for v in sdc.get("verdicts", [])}
+    rows = []
+    for d in sdc.get("detections", []):
+        v = verdict_of.get(d["step"], {})
+        node = v.get("node") or ", ".join(d.get("nodes", [])) or "-"
+        label = v.get("verdict") or ("diverged" if d.get("nodes") else "-")
+        to = v.get("rolled_back_to", d["step"] - 1)
+        rows.append(f"<tr><td>{e(d['step'])}</td><td>{e(d.get('check'))}</td><td>{e(d.get('reason', ''))}</td>"
+                    f"<td>{e(label)}</td><td>{e(node)}</td><td>{e(to)}</td></tr>")
+    if rows:
+        parts.append('<table id="sdc"><tr><th>step</th><th>check</th><th>why</th><th>verdict</th><th>node named</th>'
+                     "<th>rolled back to</th></tr>" + "".join(rows) + "</table>")
+    else:
+        parts.append('<p class="muted">No detection.</p>')
+    for lim in sdc.get("limits", []):
+        parts.append(f"<p>Not proven clean: {e(lim['node'])} failed the sampled audit of step "
+                     f"{e(lim['first_failed_audit'])}; its last passed audit was step {e(lim['last_passed_audit'])}; "
+                     f"steps that may be affected: {e(lim['steps_that_may_be_affected'])}.</p>")
+    return "\n".join(parts)
