@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from conftest import run
 
+from phoenixft.observe.html_report import write_report
+
 
 def _sdc_events(tmp: Path) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, (tmp / "events.jsonl").read_text().splitlines())
@@ -45,6 +47,9 @@ def test_a_flipped_parameter_is_caught_before_its_step_commits_and_its_node_swap
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(m["sdc_params_s"] > 0 for m in metrics)  # the check ran every step, and its cost is recorded
     assert 0 < rep["sdc"]["cost_per_step"]["share_of_step"] < 0.2
+    page = write_report(tmp_path).read_text()  # phoenixft report: the detection in its table
+    sdc = page[page.index('<table id="sdc">'):]
+    assert "<td>10</td><td>fingerprint</td>" in sdc and "<td>n1</td><td>9</td>" in sdc[: sdc.index("</table>")]
 
 
 def test_an_exponent_flip_in_a_gradient_is_a_spike_replayed_and_proven_corrupt(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]

@@ -139,3 +139,17 @@ def test_the_guard_waits_for_history_and_forgets_at_reset() -> None:
     g.reset()
     assert g.suspect({"loss": 1e9}) is None
     assert SpikeGuard(threshold=0).suspect({"loss": 1e30}) is None  # 0: only non-finite values
+
+
+def test_a_sampled_audit_needs_a_third_node_to_decide() -> None:
+    """Slot 2 computed by n2 (right), audited by a persistently bad n1 (wrong) and rerun by n2: n1 and n2
+    each explain it until a third node computes slot 2; then n1, wrong twice, is persistent."""
+    good, bad = (5, 5), (7, 5)
+    comps = [Computation((0, 0, 2), good, "n2", "original"), Computation((0, 0, 2), bad, "n1", "audit"),
+             Computation((0, 0, 2), good, "n2", "rerun"), Computation((0, 0, 1), (9, 9), "n1", "original")]
+    v = judge(comps)
+    assert v.culprit is None and v.candidates == ["n1", "n2"] and v.label == "undetermined"
+    comps += [Computation((0, 0, 2), good, "n0", "replay"), Computation((0, 0, 0), (1, 1), "n0", "original"),
+              Computation((0, 0, 0), (2, 1), "n1", "replay")]
+    v = judge(comps)
+    assert (v.culprit, v.label, v.slots) == ("n1", "persistent", [(0, 0, 0), (0, 0, 2)])

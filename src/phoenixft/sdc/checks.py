@@ -260,38 +260,45 @@ class SdcChecks:
                 return None
         return self._recompute(s, 1, "audit")
 
-    def _exchange(self, comps: list[Computation]) -> list[Computation]:
-        """Every rank's computations, on every rank: (kind, slot, fingerprint) all-gathered over the mesh."""
+    _KINDS = ("original", "audit", "replay", "rerun")
+
+    def _exchange(self, comps: list[Computation], room: int = 2) -> list[Computation]:
+        """Every rank's computations (at most `room` each, the same on every rank), on every rank:
+        (kind, slot, fingerprint) all-gathered over the mesh."""
         ctx = self.ctx
-        assert ctx.topo is not None
-        kinds = ["original", "audit", "replay", "rerun"]
+        assert ctx.topo is not None and len(comps) <= room
+        per = 5 + FP_WORDS
         mine: list[int] = []
-        for k in kinds:
-            c = next((x for x in comps if x.kind == k), None)
-            mine += [1 if c else 0, *(c.slot if c else (0, 0, 0)), *(c.fp if c else _ZERO)]
+        for i in range(room):
+            c = comps[i] if i < len(comps) else None
+            mine += ([1, self._KINDS.index(c.kind), *c.slot, *c.fp] if c else [0] * per)
         out: list[Computation] = []
-        per = 4 + FP_WORDS
         for r, row in enumerate(self._gather_world(mine)):
             node = ctx.topo.node_of_rank(r)
-            for i, k in enumerate(kinds):
+            for i in range(room):
                 x = row[i * per:(i + 1) * per]
                 if x[0]:
-                    out.append(Computation(slot=tuple(x[1:4]), fp=tuple(x[4:]), node=node, kind=k))
+                    out.append(Computation(slot=tuple(x[2:5]), fp=tuple(x[5:]), node=node, kind=self._KINDS[x[1]]))
         return out
 
     # ------------------------------------------------------------------ proof by replay
     def prove(self, s: int, e: SdcSuspect) -> None:
-        """Replay suspect step s: its microbatches moved to the next data-parallel slot's node (and, if
-        that disagrees, recomputed once more where they first ran). Returns when every computation agrees
-        bit for bit (a genuine spike: the worker runs the step again and it commits); raises PeerFailure
-        after naming the node that computed wrong (the coordinator fences it, class sdc), or Unhealable."""
+        """Replay suspect step s: every data-parallel slot's microbatches moved to the next slot's node
+        (unless a full audit did that already); while no single node explains a disagreement, once more
+        where they first ran, then on the nodes further along the ring. Returns when every computation
+        agrees bit for bit (a genuine spike: the worker runs the step again and it commits); raises
+        PeerFailure after naming the node that computed wrong (the coordinator fences it, class sdc),
+        or Unhealable."""
+        assert self.ctx.topo is not None
         t0 = time.perf_counter()
-        comps = e.comps or self._exchange([self._original(s)])
-        if not any(c.kind in ("replay", "audit") for c in comps):
-            comps = comps + self._exchange([self._recompute(s, 1, "replay")])
+        comps = list(e.comps) or self._exchange([self._original(s)])
+        crossed = self.audit == "full" and any(c.kind == "audit" for c in comps)
+        rots = ([] if crossed else [1]) + [0] + list(range(2, self.ctx.topo.layout.dp))
         v = judge(comps)
-        if not v.equal:
-            comps = comps + self._exchange([self._recompute(s, 0, "rerun")])
+        for rot in rots:
+            if (v.equal and (crossed or rot != 1)) or v.culprit is not None:
+                break
+            comps += self._exchange([self._recompute(s, rot, "rerun" if rot == 0 else "replay")])
             v = judge(comps)
         self._timed("replay", t0)
         self._verdict(s, e, v, time.perf_counter() - t0)

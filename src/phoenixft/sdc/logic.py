@@ -145,7 +145,7 @@ class Verdict:
     equal: bool  # every slot's computations agree bit for bit
     culprit: str | None = None  # the one node whose computations explain every disagreement
     candidates: list[str] = field(default_factory=list)  # nodes that could explain it (several: undetermined)
-    persistent: bool = False  # every one of the culprit's checkable computations was wrong
+    persistent: bool = False  # the culprit was wrong more than once and never right where it had been wrong
     slots: list[tuple[int, ...]] = field(default_factory=list)  # slots whose computations disagree
 
     @property
@@ -163,7 +163,8 @@ def judge(comps: Sequence[Computation]) -> Verdict:
     Hypothesis "node x is bad": every computation by another node is right, so those of one slot agree;
     and at least one of x's computations differs from the right value of its slot (or from x's other
     computation of that slot: a node that disagrees with itself). The verdict names x when exactly one
-    hypothesis holds; persistent when every computation of x that another node checked was wrong."""
+    hypothesis holds; persistent when x was wrong in two computations or more (the same wrong bits again,
+    or another slot wrong too: a bad unit) and never got right what it got wrong before; transient else."""
     by_slot: dict[tuple[int, ...], list[Computation]] = {}
     for c in comps:
         by_slot.setdefault(c.slot, []).append(c)
@@ -173,22 +174,19 @@ def judge(comps: Sequence[Computation]) -> Verdict:
     nodes = sorted({c.node for s in bad_slots for c in by_slot[s]})
     fits: list[tuple[str, bool]] = []
     for x in nodes:
-        ok, shown, all_wrong = True, False, True
+        ok, shown, wrongs, recovered = True, False, 0, False
         for cs in by_slot.values():
             good = {c.fp for c in cs if c.node != x}
             mine = [c.fp for c in cs if c.node == x]
             if len(good) > 1:
                 ok = False
                 break
-            if good:
-                wrong = [fp for fp in mine if fp not in good]
-                shown |= bool(wrong)
-                all_wrong &= len(wrong) == len(mine)
-            elif len(set(mine)) > 1:
-                shown = True
-                all_wrong = False
+            wrong = [fp for fp in mine if fp not in good] if good else (mine if len(set(mine)) > 1 else [])
+            shown |= bool(wrong)
+            wrongs += len(wrong)
+            recovered |= bool(wrong) and len(wrong) < len(mine) or (not good and len(set(mine)) > 1)
         if ok and shown:
-            fits.append((x, all_wrong))
+            fits.append((x, wrongs >= 2 and not recovered))
     if len(fits) == 1:
         return Verdict(equal=False, culprit=fits[0][0], candidates=[fits[0][0]], persistent=fits[0][1],
                        slots=bad_slots)

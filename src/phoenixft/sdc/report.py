@@ -28,7 +28,7 @@ def _costs(steps: list[dict[str, Any]]) -> dict[str, Any]:
     for name in COSTS:
         out[f"{name}_s"] = _median([float(r.get(f"sdc_{name}_s", 0.0)) for r in steps])
     total = [sum(float(r.get(f"sdc_{n}_s", 0.0)) for n in COSTS if n != "replay") for r in steps]
-    dt = _median([float(r["dt"]) for r in steps])
+    dt = _median([float(r["dt"]) for r in steps if "dt" in r])
     out["total_s"] = _median(total)
     out["share_of_step"] = (out["total_s"] / dt) if dt and out["total_s"] is not None else None
     return out
