@@ -100,12 +100,34 @@ def test_a_genuine_spike_is_replayed_found_equal_and_nobody_is_fenced(tmp_path: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,layout", [("fp32", {}), ("bf16", {}), ("fp32", {"tp": 2, "pp": 2}),
-                                              ("bf16", {"tp": 2, "pp": 2})])
-def test_a_long_clean_run_with_every_check_on_detects_nothing(tmp_path: Path, reference, precision: str,  # type: ignore[no-untyped-def]
+def test_a_bad_unit_is_caught_by_a_sampled_audit_and_the_steps_it_may_have_poisoned_are_named(
+        tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """A node that flips a low bit of every gradient it computes from step 3 on: no spike, a sampled
+    audit every 2 steps; a third node decides between it and the node it audited; the report says
+    which steps before the failed audit may be affected."""
+    ref = reference(nodes=3, steps=10)
+    rep = run(tmp_path, nodes=3, spares=1, steps=10, sdc_audit="sample", sdc_audit_every=2,
+              inject=["sdc:node=1@step=3,target=grad,bit=3,persist"])
+    assert rep["state"] == "done", rep.get("error")
+    (rec,) = rep["recoveries"]
+    assert (rec["class"], rec["dead"], rec["resumed_step"]) == ("sdc", ["n1"], 3), rec
+    (v,) = rep["sdc"]["verdicts"]
+    assert (v["step"], v["node"], v["verdict"]) == (4, "n1", "persistent"), v
+    (lim,) = rep["sdc"]["limits"]
+    assert lim == {"node": "n1", "first_failed_audit": 4, "last_passed_audit": 2,
+                   "steps_that_may_be_affected": [3, 3], "resume_from_checkpoint_before": None}, lim
+    # step 3 was computed by the bad unit and committed: the run is not the failure-free one, and says so
+    assert rep["final_state_sha256"] != ref["final_state_sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,layout", [("fp32", {}), ("bf16", {}),
+                                              ("fp32", {"tp": 2, "pp": 2, "workers_per_node": 2}),
+                                              ("bf16", {"tp": 2, "pp": 2, "workers_per_node": 2})])
+def test_a_long_clean_run_with_every_check_on_detects_nothing(tmp_path: Path, precision: str,
                                                               layout: dict[str, int]) -> None:
     nodes = 4 if layout else 2
     rep = run(tmp_path, nodes=nodes, spares=0, steps=1000, precision=precision, sdc_audit="sample",
-              sdc_audit_every=5, timeout=1800.0, **layout)
+              sdc_audit_every=5, timeout=3600.0, **layout)
     assert rep["state"] == "done", rep.get("error")
     assert rep["sdc"]["detections"] == [] and rep["sdc"]["verdicts"] == [] and rep["recoveries"] == []
