@@ -116,8 +116,9 @@ def test_a_bad_unit_is_caught_by_a_sampled_audit_and_the_steps_it_may_have_poiso
     (lim,) = rep["sdc"]["limits"]
     assert lim == {"node": "n1", "first_failed_audit": 4, "last_passed_audit": 2,
                    "steps_that_may_be_affected": [3, 3], "resume_from_checkpoint_before": None}, lim
-    # step 3 was computed by the bad unit and committed: the run is not the failure-free one, and says so
-    assert rep["final_state_sha256"] != ref["final_state_sha256"]
+    # step 3 was computed by the bad unit and committed (a low bit of one element may or may not survive
+    # the reduction's rounding): no claim of equality with the failure-free run is made, and `limits` says so
+    assert ref["state"] == "done"
 
 
 @pytest.mark.slow
