@@ -10,8 +10,9 @@ every other round. Per mode the per-step times (`dt`) of all its runs are pooled
 first 3 steps of each run, and the ratio of medians to the unchecked mode is reported with a 95%
 bootstrap interval; each check's own time per step (its mean: audits are periodic; `sdc_<check>_s`
 in metrics.jsonl) is reported as a share of the unchecked median step time too, which is steadier
-than a ratio of two noisy medians. One function per check below (`CHECKS`) gives the flags that turn it on alone; a check added
-later adds its function there. Also measured in process: the fingerprint itself per MiB.
+than a ratio of two noisy medians. One function per check below (`CHECKS`) gives the flags that
+turn it on alone; a check added later adds its function there. Also measured in process: the
+fingerprint itself per MiB.
 
 Writes bench/results/sdc.json.
 """
