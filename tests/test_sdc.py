@@ -122,6 +122,17 @@ def test_a_bad_unit_is_caught_by_a_sampled_audit_and_the_steps_it_may_have_poiso
 
 
 @pytest.mark.slow
+def test_3d_a_full_audit_names_the_node_and_the_swap_is_bitwise(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """TP=2 x PP=2 x DP=2 (4 nodes of 2 workers): the audit's recomputation runs through the pipeline with
+    every data-parallel column shifted alike; the node is named from fingerprints gathered over the mesh."""
+    mesh = {"nodes": 4, "tp": 2, "pp": 2, "steps": 8}
+    ref = reference(**mesh)
+    rep = run(tmp_path, **mesh, spares=1, sdc_audit="full", inject=["sdc:node=1@step=6,target=grad,bit=3"])
+    _convicted(rep, "n1", 6)
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,layout", [("fp32", {}), ("bf16", {}),
                                               ("fp32", {"tp": 2, "pp": 2, "workers_per_node": 2}),
                                               ("bf16", {"tp": 2, "pp": 2, "workers_per_node": 2})])

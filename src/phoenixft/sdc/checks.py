@@ -106,9 +106,10 @@ class SdcChecks:
             self.inject.sdc_flip(f, s, flat.flat[: flat.numel], nonzero=False)
         t0 = time.perf_counter()
         d = flat.shards
+        dev = ctx.trainer.device.torch  # (NCCL's collectives take device tensors)
         mine = torch.tensor([x for j in range(d) for x in fingerprint(flat.flat[flat.shard_slice(j)])],
-                            dtype=torch.int64)
-        out = torch.empty(d * d * FP_WORDS, dtype=torch.int64)
+                            dtype=torch.int64, device=dev)
+        out = torch.empty(d * d * FP_WORDS, dtype=torch.int64, device=dev)
         self._pending = (s, ctx.comm.dp._allgather_base(out, mine), out)
         self._timed("params", t0)
 
@@ -157,16 +158,20 @@ class SdcChecks:
         ctx = self.ctx
         assert ctx.comm is not None
         d = ctx.trainer.flat.shards
-        out = torch.empty(d * n, dtype=torch.int64)
-        ctx.wait(ctx.comm.dp._allgather_base(out, torch.tensor(mine, dtype=torch.int64)), "sdc fingerprints")
+        dev = ctx.trainer.device.torch
+        out = torch.empty(d * n, dtype=torch.int64, device=dev)
+        ctx.wait(ctx.comm.dp._allgather_base(out, torch.tensor(mine, dtype=torch.int64, device=dev)),
+                 "sdc fingerprints")
         return out.view(d, n).tolist()
 
     def _gather_world(self, mine: list[int]) -> list[list[int]]:
         ctx = self.ctx
         assert ctx.comm is not None and ctx.topo is not None
         w, n = ctx.topo.world, len(mine)
-        out = torch.empty(w * n, dtype=torch.int64)
-        ctx.wait(ctx.comm.train._allgather_base(out, torch.tensor(mine, dtype=torch.int64)), "sdc fingerprints")
+        dev = ctx.trainer.device.torch
+        out = torch.empty(w * n, dtype=torch.int64, device=dev)
+        ctx.wait(ctx.comm.train._allgather_base(out, torch.tensor(mine, dtype=torch.int64, device=dev)),
+                 "sdc fingerprints")
         return out.view(w, n).tolist()
 
     # ------------------------------------------------------------------ during the step (the trainer's hooks)

@@ -49,7 +49,7 @@ def fingerprint(t: torch.Tensor) -> Fingerprint:
         s1, s2 = int(w.sum()), int(w[first % 2::2].sum())
     if start or mid + start < n:
         edge = torch.cat([by[:start], by[start + mid:]]).to(torch.int64)
-        pos = torch.arange(1, edge.numel() + 1, dtype=torch.int64)
+        pos = torch.arange(1, edge.numel() + 1, dtype=torch.int64, device=edge.device)
         s1 += int((edge * pos).sum())
         s2 += int((edge * pos * pos).sum())
     return (_wrap(s1), _wrap(s2))
