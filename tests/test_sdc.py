@@ -115,7 +115,8 @@ def test_a_bad_unit_is_caught_by_a_sampled_audit_and_the_steps_it_may_have_poiso
     assert (v["step"], v["node"], v["verdict"]) == (4, "n1", "persistent"), v
     (lim,) = rep["sdc"]["limits"]
     assert lim == {"node": "n1", "first_failed_audit": 4, "last_passed_audit": 2,
-                   "steps_that_may_be_affected": [3, 3], "resume_from_checkpoint_before": None}, lim
+                   "steps_that_may_be_affected": [3, 3], "resume_from_checkpoint_before": None,
+                   "checkpoint": None}, lim
     # step 3 was computed by the bad unit and committed (a low bit of one element may or may not survive
     # the reduction's rounding): no claim of equality with the failure-free run is made, and `limits` says so
     assert ref["state"] == "done"

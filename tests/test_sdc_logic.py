@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import torch
 
@@ -153,3 +154,22 @@ def test_a_sampled_audit_needs_a_third_node_to_decide() -> None:
               Computation((0, 0, 0), (2, 1), "n1", "replay")]
     v = judge(comps)
     assert (v.culprit, v.label, v.slots) == ("n1", "persistent", [(0, 0, 0), (0, 0, 2)])
+
+
+def test_the_honest_limits_of_a_sampled_audit_name_the_steps_and_the_checkpoint(tmp_path: Path) -> None:
+    from phoenixft.config import RunConfig
+    from phoenixft.sdc.report import _limits
+
+    for st in (5, 10, 15):
+        (tmp_path / f"step_{st:08d}").mkdir()
+        (tmp_path / f"step_{st:08d}" / "MANIFEST.json").write_text("{}")
+    cfg = RunConfig(sdc_audit="sample", persist_every=5, persist_dir=str(tmp_path))
+    log = [{"kind": "sdc_audit", "step": s, "nodes": ["n0", "n1" if s == 12 else "n2"]} for s in (4, 8, 12, 16)]
+    verdicts = [{"step": 20, "node": "n1", "verdict": "persistent",
+                 "reason": "the sample audit's recomputation differs"},
+                {"step": 3, "node": "n2", "verdict": "transient", "reason": "loss 1e9 is 99 robust deviations above"}]
+    (lim,) = _limits(cfg, log, verdicts)  # (a spike's verdict has no audit to be honest about)
+    assert lim == {"node": "n1", "first_failed_audit": 20, "last_passed_audit": 12,
+                   "steps_that_may_be_affected": [13, 19], "resume_from_checkpoint_before": 13,
+                   "checkpoint": str(tmp_path / "step_00000010")}
+    assert _limits(cfg.replace(sdc_audit="full"), log, verdicts) == []

@@ -51,8 +51,25 @@ def _limits(cfg: RunConfig, log: list[dict[str, Any]], verdicts: list[dict[str, 
         last_ok = max(passed, default=0)
         out.append({"node": node, "first_failed_audit": step, "last_passed_audit": last_ok or None,
                     "steps_that_may_be_affected": [last_ok + 1, step - 1] if step - 1 > last_ok else [],
-                    "resume_from_checkpoint_before": last_ok + 1 if cfg.persist_every else None})
+                    "resume_from_checkpoint_before": last_ok + 1 if cfg.persist_every else None,
+                    "checkpoint": _checkpoint_at_most(cfg.persist_dir, last_ok) if cfg.persist_every else None})
     return out
+
+
+def _checkpoint_at_most(root: str, step: int) -> str | None:
+    """The newest complete persistent checkpoint (its manifest written) of at most `step`: the state a
+    `phoenixft run --resume` can start from, proven clean by the audits before it."""
+    from pathlib import Path
+
+    found = []
+    for man in Path(root).glob("step_*/MANIFEST.json"):
+        try:
+            st = int(man.parent.name.split("_", 1)[1])
+        except ValueError:
+            continue
+        if st <= step:
+            found.append((st, str(man.parent)))
+    return max(found)[1] if found else None
 
 
 def sdc_report(store: Store, cfg: RunConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
