@@ -137,6 +137,8 @@ def test_the_guard_waits_for_history_and_forgets_at_reset() -> None:
     for x in (5.0, 5.1, 4.9, 5.0):  # the window keeps the last 4 only
         g.observe({"loss": x})
     assert g.history["loss"] == [5.0, 5.1, 4.9, 5.0] and g.suspect({"loss": 5.05}) is None
+    assert g.score("loss", 9.9) > 5 and g.suspect({"loss": 9.9}) is None  # far out, but not twice the median
+    assert g.suspect({"loss": 10.5}) is not None
     g.reset()
     assert g.suspect({"loss": 1e9}) is None
     assert SpikeGuard(threshold=0).suspect({"loss": 1e30}) is None  # 0: only non-finite values

@@ -88,39 +88,47 @@ def diverged(copies: Sequence[Sequence[Fingerprint]], ref: Sequence[Fingerprint]
 @dataclass
 class SpikeGuard:
     """A robust score of the loss and the gradient norm against a window of recent committed steps:
-    (x - median) / (1.4826 * MAD), upward only; a non-finite value is always suspect. `threshold` 0
-    turns the score off (non-finite values stay suspect)."""
+    (x - median) / (1.4826 * MAD), upward only, and a spike must also be `min_ratio` times the median;
+    a non-finite value is always suspect. `threshold` 0 turns the score off (non-finite values stay
+    suspect)."""
 
     threshold: float = 12.0
     window: int = 32
     min_history: int = 8
+    min_ratio: float = 2.0
     history: dict[str, list[float]] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.history.clear()
 
-    def score(self, name: str, x: float) -> float:
-        if not math.isfinite(x):
-            return math.inf
+    def _stats(self, name: str) -> tuple[float, float] | None:
+        """(median, scale) of the window, or None while it is too short."""
         h = self.history.get(name, [])
         if len(h) < self.min_history:
-            return 0.0
+            return None
         s = sorted(h)
         med = s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
         dev = sorted(abs(v - med) for v in h)
         mad = dev[len(dev) // 2] if len(dev) % 2 else (dev[len(dev) // 2 - 1] + dev[len(dev) // 2]) / 2
-        scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
-        return (x - med) / scale
+        return med, max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
+
+    def score(self, name: str, x: float) -> float:
+        if not math.isfinite(x):
+            return math.inf
+        st = self._stats(name)
+        return 0.0 if st is None else (x - st[0]) / st[1]
 
     def suspect(self, values: dict[str, float | None]) -> str | None:
-        """Why the step with these values is suspect (None: it is not)."""
+        """Why the step with these values is suspect (None: it is not): not finite, or above the
+        threshold and at least `min_ratio` times the window's median (a gradient norm's tail reaches
+        12 robust deviations now and then in clean training: once in 1,000 steps of `tiny`)."""
         for name, x in values.items():
             if x is None:
                 continue
-            sc = self.score(name, x)
             if not math.isfinite(x):
                 return f"{name} is {x}"
-            if self.threshold > 0 and sc > self.threshold:
+            sc, st = self.score(name, x), self._stats(name)
+            if self.threshold > 0 and st is not None and sc > self.threshold and x > self.min_ratio * st[0]:
                 return f"{name} {x:.6g} is {sc:.1f} robust deviations above the last {len(self.history[name])} steps"
         return None
 
