@@ -57,7 +57,7 @@ def fingerprints() -> dict[str, Any]:
 
 
 def spike_guard() -> dict[str, Any]:
-    return {**OFF, "spike_threshold": 12.0}
+    return {**OFF, "spike_threshold": 20.0}
 
 
 def sampled_audits() -> dict[str, Any]:

@@ -33,7 +33,7 @@ DEFAULT_JSON = (
     '"phoenix", "quiet": false, "racks": 1, "redundancy": "replicas:1", "repair_after": 0.0, "replica_transport": '
     '"auto", "replicas": 1, "report": "", "resume": "", "run_dir": "", "sdc_audit": "off", "sdc_audit_every": 0, '
     '"sdc_check_every": 1, "seed": 1234, "spare_arrives_at_step": 0, '
-    '"spares": 1, "spike_threshold": 12.0, "spike_window": 32, "steps": 20, "threads": 0, "timeout": 600.0, '
+    '"spares": 1, "spike_threshold": 20.0, "spike_window": 32, "steps": 20, "threads": 0, "timeout": 600.0, '
     '"tp": 1, "warmup_steps": 0, "weight_decay": 0.1, '
     '"workers_per_node": 1, "workload": "phoenixft.gpt:workload"}'
 )

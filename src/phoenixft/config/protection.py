@@ -45,7 +45,7 @@ class ProtectionConfig:
                                      "them across each data-parallel group before the step commits, naming a member "
                                      "whose copy diverged "
                                      "(0 = never; see docs/sdc.md).", flag="--sdc-check-every")
-    spike_threshold: float = option(12.0, "Spike guard: a loss or gradient norm this many robust deviations (median "
+    spike_threshold: float = option(20.0, "Spike guard: a loss or gradient norm this many robust deviations (median "
                                           "absolute deviations) above the recent window, or not finite, marks the step "
                                           "suspect and it is replayed before it commits (0 = only non-finite values; "
                                           "-1 = the guard off).", flag="--spike-threshold")
