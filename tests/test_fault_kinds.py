@@ -76,7 +76,9 @@ def _slow(rng: random.Random) -> str:
 
 
 def _sdc(rng: random.Random) -> str:
-    when = [f"step={rng.randint(0, 10**6)}", "target=shard", *_opt(rng, f"bit={rng.randint(0, 31)}")]
+    target = rng.choice(["param", "grad", "shard"])
+    when = [f"step={rng.randint(0, 10**6)}", f"target={target}", *_opt(rng, f"bit={rng.randint(0, 31)}"),
+            *(_opt(rng, "persist") if target != "shard" else [])]
     rng.shuffle(when)
     return f"sdc:node={rng.randint(0, 63)}@{','.join(when)}"
 
@@ -125,7 +127,8 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
         "kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery, kill:coordinator@step=S, "
         "kill:etcd=I|leader@step=S, hang:node=I@step=S, crash:rank=R@step=S, corrupt:node=I@step=S, nan:step=S, "
         "partition:node=I@step=S[,for=SECONDS], slow:node=I@step=S,factor=F, "
-        "sdc:node=I@step=S,target=shard[,bit=B], preempt:node=I@step=S,notice=T or sick:spare=J[@step=S]")
+        "sdc:node=I@step=S,target=param|grad|shard[,bit=B][,persist], preempt:node=I@step=S,notice=T or "
+        "sick:spare=J[@step=S]")
     with pytest.raises(UserError, match="wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not nan"):
         parse_fault("nan:step=3,wait=5")
 
@@ -139,6 +142,8 @@ def test_the_malformed_spec_error_lists_every_kinds_forms() -> None:
     ("nan:step=3", Point.LOSS), ("partition:node=1@step=3", Point.HEARTBEAT),
     ("slow:node=1@step=3,factor=2", Point.COMPUTE),
     ("preempt:node=1@step=3,notice=5", Point.NOTICE),
+    ("sdc:node=1@step=3,target=grad,bit=30", Point.SDC), ("sdc:node=0@step=3,target=param,persist", Point.SDC),
+    ("sdc:node=0@step=3,target=shard", Point.AT_REST),
 ])
 def test_each_spec_fires_at_its_point(text: str, point: Point) -> None:
     assert parse_fault(text).point is point
@@ -159,6 +164,29 @@ def test_whom_a_fault_strikes_and_what_it_holds() -> None:
     # a corruption at rest holds the step before (it hits that step's replicas); a partition's agent holds it
     assert held == {"kill:node=1@step=4,wait=5": [4], "corrupt:node=1@step=4,wait=5": [3],
                     "partition:node=1@step=4,wait=5": []}
+
+
+@pytest.mark.parametrize("text,why", [
+    ("sdc:node=1@step=3", "expected sdc:node=I@step=S,target="),
+    ("sdc:node=1@step=3,target=disk", "target='disk': one of param, grad, shard"),
+    ("sdc:node=1@step=3,target=grad,bit=32", "bit='32': a bit of a 32-bit element, 0..31"),
+    ("sdc:node=1@step=3,target=grad,persist=yes", "persist takes no value"),
+    ("sdc:node=1@step=3,target=grad,phase=backward", "expected sdc:node=I@step=S,target="),
+    ("sdc:node=1@step=3,target=grad,wait=5", "wait=SECONDS is for"),
+    ("kill:node=1@step=3,persist", "expected"),
+])
+def test_sdc_specs_are_refused_with_the_reason(text: str, why: str) -> None:
+    with pytest.raises(UserError, match=re.escape(why)):
+        parse_fault(text)
+
+
+def test_an_sdc_fault_fires_once_or_from_its_step_on() -> None:
+    once, bad = parse_fault("sdc:node=1@step=5,target=grad"), parse_fault("sdc:node=1@step=5,target=grad,persist")
+    k = once.kind_of
+    assert [s for s in range(1, 10) if k.fires_at(once, s, "grad")] == [5]  # type: ignore[attr-defined]
+    assert [s for s in range(1, 10) if k.fires_at(bad, s, "grad")] == [5, 6, 7, 8, 9]  # type: ignore[attr-defined]
+    assert not k.fires_at(once, 5, "param")  # type: ignore[attr-defined]
+    assert not k.answered_by_recovery(parse_fault("sdc:node=1@step=5,target=shard"))
 
 
 def test_a_launch_mode_refuses_what_it_cannot_fire() -> None:

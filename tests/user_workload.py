@@ -354,3 +354,15 @@ def bad_optimizer_workload(ctx: WorkloadContext) -> Workload:
     """The workload's own optimizer raising from step 5 on (its elementwise check, steps 1-3, passes)."""
     wl = workload(ctx)
     return Workload(build_model=wl.build_model, loss=wl.loss, batch=wl.batch, optimizer=_plain_sgd(fail_at=5))
+
+
+def spike_workload(ctx: WorkloadContext) -> Workload:
+    """The MLP whose data make a genuine loss and gradient spike at step 12 (its targets 1,000 times
+    larger in that step only): the data's, not a fault's."""
+    wl = workload(ctx)
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = wl.batch(step, index)
+        return (x, y * 1000.0) if step == 12 else (x, y)
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=batch)

@@ -48,6 +48,22 @@ class ProtectionConfig:
                               "1/N of the held bytes per step, on the replication thread), and a copy that no "
                               "longer matches is repaired at once from a good one (its owner, another replica, or "
                               "re-encoded from its group) and reported. 0 = off.", flag="--scrub-every")
+    sdc_check_every: int = option(1, "Fingerprint the full parameters before the forward every N steps and compare "
+                                     "them across each data-parallel group before the step commits, naming a member "
+                                     "whose copy diverged "
+                                     "(0 = never; see docs/sdc.md).", flag="--sdc-check-every")
+    spike_threshold: float = option(20.0, "Spike guard: a loss or gradient norm this many robust deviations (median "
+                                          "absolute deviations) above the recent window, or not finite, marks the step "
+                                          "suspect and it is replayed before it commits (0 = only non-finite values; "
+                                          "-1 = the guard off).", flag="--spike-threshold")
+    spike_window: int = option(32, "Spike guard: committed steps in the window the score is taken against.",
+                               flag="--spike-window")
+    sdc_audit: str = option("off", "Audits: sample (every --sdc-audit-every steps one data-parallel rank's "
+                                   "microbatches are recomputed on another node) or full (every rank's, on another "
+                                   "node: double compute) or off; the gradients' fingerprints must agree bit for bit.",
+                            flag="--sdc-audit")
+    sdc_audit_every: int = option(0, "Steps between audits (with --sdc-audit; 0 = every step for full, every 10 "
+                                     "steps for sample).", flag="--sdc-audit-every")
 
     def resolve(self) -> None:
         """--replicas K is a shorthand for --redundancy replicas:K: make the two fields agree."""
@@ -79,11 +95,25 @@ def validate_protection(cfg: RunConfig) -> None:
     need(p.persist_every >= 0, "--persist-every", p.persist_every, "must be >= 0")
     need(p.scrub_every >= 0, "--scrub-every", p.scrub_every,
          "must be >= 0 (steps per full scrub of the held copies; 0 = off)")
+    _validate_sdc(p)
     if p.persist_every:
         need(bool(p.persist_dir), "--persist-dir", p.persist_dir, "needed with --persist-every")
         need(p.protect == "phoenix", "--persist-every", p.persist_every, "needs --protect phoenix")
         why = unwritable(p.persist_dir)
         need(why is None, "--persist-dir", p.persist_dir, f"cannot create or write a file there ({why})")
+
+
+SDC_AUDITS = ("off", "sample", "full")
+
+
+def _validate_sdc(p: ProtectionConfig) -> None:
+    """The silent-data-corruption checks (docs/sdc.md)."""
+    need(p.sdc_check_every >= 0, "--sdc-check-every", p.sdc_check_every, "must be >= 0 (0 = never)")
+    real(p.spike_threshold, p.spike_threshold >= 0 or p.spike_threshold == -1, "--spike-threshold",
+         ">= 0 (0: only non-finite values), or -1 (the guard off)")
+    need(p.spike_window >= 4, "--spike-window", p.spike_window, "must be >= 4 steps")
+    need(p.sdc_audit in SDC_AUDITS, "--sdc-audit", p.sdc_audit, f"one of {', '.join(SDC_AUDITS)}")
+    need(p.sdc_audit_every >= 0, "--sdc-audit-every", p.sdc_audit_every, "must be >= 0 (0 = the audit's default)")
 
 
 def _validate_scheme(cfg: RunConfig) -> None:

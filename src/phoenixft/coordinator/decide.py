@@ -151,6 +151,7 @@ class Decider:
         self.publisher = publisher
         self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
         self._refused: dict[str, str] = {}  # checkpoint path -> why: refused by the workers, never chosen again
+        self._sdc: dict[str, dict[str, Any]] = {}  # nodes convicted of silent data corruption in this recovery
 
     def recover(self) -> None:
         assert self.state.topo is not None
@@ -163,6 +164,7 @@ class Decider:
             self.store.set(keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
         self.admission.health.begin(self.admission.ready_spares())  # their checks run while the survivors report
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
+        self._sdc = self._convicted(e, old, dead, fenced)
         with gc_paused():
             self.decide(old, t_start, dead, fenced, restarted)
 
@@ -184,12 +186,30 @@ class Decider:
         desk.await_stopped(e, old.world, req)
         self.store.set(keys.drain_abort(e), "1")  # (whoever is still inside a step of e leaves it now)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
+        self._sdc = self._convicted(e, old, dead, fenced)
         if req.node in dead:
             self.job.event("drain_failed", epoch=e, node=req.node, why="the node was lost before its drain was "
                            "planned (its notice ran out): recovered as a failure")
         with gc_paused():
             self.decide(old, t_start, dead, fenced, restarted, drain=req)
         desk.done(req)
+
+    def _convicted(self, e: int, old: Topology, dead: set[str], fenced: set[str]) -> dict[str, dict[str, Any]]:
+        """The nodes a rank proved to compute wrong in epoch e (phoenixft.sdc): dead and fenced like a
+        failed node, and their hosts quarantined for the rest of the job (phoenixft.health: never admitted
+        again, whatever their failure count)."""
+        from phoenixft.health import quarantine
+        from phoenixft.sdc.record import accused, sdc_quarantine
+
+        found = {n: r for n, r in accused(self.store, e).items() if n in old.nodes}
+        for n, r in found.items():
+            dead.add(n)
+            fenced.add(n)
+            why = f"silent data corruption in step {r.get('step')} ({r.get('verdict')}): {r.get('why', '')}"
+            sdc_quarantine(self.store, n, why)
+            quarantine(self.store, self.admission.health.host(n), f"{n}: {why}")
+            self.job.event("sdc_fenced", epoch=e, node=n, step=r.get("step"), verdict=r.get("verdict"))
+        return found
 
     def decide(self, old: Topology, t_start: float, dead: set[str], fenced: set[str], restarted: set[str],
                drain: DrainRequest | None = None) -> None:
@@ -306,14 +326,15 @@ class Decider:
                            path=topo.meta["manifest"]["path"])
         max_committed = max((max(d.params) for d in descs.values() if d.params), default=plan.resume_step)
         progress = self.job.progress()
+        klass = "sdc" if set(self._sdc) & dead else plan.klass
         self.job.event("classified", epoch=e, dead=sorted(dead), fenced=sorted(fenced), restarted=sorted(restarted),
-                       **{"class": plan.klass}, action=plan.action, drained=topo.meta.get("drained", []))
+                       **{"class": klass}, action=plan.action, drained=topo.meta.get("drained", []))
         t_decided = time.time()
         rec: dict[str, Any] = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
                "t_decided": t_decided, "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
                "promoted": plan.promoted,
                "resume_step": plan.resume_step, "max_committed": max(max_committed, progress, old.resume_step),
-               "class": plan.klass,
+               "class": klass, "sdc": self._sdc,
                "action": plan.action, "restarted": sorted(restarted), "dropped": plan.dropped, "world": topo.world,
                "errors": sorted({d.error for d in descs.values()})[:5],
                "replicas_rejected": [list(x) for x in plan.rejected],

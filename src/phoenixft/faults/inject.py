@@ -20,6 +20,8 @@ import signal
 import time
 from typing import Any
 
+import torch
+
 from phoenixft.controlplane import keys
 from phoenixft.dist.topology import Topology
 from phoenixft.faults.kinds import Point
@@ -35,6 +37,7 @@ class FaultInjector:
         self.w = ctx  # the rank it runs on
         self._struck: list[str] = []  # the node ids the fault claimed last strikes (all of a rack's)
         self._slow: dict[int, float] = {}  # slow faults past their step: index -> factor on this node (1.0: not it)
+        self._sdc_struck: dict[int, bool] = {}  # sdc fault index -> whether it struck this node (claimed here)
 
     def hold(self, step: int) -> None:
         """`,wait=S`: before step `step`, on every rank, hold until the job is whole (at most S) while a
@@ -223,3 +226,55 @@ class FaultInjector:
                     h.data[half].view(-1)[:: max(1, h.numel // 7)] += 1.0  # crc now mismatches
                     self.w.event("corrupted_replica", shard=shard, step=step, spec=f.text)
 
+
+    # ------------------------------------------------------------------ silent data corruption
+    def sdc_due(self, step: int, target: str, first: bool = True) -> list[FaultSpec]:
+        """The sdc faults that corrupt `target` on this node in step `step`: claimed (and recorded) at
+        their first firing, once per run; a `,persist` one fires again every later computation on the
+        node it struck first (a replacement in its slot is healthy). `first=False`: only those that
+        already struck (a recomputation never takes a fault's first firing)."""
+        if self.w.topo is None:
+            return []
+        slot = self.w.topo.slot_of(self.w.node_id)
+        due = []
+        for f in self.w.faults:
+            if f.point is not Point.SDC or not f.kind_of.fires_at(f, step, target):  # type: ignore[attr-defined]
+                continue
+            if f.index in self._sdc_struck:
+                if f.persist and self._sdc_struck[f.index]:
+                    due.append(f)
+                continue
+            if not first or step != f.step or not f.kind_of.strikes(f, self.w.rank, slot, self.w.topo):
+                continue
+            mine = bool(self._claim(f))
+            self._sdc_struck[f.index] = mine
+            if mine:
+                self._record(f, step=step, phase=target)
+                due.append(f)
+        return due
+
+    def sdc_flip(self, f: FaultSpec, step: int, t: torch.Tensor, nonzero: bool) -> dict[str, Any]:
+        """Flip one bit of one element of `t` in place (`,bit=B`, else drawn from the run's seed); the
+        element drawn from the seed too (`nonzero`: among the non-zero ones, so that a gradient flip
+        lands where the gradient is). Returns where, for the event."""
+        import random
+
+        rng = random.Random(f"{self.w.cfg.seed}/sdc/{f.index}/{step}/{self.w.rank}")
+        flat = t.view(-1)
+        bits = flat.element_size() * 8
+        cand = torch.nonzero(flat).view(-1) if nonzero else None
+        if cand is not None and cand.numel():
+            i = int(cand[rng.randrange(cand.numel())])
+        else:
+            i = rng.randrange(flat.numel())
+        bit = f.bit if f.bit is not None else rng.randrange(bits)
+        bit = min(bit, bits - 1)
+        words = flat.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[flat.element_size()])
+        mask = 1 << bit
+        if mask >= 1 << (bits - 1):
+            mask -= 1 << bits
+        before = float(flat[i])
+        words[i] = int(words[i]) ^ mask
+        where = {"element": i, "bit": bit, "before": before, "after": float(flat[i])}
+        self.w.event("sdc_injected", spec=f.text, step=step, target=f.target, node=self.w.node_id, **where)
+        return where

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import os
 import signal
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from phoenixft.errors import UserError
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from phoenixft.faults.inject import FaultInjector
     from phoenixft.faults.spec import FaultSpec
 
-__all__ = ["KILL_PHASES", "MEMBER_TARGET", "Point", "FaultKind", "KINDS", "bad_spec", "join_or"]
+__all__ = ["KILL_PHASES", "MEMBER_TARGET", "SDC_TARGETS", "Point", "FaultKind", "KINDS", "bad_spec", "join_or"]
 
 KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
 # the --inject target naming a member of the control-plane cluster the run started, by that cluster's software
@@ -39,6 +39,7 @@ class Point(enum.Enum):
     AT_REST = "at_rest"  # a worker, on a committed copy it holds, once a step's protection committed (`at_rest`)
     TRANSFER = "transfer"  # a worker, on the optimizer-state transfers it sends (`FaultInjector.corrupts_transfers`)
     LOSS = "loss"  # rank 0, on the loss of a step (`FaultInjector.nan_at`)
+    SDC = "sdc"  # a worker, on a tensor it computes with (`FaultInjector.sdc_flip`)
     HEARTBEAT = "heartbeat"  # the node agent, from its heartbeat loop (`partition.PartitionInjector`)
     NOTICE = "notice"  # the node agent, from its heartbeat loop: a preemption notice (`faults/notice.py`)
     PROGRESS = "progress"  # the launcher, from its progress loop (`LocalJob._fire_member_faults`)
@@ -69,6 +70,7 @@ class FaultKind:
     options: ClassVar[frozenset[str]] = frozenset()  # when-part keys it takes besides step, phase, recovery, wait, for
     notices: ClassVar[bool] = False  # it takes ,notice=SECONDS
     needs_when: ClassVar[bool] = True  # its spec has an @when part (sick:spare=J may have none)
+    flags: ClassVar[frozenset[str]] = frozenset()  # those of its options written bare (no =VALUE)
 
     # ---------------------------------------------------------------- parsing
     def check_form(self, text: str, when: dict[str, str]) -> None:
@@ -76,6 +78,10 @@ class FaultKind:
 
     def check_phase(self, text: str, when: dict[str, str]) -> None:
         """Refuse a phase= this kind explains itself (before the generic phase check)."""
+
+    def parse_options(self, text: str, when: dict[str, str]) -> dict[str, Any]:
+        """The FaultSpec fields of this kind's own when-part keys (`options`)."""
+        return {}
 
     def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
                    member: int | None, target: str | None) -> bool:
@@ -397,49 +403,79 @@ class Preempt(FaultKind):
         return "its slot's agent did not see the job reach its step (the run ended first)"
 
 
+SDC_TARGETS = ("param", "grad", "shard")
+SDC_BITS = {"param": 32, "grad": 32, "shard": 32}  # bits of an element (bf16 parameters: 16, checked on the rank)
+
+
 class Sdc(FaultKind):
-    """Silent data corruption: one bit flipped, nothing crashes. `target=shard`: a committed copy the node
-    holds at rest (a replica or parity block it received, else its own older snapshot half), flipped right
-    after the replication of step S-1 committed during step S (faults/at_rest.py)."""
+    """Silent data corruption: one bit flipped in a tensor of a node, nothing crashes. The training
+    process carries out `param` and `grad` (phoenixft.sdc); `shard` (a snapshot half or a replica at
+    rest) is the scrubber's."""
 
     name = "sdc"
-    forms = ("sdc:node=I@step=S,target=shard[,bit=B]",)
-    options = frozenset({"target", "bit"})
-    targets_at_rest: ClassVar[tuple[str, ...]] = ("shard",)
+    forms = ("sdc:node=I@step=S,target=param|grad|shard[,bit=B][,persist]",)
+    options = frozenset({"target", "bit", "persist"})
+    flags = frozenset({"persist"})
     waits = False
 
     def check_form(self, text: str, when: dict[str, str]) -> None:
-        if "step" not in when or "phase" in when:
-            raise bad_spec(text, "expected sdc:node=I@step=S,target=shard[,bit=B] (no phase: the copy is at rest)")
-        if when.get("target") not in self.targets_at_rest:
-            raise bad_spec(text, f"target={when.get('target', '')!r}: expected target=shard (a committed copy the "
-                                 "node holds at rest)")
-        bit = when.get("bit")
-        if bit is not None and not (bit.isdigit() and 0 <= int(bit) < 32):
-            raise bad_spec(text, f"bit={bit!r}: expected a bit index 0..31 of a float32 element")
+        if "step" not in when or "phase" in when or "target" not in when:
+            raise bad_spec(text, "expected " + self.forms[0])
+
+    def parse_options(self, text: str, when: dict[str, str]) -> dict[str, Any]:
+        target = when["target"]
+        if target not in SDC_TARGETS:
+            raise bad_spec(text, f"target={target!r}: one of {', '.join(SDC_TARGETS)}")
+        bit = None
+        if "bit" in when:
+            if not when["bit"].isdigit() or int(when["bit"]) >= SDC_BITS[target]:
+                raise bad_spec(text, f"bit={when['bit']!r}: a bit of a {SDC_BITS[target]}-bit element, "
+                                     f"0..{SDC_BITS[target] - 1}")
+            bit = int(when["bit"])
+        if when.get("persist", "") != "":
+            raise bad_spec(text, "persist takes no value (write ,persist)")
+        if target == "shard" and "persist" in when:
+            raise bad_spec(text, "persist is for target=param or target=grad (a unit that computes wrong); a copy at "
+                                 "rest is flipped once")
+        return {"target": target, "bit": bit, "persist": "persist" in when}
 
     def format(self, f: FaultSpec) -> str:
-        bit = f",bit={f.bit}" if f.bit is not None else ""
-        return f"{self.name}:{self.format_target(f)}@step={f.step},target={f.target}{bit}"
+        when = [f"step={f.step}", f"target={f.target}"]
+        if f.bit is not None:
+            when.append(f"bit={f.bit}")
+        if f.persist:
+            when.append("persist")
+        return f"{self.name}:{self.format_target(f)}@{','.join(when)}"
 
     def point(self, f: FaultSpec) -> Point:
-        return Point.AT_REST
+        # shard: a committed copy at rest, flipped once the protection of step S-1 committed (faults/at_rest.py)
+        return Point.AT_REST if f.target == "shard" else Point.SDC
 
     def held_at(self, f: FaultSpec, step: int) -> bool:
         return False
 
+    def fires_at(self, f: FaultSpec, step: int, target: str) -> bool:
+        """Whether f corrupts `target` in step `step` (once at its step, or every step from it on)."""
+        return f.target == target and f.step is not None and (step == f.step or (f.persist and step > f.step))
+
     def act(self, f: FaultSpec, injector: FaultInjector) -> None:
-        injector.flip_at_rest(f)
+        if f.target == "shard":
+            injector.flip_at_rest(f)  # (param and grad are flipped where the worker computes: sdc_flip)
 
     def answered_by_recovery(self, f: FaultSpec) -> bool:
-        return False  # nothing dies: the scrubber (or a recovery's checksum) answers it
+        return f.target != "shard"  # a corrupt copy at rest is repaired, not recovered from
 
     def why_not_fired(self, f: FaultSpec) -> str:
-        return "its node committed no protected copy during its step (not in the job, or the run ended first)"
+        if f.target == "shard":
+            return "its node committed no protected copy during its step (not in the job, or the run ended first)"
+        return "its node computed nothing at its step (not in the job, or the run ended first)"
 
     def describe(self, f: FaultSpec) -> str:
+        what = {"param": "its copy of the parameters", "grad": "a microbatch's gradient",
+                "shard": "a snapshot half or replica it holds"}[f.target]
         bit = f"bit {f.bit}" if f.bit is not None else "a drawn bit"
-        return f"flip {bit} of a committed copy node {f.node} holds at rest, in step {f.step}"
+        return f"flip {bit} of {what} on node {f.node}" + (" every step" if f.persist else "") + \
+            f" from step {f.step}"
 
 
 class Sick(FaultKind):

@@ -21,14 +21,19 @@
     nan:step=S                            the loss of step S is NaN (not ours to heal: clean stop)
     slow:node=I@step=S,factor=F           from step S on, node I's compute takes F (> 1) times as long (a
                                           straggler; a spare that replaces it is not slow)
-    sdc:node=I@step=S,target=shard[,bit=B]  flip one bit (B, or a drawn one) of a committed copy node I
-                                          holds at rest (a replica or parity block received in step S)
     preempt:node=I@step=S,notice=T        a preemption notice: once the job reaches step S, the agent of
                                           slot I gets its drain signal (a planned drain moves its role to a
                                           spare), and T seconds later every process of the node is
                                           SIGKILLed if it has not left by then
     sick:spare=J[@step=S]                 spare sJ's health checks fail (its matrix product is wrong): it is
                                           never promoted; with @step=S only its checks once the job reached S
+    sdc:node=I@step=S,target=T[,bit=B][,persist]
+                                          silent data corruption: flip one bit (B, else one drawn from the
+                                          run's seed) of a tensor on node I, nothing crashes: T=param its copy
+                                          of the full parameters after the gather, before the forward;
+                                          T=grad one microbatch's gradient before the reduction; T=shard a
+                                          committed snapshot half or a replica it holds, at rest. persist: the
+                                          node corrupts every time it computes from step S on (a bad unit)
     partition:node=I@step=S[,for=T]       cut the host of slot I off the network (its link down) once the
                                           job reaches step S, its processes left running; the link comes
                                           back after T seconds (default: when its agent gives up and exits).
@@ -80,10 +85,11 @@ class FaultSpec:
     wait: float = 0.0  # seconds the fault may hold its step until the job is whole again (chaos campaigns)
     duration: float = 0.0  # partition: seconds until the link comes back (0 = when the agent exits)
     factor: float = 0.0  # slow: how many times as long the node's compute takes (0 = not a slow fault)
-    target: str = ""  # sdc: what it corrupts (shard: a committed copy at rest)
-    bit: int | None = None  # sdc: the bit of a float32 element it flips (None: drawn)
     notice: float | None = None  # preempt: seconds from the drain signal to the SIGKILL of the node
     spare: int | None = None  # sick: the spare id's number (s<J>)
+    target: str = ""  # sdc: the tensor it corrupts (param, grad, shard)
+    bit: int | None = None  # sdc: the bit it flips (None: drawn from the run's seed)
+    persist: bool = False  # sdc: every time the node computes from its step on, not once
 
     @property
     def node(self) -> int | None:
@@ -211,6 +217,8 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
     when: dict[str, str] = {}
     for item in m["when"].split(",") if m["when"] else []:
         k, sep, v = item.partition("=")
+        if not sep and k.strip() in fk.flags:  # a bare flag (sdc's persist)
+            sep, v = "=", ""
         if not sep:
             raise _bad(text, f"expected key=value, got {item!r}")
         if k.strip() in when:
@@ -263,5 +271,4 @@ def parse_fault(text: str, index: int = 0) -> FaultSpec:
             raise _bad(text, f"for={when['for']} must be > 0 seconds (leave it out: until the agent gives up)")
     return FaultSpec(text=text, index=index, kind=kind, nodes=nodes, rack=rack, rank=rank, step=step,
                      recovery=recovery, phase=phase, coordinator=coordinator, member=member, wait=wait,
-                     duration=duration, factor=factor, target=when.get("target", ""),
-                     bit=int(when["bit"]) if "bit" in when else None, notice=notice, spare=spare)
+                     duration=duration, factor=factor, notice=notice, spare=spare, **fk.parse_options(text, when))

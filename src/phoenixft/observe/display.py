@@ -15,6 +15,7 @@ from typing import Any
 
 from phoenixft.observe.goodput import summary_line
 from phoenixft.recovery.invariants import failed_invariants, invariants_hold
+from phoenixft.sdc.report import detection_line
 
 __all__ = ["Display"]
 
@@ -126,6 +127,8 @@ class Display:
                       f"corrupt at rest; {fix}")
         elif k == "fault_failed":
             self._err(f"!! fault {ev['spec']} could not be injected on {ev['node']}: {ev['error']}")
+        elif k in ("sdc_detected", "sdc_verdict"):
+            self._err(detection_line(ev) or "")
 
     @staticmethod
     def _inv(r: dict[str, Any]) -> str:

@@ -37,6 +37,7 @@ from typing import Any
 from phoenixft.errors import UserError
 from phoenixft.observe.goodput import account
 from phoenixft.recovery.invariants import failed_invariants, invariants_hold
+from phoenixft.sdc.report import sdc_html, timeline_marks
 
 __all__ = ["RunData", "load_run", "write_report", "render_html", "fmt_ms", "STAGES", "tokens_per_step",
            "val_series"]
@@ -240,6 +241,10 @@ def plot_throughput(run: RunData, ref: RunData | None, tokens: int | None) -> st
             fontsize=8,
             color="#d62728",
         )
+    for j, (x, label) in enumerate(timeline_marks(run.report, run.t0 or 0.0)):  # silent data corruption
+        ax.axvline(x, color="#9467bd", ls=":", lw=1.2, label="sdc detection / verdict" if j == 0 else None)
+        ax.annotate(label, (x, 0.0), xycoords=("data", "axes fraction"), xytext=(3, 4 + 11 * (j % 3)),
+                    textcoords="offset points", fontsize=8, color="#9467bd")
     ax.set_xlabel("seconds since start")
     ax.set_ylabel(unit)
     ax.set_ylim(bottom=0)
@@ -713,6 +718,8 @@ def render_html(run: RunData, ref: RunData | None = None) -> str:
         _scrub_table(run),
         "<h2>Spare health and quarantined hosts</h2>",
         _health_tables(run),
+        "<h2>Silent data corruption</h2>",
+        sdc_html(run.report),
         "<h2>Events</h2>",
         _events_table(run),
         "</body></html>",

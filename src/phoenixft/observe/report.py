@@ -29,6 +29,7 @@ from phoenixft.controlplane.values import note_bad, parse_json, parse_lines, rea
 from phoenixft.errors import UserError
 from phoenixft.faults.spec import FaultSpec, parse_fault
 from phoenixft.observe.goodput import account
+from phoenixft.sdc.report import sdc_report
 
 __all__ = ["build_report", "percentile", "read_recoveries", "write_metrics"]
 
@@ -215,6 +216,7 @@ def _recovery(store: Store, cfg: RunConfig, e: int, faults: list[dict[str, Any]]
         "times": {"fault": t0, "first_report": rec["t_first_report"], "decided": rec["t_decided"],
                   "joined": joined_at if joins else None, "first_step": first["t"] if first else None},
         "drain": _drain(rec, first),
+        "sdc": rec.get("sdc", {}),  # class sdc: the node convicted of silent data corruption, and why
     }
 
 
@@ -352,6 +354,7 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         "goodput": account(steps, recoveries, events, t_launch=t_launch),
         # copies found corrupt at rest by the scrubber (--scrub-every), and where each repair came from
         "scrub": _scrub(cfg, events),
+        "sdc": sdc_report(store, cfg, steps),  # silent data corruption: detections, verdicts, cost (docs/sdc.md)
         "run_dir": str(run_dir),
     }
     from phoenixft.health.summary import summarize

@@ -41,6 +41,7 @@ from phoenixft.recovery import restore
 from phoenixft.recovery.evidence import installed_seen
 from phoenixft.recovery.invariants import check_invariants, failure_message
 from phoenixft.runtime.context import RankContext
+from phoenixft.sdc.checks import SdcChecks, SdcSuspect
 from phoenixft.train.trainer import Trainer
 from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
 
@@ -98,6 +99,7 @@ class Worker:
             print(f"phoenixft worker {self.wid}: {e}", flush=True)
             raise
         self.inject = self.ctx.inject = FaultInjector(self.ctx)
+        self.sdc = SdcChecks(self.ctx, self.inject)  # silent-data-corruption checks (docs/sdc.md)
         # the protection owns the replicator, the redundancy scheme and the persistent tier
         self.protection = Protection(self.ctx, self.ctx.coll_timeout)
         scheme = self.ctx.scheme = self.protection.scheme
@@ -145,11 +147,14 @@ class Worker:
         self.inject.hold(s)  # `,wait=S` faults: before any collective of the step, on every rank
         t0 = time.perf_counter()
         scheme, repl = self.ctx.scheme, self.protection.repl
-        res = self.ctx.trainer.step(
-            s, self.ctx.comm, self.ctx.rank, self.ctx.topo.layout,
-            self.ctx.topo.microbatches(self.ctx.rank, self.cfg.total_microbatches),
-            self.ctx.wait, before_reduce=lambda: scheme.wait(s - 1) if scheme is not None else 0.0,
-            fault=lambda phase: self.inject.at(s, phase), nan=self.inject.nan_at(s), slow=self.inject.slow_factor(s))
+        self.ctx.trainer.checks = self.sdc
+        self.sdc.before_step(s)  # parameter fingerprints across the data-parallel group; an audit's recomputation
+        try:
+            res = self._step(s)
+        except SdcSuspect as e:  # nothing of step s committed: replay it; a proven corruption raises PeerFailure
+            self.sdc.prove(s, e)
+            res = self._step(s)  # a genuine spike: the step again, bit for bit the original
+        self.sdc.committed()
         if scheme is not None:
             scheme.protect(s)
         self.trained = True
@@ -170,6 +175,7 @@ class Worker:
                            scrub_cpu_s=round(scrub.stats.last_cpu_s, 6))
             if res.grad_norm is not None:
                 rec["grad_norm"] = res.grad_norm
+            rec.update(self.sdc.costs())
             if res.val_loss is not None:
                 rec["val_loss"] = res.val_loss
             names, values = [keys.step(s), keys.PROGRESS], [json.dumps(rec), str(s)]
@@ -179,6 +185,16 @@ class Worker:
                 self._first_after_join = None
             self._check_fence()  # a rank 0 resumed after its fence must not write a stale record
             self.ctx.store.multi_set(names, values)
+
+    def _step(self, s: int) -> Any:
+        """The trainer's step s on this rank's microbatches (its state commits step s)."""
+        assert self.ctx.comm is not None and self.ctx.topo is not None
+        scheme = self.ctx.scheme
+        return self.ctx.trainer.step(
+            s, self.ctx.comm, self.ctx.rank, self.ctx.topo.layout,
+            self.ctx.topo.microbatches(self.ctx.rank, self.cfg.total_microbatches),
+            self.ctx.wait, before_reduce=lambda: scheme.wait(s - 1) if scheme is not None else 0.0,
+            fault=lambda phase: self.inject.at(s, phase), nan=self.inject.nan_at(s), slow=self.inject.slow_factor(s))
 
     def finish(self) -> None:
         """Hash the full state in logical order; rank 0 writes it to the run directory and says done."""
@@ -406,6 +422,7 @@ class Worker:
             self._stop_run(why, ours=True)
             raise RunAborted(why)
         self.ctx.bad_sources = []
+        self.sdc.joined()
         self.watcher.arm(topo.epoch)
         if self.ctx.scheme is not None:
             self.ctx.scheme.protect(r)

@@ -38,7 +38,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ from phoenixft.train.shard_reduce import ShardReduce
 from phoenixft.train.zero import DTYPES, FlatModel
 from phoenixft.workload import Workload
 
-__all__ = ["Trainer", "StepResult", "check_loss"]
+__all__ = ["Trainer", "StepResult", "StepChecks", "check_loss"]
 
 Wait = Callable[[Any, str], None]
 
@@ -79,6 +79,18 @@ class _Timed:
             self.inner(work, what)
         finally:
             self.s += time.perf_counter() - t
+
+
+class StepChecks(Protocol):
+    """Checks a step runs against silent data corruption (phoenixft.sdc): a gradient bucket about to be
+    reduced, and the step's loss and gradient norm before the optimizer writes anything (may raise)."""
+
+    wants_norm: bool  # the gradient norm is computed even without --clip-grad-norm
+    guards_loss: bool  # a non-finite loss goes to `before_update` instead of stopping the run at once
+
+    def on_bucket(self, s: int, grad: torch.Tensor, lo: int, hi: int) -> None: ...
+
+    def before_update(self, s: int, loss: float, norm: float | None) -> None: ...
 
 
 @dataclass
@@ -139,6 +151,7 @@ class Trainer:
         self._ordered: StreamOrdered | None = None  # NCCL: the stream-ordered wait of this epoch (device_wait)
         self.own_prev = 0.0  # this rank's own compute of its previous step (sent with the next loss sum)
         self._own_rest = 0.0  # ... of which the part after forward/backward (optimizer, hand-off)
+        self.checks: StepChecks | None = None  # silent-data-corruption checks (phoenixft.sdc), if any
 
     def watch(self, interrupt: Callable[[], None]) -> None:
         """Leave the step within one layer when a recovery starts: `interrupt` is called between
@@ -247,6 +260,8 @@ class Trainer:
             if not works:
                 waited[0] = before_reduce()  # replication of the previous step committed before any reduction
             blo, bhi = self.buckets.ranges[b]
+            if self.checks is not None:
+                self.checks.on_bucket(s, grad, blo, bhi)
             works.append((b, rs.post(b, blo, bhi) if rs is not None else comm.dp.allreduce([grad[blo:bhi]])))
 
         # 1. forward/backward over the microbatches; backward starts the bucket reductions
@@ -269,6 +284,9 @@ class Trainer:
         loss = self._sum_tied_and_loss(s, comm, grad, lt, w_loss, m_total, wait)
         # 4. clipping by the global norm
         gshard, norm = self._clip(s, comm, grad, c.dp, wait)
+        if self.checks is not None:  # may raise: nothing of step s is written yet
+            self.checks.before_update(s, loss, norm)
+        norm = norm if cfg.clip_grad_norm > 0 else None
         # 5. the optimizer writes the staging half
         lr = self.lr(s)
         dst, rows_out, gather = self._optimizer_update(s, rank, comm.dp, gshard, lr, fault)
@@ -284,9 +302,16 @@ class Trainer:
         return StepResult(loss=loss, lr=lr, grad_norm=norm, compute_s=t_compute, repl_wait_s=waited[0],
                           val_loss=val, phases=phases, own_s=own, ranks_own_s=lt[1:].tolist())
 
+    def forward_backward_only(self, s: int, comm: Any, rank: int, layout: Layout, microbatches: tuple[int, int],
+                              wait: Wait) -> float:
+        """Forward and backward of step s's `microbatches` (any rank's) into the flat gradient, no reduction
+        started: a recomputation that checks another computation (phoenixft.sdc)."""
+        return self._forward_backward(s, rank, layout.coord(rank), layout, comm, microbatches,
+                                      self.cfg.total_microbatches, wait, lambda _phase: None, None)
+
     def _forward_backward(self, s: int, rank: int, c: Coord, layout: Layout, comm: Any, microbatches: tuple[int, int],
                           m_total: int, wait: Wait, fault: Callable[[str], None],
-                          launch: Callable[[int], None]) -> float:
+                          launch: Callable[[int], None] | None) -> float:
         """Forward and backward of this rank's microbatches through the pipeline; the sum of their losses."""
         cfg, stage = self.cfg, self.stage
         lo, hi = microbatches
@@ -352,7 +377,7 @@ class Trainer:
                 wait(comm.emb.allreduce([grad[tlo:thi]]), f"tied-embedding gradient of step {s}")
         wait(w_loss, f"loss all-reduce of step {s}")
         total = float(lt[0])
-        if not math.isfinite(total):
+        if not math.isfinite(total) and (self.checks is None or not self.checks.guards_loss):
             raise Unhealable(f"the loss of step {s} is {total / m_total} (numerical error in the training itself)")
         return total / m_total
 
@@ -360,16 +385,20 @@ class Trainer:
         """This rank's gradient shard, clipped by the global norm with `--clip-grad-norm`; and that norm."""
         sl = self.flat.shard_slice(dp)
         gshard = grad[sl]
-        if not self.cfg.clip_grad_norm > 0:
+        if not self.cfg.clip_grad_norm > 0 and (self.checks is None or not self.checks.wants_norm):
             return gshard, None
-        sq64 = gshard.double().square()
-        if self.norm_mask is not None:
-            sq64 = sq64 * self.norm_mask[sl]
-        sq = torch.tensor([float(sq64.sum())], dtype=torch.float64)
+        if self.cfg.clip_grad_norm > 0:
+            sq64 = gshard.double().square()
+            if self.norm_mask is not None:
+                sq64 = sq64 * self.norm_mask[sl]
+            sq = torch.tensor([float(sq64.sum())], dtype=torch.float64)
+        else:  # only watched (the spike guard): a float32 dot is enough, and 10x cheaper
+            g32 = gshard if self.norm_mask is None else gshard * self.norm_mask[sl].float()
+            sq = torch.tensor([float(torch.dot(g32, gshard))], dtype=torch.float64)
         wait(comm.train.allreduce([sq]), f"gradient norm of step {s}")
         norm = math.sqrt(float(sq))
         coef = self.cfg.clip_grad_norm / (norm + 1e-6)
-        if coef < 1.0:
+        if self.cfg.clip_grad_norm > 0 and coef < 1.0:
             gshard = gshard * coef
         return gshard, norm
 
