@@ -182,14 +182,26 @@ def _kill_and_gone(pids: list[int], within_s: float) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_to_the_launcher_leaves_nothing(tagged_run: Any, sig: signal.Signals) -> None:
+    """Ctrl-C, a scheduler's SIGTERM, the terminal closed (SIGHUP): the run ends "failed: interrupted",
+    keeps what it did up to the signal, and nothing of it is left. (SIGHUP: `phoenixft gc` run meanwhile
+    does not touch the live run's memory.)"""
     r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "2000")
     r.wait_training()
+    if sig == signal.SIGHUP:
+        before = set(run_memory(r.run_id))
+        g = subprocess.run([sys.executable, "-m", "phoenixft", "gc"], capture_output=True, text=True, timeout=60)
+        assert g.returncode == 0, g.stderr
+        assert r.run_id not in g.stdout and before <= set(run_memory(r.run_id)) and r.p.poll() is None
     os.kill(r.p.pid, sig)
     r.p.wait(timeout=60)
     _assert_nothing_left(r)
     rep = r.report()
     assert rep["state"] == "failed: interrupted", rep["state"]
     assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
+    # what it did up to the signal is kept (not only the state: its steps and logs too)
+    assert rep["steps_completed"] >= 2 and len(rep["loss"]) >= 2 and rep["run_dir"] == str(r.run_dir)
+    assert len((r.run_dir / "metrics.jsonl").read_text().splitlines()) >= 2
+    assert (r.run_dir / "events.jsonl").read_text().strip()
 
 
 def test_a_clean_end_leaves_nothing(tagged_run: Any) -> None:
@@ -216,8 +228,9 @@ def test_sigkill_of_the_launcher_leaves_nothing_with_nobody_to_tear_down(tagged_
 @pytest.mark.parametrize("who", ["agent", "worker"])
 def test_sigkill_of_an_agent_or_a_worker_leaves_nothing(tagged_run: Any, who: str) -> None:
     """SIGKILL of n1's agent: its workers die with it by themselves (not killed by the launcher, whose
-    teardown record stays empty), a spare takes over. SIGKILL of n1's worker: its agent restarts it in
-    place. Either way the run ends done and nothing of it is left."""
+    teardown record stays empty), the node's memory is freed while the run goes on, a spare takes over.
+    SIGKILL of n1's worker: its agent restarts it in place. Either way the run ends done and nothing of it
+    is left."""
     r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "60")
     r.wait_training(step=3)
     agent, workers = r.of_node("n1")
@@ -226,6 +239,10 @@ def test_sigkill_of_an_agent_or_a_worker_leaves_nothing(tagged_run: Any, who: st
     os.kill(victim, signal.SIGKILL)
     if who == "agent":  # before the launcher's reaper would kill them (3 s) and record a leak
         assert _kill_and_gone(workers, 3.0), f"the workers {workers} outlived their SIGKILLed agent"
+        deadline = time.monotonic() + 10.0  # the node's memory is freed at once, while the run goes on
+        while shm.segments(r.run_id, "n1") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert shm.segments(r.run_id, "n1") == [] and r.p.poll() is None, "node n1's memory outlived its agent"
     assert r.p.wait(timeout=120) == 0, r.log.read_text(errors="replace")[-3000:]
     _assert_nothing_left(r)
     rep = r.report()
