@@ -256,7 +256,7 @@ def test_namespaces_and_links_are_removed_after_a_failed_or_interrupted_test(tmp
     for sig in (signal.SIGINT, signal.SIGKILL):
         info = tmp_path / f"{int(sig)}.json"
         h = subprocess.Popen([PY, str(harness), str(info), "wait"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env=env)
+                             text=True, env=env, preexec_fn=_ctrl_c_as_in_a_terminal)
         started = _started(info, h)
         assert [n for n in namespaces() if n.startswith(started["tag"])], "the harness built nothing"
         h.send_signal(sig)
@@ -266,6 +266,12 @@ def test_namespaces_and_links_are_removed_after_a_failed_or_interrupted_test(tmp
             assert started["tag"] + "-a" in sweep_orphans()
         assert _gone(started["tag"], started["pid"]), f"{sig!r} left namespaces or processes behind"
     assert _root_links() - links_before == set(), "a link appeared in the machine's own namespace"
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT at its default in the child: a suite started in the background (`make test &`, some CI
+    runners) passes it on ignored, and Python then ignores it too (Ctrl-C would test nothing)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _root_links() -> set[str]:
