@@ -80,10 +80,11 @@ _refs: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Failure-free, unprotected reference runs, cached per configuration for the session."""
+    """Failure-free, unprotected reference runs, cached for the session per configuration: the key is the
+    whole configuration with its defaults filled in, so `model="tiny"` and no model share one run."""
 
     def get(**kw: Any) -> dict[str, Any]:
-        key = tuple(sorted(kw.items()))
+        key = (RunConfig(**kw).to_json(),)
         if key not in _refs:
             _refs[key] = run(tmp_path_factory.mktemp("ref"), protect="none", spares=0, **kw)
             assert _refs[key]["state"] == "done", _refs[key]

@@ -288,9 +288,9 @@ def test_mirrored_shard_hotswap_is_bitwise_invisible(tmp_path: Path, reference: 
     """A SIGKILLed node in its optimizer step, the spare promoted, every worker on the mirror device:
     the restored shard reaches the working copy only through the H2D at resume (a missing one
     changes the hash), and every commit waits for its copy."""
-    ref = reference(nodes=3, steps=10)
+    ref = reference(nodes=3, steps=12)  # (the configuration of test_hotswap's runs: one reference run for all)
     monkeypatch.setenv("PHOENIXFT_DEVICE_MIRROR", "1")
-    rep = run(tmp_path, nodes=3, spares=1, steps=10, inject=["kill:node=1@step=6,phase=optimizer"])
+    rep = run(tmp_path, nodes=3, spares=1, steps=12, inject=["kill:node=1@step=6,phase=optimizer"])
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]

@@ -33,6 +33,18 @@ def _wait_for(path: Path, text: str, timeout_s: float) -> None:
     raise AssertionError(f"{text!r} not in {path} within {timeout_s}s:\n{path.read_text(errors='replace')[-2000:]}")
 
 
+def _wait_ready(addr: str, wid: str, timeout_s: float) -> None:
+    """Until worker `wid` of the job at `addr` has said it is ready (its `ready/` key)."""
+    from phoenixft.controlplane import keys
+    from phoenixft.dist.comm import connect_store
+
+    store = connect_store(addr, 30.0)
+    deadline = time.monotonic() + timeout_s
+    while not store.check([keys.ready(wid)]):
+        assert time.monotonic() < deadline, f"{wid} was not ready within {timeout_s}s"
+        time.sleep(0.05)
+
+
 Start = Callable[..., "subprocess.Popen[bytes]"]
 
 
@@ -75,11 +87,11 @@ def test_a_node_lost_before_the_first_step_is_replaced_by_the_spare(tmp_path: Pa
         addr, coord = _two_node_job(tmp_path, start)
         early = start("early.log", "agent", "--coordinator", addr, "--node", "early", "--workers", "1")
         _wait_for(tmp_path / "early.log", "admitted", 60.0)
-        time.sleep(1.0)  # its worker is up and ready
+        _wait_ready(addr, "n0.0", 60.0)  # its worker is up and ready
         os.killpg(early.pid, signal.SIGKILL)  # dead before the job has all its nodes
         start("spare.log", "agent", "--coordinator", addr, "--node", "sp", "--workers", "1", "--spare")
         _wait_for(tmp_path / "spare.log", "admitted", 60.0)
-        time.sleep(1.0)
+        _wait_ready(addr, "s0.0", 60.0)
         start("late.log", "agent", "--coordinator", addr, "--node", "late", "--workers", "1")
         assert coord.wait(timeout=180) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
         rep = json.loads((tmp_path / "run" / "report.json").read_text())

@@ -99,9 +99,9 @@ def test_a_corruption_at_rest_fires_once_even_when_its_step_is_replayed(tmp_path
     """The crash restarts rank 3 in step 4, so the replication of step 3 is repeated: the corruption
     must not hit the repeated copy (it did: a fault fires once per run), and it is reported like
     every other fault (the live line, the report's `faults`)."""
-    ref = reference(nodes=4, steps=8)
+    ref = reference(nodes=4, steps=10)  # (10 steps: the reference run of the test above)
     spec = "corrupt:node=2@step=4"
-    rep = run(tmp_path, nodes=4, spares=1, steps=8,
+    rep = run(tmp_path, nodes=4, spares=1, steps=10,
               inject=[spec, "crash:rank=3@step=4,phase=optimizer", "kill:node=1@step=5,phase=forward"])
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]

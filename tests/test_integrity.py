@@ -195,8 +195,8 @@ def test_a_damaged_replica_does_not_hide_the_intact_half_of_the_same_step(
     looked only at the first half with that step, found it damaged and aborted ("holds no verified copy"),
     four in-place restarts in a row, then the run was lost ("in-memory state lost"): 2 runs in 5 here (whether
     both halves hold step 0 is a race; the test below hits the cause every time)."""
-    ref = reference(nodes=3, steps=6)
-    rep = run(tmp_path, nodes=3, spares=1, steps=6,
+    ref = reference(nodes=3, steps=12)  # (12 steps: the reference run of test_hotswap's kills)
+    rep = run(tmp_path, nodes=3, spares=1, steps=12,
               inject=["kill:node=1@step=1,phase=replicate", "corrupt:node=2@step=1"])
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]

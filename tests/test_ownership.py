@@ -117,6 +117,7 @@ def _assert_nothing_left(run_id: str, within_s: float = 15.0) -> None:
         raise AssertionError(f"left behind {within_s}s after the launcher's end: {left}") from None
 
 
+@pytest.mark.slow  # (in `make test`: test_leaks: SIGHUP, with `phoenixft gc` on the live run)
 def test_sighup_to_the_launcher_ends_the_run_and_frees_its_memory(launcher: Any) -> None:
     ln = launcher("--nodes", "2", "--spares", "1", "--steps", "2000")
     run_id = ln.wait_training()
@@ -138,6 +139,7 @@ def test_sighup_to_the_launcher_ends_the_run_and_frees_its_memory(launcher: Any)
     assert (ln.run_dir / "events.jsonl").read_text().strip()
 
 
+@pytest.mark.slow  # (in `make test`: test_leaks: SIGKILL of the launcher)
 def test_sigkill_of_the_launcher_leaves_nothing(launcher: Any) -> None:
     ln = launcher("--nodes", "2", "--spares", "1", "--steps", "2000")
     run_id = ln.wait_training()
@@ -174,6 +176,7 @@ def test_the_zygote_sigkilled_mid_run_takes_nothing_with_it(launcher: Any, refer
     _assert_nothing_left(run_id)
 
 
+@pytest.mark.slow  # (in `make test`: test_leaks: SIGKILL of an agent)
 def test_agent_sigkilled_mid_run_leaves_no_memory_of_its_node(tmp_path: Path) -> None:
     """Only the agent is killed; its workers die with it, the launcher frees the node's memory
     at once, a spare takes over, and the run finishes clean."""

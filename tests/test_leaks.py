@@ -1,0 +1,255 @@
+"""Nothing of a run outlives it, however it ends, looked for from outside the run.
+
+Each exit path (a clean end; SIGINT, SIGTERM, SIGHUP and SIGKILL to the launcher; SIGKILL of an
+agent and of a worker) runs `phoenixft run` as a real process whose environment carries a tag unique
+to the test. Every process of the run inherits that environment (the launcher, its warm zygote and
+everything forked from it: coordinator, agents, workers), so the run's processes are found by
+scanning `/proc/*/environ` for the tag, not through any list the run keeps of its own PIDs; its host
+memory is `/dev/shm/phoenixft-<run id>*` and its owner file. Once the exit path is over (the
+launcher has exited), both must be empty within a bound, and where the launcher wrote a report its
+teardown must have had nothing to kill or remove: each process freed what it owned. The look comes
+before any cleanup of the test's own; what a failing test finds is then killed and unlinked by the
+test itself, so a red test leaves nothing behind either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phoenixft.controlplane import keys
+from phoenixft.dist.comm import connect_store
+from phoenixft.protect import shm
+
+TAG_ENV = "PHOENIXFT_TEST_LEAK_TAG"
+GONE_WITHIN_S = 15.0  # after the launcher's exit (SIGKILL: its agents notice through a pidfd, then clean up)
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def tagged(tag: str) -> dict[int, str]:
+    """Live processes (zombies excluded: they hold nothing) whose environment holds TAG_ENV=tag: pid -> argv."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            argv = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        st = _stat(int(d.name))
+        if st and st[0] not in ("Z", "X"):
+            found[int(d.name)] = argv
+    return found
+
+
+def run_memory(run_id: str) -> list[str]:
+    """The run's files in /dev/shm: its segments and its owner record."""
+    return sorted(p.name for p in shm.SHM_DIR.glob(f"{shm.PREFIX}{run_id}[-.]*"))
+
+
+def _as_a_shell_starts_it() -> None:
+    """Ctrl-C as in a terminal: a test run in the background (`make test &`, some CI runners) passes
+    SIGINT on ignored, and Python then ignores it too."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class TaggedRun:
+    """`phoenixft run` in its own session, with TAG_ENV set to a tag of its own."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.tag = uuid.uuid4().hex
+        self.run_dir, self.log = tmp / "run", tmp / "launcher.log"
+        self.run_id = ""
+        with open(self.log, "wb") as out:
+            self.p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--quiet", "--model", "tiny",
+                                       "--run-dir", str(self.run_dir), "--timeout", "120", *args],
+                                      stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, env=dict(os.environ, **{TAG_ENV: self.tag}),
+                                      preexec_fn=_as_a_shell_starts_it)
+
+    def progress(self) -> int:
+        port = self.run_dir / "coordinator.port"
+        try:
+            store = connect_store(f"127.0.0.1:{int(port.read_text())}", 5.0)
+            return int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+        except Exception:  # noqa: BLE001 - not up yet, or gone
+            return 0
+
+    def wait_training(self, step: int = 2, timeout_s: float = 120.0) -> None:
+        """Until the run has completed `step` steps; then its processes and memory must be there to be seen."""
+        deadline = time.monotonic() + timeout_s
+        while self.progress() < step:
+            assert self.p.poll() is None, self.log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the run did not train"
+            time.sleep(0.05)
+        m = re.search(r"run ([0-9a-f]{10}):", self.log.read_text(errors="replace"))
+        assert m, self.log.read_text(errors="replace")
+        self.run_id = m.group(1)
+        # the look must have something to miss: the run's processes and its snapshots in /dev/shm
+        assert len(tagged(self.tag)) >= 6 and run_memory(self.run_id), (tagged(self.tag), run_memory(self.run_id))
+
+    def of_node(self, node: str) -> tuple[int, list[int]]:
+        """The agent of `node` (found in /proc by its command line among the tagged processes) and its workers."""
+        procs = tagged(self.tag)
+        mine = [p for p, argv in procs.items() if "phoenixft.runtime.agent" in argv and f"--node {node} " in argv]
+        # (a worker is forked from its agent: the same command line, the agent its parent)
+        (agent,) = [p for p in mine if (_stat(p) or ["", ""])[1] not in map(str, mine)]
+        workers = [p for p in procs if (_stat(p) or ["", ""])[1] == str(agent)]
+        assert workers, f"no worker of {node} in /proc"
+        return agent, workers
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads((self.run_dir / "report.json").read_text())
+        return out
+
+    def left(self) -> dict[str, Any]:
+        """What of the run is still there: processes (pid: argv) and /dev/shm files."""
+        return {"processes": tagged(self.tag), "memory": run_memory(self.run_id) if self.run_id else []}
+
+    def clean_up(self) -> None:
+        """SIGKILL whatever of the run is still running and unlink its memory (the test's own cleanup)."""
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(timeout=30)
+        for _ in range(50):
+            procs = tagged(self.tag)
+            if not procs:
+                break
+            for pid in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        if self.run_id:
+            shm.unlink_segments(self.run_id)
+            shm.owner_path(self.run_id).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def tagged_run(tmp_path: Path) -> Iterator[Any]:
+    made: list[TaggedRun] = []
+
+    def start(*args: str) -> TaggedRun:
+        made.append(TaggedRun(tmp_path, *args))
+        return made[-1]
+
+    yield start
+    for r in made:
+        r.clean_up()
+
+
+def _assert_nothing_left(r: TaggedRun) -> None:
+    """Within GONE_WITHIN_S of the launcher's exit, no process and no memory of the run is left (the
+    test cleans up what it finds, so that a failure leaves nothing behind either)."""
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (left := r.left())["processes"] or left["memory"]:
+        if time.monotonic() > deadline:
+            r.clean_up()
+            raise AssertionError(f"{GONE_WITHIN_S:g}s after the launcher exited, the run left {left}")
+        time.sleep(0.05)
+
+
+def _kill_and_gone(pids: list[int], within_s: float) -> bool:
+    """Whether every one of `pids` is gone (or a zombie) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while any((st := _stat(p)) and st[0] not in ("Z", "X") for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_launcher_leaves_nothing(tagged_run: Any, sig: signal.Signals) -> None:
+    """Ctrl-C, a scheduler's SIGTERM, the terminal closed (SIGHUP): the run ends "failed: interrupted",
+    keeps what it did up to the signal, and nothing of it is left. (SIGHUP: `phoenixft gc` run meanwhile
+    does not touch the live run's memory.)"""
+    r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "2000")
+    r.wait_training()
+    if sig == signal.SIGHUP:
+        before = set(run_memory(r.run_id))
+        g = subprocess.run([sys.executable, "-m", "phoenixft", "gc"], capture_output=True, text=True, timeout=60)
+        assert g.returncode == 0, g.stderr
+        assert r.run_id not in g.stdout and before <= set(run_memory(r.run_id)) and r.p.poll() is None
+    os.kill(r.p.pid, sig)
+    r.p.wait(timeout=60)
+    _assert_nothing_left(r)
+    rep = r.report()
+    assert rep["state"] == "failed: interrupted", rep["state"]
+    assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
+    # what it did up to the signal is kept (not only the state: its steps and logs too)
+    assert rep["steps_completed"] >= 2 and len(rep["loss"]) >= 2 and rep["run_dir"] == str(r.run_dir)
+    assert len((r.run_dir / "metrics.jsonl").read_text().splitlines()) >= 2
+    assert (r.run_dir / "events.jsonl").read_text().strip()
+
+
+def test_a_clean_end_leaves_nothing(tagged_run: Any) -> None:
+    r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "8")
+    r.wait_training()
+    assert r.p.wait(timeout=120) == 0, r.log.read_text(errors="replace")[-3000:]
+    _assert_nothing_left(r)
+    rep = r.report()
+    assert rep["state"] == "done" and rep["steps_completed"] == 8, rep["state"]
+    assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
+
+
+def test_sigkill_of_the_launcher_leaves_nothing_with_nobody_to_tear_down(tagged_run: Any) -> None:
+    """No teardown runs: the agents follow the launcher (a pidfd on it) and free their nodes' memory, the
+    coordinator and the zygote die with it, and the workers with their agents."""
+    r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "2000")
+    r.wait_training()
+    os.kill(r.p.pid, signal.SIGKILL)
+    r.p.wait(timeout=30)
+    _assert_nothing_left(r)
+    assert not (r.run_dir / "report.json").exists()  # (the launcher wrote nothing: no teardown of it ran)
+
+
+@pytest.mark.parametrize("who", ["agent", "worker"])
+def test_sigkill_of_an_agent_or_a_worker_leaves_nothing(tagged_run: Any, who: str) -> None:
+    """SIGKILL of n1's agent: its workers die with it by themselves (not killed by the launcher, whose
+    teardown record stays empty), the node's memory is freed while the run goes on, a spare takes over.
+    SIGKILL of n1's worker: its agent restarts it in place. Either way the run ends done and nothing of it
+    is left."""
+    r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "60")
+    r.wait_training(step=3)
+    agent, workers = r.of_node("n1")
+    victim = agent if who == "agent" else workers[0]
+    assert r.progress() < 40, "too late: make the run longer"
+    os.kill(victim, signal.SIGKILL)
+    if who == "agent":  # before the launcher's reaper would kill them (3 s) and record a leak
+        assert _kill_and_gone(workers, 3.0), f"the workers {workers} outlived their SIGKILLed agent"
+        deadline = time.monotonic() + 10.0  # the node's memory is freed at once, while the run goes on
+        while shm.segments(r.run_id, "n1") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert shm.segments(r.run_id, "n1") == [] and r.p.poll() is None, "node n1's memory outlived its agent"
+    assert r.p.wait(timeout=120) == 0, r.log.read_text(errors="replace")[-3000:]
+    _assert_nothing_left(r)
+    rep = r.report()
+    assert rep["state"] == "done" and rep["steps_completed"] == 60, rep.get("error")
+    assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
+    (rec,) = rep["recoveries"]  # the kill bit: one recovery of n1
+    if who == "agent":
+        assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and rec["promoted"] == ["s0"], rec
+    else:
+        assert rec["action"] == "inplace" and rec["restarted"] == ["n1.0"] and rec["dead"] == [], rec
