@@ -172,10 +172,11 @@ def test_read_peer_half_reads_the_half_of_that_step_and_checks_it(tmp_path: Path
 
 
 @pytest.mark.parametrize("text,why", [
-    ("sdc:node=1@step=3", "target='': expected target=shard"),
-    ("sdc:node=1@step=3,target=disk", "target='disk': expected target=shard"),
-    ("sdc:node=1@step=3,target=shard,bit=32", "bit='32': expected a bit index 0..31"),
-    ("sdc:node=1@step=3,target=shard,phase=forward", "no phase: the copy is at rest"),
+    ("sdc:node=1@step=3", "expected sdc:node=I@step=S,target=param|grad|shard[,bit=B][,persist]"),
+    ("sdc:node=1@step=3,target=disk", "target='disk': one of param, grad, shard"),
+    ("sdc:node=1@step=3,target=shard,bit=32", "bit='32': a bit of a 32-bit element, 0..31"),
+    ("sdc:node=1@step=3,target=shard,phase=forward", "expected sdc:node=I@step=S,target=param|grad|shard"),
+    ("sdc:node=1@step=3,target=shard,persist", "persist is for target=param or target=grad"),
     ("sdc:node=1@step=3,target=shard,wait=5", "wait=SECONDS is for"),
     ("kill:node=1@step=3,bit=3", "expected kill:"),
 ])
