@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +161,16 @@ class TwoPassGather:
             out.zero_()
         else:
             out.copy_(self.full)
+
+
+def wait_while_running(what: str, fn: Any, proc: subprocess.Popen[bytes], timeout_s: float) -> Any:
+    """Poll `fn` until it returns something true (that value), failing if the run `proc` exits first or
+    `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        assert proc.poll() is None, f"the run exited (code {proc.returncode}) while waiting for {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")

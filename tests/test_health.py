@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_with, run
+from conftest import processes_with, run, wait_while_running
 
 from phoenixft.controlplane import keys
 from phoenixft.health import quarantine, quarantined_at, quarantined_hosts, read_history, record_failure
@@ -172,15 +172,6 @@ def test_a_host_that_failed_twice_is_dismissed_and_refused_when_repaired(tmp_pat
     assert f"host {host}: QUARANTINED, 2 failure(s)" in lines and f"quarantined hosts: {host}" in lines, lines
 
 
-def _wait(what: str, fn: Any, proc: subprocess.Popen[bytes], timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        assert proc.poll() is None, f"the run exited (code {proc.returncode}) while waiting for {what}"
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 LAUNCH = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
@@ -202,7 +193,7 @@ def test_a_host_that_failed_twice_is_quarantined_across_a_coordinator_restart(tm
     needles = [str(run_dir)]
     try:
         port_file = run_dir / "coordinator.port"
-        _wait("coordinator.port", lambda: port_file.exists() and port_file.read_text().strip(), proc, 90)
+        wait_while_running("coordinator.port", lambda: port_file.exists() and port_file.read_text().strip(), proc, 90)
         addr = f"127.0.0.1:{port_file.read_text().strip()}"
         needles.append(addr)
         store = connect(addr, 5.0)
@@ -212,7 +203,7 @@ def test_a_host_that_failed_twice_is_quarantined_across_a_coordinator_restart(tm
             return st["quarantine"]["quarantined"] and any(
                 e["kind"] == "join_refused" and "quarantined" in e.get("reason", "") for e in st["events"]) and st
 
-        st = _wait("the repaired host refused", refused, proc, 150)
+        st = wait_while_running("the repaired host refused", refused, proc, 150)
         host = f"{socket.gethostname()}/n1"
         assert st["quarantine"]["quarantined"] == [host], st["quarantine"]
         text = format_status(st, addr)
@@ -224,7 +215,7 @@ def test_a_host_that_failed_twice_is_quarantined_across_a_coordinator_restart(tm
         # the coordinator dies; the launcher restarts it; the history is the store's, not the process's
         pid = int(store.get(keys.COORDINATOR_PID))
         os.kill(pid, signal.SIGKILL)
-        _wait("the coordinator restarted", lambda: any(
+        wait_while_running("the coordinator restarted", lambda: any(
             e["kind"] == "coordinator_restarted" for e in collect_status(store, events=200)["events"]), proc, 60)
         agent = subprocess.run(
             [sys.executable, "-m", "phoenixft", "agent", "--coordinator", addr, "--node", "back-again", "--spare",

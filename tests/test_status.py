@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_with
+from conftest import processes_with, wait_while_running
 
 from phoenixft.controlplane import keys
 from phoenixft.errors import UserError
@@ -228,15 +228,6 @@ def _pids_of(needles: list[str]) -> list[int]:
     return sorted({pid for n in needles for pid in processes_with(n)})
 
 
-def _wait_for(what: str, fn: Any, proc: subprocess.Popen[bytes], timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        assert proc.poll() is None, f"the run exited (code {proc.returncode}) while waiting for {what}"
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 @pytest.mark.slow
@@ -267,18 +258,18 @@ def test_status_of_a_live_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         )
     try:
         port_file = run_dir / "coordinator.port"
-        _wait_for("coordinator.port", lambda: port_file.exists() and port_file.read_text().strip(), proc, 90)
+        wait_while_running("coordinator.port", lambda: port_file.exists() and port_file.read_text().strip(), proc, 90)
         addr = f"127.0.0.1:{port_file.read_text().strip()}"
         needles.append(addr)
         store = connect(addr, 5.0)
-        _wait_for("epoch 0", lambda: collect_status(store)["epoch"] is not None, proc, 90)
+        wait_while_running("epoch 0", lambda: collect_status(store)["epoch"] is not None, proc, 90)
         first = _status_cmd(["--coordinator", addr], capsys)
         assert re.search(r"^epoch \d+: world 2 \(2 node\(s\) x 1 worker\(s\)\)", first, re.M), first
         assert re.search(r"slot 0\s+n0\s+rank\(s\) 0\s", first), first
         assert "spares: 1 in the pool" in first and "run state: running" in first
 
         # node 1 is killed at step 8: spare s0 takes slot 1 in epoch 1
-        st = _wait_for(
+        st = wait_while_running(
             "the hot-swap and a step after it",
             lambda: (
                 (s := collect_status(store))["epoch"] == 1
