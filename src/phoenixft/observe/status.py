@@ -120,8 +120,8 @@ def connect(addr: str, timeout_s: float, tls: TlsFiles | None = None, token: str
     """A client of the coordinator's store; UserError (naming --coordinator) when it cannot be reached.
     With `tls` a `HOST:PORT` is a TLS gateway (a head started with --tls-*): it is reached through a
     forwarder of this process's own (`controlplane.tls`, stopped by `close_relays`), as an agent reaches
-    it; an etcd cluster is spoken to over HTTPS with those files (else the ones the environment names) and,
-    if its users are on, as the job's user (`token`, else the one in the environment)."""
+    it; a replicated store is spoken to over HTTPS with those files (else the ones the environment names)
+    and, if it asks, as the job's user (`token`, else the one in the environment): `controlplane.connect`."""
     from phoenixft.controlplane import connect as open_store
     from phoenixft.controlplane import describe
 
