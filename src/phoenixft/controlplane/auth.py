@@ -151,7 +151,7 @@ def token_matches_job(store: Store, token: str) -> bool | None:
 UNVERIFIED_GRACE_S = 2.0  # an agent that read an answer it cannot verify waits this long for a signed one
 FULL_LOOK_S = 1.0  # the desk looks at its open requests this often even if no agent bumped the counter
 MAX_OPEN = 256  # join requests the desk keeps open at most (a counter bumped by a stranger opens no more)
-SCAN_LIMIT = 4096  # request numbers a restarted coordinator looks at beyond its signed record
+SCAN_LIMIT = 1024  # request numbers a restarted coordinator looks at beyond its signed record
 
 
 class RunEnded(Exception):
@@ -457,7 +457,8 @@ class AdmissionDesk:
         seqs = self._done | set(range(1, min(top, SCAN_LIMIT) + 1)) | set(range(max(1, top - SCAN_LIMIT + 1), top + 1))
         out = []
         for seq in sorted(seqs):
-            raw_req, raw_v = read_raw(self.store, keys.admit_req(seq)), read_raw(self.store, keys.admit_verdict(seq))
+            raw_req = read_raw(self.store, keys.admit_req(seq))
+            raw_v = read_raw(self.store, keys.admit_verdict(seq)) if raw_req is not None else None
             if raw_req is None or raw_v is None:
                 continue
             text = raw_req.decode(errors="replace")
