@@ -4,8 +4,10 @@ an abandoned collective that a late peer can no longer complete, and the flags' 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import auth, keys
+from phoenixft.controlplane import auth, keys, signed
 from phoenixft.controlplane.server import serve_store
 from phoenixft.errors import RunAborted, UserError
 from phoenixft.faults.spec import parse_fault
@@ -95,33 +97,189 @@ def test_admission_by_the_coordinators_policy() -> None:
                 assert TOKEN not in store.get(k).decode()
 
 
+def _apps(desk: auth.AdmissionDesk, n: int = 1, timeout_s: float = 20.0) -> list[auth.Application]:
+    apps: list[auth.Application] = []
+    deadline = time.monotonic() + timeout_s
+    while len(apps) < n and time.monotonic() < deadline:
+        apps += desk.poll(force=True)
+        time.sleep(0.01)
+    return apps
+
+
+def _wait_for(store: Any, key: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        assert time.monotonic() < deadline, f"{key} never came"
+        time.sleep(0.01)
+
+
 def test_a_response_cannot_be_replayed_and_a_rogue_coordinator_is_noticed() -> None:
     server = serve_store("127.0.0.1", 0)
     store = _client(server)
+    store.set(keys.RUN_ID, "run1")
     desk = auth.AdmissionDesk(store, TOKEN)
+    assert desk.run_id == "run1"
     out: dict[str, Any] = {}
     t = _ask(server, out, "ok", "alpha", TOKEN)
-    apps: list[auth.Application] = []
-    deadline = time.monotonic() + 20
-    while not apps and time.monotonic() < deadline:
-        apps = desk.poll()
-        time.sleep(0.01)
-    (app,) = apps
+    (app,) = _apps(desk)
     assert app.proof == "ok"
-    # the same request and response under another number (or another challenge) do not verify
-    resp = store.get(keys.admit_resp(app.seq)).decode()
+    # the same request and response under another number: the desk challenges the copy afresh and ignores a
+    # response to any nonce but its own; bound to its own nonce, the old MAC does not verify
+    resp = json.loads(store.get(keys.admit_resp(app.seq)))
     seq = int(store.add(keys.ADMIT_SEQ, 1))
     store.set(keys.admit_req(seq), store.get(keys.admit_req(app.seq)))
+    store.set(keys.admit_resp(seq), json.dumps(resp))
     store.add(keys.ADMIT_POSTED, 1)
-    desk.poll()
-    store.set(keys.admit_resp(seq), resp)
-    store.add(keys.ADMIT_POSTED, 1)
-    (replayed,) = desk.poll()
+    assert desk.poll(force=True) == [] and desk.poll(force=True) == []
+    nonce = json.loads(store.get(keys.admit_challenge(seq)))["nonce"]
+    assert nonce != resp["nonce"]
+    store.set(keys.admit_resp(seq), json.dumps({"nonce": nonce, "mac": resp["mac"]}))
+    (replayed,) = desk.poll(force=True)
     assert replayed.seq == seq and replayed.proof == "wrong"
     # a coordinator holding another token cannot admit us: its verdict does not verify with ours
-    auth.AdmissionDesk(store, "c" * 32).answer(app, "n0", "run1")
+    auth.AdmissionDesk(store, "c" * 32, run_id="run1").answer(app, "n0")
     t.join(timeout=20)
     assert "not signed with this agent's token" in out["ok"], out
+    # counters a stranger made non-numbers (an agent's `add` on one loses its connection) are put back, and a
+    # request number bumped by a billion opens no billion requests
+    store.set(keys.ADMIT_SEQ, "garbage")
+    store.set(keys.ADMIT_POSTED, "garbage")
+    desk.poll()
+    assert int(store.get(keys.ADMIT_SEQ)) > seq and int(store.get(keys.ADMIT_POSTED)) >= 0
+    store.add(keys.ADMIT_SEQ, 10**9)
+    t0 = time.monotonic()
+    desk.poll(force=True)
+    assert time.monotonic() - t0 < 5.0 and len(desk._pending) <= auth.MAX_OPEN
+    t = _ask(server, out, "late", "beta", TOKEN)
+    (app,) = _apps(desk)
+    desk.answer(app, "s0")
+    t.join(timeout=20)
+    assert out["late"]["node"] == "s0", out
+
+
+def test_planted_challenges_and_deleted_verdicts_admit_no_one() -> None:
+    """The coordinator never reuses a challenge it finds in the store, and binds the run id into the MAC it
+    checks; a restarted coordinator never answers a request again (its signed record), nor, without the
+    record, admits anyone on an old response (a phantom member)."""
+    from phoenixft.coordinator import Coordinator
+
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    store.set(keys.CONFIG, RunConfig(nodes=1, spares=1).to_json())
+    store.set(keys.RUN_ID, "run1")
+    coord = Coordinator(store, token=TOKEN)
+    planted = "ab" * 32
+    store.set(keys.admit_challenge(1), json.dumps({"nonce": planted, "run_id": "run1"}))  # before the agent asks
+    out: dict[str, Any] = {}
+    t = _ask(server, out, "a", "alpha", TOKEN)
+    deadline = time.monotonic() + 30
+    while t.is_alive() and time.monotonic() < deadline:
+        coord.admission.admit(force=True)
+        time.sleep(0.01)
+    assert out["a"]["node"] == "n0", out
+    issued = json.loads(store.get(keys.admit_challenge(1)))
+    assert issued["nonce"] != planted and issued["run_id"] == "run1"
+    # an answer bound to another run id does not verify (the MAC binds the run)
+    desk = coord.admission.desk
+    raw_req = json.dumps({"name": "gamma", "spare": True, "workers": 1})
+    seq = int(store.add(keys.ADMIT_SEQ, 1))
+    store.set(keys.admit_req(seq), raw_req)
+    desk.poll(force=True)
+    nonce = json.loads(store.get(keys.admit_challenge(seq)))["nonce"]
+    for run_id, proof in (("run0", "wrong"), ("run1", "ok")):
+        store.set(keys.admit_resp(seq), json.dumps({"nonce": nonce, "mac": auth._response_mac(TOKEN, run_id, seq,
+                                                                                                 nonce, raw_req)}))
+        (app,) = desk.poll(force=True)
+        assert app.proof == proof
+        desk._pending[seq] = auth._Pending(t=time.monotonic(), nonce=nonce, raw_req=raw_req)
+    desk._pending.clear()
+    # the stranger deletes the verdict, the coordinator restarts: the request was answered (signed record)
+    assert store.delete_key(keys.admit_verdict(1))
+    for gone in ([], [keys.ADMIT_DONE]):  # ... and with the record deleted too: a fresh challenge, no answer
+        for k in gone:
+            assert store.delete_key(k)
+        again = Coordinator(store, token=TOKEN)
+        for _ in range(5):
+            again.admission.admit(force=True)
+            time.sleep(0.02)
+        assert again.state.members == {} and not store.check([keys.admit_verdict(1)]), again.state.members
+        nonce = json.loads(store.get(keys.admit_challenge(1)))["nonce"]
+        assert (nonce == issued["nonce"]) == (not gone)
+
+
+ESC = "\x1b[2J\x1b]0;pwned\x07"
+
+
+def test_refusals_are_signed_and_shown_printable() -> None:
+    """A refusal planted before the coordinator answers does not stop a join (the agent waits for a signed
+    verdict); one with no signed answer after it fails the join in one line that shows none of its text;
+    the coordinator's own refusal is shown, control characters stripped."""
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    store.set(keys.RUN_ID, "run1")
+    desk = auth.AdmissionDesk(store, TOKEN)
+    forged = json.dumps({"ok": False, "reason": ESC + "go away"})
+    out: dict[str, Any] = {}
+    t = _ask(server, out, "a", "alpha", TOKEN)
+    _wait_for(store, keys.admit_req(1))
+    store.set(keys.admit_verdict(1), forged)
+    time.sleep(0.3)  # (the agent reads it meanwhile)
+    assert t.is_alive()
+    (app,) = _apps(desk)
+    desk.answer(app, "n0")
+    t.join(timeout=20)
+    assert out["a"]["node"] == "n0", out
+    t = _ask(server, out, "b", "beta", TOKEN)
+    _wait_for(store, keys.admit_req(2))
+    store.set(keys.admit_verdict(2), forged)
+    t.join(timeout=20)
+    assert "refused to admit 'beta'" in out["b"] and "not signed with this agent's token" in out["b"], out
+    assert "go away" not in out["b"] and "\x1b" not in out["b"]
+    t = _ask(server, out, "c", "gamma", TOKEN)
+    (app,) = _apps(desk)
+    desk.answer(app, None, reason="no room for " + ESC + "gamma")
+    t.join(timeout=20)
+    assert "refused to admit 'gamma'" in out["c"] and "no room for" in out["c"] and "\x1b" not in out["c"], out
+    assert "\x07" not in out["c"]
+
+
+def test_tokens_given_on_a_command_line_are_scrubbed_from_it(tmp_path: Path) -> None:
+    """`ps` (/proc/PID/cmdline) of an agent and of a head given `--token` shows stars where the token was,
+    once they started (and the processes the head starts never had it there)."""
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    store.set(keys.CONFIG, RunConfig(nodes=1).to_json())
+    store.set(keys.RUN_ID, "0123abcd45")
+    env = {k: v for k, v in os.environ.items() if k != auth.TOKEN_ENV}
+    procs = [subprocess.Popen([sys.executable, "-m", "phoenixft", *cmd, "--token", TOKEN], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for cmd in (["agent", "--coordinator", server.addr, "--node", "x", "--join-timeout", "60"],
+                         ["coordinator", "--host", "127.0.0.1", "--port", "0", "--nodes", "1", "--join-timeout",
+                          "60", "--run-dir", str(tmp_path / "run"), "--quiet"])]
+    try:
+        deadline = time.monotonic() + 90
+        lines: dict[int, bytes] = {}
+        while time.monotonic() < deadline:
+            lines = {p.pid: Path(f"/proc/{p.pid}/cmdline").read_bytes() for p in procs if p.poll() is None}
+            if len(lines) < 2 or all(b"*" * len(TOKEN) in c for c in lines.values()):
+                break
+            time.sleep(0.05)
+        assert len(lines) == 2 and all(b"*" * len(TOKEN) in c for c in lines.values()), lines
+        time.sleep(1.0)  # (the head starts its coordinator meanwhile)
+        seen = [d.name for d in Path("/proc").glob("[0-9]*") if _has(d / "cmdline", TOKEN.encode())]
+        assert seen == [], seen
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+def _has(path: Path, needle: bytes) -> bool:
+    try:
+        return needle in path.read_bytes()
+    except OSError:
+        return False
 
 
 def test_workers_act_only_on_signed_topologies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,7 +422,11 @@ def test_an_agent_waiting_for_admission_stops_when_the_run_ends() -> None:
     # (forked from the warm zygote they reach the store before the coordinator admits anyone)
     server = serve_store("127.0.0.1", 0)
     store = _client(server)
-    store.set(keys.RUN_STATE, "aborted")
+    store.set(keys.RUN_ID, "run1")
+    store.set(keys.RUN_STATE, "aborted")  # not signed: not the run's end
+    with pytest.raises(UserError, match=r"did not answer the join request of 'n0' within 1s"):
+        auth.request_admission(store, {"name": "n0", "host": "127.0.0.1"}, TOKEN, 1.0, "127.0.0.1:1")
+    signed.set_signed(store, TOKEN, "run1", keys.RUN_STATE, "aborted")
     t0 = time.monotonic()
     with pytest.raises(UserError, match=r"ended \(aborted\) before 'n0' was admitted"):
         auth.request_admission(store, {"name": "n0", "host": "127.0.0.1"}, TOKEN, 60.0, "127.0.0.1:1")

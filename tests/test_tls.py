@@ -11,6 +11,7 @@ flags' one-line errors, a store that listens on loopback only, etcd with client 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -230,18 +231,79 @@ def test_a_job_across_hosts_over_tls_recovers_and_keeps_strangers_out(tmp_path: 
     assert not any(m["name"] == "intruder" for m in rep["members"].values()), rep["members"]
 
 
+def _cert_with_a_common_name(d: Path, name: str) -> TlsFiles:
+    """A certificate of the CA in `d` whose subject is a Common Name (as openssl makes them by default)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    ca = x509.load_pem_x509_certificate((d / "ca.crt").read_bytes())
+    ca_key: Any = serialization.load_pem_private_key((d / "ca.key").read_bytes(), None)
+    key: Any = serialization.load_pem_private_key((d / "job.key").read_bytes(), None)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(ca_key, hashes.SHA256()))
+    (d / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return TlsFiles(str(d / f"{name}.crt"), str(d / "job.key"), str(d / "ca.crt"))
+
+
+def test_status_reaches_a_tls_head_through_its_gateway(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`phoenixft status --tls-*` at a head's TLS gateway reads the store behind it (through a forwarder of its
+    own, stopped when it is done); with another CA's certificate it is one line naming --coordinator."""
+    from phoenixft.cli.main import main
+    from phoenixft.controlplane import keys
+    from phoenixft.controlplane.server import serve_store
+    from phoenixft.controlplane.tls import start_gateway
+    from phoenixft.dist.comm import connect_store
+    from phoenixft.observe import status as status_mod
+
+    d, other = tmp_path / "pki", tmp_path / "other"
+    make_certs(d, ["job"], [])
+    make_certs(other, ["job"], [])
+    server = serve_store("127.0.0.1", 0)
+    store = connect_store(server.addr)
+    store.set(keys.CONFIG, RunConfig(nodes=2, steps=50).to_json())
+    store.set(keys.PROGRESS, "7")
+    gw = start_gateway("127.0.0.1", 0, server.port, TlsFiles(*(_tls_args(d)[1::2])))
+    try:
+        assert main(["status", "--coordinator", gw.addr, "--json", "--events", "0", *_tls_args(d)]) == 0
+        js = json.loads(capsys.readouterr().out)
+        assert js["config"]["nodes"] == 2 and js["progress"]["step"] == 7, js
+        assert status_mod._RELAYS == []
+        assert main(["status", "--coordinator", gw.addr, "--timeout", "3", "--tls-cert", str(other / "job.crt"),
+                     "--tls-key", str(other / "job.key"), "--tls-ca", str(other / "ca.crt")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--coordinator={gw.addr}: no TLS channel" in err, err
+    finally:
+        gw.stop()
+
+
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary (apt-get install etcd-server)")
-def test_etcd_over_https_admits_only_clients_of_the_job_ca(tmp_path: Path) -> None:
+def test_etcd_over_https_admits_only_the_job_and_only_to_its_prefix(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A local etcd started with the job's certificates (as `--control-plane etcd --tls-*` starts it)
     serves HTTPS only: a client with a certificate of the job CA reads and writes; plain HTTP, TLS without
-    a client certificate and TLS with another CA's certificate are all refused, and write nothing."""
+    a client certificate and TLS with another CA's certificate are all refused, and write nothing. With its
+    users on (what `--control-plane etcd` does given the job token), the job's user reads and writes its
+    prefix only; a client of the same CA without the job token, with another job's token, or with a
+    certificate that has a Common Name is refused; `phoenixft status` reads it with the token."""
+    from phoenixft.cli.main import main
+    from phoenixft.controlplane import address, connect
+    from phoenixft.controlplane.auth import TOKEN_ENV, generate_token
     from phoenixft.controlplane.etcd_cluster import EtcdCluster
-    from phoenixft.controlplane.etcd_store import EtcdStore
+    from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, job_credentials
 
     d, other = tmp_path / "pki", tmp_path / "other"
     make_certs(d, ["job"], [])
     make_certs(other, ["job"], [])
     files = TlsFiles(str(d / "job.crt"), str(d / "job.key"), str(d / "ca.crt"))
+    named = _cert_with_a_common_name(d, "job-cn")
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
     with EtcdCluster(1, tls=files, base_dir=str(tmp_path / "etcd")) as c:
         eps = [(c.host, p) for p in c.client_ports]
         ours = EtcdStore(eps, "/job", 5.0, files.client_context())
@@ -258,3 +320,84 @@ def test_etcd_over_https_admits_only_clients_of_the_job_ca(tmp_path: Path) -> No
             with pytest.raises(Exception, match="no answer"):
                 st.get_nowait("k")
         assert not ours.check(["stranger"])
+        # the users on: the job's (its password derived from the token) may use /phoenixft/run1 only
+        token, prefix = generate_token(), "/phoenixft/run1"
+        notes: list[str] = []
+        address._restrict(c, named, prefix, token, notes.append)  # a Common Name: left as it is, and said so
+        assert len(notes) == 1 and "not limited to the job's prefix" in notes[0] and "(job-cn)" in notes[0], notes
+        address._restrict(c, files, prefix, token, notes.append)
+        url = f"{c.url}{prefix}"
+        job = connect(url, 5.0, files, token)
+        job.set("config", RunConfig(nodes=3).to_json())
+        assert job.get("config") and job.num_keys() == 1
+        import threading
+
+        threading.Timer(0.3, lambda: connect(url, 5.0, files, token).set("later", "x")).start()
+        assert job.get("later") == b"x"  # (a watch, authenticated too)
+        creds = job_credentials(prefix, token)
+        for name, st in (("no token", connect(url, 2.0, files)), ("another job's token",
+                                                                   connect(url, 2.0, files, generate_token())),
+                         ("outside its prefix", EtcdStore(eps, "/phoenixft/run2", 2.0, files.client_context(), creds)),
+                         ("a Common Name", EtcdStore(eps, prefix, 2.0, named.client_context(), creds))):
+            with pytest.raises(EtcdError) as e:
+                st.set("stranger", name)
+            assert any(w in str(e.value) for w in ("permission denied", "could not authenticate", "CommonName")), \
+                (name, e.value)
+        assert job.num_keys() == 2 and not job.check(["stranger"])
+        assert main(["status", "--coordinator", url, "--json", "--events", "0", "--timeout", "3", *_tls_args(d)]) == 2
+        assert "permission denied" in capsys.readouterr().err  # (without the job token)
+        monkeypatch.setenv(TOKEN_ENV, token)
+        assert main(["status", "--coordinator", url, "--json", "--events", "0", *_tls_args(d)]) == 0
+        assert json.loads(capsys.readouterr().out)["config"]["nodes"] == 3
+        monkeypatch.setenv("PHOENIXFT_ETCD_USER", "someone")
+        monkeypatch.setenv("PHOENIXFT_ETCD_PASSWORD", "secret")
+        assert job_credentials(prefix, token) == ("someone", "secret")  # (a cluster of the user's own)
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary (apt-get install etcd-server)")
+def test_a_run_on_a_local_etcd_with_tls_keeps_to_its_prefix(tmp_path: Path, reference: Any) -> None:
+    """`phoenixft run --control-plane etcd --tls-*`: the local cluster's users are on, and the whole job (its
+    launcher, coordinator, agents and workers: leases, watches, the election) works as the job's user, to the
+    final hash of a failure-free run; meanwhile a client of the job CA without the token is refused and one
+    with the (generated) token reads the job's status."""
+    import threading
+
+    from conftest import run
+
+    from phoenixft.controlplane import connect
+    from phoenixft.controlplane.etcd_store import EtcdError
+    from phoenixft.observe.status import collect_status
+
+    ref = reference(nodes=2, steps=12)
+    d = tmp_path / "pki"
+    make_certs(d, ["job"], [])
+    files = TlsFiles(str(d / "job.crt"), str(d / "job.key"), str(d / "ca.crt"))
+    seen: dict[str, Any] = {}
+
+    def look() -> None:
+        deadline = time.monotonic() + 120
+        cp, tok = tmp_path / "run" / "control_plane", tmp_path / "run" / "token"
+        while not (cp.exists() and tok.exists()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        url, token = cp.read_text().strip(), tok.read_text().strip()
+        try:
+            connect(url, 2.0, files).check(["config"])
+            seen["stranger"] = "let in"
+        except EtcdError as e:
+            seen["stranger"] = str(e)
+        job = connect(url, 5.0, files, token)
+        while time.monotonic() < deadline and "progress" not in seen:
+            with contextlib.suppress(Exception):
+                st = collect_status(job, events=0)
+                if st.get("progress"):
+                    seen["progress"] = st["progress"]["step"]
+            time.sleep(0.1)
+
+    t = threading.Thread(target=look, daemon=True)
+    t.start()
+    rep = run(tmp_path / "run", nodes=2, spares=0, steps=12, control_plane="etcd", tls_cert=files.cert,
+              tls_key=files.key, tls_ca=files.ca)
+    t.join(timeout=60)
+    assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"], rep.get("error")
+    assert "permission denied" in seen.get("stranger", ""), seen
+    assert seen.get("progress", 0) >= 1, seen

@@ -4,7 +4,9 @@ Writes into DIR (created mode 0700; refused if it already holds a CA): `ca.crt` 
 CA, ECDSA P-256, self-signed), and per name in `--hosts` (default: one, `job`) `NAME.crt` and
 `NAME.key`, signed by the CA, usable both as a TLS server and client (the control plane's gateway,
 forwarders and etcd members present them), with 127.0.0.1, ::1, localhost and `--san` as alternative
-names (etcd's own gateway checks the member's name). Keys are mode 0600. Every process of the job
+names (etcd's own gateway checks the member's name), and the name as their subject's organizational
+unit, not as a Common Name (etcd's JSON gateway refuses a client certificate with one once etcd's
+users are on: `--control-plane etcd` turns them on). Keys are mode 0600. Every process of the job
 then takes `--tls-cert DIR/NAME.crt --tls-key DIR/NAME.key --tls-ca DIR/ca.crt`. Keep `ca.key` off
 the hosts: it signs new members.
 """
@@ -104,7 +106,9 @@ def make_certs(d: Path, names: list[str], sans: list[str], days: int = 30) -> li
     written = [d / "ca.crt", d / "ca.key"]
     for name in names:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "phoenixft"),  # (no Common Name: see
+                             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, name)])  # the module docstring)
+        cert = (x509.CertificateBuilder().subject_name(subject)
                 .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(start).not_valid_after(end)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)

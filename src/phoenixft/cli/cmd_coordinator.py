@@ -100,7 +100,7 @@ def standby(url: str, token_flag: str, token_file: str = "") -> int:
     source = auth.token_source(token_flag, token_file)
     auth.check_token(token, source)
     try:
-        store = connect(url, 10.0)
+        store = connect(url, 10.0, token=token)
         found = store.check([keys.CONFIG])
     except Exception as e:  # noqa: BLE001 - StoreUnavailable, StoreError, OSError
         raise UserError(f"--standby={url}: etcd is not reachable there ({str(e).splitlines()[0][:160]})") from None

@@ -1,8 +1,10 @@
 """`phoenixft status --coordinator HOST:PORT`: membership, epoch, spares, progress and events of a live run.
 
-Read-only; connects to the coordinator's store with a timeout (`--timeout`, default 5 s) and
-prints the status (or `--json`). A wrong or unreachable address is a one-line error, exit 2.
-The work is done by `phoenixft.observe.status`.
+Read-only; connects to the coordinator's store with a timeout (`--timeout`, default 5 s) and prints
+the status (or `--json`). With `--tls-cert/--tls-key/--tls-ca` it reaches a head started with TLS
+through its gateway (a forwarder of its own, as an agent does) and etcd over HTTPS; a local etcd
+cluster started with TLS also asks for the job token (`--token-file` or $PHOENIXFT_TOKEN). A wrong
+or unreachable address is a one-line error, exit 2. The work is done by `phoenixft.observe.status`.
 """
 
 from __future__ import annotations
@@ -40,12 +42,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds to wait for the coordinator, per call (5)",
     )
     p.add_argument("--json", action="store_true", help="print the status as one JSON object")
+    p.add_argument("--tls-cert", dest="tls_cert", default="", metavar="PATH",
+                   help="a certificate signed by --tls-ca: reach a head started with --tls-* through its TLS gateway "
+                        "(HOST:PORT as the agents join it), and etcd over HTTPS")
+    p.add_argument("--tls-key", dest="tls_key", default="", metavar="PATH", help="the key of --tls-cert (mode 0600)")
+    p.add_argument("--tls-ca", dest="tls_ca", default="", metavar="PATH", help="the job CA's certificate")
+    p.add_argument("--token-file", dest="token_file", default="", metavar="PATH",
+                   help="the job token (mode 0600; default: $PHOENIXFT_TOKEN): what a local etcd cluster started "
+                        "with --tls-* asks of every client")
     p.set_defaults(func=status)
 
 
 def status(args: argparse.Namespace) -> int:
     from phoenixft.controlplane import describe
-    from phoenixft.observe.status import connect, format_status, left_behind, parse_address, read_status
+    from phoenixft.observe.status import close_relays, connect, format_status, left_behind, parse_address, read_status
 
     if not describe(args.coordinator).replicated:
         parse_address(args.coordinator)  # (a cluster's URL is checked by connect)
@@ -53,8 +63,12 @@ def status(args: argparse.Namespace) -> int:
         raise UserError(f"--timeout={args.timeout} must be > 0")
     if args.events < 0:
         raise UserError(f"--events={args.events} must be >= 0")
+    from phoenixft.controlplane import auth, tls
+
+    files = tls.TlsFiles.given(args.tls_cert, args.tls_key, args.tls_ca)
+    token = auth.resolve_token(None, args.token_file)
     try:
-        store = connect(args.coordinator, args.timeout)
+        store = connect(args.coordinator, args.timeout, files, token)
         st = read_status(store, args.coordinator, args.timeout, events=args.events)
     except UserError as e:
         if not left_behind():
@@ -64,6 +78,8 @@ def status(args: argparse.Namespace) -> int:
         print(f"phoenixft status: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
+    finally:
+        close_relays()
     if args.json:
         print(json.dumps({"coordinator": args.coordinator, **st}))
     else:

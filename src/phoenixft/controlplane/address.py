@@ -12,14 +12,16 @@ the control plane the launcher provisions for a run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from phoenixft.controlplane.etcd_cluster import EtcdCluster
-from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable, parse_etcd_url
+from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable, job_credentials, parse_etcd_url
 from phoenixft.controlplane.store import Store, count_opened, tcp_client
 from phoenixft.controlplane.tls import TlsFiles
 from phoenixft.controlplane.tls import from_env as tls_from_env
+from phoenixft.controlplane.tokens import TOKEN_ENV
 from phoenixft.errors import UserError
 
 __all__ = ["StoreAddress", "connect", "describe", "validate_spec", "remote_spec_problem", "ProvisionedCluster",
@@ -112,12 +114,15 @@ class ProvisionedCluster:
 
 
 def provision_cluster(spec: str, run_id: str, log_dir: str, info: Callable[[str], None],
-                      probe_s: float = CLUSTER_PROBE_S, tls: TlsFiles | None = None) -> ProvisionedCluster:
+                      probe_s: float = CLUSTER_PROBE_S, tls: TlsFiles | None = None,
+                      token: str | None = None) -> ProvisionedCluster:
     """The job's cluster for `--control-plane=spec` (not tcpstore): the cluster given (or a local one
     started now), keys under `<prefix>/<run id>` (prefix `/phoenixft` unless the URL names one),
     answering within `probe_s`; UserError naming the flag if it cannot be had. With `tls` a local cluster
-serves HTTPS only and admits clients with a certificate of the job CA (members among themselves too),
-and a given one is spoken to over HTTPS (this process's clients take the files from its environment)."""
+    serves HTTPS only and admits clients with a certificate of the job CA (members among themselves too),
+    and with the job `token` too its users are on: the job's user (`etcd_store.job_credentials`) may
+    read and write the job's prefix only; a given cluster is spoken to over HTTPS (this process's clients
+    take the files from its environment)."""
     url = spec
     local: EtcdCluster | None = None
     if spec == "etcd":
@@ -128,9 +133,12 @@ and a given one is spoken to over HTTPS (this process's clients take the files f
         url = local.url
         info(f"started a local 3-member etcd cluster for this run: {url}")
     eps, prefix = parse_etcd_url(url)
-    addr = _SCHEME + ",".join(f"{h}:{p}" for h, p in eps) + f"{prefix or '/phoenixft'}/{run_id}"
+    job_prefix = f"{prefix or '/phoenixft'}/{run_id}"
+    addr = _SCHEME + ",".join(f"{h}:{p}" for h, p in eps) + job_prefix
+    if local is not None and tls is not None and token:
+        _restrict(local, tls, job_prefix, token, info)
     try:  # one bounded look before anything starts: a wrong address is one line, not a 30 s traceback
-        connect(addr, probe_s, tls).num_keys()
+        connect(addr, probe_s, tls, token).num_keys()
     except (EtcdUnavailable, EtcdError) as e:
         if local is not None:
             local.stop()
@@ -140,16 +148,36 @@ and a given one is spoken to over HTTPS (this process's clients take the files f
     return ProvisionedCluster(addr, local)
 
 
-def connect(addr: str, timeout_s: float = 30.0, tls: TlsFiles | None = None) -> Store:
+def _restrict(local: EtcdCluster, tls: TlsFiles, job_prefix: str, token: str, info: Callable[[str], None]) -> None:
+    """Turn the local cluster's users on: the job's user may use the job's prefix only."""
+    cn = tls.common_name()
+    if cn:
+        info(f"etcd access is not limited to the job's prefix: --tls-cert={tls.cert} has a Common Name ({cn}), "
+             "which etcd's JSON gateway refuses once its users are on (certificates of `phoenixft certs` have none)")
+        return
+    creds = job_credentials(job_prefix, token)
+    assert creds is not None
+    try:
+        local.restrict(job_prefix, *creds)
+    except RuntimeError as e:
+        local.stop()
+        raise UserError(f"--control-plane=etcd: could not limit the local cluster to the job's prefix ({e})") from None
+
+
+def connect(addr: str, timeout_s: float = 30.0, tls: TlsFiles | None = None, token: str | None = None) -> Store:
     """A new client of the store at `addr`: `HOST:PORT` (a TCPStore) or an `etcd://` URL; each
     blocking call waits at most `timeout_s`. An etcd cluster is spoken to over HTTPS with the client
     certificate `tls`, or the one this process's environment names (`tls.TLS_ENV`: handed down by a
-    launcher or an agent started with --tls-*); a TCPStore address is always plain (with TLS it is the
-    loopback address of the store itself, or of this host's forwarder)."""
+    launcher or an agent started with --tls-*), and, if it asks, as the job's etcd user
+    (`etcd_store.job_credentials`, from `token` or the one in this process's environment); a TCPStore
+    address is always plain (with TLS it is the loopback address of the store itself, or of this host's
+    forwarder)."""
     if describe(addr).replicated:
         eps, prefix = parse_etcd_url(addr)
         count_opened()
         files = tls or tls_from_env()
-        return EtcdStore(eps, prefix or "/phoenixft/default", timeout_s, files.client_context() if files else None)
+        prefix = prefix or "/phoenixft/default"
+        creds = job_credentials(prefix, token or os.environ.get(TOKEN_ENV, ""))
+        return EtcdStore(eps, prefix, timeout_s, files.client_context() if files else None, creds)
     host, port = addr.rsplit(":", 1)
     return tcp_client(host, int(port), timeout_s)

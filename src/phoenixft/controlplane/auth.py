@@ -6,17 +6,27 @@ the token itself, or anything it follows from, never goes into the store; only n
 
 Admission (`request_admission` in the agent, `AdmissionDesk` in the coordinator), over the store:
 
-    agent        seq = add(admit/seq, 1); set admit/<seq>/req = {name, spare, workers, host, ...}
-    coordinator  set admit/<seq>/challenge = 32 random bytes (hex), fresh for this request
-    agent        set admit/<seq>/resp = HMAC(token, "join", seq, challenge, req)   ("" without a token)
-    coordinator  verifies it (constant time), decides membership, and sets admit/<seq>/verdict =
-                 {ok, node, run_id, reason, mac = HMAC(token, "verdict", seq, challenge, verdict)}
+    agent        seq = add(admit/seq, 1); set admit/<seq>/req = {name, spare, workers, host, ..., nonce}
+    coordinator  set admit/<seq>/challenge = {nonce: 32 random bytes (hex), run_id}: its own, fresh
+    agent        set admit/<seq>/resp = {nonce, mac: HMAC(token, "join", run_id, seq, nonce, req)}
+                 ("" without a token), for every challenge it finds there
+    coordinator  takes the response to its own nonce only, verifies it (constant time), decides, and sets
+                 admit/<seq>/verdict = {ok, node | reason, note, run_id, nonce,
+                                        mac = HMAC(token, "verdict", run_id, seq, nonce, sha256(req), verdict)}
+                 then admit/done = {the request numbers it answered, HMAC(token, run_id, them)}
 
-The response binds the request's number, the challenge and the request itself, so a response seen
-in the store can be neither replayed for another request nor attached to an altered one. The
-verdict's MAC lets the agent check that it was admitted by a holder of the token, and lets a
-restarted coordinator rebuild the membership from the store without trusting it. Every wait is
-bounded.
+Every MAC binds the run id and the request's number, and the request carries a nonce of the agent's,
+so a response or verdict seen in the store can be replayed for no other request, challenge or run.
+The coordinator never reuses a challenge it finds in the store (someone else may have written it, to
+replay a response it saw): a response to any other nonce than its own is ignored, and an agent
+answers again when the challenge changes. The agent acts only on a verdict whose MAC binds its
+request and a challenge it answered, refusals included, so a planted challenge or verdict can delay
+or fail a join, never admit anyone: a refusal is shown (control characters stripped) once it
+verifies, and an answer that does not verify is reported as such after UNVERIFIED_GRACE_S (the
+coordinator's own answer replaces a planted one). The signed record of answered requests keeps a
+restarted coordinator from answering one again (a request whose verdict was deleted would otherwise
+be challenged afresh, and refused for want of a new response). The verdicts let a restarted
+coordinator rebuild the membership from the store without trusting it. Every wait is bounded.
 
 The config: the launcher writes `config/sig` = HMAC(token, "config", config JSON) before `config`. A
 coordinator that joins a running job (`phoenixft coordinator --standby`) checks its token on it
@@ -29,28 +39,45 @@ with the token their agent put in their environment (`PHOENIXFT_TOKEN`).
 
 What this does not do: it keeps strangers and other jobs' agents out of the membership, it does not
 make the store private. A party that can reach the store can still disturb the job (overwrite or
-delete keys, forge heartbeats): serve it on a private network, as with torchrun's store.
+delete keys, forge heartbeats): serve it through TLS (`controlplane/tls.py`) or on a private network.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
-import math
 import os
 import re
 import secrets
-import stat
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, signed
 from phoenixft.controlplane.store import Store
-from phoenixft.controlplane.values import read_int
+from phoenixft.controlplane.tokens import (
+    MIN_TOKEN_BITS,
+    MIN_TOKEN_CHARS,
+    TOKEN_ENV,
+    check_token,
+    generate_token,
+    read_token_file,
+    resolve_token,
+    token_bits,
+    token_source,
+    write_token_file,
+)
+from phoenixft.controlplane.values import (
+    clean,
+    note_bad,
+    parse_int,
+    parse_json,
+    read_int,
+    read_json,
+    read_raw,
+    read_text,
+)
 from phoenixft.errors import RunAborted, UserError
 
 __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "MIN_TOKEN_BITS", "resolve_token", "token_source", "read_token_file",
@@ -58,88 +85,9 @@ __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "MIN_TOKEN_BITS", "resolve_token", "t
            "sign_topology", "verified_topology", "sign_config", "token_matches_job", "request_admission",
            "Application", "AdmissionDesk", "NAME_RE"]
 
-TOKEN_ENV = "PHOENIXFT_TOKEN"
-MIN_TOKEN_CHARS = 16
-MIN_TOKEN_BITS = 128
-MIN_DISTINCT = 8
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _VERSION = b"phoenixft-auth-v1"
 _PENDING_TTL_S = 300.0  # a request whose agent went away is forgotten after this long
-
-
-def resolve_token(flag: str | None, token_file: str | None = None) -> str | None:
-    """The token from `--token`, else from `--token-file` (checked: `read_token_file`), else from the
-    environment (PHOENIXFT_TOKEN), else None."""
-    if flag:
-        return flag
-    if token_file:
-        return read_token_file(token_file)
-    return os.environ.get(TOKEN_ENV, "") or None
-
-
-def token_source(flag: str | None, token_file: str | None = None) -> str:
-    """What `resolve_token` took the token from, as an error message names it."""
-    return "--token" if flag else f"--token-file={token_file}" if token_file else f"${TOKEN_ENV}"
-
-
-def read_token_file(path: str, flag: str = "--token-file") -> str:
-    """The token in the first line of `path`; UserError (one line) unless the file is this user's and
-    readable by no one else (mode 0600 or stricter)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise UserError(f"{flag}={path}: cannot open it ({e.strerror})") from None
-    with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as f:
-        st = os.fstat(f.fileno())
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid != os.getuid():
-            raise UserError(f"{flag}={path}: the file belongs to uid {st.st_uid}, not to this user (uid "
-                            f"{os.getuid()}); use a token file of your own with mode 0600")
-        if mode & 0o077:
-            raise UserError(f"{flag}={path}: mode {mode:04o} lets other users read the job token; run "
-                            f"`chmod 600 {path}` (a token file must be readable by its owner only)")
-        return f.readline().strip()
-
-
-def write_token_file(path: Path, token: str) -> None:
-    """Write `token` to a new file at `path` readable by this user only (0600, created so: never wider)."""
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-
-
-def generate_token() -> str:
-    return secrets.token_urlsafe(32)  # 256 bits
-
-
-def token_bits(token: str) -> float:
-    """The token's entropy as estimated from its character classes: length x log2(the size of the
-    alphabet that the classes it uses span: lower 26, upper 26, digits 10, anything else 32)."""
-    alphabet = sum(size for test, size in ((str.islower, 26), (str.isupper, 26), (str.isdigit, 10))
-                   if any(test(c) and c.isascii() for c in token))
-    alphabet += 32 if any(not (c.isascii() and c.isalnum()) for c in token) else 0
-    return len(token) * math.log2(alphabet) if alphabet > 1 else 0.0
-
-
-def check_token(token: str, source: str) -> str:
-    """Raise UserError unless `token` is usable; `source` names where it came from (a flag or the env).
-
-    The rule: at least MIN_TOKEN_CHARS characters, no whitespace, at least MIN_TOKEN_BITS bits by
-    `token_bits`, at least MIN_DISTINCT distinct characters, and not one string repeated."""
-    how = "make one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
-    if len(token) < MIN_TOKEN_CHARS or token != token.strip() or any(c.isspace() for c in token):
-        raise UserError(f"{source} is invalid: a job token needs at least {MIN_TOKEN_CHARS} characters and no "
-                        f"whitespace (got {len(token)} characters); {how}")
-    bits, distinct = token_bits(token), len(set(token))
-    weak = (f"{bits:.0f} bits" if bits < MIN_TOKEN_BITS else f"{distinct} distinct characters"
-            if distinct < MIN_DISTINCT else "one string repeated" if token in (token + token)[1:-1] else "")
-    if weak:
-        raise UserError(f"{source} is too weak ({weak}): a job token needs {MIN_TOKEN_BITS} bits of entropy, "
-                        f"estimated as length x log2(the alphabet its character classes span), at least "
-                        f"{MIN_DISTINCT} distinct characters and no repeated pattern; {how}")
-    return token
 
 
 def mac(token: str, purpose: str, *parts: str | bytes | int) -> str:
@@ -200,71 +148,147 @@ def token_matches_job(store: Store, token: str) -> bool | None:
 
 
 # ---------------------------------------------------------------------------------------- admission
+UNVERIFIED_GRACE_S = 2.0  # an agent that read an answer it cannot verify waits this long for a signed one
+FULL_LOOK_S = 1.0  # the desk looks at its open requests this often even if no agent bumped the counter
+MAX_OPEN = 256  # join requests the desk keeps open at most (a counter bumped by a stranger opens no more)
+SCAN_LIMIT = 1024  # request numbers a restarted coordinator looks at beyond its signed record
+
+
 class RunEnded(Exception):
-    """The run ended (its final state is in the store) while this agent waited to be admitted."""
+    """The run ended (its signed final state is in the store) while this agent waited to be admitted."""
 
 
-def _wait_key(store: Store, key: str, deadline: float, what: str) -> bytes:
-    """Poll (every 20 ms; no server-side wait, whose timeouts c10d logs as warnings) until `key`
-    exists; TimeoutError at the deadline, RunEnded as soon as the run has a final state (an agent
-    started just before the run was stopped must not wait out its join timeout). A failing store
-    call is retried until then."""
-    polls = 0
-    while True:
-        try:
-            if store.check([key]):
-                return bytes(store.get(key))
-            if polls % 10 == 0 and store.check([keys.RUN_STATE]):
-                raise RunEnded(store.get(keys.RUN_STATE).decode())
-        except RunEnded:
-            raise
-        except Exception:  # noqa: BLE001 - a call that failed or timed out: retry until the deadline
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        polls += 1
-        time.sleep(0.02)
+def _digest(raw: str | bytes) -> str:
+    return hashlib.sha256(raw if isinstance(raw, bytes) else raw.encode()).hexdigest()
+
+
+def _response_mac(token: str, run_id: str, seq: int, nonce: str, raw_req: str) -> str:
+    return mac(token, "join", run_id, seq, nonce, raw_req)
+
+
+def _verdict_mac(token: str, run_id: str, seq: int, nonce: str, raw_req: str, body: dict[str, Any]) -> str:
+    return mac(token, "verdict", run_id, seq, nonce, _digest(raw_req), json.dumps(body, sort_keys=True))
+
+
+def _challenge(raw: bytes, key: str) -> tuple[str, str] | None:
+    """(nonce, run id) of a challenge as the coordinator writes it; None (logged) if it is not one."""
+    c = parse_json(raw, key)
+    if c is None or not isinstance(c.get("nonce"), str) or not isinstance(c.get("run_id"), str) \
+            or not 16 <= len(c["nonce"]) <= 128:
+        if c is not None:
+            note_bad(key, "not a join challenge", raw)
+        return None
+    return c["nonce"], c["run_id"]
+
+
+def _verdict(raw: bytes, token: str | None, seq: int, raw_req: str, answered: dict[str, str]) -> dict[str, Any] | None:
+    """The verdict's body if its MAC verifies with `token` for this request and a challenge this agent
+    answered (`answered`: nonce -> run id); None otherwise."""
+    v = parse_json(raw, keys.admit_verdict(seq))
+    if not token or v is None:
+        return None
+    body = {k: x for k, x in v.items() if k != "mac"}
+    nonce, run_id = body.get("nonce"), body.get("run_id")
+    if not isinstance(nonce, str) or answered.get(nonce) != run_id or not isinstance(run_id, str):
+        return None
+    return body if _same(str(v.get("mac", "")), _verdict_mac(token, run_id, seq, nonce, raw_req, body)) else None
+
+
+def _run_over(store: Store, token: str | None, run_ids: list[str]) -> str | None:
+    """The run's final state if one is in the store, signed with the run key of the run the store names
+    or of a challenge this agent answered (unsigned, printable, when this agent has no token to check it)."""
+    if not store.check([keys.RUN_STATE]):
+        return None
+    if not token:
+        return clean(store.get(keys.RUN_STATE), 40)
+    for rid in dict.fromkeys([read_text(store, keys.RUN_ID), *run_ids]):
+        state = signed.run_ended(store, rid, token)
+        if state is not None:
+            return state
+    return None
+
+
+def _post_request(store: Store, raw_req: str, name: str, where: str) -> int:
+    try:
+        seq = int(store.add(keys.ADMIT_SEQ, 1))
+        store.set(keys.admit_req(seq), raw_req)
+        store.add(keys.ADMIT_POSTED, 1)
+    except Exception as e:  # noqa: BLE001 - a counter made a non-number by someone else cuts the connection
+        why = clean(str(e).splitlines()[0] if str(e) else type(e).__name__, 120)
+        raise UserError(f"the store at {where} did not take the join request of {name!r} ({why}): is it this "
+                        "job's, and reachable?") from None
+    return seq
 
 
 def request_admission(store: Store, request: dict[str, Any], token: str | None, timeout_s: float,
                       where: str) -> dict[str, Any]:
     """Ask the coordinator behind `store` to admit this agent; return its verdict ({node, run_id, note}).
 
-    UserError (one line) if it refuses, if its answer is not signed with our token, or if it does not
-    answer within `timeout_s`."""
-    raw_req = json.dumps(request, sort_keys=True)
-    seq = int(store.add(keys.ADMIT_SEQ, 1))
-    store.set(keys.admit_req(seq), raw_req)
-    store.add(keys.ADMIT_POSTED, 1)
+    It answers every challenge it finds for its request (the coordinator writes a fresh one; one written
+    by someone else only draws an answer the coordinator ignores) and acts only on a verdict whose MAC
+    binds its request, a challenge it answered and that challenge's run id. UserError (one line) if it
+    is refused (the reason printable only), if the only answer is not signed with our token (after
+    UNVERIFIED_GRACE_S), or if no answer comes within `timeout_s`."""
+    raw_req = json.dumps({**request, "nonce": secrets.token_hex(16)}, sort_keys=True)  # (no two requests alike)
+    name, host = request["name"], request.get("host") or "?"
+    seq = _post_request(store, raw_req, name, where)
     deadline = time.monotonic() + timeout_s
-    late = (f"the coordinator at {where} did not answer the join request of {request['name']!r} within "
+    late = (f"the coordinator at {where} did not answer the join request of {name!r} within "
             f"{timeout_s:g}s (see --join-timeout; is a phoenixft coordinator serving that address?)")
-    try:
-        challenge = _wait_key(store, keys.admit_challenge(seq), deadline, late)
-        resp = mac(token, "join", seq, challenge, raw_req) if token else ""
-        store.set(keys.admit_resp(seq), resp)
-        store.add(keys.ADMIT_POSTED, 1)
-        raw_verdict = _wait_key(store, keys.admit_verdict(seq), deadline, late)
-    except TimeoutError:
-        raise UserError(late) from None
-    except RunEnded as e:
-        raise UserError(f"the run at {where} ended ({e}) before {request['name']!r} was admitted") from None
-    try:
-        verdict = json.loads(raw_verdict)
-        if not isinstance(verdict, dict):
-            raise ValueError("not an object")
-    except ValueError:
-        raise UserError(f"the answer to the join request at {where} is unreadable: not a phoenixft coordinator") \
-            from None
-    if not verdict.get("ok"):
-        raise UserError(f"the coordinator at {where} refused to admit {request['name']!r} (from "
-                        f"{request.get('host') or '?'}): {verdict.get('reason', 'no reason given')}")
-    body = {k: v for k, v in verdict.items() if k != "mac"}
-    if not token or not _same(str(verdict.get("mac", "")), mac(token, "verdict", seq, challenge,
-                                                               json.dumps(body, sort_keys=True))):
-        raise UserError(f"the answer to the join request at {where} is not signed with this agent's token: "
-                        "not this job's coordinator")
-    return body
+    answered: dict[str, str] = {}  # nonce -> run id of every challenge answered
+    unverified: tuple[float, bool] | None = None  # when an answer we cannot verify was first read; it said ok
+    polls = 0
+    while True:
+        try:
+            raw_c = read_raw(store, keys.admit_challenge(seq))
+            c = _challenge(raw_c, keys.admit_challenge(seq)) if raw_c is not None else None
+            if c is not None and c[0] not in answered:
+                answered[c[0]] = c[1]
+                resp = _response_mac(token, c[1], seq, c[0], raw_req) if token else ""
+                store.set(keys.admit_resp(seq), json.dumps({"nonce": c[0], "mac": resp}))
+                store.add(keys.ADMIT_POSTED, 1)
+            raw_v = read_raw(store, keys.admit_verdict(seq))
+            if raw_v is not None:
+                body = _verdict(raw_v, token, seq, raw_req, answered)
+                if body is not None:
+                    return _verdict_result(body, name, host, where)
+                if not token:
+                    raise UserError(f"the coordinator at {where} refused to admit {name!r} (from {host}): it presented "
+                                    f"no token (start the agent with this job's token: --token-file or ${TOKEN_ENV})")
+                said_ok = bool((parse_json(raw_v, keys.admit_verdict(seq)) or {}).get("ok"))
+                unverified = unverified or (time.monotonic(), said_ok)
+                if time.monotonic() - unverified[0] > UNVERIFIED_GRACE_S:
+                    raise UserError(_unverified_message(unverified[1], name, host, where))
+            if polls % 10 == 0:
+                state = _run_over(store, token, list(answered.values()))
+                if state is not None:
+                    raise UserError(f"the run at {where} ended ({state}) before {name!r} was admitted")
+        except UserError:
+            raise
+        except Exception:  # noqa: BLE001 - a call that failed or timed out: retry until the deadline
+            pass
+        if time.monotonic() > deadline:
+            raise UserError(late)
+        polls += 1
+        time.sleep(0.02)
+
+
+def _unverified_message(said_ok: bool, name: str, host: str, where: str) -> str:
+    if said_ok:
+        return (f"the answer to the join request of {name!r} at {where} is not signed with this agent's token: not "
+                "this job's coordinator (or a wrong token)")
+    return (f"the coordinator at {where} refused to admit {name!r} (from {host}) with an answer not signed with this "
+            "agent's token: a wrong token (not this job's), or an answer written by someone other than the job's "
+            "coordinator")
+
+
+def _verdict_result(body: dict[str, Any], name: str, host: str, where: str) -> dict[str, Any]:
+    """A verified verdict: its {node, run_id, note} if it admits us; UserError with its reason if it refuses."""
+    if not body.get("ok"):
+        raise UserError(f"the coordinator at {where} refused to admit {name!r} (from {host}): "
+                        f"{clean(str(body.get('reason') or 'no reason given'), 400)}")
+    return {"node": clean(str(body.get("node", "")), 64), "run_id": clean(str(body["run_id"]), 64),
+            "note": clean(str(body.get("note", "")), 200)}
 
 
 @dataclass
@@ -274,99 +298,172 @@ class Application:
     seq: int
     request: dict[str, Any]
     proof: str
-    challenge: str
+    challenge: str  # the nonce the coordinator issued for it
+    raw_req: str = ""
 
 
 @dataclass
 class _Pending:
     t: float
-    challenge: str = ""
+    nonce: str = ""
     raw_req: str = ""
+
+
+def _ranges(seqs: set[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for s in sorted(seqs):
+        if out and out[-1][1] == s - 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
 
 
 @dataclass
 class AdmissionDesk:
     """The coordinator's side of admission: issues challenges, checks responses, signs verdicts.
 
-    `poll()` does nothing but read one counter unless an agent wrote something since the last call.
-    The coordinator decides who is admitted (`answer`)."""
+    Every challenge is its own, fresh (one found in the store is never reused: its response could be a
+    replay); every MAC binds the run id; the requests it answered are recorded (`keys.ADMIT_DONE`,
+    signed), so a restarted coordinator answers none of them again, even one whose verdict was deleted.
+    `poll()` does nothing but read one counter unless an agent wrote something since the last call (or
+    FULL_LOOK_S passed with requests open). The coordinator decides who is admitted (`answer`)."""
 
     store: Store
     token: str
+    run_id: str = ""  # (default: the store's run id, as the coordinator reads it)
     _posted_seen: int = -1
     _next_seq: int = 1
+    _last_look: float = 0.0
     _pending: dict[int, _Pending] = field(default_factory=dict)
+    _done: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            self.run_id = read_text(self.store, keys.RUN_ID)
+        self._done = self._load_done()
+
+    # -------------------------------------------------------------- the record of answered requests
+    def _done_mac(self, ranges: list[list[int]]) -> str:
+        return mac(self.token, "admitted-requests", self.run_id, json.dumps(ranges))
+
+    def _load_done(self) -> set[int]:
+        rec = read_json(self.store, keys.ADMIT_DONE)
+        if rec is None:
+            return set()
+        ranges = rec.get("ranges")
+        ok = isinstance(ranges, list) and all(isinstance(r, list) and len(r) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in r) and 0 < r[0] <= r[1] for r in ranges)
+        if not ok or sum(r[1] - r[0] + 1 for r in ranges) > 10 * SCAN_LIMIT \
+                or not _same(str(rec.get("mac", "")), self._done_mac(ranges)):
+            note_bad(keys.ADMIT_DONE, "not signed with this run's key", json.dumps(rec))
+            return set()
+        return {s for a, b in ranges for s in range(a, b + 1)}
+
+    def _mark_done(self, seq: int) -> None:
+        self._done.add(seq)
+        ranges = _ranges(self._done)
+        self.store.set(keys.ADMIT_DONE, json.dumps({"ranges": ranges, "mac": self._done_mac(ranges)}))
+
+    # -------------------------------------------------------------- counters
+    def _counter(self, key: str, repair: int) -> int | None:
+        """A counter agents `add` to; one someone made a non-number is set to `repair` (an agent's `add` on it
+        would lose its connection). None if absent."""
+        raw = read_raw(self.store, key)
+        if raw is None:
+            return None
+        v = parse_int(raw, key, -1)
+        if v < 0:
+            self.store.set(key, str(repair))
+            return repair
+        return v
 
     def poll(self, force: bool = False) -> list[Application]:
-        posted = read_int(self.store, keys.ADMIT_POSTED)  # (`get`: an `add` on a garbage value cuts the connection)
-        if posted == self._posted_seen and not force:
-            return []
-        self._posted_seen = posted
-        top = read_int(self.store, keys.ADMIT_SEQ)
         now = time.monotonic()
-        for seq in range(self._next_seq, top + 1):
-            self._pending[seq] = _Pending(t=now)
+        posted = self._counter(keys.ADMIT_POSTED, max(self._posted_seen, 0) + 1) or 0
+        if posted == self._posted_seen and not force and not (self._pending and now - self._last_look > FULL_LOOK_S):
+            return []
+        self._posted_seen, self._last_look = posted, now
+        top = self._counter(keys.ADMIT_SEQ, self._next_seq + MAX_OPEN) or 0
+        for seq in range(max(self._next_seq, top - MAX_OPEN + 1), top + 1):
+            if seq not in self._done:
+                self._pending[seq] = _Pending(t=now)
         self._next_seq = max(self._next_seq, top + 1)
+        for seq in sorted(self._pending)[:-MAX_OPEN]:  # the oldest beyond MAX_OPEN: forgotten
+            del self._pending[seq]
         out: list[Application] = []
         for seq, p in list(self._pending.items()):
-            if not p.challenge:
-                if self.store.check([keys.admit_verdict(seq)]):  # answered before a coordinator restart
-                    del self._pending[seq]
-                    continue
-                if not self.store.check([keys.admit_req(seq)]):
-                    if now - p.t > _PENDING_TTL_S:
-                        del self._pending[seq]
-                    continue
-                p.raw_req = self.store.get(keys.admit_req(seq)).decode(errors="replace")
-                if self.store.check([keys.admit_challenge(seq)]):  # issued by a coordinator before a restart
-                    p.challenge = self.store.get(keys.admit_challenge(seq)).decode(errors="replace")
-                else:
-                    p.challenge = secrets.token_hex(32)
-                    self.store.set(keys.admit_challenge(seq), p.challenge)
-            if not self.store.check([keys.admit_resp(seq)]):
-                if now - p.t > _PENDING_TTL_S:
-                    del self._pending[seq]
-                continue
-            resp = self.store.get(keys.admit_resp(seq)).decode(errors="replace")
-            del self._pending[seq]
-            try:
-                req = json.loads(p.raw_req)
-                if not isinstance(req, dict):
-                    raise ValueError("not an object")
-            except ValueError:
-                req = {"name": "?", "unreadable": True}
-            proof = "none" if not resp else (
-                "ok" if _same(resp, mac(self.token, "join", seq, p.challenge, p.raw_req)) else "wrong")
-            out.append(Application(seq=seq, request=req, proof=proof, challenge=p.challenge))
+            app = self._look(seq, p, now)
+            if app is not None:
+                out.append(app)
         return out
 
-    def answer(self, app: Application, node: str | None, run_id: str, reason: str = "", note: str = "") -> None:
-        """Admit `app` as `node` (signed verdict), or refuse it with `reason` (node None)."""
-        if node is None:
-            self.store.set(keys.admit_verdict(app.seq), json.dumps({"ok": False, "reason": reason}))
-            return
-        body = {"ok": True, "node": node, "run_id": run_id, "note": note}
-        sig = mac(self.token, "verdict", app.seq, app.challenge, json.dumps(body, sort_keys=True))
+    def _look(self, seq: int, p: _Pending, now: float) -> Application | None:
+        """Challenge request `seq` (fresh), or take its response to our challenge; None while there is none."""
+        expired = now - p.t > _PENDING_TTL_S
+        if not p.nonce:
+            raw_req = read_raw(self.store, keys.admit_req(seq))
+            if raw_req is None:
+                if expired:
+                    del self._pending[seq]
+                return None
+            p.raw_req = raw_req.decode(errors="replace")
+            raw_v = read_raw(self.store, keys.admit_verdict(seq))
+            if raw_v is not None and self._signed_verdict(seq, p.raw_req, raw_v) is not None:
+                self._mark_done(seq)  # answered by a coordinator of this run before a restart (and not recorded)
+                del self._pending[seq]
+                return None
+            p.nonce = secrets.token_hex(32)  # ours, fresh: never one found in the store
+            self.store.set(keys.admit_challenge(seq), json.dumps({"nonce": p.nonce, "run_id": self.run_id}))
+            return None
+        raw_resp = read_raw(self.store, keys.admit_resp(seq))
+        resp = parse_json(raw_resp, keys.admit_resp(seq)) if raw_resp is not None else None
+        if resp is None or not _same(str(resp.get("nonce", "")), p.nonce):  # none yet, or one to another challenge
+            if expired:
+                del self._pending[seq]
+            return None
+        del self._pending[seq]
+        req = parse_json(p.raw_req, keys.admit_req(seq)) or {"name": "?", "unreadable": True}
+        answer = str(resp.get("mac", ""))
+        proof = "none" if not answer else (
+            "ok" if _same(answer, _response_mac(self.token, self.run_id, seq, p.nonce, p.raw_req)) else "wrong")
+        return Application(seq=seq, request=req, proof=proof, challenge=p.nonce, raw_req=p.raw_req)
+
+    def answer(self, app: Application, node: str | None, reason: str = "", note: str = "") -> None:
+        """Admit `app` as `node`, or refuse it with `reason` (node None): a verdict signed either way, then the
+        request recorded as answered."""
+        body: dict[str, Any] = {"ok": node is not None, "run_id": self.run_id, "nonce": app.challenge,
+                                **({"node": node, "note": note} if node is not None else {"reason": reason})}
+        sig = _verdict_mac(self.token, self.run_id, app.seq, app.challenge, app.raw_req, body)
         self.store.set(keys.admit_verdict(app.seq), json.dumps({**body, "mac": sig}))
+        self._mark_done(app.seq)
+
+    def _signed_verdict(self, seq: int, raw_req: str, raw_v: bytes) -> dict[str, Any] | None:
+        v = parse_json(raw_v, keys.admit_verdict(seq))
+        if v is None:
+            return None
+        body = {k: x for k, x in v.items() if k != "mac"}
+        if body.get("run_id") != self.run_id or not isinstance(body.get("nonce"), str):
+            return None
+        want = _verdict_mac(self.token, self.run_id, seq, body["nonce"], raw_req, body)
+        return body if _same(str(v.get("mac", "")), want) else None
 
     def admitted(self) -> list[tuple[int, dict[str, Any], dict[str, Any]]]:
-        """(seq, request, verdict) of every admission in the store whose verdict verifies with the
-        token, in order: what a restarted coordinator rebuilds its membership from."""
+        """(seq, request, verdict) of every admission in the store whose verdict verifies with this run's key,
+        in order: what a restarted coordinator (or a new leader) rebuilds its membership from. It looks at the
+        requests its signed record names, and at the first and the last SCAN_LIMIT numbers."""
+        self._done |= self._load_done()
+        top = max(0, read_int(self.store, keys.ADMIT_SEQ))
+        seqs = self._done | set(range(1, min(top, SCAN_LIMIT) + 1)) | set(range(max(1, top - SCAN_LIMIT + 1), top + 1))
         out = []
-        top = read_int(self.store, keys.ADMIT_SEQ)
-        for seq in range(1, top + 1):
-            names = [keys.admit_req(seq), keys.admit_challenge(seq), keys.admit_verdict(seq)]
-            if not self.store.check(names):
+        for seq in sorted(seqs):
+            raw_req = read_raw(self.store, keys.admit_req(seq))
+            raw_v = read_raw(self.store, keys.admit_verdict(seq)) if raw_req is not None else None
+            if raw_req is None or raw_v is None:
                 continue
-            raw_req, challenge, raw_verdict = (bytes(x).decode(errors="replace") for x in self.store.multi_get(names))
-            try:
-                verdict, req = json.loads(raw_verdict), json.loads(raw_req)
-            except ValueError:
-                continue
-            if not isinstance(verdict, dict) or not isinstance(req, dict) or not verdict.get("ok"):
-                continue
-            body = {k: v for k, v in verdict.items() if k != "mac"}
-            if _same(str(verdict.get("mac", "")), mac(self.token, "verdict", seq, challenge,
-                                                      json.dumps(body, sort_keys=True))):
+            text = raw_req.decode(errors="replace")
+            body = self._signed_verdict(seq, text, raw_v)
+            req = parse_json(text, keys.admit_req(seq))
+            if body is not None and body.get("ok") and req is not None:
                 out.append((seq, req, body))
         return out

@@ -10,12 +10,17 @@ costs ~1 s of write unavailability, which clients ride out by retrying).
     with EtcdCluster(members=3) as c:
         print(c.url)          # etcd://127.0.0.1:P0,127.0.0.1:P1,127.0.0.1:P2
         c.kill(1)             # SIGKILL member 1; the other two keep a quorum
+
+With `tls` it serves HTTPS only, to clients with a certificate of that CA (members among themselves
+too); `restrict` then turns etcd's users on, one user allowed the job's prefix only.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -105,6 +110,7 @@ class EtcdCluster:
                 "--initial-cluster-token", self._token,
                 "--heartbeat-interval", "100", "--election-timeout", "1000",
                 "--logger", "zap", "--log-level", "warn", "--quota-backend-bytes", str(2 << 30),
+                "--bcrypt-cost", "4",  # (the passwords `restrict` sets are 256-bit keys: no stretching needed)
                 # a long run writes a revision per step and per event: keep 10 minutes of history
                 "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m"]
 
@@ -124,6 +130,26 @@ class EtcdCluster:
             self.stop()
             raise
         return self
+
+    def restrict(self, prefix: str, user: str, password: str, timeout_s: float = 10.0) -> None:
+        """Turn etcd's users on: `user` (with `password`) may read and write the keys under `prefix` and
+        nothing else, anyone else nothing (root gets a random password no one keeps). Call it once the
+        cluster is healthy; RuntimeError naming the step etcd refused."""
+        key = "/" + prefix.strip("/") + "/"
+        perm = {"permType": "READWRITE", "key": base64.b64encode(key.encode()).decode(),
+                "range_end": base64.b64encode((key[:-1] + "0").encode()).decode()}
+        steps = [("user/add", {"name": "root", "password": secrets.token_hex(32)}),
+                 ("user/grant", {"user": "root", "role": "root"}), ("role/add", {"name": user}),
+                 ("role/grant", {"name": user, "perm": perm}), ("user/add", {"name": user, "password": password}),
+                 ("user/grant", {"user": user, "role": user}), ("enable", {})]
+        for step, body in steps:
+            req = urllib.request.Request(f"{self.scheme}://{self.host}:{self.client_ports[0]}/v3/auth/{step}",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout_s, context=self._ctx) as r:
+                    r.read()
+            except OSError as e:
+                raise RuntimeError(f"etcd refused /v3/auth/{step} ({e})") from None
 
     def healthy(self, i: int, timeout_s: float = 1.0) -> bool:
         try:

@@ -16,6 +16,15 @@ moves to the next endpoint and retries until the call's deadline. Measured here,
 `etcd3gw` (requests). grpc clients (`etcd3`: last release 2020, generated code that needs an old
 protobuf) are not fork-safe, and our agents fork their workers.
 
+With etcd's users on (`auth enable`), a client authenticates as `credentials` (user, password) once a
+request is refused for want of it (`/v3/auth/authenticate`; every client of the process shares the
+token it gets, and gets a new one when a member says the token is no longer valid) and sends that
+token with every request. `job_credentials` names the job's user and derives its password from the
+job token (HMAC), so every process of the job has them and no one else does; PHOENIXFT_ETCD_USER and
+PHOENIXFT_ETCD_PASSWORD name others (a cluster of the user's own). A client certificate with a
+Common Name is refused by etcd's JSON gateway once users are on (etcd would otherwise take the
+gateway's own name for the user): `phoenixft certs` makes certificates without one.
+
 Keys live under the job's prefix (the URL's path, default `/phoenixft/<run id>`). Appended values
 (`append`) are stored as one key per append, `<key>\\x00<n>`, read back in etcd's creation order:
 an append is one put, never a read-modify-write of a growing value.
@@ -24,6 +33,8 @@ an append is one put, never a read-modify-write of a growing value.
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import http.client
 import json
 import os
@@ -39,11 +50,16 @@ import torch.distributed as dist
 
 from phoenixft.controlplane.store import StoreError, StoreUnavailable
 
-__all__ = ["EtcdStore", "EtcdError", "EtcdUnavailable", "parse_etcd_url"]
+__all__ = ["EtcdStore", "EtcdError", "EtcdUnavailable", "parse_etcd_url", "job_credentials", "job_user",
+           "ETCD_USER_ENV", "ETCD_PASSWORD_ENV"]
 
 REQUEST_TIMEOUT_S = 2.0  # one HTTP request; a hung member is left after this, the call goes on elsewhere
 WATCH_SLICE_S = 5.0  # a wait re-checks (and may change member) at least this often
 MAX_TXN_OPS = 128  # etcd's --max-txn-ops default
+ETCD_USER_ENV = "PHOENIXFT_ETCD_USER"
+ETCD_PASSWORD_ENV = "PHOENIXFT_ETCD_PASSWORD"
+_AUTH_ERRORS = ("user name is empty", "permission denied", "invalid auth token", "auth store is old")
+_auth_tokens: dict[tuple[tuple[tuple[str, int], ...], str], str] = {}  # (endpoints, credentials) -> etcd's token
 _RETRYABLE = ("leader changed", "no leader", "timed out", "too many requests", "not capable", "unhealthy",
               "stopped", "server is not ready", "raft")
 
@@ -69,6 +85,25 @@ def parse_etcd_url(url: str) -> tuple[list[tuple[str, int]], str]:
             raise ValueError(f"{url!r}: endpoint {hp!r} is not HOST:PORT with a port in 1..65535")
         eps.append((host.strip("[]"), int(port)))
     return eps, ("/" + prefix.strip("/") if prefix.strip("/") else "")
+
+
+def job_user(prefix: str) -> str:
+    """The etcd user of the job whose keys live under `prefix`."""
+    return "job" + "/" + prefix.strip("/")
+
+
+def job_credentials(prefix: str, token: str | None) -> tuple[str, str] | None:
+    """(user, password) a client of the job under `prefix` authenticates with, if etcd asks: the ones the
+    environment names (ETCD_USER_ENV, ETCD_PASSWORD_ENV), else the job's own (`job_user`, a password
+    derived from the job token), else None."""
+    user, password = os.environ.get(ETCD_USER_ENV, ""), os.environ.get(ETCD_PASSWORD_ENV, "")
+    if user and password:
+        return user, password
+    if not token:
+        return None
+    key = "/" + prefix.strip("/")
+    return job_user(key), hmac.new(token.encode(), b"phoenixft-etcd-password-v1\0" + key.encode(),
+                                   hashlib.sha256).hexdigest()
 
 
 def _b(s: str | bytes) -> str:
@@ -100,12 +135,14 @@ class EtcdStore(dist.Store):
     wait_slice_s = WATCH_SLICE_S
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str, timeout_s: float = 30.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, credentials: tuple[str, str] | None = None) -> None:
         super().__init__()
         self._tls = tls  # HTTPS with this context (a client certificate of the job CA), or plain HTTP
+        self._creds = credentials  # etcd user and password, used once etcd asks for them
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint")
         self.endpoints = list(endpoints)
+        self._auth_key = (tuple(self.endpoints), "\0".join(credentials) if credentials else "")
         self.prefix = prefix.rstrip("/") + "/"
         self._timeout_s = timeout_s
         self._local = threading.local()
@@ -163,18 +200,38 @@ class EtcdStore(dist.Store):
         if move:
             self._ep = (self._ep + 1) % len(self.endpoints)
 
-    def call(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """POST one gateway request; fail over and retry until the deadline."""
+    def _headers(self) -> dict[str, str]:
+        tok = _auth_tokens.get(self._auth_key)
+        return {"Content-Type": "application/json", **({"Authorization": tok} if tok else {})}
+
+    def _authenticate(self, deadline: float) -> None:
+        """Get an auth token for our credentials (EtcdError naming the user if etcd refuses them)."""
+        assert self._creds is not None
+        user, password = self._creds
+        _auth_tokens.pop(self._auth_key, None)
+        try:
+            r = self.call("/v3/auth/authenticate", {"name": user, "password": password},
+                          max(0.1, deadline - time.monotonic()), auth=False)
+        except EtcdError as e:
+            raise EtcdError(f"etcd cluster {self.url}: user {user!r} could not authenticate ({e}); give the job's "
+                            f"user in ${ETCD_USER_ENV} and ${ETCD_PASSWORD_ENV}") from None
+        _auth_tokens[self._auth_key] = str(r.get("token", ""))
+
+    def call(self, path: str, body: dict[str, Any], timeout_s: float | None = None,
+             auth: bool = True) -> dict[str, Any]:
+        """POST one gateway request; fail over and retry until the deadline (authenticating once if etcd
+        asks and this client has credentials)."""
         deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
         payload = json.dumps(body)
         nap, last = 0.005, ""
+        authed = not (auth and self._creds)
         while True:
             conn = self._conn()
             conn.timeout = max(0.05, min(REQUEST_TIMEOUT_S, deadline - time.monotonic()))
             if conn.sock is not None:
                 conn.sock.settimeout(conn.timeout)
             try:
-                conn.request("POST", path, payload, {"Content-Type": "application/json"})
+                conn.request("POST", path, payload, self._headers() if auth else {"Content-Type": "application/json"})
                 r = conn.getresponse()
                 data = r.read()
                 status = r.status
@@ -185,16 +242,19 @@ class EtcdStore(dist.Store):
                 try:
                     out = json.loads(data) if data else {}
                 except ValueError:
-                    out = {"error": data[:200].decode(errors="replace")}
+                    out = {"error": data[:200].decode(errors="replace").strip()}
                 err = str(out.get("error") or out.get("message") or "") if isinstance(out, dict) else ""
                 if status == 200 and not err:
                     return out
                 last = f"HTTP {status}: {err}"
+                if not authed and any(s in err for s in _AUTH_ERRORS):
+                    authed = True
+                    self._authenticate(deadline)
+                    continue
                 if status < 500 and not any(s in err for s in _RETRYABLE):
                     raise EtcdError(f"etcd {path}: {last}")
                 self._drop(move=True)
             if time.monotonic() + nap > deadline:
-                h, p = self.endpoints[self._ep]
                 raise EtcdUnavailable(f"etcd cluster {self.url}: no answer to {path} within "
                                       f"{self._timeout_s if timeout_s is None else timeout_s:g}s (last: {last})")
             time.sleep(nap)
@@ -368,7 +428,7 @@ class EtcdStore(dist.Store):
                                               "start_revision": str(start_rev)}})
         conn = self._http(h, p, min(left, WATCH_SLICE_S))
         try:
-            conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
+            conn.request("POST", "/v3/watch", body, self._headers())
             r = conn.getresponse()
             while True:
                 line = r.readline()

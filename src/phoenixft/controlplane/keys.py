@@ -21,6 +21,7 @@ RUN_ID = "run/id"  # the run's id (shared-memory names), told to every admitted 
 MEMBERS = "members"  # JSON {node id: {name, host, spare, t}} of every admitted node (informational, unsigned)
 ADMIT_SEQ = "admit/seq"  # counter: an agent's join request takes the next number
 ADMIT_POSTED = "admit/posted"  # counter an agent bumps after each write of its join request or response
+ADMIT_DONE = "admit/done"  # the join requests the coordinator answered (signed: a restart never answers one again)
 
 
 def ready(wid: str) -> str:

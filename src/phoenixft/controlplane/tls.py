@@ -63,6 +63,18 @@ class TlsFiles:
         return ["--tls-cert", os.path.abspath(self.cert), "--tls-key", os.path.abspath(self.key),
                 "--tls-ca", os.path.abspath(self.ca)]
 
+    def common_name(self) -> str:
+        """The Common Name of the certificate's subject ("" if it has none, or cannot be read)."""
+        try:
+            from cryptography import x509
+            from cryptography.x509.oid import NameOID
+
+            with open(self.cert, "rb") as f:
+                cert = x509.load_pem_x509_certificate(f.read())
+            return ",".join(str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME))
+        except (OSError, ValueError, ImportError):
+            return ""
+
     def server_context(self) -> ssl.SSLContext:
         """TLS 1.2+ server: presents our certificate, requires one from the job CA."""
         return server_context(self.cert, self.key, self.ca)

@@ -15,7 +15,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import auth, keys
-from phoenixft.controlplane.values import read_int
+from phoenixft.controlplane.values import clean, read_int
 from phoenixft.coordinator.shared import NODE_ID, Job, Membership, index
 from phoenixft.health.gate import HealthGate, host_of_request
 
@@ -122,10 +122,10 @@ class Admission:
         self._last_admit = now
         for app in self.desk.poll():
             req = app.request
-            who = {"name": str(req.get("name", "?"))[:64], "host": str(req.get("host", "?"))[:64]}
+            who = {"name": clean(str(req.get("name", "?")), 64), "host": clean(str(req.get("host", "?")), 64)}
             if app.proof == "none":
-                why = (f"it presented no token (start the agent with this job's token: --token or "
-                       f"{auth.TOKEN_ENV})")
+                why = (f"it presented no token (start the agent with this job's token: --token-file or "
+                       f"${auth.TOKEN_ENV})")
                 node, note = None, ""
             elif app.proof != "ok":
                 why = ("wrong token: its answer to the join challenge does not verify with this job's token (an "
@@ -133,7 +133,7 @@ class Admission:
                 node, note = None, ""
             else:
                 node, why, note = self._admission(req)
-            self.desk.answer(app, node, self.run_id, reason=why, note=note)
+            self.desk.answer(app, node, reason=clean(why, 400), note=note)
             if node is None:
                 self.job.event("join_refused", reason=why, **who)
                 continue

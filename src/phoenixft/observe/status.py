@@ -31,12 +31,14 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane.tls import Relay, TlsFiles
 from phoenixft.controlplane.values import clean, parse_int, parse_json, parse_lines
 from phoenixft.errors import UserError
 
 __all__ = [
     "parse_address",
     "connect",
+    "close_relays",
     "read_status",
     "left_behind",
     "collect_status",
@@ -114,8 +116,13 @@ def _why(e: BaseException) -> str:
     return text.splitlines()[0][:160] if text else type(e).__name__
 
 
-def connect(addr: str, timeout_s: float) -> Store:
-    """A client of the coordinator's store; UserError (naming --coordinator) when it cannot be reached."""
+def connect(addr: str, timeout_s: float, tls: TlsFiles | None = None, token: str | None = None) -> Store:
+    """A client of the coordinator's store; UserError (naming --coordinator) when it cannot be reached.
+    With `tls` a `HOST:PORT` is a TLS gateway (a head started with --tls-*): it is reached through a
+    forwarder of this process's own (`controlplane.tls`, stopped by `close_relays`), as an agent reaches
+    it; a replicated store is spoken to over HTTPS with those files (else the ones the environment names)
+    and, if it asks, as the job's user (`token`, else the one in the environment): `controlplane.connect`."""
+    from phoenixft.controlplane import connect as open_store
     from phoenixft.controlplane import describe
 
     where = describe(addr)
@@ -135,12 +142,13 @@ def connect(addr: str, timeout_s: float) -> Store:
                 f"cannot reach a phoenixft coordinator at --coordinator={addr} (--timeout {timeout_s:g}s: "
                 f"{_why(e) if not isinstance(e, TimeoutError) else 'no answer'})"
             ) from None
-    from phoenixft.dist.comm import connect_store
+        if tls is not None:
+            target = _through_tls(addr, host, port, tls, timeout_s)
 
     def attempt() -> Store:
         # c10d retries a refused connect for up to about twice the client's timeout: half of --timeout
         # each, so that the whole attempt takes about --timeout (a dead port answered after 2x + 2 s)
-        store = connect_store(target, max(0.5, timeout_s / 2))
+        store = open_store(target, max(0.5, timeout_s / 2), tls if where.replicated else None, token)
         store.check([keys.CONFIG])  # a round trip: something that is not a TCPStore fails here
         return store
 
@@ -152,6 +160,28 @@ def connect(addr: str, timeout_s: float) -> Store:
             f"cannot reach a phoenixft coordinator at --coordinator={addr} (--timeout {timeout_s:g}s: "
             f"{_why(e)})"
         ) from None
+
+
+_RELAYS: list[Relay] = []  # the forwarders `connect` started (stopped by close_relays)
+
+
+def _through_tls(addr: str, host: str, port: int, files: TlsFiles, timeout_s: float) -> str:
+    """The loopback address of a new forwarder to the TLS gateway at host:port; UserError if it lets us not in."""
+    from phoenixft.controlplane import tls
+
+    why = tls.probe(host, port, files, timeout_s)
+    if why:
+        raise UserError(f"--coordinator={addr}: no TLS channel to the coordinator ({why}): is it started with TLS, "
+                        "and are --tls-cert and the coordinator's certificate both signed by --tls-ca?")
+    relay = tls.start_forwarder(f"[{host}]:{port}" if ":" in host else f"{host}:{port}", files)
+    _RELAYS.append(relay)
+    return relay.addr
+
+
+def close_relays() -> None:
+    """Stop the forwarders `connect` started."""
+    while _RELAYS:
+        _RELAYS.pop().stop()
 
 
 def read_status(store: Store, addr: str, timeout_s: float, events: int = 10) -> dict[str, Any]:

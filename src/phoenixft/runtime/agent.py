@@ -46,6 +46,7 @@ import traceback
 from phoenixft.config import MAX_FAILURE_TIMEOUT_S, MAX_THREADS, MAX_WORKERS, RunConfig
 from phoenixft.config.agent import add_agent_arguments
 from phoenixft.controlplane import Store, auth
+from phoenixft.controlplane.values import clean
 from phoenixft.errors import UserError
 from phoenixft.faults.notice import NoticeHandler, signal_number
 from phoenixft.protect import shm
@@ -274,7 +275,7 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
             store = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
             store.check([keys.CONFIG])
             cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
-            served = store.get(keys.RUN_ID).decode() if a.run_id and store.check([keys.RUN_ID]) else ""
+            served = clean(store.get(keys.RUN_ID), 64) if a.run_id and store.check([keys.RUN_ID]) else ""
             return store, cfg, served
         except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
             timed_out = "timed out" in str(e) or "timeout" in str(e).lower()

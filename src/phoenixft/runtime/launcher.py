@@ -242,12 +242,13 @@ class LocalJob:
             self._serve()
         else:
             self.cluster = provision_cluster(self.cfg.control_plane, self.run_id, str(self.run_dir / "logs"),
-                                             self.display.info, tls=self.tls)
+                                             self.display.info, tls=self.tls, token=self.token)
             self.addr = self.public_addr = self.cluster.addr
             (self.run_dir / "control_plane").write_text(self.addr)
         # on a replicated store a call that no member answers fails after CONTROL_PLANE_TIMEOUT_S (the monitor
         # then fails the run)
-        self.store = connect(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0, self.tls)
+        self.store = connect(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0, self.tls,
+                             self.token)
         self._log = LogReader(self.store, keys.EVENTS)
         self.live = LiveMetrics(self.cfg, self.run_dir, self.host, self.t_launch, self.display.info)
         if self.live.prom is not None:
