@@ -205,12 +205,17 @@ def test_a_spare_checks_in_the_background_and_a_running_check_answers_an_ask(tmp
     from phoenixft.health.spare import SpareHealth
 
     _master, store = _store()
-    h = SpareHealth(RunConfig(nodes=2), "s0", "t3strun000", "h/s0")
+    h = SpareHealth(RunConfig(nodes=2), "s0", "t3strun000", "h/s0", workers=1)
     t = time.monotonic()
-    h.start_join(store)  # returns at once: the check runs in its own process
-    assert time.monotonic() - t < 1.0 and h.running is not None
+    h.start_join(store)  # announced at once; its process starts once the node's worker is ready
+    assert time.monotonic() - t < 1.0 and h.running is None and h.busy
     running = json.loads(store.get(keys.health_running("s0")))
     assert running["n"] == 1 and running["phase"] == "join" and not store.check([keys.health("s0")])
+    h.poll(store)
+    assert h.running is None
+    store.set(keys.ready("s0.0"), str(time.time()))
+    h.poll(store)  # the worker is ready: the check runs now, in its own process
+    assert h.running is not None
     store.set(keys.HEALTH_ASK, json.dumps({"seq": 7, "nodes": ["s0"], "recheck": [], "t": time.time()}))
     h.answer(store)  # asked while its join check runs: that check answers the ask, no second one starts
     assert h.n == 1

@@ -24,7 +24,7 @@ DEFAULT_HEALTH_RECHECK_S = 30.0
 class HealthConfig:
     """Which spares may be promoted, and which hosts are never admitted again."""
 
-    health_gate: bool = option(True, "Check every spare when it joins and again before its promotion (a "
+    health_gate: bool = option(True, "Check every spare when it joins, while it waits, and before its promotion (a "
                                "deterministic matrix product, a write/read pattern over its snapshot memory, a "
                                "loopback collective on its device, and --health-check); a spare that fails is never "
                                "promoted. Off (--no-health-gate): spares are promoted unchecked.",

@@ -1,13 +1,15 @@
-"""A spare's side of the health gate: its agent checks the host when it joins (while its workers start) and
-again whenever the coordinator asks (`keys.HEALTH_ASK`: before a promotion when its last verdict is no longer
-fresh, and now and then while it waits idle), and posts each verdict at `keys.health(node)`.
+"""A spare's side of the health gate: its agent checks the host when it joins (once its workers have
+started: the check takes no CPU from their start) and again whenever the coordinator asks
+(`keys.HEALTH_ASK`: before a promotion when its last verdict is no longer fresh, and now and then while
+it waits idle), and posts each verdict at `keys.health(node)`.
 
 A check runs in a process forked from the agent (`CheckProcess`): the device is initialised there, never in
 the agent whose workers are forked from it, and the agent goes on supervising its workers and heartbeating
-meanwhile (`SpareHealth.poll`, at each of its looks and whenever it reaps the check's process). Before the
-check starts, its agent posts `keys.health_running(node)` ({n, phase, t}): the coordinator then knows a
-verdict is on its way (a spare whose join check is still running may be chosen for a promotion, which waits,
-bounded, for that verdict). A check that outlives its bound (`check_bound_s`) is killed and fails.
+meanwhile (`SpareHealth.poll`, at each of its looks and whenever it reaps the check's process). Before its
+workers start, the agent posts `keys.health_running(node)` ({n, phase, t}): the coordinator then knows a
+verdict is on its way (a spare whose join check has not posted its verdict yet may be chosen for a
+promotion, which waits, bounded, for that verdict). A check that outlives its bound (`check_bound_s`) is
+killed and fails.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from phoenixft.controlplane import Store, keys
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
 from phoenixft.faults.kinds import Point
 
-__all__ = ["BUILTIN_BOUND_S", "REF_KEY", "check_bound_s", "CheckProcess", "SpareHealth"]
+__all__ = ["BUILTIN_BOUND_S", "REF_KEY", "JOIN_DEFER_S", "check_bound_s", "CheckProcess", "SpareHealth"]
 
 BUILTIN_BOUND_S = 30.0  # the built-in probes take well under a second; this bounds a device that hangs
 REF_KEY = "health/ref"  # the reference checksum of the matrix product, published by the coordinator
+JOIN_DEFER_S = 30.0  # the join check starts once the spare's workers are ready, or after this long at most
 BACKGROUND = ("join", "recheck")  # the checks no recovery asked for run at a lower CPU priority ...
 BACKGROUND_NICE = 10  # (a promotion waiting for one gets the CPU anyway: the job's other ranks wait with it)
 
@@ -170,13 +173,16 @@ class SpareHealth:
     """Spare `node`'s checks: `start_join` once admitted (its workers start meanwhile), `answer` in every look
     of its agent (a check the coordinator asked for), `poll` to post a finished check's verdict."""
 
-    def __init__(self, cfg: RunConfig, node: str, run_id: str, host: str, ignore_signal: int = 0) -> None:
+    def __init__(self, cfg: RunConfig, node: str, run_id: str, host: str, ignore_signal: int = 0,
+                 workers: int = 0) -> None:
         self.cfg, self.node, self.run_id, self.host = cfg, node, run_id, host
         self.ignore_signal = ignore_signal
         self.on = cfg.health_gate and node.startswith("s")
+        self.workers = [keys.ready(f"{node}.{i}") for i in range(workers)]  # (the keys its workers set when ready)
         self.answered = 0  # the last ask seen
         self.n = 0  # checks started
         self.running: CheckProcess | None = None
+        self.deferred_until: float | None = None  # the join check waits for the workers' start, at most until then
         self._rec: dict[str, Any] = {}  # what the running check's verdict will say besides its result
 
     def _sick(self, store: Store) -> bool:
@@ -194,16 +200,31 @@ class SpareHealth:
                 store.append(keys.EVENTS, json.dumps(rec) + "\n")
         return bool(hit)
 
-    def start(self, store: Store, phase: str, ask: int) -> None:
-        """Start a check now (its verdict is posted by `poll` once it is done); the coordinator is told first."""
-        ref = store.get_nowait(REF_KEY)
-        reference = ref.decode(errors="replace") if ref is not None else ""  # ('': the check computes it)
+    def start(self, store: Store, phase: str, ask: int, defer_s: float = 0.0) -> None:
+        """Start a check (its verdict is posted by `poll` once it is done); the coordinator is told first.
+        `defer_s`: its process starts once this node's workers have announced themselves ready (at most
+        that many seconds from now), so that it takes no CPU from their start."""
         self.n += 1
         t0 = time.time()
         store.set(keys.health_running(self.node), json.dumps({"n": self.n, "phase": phase, "ask": ask, "t": t0}))
         self._rec = {"node": self.node, "host": self.host, "phase": phase, "ask": ask, "n": self.n, "t": t0}
-        self.running = CheckProcess(self.cfg, self.node, self.run_id, reference, self._sick(store), phase,
-                                    self.ignore_signal)
+        if defer_s > 0 and self.workers:
+            self.deferred_until = time.monotonic() + defer_s
+        else:
+            self._launch(store)
+
+    def _launch(self, store: Store) -> None:
+        self.deferred_until = None
+        ref = store.get_nowait(REF_KEY)
+        reference = ref.decode(errors="replace") if ref is not None else ""  # ('': the check computes it)
+        self._rec["t"] = time.time()  # (what a verdict's age counts from)
+        self.running = CheckProcess(self.cfg, self.node, self.run_id, reference, self._sick(store),
+                                    str(self._rec["phase"]), self.ignore_signal)
+
+    @property
+    def busy(self) -> bool:
+        """A check is running, or waiting for the workers' start."""
+        return self.running is not None or self.deferred_until is not None
 
     def owns(self, pid: int) -> bool:
         return self.running is not None and self.running.pid == pid
@@ -211,8 +232,12 @@ class SpareHealth:
     def poll(self, store: Store | None, reaped: bool = False) -> dict[str, Any] | None:
         """Post the running check's verdict if it is done (`reaped`: its process was reaped by the agent); the
         verdict posted, else None."""
+        if store is None:
+            return None
+        if self.deferred_until is not None and (time.monotonic() > self.deferred_until or store.check(self.workers)):
+            self._launch(store)
         job = self.running
-        if job is None or store is None:
+        if job is None:
             return None
         if reaped:
             job.reaped()
@@ -228,7 +253,7 @@ class SpareHealth:
 
     def start_join(self, store: Store) -> None:
         if self.on:
-            self.start(store, "join", 0)
+            self.start(store, "join", 0, defer_s=JOIN_DEFER_S)
 
     def answer(self, store: Store) -> None:
         """Check again if the coordinator asked this spare since its last check (one read). A check already
@@ -248,13 +273,14 @@ class SpareHealth:
         if seq <= self.answered or self.node not in nodes:
             return
         self.answered = seq
-        if self.running is not None:
+        if self.busy:
             self._rec["ask"] = seq
         else:
             self.start(store, "recheck" if self.node in rechecks else "promotion", seq)
 
     def stop(self) -> None:
         """The agent leaves: a running check is killed (its verdict is never posted)."""
+        self.deferred_until = None
         if self.running is not None:
             self.running.kill()
             self.running = None

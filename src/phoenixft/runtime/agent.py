@@ -357,7 +357,7 @@ class _Node:
                                     or sig == signal.SIGTERM)
         # a spare's health checks: when it joins, and when the coordinator asks before a promotion
         host = os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"
-        self.health = SpareHealth(cfg, node, run_id, host, self.notice.drain_signal)
+        self.health = SpareHealth(cfg, node, run_id, host, self.notice.drain_signal, a.workers)
 
     def run(self) -> int:
         """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
@@ -375,7 +375,7 @@ class _Node:
 
         import phoenixft.runtime.worker  # noqa: F401
 
-        if self.store is not None:  # while its workers start: a promotion waits for its verdict
+        if self.store is not None:  # (it runs once they are ready; a promotion meanwhile waits for its verdict)
             try:
                 self.health.start_join(self.store)
             except Exception as e:  # noqa: BLE001 - no check announced: the spare is never promoted unchecked
