@@ -97,10 +97,10 @@ def run(quick: bool = False, rounds: int = 0, out: Path = RESULTS / "health_gate
             summary[setting][f"{k}_vs_off"] = ratio(summary[setting][k], summary["off"][k])
     res = {"machine": machine_info(), "rounds": rounds, "summary": summary, "runs": runs,
            "command": "python bench/health_gate.py" + (" --quick" if quick else "")}
-    print(table("The health gate's cost (tiny, DP=2, one kill; medians)",
+    table("The health gate's cost (tiny, DP=2, one kill; medians)",
                 ["setting", "decide s", "resume s", "spare ready after actives s", "actions"],
                 [[s, fmt(v["decide_s"]), fmt(v["time_to_resume_s"]), fmt(v["spare_ready_lag_s"]),
-                  ",".join(v["actions"])] for s, v in summary.items()]))
+                  ",".join(v["actions"])] for s, v in summary.items()])
     write_json(out, res)
     return res
 
