@@ -245,8 +245,9 @@ def test_a_sick_spare_is_passed_over_for_the_next(tmp_path: Path, reference) -> 
     health = {s["node"]: s for s in rep["health"]["spares"]}
     assert rep["health"]["unhealthy"] == ["s0"]
     assert health["s0"]["reason"].startswith("matrix product: checksum") and health["s0"]["phase"] == "join"
-    # s1's verdict from its join was fresh (--health-max-age): promoted on it, with no check on the recovery's path
-    assert health["s1"]["ok"] and health["s1"]["phase"] == "join", health["s1"]
+    # s1's verdict (from its join, or a background re-check on a slow machine) was fresh (--health-max-age):
+    # promoted on it, with no check on the recovery's path
+    assert health["s1"]["ok"] and health["s1"]["phase"] in ("join", "recheck"), health["s1"]
     planned = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()
                if '"recovery_planned"' in x]
     assert planned[0]["promoted"] == ["s1"], planned
