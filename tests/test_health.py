@@ -274,6 +274,27 @@ def test_a_spare_that_falls_sick_after_joining_fails_its_check_before_promotion(
     assert health["s1"]["phase"] == "promotion" and health["s1"]["ok"], health
 
 
+@pytest.mark.slow
+def test_a_background_recheck_finds_a_spare_fallen_sick_before_a_recovery(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """Idle spares re-checked every 0.3 s: s0 falls sick at step 4 and its next re-check says so, long before the
+    kill at step 30, whose recovery promotes s1 on its fresh verdict; bitwise equal to the failure-free run."""
+    ref = reference(nodes=2, steps=32)
+    rep = run(tmp_path, nodes=2, spares=2, steps=32, health_recheck_every=0.3,
+              inject=["sick:spare=0@step=4", "kill:node=1@step=30"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["promoted"] == ["s1"], rec
+    health = {s["node"]: s for s in rep["health"]["spares"]}
+    assert health["s0"]["phase"] == "recheck" and not health["s0"]["ok"], health
+    assert health["s0"]["reason"].startswith("matrix product: checksum"), health
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    sick = next(e["t"] for e in events if e["kind"] == "spare_unhealthy" and e["node"] == "s0")
+    fault = next(e["t"] for e in events if e["kind"] == "fault" and e.get("fault") == "kill")
+    assert sick < fault, "found sick only by the recovery"
+    assert not [e for e in events if e["kind"] == "spares_passed_over"]  # (the recovery had nothing to pass over)
+
+
 def test_failing_and_hanging_health_commands_leave_no_spare(tmp_path: Path) -> None:
     # spare s0's command fails, s1's outlives its timeout: no spare may be promoted, so the job shrinks
     cmd = 'case "$PHOENIXFT_HOST_ID" in */s0) echo no GPU; exit 3;; */s1) sleep 60;; esac'
