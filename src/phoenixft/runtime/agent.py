@@ -355,7 +355,7 @@ class _Node:
         sig = signal_number(getattr(a, "drain_signal", "SIGUSR1"))
         self.notice = NoticeHandler(node, cfg.faults, sig, getattr(a, "drain_on_sigterm", False)
                                     or sig == signal.SIGTERM)
-        # a spare's health checks: when it joins, and when the coordinator asks before a promotion
+        # a spare's health checks: when it joins, and whenever the coordinator asks (a re-check, a promotion)
         host = os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"
         self.health = SpareHealth(cfg, node, run_id, host, self.notice.drain_signal, a.workers)
 
