@@ -67,9 +67,11 @@ def phoenix_recovery(
     micro_batch: int = 8,
     replicas: int = 1,
     wait_s: float = 0.0,
+    **cfg_kw: Any,
 ) -> dict[str, Any]:
     """One hot-swap: kill node 1 after the forward pass of `kill_step`; returns the measured entry.
-    `wait_s` > 0: the fault waits (at most that long) until the spare is warm (large models)."""
+    `wait_s` > 0: the fault waits (at most that long) until the spare is warm (large models); `cfg_kw`: more
+    of the run's configuration (e.g. the health gate's, for bench/health_gate.py)."""
     steps = kill_step + extra_steps
     spec = f"kill:node=1@step={kill_step},phase=backward" + (f",wait={wait_s:g}" if wait_s > 0 else "")
     rep = phoenix_run(
@@ -84,6 +86,7 @@ def phoenix_recovery(
         replicas=replicas,
         micro_batch=micro_batch,
         inject=[spec],
+        **cfg_kw,
     )
     if rep.get("state") != "done" or not rep.get("recoveries") or not rep.get("faults"):
         raise RuntimeError(f"phoenixft recovery run failed: {rep.get('state')} {rep.get('error', '')}")
@@ -121,6 +124,8 @@ def phoenix_recovery(
         "invariants": rec["invariants"],
         "step_time_s": median(pre),
         "action": rec["action"],
+        "promoted": rec.get("promoted"),
+        "health": rep.get("health"),
         "command": (
             f"phoenixft run --nodes {nodes} --workers-per-node {workers_per_node} --spares 1 "
             f"--steps {steps} --model {model} --micro-batch {micro_batch} --protect phoenix "

@@ -1,6 +1,7 @@
 """The CUDA path itself: pinned shared-memory snapshots, the copy stream and the deferred commit,
 NCCL groups on an epoch's store prefix, a peer's death surfacing as PeerFailure in a survivor that
-then builds the next epoch's NCCL group, and the training step on a GPU. Skipped without CUDA;
+then builds the next epoch's NCCL group, the training step on a GPU, and the checks' GPU paths (the SDC
+fingerprints of device tensors and their NCCL exchange; a spare's health check on its GPU). Skipped without CUDA;
 bench/gpu_check.sh runs them on a GPU machine (and fails if they skip there)."""
 
 from __future__ import annotations
@@ -88,6 +89,52 @@ def test_training_on_the_gpu_is_deterministic_and_close_to_the_cpu() -> None:
     cpu = _train(Device("cpu"))
     for x, y in zip(a[1], cpu[1], strict=True):
         assert abs(x - y) <= 1e-4 * abs(y), (a[1], cpu[1])
+
+
+# ------------------------------------------------------------------------------------ the checks on a GPU
+def test_fingerprints_of_gpu_tensors_equal_those_of_the_same_bytes_on_the_cpu() -> None:
+    """The SDC fingerprints (sdc.logic.fingerprint) of device tensors, as a worker on a GPU takes them of its
+    parameters and gradient buckets: aligned and unaligned slices, each dtype; and the int64 exchange of
+    them over NCCL that the parameter check posts, gathered back equal."""
+    from phoenixft.sdc.logic import fingerprint
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(10_007, generator=g)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        host = base.to(dtype)
+        dev = host.to(_gpu().torch)
+        for lo, hi in ((0, 10_007), (1, 9_999), (3, 4), (5, 5), (2_048, 8_192), (7, 10_000)):
+            assert fingerprint(dev[lo:hi]) == fingerprint(host[lo:hi]), (dtype, lo, hi)
+        bad = dev.clone()
+        bad.view(torch.int16 if dtype != torch.float32 else torch.int32)[77] ^= 1  # one flipped bit
+        assert fingerprint(bad) != fingerprint(dev)
+    d = _gpu()
+    store = dist.HashStore()
+    pg = d.new_group("nccl", store, 0, 1, timedelta(seconds=30))
+    mine = torch.tensor([x for j in range(2) for x in fingerprint(base[j::2].contiguous())], dtype=torch.int64,
+                        device=d.torch)
+    out = torch.empty_like(mine)
+    pg._allgather_base(out, mine).wait()
+    assert out.tolist() == mine.tolist()
+
+
+def test_the_spares_health_check_passes_on_the_gpu_and_a_wrong_product_fails_it() -> None:
+    """The built-in check on a CUDA device (health.check): the float32 product's checksum equals the
+    exact int64 reference (TF32 or not), the loopback all-reduce runs over NCCL, and a perturbed
+    operand (the sick: fault) is caught."""
+    from phoenixft.health.check import builtin_checks, reference_checksum
+
+    d = _gpu()
+    path = f"/dev/shm/phoenixft-test-health-{os.getpid()}"
+    ref = reference_checksum()
+    for tf32 in (False, True):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        ok = builtin_checks(d, path, 1 << 20, ref)
+        assert ok.ok and set(ok.times) == {"matmul", "shm", "collective"}, (tf32, ok)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bad = builtin_checks(d, path, 1 << 20, ref, perturb=True)
+    assert not bad.ok and bad.reason.startswith("matrix product: checksum"), bad
+    assert not os.path.exists(path)
 
 
 # ------------------------------------------------------------------------------------ a peer dies

@@ -103,6 +103,136 @@ def test_the_builtin_check_and_the_command(tmp_path: Path) -> None:
     assert time.monotonic() - t < 5 and not (tmp_path / "x").exists()
 
 
+# ---------------------------------------------------------------- the gate's decisions, over a real store
+def _store() -> Any:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    return master, connect(f"127.0.0.1:{master.port}", 5.0)
+
+
+def _post(store: Any, node: str, n: int, ok: bool | None = None, age: float = 0.0, ask: int = 0) -> None:
+    """What spare `node`'s agent posts: check n started `age` s ago, and (ok not None) its verdict."""
+    t = time.time() - age
+    store.set(keys.health_running(node), json.dumps({"n": n, "phase": "join", "ask": ask, "t": t}))
+    if ok is not None:
+        store.set(keys.health(node), json.dumps({"ok": ok, "reason": "" if ok else "matrix product: bad", "n": n,
+                                                 "ask": ask, "t": t, "phase": "join", "node": node}))
+
+
+def _ask(store: Any) -> dict[str, Any]:
+    return json.loads(store.get(keys.HEALTH_ASK)) if store.check([keys.HEALTH_ASK]) else {}
+
+
+def test_the_gate_takes_fresh_verdicts_waits_for_running_checks_and_asks_stale_ones(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from phoenixft.config import RunConfig
+    from phoenixft.coordinator.shared import Job, Membership
+    from phoenixft.health import gate as gate_mod
+
+    _master, store = _store()
+    spares = ["s0", "s1", "s2", "s3", "s4"]
+    state = Membership(members={s: {"hostid": f"h/{s}"} for s in spares}, spare_pool=list(spares))
+    g = gate_mod.HealthGate(Job(store, 1), RunConfig(health_max_age=10.0, health_recheck_every=3.0), state)
+    _post(store, "s0", 1, ok=True, age=1.0)  # fresh
+    _post(store, "s1", 1, ok=True, age=50.0)  # passed, but older than --health-max-age
+    _post(store, "s2", 1)  # its join check still running
+    _post(store, "s3", 1, ok=False)  # sick
+    assert g.healthy(spares) == ["s0", "s1"]  # (s4 never started a check: never promoted)
+    assert g.healthy(spares, pending=True) == ["s0", "s1", "s2"]
+    events = lambda: [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines()]  # noqa: E731
+    assert [(e["kind"], e["node"]) for e in events()] == [("spare_unhealthy", "s3")]  # once, though read twice
+
+    g.begin(["s0", "s1", "s2"])  # a recovery: only the stale one is asked to check again
+    assert _ask(store)["nodes"] == ["s1"] and _ask(store)["recheck"] == []
+    t = time.monotonic()
+    assert g.vet(["s0", "s1", "s2"], 1) == ["s0"] and time.monotonic() - t < 0.5  # fresh: taken at once
+
+    def answer(node: str, n: int, ok: bool, ask: int, after: float) -> threading.Thread:
+        th = threading.Thread(target=lambda: (time.sleep(after), _post(store, node, n, ok=ok, ask=ask)))
+        th.start()
+        return th
+
+    th = answer("s2", 1, True, 0, 0.3)  # the running join check's verdict comes
+    t = time.monotonic()
+    assert g.vet(["s2"], 1) == ["s2"] and time.monotonic() - t >= 0.25
+    th.join()
+    th = answer("s1", 2, True, _ask(store)["seq"], 0.2)  # s1 answers the recovery's ask
+    assert g.vet(["s1"], 1) == ["s1"] and "s1" not in g.asked
+    th.join()
+    _post(store, "s2", 2)  # a background re-check of s2 runs: its fresh verdict is taken, not waited for
+    assert g.vet(["s2"], 1) == ["s2"]
+    _post(store, "s2", 2, ok=True, age=50.0)  # ... a stale one is not: s2's check runs, and fails (passed over
+    _post(store, "s2", 3)  # for the next, and announced)
+    th = answer("s2", 3, False, 0, 0.2)
+    assert g.vet(["s2", "s0"], 1) == ["s0"]
+    th.join()
+    assert [e["kind"] for e in events()][-2:] == ["spare_unhealthy", "spares_passed_over"]
+
+    # idle spares are re-checked in the background once their verdict is --health-recheck-every old
+    _post(store, "s0", 3, ok=True, age=4.0)
+    _post(store, "s1", 3, ok=True, age=1.0)
+    idle = g.healthy(["s0", "s1"])
+    g.keep_fresh(idle)
+    ask = _ask(store)
+    assert ask["nodes"] == ["s0"] and ask["recheck"] == ["s0"], ask
+    g.keep_fresh(g.healthy(["s0", "s1"]))  # asked already: not again
+    assert _ask(store)["seq"] == ask["seq"]
+    _post(store, "s0", 4, ok=True, ask=ask["seq"])  # answered: settled
+    g.keep_fresh(g.healthy(["s0", "s1"]))
+    assert "s0" not in g.asked and _ask(store)["seq"] == ask["seq"]
+
+    # a spare that never answers is passed over once the check's bound and the margin ran out
+    monkeypatch.setattr(gate_mod, "check_bound_s", lambda cfg: 0.2)
+    monkeypatch.setattr(gate_mod, "ANSWER_MARGIN_S", 0.1)
+    _post(store, "s1", 4, ok=True, age=50.0)
+    _post(store, "s1", 5)
+    t = time.monotonic()
+    assert g.vet(["s1"], 1) == [] and 0.25 <= time.monotonic() - t < 2
+    assert "no answer to the check before its promotion" in json.loads(store.get(keys.health("s1")))["reason"]
+    # --health-max-age 0: no verdict is fresh, every promotion asks for a check just before it
+    strict = gate_mod.HealthGate(Job(store, 1), RunConfig(health_max_age=0.0), state)
+    _post(store, "s0", 6, ok=True)
+    strict.begin(strict.healthy(["s0"], pending=True))
+    assert _ask(store)["nodes"] == ["s0"]
+
+
+def test_a_spare_checks_in_the_background_and_a_running_check_answers_an_ask(tmp_path: Path) -> None:
+    from phoenixft.config import RunConfig
+    from phoenixft.health.spare import SpareHealth
+
+    _master, store = _store()
+    h = SpareHealth(RunConfig(nodes=2), "s0", "t3strun000", "h/s0", workers=1)
+    t = time.monotonic()
+    h.start_join(store)  # announced at once; its process starts once the node's worker is ready
+    assert time.monotonic() - t < 1.0 and h.running is None and h.busy
+    running = json.loads(store.get(keys.health_running("s0")))
+    assert running["n"] == 1 and running["phase"] == "join" and not store.check([keys.health("s0")])
+    h.poll(store)
+    assert h.running is None
+    store.set(keys.ready("s0.0"), str(time.time()))
+    h.poll(store)  # the worker is ready: the check runs now, in its own process
+    assert h.running is not None
+    store.set(keys.HEALTH_ASK, json.dumps({"seq": 7, "nodes": ["s0"], "recheck": [], "t": time.time()}))
+    h.answer(store)  # asked while its join check runs: that check answers the ask, no second one starts
+    assert h.n == 1
+    deadline = time.monotonic() + 60
+    while h.running is not None and time.monotonic() < deadline:
+        h.poll(store)
+        time.sleep(0.02)
+    rec = json.loads(store.get(keys.health("s0")))
+    assert rec["ok"] and rec["n"] == 1 and rec["ask"] == 7 and rec["phase"] == "join", rec
+    store.set(keys.HEALTH_ASK, json.dumps({"seq": 8, "nodes": ["s0"], "recheck": ["s0"], "t": time.time()}))
+    h.answer(store)
+    assert h.n == 2 and json.loads(store.get(keys.health_running("s0")))["phase"] == "recheck"
+    h.stop()  # its agent leaves: the check is killed, nothing posted
+    assert h.running is None and json.loads(store.get(keys.health("s0")))["n"] == 1
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("phoenixft-t3strun000")]
+
+
 # ---------------------------------------------------------------- real runs
 def test_a_sick_spare_is_passed_over_for_the_next(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     ref = reference(nodes=3, steps=14)
@@ -115,7 +245,12 @@ def test_a_sick_spare_is_passed_over_for_the_next(tmp_path: Path, reference) -> 
     health = {s["node"]: s for s in rep["health"]["spares"]}
     assert rep["health"]["unhealthy"] == ["s0"]
     assert health["s0"]["reason"].startswith("matrix product: checksum") and health["s0"]["phase"] == "join"
-    assert health["s1"]["ok"] and health["s1"]["phase"] == "promotion"  # checked again just before it
+    # s1's verdict (from its join, or a background re-check on a slow machine) was fresh (--health-max-age):
+    # promoted on it, with no check on the recovery's path
+    assert health["s1"]["ok"] and health["s1"]["phase"] in ("join", "recheck"), health["s1"]
+    planned = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()
+               if '"recovery_planned"' in x]
+    assert planned[0]["promoted"] == ["s1"], planned
     hosts = {h["host"].rsplit("/", 1)[-1]: h for h in rep["quarantine"]["hosts"]}
     assert sorted(hosts) == ["n1", "s0"] and rep["quarantine"]["quarantined"] == []  # one failure each
     from phoenixft.observe.html_report import write_report
@@ -126,8 +261,10 @@ def test_a_sick_spare_is_passed_over_for_the_next(tmp_path: Path, reference) -> 
 
 @pytest.mark.slow
 def test_a_spare_that_falls_sick_after_joining_fails_its_check_before_promotion(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """With --health-max-age 0 every promotion waits for a check just before it: the one that finds s0 sick."""
     ref = reference(nodes=2, steps=12)
-    rep = run(tmp_path, nodes=2, spares=2, steps=12, inject=["sick:spare=0@step=4", "kill:node=1@step=6"])
+    rep = run(tmp_path, nodes=2, spares=2, steps=12, inject=["sick:spare=0@step=4", "kill:node=1@step=6"],
+              health_max_age=0.0)
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
@@ -135,6 +272,27 @@ def test_a_spare_that_falls_sick_after_joining_fails_its_check_before_promotion(
     health = {s["node"]: s for s in rep["health"]["spares"]}
     assert health["s0"]["phase"] == "promotion" and not health["s0"]["ok"], health  # it passed when it joined
     assert health["s1"]["phase"] == "promotion" and health["s1"]["ok"], health
+
+
+@pytest.mark.slow
+def test_a_background_recheck_finds_a_spare_fallen_sick_before_a_recovery(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """Idle spares re-checked every 0.3 s: s0 falls sick at step 4 and its next re-check says so, long before the
+    kill at step 30, whose recovery promotes s1 on its fresh verdict; bitwise equal to the failure-free run."""
+    ref = reference(nodes=2, steps=32)
+    rep = run(tmp_path, nodes=2, spares=2, steps=32, health_recheck_every=0.3,
+              inject=["sick:spare=0@step=4", "kill:node=1@step=30"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    (rec,) = rep["recoveries"]
+    assert rec["promoted"] == ["s1"], rec
+    health = {s["node"]: s for s in rep["health"]["spares"]}
+    assert health["s0"]["phase"] == "recheck" and not health["s0"]["ok"], health
+    assert health["s0"]["reason"].startswith("matrix product: checksum"), health
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    sick = next(e["t"] for e in events if e["kind"] == "spare_unhealthy" and e["node"] == "s0")
+    fault = next(e["t"] for e in events if e["kind"] == "fault" and e.get("fault") == "kill")
+    assert sick < fault, "found sick only by the recovery"
+    assert not [e for e in events if e["kind"] == "spares_passed_over"]  # (the recovery had nothing to pass over)
 
 
 def test_failing_and_hanging_health_commands_leave_no_spare(tmp_path: Path) -> None:

@@ -196,11 +196,10 @@ def test_a_damaged_replica_does_not_hide_the_intact_half_of_the_same_step(
     four in-place restarts in a row, then the run was lost ("in-memory state lost"): 2 runs in 5 here (whether
     both halves hold step 0 is a race; the test below hits the cause every time)."""
     ref = reference(nodes=3, steps=12)  # (12 steps: the reference run of test_hotswap's kills)
-    # (no health gate: the spare's join check delays its workers' start by a few tenths of a second, and a
-    # kill during step 1's replication is not held for a warm spare: without it the job would shrink and
-    # grow back instead of swapping; what this test is about is the replica halves, not the spare)
+    # (the health gate is on: the spare's join check runs while its workers start, and the promotion waits
+    # for its verdict, so a kill during step 1's replication still finds the spare and swaps it in)
     rep = run(tmp_path, nodes=3, spares=1, steps=12,
-              inject=["kill:node=1@step=1,phase=replicate", "corrupt:node=2@step=1"], health_gate=False)
+              inject=["kill:node=1@step=1,phase=replicate", "corrupt:node=2@step=1"])
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]

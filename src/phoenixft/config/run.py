@@ -175,6 +175,8 @@ class RunConfig:
     health_gate = _Flat[bool]("health")
     health_check = _Flat[str]("health")
     health_check_timeout = _Flat[float]("health")
+    health_max_age = _Flat[float]("health")
+    health_recheck_every = _Flat[float]("health")
     quarantine_after = _Flat[int]("health")
     quarantine_window = _Flat[float]("health")
     inject = _Flat[list[str]]("injection")

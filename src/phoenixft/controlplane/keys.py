@@ -155,9 +155,14 @@ def drain_abort(epoch: int) -> str:
     a worker still inside a step of `epoch` leaves it now, as on a failure flag."""
     return f"drain_abort/{epoch}"
 HOST_HISTORY = "hosts/history"  # appended JSON records: a host's failures and quarantines (phoenixft.health.history)
-HEALTH_ASK = "health/ask"  # JSON {seq, nodes, t}: the coordinator asks these spares to check themselves again
+HEALTH_ASK = "health/ask"  # JSON {seq, nodes, recheck, t}: the coordinator asks these spares to check themselves again
 
 
 def health(node: str) -> str:
     """JSON: spare `node`'s latest health check (ok, reason, phase, the ask it answers, per-check times)."""
     return f"health/node/{node}"
+
+
+def health_running(node: str) -> str:
+    """JSON {n, phase, ask, t}: spare `node` started its n-th health check (its verdict, `health(node)`, follows)."""
+    return f"health/running/{node}"

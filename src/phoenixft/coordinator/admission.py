@@ -55,13 +55,14 @@ class Admission:
         sid = f"s{self.cfg.spares}"  # the id the launcher starts it with
         return sid not in pool and sid not in st.dead and (st.topo is None or sid not in st.topo.nodes)
 
-    def ready_spares(self) -> list[str]:
+    def ready_spares(self, pending: bool = False) -> list[str]:
         """The spares that can be promoted now: admitted, ready, and alive as far as the coordinator
         knows (a spare whose agent died while it waited is not handed a slot: it would answer nothing,
-        and the recovery would wait out --failure-timeout to find that out)."""
+        and the recovery would wait out --failure-timeout to find that out). With `pending` (a recovery,
+        which vets them), also those whose first health check is still running."""
         st = self.state
         ready = [s for s in st.spare_pool if s not in st.dead and s not in st.gone_spares and self.job.node_ready(s)]
-        return self.health.healthy(ready)  # (and whose last health check passed, on a host not quarantined)
+        return self.health.healthy(ready, pending)  # (whose last health check passed, on a host not quarantined)
 
     def refresh_pool(self) -> None:
         """Spares admitted since (`phoenixft agent --spare`, or a repaired node) are in the pool already."""

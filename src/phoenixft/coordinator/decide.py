@@ -162,7 +162,7 @@ class Decider:
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
         if self.store.check([keys.drain_notice(e)]):  # a drain this process did not finish (it took over since):
             self.store.set(keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
-        self.admission.health.begin(self.admission.ready_spares())  # their checks run while the survivors report
+        self.admission.health.begin(self.admission.ready_spares(pending=True))  # (stale ones check meanwhile)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         self._sdc = self._convicted(e, old, dead, fenced)
         with gc_paused():
@@ -227,8 +227,8 @@ class Decider:
             return
         t_first = self._failures_reported(e, t_start, descs)
         self.admission.refresh_pool()
-        pool = self.admission.ready_spares()  # then checked again just before their promotion:
-        pool = self.admission.health.vet(pool, len(dead) + len(leaving) + max(0, self.cfg.nodes - len(old.nodes)))
+        need = len(dead) + len(leaving) + max(0, self.cfg.nodes - len(old.nodes))
+        pool = self.admission.health.vet(self.admission.ready_spares(pending=True), need)  # (a fresh verdict each)
         grow_only = (not dead and not leaving and not restarted and len(old.nodes) < self.cfg.nodes
                      and not self.store.check([keys.failflag(e) + "/by-worker"]))
         tiers, refused = self._persistent_tiers(old, descs)
@@ -237,7 +237,7 @@ class Decider:
         plan = planner.plan(pool)
         coming = self.admission.spare_coming(pool)
         if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
-            pool = self._wait_for_spares(e, dead, pool)
+            pool = self.admission.health.vet(self._wait_for_spares(e, dead, pool), need)
             plan = planner.plan(pool)
         if not plan.ok:
             plan = self.fresh_start(old, dead | leaving, descs, pool, progress=self.job.progress()) or plan

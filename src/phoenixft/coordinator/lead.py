@@ -275,8 +275,9 @@ class Coordinator:
         a repaired node returns as a spare and is grown in at once) is whole at its full size."""
         assert self.state.topo is not None
         self.admission.refresh_pool()
-        whole = len(self.state.topo.nodes) == self.cfg.nodes and (
-            self.cfg.spares == 0 or bool(self.admission.ready_spares()))
+        ready = self.admission.ready_spares() if self.state.spare_pool else []
+        self.admission.health.keep_fresh([s for s in ready if not self.state.in_use(s)])  # (background re-checks)
+        whole = len(self.state.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or bool(ready))
         there = exists_many(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
         if whole and not there:
             self.store.set(keys.JOB_WHOLE, "1")

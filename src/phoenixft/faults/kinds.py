@@ -480,8 +480,8 @@ class Sdc(FaultKind):
 
 class Sick(FaultKind):
     """A spare whose health checks fail: its matrix product computes a wrong checksum (one operand entry
-    off by one, as a faulty unit would), from the start or, with @step=S, in every check once the job has
-    reached step S (the check just before its promotion)."""
+    off by one, as a faulty unit would), from the start or, with @step=S, in every check it starts once the
+    job has reached step S (a background re-check, or the one before its promotion)."""
 
     name = "sick"
     forms = ("sick:spare=J[@step=S]",)

@@ -1,7 +1,7 @@
 """The built-in health check of a spare, and the user's `--health-check` command.
 
 Three probes, each fast (well under a second on a CPU), run in a process forked for the check
-(`spare.run_check`), so that a GPU is initialised there and never in the agent that forks workers:
+(`spare.CheckProcess`), so that a GPU is initialised there and never in the agent that forks workers:
 
 - **matrix product**: `A @ B` of two seeded `MATMUL_N` x `MATMUL_N` float32 matrices whose entries are
   small non-zero integers (-8..8). Every product and partial sum is an integer below 2^24, exactly
@@ -9,8 +9,8 @@ Three probes, each fast (well under a second on a CPU), run in a process forked 
   the same bits on every healthy CPU or GPU, of any make, with any BLAS. Its SHA-256 must equal the
   reference (`reference_checksum`: the same product in int64, the coordinator's, published in the store).
 - **snapshot memory**: a sample of the memory the node's snapshot halves live in: a shared-memory
-  segment (`/dev/shm`) of `SHM_CAP` bytes when the spare joins, `SHM_CAP_PROMOTION` just before its
-  promotion, written with two patterns (a position-dependent one and its complement) and read back
+  segment (`/dev/shm`) of `SHM_CAP` bytes when the spare joins, `SHM_CAP_PROMOTION` in a later
+  check, written with two patterns (a position-dependent one and its complement) and read back
   through a separate read of the file.
 - **loopback collective**: a one-rank process group on the worker's device, built through the device
   seam (`dist.device.Device.new_group`: gloo on CPU, NCCL on CUDA), whose all-reduce must return its input.
@@ -38,7 +38,7 @@ __all__ = ["MATMUL_N", "MATMUL_SEED", "SHM_CAP", "SHM_CAP_PROMOTION", "CheckResu
 MATMUL_N = 256  # |sum| <= 256 * 64 = 16384 < 2**24: exact in float32
 MATMUL_SEED = 20240521
 SHM_CAP = 8 * 2**20  # bytes of /dev/shm the memory probe writes at most when a spare joins
-SHM_CAP_PROMOTION = 2 * 2**20  # ... and just before its promotion (a recovery waits for that check)
+SHM_CAP_PROMOTION = 2 * 2**20  # ... and in a later check (a recovery may wait for it)
 SHM_MIN = 2**20
 
 

@@ -1,22 +1,26 @@
-"""A spare's side of the health gate: its agent checks the host when it joins and again whenever the
-coordinator asks (`keys.HEALTH_ASK`, at the start of a recovery that may promote it), and posts each
-result at `keys.health(node)`.
+"""A spare's side of the health gate: its agent checks the host when it joins (once its workers have
+started: the check takes no CPU from their start) and again whenever the coordinator asks
+(`keys.HEALTH_ASK`: before a promotion when its last verdict is no longer fresh, and now and then while
+it waits idle), and posts each verdict at `keys.health(node)`.
 
-The check runs in a process forked from the agent (`run_check`): the device is initialised there, never
-in the agent whose workers are forked later, and a check that hangs is killed after its bound
-(`check_bound_s`) without the agent missing a heartbeat (its `tick` is called while it waits).
+A check runs in a process forked from the agent (`CheckProcess`): the device is initialised there, never in
+the agent whose workers are forked from it, and the agent goes on supervising its workers and heartbeating
+meanwhile (`SpareHealth.poll`, at each of its looks and whenever it reaps the check's process). Before its
+workers start, the agent posts `keys.health_running(node)` ({n, phase, t}): the coordinator then knows a
+verdict is on its way (a spare whose join check has not posted its verdict yet may be chosen for a
+promotion, which waits, bounded, for that verdict). A check that outlives its bound (`check_bound_s`) is
+killed and fails.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import select
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 from phoenixft.config import RunConfig
@@ -24,10 +28,13 @@ from phoenixft.controlplane import Store, keys
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
 from phoenixft.faults.kinds import Point
 
-__all__ = ["BUILTIN_BOUND_S", "REF_KEY", "check_bound_s", "SpareHealth", "run_check"]
+__all__ = ["BUILTIN_BOUND_S", "REF_KEY", "JOIN_DEFER_S", "check_bound_s", "CheckProcess", "SpareHealth"]
 
 BUILTIN_BOUND_S = 30.0  # the built-in probes take well under a second; this bounds a device that hangs
 REF_KEY = "health/ref"  # the reference checksum of the matrix product, published by the coordinator
+JOIN_DEFER_S = 30.0  # the join check starts once the spare's workers are ready, or after this long at most
+BACKGROUND = ("join", "recheck")  # the checks no recovery asked for run at a lower CPU priority ...
+BACKGROUND_NICE = 10  # (a promotion waiting for one gets the CPU anyway: the job's other ranks wait with it)
 
 
 def check_bound_s(cfg: RunConfig) -> float:
@@ -60,66 +67,123 @@ def _child(cfg: RunConfig, node: str, run_id: str, reference: str, perturb: bool
     return res.to_json()
 
 
-def run_check(cfg: RunConfig, node: str, run_id: str, reference: str, perturb: bool,
-              tick: Callable[[], None] = lambda: None, phase: str = "join") -> dict[str, Any]:
-    """Run the check in a forked process; its result ({ok, reason, times}), a failure if it crashed or
-    outlived `check_bound_s`. `tick` is called about every 0.2 s while it runs."""
-    from phoenixft.runtime.procs import die_with_parent
+def _failed(reason: str) -> dict[str, Any]:
+    return {"ok": False, "reason": reason, "times": {}}
 
-    r, w = os.pipe()
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the check's process
-        code = 0
+
+class CheckProcess:
+    """One check, running in a process forked now; `poll` says when it is done and what it found (a failure if
+    it crashed or outlived `check_bound_s`)."""
+
+    def __init__(self, cfg: RunConfig, node: str, run_id: str, reference: str, perturb: bool, phase: str,
+                 ignore_signal: int = 0) -> None:
+        from phoenixft.runtime.procs import die_with_parent
+
+        self.bound = check_bound_s(cfg)
+        self.deadline = time.monotonic() + self.bound
+        self.result: dict[str, Any] | None = None
+        self._buf = b""
+        r, w = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the check's process
+            code = 0
+            try:
+                os.close(r)
+                for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                    signal.signal(s, signal.SIG_DFL)
+                if ignore_signal not in (0, signal.SIGTERM):  # (a drain notice sent to the node's process group)
+                    signal.signal(ignore_signal, signal.SIG_IGN)
+                die_with_parent(signal.SIGKILL, parent)
+                if phase in BACKGROUND:  # (the workers starting, or training, on this host come first)
+                    os.nice(BACKGROUND_NICE)
+                out = _child(cfg, node, run_id, reference, perturb, phase)
+            except BaseException as e:  # noqa: BLE001 - the check itself failed: that is its finding
+                traceback.print_exc()
+                out = _failed(f"the check failed: {type(e).__name__}: {str(e)[:200]}")
+                code = 1
+            try:
+                os.write(w, json.dumps(out).encode())
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(w)
+        fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_NONBLOCK)
+        fcntl.fcntl(r, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+        self.pid, self._r = pid, r
+
+    def _drain_pipe(self) -> None:
+        while self._r >= 0:
+            try:
+                chunk = os.read(self._r, 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            self._buf += chunk
+
+    def reaped(self) -> None:
+        """Its process has exited (and was reaped, here or by the agent's `waitpid(-1)`): read its result."""
+        if self.result is not None:
+            return
+        self._drain_pipe()
+        os.close(self._r)
+        self._r = -1
+        out = parse_json(self._buf, "health check result")
+        self.result = (out if isinstance(out, dict) and isinstance(out.get("ok"), bool)
+                       else _failed("the health check's process died without a result"))
+
+    def poll(self) -> dict[str, Any] | None:
+        """Its result once it is done (never blocks); None while it runs."""
+        if self.result is not None:
+            return self.result
+        self._drain_pipe()
         try:
-            os.close(r)
-            for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-                signal.signal(s, signal.SIG_DFL)
-            die_with_parent(signal.SIGKILL, parent)
-            out = _child(cfg, node, run_id, reference, perturb, phase)
-        except BaseException as e:  # noqa: BLE001 - the check itself failed: that is its finding
-            traceback.print_exc()
-            out = {"ok": False, "reason": f"the check failed: {type(e).__name__}: {str(e)[:200]}", "times": {}}
-            code = 1
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # (reaped by someone else: it has exited)
+            pid = self.pid
+        if pid == self.pid:
+            self.reaped()
+        elif time.monotonic() > self.deadline:
+            self.kill()
+            self.result = _failed(f"the health check did not finish within {self.bound:g}s")
+        return self.result
+
+    def wait(self, timeout_s: float) -> dict[str, Any] | None:
+        """Poll until it is done, at most `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        while (res := self.poll()) is None and time.monotonic() < end:
+            time.sleep(0.01)
+        return res
+
+    def kill(self) -> None:
+        """Stop it now (it failed to finish, or its agent leaves); never raises."""
         try:
-            os.write(w, json.dumps(out).encode())
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    os.close(w)
-    bound = check_bound_s(cfg)
-    deadline = time.monotonic() + bound
-    buf = b""
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                os.kill(pid, signal.SIGKILL)
-                return {"ok": False, "reason": f"the health check did not finish within {bound:g}s", "times": {}}
-            ready, _, _ = select.select([r], [], [], min(0.2, left))
-            tick()
-            if ready:
-                chunk = os.read(r, 1 << 16)
-                if not chunk:
-                    break
-                buf += chunk
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-    out = parse_json(buf, "health check result")
-    if not isinstance(out, dict) or not isinstance(out.get("ok"), bool):
-        return {"ok": False, "reason": "the health check's process died without a result", "times": {}}
-    return out
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        if self._r >= 0:
+            os.close(self._r)
+            self._r = -1
 
 
 class SpareHealth:
-    """Spare `node`'s checks: `at_join` once admitted, `answer` in every look of its agent."""
+    """Spare `node`'s checks: `start_join` once admitted (its workers start meanwhile), `answer` in every look
+    of its agent (a check the coordinator asked for), `poll` to post a finished check's verdict."""
 
-    def __init__(self, cfg: RunConfig, node: str, run_id: str, host: str) -> None:
+    def __init__(self, cfg: RunConfig, node: str, run_id: str, host: str, ignore_signal: int = 0,
+                 workers: int = 0) -> None:
         self.cfg, self.node, self.run_id, self.host = cfg, node, run_id, host
+        self.ignore_signal = ignore_signal
         self.on = cfg.health_gate and node.startswith("s")
-        self.answered = 0  # the last ask answered
+        self.workers = [keys.ready(f"{node}.{i}") for i in range(workers)]  # (the keys its workers set when ready)
+        self.answered = 0  # the last ask seen
+        self.n = 0  # checks started
+        self.running: CheckProcess | None = None
+        self.deferred_until: float | None = None  # the join check waits for the workers' start, at most until then
+        self._rec: dict[str, Any] = {}  # what the running check's verdict will say besides its result
 
     def _sick(self, store: Store) -> bool:
         """A `sick:` fault of this spare applies now; recorded as fired the first time."""
@@ -136,35 +200,87 @@ class SpareHealth:
                 store.append(keys.EVENTS, json.dumps(rec) + "\n")
         return bool(hit)
 
-    def check(self, store: Store, phase: str, ask: int, tick: Callable[[], None]) -> dict[str, Any]:
-        """Run one check now and post its result; the result."""
+    def start(self, store: Store, phase: str, ask: int, defer_s: float = 0.0) -> None:
+        """Start a check (its verdict is posted by `poll` once it is done); the coordinator is told first.
+        `defer_s`: its process starts once this node's workers have announced themselves ready (at most
+        that many seconds from now), so that it takes no CPU from their start."""
+        self.n += 1
+        t0 = time.time()
+        store.set(keys.health_running(self.node), json.dumps({"n": self.n, "phase": phase, "ask": ask, "t": t0}))
+        self._rec = {"node": self.node, "host": self.host, "phase": phase, "ask": ask, "n": self.n, "t": t0}
+        if defer_s > 0 and self.workers:
+            self.deferred_until = time.monotonic() + defer_s
+        else:
+            self._launch(store)
+
+    def _launch(self, store: Store) -> None:
+        self.deferred_until = None
         ref = store.get_nowait(REF_KEY)
         reference = ref.decode(errors="replace") if ref is not None else ""  # ('': the check computes it)
-        t0 = time.time()
-        out = run_check(self.cfg, self.node, self.run_id, reference, self._sick(store), tick, phase)
-        rec = {**out, "node": self.node, "host": self.host, "phase": phase, "ask": ask, "t": t0,
-               "duration_s": round(time.time() - t0, 3)}
+        self._rec["t"] = time.time()  # (what a verdict's age counts from)
+        self.running = CheckProcess(self.cfg, self.node, self.run_id, reference, self._sick(store),
+                                    str(self._rec["phase"]), self.ignore_signal)
+
+    @property
+    def busy(self) -> bool:
+        """A check is running, or waiting for the workers' start."""
+        return self.running is not None or self.deferred_until is not None
+
+    def owns(self, pid: int) -> bool:
+        return self.running is not None and self.running.pid == pid
+
+    def poll(self, store: Store | None, reaped: bool = False) -> dict[str, Any] | None:
+        """Post the running check's verdict if it is done (`reaped`: its process was reaped by the agent); the
+        verdict posted, else None."""
+        if store is None:
+            return None
+        if self.deferred_until is not None and (time.monotonic() > self.deferred_until or store.check(self.workers)):
+            self._launch(store)
+        job = self.running
+        if job is None:
+            return None
+        if reaped:
+            job.reaped()
+        out = job.poll()
+        if out is None:
+            return None
+        rec = {**out, **self._rec, "duration_s": round(time.time() - self._rec["t"], 3)}
         store.set(keys.health(self.node), json.dumps(rec))
+        self.running = None
         verdict = "healthy" if out["ok"] else f"UNHEALTHY: {out['reason']}"
-        print(f"phoenixft agent {self.node}: health check ({phase}): {verdict}", flush=True)
+        print(f"phoenixft agent {self.node}: health check ({rec['phase']}): {verdict}", flush=True)
         return rec
 
-    def at_join(self, store: Store, tick: Callable[[], None] = lambda: None) -> None:
+    def start_join(self, store: Store) -> None:
         if self.on:
-            self.check(store, "join", 0, tick)
+            self.start(store, "join", 0, defer_s=JOIN_DEFER_S)
 
-    def answer(self, store: Store, tick: Callable[[], None] = lambda: None) -> None:
-        """Check again if the coordinator asked this spare since its last check (one read)."""
+    def answer(self, store: Store) -> None:
+        """Check again if the coordinator asked this spare since its last check (one read). A check already
+        running answers the ask: it started no earlier than the coordinator last heard from this spare."""
         if not self.on:
             return
+        self.poll(store)
         ask = parse_json(store.get_nowait(keys.HEALTH_ASK), keys.HEALTH_ASK)
         if not isinstance(ask, dict):
             return
         try:
             seq, nodes = int(ask["seq"]), [str(n) for n in ask["nodes"]]
+            rechecks = [str(n) for n in ask.get("recheck", [])]
         except (KeyError, TypeError, ValueError):
             note_bad(keys.HEALTH_ASK, "not a health-check request", json.dumps(ask))
             return
-        if seq > self.answered and self.node in nodes:
-            self.answered = seq
-            self.check(store, "promotion", seq, tick)
+        if seq <= self.answered or self.node not in nodes:
+            return
+        self.answered = seq
+        if self.busy:
+            self._rec["ask"] = seq
+        else:
+            self.start(store, "recheck" if self.node in rechecks else "promotion", seq)
+
+    def stop(self) -> None:
+        """The agent leaves: a running check is killed (its verdict is never posted)."""
+        self.deferred_until = None
+        if self.running is not None:
+            self.running.kill()
+            self.running = None

@@ -356,9 +356,9 @@ class _Node:
         sig = signal_number(getattr(a, "drain_signal", "SIGUSR1"))
         self.notice = NoticeHandler(node, cfg.faults, sig, getattr(a, "drain_on_sigterm", False)
                                     or sig == signal.SIGTERM)
-        # a spare's health checks: when it joins, and when the coordinator asks before a promotion
+        # a spare's health checks: when it joins, and whenever the coordinator asks (a re-check, a promotion)
         host = os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"
-        self.health = SpareHealth(cfg, node, run_id, host)
+        self.health = SpareHealth(cfg, node, run_id, host, self.notice.drain_signal, a.workers)
 
     def run(self) -> int:
         """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
@@ -376,11 +376,11 @@ class _Node:
 
         import phoenixft.runtime.worker  # noqa: F401
 
-        if self.store is not None:  # before its workers: a spare is not ready before its first check passed
+        if self.store is not None:  # (it runs once they are ready; a promotion meanwhile waits for its verdict)
             try:
-                self.health.at_join(self.store, lambda: self.tick(self.store))
-            except Exception as e:  # noqa: BLE001 - no verdict posted: the spare is never promoted unchecked
-                print(f"phoenixft agent {self.node}: health check not posted ({type(e).__name__}: {e})",
+                self.health.start_join(self.store)
+            except Exception as e:  # noqa: BLE001 - no check announced: the spare is never promoted unchecked
+                print(f"phoenixft agent {self.node}: health check not started ({type(e).__name__}: {e})",
                       file=sys.stderr, flush=True)
         for i in range(self.a.workers):
             self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads,
@@ -476,21 +476,8 @@ class _Node:
                   "no heartbeat for the node until they run again", flush=True)
         self.injector.tick(store)
         self.notice.tick(store)
-        self.health.answer(store, lambda: self.tick(store))  # (a spare asked to check itself again)
+        self.health.answer(store)  # (a spare's check done, or asked for again)
         return True
-
-    def tick(self, store: Store | None) -> None:
-        """A heartbeat while a health check runs (it may take up to its command's timeout)."""
-        from phoenixft.controlplane import Heartbeat, keys
-
-        try:
-            if store is None:
-                return
-            if self.beat is None or self.beat.store is not store:
-                self.beat = Heartbeat(store, keys.heartbeat(self.node), self.cfg.failure_timeout)
-            self.beat.beat(str(time.time()))
-        except Exception:  # noqa: BLE001 - the supervision loop reconnects
-            pass
 
     def reap(self, window_s: float) -> None:
         """For `window_s`, collect the workers that exit: restart one in place when the node is healthy, give
@@ -501,6 +488,9 @@ class _Node:
             if pid == 0:
                 time.sleep(0.02)
                 continue
+            if self.health.owns(pid):  # (the spare's health check, done: its verdict is posted now)
+                self._post_health(reaped=True)
+                continue
             lr = self.children.pop(pid, None)
             code = os.waitstatus_to_exitcode(status)
             if code == 0 or lr is None or self.restart(lr, code):
@@ -508,6 +498,12 @@ class _Node:
             self.worst = max(self.worst, abs(code))
             if self.restarts[lr] >= MAX_RESTARTS:  # crash loop: give up the whole node (permanent)
                 self.stop(signal.SIGTERM, None)
+
+    def _post_health(self, reaped: bool = False) -> None:
+        try:
+            self.health.poll(self.store, reaped)
+        except Exception:  # noqa: BLE001 - not posted: the supervision loop reconnects, the next look posts it
+            traceback.print_exc()
 
     def restart(self, lr: int, code: int) -> bool:
         """The node is healthy and its worker `lr` died (exit `code`): restart it in place from the snapshot
@@ -530,7 +526,8 @@ class _Node:
             return False
 
     def cleanup(self) -> None:
-        """Kill and reap the workers, then free the node's shared memory; never raises."""
+        """Kill and reap the workers (and a health check), then free the node's shared memory; never raises."""
+        self.health.stop()
         for pid in self.children:
             try:
                 os.kill(pid, signal.SIGKILL)
