@@ -77,22 +77,50 @@ def assert_one_hotswap(rep: dict[str, Any], dead: list[str], step: int) -> dict[
     return rec
 
 
-_refs: dict[tuple[Any, ...], dict[str, Any]] = {}
+_refs: dict[str, dict[str, Any]] = {}
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Failure-free, unprotected reference runs, cached for the session per configuration: the key is the
-    whole configuration with its defaults filled in, so `model="tiny"` and no model share one run."""
+    whole configuration with its defaults filled in, so `model="tiny"` and no model share one run. Under
+    pytest-xdist the workers of one session share the cache: the first worker to need a configuration runs
+    it (the others wait on its lock file) and leaves its report in the session's common temporary folder."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    shared = tmp_path_factory.getbasetemp().parent / "references" if worker else None
 
     def get(**kw: Any) -> dict[str, Any]:
-        key = (RunConfig(**kw).to_json(),)
-        if key not in _refs:
-            _refs[key] = run(tmp_path_factory.mktemp("ref"), protect="none", spares=0, **kw)
-            assert _refs[key]["state"] == "done", _refs[key]
+        key = RunConfig(**kw).to_json()
+        if key in _refs:
+            return _refs[key]
+        if shared is None:
+            _refs[key] = _reference_run(tmp_path_factory, kw)
+            return _refs[key]
+        import fcntl
+        import hashlib
+        import json
+
+        shared.mkdir(exist_ok=True)
+        name = hashlib.sha256(key.encode()).hexdigest()[:24]
+        with open(shared / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes, also if this test fails)
+            done = shared / f"{name}.json"
+            if done.exists():
+                _refs[key] = json.loads(done.read_text())
+            else:
+                _refs[key] = _reference_run(tmp_path_factory, kw)
+                tmp = done.with_suffix(f".{worker}.tmp")
+                tmp.write_text(json.dumps(_refs[key]))
+                tmp.rename(done)
         return _refs[key]
 
     return get
+
+
+def _reference_run(tmp_path_factory: pytest.TempPathFactory, kw: dict[str, Any]) -> dict[str, Any]:
+    rep = run(tmp_path_factory.mktemp("ref"), protect="none", spares=0, **kw)
+    assert rep["state"] == "done", rep
+    return rep
 
 
 @pytest.fixture
