@@ -35,9 +35,9 @@ DEFAULT_JSON = (
     '"redundancy": "replicas:1", "repair_after": 0.0, "replica_transport": "auto", "replicas": 1, "report": "", '
     '"resume": "", "run_dir": "", "scrub_every": 1, "sdc_audit": "off", "sdc_audit_every": 0, "sdc_check_every": '
     '1, "seed": 1234, "spare_arrives_at_step": 0, "spares": 1, "spike_threshold": 20.0, "spike_window": 32, '
-    '"start_grace": 15.0, "steps": 20, "straggler_factor": 1.3, "straggler_window": 20, "tensorboard": "", "threads": 0, "timeout": '
-    '600.0, "tls_ca": "", "tls_cert": "", "tls_key": "", "tp": 1, "warmup_steps": 0, "weight_decay": 0.1, '
-    '"workers_per_node": 1, "workload": "phoenixft.gpt:workload"}'
+    '"start_grace": 15.0, "steps": 20, "straggler_factor": 1.3, "straggler_window": 20, "tensorboard": "", '
+    '"threads": 0, "timeout": 600.0, "tls_ca": "", "tls_cert": "", "tls_key": "", "tp": 1, "warmup_steps": 0, '
+    '"weight_decay": 0.1, "workers_per_node": 1, "workload": "phoenixft.gpt:workload"}'
 )
 
 
