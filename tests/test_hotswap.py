@@ -163,7 +163,7 @@ class _HandJob:
 
         self.start("head", "coordinator", "--host", "127.0.0.1", "--port", str(self.port), "--nodes", "2",
                    "--spares", "1", "--workers-per-node", "1", "--steps", str(self.steps), "--model", "tiny",
-                   "--failure-timeout", "2", "--run-dir", str(self.tmp / "run"), "--quiet", "--timeout", "150",
+                   "--failure-timeout", "2", "--run-dir", str(self.tmp / "run"), "--quiet", "--timeout", "240",
                    "--join-timeout", "90")
         for name, extra in (("a", []), ("b", []), ("sp", ["--spare"])):
             self.start(name, "agent", "--coordinator", self.addr, "--node", name, "--workers", "1", *extra)
@@ -205,7 +205,7 @@ def test_a_spare_that_died_while_idle_is_never_promoted(tmp_path: Path) -> None:
         victim = next(n for n, m in members.items() if m["name"] == "b")
         assert int(store.get("progress")) < 90, "too late: make the run longer"
         job.kill("b")
-        assert job.procs["head"].wait(timeout=150) == 0, (tmp_path / "head.log").read_text()[-3000:]
+        assert job.procs["head"].wait(timeout=240) == 0, (tmp_path / "head.log").read_text()[-3000:]
         rep = json.loads((tmp_path / "run" / "report.json").read_text())
         assert rep["state"] == "done", rep.get("error")
         (rec,) = rep["recoveries"]  # one recovery: no detour through the dead spare
