@@ -205,3 +205,19 @@ def wait_while_running(what: str, fn: Any, proc: subprocess.Popen[bytes], timeou
         assert proc.poll() is None, f"the run exited (code {proc.returncode}) while waiting for {what}"
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+# the longest files first (their sums in a serial run, longest first): two xdist workers that take a file
+# at a time end together when the short files come last, instead of one worker running a long file alone
+_LONGEST_FIRST = ["test_hosts", "test_etcd", "test_failures", "test_hotswap", "test_mesh", "test_leaks",
+                  "test_early_loss", "test_drain", "test_persistent", "test_recipe", "test_chaos",
+                  "test_hostile_store", "test_health", "test_html_report", "test_control_plane", "test_tls",
+                  "test_ec", "test_elastic", "test_stragglers", "test_integrity"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the files of `_LONGEST_FIRST` first, in its order; the order within a file kept."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(Path(str(it.fspath)).stem, len(rank)))  # (stable: ties keep their order)
