@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/phoenixft demo
 
+# two pytest-xdist workers, a test file each at a time (module fixtures stay one per file; reference runs are
+# shared: tests/conftest.py); then, alone, the few tests that compare wall-clock step times (marker `serial`)
 test: $(STAMP)
-	$(PY) -m pytest -q -x -m "not slow" --durations=15
+	$(PY) -m pytest -q -x -m "not slow and not serial" -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -x -m "serial and not slow" --durations=5
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -x --durations=25

@@ -77,22 +77,50 @@ def assert_one_hotswap(rep: dict[str, Any], dead: list[str], step: int) -> dict[
     return rec
 
 
-_refs: dict[tuple[Any, ...], dict[str, Any]] = {}
+_refs: dict[str, dict[str, Any]] = {}
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Failure-free, unprotected reference runs, cached for the session per configuration: the key is the
-    whole configuration with its defaults filled in, so `model="tiny"` and no model share one run."""
+    whole configuration with its defaults filled in, so `model="tiny"` and no model share one run. Under
+    pytest-xdist the workers of one session share the cache: the first worker to need a configuration runs
+    it (the others wait on its lock file) and leaves its report in the session's common temporary folder."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    shared = tmp_path_factory.getbasetemp().parent / "references" if worker else None
 
     def get(**kw: Any) -> dict[str, Any]:
-        key = (RunConfig(**kw).to_json(),)
-        if key not in _refs:
-            _refs[key] = run(tmp_path_factory.mktemp("ref"), protect="none", spares=0, **kw)
-            assert _refs[key]["state"] == "done", _refs[key]
+        key = RunConfig(**kw).to_json()
+        if key in _refs:
+            return _refs[key]
+        if shared is None:
+            _refs[key] = _reference_run(tmp_path_factory, kw)
+            return _refs[key]
+        import fcntl
+        import hashlib
+        import json
+
+        shared.mkdir(exist_ok=True)
+        name = hashlib.sha256(key.encode()).hexdigest()[:24]
+        with open(shared / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes, also if this test fails)
+            done = shared / f"{name}.json"
+            if done.exists():
+                _refs[key] = json.loads(done.read_text())
+            else:
+                _refs[key] = _reference_run(tmp_path_factory, kw)
+                tmp = done.with_suffix(f".{worker}.tmp")
+                tmp.write_text(json.dumps(_refs[key]))
+                tmp.rename(done)
         return _refs[key]
 
     return get
+
+
+def _reference_run(tmp_path_factory: pytest.TempPathFactory, kw: dict[str, Any]) -> dict[str, Any]:
+    rep = run(tmp_path_factory.mktemp("ref"), protect="none", spares=0, **kw)
+    assert rep["state"] == "done", rep
+    return rep
 
 
 @pytest.fixture
@@ -123,12 +151,15 @@ def free_port() -> int:
 
 
 def run_ranks(target: Any, world: int, timeout_s: float = 120.0) -> dict[int, Any]:
-    """Run `target(rank, world, port, queue)` in `world` spawned processes (a TCPStore port free on
+    """Run `target(rank, world, port, queue)` in `world` fresh processes (a TCPStore port free on
     127.0.0.1 for them); each puts (rank, result) on the queue. Returns {rank: result}; every
-    process is joined, or killed, before it returns."""
+    process is joined, or killed, before it returns. The processes are forked from a server process that
+    imported torch once for the session (multiprocessing's forkserver, as the runtime's zygote does),
+    not each spawned to import it again (about 2 s of CPU each)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # (before its first start; later: no effect)
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, q), daemon=True) for r in range(world)]
@@ -174,3 +205,19 @@ def wait_while_running(what: str, fn: Any, proc: subprocess.Popen[bytes], timeou
         assert proc.poll() is None, f"the run exited (code {proc.returncode}) while waiting for {what}"
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+# the longest files first (their sums in a serial run, longest first): two xdist workers that take a file
+# at a time end together when the short files come last, instead of one worker running a long file alone
+_LONGEST_FIRST = ["test_hosts", "test_etcd", "test_failures", "test_hotswap", "test_mesh", "test_leaks",
+                  "test_early_loss", "test_drain", "test_persistent", "test_recipe", "test_chaos",
+                  "test_hostile_store", "test_health", "test_html_report", "test_control_plane", "test_tls",
+                  "test_ec", "test_elastic", "test_stragglers", "test_integrity"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the files of `_LONGEST_FIRST` first, in its order; the order within a file kept."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(Path(str(it.fspath)).stem, len(rank)))  # (stable: ties keep their order)

@@ -72,13 +72,13 @@ def _hand_started(tmp_path: Path) -> Iterator[Start]:
             p.wait(timeout=30)
 
 
-def _two_node_job(tmp_path: Path, start: Start) -> tuple[str, subprocess.Popen[bytes]]:
+def _two_node_job(tmp_path: Path, start: Start, *flags: str) -> tuple[str, subprocess.Popen[bytes]]:
     """A hand-started head for 2 nodes of 1 worker and 1 spare, `tiny`, 8 steps: (its address, its process)."""
     port = free_port()
     coord = start("coordinator.log", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2",
                   "--workers-per-node", "1", "--spares", "1", "--steps", "8", "--model", "tiny",
                   "--failure-timeout", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "120",
-                  "--join-timeout", "90")
+                  "--join-timeout", "90", *flags)
     return f"127.0.0.1:{port}", coord
 
 
@@ -106,10 +106,12 @@ def test_a_node_lost_while_it_starts_gives_its_slot_to_the_spare(tmp_path: Path,
     """An active agent SIGKILLed right after its admission, before its workers were ready (it never
     heartbeated): the job must not keep its slot until --join-timeout fails the run ("only 2 of 2
     node(s) joined ... not ready yet: n0") with a ready spare waiting. A slot whose node is gone
-    before the start (no heartbeat START_BEAT_GRACE_S after its admission, a stale one, or its exit
-    reported) goes to a ready spare; the run starts with it and ends bitwise equal to a failure-free run."""
+    before the start (no heartbeat --start-grace after its admission, a stale one, or its exit
+    reported) goes to a ready spare; the run starts with it and ends bitwise equal to a failure-free run.
+    (--start-grace 3: the killed node's slot is given up 3 s after its admission, not the default 15 s; the
+    late node is never given up, whenever its first heartbeat comes: the one spare is taken by then.)"""
     with _hand_started(tmp_path) as start:
-        addr, coord = _two_node_job(tmp_path, start)
+        addr, coord = _two_node_job(tmp_path, start, "--start-grace", "3")
         early = start("early.log", "agent", "--coordinator", addr, "--node", "early", "--workers", "1")
         deadline = time.monotonic() + 60
         while "admitted" not in (tmp_path / "early.log").read_text(errors="replace"):

@@ -147,7 +147,8 @@ def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
     import time
 
 
-    ref = reference(nodes=2, steps=160)
+    steps = 100  # (the run must outlast the stop: about 70 steps here, with the reconfigures it causes)
+    ref = reference(nodes=2, steps=steps)
     seen: dict[str, Any] = {}
 
     def stop_agent_of_n1() -> None:
@@ -165,7 +166,7 @@ def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
 
     t = threading.Thread(target=stop_agent_of_n1, daemon=True)
     t.start()
-    rep = run(tmp_path, nodes=2, spares=1, steps=160, failure_timeout=2.0, timeout=120.0)
+    rep = run(tmp_path, nodes=2, spares=1, steps=steps, failure_timeout=2.0, timeout=120.0)
     t.join(timeout=10)
     assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
     assert "error" not in seen and seen.get("state") == "T", seen  # the agent was stopped

@@ -204,6 +204,7 @@ def _dts(tmp: Path) -> dict[int, float]:
     return out
 
 
+@pytest.mark.serial  # (wall-clock times: run alone, not beside another test: `make test`)
 def test_a_slow_node_is_evicted_and_the_run_stays_bitwise(tmp_path: Path, reference: Any) -> None:
     """`slow:node=1@step=6,factor=3`: n1 is named a straggler and replaced by the spare within the window
     and a few steps, the steps are slower while it runs and as fast as before once it is gone, and the

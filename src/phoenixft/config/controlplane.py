@@ -21,6 +21,9 @@ class ControlPlaneConfig:
 
     join_timeout: float = option(600.0, "Seconds to wait at the start for the --nodes active nodes to join and be "
                                  "ready; then the run fails naming who is missing.", flag="--join-timeout")
+    start_grace: float = option(15.0, "Seconds an active node admitted before the start may go without its first "
+                                "heartbeat; then it is taken for dead while starting and its slot goes to a ready "
+                                "spare (never less than --failure-timeout).", flag="--start-grace")
     control_plane: str = option("tcpstore", "Where the control plane keeps its state: tcpstore (torch's TCPStore in "
                                 "the launcher's process: zero set-up, but the job depends on that process and host), "
                                 "etcd (a local 3-member etcd cluster started for the run) or "
@@ -69,6 +72,8 @@ def validate_control_plane(cfg: RunConfig) -> None:
          "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
          "store lives in the launcher's process, so a standby would not remove the single point of failure)")
     real(c.join_timeout, c.join_timeout > 0, "--join-timeout", "> 0 seconds")
+    real(c.start_grace, 0 < c.start_grace <= MAX_FAILURE_TIMEOUT_S, "--start-grace",
+         f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
     real(c.straggler_factor, c.straggler_factor == 0 or 1 < c.straggler_factor <= 1000, "--straggler-factor",
          "> 1 and at most 1000 (how many times its peers' median a straggler's compute takes), or 0 = no detection")
     need(1 <= c.straggler_window <= 1_000_000, "--straggler-window", c.straggler_window,

@@ -161,6 +161,7 @@ class RunConfig:
     replica_transport = _Flat[str]("protection")
     scrub_every = _Flat[int]("protection")
     join_timeout = _Flat[float]("control")
+    start_grace = _Flat[float]("control")
     control_plane = _Flat[str]("control")
     coordinators = _Flat[int]("control")
     failure_timeout = _Flat[float]("control")

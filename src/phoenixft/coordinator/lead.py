@@ -41,7 +41,6 @@ from phoenixft.dist.topology import Topology
 __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
 
 POLL_S = 0.025  # steady state: a flag-watch thread wakes the loop at once on a failure (see _watch_flags)
-START_BEAT_GRACE_S = 15.0  # an active node admitted this long ago that never heartbeated died while starting
 STANDBY_GIVE_UP_S = 60.0  # a standby whose store has had no quorum for this long stops (no job outlives that)
 
 
@@ -226,7 +225,7 @@ class Coordinator:
 
     def _replace_dead_before_start(self, active: list[str], swapped: dict[str, str]) -> None:
         """Before the start, every active slot filled: an active node that is not ready and is gone (its
-        agent's exit reported, its heartbeat stale, or no heartbeat START_BEAT_GRACE_S after its
+        agent's exit reported, its heartbeat stale, or no heartbeat --start-grace after its
         admission: it died while starting) gets a ready spare in its slot, and is fenced. Without this,
         a host lost during the join held its slot until --join-timeout (600 s) failed the run, with a
         ready spare waiting."""
@@ -238,7 +237,8 @@ class Coordinator:
             if not pool:
                 return
             beat = self.store.check([keys.heartbeat(n)])
-            silent = time.time() - float(self.state.members[n]["t"]) > max(self.cfg.failure_timeout, START_BEAT_GRACE_S)
+            grace = max(self.cfg.failure_timeout, self.cfg.start_grace)
+            silent = time.time() - float(self.state.members[n]["t"]) > grace
             if not (self.detector.exited([n]) or (beat and self.detector.stale([n], now)) or (not beat and silent)):
                 continue
             spare = pool[0]
