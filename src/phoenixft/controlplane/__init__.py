@@ -99,7 +99,7 @@ class LogReader:
 
     def read(self) -> str:
         raw, self._cursor = self.store.read_appended(self.key, self._cursor)
-        return bytes(raw).decode()
+        return bytes(raw).decode(errors="replace")  # (anyone can append bytes that are not UTF-8)
 
 
 class Heartbeat:

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_json
 from phoenixft.health.history import HostRecord, quarantined_hosts, record_failure
 from phoenixft.health.spare import REF_KEY, check_bound_s
@@ -55,10 +55,10 @@ class HealthGate:
 
     def publish_reference(self) -> None:
         """The matrix product's reference checksum, for every spare's check (once per job)."""
-        if self.on and not self.store.check([REF_KEY]):
+        if self.on and not sealed.has(self.store, REF_KEY):
             from phoenixft.health.check import reference_checksum
 
-            self.store.set(REF_KEY, reference_checksum())
+            sealed.put(self.store, REF_KEY, reference_checksum())
 
     # ------------------------------------------------------------------ hosts
     def host(self, node: str) -> str:
@@ -84,7 +84,7 @@ class HealthGate:
         for n in [s for s in st.spare_pool if self.host(s) == host and not st.in_use(s)]:
             st.spare_pool.remove(n)
             st.dead.add(n)
-            self.store.set(keys.fence(n), str(time.time()))
+            sealed.put(self.store, keys.fence(n), str(time.time()))
             self.job.event("spare_dismissed", node=n, host=host, reason="its host is quarantined")
 
     def refusal(self, req: dict[str, Any]) -> str:
@@ -117,7 +117,7 @@ class HealthGate:
         raw = self.store.multi_get_nowait([keys.health(n) for n in nodes])
         out = {}
         for n, r in zip(nodes, raw, strict=True):
-            rec = parse_json(r, keys.health(n)) if r is not None else None
+            rec = parse_json(sealed.unseal(keys.health(n), r), keys.health(n))
             if isinstance(rec, dict) and isinstance(rec.get("ok"), bool):
                 out[n] = rec
         return out
@@ -154,10 +154,10 @@ class HealthGate:
         the ask is one key, and a spare that has not read it yet must still find itself in it)."""
         if not self.on or not nodes:
             return
-        old = parse_json(self.store.get_nowait(keys.HEALTH_ASK), keys.HEALTH_ASK)
+        old = sealed.get_json(self.store, keys.HEALTH_ASK)
         seq = int(old.get("seq", 0)) + 1 if isinstance(old, dict) and isinstance(old.get("seq"), int) else 1
         self.asked.update({n: seq for n in nodes})
-        self.store.set(keys.HEALTH_ASK, json.dumps({"seq": seq, "nodes": sorted(self.asked), "t": time.time()}))
+        sealed.put(self.store, keys.HEALTH_ASK, json.dumps({"seq": seq, "nodes": sorted(self.asked), "t": time.time()}))
 
     def vet(self, pool: list[str], need: int) -> list[str]:
         """The first `need` spares of `pool` whose check just before this promotion passed (asked at the
@@ -177,7 +177,7 @@ class HealthGate:
                 rec = {"ok": False, "phase": "promotion", "t": time.time(), "node": s, "host": self.host(s),
                        "reason": f"no answer to the check before its promotion within "
                                  f"{check_bound_s(self.cfg) + ANSWER_MARGIN_S:g}s"}
-                self.store.set(keys.health(s), json.dumps(rec))
+                sealed.put(self.store, keys.health(s), json.dumps(rec))
             self.asked.pop(s, None)
             if rec["ok"]:
                 out.append(s)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
 from phoenixft.faults.kinds import Point
 
@@ -126,25 +126,25 @@ class SpareHealth:
         faults = [f for f in self.cfg.faults if f.point is Point.HEALTH]
         if not faults:
             return False
-        progress = parse_int(store.get_nowait(keys.PROGRESS), keys.PROGRESS, 0)
+        progress = parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0)
         hit = [f for f in faults if f.kind_of.fails_health_check(f, self.node, progress)]
         for f in hit:
-            if store.add(keys.fault(f.index) + "/fired", 1) == 1:
+            if sealed.claim(store, keys.fault(f.index) + "/fired"):
                 rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
                        "node": self.node, "slot": None, "step": progress, "phase": "health"}
-                store.set(keys.fault(f.index), json.dumps(rec))
-                store.append(keys.EVENTS, json.dumps(rec) + "\n")
+                sealed.put(store, keys.fault(f.index), json.dumps(rec))
+                sealed.append(store, keys.EVENTS, rec)
         return bool(hit)
 
     def check(self, store: Store, phase: str, ask: int, tick: Callable[[], None]) -> dict[str, Any]:
         """Run one check now and post its result; the result."""
-        ref = store.get_nowait(REF_KEY)
+        ref = sealed.get(store, REF_KEY)
         reference = ref.decode(errors="replace") if ref is not None else ""  # ('': the check computes it)
         t0 = time.time()
         out = run_check(self.cfg, self.node, self.run_id, reference, self._sick(store), tick, phase)
         rec = {**out, "node": self.node, "host": self.host, "phase": phase, "ask": ask, "t": t0,
                "duration_s": round(time.time() - t0, 3)}
-        store.set(keys.health(self.node), json.dumps(rec))
+        sealed.put(store, keys.health(self.node), json.dumps(rec))
         verdict = "healthy" if out["ok"] else f"UNHEALTHY: {out['reason']}"
         print(f"phoenixft agent {self.node}: health check ({phase}): {verdict}", flush=True)
         return rec
@@ -157,7 +157,7 @@ class SpareHealth:
         """Check again if the coordinator asked this spare since its last check (one read)."""
         if not self.on:
             return
-        ask = parse_json(store.get_nowait(keys.HEALTH_ASK), keys.HEALTH_ASK)
+        ask = sealed.get_json(store, keys.HEALTH_ASK)
         if not isinstance(ask, dict):
             return
         try:
