@@ -174,3 +174,14 @@ def wait_while_running(what: str, fn: Any, proc: subprocess.Popen[bytes], timeou
         assert proc.poll() is None, f"the run exited (code {proc.returncode}) while waiting for {what}"
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+@pytest.fixture(autouse=True)
+def _no_run_key_left() -> Any:
+    """Each test starts with no run key bound in this process (controlplane.sealed: a run in-process binds
+    its own; a key left by an earlier test would make this one's unsealed values look forged)."""
+    from phoenixft.controlplane import sealed
+
+    sealed.unbind()
+    yield
+    sealed.unbind()

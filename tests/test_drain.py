@@ -15,7 +15,7 @@ from typing import Any
 
 from conftest import processes_with, run
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_drain_request
 
 
@@ -104,7 +104,7 @@ def test_signal_and_cli_drain_a_live_run(tmp_path: Path, reference, capsys) -> N
         port = _wait("the store", lambda: (d / "coordinator.port").is_file() and (d / "coordinator.port").read_text())
         store = connect_store(f"127.0.0.1:{port}", 30.0)
         run_id = store.get(keys.RUN_ID).decode()
-        _wait("step 1", lambda: store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 1)
+        _wait("step 1", lambda: store.check([keys.PROGRESS]) and int(sealed.peel(store.get(keys.PROGRESS)) or 0) >= 1)
         store.set(keys.drain_key(2), "not json")  # a malformed request is ignored (logged), never a crash
         # the command in this process (a new interpreter importing torch takes longer than the run on a loaded
         # machine): its parser, the run found by its directory, the request, and --wait's answer

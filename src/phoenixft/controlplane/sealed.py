@@ -38,7 +38,7 @@ from typing import Any
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import note_bad, parse_json
 
-__all__ = ["PREFIX", "bind", "bound", "read_unchecked", "seal", "unseal", "peel", "put", "put_many", "get",
+__all__ = ["PREFIX", "bind", "unbind", "bound", "read_unchecked", "seal", "unseal", "peel", "put", "put_many", "get",
            "get_json", "get_many", "present", "has", "all_present", "append", "records", "claim", "hint", "Hint"]
 
 PREFIX = b"pf1:"
@@ -54,6 +54,11 @@ def bind(token: str, run_id: str) -> None:
     from phoenixft.controlplane.signed import run_key
 
     _key[0] = hmac.new(run_key(token, run_id), _DOMAIN, hashlib.sha256) if token and run_id else None
+
+
+def unbind() -> None:
+    """Forget the bound run key (a test process that plays several runs' parts in turn)."""
+    _key[0] = None
 
 
 def bound() -> bool:

@@ -35,7 +35,7 @@ from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.decide import Decider, verified_checkpoint
 from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.drain import DrainDesk
-from phoenixft.coordinator.publish import JournalUntrusted, Publisher, deposed
+from phoenixft.coordinator.publish import Publisher, deposed
 from phoenixft.coordinator.shared import Job, Membership, index, wait_key
 from phoenixft.coordinator.stragglers import StragglerMonitor
 from phoenixft.dist.topology import Topology
@@ -156,12 +156,7 @@ class Coordinator:
         self.admission.load_members()
         self.admission.health.publish_reference()
         sealed.put(self.store, keys.COORDINATOR_PID, str(os.getpid()))
-        try:
-            reloaded = self.publisher.reload()
-        except JournalUntrusted as e:  # never decide from a membership that may be made up
-            self.job.fail_run(f"the coordinator restarted and cannot go on: {e}")
-            return
-        if reloaded:
+        if self.publisher.reload():
             assert self.state.topo is not None
             self.job.event("coordinator_restarted", epoch=self.state.topo.epoch, spare_pool=self.state.spare_pool,
                            **({"leader": self.election.ident} if self.election is not None else {}))

@@ -9,9 +9,10 @@ ever decided twice. A leader that finds it no longer leads exits at once (`depos
 
 The journal record, the epoch and the promoted spares' assignments are sealed with the run key
 (`controlplane.sealed`): a record that does not verify is not reloaded, nor is one older than the newest
-signed topology in the store (an earlier record of this run written back: a replay); the journal file,
-where there is one, is used then, and without a record to trust the coordinator fails the run (one line)
-rather than decide from a made-up or stale membership.
+signed topology in the store (an earlier record of this run written back: a replay). The journal file,
+where there is one, is used then; without it, the record is rebuilt from what is signed: the newest
+topology, the nodes of earlier ones that left it and the fenced nodes as the dead (the spare pool
+follows from the admissions, which are signed too). Never from a made-up or stale membership.
 """
 
 from __future__ import annotations
@@ -27,11 +28,7 @@ from phoenixft.controlplane.values import note_bad, parse_json
 from phoenixft.coordinator.shared import Job, Membership, index
 from phoenixft.dist.topology import Topology
 
-__all__ = ["Publisher", "deposed", "JournalUntrusted"]
-
-
-class JournalUntrusted(RuntimeError):
-    """There is a journal, and no record of it can be trusted: the coordinator cannot go on from it."""
+__all__ = ["Publisher", "deposed"]
 
 
 def _epoch_of(rec: dict[str, Any]) -> int | None:
@@ -103,41 +100,55 @@ class Publisher:
                             break  # a torn last line: the decision before it stands
         return last if isinstance(last, dict) else None
 
+    def _signed_topo(self, e: int) -> Topology | None:
+        """The topology of epoch `e` if it is in the store and its signature verifies with the token."""
+        raw, sig = self.store.get_nowait(keys.topo(e)), self.store.get_nowait(keys.topo_sig(e))
+        if raw is None or sig is None or not hmac.compare_digest(bytes(sig),
+                                                                 auth.sign_topology(self.token, e, raw).encode()):
+            return None
+        try:
+            return Topology.from_json(raw)
+        except (KeyError, TypeError, ValueError):
+            return None
+
     def _record(self) -> tuple[dict[str, Any] | None, str]:
-        """The journal record to reload (the store's if it verifies and is not stale, else the file's), and
-        why there is none to trust ('' if there is one, or no journal at all: a fresh start)."""
+        """The journal record to reload: the store's if it verifies, else the file's, whichever is newer, and
+        not older than the newest signed topology; else one rebuilt from the signed topologies. And why the
+        journal's own was not taken ('' if it was, or there is none: a fresh start)."""
         there = self.store.check([keys.JOURNAL])
         rec = parse_json(sealed.get(self.store, keys.JOURNAL), keys.JOURNAL) if there else None
-        file_rec = self._file_record()
-        cands = [r for r in (rec, file_rec) if r is not None and _epoch_of(r) is not None]
-        if not cands:
-            if there or file_rec is not None:
-                return None, "the journal in the store is not sealed with this run's key, or not a journal record"
-            # (epoch 0 goes out with its journal record, in one write: a journal gone since was deleted)
-            return None, "the journal is gone from the store" if self.store.check([keys.topo(0)]) else ""
-        best = max(cands, key=lambda r: _epoch_of(r) or 0)
-        e = _epoch_of(best) or 0
-        nxt = self.store.get_nowait(keys.topo(e + 1))  # a newer epoch, signed, published: the record is stale
-        sig = self.store.get_nowait(keys.topo_sig(e + 1))
-        if nxt is not None and sig is not None and hmac.compare_digest(
-                bytes(sig), auth.sign_topology(self.token, e + 1, nxt).encode()):
-            note_bad(keys.JOURNAL, f"older than the published epoch {e + 1} (an earlier record written back)",
-                     json.dumps(best))
-            return None, f"the newest journal record (epoch {e}) is older than the published epoch {e + 1}"
-        return best, ""
+        cands = [r for r in (rec, self._file_record()) if r is not None and _epoch_of(r) is not None]
+        best = max(cands, key=lambda r: _epoch_of(r) or 0) if cands else None
+        why = "" if best is not None or not there else "the journal in the store is not sealed with this run's key"
+        if best is not None and self._signed_topo((_epoch_of(best) or 0) + 1) is not None:
+            why = f"the journal's newest record (epoch {_epoch_of(best)}) is older than the published epochs"
+            note_bad(keys.JOURNAL, why + " (an earlier record written back)", json.dumps(best))
+            best = None
+        if best is not None:  # (the store's own put back if it did not verify: the file's record was taken)
+            return best, why
+        topos: list[Topology] = []  # rebuilt: the epochs published (signed), and who left them or was fenced
+        while (t := self._signed_topo(len(topos))) is not None:
+            topos.append(t)
+        if not topos:
+            return None, ""
+        ever = {n for t in topos for n in t.nodes}
+        fenced = {n for n in ever | set(self.state.members) if sealed.has(self.store, keys.fence(n))}
+        dead = (ever - set(topos[-1].nodes)) | fenced
+        return {"topo": json.loads(topos[-1].to_json()), "spare_pool": [], "dead": sorted(dead)}, \
+            why or "the journal is gone from the store"
 
     def reload(self) -> bool:
-        """Restore membership, epoch and spare pool from the journal; True if there was one. JournalUntrusted
-        when there is a journal but none of its records can be trusted (see the module docstring)."""
+        """Restore membership, epoch and spare pool from the journal; True if there was one (or the epochs
+        published, when no record of the journal can be trusted: see the module docstring)."""
         last, why = self._record()
         if last is None:
-            if why:
-                raise JournalUntrusted(why)
             return False
-        try:
-            dead, topo = set(last["dead"]), Topology(**last["topo"])
-        except (KeyError, TypeError, ValueError):
-            raise JournalUntrusted("the journal record does not describe an epoch") from None
+        dead, topo = set(last["dead"]), Topology(**last["topo"])
+        if why:  # (put back, sealed, so that a later restart finds it)
+            self.job.event("journal_restored", epoch=topo.epoch, why=why)
+            if not guarded_set(self.store, self.election, [keys.JOURNAL], [sealed.seal(keys.JOURNAL,
+                                                                                      json.dumps(last))]):
+                deposed()
         self.state.dead = dead
         # the journal's pool, and spares admitted since (admissions are in the store, signed)
         pool = set(last["spare_pool"]) | {n for n, m in self.state.members.items() if m["spare"]}

@@ -188,8 +188,6 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
     bind = a.host.strip("[]") or local_addr
     _check_bind(bind)
     store, cfg, served = _connect(a, flag, token)
-    if a.run_id and served and a.run_id != served:  # before asking to join: a refused agent must not hold a slot
-        raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
     _prepare_host(cfg, a.node, shm=not a.parent_pid)  # (before asking to join, too)
     node, run_id = _admit(a, store, token, bind)
     assert token is not None  # admitted: the verdict verified with it
@@ -284,6 +282,8 @@ def _connect(a: argparse.Namespace, flag: str, token: str | None) -> tuple[Store
             store.check([keys.CONFIG])
             raw = store.get(keys.CONFIG)
             served = store.get(keys.RUN_ID).decode(errors="replace") if store.check([keys.RUN_ID]) else ""
+            if a.run_id and served and a.run_id != served:  # before asking to join: a refused agent holds no slot
+                raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
             if token and verified(store, token, served, keys.CONFIG) is None:
                 if time.monotonic() > connect_deadline:
                     raise UserError(f"{flag}={a.store}: the job's config there is not signed with this agent's token "
