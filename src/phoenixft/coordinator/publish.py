@@ -119,7 +119,7 @@ class Publisher:
         rec = parse_json(sealed.get(self.store, keys.JOURNAL), keys.JOURNAL) if there else None
         cands = [r for r in (rec, self._file_record()) if r is not None and _epoch_of(r) is not None]
         best = max(cands, key=lambda r: _epoch_of(r) or 0) if cands else None
-        why = "" if best is not None or not there else "the journal in the store is not sealed with this run's key"
+        why = "the journal in the store is not sealed with this run's key" if there and rec is None else ""
         if best is not None and self._signed_topo((_epoch_of(best) or 0) + 1) is not None:
             why = f"the journal's newest record (epoch {_epoch_of(best)}) is older than the published epochs"
             note_bad(keys.JOURNAL, why + " (an earlier record written back)", json.dumps(best))
