@@ -112,7 +112,7 @@ class Heartbeat:
         self.ttl = max(2, math.ceil(ttl_s))
         self._lease = 0
 
-    def beat(self, value: str) -> None:
+    def beat(self, value: str | bytes) -> None:
         if not isinstance(self.store, EtcdStore):
             self.store.set(self.key, value)
             return

@@ -39,7 +39,8 @@ from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import note_bad, parse_json
 
 __all__ = ["PREFIX", "bind", "unbind", "bound", "read_unchecked", "seal", "unseal", "peel", "put", "put_many", "get",
-           "get_json", "get_many", "present", "has", "all_present", "append", "records", "claim", "hint", "Hint"]
+           "get_json", "get_many", "present", "has", "all_present", "append", "records", "beat_value", "beat_count",
+           "claim", "hint", "Hint"]
 
 PREFIX = b"pf1:"
 _MAC_HEX = 64
@@ -186,6 +187,23 @@ def records(name: str, raw: bytes | str | None, seen: set[bytes] | None = None) 
         if rec is not None:
             out.append(rec)
     return out
+
+
+# ---------------------------------------------------------------------------------------- heartbeats
+def beat_value(name: str) -> bytes:
+    """A heartbeat for key `name`: this host's wall time (for display) and its monotonic clock, sealed."""
+    return seal(name, f"{time.time():.6f} {time.monotonic_ns()}")
+
+
+def beat_count(name: str, raw: bytes | None) -> int | None:
+    """The writer's monotonic clock in heartbeat `raw`, None if it is not a sealed heartbeat (logged). A beat
+    counts only when this grows: an older sealed beat written back (a replay) moves nothing."""
+    v = unseal(name, raw)
+    try:
+        return int(v.split()[1]) if v is not None else None
+    except (IndexError, ValueError):
+        note_bad(name, "not a heartbeat", v or b"")
+        return None
 
 
 # ---------------------------------------------------------------------------------------- hints and claims

@@ -55,7 +55,7 @@ class FailureDetector:
         self._exit_checked: set[str] = set()  # nodes whose exit key was looked at since the hint moved
         self._restarts = sealed.Hint(keys.WORKER_EXITS, RESTARTS_EVERY_S)
         self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
-        self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
+        self._hb_last: dict[str, tuple[int, float]] = {}  # node -> (its writer's clock in its beat, when first seen)
         # node -> when its workers last answered a gather: a sign of life like a heartbeat (a starved or stopped
         # agent's node whose workers answered is not judged stale again before another --failure-timeout)
         self._answered: dict[str, float] = {}
@@ -112,9 +112,11 @@ class FailureDetector:
             if b is None:
                 gone.add(n)
                 continue
-            last = self._hb_last.get(n)
-            if last is None or last[0] != b or blind:
-                self._hb_last[n] = (bytes(b), seen)
+            # a beat is a sealed value whose writer's monotonic clock grew: a forged one, or an older one
+            # written back, is no beat (silence goes on counting)
+            count, last = sealed.beat_count(keys.heartbeat(n), b), self._hb_last.get(n)
+            if last is None or blind or (count is not None and count > last[0]):
+                self._hb_last[n] = (max(count if count is not None else -1, last[0] if last else -1), seen)
         return gone | {n for n in have if n not in gone and seen - self._hb_last[n][1] > self.cfg.failure_timeout}
 
     def failure_pending(self) -> bool:

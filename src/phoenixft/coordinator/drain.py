@@ -69,6 +69,8 @@ class DrainDesk:
         self._last = 0.0
         self._seen: dict[int, float] = {}  # slot -> when this coordinator first saw its request
         self._waiting: set[int] = set()  # slots whose drain waits for a starting spare (said once)
+        self._raw: dict[int, bytes] = {}  # slot -> the request read there (sealed), until it is done
+        self._done: set[bytes] = set()  # requests acted on or ignored: one written back (a replay) is not read again
 
     def pending(self) -> DrainRequest | None:
         """The first valid drain request of a node of the current epoch (throttled: None between looks)."""
@@ -90,11 +92,16 @@ class DrainDesk:
         topo = self.state.topo
         assert topo is not None
         key = keys.drain_key(slot)
-        rec = parse_drain_request(sealed.get(self.store, key), key)
+        raw = self.store.get_nowait(key)
+        if raw is not None and bytes(raw) in self._done:
+            self.store.delete_key(key)  # (a request this coordinator answered, written back)
+            return None
+        rec = parse_drain_request(sealed.unseal(key, raw), key)
         if rec is None:  # (not sealed with the run key, or not a request: logged) never acted on, and removed
             self.store.delete_key(key)
             return None
         node = topo.nodes[slot]
+        self._raw[slot] = bytes(raw or b"")
         seen = self._seen.setdefault(slot, time.time())
         req = DrainRequest(slot=slot, node=node, reason=rec["reason"], source=rec["source"],
                            deadline=rec["deadline"], t_notice=rec["t"] if rec["t"] is not None else seen)
@@ -148,6 +155,7 @@ class DrainDesk:
         self.done(req)
 
     def done(self, req: DrainRequest) -> None:
+        self._done.add(self._raw.pop(req.slot, b""))
         self.store.delete_key(keys.drain_key(req.slot))
         self._seen.pop(req.slot, None)
         self._waiting.discard(req.slot)

@@ -179,6 +179,14 @@ def _sealed(store: Store, key: str) -> bytes | None:
     return sealed.unseal(key, _get(store, key))
 
 
+def _wall(beat: bytes) -> float:
+    """The writer's wall time in a heartbeat's value ("WALL MONOTONIC"), as shown (0: not one)."""
+    try:
+        return float(beat.split()[0])
+    except (IndexError, ValueError):
+        return 0.0
+
+
 def _bind(store: Store) -> None:
     """Check what is shown with the run key if the token in the environment is the job's, else show it
     unchecked (status only reads)."""
@@ -235,14 +243,14 @@ def collect_status(store: Store, events: int = 10, now: float | None = None) -> 
             g = int(topo.get("workers_per_node", g))
             racks = max(1, int(topo.get("racks", 1)))
             for slot, node in enumerate(topo["nodes"]):
-                hb = _get(store, keys.heartbeat(node))
+                hb = _sealed(store, keys.heartbeat(node))
                 st["members"].append(
                     {
                         "slot": slot,
                         "node": node,
                         "ranks": list(range(slot * g, (slot + 1) * g)),
                         "rack": slot * racks // len(topo["nodes"]),
-                        "heartbeat_age_s": None if hb is None else max(0.0, now - float(hb)),
+                        "heartbeat_age_s": None if hb is None else max(0.0, now - _wall(hb)),
                         "exited": sealed.has(store, keys.node_exit(node)),
                         "fenced": sealed.has(store, keys.fence(node)),
                     }

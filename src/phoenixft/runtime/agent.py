@@ -484,7 +484,7 @@ class _Node:
                 os.kill(wpid, signal.SIGKILL)
         quiet = {lr: t for lr, t in stopped.items() if t > self.cfg.failure_timeout}
         if not quiet:
-            self.beat.beat(str(time.time()))
+            self.beat.beat(sealed.beat_value(keys.heartbeat(node)))
             self.silent_said = False
         elif not self.silent_said:
             self.silent_said = True
@@ -499,14 +499,14 @@ class _Node:
 
     def tick(self, store: Store | None) -> None:
         """A heartbeat while a health check runs (it may take up to its command's timeout)."""
-        from phoenixft.controlplane import Heartbeat, keys
+        from phoenixft.controlplane import Heartbeat, keys, sealed
 
         try:
             if store is None:
                 return
             if self.beat is None or self.beat.store is not store:
                 self.beat = Heartbeat(store, keys.heartbeat(self.node), self.cfg.failure_timeout)
-            self.beat.beat(str(time.time()))
+            self.beat.beat(sealed.beat_value(keys.heartbeat(self.node)))
         except Exception:  # noqa: BLE001 - the supervision loop reconnects
             pass
 
