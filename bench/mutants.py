@@ -179,6 +179,16 @@ MUTATIONS: tuple[Mutation, ...] = (
              "if token and hmac.compare_digest(sig, sign(token, run_id, name, value).encode()):",
              "if token:",
              ("tests/test_hostile_store.py::test_signed_values_verify_only_with_the_run_key",)),
+    Mutation("sealed_value_unverified", "a sealed store value is believed without checking its MAC",
+             "controlplane/sealed.py",
+             "if ok and hmac.compare_digest(raw[len(PREFIX):_HEAD - 1], _mac(name, value)):",
+             "if ok:",
+             ("tests/test_hostile_store.py::test_sealed_values_verify_only_under_their_run_key_and_name",)),
+    Mutation("fence_unverified", "a fence nobody of the job wrote stops a healthy node",
+             "runtime/agent.py",
+             "if fenced_now and sealed.has(store, keys.fence(node)):",
+             "if fenced_now:",
+             ("tests/test_hostile_store.py::test_a_stranger_cannot_crash_fake_or_steer_a_run[tcpstore]",)),
 )
 
 
