@@ -48,11 +48,12 @@ def per_value() -> dict[str, float | None]:
             assert sealed.unseal("desc/3/n1.0", sealed.seal("desc/3/n1.0", value)) == value
             times.append(time.perf_counter() - t)
         out[name] = (median(times) or 0.0) * 1e6
-    line = sealed.seal("events", json.dumps({"t": time.time(), "kind": "epoch", "nodes": ["n0", "n1"]})) + b"\n"
+    lines = b"".join(sealed.seal("events", json.dumps({"t": time.time(), "kind": "epoch", "nodes": ["n0", "n1"],
+                                                        "i": i})) + b"\n" for i in range(10))
     times = []
     for _ in range(SEALS // 10):
         t = time.perf_counter()
-        sealed.records("events", line * 10)
+        sealed.records("events", lines)
         times.append((time.perf_counter() - t) / 10)
     out["event_line"] = (median(times) or 0.0) * 1e6
     sealed.unbind()

@@ -76,7 +76,7 @@ def _bind(args: argparse.Namespace, store: Any, addr: str) -> None:
         raise UserError(f"a drain request is signed with the job token: give --token-file PATH or ${auth.TOKEN_ENV} "
                         f"(a local run's generated token is in its run directory, `{TOKEN_FILE}`)")
     run_id = (store.get_nowait(keys.RUN_ID) or b"").decode(errors="replace")
-    if verified(store, token, run_id, keys.CONFIG) is None:
+    if verified(store, token, run_id, keys.CONFIG, note=False) is None:
         raise UserError(f"{source}: not the token of the job at {addr} (its config is not signed with it)")
     sealed.bind(token, run_id)
 

@@ -53,15 +53,16 @@ def set_signed(store: Store, token: str, run_id: str, name: str, value: str | by
     store.set(name, value)
 
 
-def verified(store: Store, token: str, run_id: str, name: str) -> bytes | None:
-    """The value at `name` if its signature verifies with the run key; None (logged) otherwise."""
+def verified(store: Store, token: str, run_id: str, name: str, note: bool = True) -> bytes | None:
+    """The value at `name` if its signature verifies with the run key; None (logged if `note`) otherwise."""
     if not store.check([name]):
         return None
     value = bytes(store.get(name))
     sig = bytes(store.get(sig_key(name))) if store.check([sig_key(name)]) else b""
     if token and hmac.compare_digest(sig, sign(token, run_id, name, value).encode()):
         return value
-    note_bad(name, "not signed with this run's key" if token else "no job token here to verify it", value)
+    if note:
+        note_bad(name, "not signed with this run's key" if token else "no job token here to verify it", value)
     return None
 
 

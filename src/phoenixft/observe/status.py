@@ -194,7 +194,7 @@ def _bind(store: Store) -> None:
         return
     token = env_token()
     run_id = (_get(store, keys.RUN_ID) or b"").decode(errors="replace")
-    if token and verified(store, token, run_id, keys.CONFIG) is not None:
+    if token and verified(store, token, run_id, keys.CONFIG, note=False) is not None:
         sealed.bind(token, run_id)
     else:
         sealed.read_unchecked()

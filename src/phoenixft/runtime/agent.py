@@ -284,7 +284,7 @@ def _connect(a: argparse.Namespace, flag: str, token: str | None) -> tuple[Store
             served = store.get(keys.RUN_ID).decode(errors="replace") if store.check([keys.RUN_ID]) else ""
             if a.run_id and served and a.run_id != served:  # before asking to join: a refused agent holds no slot
                 raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
-            if token and verified(store, token, served, keys.CONFIG) is None:
+            if token and verified(store, token, served, keys.CONFIG, note=False) is None:
                 if time.monotonic() > connect_deadline:
                     raise UserError(f"{flag}={a.store}: the job's config there is not signed with this agent's token "
                                     "(a job with another token, or something other than the job wrote it)")
