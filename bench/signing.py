@@ -11,7 +11,9 @@ invocation (before, now, before, now, ...: the machine is shared, so the ratios 
 code before is the revision `--before` exported to a temporary directory and run from there):
 1. seal + unseal of one value (100 bytes, a 4 KiB descriptor-sized one), and of an event line, in us;
 2. failure-free step time, median after the warm-up (`phoenixft run`, 2 nodes, no spare);
-3. recovery: a node SIGKILLed at step 6, hot-swapped onto the spare: the report's `recovery_s`.
+3. the CPU seconds all the processes of a failure-free run used (user + system): what a loaded machine
+   disturbs least;
+4. recovery: a node SIGKILLed at step 6, hot-swapped onto the spare: the report's `recovery_s`.
 
 Prints a table, writes bench/results/signing.json.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import REPO, RESULTS, log, machine_info, median, ratio, steady, table, write_json
+from benchlib import REPO, RESULTS, bootstrap_ratio_ci, log, machine_info, median, ratio, steady, table, write_json
 
 sys.path.insert(0, str(REPO / "src"))
 
@@ -74,16 +77,21 @@ def default_before() -> str:
 
 
 def cli_run(src: Path, run_dir: Path, *args: str) -> dict[str, Any]:
-    """One `phoenixft run` of the code in `src`; its report with `metrics` (rank 0's step records)."""
+    """One `phoenixft run` of the code in `src`; its report with `metrics` (rank 0's step records) and
+    `cpu_s`, the CPU seconds its processes used (user + system, all of them: less sensitive to a loaded
+    machine than the wall time)."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     env.pop("PHOENIXFT_TOKEN", None)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run([sys.executable, "-m", "phoenixft", "run", "--model", "tiny", "--nodes", "2", "--quiet",
                         "--run-dir", str(run_dir), "--timeout", "300", *args], capture_output=True, text=True,
                        env=env, timeout=600)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     rep: dict[str, Any] = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() \
         else {"state": f"no report (exit {p.returncode}): {p.stderr[-500:]}"}
     m = run_dir / "metrics.jsonl"
     rep["metrics"] = [json.loads(x) for x in m.read_text().splitlines() if x.strip()] if m.exists() else []
+    rep["cpu_s"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     return rep
 
 
@@ -107,6 +115,8 @@ def run(quick: bool = False, out: Path = RESULTS, rounds: int = 0, before: str =
         work = Path(tmp)
         trees = {"before": before_tree(before, work), "now": REPO / "src"}
         dts: dict[str, list[float]] = {k: [] for k in trees}
+        per_round: dict[str, list[float | None]] = {k: [] for k in trees}  # each run's median step
+        cpu: dict[str, list[float]] = {k: [] for k in trees}  # each failure-free run's CPU seconds
         recs: dict[str, list[float]] = {k: [] for k in trees}
         for i in range(rounds):
             for name, src in trees.items():
@@ -115,6 +125,8 @@ def run(quick: bool = False, out: Path = RESULTS, rounds: int = 0, before: str =
                 if rep.get("state") != "done":
                     raise RuntimeError(f"{name}: {rep.get('state')} {rep.get('error')}")
                 dts[name] += [m["dt"] for m in steady(rep["metrics"])]
+                per_round[name].append(median([m["dt"] for m in steady(rep["metrics"])]))
+                cpu[name].append(rep["cpu_s"])
                 log(f"signing: kill:node=1@step=6 {name} round {i + 1}/{rounds}")
                 rep = cli_run(src, work / f"kill-{name}-{i}", "--spares", "1", "--steps", "10",
                               "--inject", "kill:node=1@step=6,wait=60")
@@ -124,6 +136,11 @@ def run(quick: bool = False, out: Path = RESULTS, rounds: int = 0, before: str =
                 recs[name].append(float(rec["recovery_s"]))
     res["step_time_s"] = {k: median(v) for k, v in dts.items()}
     res["step_time_ratio_now_vs_before"] = ratio(res["step_time_s"]["now"], res["step_time_s"]["before"])
+    res["step_time_ratio_ci95"] = bootstrap_ratio_ci(dts["now"], dts["before"])  # (over the steps of every run)
+    res["step_time_s_per_run"] = per_round
+    res["run_cpu_s"] = {k: median(v) for k, v in cpu.items()}
+    res["run_cpu_s_all"] = cpu
+    res["run_cpu_ratio_now_vs_before"] = ratio(res["run_cpu_s"]["now"], res["run_cpu_s"]["before"])
     res["recovery_s"] = {k: median(v) for k, v in recs.items()}
     res["recovery_s_all"] = recs
     res["recovery_ratio_now_vs_before"] = ratio(res["recovery_s"]["now"], res["recovery_s"]["before"])
@@ -133,6 +150,8 @@ def run(quick: bool = False, out: Path = RESULTS, rounds: int = 0, before: str =
            ["seal + unseal, 4 KiB value, us", None, su["value_4KiB"], None],
            ["check of one event line, us", None, su["event_line"], None],
            ["failure-free step, s (tiny, DP=2)", st["before"], st["now"], res["step_time_ratio_now_vs_before"]],
+           [f"CPU of a failure-free run, s ({steps} steps)", res["run_cpu_s"]["before"], res["run_cpu_s"]["now"],
+            res["run_cpu_ratio_now_vs_before"]],
            ["hot-swap recovery, s (kill at step 6)", rc["before"], rc["now"], res["recovery_ratio_now_vs_before"]]])
     res["elapsed_note"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write_json(out / "signing.json", res)
