@@ -221,3 +221,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda it: rank.get(Path(str(it.fspath)).stem, len(rank)))  # (stable: ties keep their order)
+@pytest.fixture(autouse=True)
+def _no_run_key_left() -> Any:
+    """Each test starts with no run key bound in this process (controlplane.sealed: a run in-process binds
+    its own; a key left by an earlier test would make this one's unsealed values look forged)."""
+    from phoenixft.controlplane import sealed
+
+    sealed.unbind()
+    yield
+    sealed.unbind()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import auth, keys, signed
+from phoenixft.controlplane import auth, keys, sealed, signed
 from phoenixft.controlplane.server import serve_store
 from phoenixft.errors import RunAborted, UserError
 from phoenixft.faults.spec import parse_fault
@@ -56,8 +56,8 @@ def test_admission_by_the_coordinators_policy() -> None:
 
     server = serve_store("127.0.0.1", 0)
     store = _client(server)
-    store.set(keys.CONFIG, RunConfig(nodes=2, spares=0).to_json())
     store.set(keys.RUN_ID, "run1")
+    signed.set_signed(store, TOKEN, "run1", keys.CONFIG, RunConfig(nodes=2, spares=0).to_json())
     coord = Coordinator(store, token=TOKEN)
     out: dict[str, Any] = {}
 
@@ -81,7 +81,7 @@ def test_admission_by_the_coordinators_policy() -> None:
     assert "node id n1 is already taken" in out["taken"]
     assert "n5 is not an active slot of this job (--nodes 2: n0..n1)" in out["slot"]
     assert set(coord.state.members) == {"n0", "n1", "s0"} and coord.state.spare_pool == ["s0"]
-    assert json.loads(store.get(keys.MEMBERS))["n0"]["name"] == "alpha"
+    assert json.loads(sealed.get(store, keys.MEMBERS) or b"{}")["n0"]["name"] == "alpha"
     # a restarted coordinator rebuilds exactly the signed admissions; a forged verdict does not count
     seq = int(store.add(keys.ADMIT_SEQ, 1))
     for k, v in ((keys.admit_req(seq), json.dumps({"name": "evil"})), (keys.admit_challenge(seq), "00"),
@@ -438,8 +438,8 @@ def test_an_agent_for_another_run_is_refused_before_it_asks_to_join() -> None:
     waited for it until --join-timeout ("only 2 of 2 node(s) joined")."""
     server = serve_store("127.0.0.1", 0)
     store = _client(server)
-    store.set(keys.CONFIG, RunConfig(nodes=2).to_json())
     store.set(keys.RUN_ID, "0123abcd45")
+    signed.set_signed(store, TOKEN, "0123abcd45", keys.CONFIG, RunConfig(nodes=2).to_json())
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "phoenixft", "agent", "--coordinator", server.addr, "--node", "x",
                         "--workers", "1", "--run-id", "ffff", "--join-timeout", "60"],
@@ -461,12 +461,12 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
 
     server = serve_store("127.0.0.1", 0)
     store = _client(server)
-    store.set(keys.CONFIG, RunConfig(nodes=2, spares=0).to_json())
     store.set(keys.RUN_ID, "run1")
+    signed.set_signed(store, TOKEN, "run1", keys.CONFIG, RunConfig(nodes=2, spares=0).to_json())
     coord = coord_mod.Coordinator(store, token=TOKEN)
     old = Topology(epoch=0, nodes=["n0", "n1"], workers_per_node=1, replicas=1, resume_step=0)
     coord.state.topo = old
-    store.set(keys.desc(0, "n0.0"), json.dumps(Descriptor(wid="n0.0", params=[3]).to_json()))
+    sealed.put(store, keys.desc(0, "n0.0"), json.dumps(Descriptor(wid="n0.0", params=[3]).to_json()))
 
     def broken(pi: Any) -> Any:
         raise KeyError("pp0.tp0.dp0of3")
@@ -474,5 +474,5 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
     monkeypatch.setattr(decide_mod, "plan_recovery", broken)
     coord.decider.decide(old, time.time(), {"n1"}, set(), set())
     assert store.get(keys.RUN_STATE) == b"failed"
-    err = store.get(keys.RUN_ERROR).decode()
+    err = sealed.get(store, keys.RUN_ERROR).decode()
     assert "\n" not in err and "the recovery planner failed (KeyError: 'pp0.tp0.dp0of3')" in err, err

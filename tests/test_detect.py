@@ -19,7 +19,10 @@ class _Store:
         return 0  # nobody posts a descriptor, nobody exits
 
     def check(self, keys: list[str]) -> bool:
-        return False  # (the counters are read with `get`: none is there)
+        return False  # (the hints are read with `get`: none is there)
+
+    def get_nowait(self, key: str) -> bytes | None:
+        return None
 
 
 class _Job:
@@ -103,3 +106,42 @@ def test_heartbeats_unread_while_the_coordinator_or_its_store_was_stopped_are_no
         assert det.stale(nodes, clock[0]) == set()
     clock[0] += 0.25
     assert det.stale(nodes, clock[0]) == {"n0", "n1"}  # silent for longer than the timeout, seen: stale
+
+
+def test_forged_and_replayed_heartbeats_keep_no_dead_node_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heartbeat counts when it is sealed with the run key and its writer's monotonic clock grew: a
+    stranger who writes garbage, or writes an older sealed beat back, into a silent node's key does not
+    delay its detection; a genuine new beat does count."""
+    from types import SimpleNamespace
+
+    from phoenixft.controlplane import keys, sealed
+
+    clock = [100.0]
+    monkeypatch.setattr(detect, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
+    sealed.bind("t" * 32, "rid")
+    beats: dict[str, bytes] = {}
+
+    class _Beats:
+        def check(self, names: list[str]) -> bool:
+            return all(n in beats for n in names)
+
+        def multi_get_nowait(self, names: list[str]) -> list[bytes | None]:
+            return [beats.get(n) for n in names]
+
+    job = _Job()
+    job.store = _Beats()  # type: ignore[assignment]
+    det = FailureDetector(job, RunConfig(nodes=1, failure_timeout=3.0), Membership(), admission=None,  # type: ignore[arg-type]
+                          gather_poll_s=0.01)
+    key = keys.heartbeat("n0")
+    old = sealed.beat_value(key)
+    time.sleep(0.001)
+    beats[key] = sealed.beat_value(key)
+    assert det.stale(["n0"], clock[0]) == set()
+    for i in range(16):  # 4 s of a stranger's writes, the node itself silent: garbage, and the older beat
+        clock[0] += 0.25
+        beats[key] = old if i % 2 else b"garbage %d" % i
+        silent = det.stale(["n0"], clock[0])
+    assert silent == {"n0"}, "forged or replayed heartbeats kept a silent node alive"
+    beats[key] = sealed.beat_value(key)  # the node beats again
+    clock[0] += 0.25
+    assert det.stale(["n0"], clock[0]) == set()

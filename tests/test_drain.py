@@ -15,7 +15,7 @@ from typing import Any
 
 from conftest import processes_with, run
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_drain_request
 
 
@@ -104,7 +104,7 @@ def test_signal_and_cli_drain_a_live_run(tmp_path: Path, reference, capsys) -> N
         port = _wait("the store", lambda: (d / "coordinator.port").is_file() and (d / "coordinator.port").read_text())
         store = connect_store(f"127.0.0.1:{port}", 30.0)
         run_id = store.get(keys.RUN_ID).decode()
-        _wait("step 1", lambda: store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= 1)
+        _wait("step 1", lambda: store.check([keys.PROGRESS]) and int(sealed.peel(store.get(keys.PROGRESS)) or 0) >= 1)
         store.set(keys.drain_key(2), "not json")  # a malformed request is ignored (logged), never a crash
         # the command in this process (a new interpreter importing torch takes longer than the run on a loaded
         # machine): its parser, the run found by its directory, the request, and --wait's answer
@@ -150,3 +150,47 @@ def test_drain_requests_are_validated() -> None:
                 b"\xff\xfe"):
         assert parse_drain_request(bad, "k") is None, bad
     assert keys.drain_key(2) == "drain/2"
+
+
+def test_the_drain_command_signs_its_request_with_the_job_token(tmp_path: Path, monkeypatch: Any,
+                                                              capsys: Any) -> None:
+    """`phoenixft drain` seals its request with the run key: without the job token it writes nothing and says
+    so in one line; with another job's token too; with the token the request verifies, and only under this
+    run's key."""
+    import secrets
+
+    from phoenixft.cli.main import main
+    from phoenixft.config import RunConfig
+    from phoenixft.controlplane import signed
+    from phoenixft.controlplane.server import serve_store
+    from phoenixft.dist.comm import connect_store
+
+    token = secrets.token_urlsafe(32)
+    server = serve_store("127.0.0.1", 0)
+    st = connect_store(server.addr)
+    st.set(keys.RUN_ID, "run1")
+    signed.set_signed(st, token, "run1", keys.CONFIG, RunConfig(nodes=2).to_json())
+    sealed.bind(token, "run1")
+    sealed.put(st, keys.EPOCH, "0")
+    st.set(keys.topo(0), json.dumps({"epoch": 0, "nodes": ["n0", "n1"]}))
+    sealed.unbind()
+    monkeypatch.delenv("PHOENIXFT_TOKEN", raising=False)
+    f = tmp_path / "tok"
+    for tok, why in ((None, "a drain request is signed with the job token"),
+                     (secrets.token_urlsafe(32), "not the token of the job")):
+        args = ["drain", "n1", "--coordinator", server.addr]
+        if tok is not None:
+            f.write_text(tok + "\n")
+            f.chmod(0o600)
+            args += ["--token-file", str(f)]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+        assert not st.check([keys.drain_key(1)])
+    monkeypatch.setenv("PHOENIXFT_TOKEN", token)
+    assert main(["drain", "n1", "--coordinator", server.addr, "--reason", "maintenance"]) == 0
+    raw = st.get(keys.drain_key(1))
+    req = parse_drain_request(sealed.unseal(keys.drain_key(1), raw), keys.drain_key(1))
+    assert req is not None and req["node_id"] == "n1" and req["reason"] == "maintenance" and req["source"] == "cli"
+    sealed.bind(token, "run2")
+    assert sealed.unseal(keys.drain_key(1), raw) is None

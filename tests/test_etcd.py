@@ -29,6 +29,7 @@ from phoenixft.controlplane import (
     connect,
     get_nowait,
     guarded_set,
+    sealed,
     validate_spec,
 )
 from phoenixft.controlplane.etcd_cluster import EtcdCluster, etcd_binary
@@ -312,10 +313,11 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
         start("standby", "coordinator", "--standby", url)
         for name, extra in (("a", ()), ("b", ()), ("spare", ("--spare",))):
             start(name, "agent", "--coordinator", url, "--node", name, "--workers", "1", *extra)
-        _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 3, 120, "step 3")
+        _wait_for(lambda: int(sealed.peel(get_nowait(s, "progress")) or 0) >= 3, 120, "step 3")
         first_leader = get_nowait(s, "coordinator/leader")
-        old_pid = int(get_nowait(s, "coordinator/pid") or 0)
-        assert int(get_nowait(s, "progress") or 0) < 20, "too late: the fault may have fired before the head died"
+        old_pid = int(sealed.peel(get_nowait(s, "coordinator/pid")) or 0)
+        assert int(sealed.peel(get_nowait(s, "progress")) or 0) < 20, "too late: the fault may have fired before the " \
+            "head died"
         os.killpg(procs["head"].pid, signal.SIGKILL)  # the head host's launcher (its coordinator dies with it)
         procs["head"].wait(timeout=10)
         _wait_for(lambda: not Path(f"/proc/{old_pid}").exists(), 10, "the head's coordinator to die")
@@ -334,8 +336,8 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
         final = json.loads(s.get("final"))
         assert final["sha256"] == ref["final_state_sha256"]
         assert final["epoch"] == 1  # one recovery: the hot-swap the standby decided
-        rec = json.loads(s.get("recovery/1"))
-        members = json.loads(s.get("members"))
+        rec = json.loads(sealed.peel(s.get("recovery/1")) or b"")
+        members = json.loads(sealed.peel(s.get("members")) or b"")
         b_id = next(n for n, m in members.items() if m["name"] == "b")
         assert rec["action"] == "hotswap" and rec["promoted"] == ["s0"] and rec["dead"] == ["n1"]
         b_slot_agent = "b" if b_id == "n1" else "a"  # the fault killed slot 1
@@ -444,7 +446,7 @@ def test_the_standby_outlives_raft_leader_kills(tmp_path: Path) -> None:
             standby = jp.start("standby", "coordinator", "--standby", url)
             _wait_for(lambda: "standing by" in jp.log("standby"), 60, "the standby to stand by")
             jp.agents(url)
-            _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 2, 120, "step 2")
+            _wait_for(lambda: int(sealed.peel(get_nowait(s, "progress")) or 0) >= 2, 120, "step 2")
             for _ in range(2):
                 victim = c.leader_index()
                 c.kill(victim)
@@ -479,7 +481,7 @@ def test_quorum_lost_mid_run_fails_the_head_in_one_line(tmp_path: Path) -> None:
         try:
             url, s = jp.head(c.url, 400)
             jp.agents(url)
-            _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 2, 120, "step 2")
+            _wait_for(lambda: int(sealed.peel(get_nowait(s, "progress")) or 0) >= 2, 120, "step 2")
             run_id = s.get("run/id").decode()
             t = time.monotonic()
             c.kill(c.leader_index())
@@ -525,7 +527,8 @@ def test_a_head_cut_off_from_etcd_leaves_the_job_to_the_standby(cluster: EtcdClu
                         run_dir=str(tmp_path / f"run-{len(pids)}"))
         job = LocalJob(cfg, local=False)
         job.store = connect(f"{cluster.url}/phoenixft/{job.run_id}", 5.0)
-        job.store.multi_set([keys.CONFIG, keys.MEMBERS, LEADER_KEY], ["{}", '{"n0": {}}', leader])
+        job.store.multi_set([keys.CONFIG, keys.MEMBERS, LEADER_KEY],  # (the job's members: sealed, as it writes them)
+                            ["{}", sealed.seal(keys.MEMBERS, '{"n0": {}}'), leader])
         job._coord_pids = pids
         job.control_plane_lost = "etcd at URL did not answer for 15s (last: Network is unreachable)"
         return job, connect(f"{cluster.url}/phoenixft/{job.run_id}", 5.0)
@@ -540,7 +543,7 @@ def test_a_head_cut_off_from_etcd_leaves_the_job_to_the_standby(cluster: EtcdClu
     s.delete_prefix()
     # its own coordinator leads (it dies with the head): the job ends with the head, its keys removed
     mine, s = cut_off_head(f"{socket.gethostname()}:{os.getpid()}:1", [os.getpid()])
-    mine.store.set(keys.left("n0"), "0")
+    sealed.put(mine.store, keys.left("n0"), "0")
     mine.teardown()
     assert mine.handed_over is None and s.num_keys() == 0
 
@@ -557,7 +560,7 @@ def test_agents_stop_when_the_jobs_keys_are_gone(cluster: EtcdCluster, tmp_path:
     try:
         url, s = jp.head(cluster.url, 5000)
         jp.agents(url)
-        _wait_for(lambda: int(get_nowait(s, "progress") or 0) >= 2, 120, "step 2")
+        _wait_for(lambda: int(sealed.peel(get_nowait(s, "progress")) or 0) >= 2, 120, "step 2")
         os.killpg(jp.procs["head"].pid, signal.SIGKILL)  # (no head left to end the run properly)
         jp.procs["head"].wait(timeout=10)
         s.delete_prefix()

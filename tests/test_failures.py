@@ -51,7 +51,7 @@ def _await_progress(run_dir: Path, step: int, deadline: float) -> None:
     """Wait (until `deadline`, monotonic) for the local run in `run_dir` to have completed `step` steps."""
     import time
 
-    from phoenixft.controlplane import keys
+    from phoenixft.controlplane import keys, sealed
     from phoenixft.dist.comm import connect_store
 
     store = None
@@ -61,7 +61,8 @@ def _await_progress(run_dir: Path, step: int, deadline: float) -> None:
         except (OSError, ValueError, RuntimeError):
             time.sleep(0.05)
     assert store is not None
-    while time.monotonic() < deadline and not (store.check([keys.PROGRESS]) and int(store.get(keys.PROGRESS)) >= step):
+    while time.monotonic() < deadline and not (store.check([keys.PROGRESS])
+                                               and int(sealed.peel(store.get(keys.PROGRESS)) or 0) >= step):
         time.sleep(0.01)
 
 

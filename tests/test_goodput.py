@@ -167,17 +167,27 @@ def test_spare_wait_ends_at_the_decision_of_its_recovery() -> None:
 
 
 class _Store:
+    """Values as the job writes them: sealed with the run key (controlplane.sealed), topologies apart."""
+
     def __init__(self) -> None:
+        from phoenixft.controlplane import sealed
+
         self.kv: dict[str, bytes] = {}
+        sealed.bind("t" * 32, "rid")
 
     def set(self, key: str, value: Any) -> None:
-        self.kv[key] = json.dumps(value).encode()
+        from phoenixft.controlplane import sealed
+
+        self.kv[key] = json.dumps(value).encode() if key.startswith("topo/") else sealed.seal(key, json.dumps(value))
 
     def check(self, ks: list[str]) -> bool:
         return all(k in self.kv for k in ks)
 
     def get(self, key: str) -> bytes:
         return self.kv[key]
+
+    def get_nowait(self, key: str) -> bytes | None:
+        return self.kv.get(key)
 
     def multi_get(self, ks: list[str]) -> list[bytes]:
         return [self.kv[k] for k in ks]

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from conftest import processes_with, run, wait_while_running
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.health import quarantine, quarantined_at, quarantined_hosts, read_history, record_failure
 from phoenixft.health.check import builtin_checks, reference_checksum, run_command
 from phoenixft.health.history import host_records
@@ -66,6 +66,7 @@ def test_the_history_in_a_store_dedups_ignores_garbage_and_quarantines() -> None
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     store = connect(f"127.0.0.1:{master.port}", 5.0)
+    sealed.bind("t" * 32, "rid")  # (the job's processes seal what they append: the garbage below is not)
     record_failure(store, "h1", "n1", "lost", "dead:n1", t=100.0)
     record_failure(store, "h1", "n1", "lost", "dead:n1", t=100.0)  # the same failure again (a restarted coordinator)
     store.append(keys.HOST_HISTORY, "not json\n")
@@ -371,7 +372,7 @@ def test_a_host_that_failed_twice_is_quarantined_across_a_coordinator_restart(tm
         assert "spare_dismissed" in kinds and "host_quarantined" in kinds
 
         # the coordinator dies; the launcher restarts it; the history is the store's, not the process's
-        pid = int(store.get(keys.COORDINATOR_PID))
+        pid = int(sealed.peel(store.get(keys.COORDINATOR_PID)) or 0)
         os.kill(pid, signal.SIGKILL)
         wait_while_running("the coordinator restarted", lambda: any(
             e["kind"] == "coordinator_restarted" for e in collect_status(store, events=200)["events"]), proc, 60)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from netns import Hosts, namespaces, sweep_orphans, unavailable
 
+from phoenixft.controlplane import sealed
 from phoenixft.protect import shm
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -61,7 +62,8 @@ def _wait(what: str, cond: Any, timeout_s: float, proc: subprocess.Popen[bytes] 
 
 
 def _get(store: Any, key: str) -> bytes | None:
-    return bytes(store.get(key)) if store.check([key]) else None
+    """The value of `key` (None: absent), a sealed one's MAC left off (the test only looks)."""
+    return sealed.peel(bytes(store.get(key))) if store.check([key]) else None
 
 
 def _head(H: Hosts, tmp: Path, token: str | None, *flags: str) -> subprocess.Popen[bytes]:
@@ -87,8 +89,8 @@ def keys_hb(node: str) -> str:
 
 
 def _events(store: Any) -> list[dict[str, Any]]:
-    raw = _get(store, "events") or b""
-    return [json.loads(x) for x in raw.decode().splitlines() if x.strip()]
+    raw = bytes(store.get("events")) if store.check(["events"]) else b""
+    return [json.loads(sealed.peel(x) or b"") for x in raw.splitlines() if x.strip()]
 
 
 def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from conftest import assert_one_hotswap, processes_with, run
 
+from phoenixft.controlplane import sealed
+
 
 @pytest.mark.parametrize(
     "phase,node,transport",  # (auto: the nodes of a local run share a host, so replicas go through shared memory)
@@ -169,7 +171,7 @@ class _HandJob:
             self.start(name, "agent", "--coordinator", self.addr, "--node", name, "--workers", "1", *extra)
         store = self.wait_for("the store", lambda: _connected(connect_store, self.addr), 60)
         self.wait_for("a whole job at step 3", lambda: store.check(["job/whole"]) and store.check(["progress"])
-                      and int(store.get("progress")) >= 3, 120)
+                      and int(sealed.peel(store.get("progress")) or 0) >= 3, 120)
         return store
 
     def kill(self, name: str) -> None:
@@ -201,9 +203,9 @@ def test_a_spare_that_died_while_idle_is_never_promoted(tmp_path: Path) -> None:
         store = job.begin()
         job.kill("sp")
         job.wait_for("the job to be not whole without its spare", lambda: not store.check(["job/whole"]), 15)
-        members = json.loads(store.get("members"))
+        members = json.loads(sealed.peel(store.get("members")) or b"")
         victim = next(n for n, m in members.items() if m["name"] == "b")
-        assert int(store.get("progress")) < 90, "too late: make the run longer"
+        assert int(sealed.peel(store.get("progress")) or 0) < 90, "too late: make the run longer"
         job.kill("b")
         assert job.procs["head"].wait(timeout=240) == 0, (tmp_path / "head.log").read_text()[-3000:]
         rep = json.loads((tmp_path / "run" / "report.json").read_text())
@@ -234,7 +236,7 @@ def test_a_host_that_rejoins_frees_what_its_killed_node_left(tmp_path: Path) -> 
     try:
         store = job.begin()
         run_id = store.get("run/id").decode()
-        victim = next(n for n, m in json.loads(store.get("members")).items() if m["name"] == "b")
+        victim = next(n for n, m in json.loads(sealed.peel(store.get("members")) or b"").items() if m["name"] == "b")
         assert shm.segments(run_id, victim), "the node keeps no shared memory: the test proves nothing"
         job.kill("b")
         job.wait_for("the hot-swap", lambda: store.check(["recovery/1"]), 60)

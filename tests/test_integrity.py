@@ -15,6 +15,8 @@ from typing import Any
 import torch.distributed as dist
 from conftest import processes_with, run
 
+from phoenixft.controlplane import sealed
+
 
 def _close(a: list[float], b: list[float], rel: float) -> float:
     assert len(a) == len(b)
@@ -93,7 +95,7 @@ def _wait_key(store: Any, key: str, timeout_s: float) -> bytes:
     while not store.check([key]):
         assert time.monotonic() < deadline, f"no {key!r} after {timeout_s}s"
         time.sleep(0.05)
-    return store.get(key)
+    return sealed.peel(store.get(key)) or b""  # (the job's values are sealed: their MAC left off)
 
 
 def _alive(pid: int) -> bool:
@@ -122,7 +124,7 @@ def test_fenced_node_resumed_after_its_fence_writes_nothing(tmp_path: Path, refe
         port = (tmp_path / "coordinator.port").read_text()
         pids = [p for p in processes_with("--node n2 ") if any(port in x for x in [open(f"/proc/{p}/cmdline").read()])]
         assert pids, "the stopped node's processes should still exist (not killed by the fence)"
-        events_before = store.get("events").decode().count("\n")
+        events_before = store.get("events").decode().count("\n")  # (one sealed line each)
         for p in pids:
             os.kill(p, signal.SIGCONT)
         deadline = time.monotonic() + 30
@@ -148,12 +150,19 @@ class _FenceStore:
     def __init__(self, keys: set[str]) -> None:
         self.keys = keys
         self.writes: list[str] = []
+        sealed.bind("t" * 32, "rid")  # (the job's values are sealed with its run key)
 
     def check(self, names: list[str]) -> bool:
         return all(k in self.keys for k in names)
 
+    def get_nowait(self, key: str) -> bytes | None:
+        return sealed.seal(key, "1") if key in self.keys else None
+
     def set(self, key: str, value: str) -> None:
         self.writes.append(key)
+
+    def multi_set(self, names: list[str], values: list[bytes]) -> None:
+        self.writes.extend(names)
 
     def add(self, key: str, value: int) -> int:
         self.writes.append(key)

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.dist.comm import connect_store
 from phoenixft.protect import shm
 
@@ -93,7 +93,7 @@ class TaggedRun:
         port = self.run_dir / "coordinator.port"
         try:
             store = connect_store(f"127.0.0.1:{int(port.read_text())}", 5.0)
-            return int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+            return int(sealed.peel(store.get(keys.PROGRESS)) or 0) if store.check([keys.PROGRESS]) else 0
         except Exception:  # noqa: BLE001 - not up yet, or gone
             return 0
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import processes_with, run
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.dist.comm import connect_store
 from phoenixft.protect import shm
 from phoenixft.runtime.procs import cmdlines, start_time
@@ -38,7 +38,7 @@ def _progress(run_dir: Path) -> int:
         return 0
     try:
         store = connect_store(f"127.0.0.1:{port.read_text().strip()}", 5.0)
-        return int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+        return int(sealed.peel(store.get(keys.PROGRESS)) or 0) if store.check([keys.PROGRESS]) else 0
     except Exception:  # noqa: BLE001 - not up yet, or gone
         return 0
 

@@ -222,13 +222,23 @@ _META = {"rank": 0, "shards": 1, "numel": 4, "shard_numel": 64, "epoch": 0, "see
 
 def _persister(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: object) -> tuple[Persister, Any]:
     """A Persister of one rank writing every step through `disk` (DCP's `save`), on a real TCPStore."""
+    from phoenixft.controlplane import TcpStore, sealed
+
     monkeypatch.setattr(persist, "_dcp", lambda: disk)
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    raw = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    sealed.bind("t" * 32, "rid")  # (what a worker writes is sealed with its run's key)
+    store = TcpStore(raw, "127.0.0.1", raw.port, 10.0)
     return Persister(str(tmp_path), 1, store), store
 
 
+def _records(store: Any) -> list[dict[str, Any]]:
+    from phoenixft.controlplane import sealed
+
+    return sealed.records(keys.EVENTS, store.get(keys.EVENTS))
+
+
 def _events(store: Any) -> list[tuple[str, int]]:
-    return [(e["kind"], e["step"]) for e in map(json.loads, store.get(keys.EVENTS).decode().splitlines())]
+    return [(e["kind"], e["step"]) for e in _records(store)]
 
 
 def _until(cond: Any, timeout_s: float = 5.0) -> None:
@@ -261,7 +271,7 @@ def test_skipped_and_failed_checkpoints_are_reported(tmp_path: Path, monkeypatch
         gate.set()
         p.close(timeout_s=30)
     assert _events(store) == [("persist_skipped", 4), ("persist_failed", 3)]
-    why = [json.loads(x)["why"] for x in store.get(keys.EVENTS).decode().splitlines()]
+    why = [e["why"] for e in _records(store)]
     assert "slower than --persist-every" in why[0] and "No space left" in why[1]
     assert len(saved) == 2 and latest_manifest(tmp_path)["step"] == 2  # type: ignore[index]
 

@@ -8,16 +8,21 @@ from pathlib import Path
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.observe.report import build_report
 
 
 class DictStore:
+    """The job's keys as its processes write them: sealed with the run key (controlplane.sealed), but for the
+    topologies and the final state (signed apart)."""
+
     def __init__(self) -> None:
         self.kv: dict[str, bytes] = {}
+        sealed.bind("t" * 32, "rid")
 
     def set(self, key: str, value: Any) -> None:
-        self.kv[key] = (value if isinstance(value, str) else json.dumps(value)).encode()
+        raw = value if isinstance(value, str) else json.dumps(value)
+        self.kv[key] = raw.encode() if key.startswith(("topo/", keys.FINAL)) else sealed.seal(key, raw)
 
     def check(self, ks: list[str]) -> bool:
         return all(k in self.kv for k in ks)
@@ -25,8 +30,17 @@ class DictStore:
     def get(self, key: str) -> bytes:
         return self.kv[key]
 
+    def get_nowait(self, key: str) -> bytes | None:
+        return self.kv.get(key)
+
+    def exists_many(self, ks: list[str], serializable: bool = False) -> list[bool]:
+        return [k in self.kv for k in ks]
+
     def multi_get(self, ks: list[str]) -> list[bytes]:
         return [self.kv[k] for k in ks]
+
+    def multi_get_nowait(self, ks: list[str]) -> list[bytes | None]:
+        return [self.kv.get(k) for k in ks]
 
 
 def _job(tmp: Path, faults: list[dict[str, Any]], recoveries: list[dict[str, Any]], nodes: int = 3) -> dict[str, Any]:

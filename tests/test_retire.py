@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 import phoenixft.dist.comm as comm_mod
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.dist import retire
 from phoenixft.dist.comm import EpochComm
 from phoenixft.errors import RunAborted
@@ -50,12 +50,17 @@ class _Recorded:
 class _Store:
     def __init__(self, log: list[tuple[str, float]]) -> None:
         self.log = log
+        sealed.bind("t" * 32, "rid")  # (what a worker writes is sealed with its run key)
 
     def check(self, names: list[str]) -> bool:
         return False
 
     def set(self, key: str, value: str) -> None:
         self.log.append((f"set {key}", time.monotonic()))
+
+    def multi_set(self, names: list[str], values: list[bytes]) -> None:
+        for key in names:
+            self.set(key, "")
 
     def add(self, key: str, n: int) -> int:
         self.log.append((f"add {key}", time.monotonic()))
@@ -99,7 +104,7 @@ def test_descriptor_posted_before_a_blocking_abort(monkeypatch: pytest.MonkeyPat
         names = [n for n, _ in log]
         first_abort = names.index("abort started")
         assert names.index(f"set {keys.desc(0, 'n0.0')}") < first_abort, names
-        assert names.index(f"add {keys.desc_posted(0)}") < first_abort, names
+        assert names.index(f"set {keys.desc_posted(0)}") < first_abort, names
         assert took < 3.0, f"the recovery waited {took:.1f}s on a blocked abort (bound 0.5s)"
         assert "abort returned" not in names  # it is still blocked: abandoned, and the worker went on
         assert w.ctx.comm is None

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from conftest import run
 
+from phoenixft.controlplane import sealed
 from phoenixft.coordinator.stragglers import Flag, StragglerDetector, nodes_compute
 from phoenixft.dist.topology import Topology
 
@@ -254,11 +255,17 @@ def test_without_eviction_a_straggler_is_reported_and_stays(tmp_path: Path) -> N
 
 
 class _Store:
+    """A store of a job whose run key is bound here (controlplane.sealed)."""
+
     def __init__(self) -> None:
         self.kv: dict[str, bytes] = {}
+        sealed.bind("t" * 32, "rid")
 
-    def set(self, key: str, value: str) -> None:
-        self.kv[key] = value.encode()
+    def set(self, key: str, value: str | bytes) -> None:
+        self.kv[key] = value.encode() if isinstance(value, str) else value
+
+    def get_nowait(self, name: str) -> bytes | None:
+        return self.kv.get(name)
 
     def check(self, names: list[str]) -> bool:
         return all(n in self.kv for n in names)
@@ -285,7 +292,7 @@ class _Job:
         for s in range(self.at + 1, upto + 1):
             times = {n: (0.3 if n == slow else 0.1) for n in ("n0", "n1", "n2")}
             measured = {"nodes_compute_s": times, "nodes_compute_step": s - 1} if s > 1 else {}  # (none before step 1)
-            self.store.set(f"step/{s}", json.dumps({"step": s, **measured}))
+            sealed.put(self.store, f"step/{s}", json.dumps({"step": s, **measured}))  # type: ignore[arg-type]
         self.at = upto
 
 
@@ -331,14 +338,14 @@ def test_the_monitor_evicts_once_with_a_spare_and_never_during_a_recovery() -> N
     flag = job.events[0][1]
     assert (flag["node"], flag["slot"], flag["ratio"], flag["first_step"], flag["action"]) == ("n1", 1, 3.0, 1, "evict")
     pool.ready = ["s0"]
-    job.store.set("failflag/3", "1")  # a recovery pending: not now
+    sealed.put(job.store, "failflag/3", "1")  # type: ignore[arg-type]  # a recovery pending: not now
     job.steps(8)
     mon.poll()
     assert exits.exited_nodes == set() and "drain/1" not in job.store.kv
     del job.store.kv["failflag/3"]
     job.steps(9)
     mon.poll()
-    req = json.loads(job.store.kv["drain/1"])  # a planned drain's request, not a failure
+    req = json.loads(sealed.unseal("drain/1", job.store.kv["drain/1"]) or b"")  # a planned drain's request
     assert exits.exited_nodes == set() and {k: req[k] for k in DRAIN_REQUEST} == DRAIN_REQUEST
     assert req["node_id"] == "n1" and isinstance(req["t"], float)
     assert [k for k, _ in job.events][-1] == "straggler_evicted" and job.events[-1][1]["spare"] == "s0"

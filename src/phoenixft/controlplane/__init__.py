@@ -99,7 +99,7 @@ class LogReader:
 
     def read(self) -> str:
         raw, self._cursor = self.store.read_appended(self.key, self._cursor)
-        return bytes(raw).decode()
+        return bytes(raw).decode(errors="replace")  # (anyone can append bytes that are not UTF-8)
 
 
 class Heartbeat:
@@ -112,7 +112,7 @@ class Heartbeat:
         self.ttl = max(2, math.ceil(ttl_s))
         self._lease = 0
 
-    def beat(self, value: str) -> None:
+    def beat(self, value: str | bytes) -> None:
         if not isinstance(self.store, EtcdStore):
             self.store.set(self.key, value)
             return

@@ -28,10 +28,11 @@ restarted coordinator from answering one again (a request whose verdict was dele
 be challenged afresh, and refused for want of a new response). The verdicts let a restarted
 coordinator rebuild the membership from the store without trusting it. Every wait is bounded.
 
-The config: the launcher writes `config/sig` = HMAC(token, "config", config JSON) before `config`. A
-coordinator that joins a running job (`phoenixft coordinator --standby`) checks its token on it
-(`token_matches_job`) before it stands by: one with another token would sign topologies that no
-worker accepts.
+The config: the launcher writes `config/sig` = the config's signature with the run key
+(`signed.sign(token, run id, "config", config JSON)`) with `config`. Every process checks it before it
+uses the config; a coordinator that joins a running job (`phoenixft coordinator --standby`) checks its
+token on it (`token_matches_job`) before it stands by: one with another token would sign topologies
+that no worker accepts.
 
 Topologies: the coordinator writes `topo/<e>/sig` = HMAC(token, "topology", e, topology JSON)
 before `topo/<e>`; workers (`verified_topology`) act only on a topology whose signature verifies
@@ -82,7 +83,7 @@ from phoenixft.errors import RunAborted, UserError
 
 __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "MIN_TOKEN_BITS", "resolve_token", "token_source", "read_token_file",
            "write_token_file", "generate_token", "token_bits", "check_token", "mac",
-           "sign_topology", "verified_topology", "sign_config", "token_matches_job", "request_admission",
+           "sign_topology", "verified_topology", "token_matches_job", "request_admission",
            "Application", "AdmissionDesk", "NAME_RE"]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -130,21 +131,16 @@ def verified_topology(store: Store, epoch: int, raw: bytes, timeout_s: float = 3
         raw = store.get(keys.topo(epoch))
 
 
-def sign_config(token: str, raw: str | bytes) -> str:
-    return mac(token, "config", raw if isinstance(raw, bytes) else raw.encode())
+def token_matches_job(store: Store, token: str, run_id: str | None = None) -> bool | None:
+    """Whether `token` is the token of the job in `store`: its config's signature verifies with the run
+    key of `token` and `run_id` (None: the run id in the store). None if the store holds no signed config."""
+    from phoenixft.controlplane.signed import sign
 
-
-def token_matches_job(store: Store, token: str) -> bool | None:
-    """Whether `token` is the token of the job in `store`: its signed config verifies with it (else
-    the signature of its latest topology, for a job whose head wrote no config signature). None if
-    the store holds nothing signed to check it on."""
-    if store.check([keys.CONFIG_SIG]):
-        return _same(bytes(store.get(keys.CONFIG_SIG)), sign_config(token, bytes(store.get(keys.CONFIG))))
-    if store.check([keys.EPOCH]):
-        e = int(bytes(store.get(keys.EPOCH)))
-        if store.check([keys.topo_sig(e), keys.topo(e)]):
-            return _same(bytes(store.get(keys.topo_sig(e))), sign_topology(token, e, bytes(store.get(keys.topo(e)))))
-    return None
+    if not store.check([keys.CONFIG_SIG, keys.CONFIG]):
+        return None
+    if run_id is None:
+        run_id = bytes(store.get(keys.RUN_ID)).decode(errors="replace") if store.check([keys.RUN_ID]) else ""
+    return _same(bytes(store.get(keys.CONFIG_SIG)), sign(token, run_id, keys.CONFIG, bytes(store.get(keys.CONFIG))))
 
 
 # ---------------------------------------------------------------------------------------- admission

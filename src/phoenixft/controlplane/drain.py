@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import parse_int, parse_json, read_raw
 
@@ -19,7 +19,7 @@ __all__ = ["current_nodes", "request_drain"]
 
 def current_nodes(store: Store) -> list[str]:
     """The node ids of the current epoch, in slot order ([] before the first epoch, or if unreadable)."""
-    e = parse_int(read_raw(store, keys.EPOCH), keys.EPOCH, -1)
+    e = parse_int(sealed.get(store, keys.EPOCH), keys.EPOCH, -1)
     if e < 0:
         return []
     topo = parse_json(read_raw(store, keys.topo(e)), keys.topo(e), {})
@@ -29,11 +29,13 @@ def current_nodes(store: Store) -> list[str]:
 
 def request_drain(store: Store, node: str, reason: str, source: str, deadline: float | None = None) -> int | None:
     """Ask the coordinator to drain `node` (a node id of the current epoch); the slot the request was
-    written for, or None when `node` is in no slot of the current epoch (not a member: nothing to drain)."""
+    written for, or None when `node` is in no slot of the current epoch (not a member: nothing to drain).
+    The request is sealed with the run key (`controlplane.sealed`, bound in the caller): the coordinator
+    acts on no other."""
     nodes = current_nodes(store)
     if node not in nodes:
         return None
     slot = nodes.index(node)
-    store.set(keys.drain_key(slot), json.dumps({"reason": reason, "source": source, "deadline": deadline,
-                                                "t": time.time(), "node_id": node}))
+    sealed.put(store, keys.drain_key(slot), json.dumps({"reason": reason, "source": source, "deadline": deadline,
+                                                       "t": time.time(), "node_id": node}))
     return slot

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 CONFIG = "config"
-CONFIG_SIG = "config/sig"  # HMAC of the config with the job token (written first): a standby proves its token on it
+CONFIG_SIG = "config/sig"  # the config's signature with the run key (controlplane.signed): checked before use
 RUN_STATE = "run/state"  # "done" | "failed"
 RUN_ERROR = "run/error"
 EVENTS = "events"  # newline-separated JSON records, appended

@@ -1,10 +1,14 @@
-"""Values signed with the run's key: the run state and the final state.
+"""Values signed with the run's key in a key of their own: the run state, the final state and the config.
 
 Anyone who reaches a `TCPStore` can write `run/state` and `final`; a forged "done" with a made-up
 hash must not end the run or be reported. So the process that writes one of these keys first writes
 `<key>/sig` = HMAC-SHA256(run key, key name, value), with the run key = HMAC-SHA256(job token,
-"run-key", run id); readers act on the value only once that verifies (constant-time comparison). A
-value that does not verify is ignored and logged (`values.note_bad`): the run goes on.
+"phoenixft-run-key-v1" 0 run id); readers act on the value only once that verifies (constant-time
+comparison). A value that does not verify is ignored and logged (`values.note_bad`): the run goes on.
+These keys are written once each (the config by the launcher, which puts it back if it is overwritten),
+or, for the run's end, read while the run still goes on, so a signature beside its value costs nothing in
+readability (`phoenixft status` shows them as they are). Every other value the job acts on carries its
+MAC inside it (`controlplane.sealed`, with the same run key).
 
 The job token reaches every process of the job in its environment (`auth.TOKEN_ENV`), never on a
 command line and never in the store."""
@@ -14,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import time
 
 from phoenixft.controlplane import keys
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import clean, note_bad
 
-__all__ = ["run_key", "sig_key", "sign", "set_signed", "verified", "run_ended", "env_token"]
+__all__ = ["run_key", "sig_key", "sign", "set_signed", "verified", "wait_verified", "run_ended", "env_token"]
 
 _TOKEN_ENV = "PHOENIXFT_TOKEN"  # (auth.TOKEN_ENV; not imported: auth imports this package's readers)
 
@@ -48,16 +53,28 @@ def set_signed(store: Store, token: str, run_id: str, name: str, value: str | by
     store.set(name, value)
 
 
-def verified(store: Store, token: str, run_id: str, name: str) -> bytes | None:
-    """The value at `name` if its signature verifies with the run key; None (logged) otherwise."""
+def verified(store: Store, token: str, run_id: str, name: str, note: bool = True) -> bytes | None:
+    """The value at `name` if its signature verifies with the run key; None (logged if `note`) otherwise."""
     if not store.check([name]):
         return None
     value = bytes(store.get(name))
     sig = bytes(store.get(sig_key(name))) if store.check([sig_key(name)]) else b""
     if token and hmac.compare_digest(sig, sign(token, run_id, name, value).encode()):
         return value
-    note_bad(name, "not signed with this run's key" if token else "no job token here to verify it", value)
+    if note:
+        note_bad(name, "not signed with this run's key" if token else "no job token here to verify it", value)
     return None
+
+
+def wait_verified(store: Store, token: str, run_id: str, name: str, timeout_s: float) -> bytes | None:
+    """`verified(...)` once it is not None (a value its writer puts back after something else overwrote it),
+    polled for at most `timeout_s`; None then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = verified(store, token, run_id, name)
+        if v is not None or time.monotonic() > deadline:
+            return v
+        time.sleep(0.1)
 
 
 def run_ended(store: Store, run_id: str, token: str | None = None) -> str | None:

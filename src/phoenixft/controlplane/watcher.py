@@ -4,7 +4,8 @@ A survivor learns of a failure at its next collective, which on a long forward/b
 of a step away; the coordinator cannot plan until every survivor has posted its descriptor. The
 `FailureWatcher` thread blocks in the store's server-side `wait` on the current epoch's failure
 flag (no polling; an epoch only ever ends by its flag being set, which also wakes the thread for the
-next one), and `check()` - called by the
+next one; the flag counts once it verifies with the run key, `controlplane.sealed`: a forged one
+is polled until the job's own replaces it), and `check()` - called by the
 trainer between microbatches, in a forward pre-hook of every module and in a post-accumulate-grad
 hook of every parameter - raises `PeerFailure` as soon as the flag is set. Checking is one
 `Event.is_set()`: no store round trip on the training path.
@@ -16,7 +17,7 @@ import threading
 import time
 from datetime import timedelta
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import parse_json
 from phoenixft.errors import PeerFailure
@@ -24,6 +25,7 @@ from phoenixft.errors import PeerFailure
 __all__ = ["FailureWatcher", "drain_step"]
 
 WAKE_S = 600.0  # a timed-out wait logs a c10d warning: wake rarely (the epoch always changes by its flag)
+FORGED_POLL_S = 0.02  # a flag that is there and does not verify (a wait would return at once): polled this often
 
 
 class FailureWatcher:
@@ -71,16 +73,30 @@ class FailureWatcher:
                 time.sleep(0.01)
                 continue
             try:
-                self._store.wait([keys.failflag(e)], timedelta(seconds=WAKE_S))
-                if e == self._epoch and self._store.check([keys.drain_notice(e)]):
+                if not self._await(keys.failflag(e), e):
+                    continue
+                notice = sealed.get(self._store, keys.drain_notice(e)) if e == self._epoch else None
+                if notice is not None:
                     # a planned drain: not a failure to leave the step for; the worker stops at the drain's step
                     # boundary, and only the drain's end (which the coordinator always sets) ends the step
-                    self._drain = (e, drain_step(self._store.get(keys.drain_notice(e))))
-                    self._store.wait([keys.drain_abort(e)], timedelta(seconds=WAKE_S))
+                    self._drain = (e, drain_step(notice))
+                    if not self._await(keys.drain_abort(e), e):
+                        continue
             except Exception:  # noqa: BLE001 - a timeout (the flag is not set), or the store is gone
                 continue
             if e == self._epoch:
                 self._raised.set()
+
+    def _await(self, name: str, e: int) -> bool:
+        """Block until `name` holds a value sealed with the run key; False when the watch should look again
+        (the epoch changed, the watcher closed; a wait that times out raises)."""
+        while not self._stop.is_set() and e == self._epoch:
+            if not self._store.check([name]):
+                self._store.wait([name], timedelta(seconds=WAKE_S))
+            if sealed.has(self._store, name):
+                return True
+            time.sleep(FORGED_POLL_S)  # (there, and not the job's: ignored, logged, until replaced)
+        return False
 
 
 def drain_step(raw: bytes) -> int:

@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import auth, keys
-from phoenixft.controlplane.values import clean, read_int
+from phoenixft.controlplane import auth, keys, sealed
+from phoenixft.controlplane.values import clean
 from phoenixft.coordinator.shared import NODE_ID, Job, Membership, index
 from phoenixft.health.gate import HealthGate, host_of_request
 
@@ -50,7 +50,7 @@ class Admission:
         if any(s not in pool and s not in st.dead and not self.job.node_ready(s) for s in st.spare_pool):
             return True
         late = self.cfg.spare_arrives_at_step
-        if not late or read_int(self.store, keys.PROGRESS, 0) < late:
+        if not late or self.job.progress() < late:
             return False
         sid = f"s{self.cfg.spares}"  # the id the launcher starts it with
         return sid not in pool and sid not in st.dead and (st.topo is None or sid not in st.topo.nodes)
@@ -76,7 +76,7 @@ class Admission:
             self.state.spare_pool.append(node)
             self.state.spare_pool.sort(key=index)
         if not quiet:
-            self.store.set(keys.MEMBERS, json.dumps(self.state.members, sort_keys=True))
+            sealed.put(self.store, keys.MEMBERS, json.dumps(self.state.members, sort_keys=True))
 
     def _admission(self, req: dict[str, Any]) -> tuple[str | None, str, str]:
         """(node id or None, why not, a note for the agent) for a request whose token checked out."""

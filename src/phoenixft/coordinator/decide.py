@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import note_bad, parse_json
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.detect import FailureDetector
@@ -158,10 +158,10 @@ class Decider:
         old = self.state.topo
         e = old.epoch
         t_start = time.time()
-        self.store.set(keys.failflag(e), "1")
+        sealed.put(self.store, keys.failflag(e), "1")
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
-        if self.store.check([keys.drain_notice(e)]):  # a drain this process did not finish (it took over since):
-            self.store.set(keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
+        if sealed.has(self.store, keys.drain_notice(e)):  # a drain this process did not finish (it took over since):
+            sealed.put(self.store, keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
         self.admission.health.begin(self.admission.ready_spares(pending=True))  # (stale ones check meanwhile)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         self._sdc = self._convicted(e, old, dead, fenced)
@@ -181,10 +181,10 @@ class Decider:
         self.job.event("drain_requested", epoch=e, node=req.node, slot=req.slot, reason=req.reason,
                        source=req.source, deadline=req.deadline, t_notice=req.t_notice, after_step=after)
         desk.notice(e, req, after)
-        self.store.set(keys.failflag(e), "1")
+        sealed.put(self.store, keys.failflag(e), "1")
         self.store.delete_key(keys.JOB_WHOLE)
         desk.await_stopped(e, old.world, req)
-        self.store.set(keys.drain_abort(e), "1")  # (whoever is still inside a step of e leaves it now)
+        sealed.put(self.store, keys.drain_abort(e), "1")  # (whoever is still inside a step of e leaves it now)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         self._sdc = self._convicted(e, old, dead, fenced)
         if req.node in dead:
@@ -230,7 +230,7 @@ class Decider:
         need = len(dead) + len(leaving) + max(0, self.cfg.nodes - len(old.nodes))
         pool = self.admission.health.vet(self.admission.ready_spares(pending=True), need)  # (a fresh verdict each)
         grow_only = (not dead and not leaving and not restarted and len(old.nodes) < self.cfg.nodes
-                     and not self.store.check([keys.failflag(e) + "/by-worker"]))
+                     and not sealed.has(self.store, keys.failflag(e) + "/by-worker"))
         tiers, refused = self._persistent_tiers(old, descs)
         planner = _Planner(self.job, self.cfg, old, dead | leaving, restarted, descs, grow_only, tiers,
                            dict(self._refused))
@@ -257,7 +257,7 @@ class Decider:
             self.store.delete_key(keys.worker_exit(w))
         restarted = {w for w in restarted if w.split(".")[0] not in dead}
         for n in dead:
-            self.store.set(keys.fence(n), str(time.time()))  # when: nothing of n may be written after it
+            sealed.put(self.store, keys.fence(n), str(time.time()))  # when: nothing of n may be written after it
         self.state.dead |= dead
         return restarted
 
@@ -267,7 +267,9 @@ class Decider:
         raw = self.store.multi_get([keys.desc(old.epoch, w) for w in live]) if live else []
         out = {}
         for w, r in zip(live, raw, strict=True):
-            rec = parse_json(bytes(r), keys.desc(old.epoch, w))
+            rec = parse_json(sealed.unseal(keys.desc(old.epoch, w), r), keys.desc(old.epoch, w))
+            if rec is None:  # (not sealed with the run key, or not JSON: logged; its worker counts as lost)
+                continue
             try:
                 out[w] = Descriptor.from_json(rec)
             except (KeyError, TypeError, ValueError, AttributeError):
@@ -343,7 +345,7 @@ class Decider:
         if drain is not None:  # the drain it answers: whether it completed as one, or fell back to a failure
             rec["drain"] = {**drain.record(), "completed": drain.node in topo.meta.get("drained", [])}
             rec["drained"] = list(topo.meta.get("drained", []))
-        self.store.set(keys.recovery(e + 1), json.dumps(rec))
+        sealed.put(self.store, keys.recovery(e + 1), json.dumps(rec))
         self.publisher.publish(topo)
         self.job.event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,
                        decide_s=t_decided - t_start)
@@ -386,7 +388,7 @@ class Decider:
         """The recovery of epoch e's failure ends the run: recorded (what it found, why) for the report,
         whose recoveries would otherwise end silently before the failure that ended the run. Its fields
         are named as a recovery record's (`fenced`: the nodes found dead; `unresponsive`: those fenced)."""
-        self.store.set(keys.recovery_failed(e + 1), json.dumps({
+        sealed.put(self.store, keys.recovery_failed(e + 1), json.dumps({
             "epoch": e + 1, "failed_epoch": e, "t_start": t_start,
             "t_first_report": min([d.t for d in descs.values()] + [t_start]), "t_decided": time.time(),
             "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),

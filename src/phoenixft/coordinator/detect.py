@@ -8,11 +8,13 @@ are dead (reported exits, stale heartbeats with no answer, no answer within `--f
 those nodes are fenced). Idle spares are watched too, so that a dead one is never promoted
 (`Membership.gone_spares`).
 
-Its cost per poll does not grow with the number of workers W: it polls one counter that workers bump
-when they post (`desc_posted/<e>`), plus the launcher's exit counter and the agents' restart counter;
-the descriptors are checked in one call when the counter says they may be complete; heartbeats are
-read with one `multi_get`; single keys are looked at only when something happened (an exit, a
-restart, a stale node) or, after the deadline, to name the nodes that did not answer.
+Its cost per poll does not grow with the number of workers W: it polls one hint that workers set
+when they post (`desc_posted/<e>`), plus the launcher's exit hint and the agents' restart hint (hints,
+never counters: see `controlplane.sealed`); the descriptors are checked in one call when the hint
+moved (and every HB_CHECK_S anyway); heartbeats are read with one `multi_get`; single keys are looked
+at only when something happened (an exit, a restart, a stale node), every few seconds anyway (a
+stranger freezing a hint delays what it signals, no more) or, after the deadline, to name the nodes that
+did not answer. Exits, restarts and descriptors count only sealed with the run key.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ from __future__ import annotations
 import time
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import keys, multi_get_nowait
-from phoenixft.controlplane.values import read_int, read_raw
+from phoenixft.controlplane import keys, multi_get_nowait, sealed
 from phoenixft.coordinator.admission import Admission
-from phoenixft.coordinator.shared import Job, Membership
+from phoenixft.coordinator.shared import Job, Membership, hint_moved
 
 __all__ = ["ALL_SILENT_WAIT_S", "HB_CHECK_S", "HB_RECOVER_S", "FailureDetector"]
 
 HB_CHECK_S = 0.25  # heartbeats are read this often in steady state
 HB_RECOVER_S = 0.05  # ... and this often while a recovery waits for descriptors
+EXITS_EVERY_S = 1.0  # the nodes' exit keys are looked at this often even when the launcher's hint did not move
+RESTARTS_EVERY_S = 2.0  # ... the workers' restart keys
 ALL_SILENT_WAIT_S = 15.0  # every node (and spare) silent at once: how much longer before they are judged dead
 
 
@@ -47,42 +50,43 @@ class FailureDetector:
         self.gather_poll_s = gather_poll_s
         self._last_hb_check = 0.0
         self._last_grow_check = 0.0
-        self._exits_seen: bytes | None = None
+        self._exits = sealed.Hint(keys.EXITS, EXITS_EVERY_S)
         self.exited_nodes: set[str] = set()  # nodes whose exit the launcher reported (exit keys stay)
-        self._exit_checked: set[str] = set()  # nodes whose exit key was looked at since the counter moved
-        self._restarts_seen = 0
+        self._exit_checked: set[str] = set()  # nodes whose exit key was looked at since the hint moved
+        self._restarts = sealed.Hint(keys.WORKER_EXITS, RESTARTS_EVERY_S)
         self._hb_seen: set[str] = set()  # nodes whose heartbeat key exists (it is never deleted)
-        self._hb_last: dict[str, tuple[bytes, float]] = {}  # node -> (heartbeat value, when it was first seen)
+        self._hb_last: dict[str, tuple[int, float]] = {}  # node -> (its writer's clock in its beat, when first seen)
         # node -> when its workers last answered a gather: a sign of life like a heartbeat (a starved or stopped
         # agent's node whose workers answered is not judged stale again before another --failure-timeout)
         self._answered: dict[str, float] = {}
         self._read_at: float | None = None  # when this process last read the heartbeats (its monotonic clock)
 
     def exited(self, nodes: list[str]) -> set[str]:
-        """Those of `nodes` whose exit the launcher reported. A node's exit key is looked at once per
-        value of the launcher's `exits` counter (which it bumps after setting the key)."""
-        # read with `get`, never `add(key, 0)`: an `add` on a value a stranger made a non-number would cut this
-        # process's store connection; any change of the value (a garbage one too) only means "look again"
-        exits = read_raw(self.store, keys.EXITS)
-        if exits != self._exits_seen:
-            self._exits_seen = exits
+        """Those of `nodes` whose exit the launcher reported (`exit/<node>`, sealed). A node's exit key is
+        looked at once per move of the launcher's `exits` hint (set after the key), and every EXITS_EVERY_S."""
+        # the hint is read with `get`, never `add(key, 0)`: an `add` on a value a stranger made a non-number would
+        # cut this process's store connection; any change of the value (a garbage one too) only means "look again"
+        if hint_moved(self._exits, self.store):
             self._exit_checked.clear()
         elif self._exit_checked.issuperset(nodes):  # nothing moved: O(1) amortised per poll
             return self.exited_nodes.intersection(nodes)
         todo = [n for n in nodes if n not in self._exit_checked and n not in self.exited_nodes]
-        self.exited_nodes |= {n for n in todo if self.store.check([keys.node_exit(n)])}
+        if todo:
+            there = sealed.present(self.store, [keys.node_exit(n) for n in todo])
+            self.exited_nodes |= {n for n, t in zip(todo, there, strict=True) if t}
         self._exit_checked.update(nodes)
         return self.exited_nodes.intersection(nodes)
 
     def restarts(self, nodes: list[str]) -> set[str]:
-        """Those workers of `nodes` that their agent restarted in place (`wexit/<wid>`, deleted once a
+        """Those workers of `nodes` that their agent restarted in place (`wexit/<wid>`, sealed, deleted once a
         recovery has dealt with it). Single keys are looked at (and the worker ids listed) only when
-        the agents' restart counter moved: a poll that finds it unchanged costs one store call."""
-        n = read_int(self.store, keys.WORKER_EXITS)
-        if n == self._restarts_seen:
+        the agents' restart hint moved (and every RESTARTS_EVERY_S): a poll that finds it unchanged costs
+        one store call."""
+        if not hint_moved(self._restarts, self.store):
             return set()
-        self._restarts_seen = n
-        return {w for node in nodes for w in self.job.wids(node) if self.store.check([keys.worker_exit(w)])}
+        wids = [w for node in nodes for w in self.job.wids(node)]
+        return {w for w, t in zip(wids, sealed.present(self.store, [keys.worker_exit(w) for w in wids]), strict=True)
+                if t}
 
     def stale(self, nodes: list[str], now: float) -> set[str]:
         """Those of `nodes` whose last heartbeat is older than the failure timeout: one `multi_get`
@@ -108,9 +112,11 @@ class FailureDetector:
             if b is None:
                 gone.add(n)
                 continue
-            last = self._hb_last.get(n)
-            if last is None or last[0] != b or blind:
-                self._hb_last[n] = (bytes(b), seen)
+            # a beat is a sealed value whose writer's monotonic clock grew: a forged one, or an older one
+            # written back, is no beat (silence goes on counting)
+            count, last = sealed.beat_count(keys.heartbeat(n), b), self._hb_last.get(n)
+            if last is None or blind or (count is not None and count > last[0]):
+                self._hb_last[n] = (max(count if count is not None else -1, last[0] if last else -1), seen)
         return gone | {n for n in have if n not in gone and seen - self._hb_last[n][1] > self.cfg.failure_timeout}
 
     def failure_pending(self) -> bool:
@@ -157,7 +163,8 @@ class FailureDetector:
         # (an agent stops its node after --control-plane-timeout, 15 s by default, without the store)
         silent_until = deadline + ALL_SILENT_WAIT_S
         said = silent = False
-        last_hb, verified = 0.0, None
+        last_hb, checked_live = 0.0, None
+        posts = sealed.Hint(keys.desc_posted(e), HB_CHECK_S)  # (set by each worker after its descriptor)
         while True:
             dead |= self.exited(nodes)
             live = [n for n in nodes if n not in dead]
@@ -165,19 +172,19 @@ class FailureDetector:
             if new:
                 restarted |= new  # its agent restarts it in place: give it the full timeout again
                 deadline = time.monotonic() + self.cfg.failure_timeout
-            # complete? the counter may overcount (a dead node's early post, a restarted worker's
-            # second one), so a count that is high enough is verified on the keys, once per change
-            posted = read_int(self.store, keys.desc_posted(e))
-            if posted >= len(live) * self.g and (posted, len(live)) != verified:
-                verified = (posted, len(live))
-                if self.job.posted(e, live):
-                    break
+            # complete? looked at on the keys when a worker said it posted, the live nodes changed, or every
+            # HB_CHECK_S (a hint says "look", never how many: anyone can write it)
+            moved = hint_moved(posts, self.store)
+            if (moved or live != checked_live) and self.job.posted(e, live):
+                break
+            checked_live = live
+            posted = self.store.check([keys.desc_posted(e)])
             now = time.monotonic()
             if now - last_hb >= HB_RECOVER_S:
                 last_hb = now
                 spares = [s for s in self.state.spare_pool if s not in self.state.dead]
                 stale = self.stale(live + spares, now)
-                all_silent = not dead and bool(live) and stale >= set(live + spares) and posted == 0
+                all_silent = not dead and bool(live) and stale >= set(live + spares) and not posted
                 was, silent = silent, all_silent and time.monotonic() < silent_until
                 if was and not all_silent:  # heard from again: reconnecting takes a while, give all the full time
                     deadline = time.monotonic() + self.cfg.failure_timeout

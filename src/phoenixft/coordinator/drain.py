@@ -33,10 +33,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import exists_many, keys
-from phoenixft.controlplane.values import parse_drain_request, read_int, read_json, read_raw
+from phoenixft.controlplane import exists_many, keys, sealed
+from phoenixft.controlplane.values import parse_drain_request
 from phoenixft.coordinator.admission import Admission
-from phoenixft.coordinator.shared import Job, Membership
+from phoenixft.coordinator.shared import Job, Membership, hint_moved
 
 __all__ = ["DRAIN_CHECK_S", "DrainDesk", "DrainRequest"]
 
@@ -69,6 +69,8 @@ class DrainDesk:
         self._last = 0.0
         self._seen: dict[int, float] = {}  # slot -> when this coordinator first saw its request
         self._waiting: set[int] = set()  # slots whose drain waits for a starting spare (said once)
+        self._raw: dict[int, bytes] = {}  # slot -> the request read there (sealed), until it is done
+        self._done: set[bytes] = set()  # requests acted on or ignored: one written back (a replay) is not read again
 
     def pending(self) -> DrainRequest | None:
         """The first valid drain request of a node of the current epoch (throttled: None between looks)."""
@@ -90,11 +92,16 @@ class DrainDesk:
         topo = self.state.topo
         assert topo is not None
         key = keys.drain_key(slot)
-        rec = parse_drain_request(read_raw(self.store, key), key)
-        if rec is None:  # (logged by the parser) never acted on, and removed so it is not read again
+        raw = self.store.get_nowait(key)
+        if raw is not None and bytes(raw) in self._done:
+            self.store.delete_key(key)  # (a request this coordinator answered, written back)
+            return None
+        rec = parse_drain_request(sealed.unseal(key, raw), key)
+        if rec is None:  # (not sealed with the run key, or not a request: logged) never acted on, and removed
             self.store.delete_key(key)
             return None
         node = topo.nodes[slot]
+        self._raw[slot] = bytes(raw or b"")
         seen = self._seen.setdefault(slot, time.time())
         req = DrainRequest(slot=slot, node=node, reason=rec["reason"], source=rec["source"],
                            deadline=rec["deadline"], t_notice=rec["t"] if rec["t"] is not None else seen)
@@ -148,6 +155,7 @@ class DrainDesk:
         self.done(req)
 
     def done(self, req: DrainRequest) -> None:
+        self._done.add(self._raw.pop(req.slot, b""))
         self.store.delete_key(keys.drain_key(req.slot))
         self._seen.pop(req.slot, None)
         self._waiting.discard(req.slot)
@@ -161,15 +169,17 @@ class DrainDesk:
     def await_stopped(self, e: int, world: int, req: DrainRequest) -> None:
         """Wait until every worker of epoch e stopped at the boundary and posted its descriptor, at most
         STOP_WAIT_S (a few steps: the last step's time counts) and half of what is left of the notice."""
-        rec = read_json(self.store, keys.step(self.job.progress())) or {}
+        rec = sealed.get_json(self.store, keys.step(self.job.progress())) or {}
         dt = rec.get("dt")
         budget = max(STOP_WAIT_S, 6 * float(dt) if isinstance(dt, (int, float)) else 0.0)
         if req.deadline is not None:
             budget = min(budget, max(0.0, (req.deadline - time.time()) / 2))
         end = time.monotonic() + budget
-        while time.monotonic() < end and read_int(self.store, keys.desc_posted(e)) < world:
+        nodes = self.state.topo.nodes if self.state.topo is not None else []
+        posts = sealed.Hint(keys.desc_posted(e), 0.25)  # (each worker sets it after its descriptor: "look")
+        while time.monotonic() < end and not (hint_moved(posts, self.store) and self.job.posted(e, nodes)):
             time.sleep(0.005)
 
     def notice(self, e: int, req: DrainRequest, after: int) -> None:
         """The epoch's drain notice (before its failure flag): every rank stops after step `after`."""
-        self.store.set(keys.drain_notice(e), json.dumps({**req.record(), "after_step": after}))
+        sealed.put(self.store, keys.drain_notice(e), json.dumps({**req.record(), "after_step": after}))

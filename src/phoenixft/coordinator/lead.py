@@ -28,7 +28,9 @@ from phoenixft.controlplane import (
     exists_many,
     keys,
     poll_interval,
+    sealed,
 )
+from phoenixft.controlplane.signed import verified
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.decide import Decider, verified_checkpoint
 from phoenixft.coordinator.detect import FailureDetector
@@ -40,7 +42,9 @@ from phoenixft.dist.topology import Topology
 
 __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
 
+FORGED_FLAG_POLL_S = 0.02  # a failure flag not sealed with the run key is polled this often until replaced
 POLL_S = 0.025  # steady state: a flag-watch thread wakes the loop at once on a failure (see _watch_flags)
+CONFIG_WAIT_S = 10.0  # a config that does not verify: how long to wait for its writer to put it back
 STANDBY_GIVE_UP_S = 60.0  # a standby whose store has had no quorum for this long stops (no job outlives that)
 
 
@@ -57,7 +61,7 @@ class Coordinator:
     journals there too; with `election` (a store with leases) it acts only while it leads."""
 
     def __init__(self, store: Store, journal: str | None = None, token: str = "",
-                 election: Election | None = None) -> None:
+                 election: Election | None = None, run_id: str = "") -> None:
         if not token:
             raise ValueError("the coordinator needs the job token (it signs what it publishes)")
         self.store = store
@@ -65,12 +69,14 @@ class Coordinator:
         self.poll_s = poll_interval(store, POLL_S)  # steady state (woken by a watch thread on a failure)
         self._wake = threading.Event()
         self.gather_poll_s = min(self.poll_s, 0.01)  # while a recovery waits for descriptors
-        raw_cfg = wait_key(self.store, keys.CONFIG, 120.0)
-        if auth.token_matches_job(store, token) is False:
-            raise WrongToken(f"${auth.TOKEN_ENV} is not this job's token: the job's config is not signed with it")
-        self.cfg = RunConfig.from_json(raw_cfg)
+        wait_key(self.store, keys.CONFIG, 120.0)
+        # the run id: given by the launcher (--run-id), else the store's, which only counts if the config verifies
+        # with it: a MAC under the run key of a run id of a stranger's choosing cannot be made without the token
+        self.run_id = run_id or (self.store.get(keys.RUN_ID).decode(errors="replace")
+                                 if self.store.check([keys.RUN_ID]) else "")
+        sealed.bind(token, self.run_id)
+        self.cfg = RunConfig.from_json(self._verified_config(token))
         self.led = False  # this process acted as the job's coordinator (a standby: once it took over)
-        self.run_id = self.store.get(keys.RUN_ID).decode() if self.store.check([keys.RUN_ID]) else ""
         self.g = self.cfg.workers_per_node
         self.job = Job(store, self.g)
         self.job.run_id = self.run_id
@@ -82,6 +88,19 @@ class Coordinator:
         self.stragglers = StragglerMonitor(self.job, self.cfg, self.state, self.admission, self.detector)
         self.drains = DrainDesk(self.job, self.cfg, self.state, self.admission)
         self.admission.load_members()  # (again once this process leads: a standby's view is old by then)
+
+    def _verified_config(self, token: str) -> bytes:
+        """The job's config once its signature verifies with the run key (the launcher puts back one that
+        something else overwrote); WrongToken after CONFIG_WAIT_S (this token, or run id, is not the job's)."""
+        deadline = time.monotonic() + CONFIG_WAIT_S
+        while True:
+            raw = verified(self.store, token, self.run_id, keys.CONFIG)
+            if raw is not None:
+                return raw
+            if time.monotonic() > deadline:
+                raise WrongToken(f"${auth.TOKEN_ENV} is not this job's token (or {self.run_id!r} not its run id): the "
+                                 "job's config is not signed with them")
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ main loop
     def _lead(self, announce: str = "") -> bool:
@@ -135,7 +154,7 @@ class Coordinator:
         self.led = True
         self.admission.load_members()
         self.admission.health.publish_reference()
-        self.store.set(keys.COORDINATOR_PID, str(os.getpid()))
+        sealed.put(self.store, keys.COORDINATOR_PID, str(os.getpid()))
         if self.publisher.reload():
             assert self.state.topo is not None
             self.job.event("coordinator_restarted", epoch=self.state.topo.epoch, spare_pool=self.state.spare_pool,
@@ -204,6 +223,8 @@ class Coordinator:
             over, flagged = exists_many(self.store, [keys.RUN_STATE, keys.failflag(self.state.topo.epoch)])
             if over and self.job.over():  # (a run state not signed with the run key is ignored)
                 break
+            if flagged:  # (a flag not sealed with the run key is ignored, logged)
+                flagged = sealed.has(self.store, keys.failflag(self.state.topo.epoch))
             self.admission.admit()
             if flagged or self.detector.failure_pending():
                 # before the first step, every node and spare failing alike (e.g. in epoch 0's join): no
@@ -245,7 +266,7 @@ class Coordinator:
             swapped[n] = spare
             self.state.dead.add(n)
             self.state.spare_pool.remove(spare)
-            self.store.set(keys.fence(n), str(time.time()))
+            sealed.put(self.store, keys.fence(n), str(time.time()))
             self.job.event("replaced_before_start", node=n, spare=spare,
                            why="its agent exited" if n in self.detector.exited_nodes else "no heartbeat")
 
@@ -256,13 +277,21 @@ class Coordinator:
         from datetime import timedelta
 
         store, slice_s = self.store.independent(), self.store.wait_slice_s
+        forged = -1  # the epoch whose flag in the store is not sealed with the run key: polled, not waited on
         while True:
             topo = self.state.topo
             if topo is None:
                 time.sleep(0.05)
                 continue
             try:
-                store.wait([keys.failflag(topo.epoch)], timedelta(seconds=slice_s))
+                if forged != topo.epoch:
+                    store.wait([keys.failflag(topo.epoch)], timedelta(seconds=slice_s))
+                elif not sealed.has(store, keys.failflag(topo.epoch)):
+                    time.sleep(FORGED_FLAG_POLL_S)  # (a wait would return at once: poll until it is replaced)
+                    continue
+                if not sealed.has(store, keys.failflag(topo.epoch)):
+                    forged = topo.epoch  # set by something other than this job: ignored (logged)
+                    continue
             except Exception:  # noqa: BLE001 - not set within the slice, or the cluster is briefly away
                 continue
             self._wake.set()
@@ -278,9 +307,9 @@ class Coordinator:
         ready = self.admission.ready_spares() if self.state.spare_pool else []
         self.admission.health.keep_fresh([s for s in ready if not self.state.in_use(s)])  # (background re-checks)
         whole = len(self.state.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or bool(ready))
-        there = exists_many(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
+        there = sealed.present(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
         if whole and not there:
-            self.store.set(keys.JOB_WHOLE, "1")
+            sealed.put(self.store, keys.JOB_WHOLE, "1")
         elif not whole and there:
             self.store.delete_key(keys.JOB_WHOLE)
 
@@ -292,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--port-file", default="", help="where to write the port of the store it hosts")
     ap.add_argument("--journal", default="", help="write-ahead journal of membership, epochs and spare pool")
-    ap.add_argument("--run-id", default="", help="the run's id (unused here; makes the process findable by it)")
+    ap.add_argument("--run-id", default="", help="the run's id (the run key of what it seals and checks; also makes "
+                    "the process findable by it); default: the store's, if the job's config verifies with it")
     ap.add_argument("--lease-ttl", type=int, default=2, help="seconds of the leader's lease, on a control plane "
                     "with leases (a standby takes over at most this long after the leader's death)")
     ap.add_argument("--announce", default="", help="a line to print once this coordinator stands by (a "
@@ -322,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     coord: Coordinator | None = None
     rc = 0
     try:
-        coord = Coordinator(store, a.journal or None, token, election)
+        coord = Coordinator(store, a.journal or None, token, election, a.run_id)
         coord.run(a.announce)
     except TimeoutError as e:  # e.g. the job's config never appeared: this coordinator did not run the job
         print(f"phoenixft coordinator: error: {e}", file=sys.stderr, flush=True)

@@ -6,20 +6,35 @@ succeeds only while this process leads (`controlplane.guarded_set`), and, when a
 given, after the record was fsynced there. A restarted coordinator, or a standby that takes over,
 reloads the last record (`reload`) and finishes publishing whatever was decided, so that no epoch is
 ever decided twice. A leader that finds it no longer leads exits at once (`deposed`).
+
+The journal record, the epoch and the promoted spares' assignments are sealed with the run key
+(`controlplane.sealed`): a record that does not verify is not reloaded, nor is one older than the newest
+signed topology in the store (an earlier record of this run written back: a replay). The journal file,
+where there is one, is used then; without it, the record is rebuilt from what is signed: the newest
+topology, the nodes of earlier ones that left it and the fenced nodes as the dead (the spare pool
+follows from the admissions, which are signed too). Never from a made-up or stale membership.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import sys
+from typing import Any
 
-from phoenixft.controlplane import Election, auth, guarded_set, keys
-from phoenixft.controlplane.values import note_bad, read_json
+from phoenixft.controlplane import Election, auth, guarded_set, keys, sealed
+from phoenixft.controlplane.values import note_bad, parse_json
 from phoenixft.coordinator.shared import Job, Membership, index
 from phoenixft.dist.topology import Topology
 
 __all__ = ["Publisher", "deposed"]
+
+
+def _epoch_of(rec: dict[str, Any]) -> int | None:
+    topo = rec.get("topo")
+    e = topo.get("epoch") if isinstance(topo, dict) else None
+    return e if isinstance(e, int) and not isinstance(e, bool) and e >= 0 else None
 
 
 def deposed() -> None:
@@ -57,13 +72,14 @@ class Publisher:
                 os.fsync(f.fileno())
         raw = topo.to_json()
         names = [keys.topo_sig(topo.epoch), keys.topo(topo.epoch), keys.EPOCH]  # the signature first
-        values = [auth.sign_topology(self.token, topo.epoch, raw), raw, str(topo.epoch)]
+        values: list[str | bytes] = [auth.sign_topology(self.token, topo.epoch, raw), raw,
+                                     sealed.seal(keys.EPOCH, str(topo.epoch))]
         for s in topo.meta.get("promoted", []):
             names.append(keys.assign(s))
-            values.append(str(topo.epoch))
+            values.append(sealed.seal(keys.assign(s), str(topo.epoch)))
         if not replay:
             names.insert(0, keys.JOURNAL)
-            values.insert(0, record)
+            values.insert(0, sealed.seal(keys.JOURNAL, record))
         if not guarded_set(self.store, self.election, names, values):
             deposed()
         self.state.topo = topo
@@ -71,12 +87,10 @@ class Publisher:
             self.job.event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world,
                            resume_step=topo.resume_step)
 
-    def reload(self) -> bool:
-        """Restore membership, epoch and spare pool from the journal; True if there was one."""
+    def _file_record(self) -> dict[str, Any] | None:
+        """The last record of the journal file (None: no file, or no record in it)."""
         last = None
-        if self.store.check([keys.JOURNAL]):
-            last = read_json(self.store, keys.JOURNAL)
-        elif self.journal and os.path.exists(self.journal):
+        if self.journal and os.path.exists(self.journal):
             with open(self.journal) as f:
                 for line in f:
                     if line.strip():
@@ -84,13 +98,57 @@ class Publisher:
                             last = json.loads(line)
                         except ValueError:
                             break  # a torn last line: the decision before it stands
+        return last if isinstance(last, dict) else None
+
+    def _signed_topo(self, e: int) -> Topology | None:
+        """The topology of epoch `e` if it is in the store and its signature verifies with the token."""
+        raw, sig = self.store.get_nowait(keys.topo(e)), self.store.get_nowait(keys.topo_sig(e))
+        if raw is None or sig is None or not hmac.compare_digest(bytes(sig),
+                                                                 auth.sign_topology(self.token, e, raw).encode()):
+            return None
+        try:
+            return Topology.from_json(raw)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def _record(self) -> tuple[dict[str, Any] | None, str]:
+        """The journal record to reload: the store's if it verifies, else the file's, whichever is newer, and
+        not older than the newest signed topology; else one rebuilt from the signed topologies. And why the
+        journal's own was not taken ('' if it was, or there is none: a fresh start)."""
+        there = self.store.check([keys.JOURNAL])
+        rec = parse_json(sealed.get(self.store, keys.JOURNAL), keys.JOURNAL) if there else None
+        cands = [r for r in (rec, self._file_record()) if r is not None and _epoch_of(r) is not None]
+        best = max(cands, key=lambda r: _epoch_of(r) or 0) if cands else None
+        why = "the journal in the store is not sealed with this run's key" if there and rec is None else ""
+        if best is not None and self._signed_topo((_epoch_of(best) or 0) + 1) is not None:
+            why = f"the journal's newest record (epoch {_epoch_of(best)}) is older than the published epochs"
+            note_bad(keys.JOURNAL, why + " (an earlier record written back)", json.dumps(best))
+            best = None
+        if best is not None:  # (the store's own put back if it did not verify: the file's record was taken)
+            return best, why
+        topos: list[Topology] = []  # rebuilt: the epochs published (signed), and who left them or was fenced
+        while (t := self._signed_topo(len(topos))) is not None:
+            topos.append(t)
+        if not topos:
+            return None, ""
+        ever = {n for t in topos for n in t.nodes}
+        fenced = {n for n in ever | set(self.state.members) if sealed.has(self.store, keys.fence(n))}
+        dead = (ever - set(topos[-1].nodes)) | fenced
+        return {"topo": json.loads(topos[-1].to_json()), "spare_pool": [], "dead": sorted(dead)}, \
+            why or "the journal is gone from the store"
+
+    def reload(self) -> bool:
+        """Restore membership, epoch and spare pool from the journal; True if there was one (or the epochs
+        published, when no record of the journal can be trusted: see the module docstring)."""
+        last, why = self._record()
         if last is None:
             return False
-        try:
-            dead, topo = set(last["dead"]), Topology(**last["topo"])
-        except (KeyError, TypeError, ValueError):
-            note_bad(keys.JOURNAL, "not a journal record", json.dumps(last))
-            return False
+        dead, topo = set(last["dead"]), Topology(**last["topo"])
+        if why:  # (put back, sealed, so that a later restart finds it)
+            self.job.event("journal_restored", epoch=topo.epoch, why=why)
+            if not guarded_set(self.store, self.election, [keys.JOURNAL], [sealed.seal(keys.JOURNAL,
+                                                                                      json.dumps(last))]):
+                deposed()
         self.state.dead = dead
         # the journal's pool, and spares admitted since (admissions are in the store, signed)
         pool = set(last["spare_pool"]) | {n for n, m in self.state.members.items() if m["spare"]}

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenixft.controlplane import Store, exists_many, get_nowait, keys
+from phoenixft.controlplane import Store, exists_many, keys, sealed
 from phoenixft.controlplane.signed import env_token, run_ended, set_signed
-from phoenixft.controlplane.values import clean, note_bad, parse_json, read_int, read_json
+from phoenixft.controlplane.values import clean, note_bad, parse_int
 from phoenixft.dist.topology import Topology
 
 __all__ = ["NODE_ID", "Job", "Membership", "index", "wait_key"]
@@ -36,6 +36,14 @@ def wait_key(store: Store, key: str, timeout_s: float) -> bytes:
             raise TimeoutError(f"coordinator: no {key!r} after {timeout_s:.0f}s")
         time.sleep(0.01)
     return store.get(key)
+
+
+def hint_moved(hint: sealed.Hint, store: Store) -> bool:
+    """`hint.moved(store)`, False where the store did not answer it (the next look asks again)."""
+    try:
+        return hint.moved(store)
+    except Exception:  # noqa: BLE001 - a call that timed out: no news
+        return False
 
 
 @dataclass
@@ -68,37 +76,37 @@ class Job:
         self.final_state: str | None = None  # the run's final state, once this process has seen it
 
     def event(self, kind: str, **fields: Any) -> None:
-        rec = {"t": time.time(), "kind": kind, "by": "coordinator", **fields}
-        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+        sealed.append(self.store, keys.EVENTS, {"t": time.time(), "kind": kind, "by": "coordinator", **fields})
 
     def wids(self, node: str) -> list[str]:
         return [f"{node}.{i}" for i in range(self.g)]
 
     def ready(self, nodes: list[str]) -> bool:
-        """Every worker of every one of `nodes` has announced itself (one store call)."""
-        return self.store.check([keys.ready(w) for n in nodes for w in self.wids(n)])
+        """Every worker of every one of `nodes` has announced itself (one store call while one has not)."""
+        return sealed.all_present(self.store, [keys.ready(w) for n in nodes for w in self.wids(n)])
 
     def node_ready(self, node: str) -> bool:
         return self.ready([node])
 
     def posted(self, e: int, nodes: list[str]) -> bool:
-        """Every worker of every one of `nodes` has posted its descriptor of epoch e (one store call)."""
-        return self.store.check([keys.desc(e, w) for n in nodes for w in self.wids(n)])
+        """Every worker of every one of `nodes` has posted its descriptor of epoch e, sealed (one store call while
+        one has not)."""
+        return sealed.all_present(self.store, [keys.desc(e, w) for n in nodes for w in self.wids(n)])
 
     def progress(self) -> int:
-        return read_int(self.store, keys.PROGRESS, 0)
+        return parse_int(sealed.get(self.store, keys.PROGRESS), keys.PROGRESS, 0)
 
     def start_failures(self, nodes: list[str], repeated: bool = False) -> dict[str, tuple[float, str, str]]:
         """node -> (t, wid, first error) of those of `nodes` with a worker that failed before the run's first
         step (`startfail/<wid>`, its earliest; with `repeated`, only a worker that failed so again after
         its restart in place); one store call while no worker has failed so."""
-        if not nodes or read_int(self.store, keys.START_FAILS, 0) == 0:
+        if not nodes or not self.store.check([keys.START_FAILS]):
             return {}
         wids = [w for n in nodes for w in self.wids(n)]
         found: dict[str, tuple[float, str, str]] = {}
         for w, there in zip(wids, exists_many(self.store, [keys.start_failed(w) for w in wids]), strict=True):
             if there:
-                rec = read_json(self.store, keys.start_failed(w), {})
+                rec = sealed.get_json(self.store, keys.start_failed(w), {})
                 try:
                     if repeated and int(rec.get("failures", 1)) < 2:
                         continue
@@ -128,8 +136,7 @@ class Job:
         """End the run, failed, for `why`; `blamed`: the nodes `why` names (their workers' errors first)."""
         try:  # before the first step, a worker's own error says more (e.g. only some hosts lack the data)
             if "before the first step" not in why and self.progress() == 0:
-                raw = get_nowait(self.store, keys.MEMBERS)
-                failed = self.start_failures(sorted(parse_json(raw, keys.MEMBERS, {})))
+                failed = self.start_failures(sorted(sealed.get_json(self.store, keys.MEMBERS, {})))
                 # (the error of a node the message names, not one an earlier start already replaced)
                 failed = {n: f for n, f in failed.items() if n in (blamed or ())} or failed
                 if failed:
@@ -137,7 +144,7 @@ class Job:
                     why = f"{why} (before the first step, {wid} failed: {error})"
         except Exception:  # noqa: BLE001 - the run fails all the same, with the reason it was given
             pass
-        self.store.set(keys.RUN_ERROR, why)
+        sealed.put(self.store, keys.RUN_ERROR, why)
         self.event("run_failed", error=why)
         set_signed(self.store, env_token(), self.run_id, keys.RUN_STATE, "failed")
         self.final_state = "failed"

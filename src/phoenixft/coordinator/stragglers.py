@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import get_nowait, keys
+from phoenixft.controlplane import get_nowait, keys, sealed
 from phoenixft.controlplane.values import parse_json
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.detect import FailureDetector
@@ -129,7 +129,7 @@ def evict(job: Job, detector: FailureDetector, slot: int, node: str) -> None:
     request (`drain/<slot>`, naming the node so that a request outliving the slot's owner is stale) is read
     at the main loop's next look; every rank stops at an agreed step boundary, a ready spare takes the slot
     from the committed replicas and the node leaves with nothing lost."""
-    job.store.set(keys.drain_key(slot), json.dumps({**DRAIN_REQUEST, "t": time.time(), "node_id": node}))
+    sealed.put(job.store, keys.drain_key(slot), json.dumps({**DRAIN_REQUEST, "t": time.time(), "node_id": node}))
 
 
 class StragglerMonitor:
@@ -169,7 +169,7 @@ class StragglerMonitor:
         names = [keys.step(s) for s in range(first, last + 1)]
         raws = self.job.store.multi_get(names) if self.job.store.check(names) else [
             get_nowait(self.job.store, n) for n in names]
-        recs = [parse_json(bytes(r), n) if r is not None else None for n, r in zip(names, raws, strict=True)]
+        recs = [parse_json(sealed.unseal(n, r), n) for n, r in zip(names, raws, strict=True)]
         return [r for r in recs if isinstance(r, dict)]
 
     def _flagged(self, flag: Flag) -> None:
@@ -189,7 +189,7 @@ class StragglerMonitor:
         if node not in topo.nodes or node in self.state.dead:
             self.evicted.add(node)  # (gone meanwhile: nothing to evict, ever)
             return
-        if not det.slow_now(node) or self.job.store.check([keys.failflag(topo.epoch)]):
+        if not det.slow_now(node) or sealed.has(self.job.store, keys.failflag(topo.epoch)):
             return
         self.admission.refresh_pool()
         spares = self.admission.ready_spares()

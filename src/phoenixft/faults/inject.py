@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
+from phoenixft.controlplane.values import parse_int, parse_json
 from phoenixft.dist.topology import Topology
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
@@ -51,7 +52,7 @@ class FaultInjector:
             return
         for f in self.w.faults:
             if (f.wait and f.kind_of.held_at(f, step)
-                    and not self.w.store.check([keys.fault(f.index) + "/fired"])):
+                    and not sealed.has(self.w.store, keys.fault(f.index) + "/fired")):
                 self._wait_whole(f)
 
     def at(self, step: int, phase: str) -> None:
@@ -73,7 +74,7 @@ class FaultInjector:
             if f.point is not Point.COMPUTE or f.step is None or step < f.step or self.w.topo is None:
                 continue
             if f.index not in self._slow:
-                fired = self.w.store.check([keys.fault_targets(f.index)])
+                fired = sealed.has(self.w.store, keys.fault_targets(f.index))
                 if not fired and self.w.topo.slot_of(self.w.node_id) in f.nodes:
                     self.fire(f, step=step, phase="compute")  # (its first firing sets the targets: this node)
                     fired = True
@@ -92,13 +93,18 @@ class FaultInjector:
         assert self.w.topo is not None
         mine = f.kind_of.target_nodes(f, self.w.node_id, self.w.topo)
         key = keys.fault_targets(f.index)
-        return list(json.loads(self.w.store.compare_set(key, "", json.dumps(mine))))  # the first to fire sets them
+        cur = self.w.store.compare_set(key, b"", sealed.seal(key, json.dumps(mine)))  # the first to fire sets them
+        got = parse_json(sealed.unseal(key, cur), key, None, list)
+        if got is None:  # (not the job's: replaced by this node's)
+            sealed.put(self.w.store, key, json.dumps(mine))
+            return list(mine)
+        return [str(n) for n in got]
 
     def _claim(self, f: FaultSpec) -> int:
         """Claim fault f for this node, once per run: the number of nodes it strikes, 0 if not this one
         (or already claimed here: a replayed step never fires it again)."""
         targets = self._targets(f)
-        if self.w.node_id not in targets or self.w.store.add(keys.fault_claim(f.index, self.w.node_id), 1) != 1:
+        if self.w.node_id not in targets or not sealed.claim(self.w.store, keys.fault_claim(f.index, self.w.node_id)):
             return 0
         self._struck = targets
         return len(targets)
@@ -109,9 +115,9 @@ class FaultInjector:
         rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
                "node": self.w.node_id, "nodes": self._struck, "slot": self.w.topo.slot_of(self.w.node_id),
                "rank": self.w.rank, "epoch": self.w.epoch, **where}
-        if self.w.store.add(keys.fault(f.index) + "/fired", 1) == 1:
-            self.w.store.set(keys.fault(f.index), json.dumps(rec))
-        self.w.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+        if sealed.claim(self.w.store, keys.fault(f.index) + "/fired"):
+            sealed.put(self.w.store, keys.fault(f.index), json.dumps(rec))
+        sealed.append(self.w.store, keys.EVENTS, rec)
 
     def fire(self, f: FaultSpec, **where: Any) -> None:
         """Claim fault f for this node (once per run), record it, then act (its kind: a real signal)."""
@@ -130,17 +136,17 @@ class FaultInjector:
         if targets < 2:
             return
         key = keys.fault(f.index) + "/together"
-        arrived = self.w.store.add(key, 1)
+        sealed.put(self.w.store, f"{key}/{self.w.node_id}", "1")  # (one key per node: no counter to poison)
+        names = [f"{key}/{n}" for n in self._struck]
         deadline = time.monotonic() + timeout_s
-        while arrived < targets and time.monotonic() < deadline:
+        while sum(sealed.present(self.w.store, names)) < targets and time.monotonic() < deadline:
             time.sleep(0.002)
-            arrived = self.w.store.add(key, 0)
 
     def _wait_whole(self, f: FaultSpec) -> None:
         """Hold (at most `,wait=S`) until the job is whole; a recovery meanwhile (the grow it waits for)
         takes the step over."""
         deadline = time.monotonic() + f.wait
-        while not self.w.store.check([keys.JOB_WHOLE]) and time.monotonic() < deadline:
+        while not sealed.has(self.w.store, keys.JOB_WHOLE) and time.monotonic() < deadline:
             self.w.watcher.check()  # a recovery (the grow this waits for) takes the step over
             time.sleep(0.05)
 
@@ -150,8 +156,9 @@ class FaultInjector:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if self.w.store.check([keys.COORDINATOR_PID]):  # the launcher clears it when a coordinator exits
-                    os.kill(int(self.w.store.get(keys.COORDINATOR_PID)), signal.SIGKILL)
+                pid = parse_int(sealed.get(self.w.store, keys.COORDINATOR_PID), keys.COORDINATOR_PID, 0)
+                if pid > 0:  # (cleared by the launcher when a coordinator exits)
+                    os.kill(pid, signal.SIGKILL)
                     return
             except ProcessLookupError:
                 pass
@@ -204,7 +211,7 @@ class FaultInjector:
     def _fired(self, f: FaultSpec) -> None:
         """Mark a fault that acts without `fire` (a corruption, a NaN) as fired: the report lists the
         `--inject` specs that never did (`faults_not_fired`)."""
-        self.w.store.add(keys.fault(f.index) + "/fired", 1)
+        sealed.put(self.w.store, keys.fault(f.index) + "/fired", "1")
 
     def corrupt_replicas(self, step: int, received: dict[int, Holding]) -> None:
         """corrupt:node=I@step=S: flip bytes of the replicas the node in slot I received for step S-1

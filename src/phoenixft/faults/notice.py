@@ -24,9 +24,9 @@ import signal
 import time
 from typing import Any
 
-from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.drain import current_nodes, request_drain
-from phoenixft.controlplane.values import read_int
+from phoenixft.controlplane.values import parse_int
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 
@@ -92,20 +92,20 @@ class NoticeHandler:
         if self.node not in nodes:
             return
         slot = nodes.index(self.node)
-        progress = read_int(store, keys.PROGRESS, 0)
+        progress = parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0)
         for f in list(self.todo):
             if slot not in f.nodes or f.step is None or progress < f.step - 1:
                 continue
             self.todo.remove(f)
-            if store.add(keys.fault_claim(f.index, slot), 1) != 1:
+            if not sealed.claim(store, keys.fault_claim(f.index, slot)):
                 continue  # (fired on the node this one replaced: once a run)
             notice = f.notice or 0.0
             rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "preempt",
                    "node": self.node, "nodes": [self.node], "slot": slot, "step": progress + 1, "phase": "notice",
                    "notice_s": notice}
-            if store.add(keys.fault(f.index) + "/fired", 1) == 1:
-                store.set(keys.fault(f.index), json.dumps(rec))
-            store.append(keys.EVENTS, json.dumps(rec) + "\n")
+            if sealed.claim(store, keys.fault(f.index) + "/fired"):
+                sealed.put(store, keys.fault(f.index), json.dumps(rec))
+            sealed.append(store, keys.EVENTS, rec)
             self.source, self.deadline = "preempt", time.time() + notice
             self.kill_at = time.monotonic() + notice
             os.kill(os.getpid(), self.drain_signal)  # a real signal, through the same handler

@@ -30,7 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.controlplane.values import parse_int
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 
@@ -126,9 +127,9 @@ class PartitionInjector:
         """This node's slot in the current epoch (from a topology whose signature verifies)."""
         from phoenixft.controlplane.auth import sign_topology
 
-        if not store.check([keys.EPOCH]):
+        e = parse_int(sealed.get(store, keys.EPOCH), keys.EPOCH, -1)
+        if e < 0:
             return None
-        e = int(store.get(keys.EPOCH))
         if self._topo is None or self._topo[0] != e:
             names = [keys.topo(e), keys.topo_sig(e)]
             if not self.token or not store.check(names):
@@ -146,14 +147,14 @@ class PartitionInjector:
         slot = self._slot(store)
         if slot is None:
             return
-        progress = int(store.get(keys.PROGRESS)) if store.check([keys.PROGRESS]) else 0
+        progress = parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0)
         for f in list(self.todo):
             if slot not in f.nodes or f.step is None or progress < f.step - 1:
                 continue
-            if store.check([keys.fault(f.index) + "/fired"]):  # fired on the node this one replaced: once a run
+            if sealed.has(store, keys.fault(f.index) + "/fired"):  # fired on the node this one replaced: once a run
                 self.todo.remove(f)
                 continue
-            if f.wait and not store.check([keys.JOB_WHOLE]):
+            if f.wait and not sealed.has(store, keys.JOB_WHOLE):
                 since = self._held.setdefault(f.index, time.monotonic())
                 if time.monotonic() - since < f.wait:
                     if not self._stopped:
@@ -165,7 +166,7 @@ class PartitionInjector:
 
     def _fire(self, store: Store, f: FaultSpec, slot: int, step: int) -> None:
         try:
-            if store.add(keys.fault_claim(f.index, slot), 1) != 1:
+            if not sealed.claim(store, keys.fault_claim(f.index, slot)):
                 return
             rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "partition",
                    "node": self.node, "slot": slot, "step": step, "phase": "partition", "for": f.duration or None,
@@ -173,19 +174,19 @@ class PartitionInjector:
             try:
                 ifname = interface_of(self.bind)
             except PartitionError as e:
-                store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "fault_failed", "spec": f.text,
-                                                      "node": self.node, "error": str(e)}) + "\n")
+                sealed.append(store, keys.EVENTS, {"t": time.time(), "kind": "fault_failed", "spec": f.text,
+                                                   "node": self.node, "error": str(e)})
                 return
             rec["interface"] = ifname
-            if store.add(keys.fault(f.index) + "/fired", 1) == 1:
-                store.set(keys.fault(f.index), json.dumps(rec))
-            store.append(keys.EVENTS, json.dumps(rec) + "\n")
+            if sealed.claim(store, keys.fault(f.index) + "/fired"):
+                sealed.put(store, keys.fault(f.index), json.dumps(rec))
+            sealed.append(store, keys.EVENTS, rec)
             store.check([keys.EVENTS])  # a set is not acknowledged: an answered request flushes them first
             try:
                 self.cut = LinkCut(ifname)
             except PartitionError as e:
-                store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "fault_failed", "spec": f.text,
-                                                      "node": self.node, "error": str(e)}) + "\n")
+                sealed.append(store, keys.EVENTS, {"t": time.time(), "kind": "fault_failed", "spec": f.text,
+                                                   "node": self.node, "error": str(e)})
                 return
             print(f"phoenixft agent {self.node}: partition fault: {ifname} ({self.bind}) is down"
                   + (f" for {f.duration:g}s" if f.duration else " until this agent exits"), flush=True)

@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import keys
+from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_json
 from phoenixft.health.history import HostRecord, quarantined_hosts, record_failure
 from phoenixft.health.spare import REF_KEY, check_bound_s
@@ -62,10 +62,10 @@ class HealthGate:
 
     def publish_reference(self) -> None:
         """The matrix product's reference checksum, for every spare's check (once per job)."""
-        if self.on and not self.store.check([REF_KEY]):
+        if self.on and not sealed.has(self.store, REF_KEY):
             from phoenixft.health.check import reference_checksum
 
-            self.store.set(REF_KEY, reference_checksum())
+            sealed.put(self.store, REF_KEY, reference_checksum())
 
     # ------------------------------------------------------------------ hosts
     def host(self, node: str) -> str:
@@ -91,7 +91,7 @@ class HealthGate:
         for n in [s for s in st.spare_pool if self.host(s) == host and not st.in_use(s)]:
             st.spare_pool.remove(n)
             st.dead.add(n)
-            self.store.set(keys.fence(n), str(time.time()))
+            sealed.put(self.store, keys.fence(n), str(time.time()))
             self.job.event("spare_dismissed", node=n, host=host, reason="its host is quarantined")
 
     def refusal(self, req: dict[str, Any]) -> str:
@@ -132,8 +132,8 @@ class HealthGate:
         raw = [got.get(k) for k in ks]
         out: dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None]] = {}
         for i, n in enumerate(nodes):
-            v = parse_json(raw[2 * i], keys.health(n)) if raw[2 * i] is not None else None
-            r = parse_json(raw[2 * i + 1], keys.health_running(n)) if raw[2 * i + 1] is not None else None
+            v = parse_json(sealed.unseal(keys.health(n), raw[2 * i]), keys.health(n))
+            r = parse_json(sealed.unseal(keys.health_running(n), raw[2 * i + 1]), keys.health_running(n))
             out[n] = (v if isinstance(v, dict) and isinstance(v.get("ok"), bool) else None,
                       r if isinstance(r, dict) and isinstance(r.get("n"), int) else None)
         self._seen.update(out)
@@ -224,14 +224,14 @@ class HealthGate:
         a background re-check of idle spares, not a promotion's."""
         if not self.on or not nodes:
             return
-        old = parse_json(self.store.get_nowait(keys.HEALTH_ASK), keys.HEALTH_ASK)
+        old = sealed.get_json(self.store, keys.HEALTH_ASK)
         seq = int(old.get("seq", 0)) + 1 if isinstance(old, dict) and isinstance(old.get("seq"), int) else 1
         self.asked.update({n: seq for n in nodes})
         if recheck:
             self._rechecks.update(nodes)
         else:
             self._rechecks.difference_update(nodes)
-        self.store.set(keys.HEALTH_ASK, json.dumps({"seq": seq, "nodes": sorted(self.asked),
+        sealed.put(self.store, keys.HEALTH_ASK, json.dumps({"seq": seq, "nodes": sorted(self.asked),
                                                     "recheck": sorted(self._rechecks & set(self.asked)),
                                                     "t": time.time()}))
 
@@ -253,7 +253,7 @@ class HealthGate:
                 rec = {"ok": False, "phase": "promotion", "t": time.time(), "node": s, "host": self.host(s),
                        "reason": f"no answer to the check before its promotion within "
                                  f"{check_bound_s(self.cfg) + ANSWER_MARGIN_S:g}s"}
-                self.store.set(keys.health(s), json.dumps(rec))
+                sealed.put(self.store, keys.health(s), json.dumps(rec))
             if rec["ok"]:
                 out.append(s)
             else:

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenixft.controlplane import Store, keys
-from phoenixft.controlplane.values import clean, note_bad, parse_lines, read_raw
+from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.controlplane.values import clean, note_bad, read_raw
 from phoenixft.health.window import quarantined_at
 
 __all__ = ["HOST_ID_ENV", "HostRecord", "quarantine", "record_failure", "read_history", "host_records",
@@ -45,7 +45,7 @@ class HostRecord:
 
 
 def _append(store: Store, rec: dict[str, Any]) -> None:
-    store.append(keys.HOST_HISTORY, json.dumps(rec, sort_keys=True) + "\n")
+    sealed.append(store, keys.HOST_HISTORY, rec)
 
 
 def record_failure(store: Store, host: str, node: str, reason: str, ident: str, t: float | None = None) -> None:
@@ -69,7 +69,7 @@ def quarantine(store: Store, host: str, reason: str) -> None:
 def read_history(store: Store) -> list[dict[str, Any]]:
     """The history's records, each once (by `id`), malformed ones ignored and logged."""
     out, seen = [], set()
-    for rec in parse_lines(read_raw(store, keys.HOST_HISTORY) or b"", keys.HOST_HISTORY):
+    for rec in sealed.records(keys.HOST_HISTORY, read_raw(store, keys.HOST_HISTORY)):
         try:
             host, kind, ident, t = str(rec["host"]), str(rec["kind"]), str(rec["id"]), float(rec["t"])
         except (KeyError, TypeError, ValueError):

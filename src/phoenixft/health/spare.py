@@ -24,7 +24,7 @@ import traceback
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
 from phoenixft.faults.kinds import Point
 
@@ -190,14 +190,14 @@ class SpareHealth:
         faults = [f for f in self.cfg.faults if f.point is Point.HEALTH]
         if not faults:
             return False
-        progress = parse_int(store.get_nowait(keys.PROGRESS), keys.PROGRESS, 0)
+        progress = parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0)
         hit = [f for f in faults if f.kind_of.fails_health_check(f, self.node, progress)]
         for f in hit:
-            if store.add(keys.fault(f.index) + "/fired", 1) == 1:
+            if sealed.claim(store, keys.fault(f.index) + "/fired"):
                 rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
                        "node": self.node, "slot": None, "step": progress, "phase": "health"}
-                store.set(keys.fault(f.index), json.dumps(rec))
-                store.append(keys.EVENTS, json.dumps(rec) + "\n")
+                sealed.put(store, keys.fault(f.index), json.dumps(rec))
+                sealed.append(store, keys.EVENTS, rec)
         return bool(hit)
 
     def start(self, store: Store, phase: str, ask: int, defer_s: float = 0.0) -> None:
@@ -206,7 +206,8 @@ class SpareHealth:
         that many seconds from now), so that it takes no CPU from their start."""
         self.n += 1
         t0 = time.time()
-        store.set(keys.health_running(self.node), json.dumps({"n": self.n, "phase": phase, "ask": ask, "t": t0}))
+        running = {"n": self.n, "phase": phase, "ask": ask, "t": t0}
+        sealed.put(store, keys.health_running(self.node), json.dumps(running))
         self._rec = {"node": self.node, "host": self.host, "phase": phase, "ask": ask, "n": self.n, "t": t0}
         if defer_s > 0 and self.workers:
             self.deferred_until = time.monotonic() + defer_s
@@ -215,7 +216,7 @@ class SpareHealth:
 
     def _launch(self, store: Store) -> None:
         self.deferred_until = None
-        ref = store.get_nowait(REF_KEY)
+        ref = sealed.get(store, REF_KEY)
         reference = ref.decode(errors="replace") if ref is not None else ""  # ('': the check computes it)
         self._rec["t"] = time.time()  # (what a verdict's age counts from)
         self.running = CheckProcess(self.cfg, self.node, self.run_id, reference, self._sick(store),
@@ -245,7 +246,7 @@ class SpareHealth:
         if out is None:
             return None
         rec = {**out, **self._rec, "duration_s": round(time.time() - self._rec["t"], 3)}
-        store.set(keys.health(self.node), json.dumps(rec))
+        sealed.put(store, keys.health(self.node), json.dumps(rec))
         self.running = None
         verdict = "healthy" if out["ok"] else f"UNHEALTHY: {out['reason']}"
         print(f"phoenixft agent {self.node}: health check ({rec['phase']}): {verdict}", flush=True)
@@ -261,7 +262,7 @@ class SpareHealth:
         if not self.on:
             return
         self.poll(store)
-        ask = parse_json(store.get_nowait(keys.HEALTH_ASK), keys.HEALTH_ASK)
+        ask = sealed.get_json(store, keys.HEALTH_ASK)
         if not isinstance(ask, dict):
             return
         try:

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from phoenixft.controlplane import Store, keys
-from phoenixft.controlplane.values import parse_json, read_json
+from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.health.history import host_records, read_history
 
 __all__ = ["summarize", "format_lines"]
 
 
 def _spare_record(store: Store, node: str, host: str) -> dict[str, Any] | None:
-    rec = parse_json(store.get_nowait(keys.health(node)), keys.health(node))
+    rec = sealed.get_json(store, keys.health(node))
     if not isinstance(rec, dict) or not isinstance(rec.get("ok"), bool):
         return None
     return {"node": node, "host": str(rec.get("host") or host), "ok": rec["ok"], "reason": str(rec.get("reason", "")),
@@ -27,7 +26,7 @@ def summarize(store: Store, cfg: dict[str, Any] | None) -> dict[str, Any]:
     cfg = cfg or {}
     after = int(cfg.get("quarantine_after", 2) or 0)
     window = float(cfg.get("quarantine_window", 86400.0) or 86400.0)
-    members = read_json(store, keys.MEMBERS, {}) or {}
+    members = sealed.get_json(store, keys.MEMBERS, {}) or {}
     spares = []
     for node in sorted((n for n in members if str(n).startswith("s")), key=lambda n: (len(n), n)):
         m = members[node] if isinstance(members.get(node), dict) else {}

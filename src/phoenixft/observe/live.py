@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.values import parse_json, read_json
 from phoenixft.observe.goodput import account
 from phoenixft.observe.report import STEP_BATCH, read_recoveries
@@ -104,7 +104,7 @@ class LiveMetrics:
             else:
                 return
             for s, raw in zip(range(self.next, last + 1), raws, strict=False):
-                rec = parse_json(bytes(raw), names[s - self.next])
+                rec = parse_json(sealed.unseal(keys.step(s), raw), keys.step(s))
                 epoch = rec.get("epoch") if rec is not None else None
                 if rec is not None and (epoch if isinstance(epoch, int) else 0) < self._min_epoch(s):
                     return  # (not written yet by the epoch that runs it now)

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Store, keys
-from phoenixft.controlplane.values import note_bad, parse_json, parse_lines, read_int, read_json, read_raw, read_text
+from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.controlplane.values import clean, note_bad, parse_int, parse_json, read_json, read_raw
 from phoenixft.errors import UserError
 from phoenixft.faults.spec import FaultSpec, parse_fault
 from phoenixft.observe.goodput import account
@@ -51,8 +51,16 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def _get(store: Store, key: str) -> Any:
-    """The JSON object at `key`; None if absent or not one (logged: anyone reaching the store can write it)."""
-    return read_json(store, key)
+    """The JSON object sealed at `key` (controlplane.sealed); None if absent, not sealed with the run key or
+    not one (logged: anyone reaching the store can write it)."""
+    return sealed.get_json(store, key)
+
+
+def _topo(store: Store, e: int) -> dict[str, Any]:
+    """The topology of epoch `e` as far as the report needs it ({"nodes": []} if it is not a readable one)."""
+    topo = read_json(store, keys.topo(e), {})
+    nodes = topo.get("nodes")
+    return topo if isinstance(nodes, list) and all(isinstance(n, str) for n in nodes) else {**topo, "nodes": []}
 
 
 def _step_record(raw: bytes | None, key: str) -> dict[str, Any] | None:
@@ -77,9 +85,10 @@ def _step_records(store: Store, first: int, last: int) -> list[dict[str, Any]]:
     for lo in range(first, last + 1, STEP_BATCH):
         names = [keys.step(s) for s in range(lo, min(last, lo + STEP_BATCH - 1) + 1)]
         if store.check(names):  # (multi_get blocks on a missing key: only when all are there)
-            recs = [_step_record(bytes(raw), n) for n, raw in zip(names, store.multi_get(names), strict=True)]
+            raws = store.multi_get(names)
+            recs = [_step_record(sealed.unseal(n, raw), n) for n, raw in zip(names, raws, strict=True)]
         else:
-            recs = [_step_record(read_raw(store, n), n) for n in names]
+            recs = [_step_record(sealed.unseal(n, read_raw(store, n)), n) for n in names]
         out.extend(r for r in recs if r is not None)
     return out
 
@@ -148,22 +157,22 @@ def _completion(store: Store, e: int) -> tuple[dict[str, Any] | None, int, bool]
     ever will (another failure interrupted it and the recovery of that one failed: the run ended)."""
     first = _get(store, keys.first_step(e))
     done_epoch = e  # a recovery interrupted by another failure is completed by a later epoch
-    while first is None and store.check([keys.recovery(done_epoch + 1)]):
+    while first is None and sealed.has(store, keys.recovery(done_epoch + 1)):
         done_epoch += 1
         first = _get(store, keys.first_step(done_epoch))
-    never = first is None and store.check([keys.recovery_failed(done_epoch + 1)])
+    never = first is None and sealed.has(store, keys.recovery_failed(done_epoch + 1))
     return first, done_epoch, never
 
 
-def _recovery(store: Store, cfg: RunConfig, e: int, faults: list[dict[str, Any]], used: set[int]) -> dict[str, Any]:
-    """The report entry of the recovery of epoch `e`."""
-    rec = _get(store, keys.recovery(e))
-    topo = _get(store, keys.topo(e))
+def _recovery(store: Store, cfg: RunConfig, e: int, rec: dict[str, Any], faults: list[dict[str, Any]],
+              used: set[int]) -> dict[str, Any]:
+    """The report entry of the recovery of epoch `e` (its record `rec`)."""
+    topo = _topo(store, e)
     joins = _joins(store, cfg, e, topo["nodes"])
     own_joins = joins  # this epoch's own join records: its invariants, even if a later epoch finished it
     first, done_epoch, never = _completion(store, e)
     if done_epoch != e:
-        joins = _joins(store, cfg, done_epoch, _get(store, keys.topo(done_epoch))["nodes"])
+        joins = _joins(store, cfg, done_epoch, _topo(store, done_epoch)["nodes"])
     answered = _answered(faults, rec, used)
     fault = answered[-1] if answered else None
     t0 = answered[0]["t"] if answered else rec["t_first_report"]  # from the first of them
@@ -240,8 +249,8 @@ def _recoveries(store: Store, cfg: RunConfig, faults: list[dict[str, Any]]) -> l
     recoveries = []
     e = 1
     used: set[int] = set()
-    while store.check([keys.recovery(e)]):
-        recoveries.append(_recovery(store, cfg, e, faults, used))
+    while (rec := _get(store, keys.recovery(e))) is not None:
+        recoveries.append(_recovery(store, cfg, e, rec, faults, used))
         e += 1
     failed = _get(store, keys.recovery_failed(e))
     if failed is not None:  # the recovery that ended the run: what it found and why it could not recover
@@ -310,18 +319,18 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
     `final`: the run's final-state record as the caller verified it (the launcher: signed with the run
     key), or "store" to read it unverified. `t_launch`: when the job was launched (the start of the
     goodput window; None: its first event)."""
-    first_topo = _get(store, keys.topo(0))
+    first_topo = read_json(store, keys.topo(0))
     start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
-    progress = read_int(store, keys.PROGRESS, 0)
+    progress = parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0)
     steps = _step_records(store, start + 1, min(cfg.steps, progress))
     dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
     if final == "store":
-        final = _get(store, keys.FINAL)
+        final = read_json(store, keys.FINAL)
     if not isinstance(final, dict) or not isinstance(final.get("sha256"), str):
         final = None
     faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
     recoveries = _recoveries(store, cfg, faults)
-    events = parse_lines(read_raw(store, keys.EVENTS) or b"", keys.EVENTS)
+    events = sealed.records(keys.EVENTS, read_raw(store, keys.EVENTS))
     report: dict[str, Any] = {
         "run_id": run_id,
         "state": state,
@@ -341,7 +350,8 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         "faults": faults,
         # --inject specs that never acted (their node, rank or phase was not in the job when their step came)
         "faults_not_fired": [spec for i, spec in enumerate(cfg.inject or [])
-                             if not store.check([keys.fault(i) + "/fired"]) and not store.check([keys.fault(i)])],
+                             if not sealed.has(store, keys.fault(i) + "/fired")
+                             and not sealed.has(store, keys.fault(i))],
         "recoveries": recoveries,
         # nodes slower than --straggler-factor x their peers' median for --straggler-window steps
         "stragglers": _stragglers(events, recoveries),
@@ -360,8 +370,9 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
     from phoenixft.health.summary import summarize
 
     report.update(summarize(store, report["config"]))  # `health` (the spares' checks) and `quarantine` (hosts)
-    if store.check([keys.RUN_ERROR]):
-        report["error"] = read_text(store, keys.RUN_ERROR)
+    error = sealed.get(store, keys.RUN_ERROR) if store.check([keys.RUN_ERROR]) else None
+    if error is not None:
+        report["error"] = clean(error, 2000)
     write_metrics(run_dir, steps)
     if store.check([keys.EVENTS]):
         (run_dir / "events.jsonl").write_text("".join(json.dumps(ev) + "\n" for ev in events))

@@ -30,9 +30,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.controlplane.signed import env_token, verified
 from phoenixft.controlplane.tls import Relay, TlsFiles
-from phoenixft.controlplane.values import clean, parse_int, parse_json, parse_lines
+from phoenixft.controlplane.values import clean, parse_int, parse_json
 from phoenixft.errors import UserError
 
 __all__ = [
@@ -202,9 +203,37 @@ def _json(store: Store, key: str) -> Any:
     return parse_json(_get(store, key), key, None, object)  # (None, logged, if it does not parse)
 
 
+def _sealed(store: Store, key: str) -> bytes | None:
+    """The value of a key the job seals (controlplane.sealed): checked with the run key where this process
+    holds the job's token ($PHOENIXFT_TOKEN), else shown unchecked."""
+    return sealed.unseal(key, _get(store, key))
+
+
+def _wall(beat: bytes) -> float:
+    """The writer's wall time in a heartbeat's value ("WALL MONOTONIC"), as shown (0: not one)."""
+    try:
+        return float(beat.split()[0])
+    except (IndexError, ValueError):
+        return 0.0
+
+
+def _bind(store: Store) -> None:
+    """Check what is shown with the run key if the token in the environment is the job's, else show it
+    unchecked (status only reads)."""
+    if sealed.bound():
+        return
+    token = env_token()
+    run_id = (_get(store, keys.RUN_ID) or b"").decode(errors="replace")
+    if token and verified(store, token, run_id, keys.CONFIG, note=False) is not None:
+        sealed.bind(token, run_id)
+    else:
+        sealed.read_unchecked()
+
+
 def collect_status(store: Store, events: int = 10, now: float | None = None) -> dict[str, Any]:
     """Read the job's state from the store (read-only) into a plain dict."""
     now = time.time() if now is None else now
+    _bind(store)
     cfg = _json(store, keys.CONFIG)
     st: dict[str, Any] = {
         "config": cfg,
@@ -221,9 +250,9 @@ def collect_status(store: Store, events: int = 10, now: float | None = None) -> 
     }
     raw = _get(store, keys.RUN_STATE)
     st["run_state"] = clean(raw, 200) if raw is not None else None
-    raw = _get(store, keys.RUN_ERROR)
+    raw = _sealed(store, keys.RUN_ERROR)
     st["run_error"] = clean(raw, 2000) if raw is not None else None
-    raw = _get(store, keys.EPOCH)
+    raw = _sealed(store, keys.EPOCH)
     g = int((cfg or {}).get("workers_per_node", 1))
     if raw is not None and parse_int(raw, keys.EPOCH, -1) >= 0:
         e = int(raw)
@@ -244,23 +273,23 @@ def collect_status(store: Store, events: int = 10, now: float | None = None) -> 
             g = int(topo.get("workers_per_node", g))
             racks = max(1, int(topo.get("racks", 1)))
             for slot, node in enumerate(topo["nodes"]):
-                hb = _get(store, keys.heartbeat(node))
+                hb = _sealed(store, keys.heartbeat(node))
                 st["members"].append(
                     {
                         "slot": slot,
                         "node": node,
                         "ranks": list(range(slot * g, (slot + 1) * g)),
                         "rack": slot * racks // len(topo["nodes"]),
-                        "heartbeat_age_s": None if hb is None else max(0.0, now - float(hb)),
-                        "exited": store.check([keys.node_exit(node)]),
-                        "fenced": store.check([keys.fence(node)]),
+                        "heartbeat_age_s": None if hb is None else max(0.0, now - _wall(hb)),
+                        "exited": sealed.has(store, keys.node_exit(node)),
+                        "fenced": sealed.has(store, keys.fence(node)),
                     }
                 )
     used = {n: h["epoch"] for h in reversed(st["history"]) for n in h["nodes"]}  # first epoch it appeared in
     current = set(st["topology"]["nodes"]) if st["topology"] else set()
     for i in range(int((cfg or {}).get("spares", 0))):
         sid = f"s{i}"
-        ready = all(store.check([keys.ready(f"{sid}.{j}")]) for j in range(g))
+        ready = sealed.all_present(store, [keys.ready(f"{sid}.{j}") for j in range(g)])
         if sid in current:
             state = f"in use (slot {st['topology']['nodes'].index(sid)}, since epoch {used[sid]})"
         elif sid in used:
@@ -268,16 +297,17 @@ def collect_status(store: Store, events: int = 10, now: float | None = None) -> 
         else:
             state = "ready" if ready else "starting (not ready yet)"
         st["spares"].append({"id": sid, "used": sid in used, "ready": ready, "state": state})
-    raw = _get(store, keys.PROGRESS)
+    raw = _sealed(store, keys.PROGRESS)
     if raw is not None and parse_int(raw, keys.PROGRESS, -1) >= 0:
         n = int(raw)
-        st["progress"] = {"step": n, "steps": (cfg or {}).get("steps"), "record": _json(store, keys.step(n))}
+        rec = parse_json(_sealed(store, keys.step(n)), keys.step(n), None, object)
+        st["progress"] = {"step": n, "steps": (cfg or {}).get("steps"), "record": rec}
     from phoenixft.health.summary import summarize
 
     st.update(summarize(store, cfg))  # the spares' health checks, each host's failures, the quarantined hosts
     raw = _get(store, keys.EVENTS)
     if raw is not None:
-        recs = parse_lines(raw, keys.EVENTS)
+        recs = sealed.records(keys.EVENTS, raw)
         st["events_total"] = len(recs)
         st["events"] = recs[-events:] if events > 0 else []
     return st

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from phoenixft.controlplane import Store, keys
+from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import to_full
 from phoenixft.protect.snapshot import checksum
@@ -318,8 +318,8 @@ class Persister:
         print(f"phoenixft persist: checkpoint of step {step} (rank {rank}) "
               f"{'skipped' if kind == 'persist_skipped' else 'not written'}: {why}", flush=True)
         try:
-            self.store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": kind, "step": step, "rank": rank,
-                                                       "why": why}) + "\n")
+            sealed.append(self.store, keys.EVENTS, {"t": time.time(), "kind": kind, "step": step, "rank": rank,
+                                                    "why": why})
         except Exception:  # noqa: BLE001 - the control plane is gone: the log line is all there is
             pass
 
@@ -361,21 +361,23 @@ class Persister:
         # checkpoint whose bytes change on disk is never loaded (`check`)
         files = _file_crcs(rank_dir) if rank_dir.is_dir() else {}
         key = f"persist/{meta['epoch']}/{step}"
-        self.store.set(f"{key}/crc/{meta['rank']}", str(checksum(data)))
-        self.store.set(f"{key}/files/{meta['rank']}", json.dumps(files))
         nsegs = int(meta["segments"].numel() // 3) if "segments" in meta else 0
-        self.store.set(f"{key}/info/{meta['rank']}", json.dumps([meta["numel"], meta["shard_numel"], nsegs]))
-        if self.store.add(key, 1) == meta["shards"] and not self._fenced():  # last one in writes the manifest
-            crcs = {str(r): int(self.store.get(f"{key}/crc/{r}")) for r in range(meta["shards"])}
+        sealed.put(self.store, f"{key}/rank/{meta['rank']}", json.dumps(
+            {"crc": checksum(data), "files": files, "info": [meta["numel"], meta["shard_numel"], nsegs]}))
+        names = [f"{key}/rank/{r}" for r in range(meta["shards"])]
+        # the one that finds every rank's record there writes the manifest (a claim: no counter to poison)
+        if sealed.all_present(self.store, names) and sealed.claim(self.store, f"{key}/manifest") \
+                and not self._fenced():
+            recs = [json.loads(v or b"{}") for v in sealed.get_many(self.store, names)]
+            crcs = {str(r): int(recs[r]["crc"]) for r in range(meta["shards"])}
             man = {"step": step, "shards": meta["shards"], "numel": meta.get("full_numel", meta["numel"]),
                    "shard_numel": meta["shard_numel"], "epoch": meta["epoch"], "seed": meta["seed"],
                    "rows": int(data.shape[0]), "buffer_bytes": meta.get("buffer_bytes", 0), "crc": crcs,
                    "config": meta.get("config"), "tp": meta.get("tp", 1), "pp": meta.get("pp", 1)}
             man["files"] = {f"rank{r}/{name}": crc for r in range(meta["shards"])
-                            for name, crc in json.loads(self.store.get(f"{key}/files/{r}")).items()}
+                            for name, crc in recs[r]["files"].items()}
             if man["tp"] * man["pp"] > 1:
-                man["ranks"] = {str(r): json.loads(self.store.get(f"{key}/info/{r}"))
-                                for r in range(meta["shards"])}
+                man["ranks"] = {str(r): recs[r]["info"] for r in range(meta["shards"])}
             tmp = d / "MANIFEST.json.tmp"
             tmp.write_text(json.dumps(man))
             os.replace(tmp, d / "MANIFEST.json")

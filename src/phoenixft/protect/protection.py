@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from phoenixft.controlplane import Store, exists_many, keys
+from phoenixft.controlplane import Store, exists_many, keys, sealed
 from phoenixft.controlplane.signed import run_ended
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import PeerFailure, RunAborted
@@ -82,7 +82,7 @@ class Protection:
             self.scheme = make_scheme(cfg.scheme, self.repl, lambda: ctx.shm)
         pstore = store if cfg.persist_every and on else None
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, pstore,
-                                   fenced=lambda: bool(pstore.check([keys.fence(ctx.node_id)]))) if pstore else None
+                                   fenced=lambda: sealed.has(pstore, keys.fence(ctx.node_id))) if pstore else None
 
     # ---------------------------------------------------------------- scrubbing (protect/scrub.py)
     def _held(self) -> list[HeldCopy]:
@@ -136,7 +136,7 @@ class Protection:
             """The failure flag of `epoch` is set: give up, unless the epoch ends for a planned drain, where
             the job finishes (every peer is alive; the worker waits for it before its descriptor, then aborts)."""
             if epoch not in drains:
-                drains[epoch] = bool(store.check([keys.drain_notice(epoch)]))
+                drains[epoch] = sealed.has(store, keys.drain_notice(epoch))
             return None if drains[epoch] else "recovery requested"
 
         def check() -> str | None:
@@ -154,7 +154,7 @@ class Protection:
                 last[1] = now
                 names.append(keys.RUN_STATE)
             failed, *over = exists_many(store, names)
-            if failed and flagged(self.ctx.epoch):
+            if failed and sealed.has(store, names[0]) and flagged(self.ctx.epoch):  # (a forged flag is ignored)
                 return "recovery requested"
             ended = run_ended(store, self.ctx.run_id) if any(over) else None  # (a forged end is ignored)
             if ended is not None:

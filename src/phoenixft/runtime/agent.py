@@ -188,12 +188,16 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
     _through_tls(a, flag)
     bind = a.host.strip("[]") or local_addr
     _check_bind(bind)
-    store, cfg, served = _connect(a, flag)
-    if served and a.run_id != served:  # before asking to join: a refused agent must not hold a slot
-        raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+    store, cfg, served = _connect(a, flag, token)
     _prepare_host(cfg, a.node, shm=not a.parent_pid)  # (before asking to join, too)
     node, run_id = _admit(a, store, token, bind)
     assert token is not None  # admitted: the verdict verified with it
+    if run_id != served:  # (the config was checked under the store's run id: the verdict's is the one)
+        raise UserError(f"{flag}={a.store}: the run id in the store ({served}) is not the run the coordinator "
+                        f"admitted this node to ({run_id})")
+    from phoenixft.controlplane import sealed
+
+    sealed.bind(token, run_id)  # what this agent writes to the store and acts on is sealed
     return _Node(a, store, cfg, node, run_id, bind, token).run()
 
 
@@ -262,10 +266,13 @@ def _check_args(a: argparse.Namespace) -> None:
             raise UserError(f"{name}={v:g} is invalid: must be > 0 and at most {MAX_AGENT_WAIT_S:g} seconds")
 
 
-def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
-    """(a client of the store, the job's config, the run id it serves when --run-id asks) - retried while
-    the store's answers time out (a loaded host) until --connect-timeout; UserError if it is no phoenixft store."""
+def _connect(a: argparse.Namespace, flag: str, token: str | None) -> tuple[Store, RunConfig, str]:
+    """(a client of the store, the job's config, the run id it serves) - retried while the store's answers
+    time out (a loaded host) until --connect-timeout; UserError if it is no phoenixft store. With a token, the
+    config counts once its signature verifies with the run key of the token and the store's run id (which it
+    also vouches for: the launcher puts back either if something else overwrote it)."""
     from phoenixft.controlplane import keys
+    from phoenixft.controlplane.signed import verified
     from phoenixft.dist.comm import connect_store
 
     connect_deadline = time.monotonic() + a.connect_timeout
@@ -274,9 +281,19 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
         try:
             store = connect_store(a.store, min(a.connect_timeout, CALL_TIMEOUT_S))
             store.check([keys.CONFIG])
-            cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
-            served = clean(store.get(keys.RUN_ID), 64) if a.run_id and store.check([keys.RUN_ID]) else ""
-            return store, cfg, served
+            raw = store.get(keys.CONFIG)
+            served = clean(store.get(keys.RUN_ID), 64) if store.check([keys.RUN_ID]) else ""
+            if a.run_id and served and a.run_id != served:  # before asking to join: a refused agent holds no slot
+                raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+            if token and verified(store, token, served, keys.CONFIG, note=False) is None:
+                if time.monotonic() > connect_deadline:
+                    raise UserError(f"{flag}={a.store}: the job's config there is not signed with this agent's token "
+                                    "(a job with another token, or something other than the job wrote it)")
+                time.sleep(0.2)
+                continue
+            return store, RunConfig.from_json(bytes(raw).decode()), served
+        except UserError:
+            raise
         except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
             timed_out = "timed out" in str(e) or "timeout" in str(e).lower()
             if not timed_out or time.monotonic() > connect_deadline:
@@ -311,14 +328,14 @@ def _sweep_leftovers(store: Store, run_id: str, node: str) -> None:
     """An agent started by hand frees what dead runs left on this machine, and the memory of this run's
     nodes that were fenced here (an earlier incarnation of this host, e.g. one repaired and rejoining
     as a spare: the sweep spares a live run's segments, and a fenced node never uses its memory again)."""
-    from phoenixft.controlplane import keys
+    from phoenixft.controlplane import keys, sealed
 
     res = shm.sweep(exclude=(run_id,))
     if res.segments:
         print(f"phoenixft agent: removed {res.segments} orphaned shared-memory segment(s), "
               f"{res.bytes / 2**20:.1f} MiB, of run(s) {', '.join(res.runs)}", file=sys.stderr)
     try:
-        dead = sorted(n for n in shm.nodes_with_segments(run_id) - {node} if store.check([keys.fence(n)]))
+        dead = sorted(n for n in shm.nodes_with_segments(run_id) - {node} if sealed.has(store, keys.fence(n)))
     except Exception:  # noqa: BLE001 - the store did not answer: the heartbeat loop reconnects
         dead = []
     for n in dead:
@@ -438,13 +455,15 @@ class _Node:
     def look(self, store: Store) -> bool:
         """One look at the control plane: stop if fenced, heartbeat unless a worker has been stopped too long,
         fire this host's partition fault. False when the job's keys are gone (nothing left to train for)."""
-        from phoenixft.controlplane import Heartbeat, keys
+        from phoenixft.controlplane import Heartbeat, keys, sealed
+        from phoenixft.controlplane.signed import run_ended
 
         node = self.node
         # one request on a cluster; there a job's keys can also vanish (its head removed them at its end)
         fenced_now, there = (store.exists_many([keys.fence(node), keys.CONFIG]) if store.replicated
                              else (store.check([keys.fence(node)]), True))
-        if fenced_now:  # declared dead while stopped or cut off: never write again
+        # declared dead while stopped or cut off: never write again (a fence not sealed with the run key: ignored)
+        if fenced_now and sealed.has(store, keys.fence(node)):
             print(f"phoenixft agent {node}: fenced by the control plane; stopping the node", flush=True)
             self.fenced = True
             self.stop(signal.SIGTERM, None)
@@ -459,14 +478,14 @@ class _Node:
         if self.injector.holding:
             self.stopped_workers.forget()
         stopped = self.stopped_workers.stopped(self.children)
-        if stopped and store.check([keys.RUN_STATE]):
+        if stopped and store.check([keys.RUN_STATE]) and run_ended(store, self.run_id) is not None:
             # the run ended: a stopped worker would never see it, and this agent would wait for it
             # (the launcher until its grace ran out); it has nothing left to do
             for wpid in [w for w, r in self.children.items() if r in stopped]:
                 os.kill(wpid, signal.SIGKILL)
         quiet = {lr: t for lr, t in stopped.items() if t > self.cfg.failure_timeout}
         if not quiet:
-            self.beat.beat(str(time.time()))
+            self.beat.beat(sealed.beat_value(keys.heartbeat(node)))
             self.silent_said = False
         elif not self.silent_said:
             self.silent_said = True
@@ -508,17 +527,19 @@ class _Node:
     def restart(self, lr: int, code: int) -> bool:
         """The node is healthy and its worker `lr` died (exit `code`): restart it in place from the snapshot
         it left in shared memory (a transient failure; no spare needed). False if it is not restarted."""
-        from phoenixft.controlplane import keys
+        from phoenixft.controlplane import keys, sealed
+        from phoenixft.controlplane.signed import run_ended
 
         store, wid = self.store, f"{self.node}.{lr}"
         try:
-            over = store is not None and (store.check([keys.RUN_STATE]) or store.check([keys.fence(self.node)]))
+            over = store is not None and ((store.check([keys.RUN_STATE]) and run_ended(store, self.run_id) is not None)
+                                          or sealed.has(store, keys.fence(self.node)))
             if store is None or over or self.restarts[lr] >= MAX_RESTARTS:
                 return False
             self.restarts[lr] += 1
-            store.set(keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
-                                                         "incarnation": self.restarts[lr]}))
-            store.add(keys.WORKER_EXITS, 1)  # the coordinator looks at wexit/ keys when this moves
+            sealed.put(store, keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
+                                                                 "incarnation": self.restarts[lr]}))
+            sealed.hint(store, keys.WORKER_EXITS)  # the coordinator looks at wexit/ keys when this moves
             self.children[_fork_worker(self.a.store, self.node, lr, self.run_id, self.a.threads,
                                        self.restarts[lr], self.notice.drain_signal)] = lr
             return True
@@ -559,12 +580,12 @@ class _Node:
     def leave(self) -> None:
         """Tell the head this node has left (unless it was fenced); the head stops serving the store once
         every node has left."""
-        from phoenixft.controlplane import keys
+        from phoenixft.controlplane import keys, sealed
 
         try:
             store, node = self.store, self.node
-            if store is not None and not self.fenced and not store.check([keys.fence(node)]):
-                store.set(keys.left(node), str(self.worst))
+            if store is not None and not self.fenced and not sealed.has(store, keys.fence(node)):
+                sealed.put(store, keys.left(node), str(self.worst))
                 store.check([keys.left(node)])  # a set is not acknowledged: an answered request flushes it
         except Exception:  # noqa: BLE001 - the store is gone already: nobody is waiting
             pass

@@ -9,7 +9,6 @@ object, never the worker: they read the same few fields, and call the rank's abo
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Store, exists_many, keys
+from phoenixft.controlplane import Store, exists_many, keys, sealed
 from phoenixft.controlplane.signed import run_ended
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.dist.comm import EpochComm, wait_work
@@ -102,6 +101,7 @@ class RankContext:
             return None
         self._abort_checked = now
         failed, over = exists_many(self.store, [keys.failflag(self.epoch), keys.RUN_STATE])
+        failed = failed and sealed.has(self.store, keys.failflag(self.epoch))  # (a forged flag is ignored)
         if failed and not self._draining():
             return "recovery requested by the control plane"
         ended = run_ended(self.store, self.run_id) if over else None  # (a forged end is ignored)
@@ -112,15 +112,15 @@ class RankContext:
     def _draining(self) -> bool:
         """The epoch's failure flag is a planned drain's, and the drain has not ended: a rank keeps training
         to the drain's step boundary (the watcher tells it, and raises once the drain ends)."""
-        notice, ended = exists_many(self.store, [keys.drain_notice(self.epoch), keys.drain_abort(self.epoch)])
+        names = [keys.drain_notice(self.epoch), keys.drain_abort(self.epoch)]
+        notice, ended = sealed.present(self.store, names)
         return notice and not ended
 
     def wait(self, work: Any, what: str) -> None:
         wait_work(work, what, self.abort_reason, self.coll_timeout)
 
     def event(self, kind: str, **fields: Any) -> None:
-        rec = {"t": time.time(), "kind": kind, "wid": self.wid, **fields}
-        self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+        sealed.append(self.store, keys.EVENTS, {"t": time.time(), "kind": kind, "wid": self.wid, **fields})
 
     # ------------------------------------------------------------------ the rank's state
     def copy_of(self, shard: int, shards: int, r: int) -> torch.Tensor:

@@ -53,9 +53,10 @@ from phoenixft.controlplane import (
     keys,
     provision_cluster,
     remote_spec_problem,
+    sealed,
 )
-from phoenixft.controlplane.signed import run_ended, set_signed, verified
-from phoenixft.controlplane.values import note_bad, parse_int, parse_json, read_json
+from phoenixft.controlplane.signed import run_ended, set_signed, sign, verified
+from phoenixft.controlplane.values import note_bad, parse_int, parse_json
 from phoenixft.dist.cuda_env import PLACEMENT_ENV
 from phoenixft.errors import UserError
 from phoenixft.health.history import HOST_ID_ENV, quarantined_hosts
@@ -75,6 +76,7 @@ STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves on
 CONTROL_PLANE_TIMEOUT_S = 15.0  # a cluster: no answer for this long and the run is failed (agents' default too)
 INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP
 ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coordinator gets to decide (and record why)
+KEEP_EVERY_S = 1.0  # how often the launcher checks the keys it wrote once (`_keep`)
 LOST_TEARDOWN_CALL_S = 2.0  # a replicated store lost: each teardown call gets this long (if it is back: cleaned)
 
 
@@ -140,6 +142,9 @@ class LocalJob:
         self.public_addr = ""  # where agents join: the store, or with TLS its gateway
         self.token_generated = token is None
         self.run_id = uuid.uuid4().hex[:10]
+        sealed.bind(self.token, self.run_id)  # what this process writes to the store and acts on is sealed
+        self._kept: dict[str, bytes] = {}  # keys this launcher alone writes, once: put back if overwritten
+        self._kept_at = 0.0
         self.t_launch = time.time()  # the start of the run's goodput window
         self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{self.run_id}"))
         self.dir_lock = rundir.claim(self.run_dir)  # held until the report is written (another launcher: refused)
@@ -158,6 +163,7 @@ class LocalJob:
         self.hosts: dict[str, str] = {}  # node -> the (simulated) host its agent runs on
         self._quarantine_shown: set[str] = set()  # quarantined hosts that came back repaired once (and were refused)
         self._log: Any = None
+        self._events_macs: set[bytes] = set()  # the event lines read so far (a copied line is read once)
         self.agents: dict[str, Proc] = {}
         self._zygote_error: str | None = None
         self.exited: set[str] = set()
@@ -254,10 +260,11 @@ class LocalJob:
         if self.live.prom is not None:
             self.display.info(f"Prometheus metrics at http://{self.host}:{self.live.prom.port}/metrics")
         raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
-        self.store.multi_set([keys.CONFIG_SIG, keys.CONFIG], [auth.sign_config(self.token, raw_cfg), raw_cfg])
-        self.store.set(keys.RUN_ID, self.run_id)
+        self._kept = {keys.CONFIG_SIG: sign(self.token, self.run_id, keys.CONFIG, raw_cfg).encode(),
+                      keys.CONFIG: raw_cfg.encode(), keys.RUN_ID: self.run_id.encode()}
         if self.local:  # rank 0 writes the final model there: only where it shares this filesystem
-            self.store.set(keys.RUN_DIR, str(self.run_dir.resolve()))
+            self._kept[keys.RUN_DIR] = sealed.seal(keys.RUN_DIR, str(self.run_dir.resolve()))
+        self.store.multi_set(list(self._kept), list(self._kept.values()))
         for i in range(self.cfg.coordinators):
             self._start_coordinator(i)
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
@@ -334,27 +341,37 @@ class LocalJob:
             pass
 
     # ------------------------------------------------------------------ monitoring
+    def _keep(self) -> None:
+        """Put back, at most once a second, what this launcher wrote once and others read when they start (the
+        config, its signature, the run id, the run directory) where something else overwrote or deleted it:
+        a process that starts later (a restarted coordinator or worker, a spare) finds it intact."""
+        if time.monotonic() - self._kept_at < KEEP_EVERY_S or not self._kept:
+            return
+        self._kept_at = time.monotonic()
+        for name, value in self._kept.items():
+            now = get_nowait(self.store, name)
+            if now != value:
+                note_bad(name, "overwritten or deleted by something other than this job; put back", now or b"")
+                self.store.set(name, value)
+
     def _poll_events(self) -> None:
-        for line in self._log.read().splitlines():
-            ev = parse_json(line, keys.EVENTS) if line.strip() else None
-            if ev is None:
-                continue  # (a line that is not a JSON object: written by something other than this job)
-            self.events_seen.append(line)
+        for ev in sealed.records(keys.EVENTS, self._log.read(), self._events_macs):
+            self.events_seen.append(json.dumps(ev))
             if self.live is not None:
                 self.live.event(ev)
             try:
                 self.display.event(ev)
             except (KeyError, TypeError, ValueError, AttributeError):
-                note_bad(keys.EVENTS, "an event this launcher cannot show", line)
+                note_bad(keys.EVENTS, "an event this launcher cannot show", json.dumps(ev))
         if self.live is not None:  # (the exported goodput moves on while no step completes: a recovery)
             self.live.live_goodput()
 
     def _tell_exits(self) -> None:
         """Tell the coordinator of the nodes that exited: `exit/<node>`, then the `exits` counter."""
         while self._unreported:  # (told once the store answers, if it did not at first)
-            self.store.set(keys.node_exit(self._unreported[0]), str(time.time()))
-            self._exits_told += 1  # `set`, not `add`: an `add` on a value someone else made a non-number
-            self.store.set(keys.EXITS, str(self._exits_told))  # would cut this process's connection
+            sealed.put(self.store, keys.node_exit(self._unreported[0]), str(time.time()))
+            self._exits_told += 1
+            sealed.hint(self.store, keys.EXITS)  # (a hint, never an `add`: see controlplane.sealed)
             self._unreported.pop(0)
 
     def _look_final(self) -> None:
@@ -367,7 +384,7 @@ class LocalJob:
         """The step records not yet read when the run ended (to its exports; the report writes metrics.jsonl)."""
         if self.live is not None:
             with contextlib.suppress(Exception):  # (an export that fails must not cost the report)
-                self.live.advance(self.store, parse_int(get_nowait(self.store, keys.PROGRESS), keys.PROGRESS, 0))
+                self.live.advance(self.store, parse_int(sealed.get(self.store, keys.PROGRESS), keys.PROGRESS, 0))
 
     def _show_progress(self, rec: dict[str, Any]) -> None:
         try:
@@ -397,6 +414,8 @@ class LocalJob:
                     last_look = time.monotonic()
                     unfenced = [n for n in self.agents if n not in self.fenced]
                     *fences, over = exists_many(self.store, [keys.fence(n) for n in unfenced] + [keys.RUN_STATE])
+                    if any(fences):  # (a fence not sealed with the run key is ignored, logged)
+                        fences = sealed.present(self.store, [keys.fence(n) for n in unfenced], fences)
                     fenced_now = {n for n, f in zip(unfenced, fences, strict=True) if f}
                     ended = run_ended(self.store, self.run_id, self.token) if over else None
                     over = ended is not None  # (a run state not signed with the run key is ignored, logged)
@@ -423,15 +442,16 @@ class LocalJob:
                         return "failed: the coordinator keeps exiting (6 times within a minute)"
                     # control-plane failure: restart it; it reloads its journal (a standby takes over meanwhile)
                     self.coord_restarts += 1
-                    self.store.compare_set(keys.COORDINATOR_PID, str(cp.pid), "")
-                    if self.store.get(keys.COORDINATOR_PID) == b"":
+                    gone = sealed.seal(keys.COORDINATOR_PID, "")
+                    self.store.compare_set(keys.COORDINATOR_PID, sealed.seal(keys.COORDINATOR_PID, str(cp.pid)), gone)
+                    if get_nowait(self.store, keys.COORDINATOR_PID) == gone:
                         self.store.delete_key(keys.COORDINATOR_PID)
                     t = time.time()
                     self._start_coordinator(i)
-                    self.store.append(keys.EVENTS, json.dumps({"t": t, "kind": "coordinator_exited", "by": "launcher",
-                                                               "code": cp.returncode, "pid": cp.pid,
-                                                               "standbys": self.cfg.coordinators - 1}) + "\n")
-                raw_prog = get_nowait(self.store, keys.PROGRESS) if look else None
+                    sealed.append(self.store, keys.EVENTS, {"t": t, "kind": "coordinator_exited", "by": "launcher",
+                                                            "code": cp.returncode, "pid": cp.pid,
+                                                            "standbys": self.cfg.coordinators - 1})
+                raw_prog = sealed.get(self.store, keys.PROGRESS) if look else None
                 prog = parse_int(raw_prog, keys.PROGRESS, -1) if raw_prog is not None else -1
                 if prog >= 0:
                     self._fire_member_faults(prog)
@@ -440,12 +460,13 @@ class LocalJob:
                         self._start_agent(f"s{self.cfg.spares}")
                     if prog != last_progress and self.store.check([keys.step(prog)]):
                         last_progress = self.last_step_shown = prog
-                        rec = read_json(self.store, keys.step(prog))
+                        rec = sealed.get_json(self.store, keys.step(prog))
                         if rec is not None:
                             self._show_progress(rec)
                 if look:
                     self._poll_events()
                     self._look_final()
+                    self._keep()
                 if over and ended is not None:
                     return ended
                 if time.monotonic() > deadline:
@@ -487,9 +508,9 @@ class LocalJob:
             i, name = self.cluster.member(member)
             rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "kill",
                    "node": name, "step": f.step, "phase": "control plane", "by": "launcher"}
-            self.store.add(keys.fault(f.index) + "/fired", 1)
-            self.store.set(keys.fault(f.index), json.dumps(rec))
-            self.store.append(keys.EVENTS, json.dumps(rec) + "\n")
+            sealed.put(self.store, keys.fault(f.index) + "/fired", "1")
+            sealed.put(self.store, keys.fault(f.index), json.dumps(rec))
+            sealed.append(self.store, keys.EVENTS, rec)
             self.cluster.kill_member(i)
 
     # ------------------------------------------------------------------ node cleanup
@@ -535,8 +556,8 @@ class LocalJob:
                     continue  # it came back once and was refused: it is not repaired again
                 self._quarantine_shown.add(host)
             self._start_agent(spare, host)
-            self.store.append(keys.EVENTS, json.dumps({"t": time.time(), "kind": "spare_repaired", "by": "launcher",
-                                                       "node": spare, "replaces": lost}) + "\n")
+            sealed.append(self.store, keys.EVENTS, {"t": time.time(), "kind": "spare_repaired", "by": "launcher",
+                                                    "node": spare, "replaces": lost})
 
     # ------------------------------------------------------------------ teardown
     def _never_up(self, node: str) -> bool:
@@ -644,10 +665,10 @@ class LocalJob:
         """Head: keep serving the store until every admitted node that is not fenced has left (its agent
         saw the final run state and stopped its workers), at most until `deadline`; record who did not."""
         try:
-            members = read_json(self.store, keys.MEMBERS, {})
-            waiting = [n for n in members if not self.store.check([keys.fence(n)])]
+            members = sealed.get_json(self.store, keys.MEMBERS, {})
+            waiting = [n for n in members if not sealed.has(self.store, keys.fence(n))]
             while waiting and time.monotonic() < deadline:
-                waiting = [n for n in waiting if not self.store.check([keys.left(n)])]
+                waiting = [n for n in waiting if not sealed.has(self.store, keys.left(n))]
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store is gone: nobody can leave through it any more
             return
@@ -737,7 +758,7 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
                 report = build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final,
                                       t_launch=job.t_launch)
                 if job.store.check([keys.MEMBERS]):
-                    report["members"] = read_json(job.store, keys.MEMBERS, {})
+                    report["members"] = sealed.get_json(job.store, keys.MEMBERS, {})
         except KeyboardInterrupt:
             state = INTERRUPTED
             report = _interrupted_report(job, cfg, state)

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Store, auth, exists_many, keys
-from phoenixft.controlplane.signed import env_token, run_ended, set_signed
-from phoenixft.controlplane.values import parse_int, read_json, read_raw
+from phoenixft.controlplane import Store, auth, exists_many, keys, sealed
+from phoenixft.controlplane.signed import env_token, run_ended, set_signed, wait_verified
+from phoenixft.controlplane.values import parse_int
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.coordinator.stragglers import nodes_compute
 from phoenixft.dist import device
@@ -47,6 +47,9 @@ from phoenixft.workload import WorkloadContext, load_workload, unsupported_param
 
 __all__ = ["Worker", "worker_main"]
 
+CONFIG_WAIT_S = 10.0  # a config that does not verify: how long to wait for the launcher to put it back
+RUN_DIR_WAIT_S = 5.0  # ... a run directory
+
 
 class Worker:
     def __init__(self, store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
@@ -55,12 +58,17 @@ class Worker:
         self.incarnation = incarnation
         self.wid = f"{node_id}.{local_rank}"
         store: Store = connect_store(store_addr)
-        self.cfg = RunConfig.from_json(store.get(keys.CONFIG).decode())
+        sealed.bind(env_token(), run_id)  # what this worker writes to the store and acts on is sealed
+        raw_cfg = wait_verified(store, env_token(), run_id, keys.CONFIG, CONFIG_WAIT_S)
+        if raw_cfg is None:
+            raise RunAborted(f"the job's config in the store is not signed with the key of run {run_id}: refusing "
+                             "to train on it (something other than the job wrote it)")
+        self.cfg = RunConfig.from_json(raw_cfg.decode())
         cfg = self.cfg
         self.restarted = incarnation > 0
         cur: Topology | None = None  # restarted in place: the epoch it rejoins
-        if incarnation > 0 and parse_int(read_raw(store, keys.EPOCH), keys.EPOCH, -1) >= 0:
-            e0 = int(store.get(keys.EPOCH))
+        e0 = parse_int(sealed.get(store, keys.EPOCH), keys.EPOCH, -1) if incarnation > 0 else -1
+        if e0 >= 0:
             cur = auth.verified_topology(store, e0, store.get(keys.topo(e0)))
         if incarnation > 0 and (cur is None or (node_id.startswith("s") and node_id not in cur.nodes)):
             # restarted before the run's first epoch was published, or as an idle spare: nothing to rejoin,
@@ -184,7 +192,7 @@ class Worker:
                 values.append(json.dumps({"t": now, "step": s}))
                 self._first_after_join = None
             self._check_fence()  # a rank 0 resumed after its fence must not write a stale record
-            self.ctx.store.multi_set(names, values)
+            sealed.put_many(self.ctx.store, names, values)
 
     def _step(self, s: int) -> Any:
         """The trainer's step s on this rank's microbatches (its state commits step s)."""
@@ -207,7 +215,7 @@ class Worker:
             self._check_fence()
             from phoenixft.observe.export import write_final
 
-            run_dir = self.ctx.store.get(keys.RUN_DIR).decode() if self.ctx.store.check([keys.RUN_DIR]) else ""
+            run_dir = self._run_dir()
             path = write_final(run_dir, self.ctx.trainer, master, self.cfg, sha) if run_dir else ""
             final = json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.ctx.epoch, "path": path})
             set_signed(self.ctx.store, env_token(), self.run_id, keys.FINAL, final)  # (the launcher believes
@@ -222,12 +230,29 @@ class Worker:
             time.sleep(0.02)
         raise PeerFailure("rank 0 did not publish the final state")
 
+    def _run_dir(self) -> str:
+        """Where the final model goes: the launcher's run directory (`run/dir`, sealed: one that does not verify
+        is waited for, the launcher puts it back); '' where there is none (a head on another host)."""
+        deadline = time.monotonic() + RUN_DIR_WAIT_S
+        while self.ctx.store.check([keys.RUN_DIR]):
+            v = sealed.get(self.ctx.store, keys.RUN_DIR)
+            if v is not None:
+                return v.decode(errors="replace")
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        return ""
+
     # ------------------------------------------------------------------ membership and recovery
-    def _wait_key(self, key: str, timeout_s: float) -> bytes:
+    def _wait_key(self, key: str, timeout_s: float, is_sealed: bool = False) -> bytes:
+        """The value of `key` once it is there (`is_sealed`: and verifies); RunAborted if the run ends first or
+        after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.ctx.store.check([key]):
-                return self.ctx.store.get(key)
+                v = sealed.get(self.ctx.store, key) if is_sealed else self.ctx.store.get(key)
+                if v is not None:
+                    return v
             ended = run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
             if ended is not None:
                 raise RunAborted(f"run ended ({ended})")
@@ -237,14 +262,15 @@ class Worker:
 
     def await_membership(self) -> Topology:
         if self.node_id.startswith("s"):  # spare: wait, warm, to be promoted
-            e = int(self._wait_key(keys.assign(self.node_id), 10 * 24 * 3600.0))
+            e = parse_int(self._wait_key(keys.assign(self.node_id), 10 * 24 * 3600.0, is_sealed=True),
+                          keys.assign(self.node_id), 0)
         else:
             e = 0
         return auth.verified_topology(self.ctx.store, e, self._wait_key(keys.topo(e), 600.0))
 
     def _check_fence(self) -> None:
         """A fenced node (declared dead while it was stopped or cut off) must never write again."""
-        if self.ctx.store.check([keys.fence(self.node_id)]):
+        if sealed.has(self.ctx.store, keys.fence(self.node_id)):
             raise RunAborted(f"{self.node_id} was fenced: it is not a member any more and writes nothing")
 
     def recover(self, err: str) -> int:
@@ -253,20 +279,19 @@ class Worker:
         self.watcher.disarm()
         self._check_fence()
         if "requested by the control plane" not in err:  # else the flag is set already: no round trip
-            self.ctx.store.set(keys.failflag(e), "1")
-            self.ctx.store.set(keys.failflag(e) + "/by-worker", "1")
+            sealed.put_many(self.ctx.store, [keys.failflag(e), keys.failflag(e) + "/by-worker"], ["1", "1"])
         # (no event of its own: the descriptor carries the error and its time, and the coordinator logs one
         # `failures_reported` event for all of them: W appends to one key would be W more store round trips)
-        drain = self.ctx.store.check([keys.drain_notice(e)])  # the epoch ends for a planned drain
+        drain = sealed.has(self.ctx.store, keys.drain_notice(e))  # the epoch ends for a planned drain
         if self.protection.repl is not None:
             if drain:  # nothing failed: the replication of the last completed step finishes first, so that
                 self.protection.repl.settle(self._drain_wait_s())  # the drained node's shard has its replica
             self.protection.repl.abort()
         desc = self.protection.descriptor(err, t_err)
-        self.ctx.store.set(keys.desc(e, self.wid), json.dumps(desc.to_json()))
-        posted = self.ctx.store.add(keys.desc_posted(e), 1)  # the coordinator polls this one counter, not every key
+        sealed.put(self.ctx.store, keys.desc(e, self.wid), json.dumps(desc.to_json()))
+        sealed.hint(self.ctx.store, keys.desc_posted(e))  # the coordinator polls this one key, not every descriptor
         if drain and self.ctx.topo is not None:
-            self._await_peers_settled(e, posted, self.ctx.topo.world)
+            self._await_peers_settled(e, self.ctx.topo)
         # only now the old epoch's groups are aborted: an NCCL abort can block up to the group's timeout,
         # and the descriptor must reach the coordinator within its own; the abort gets a bounded wait
         # (dist/retire.py: past it, the groups are abandoned to the abort's thread and the worker goes on)
@@ -296,14 +321,16 @@ class Worker:
         have posted): every peer is alive, so it takes milliseconds; past this, what is there is described."""
         return min(5.0, max(1.0, self.cfg.failure_timeout / 2))
 
-    def _await_peers_settled(self, e: int, posted: int, world: int) -> None:
+    def _await_peers_settled(self, e: int, topo: Topology) -> None:
         """A drain: every worker of the epoch has posted its descriptor (so its replication is complete)
         before this one retires the epoch's groups: a retired group could cut a transfer a peer is still
         receiving from this rank. Bounded (a peer lost meanwhile is the ordinary failure path)."""
         deadline = time.monotonic() + self._drain_wait_s()
-        while posted < world and time.monotonic() < deadline:
+        names = [keys.desc(e, f"{n}.{i}") for n in topo.nodes for i in range(topo.workers_per_node)]
+        posts = sealed.Hint(keys.desc_posted(e), 0.05)  # (each worker sets it after its descriptor)
+        while time.monotonic() < deadline and not (posts.moved(self.ctx.store)
+                                                   and sealed.all_present(self.ctx.store, names)):
             time.sleep(0.002)
-            posted = parse_int(read_raw(self.ctx.store, keys.desc_posted(e)), keys.desc_posted(e), 0)
 
     def _build_comm(self, topo: Topology) -> EpochComm:
         """The epoch's process groups. Their rendezvous waits for every member (up to the collective
@@ -343,6 +370,7 @@ class Worker:
             last = time.monotonic()
             failed, over = exists_many(side, [keys.failflag(topo.epoch), keys.RUN_STATE])
             over = over and run_ended(side, self.run_id) is not None  # (a forged end is ignored)
+            failed = failed and sealed.has(side, keys.failflag(topo.epoch))  # (so is a forged flag)
             if over or failed:  # the blocked client stays with the abandoned build; this one becomes the worker's
                 self.ctx.store, self._side_store = side, None
                 gave_up.set()
@@ -410,7 +438,7 @@ class Worker:
         inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step, tr.state.steps(),
                                        held, not bad, self.ctx.wait, seen)
         timings["join_s"] = time.time() - t0
-        self.ctx.store.set(keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.ctx.rank,
+        sealed.put(self.ctx.store, keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.ctx.rank,
                                                                      "invariants": inv, "i3_failures": bad,
                                                                      **timings}))
         if not inv["I3"]:
@@ -434,21 +462,21 @@ class Worker:
     def _stop_run(self, why: str, ours: bool = False) -> None:
         """Stop the whole run at the last committed step, with one clear reason: a fault that is not
         ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past."""
-        if self.ctx.store.add("run/stop_claim", 1) == 1:
+        if sealed.claim(self.ctx.store, "run/stop_claim"):
             last = max(self.ctx.trainer.state.steps(), default=0) if self.ctx.trainer is not None else 0
             msg = (f"{why}; the run stops rather than train on a state it cannot vouch for" if ours
                    else f"{why}; not ours to heal, stopped at the last committed step {last}")
-            self.ctx.store.set(keys.RUN_ERROR, msg)
+            sealed.put(self.ctx.store, keys.RUN_ERROR, msg)
             self.ctx.event("run_failed", error=why, last_committed=last)
             set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "failed")
 
     def run(self) -> int:
-        self.ctx.store.set(keys.ready(self.wid), str(time.time()))
+        sealed.put(self.ctx.store, keys.ready(self.wid), str(time.time()))
         if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
             self.ctx.store.delete_key(keys.start_failed(self.wid))
         try:
             if self.incarnation > 0:  # restarted in place by the agent: rejoin from retained memory
-                e = int(self.ctx.store.get(keys.EPOCH))
+                e = parse_int(sealed.get(self.ctx.store, keys.EPOCH), keys.EPOCH, 0)
                 self.ctx.topo = auth.verified_topology(self.ctx.store, e, self.ctx.store.get(keys.topo(e)))
                 self.ctx.epoch, self.ctx.rank = e, self.ctx.topo.rank_of(self.node_id, self.local_rank)
                 step = self.recover(f"restarted in place (incarnation {self.incarnation})") + 1
@@ -496,10 +524,10 @@ def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: st
     try:
         store = w.ctx.store if w is not None else connect_store(store_addr, 10.0)
         key = keys.start_failed(wid)  # (one process of the worker at a time: no other writer)
-        rec: dict[str, Any] = read_json(store, key) or {"t": time.time(), "error": error[:500]}
+        rec: dict[str, Any] = sealed.get_json(store, key) or {"t": time.time(), "error": error[:500]}
         rec["failures"] = parse_int(str(rec.get("failures", 0)), key) + 1
-        store.set(key, json.dumps(rec))
-        store.add(keys.START_FAILS, 1)  # the coordinator looks at startfail/ keys when this moves
+        sealed.put(store, key, json.dumps(rec))
+        sealed.hint(store, keys.START_FAILS)  # the coordinator looks at startfail/ keys once this is there
     except Exception:  # noqa: BLE001 - no control plane: nobody to tell (the agent still reports the exit)
         pass
 

@@ -8,8 +8,7 @@ import json
 import time
 from typing import Any
 
-from phoenixft.controlplane import Store, keys
-from phoenixft.controlplane.values import parse_json
+from phoenixft.controlplane import Store, keys, sealed
 
 __all__ = ["SDC_LOG", "accuse", "accused", "sdc_quarantine", "quarantined", "log", "log_once"]
 
@@ -27,7 +26,7 @@ def _quarantine_key(node: str) -> str:
 def accuse(store: Store, epoch: int, node: str, rec: dict[str, Any]) -> None:
     """Name `node` as corrupting in epoch `epoch` (before the rank sets the epoch's failure flag: the
     coordinator reads it after its gather and fences the node)."""
-    store.append(_accused_key(epoch), json.dumps({"node": node, **rec}) + "\n")
+    sealed.append(store, _accused_key(epoch), {"node": node, **rec})
 
 
 def accused(store: Store, epoch: int) -> dict[str, dict[str, Any]]:
@@ -36,9 +35,8 @@ def accused(store: Store, epoch: int) -> dict[str, dict[str, Any]]:
     if not store.check([key]):
         return {}
     out: dict[str, dict[str, Any]] = {}
-    for line in store.get(key).decode(errors="replace").splitlines():
-        rec = parse_json(line.encode(), key)
-        if isinstance(rec, dict) and isinstance(rec.get("node"), str):
+    for rec in sealed.records(key, store.get(key)):  # (a line not sealed with the run key accuses no one)
+        if isinstance(rec.get("node"), str):
             out.setdefault(rec["node"], rec)
     return out
 
@@ -47,24 +45,24 @@ def sdc_quarantine(store: Store, node: str, reason: str) -> None:
     """Keep `node` out of this job for good: it computed wrong. Its fence already keeps that node id
     from rejoining; the quarantine record names why, for the report and for an admission that checks
     it (`quarantined`)."""
-    store.set(_quarantine_key(node), json.dumps({"t": time.time(), "node": node, "reason": reason}))
-    store.set(keys.fence(node), str(time.time()))
+    sealed.put(store, _quarantine_key(node), json.dumps({"t": time.time(), "node": node, "reason": reason}))
+    sealed.put(store, keys.fence(node), str(time.time()))
 
 
 def quarantined(store: Store, node: str) -> bool:
-    return store.check([_quarantine_key(node)])
+    return sealed.has(store, _quarantine_key(node))
 
 
 def log(store: Store, kind: str, event: bool = True, **fields: Any) -> None:
     """One detection or verdict: in `sdc/log` (the report) and (`event`) as an event (the live line)."""
     rec = {"t": time.time(), "kind": kind, **fields}
-    store.append(SDC_LOG, json.dumps(rec) + "\n")
+    sealed.append(store, SDC_LOG, rec)
     if event:
-        store.append(keys.EVENTS, json.dumps(rec) + "\n")
+        sealed.append(store, keys.EVENTS, rec)
 
 
 def log_once(store: Store, what: str, kind: str, **fields: Any) -> None:
     """`log`, by the first rank that gets here for `what` (every rank of a group reaches the same
     decision, and any of them may be interrupted right after it by another's recovery request)."""
-    if store.add(f"sdc/logged/{what}", 1) == 1:
+    if sealed.claim(store, f"sdc/logged/{what}"):
         log(store, kind, **fields)

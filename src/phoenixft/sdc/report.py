@@ -7,8 +7,8 @@ import statistics
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Store
-from phoenixft.controlplane.values import parse_lines, read_raw
+from phoenixft.controlplane import Store, sealed
+from phoenixft.controlplane.values import read_raw
 from phoenixft.sdc.record import SDC_LOG
 
 __all__ = ["sdc_report", "COSTS", "detection_line"]
@@ -73,7 +73,7 @@ def _checkpoint_at_most(root: str, step: int) -> str | None:
 
 
 def sdc_report(store: Store, cfg: RunConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
-    log = parse_lines(read_raw(store, SDC_LOG) or b"", SDC_LOG)
+    log = sealed.records(SDC_LOG, read_raw(store, SDC_LOG))
     detections = [{k: v for k, v in x.items() if k != "kind"} for x in log if x.get("kind") == "sdc_detected"]
     verdicts = [{k: v for k, v in x.items() if k != "kind"} for x in log if x.get("kind") == "sdc_verdict"]
     named = sorted({n for d in detections for n in d.get("nodes", [])} | {v["node"] for v in verdicts if v.get("node")})
