@@ -165,8 +165,8 @@ def test_planted_challenges_and_deleted_verdicts_admit_no_one() -> None:
 
     server = serve_store("127.0.0.1", 0)
     store = _client(server)
-    store.set(keys.CONFIG, RunConfig(nodes=1, spares=1).to_json())
     store.set(keys.RUN_ID, "run1")
+    signed.set_signed(store, TOKEN, "run1", keys.CONFIG, RunConfig(nodes=1, spares=1).to_json())
     coord = Coordinator(store, token=TOKEN)
     planted = "ab" * 32
     store.set(keys.admit_challenge(1), json.dumps({"nonce": planted, "run_id": "run1"}))  # before the agent asks

@@ -117,14 +117,15 @@ def _store() -> Any:
 def _post(store: Any, node: str, n: int, ok: bool | None = None, age: float = 0.0, ask: int = 0) -> None:
     """What spare `node`'s agent posts: check n started `age` s ago, and (ok not None) its verdict."""
     t = time.time() - age
-    store.set(keys.health_running(node), json.dumps({"n": n, "phase": "join", "ask": ask, "t": t}))
+    sealed.put(store, keys.health_running(node), json.dumps({"n": n, "phase": "join", "ask": ask, "t": t}))
     if ok is not None:
-        store.set(keys.health(node), json.dumps({"ok": ok, "reason": "" if ok else "matrix product: bad", "n": n,
-                                                 "ask": ask, "t": t, "phase": "join", "node": node}))
+        verdict = {"ok": ok, "reason": "" if ok else "matrix product: bad", "n": n, "ask": ask, "t": t,
+                   "phase": "join", "node": node}
+        sealed.put(store, keys.health(node), json.dumps(verdict))
 
 
 def _ask(store: Any) -> dict[str, Any]:
-    return json.loads(store.get(keys.HEALTH_ASK)) if store.check([keys.HEALTH_ASK]) else {}
+    return sealed.get_json(store, keys.HEALTH_ASK) or {}
 
 
 def test_the_gate_takes_fresh_verdicts_waits_for_running_checks_and_asks_stale_ones(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -135,6 +136,7 @@ def test_the_gate_takes_fresh_verdicts_waits_for_running_checks_and_asks_stale_o
     from phoenixft.health import gate as gate_mod
 
     _master, store = _store()
+    sealed.bind("t" * 32, "rid")  # (the job's processes seal what they write and check what they read)
     spares = ["s0", "s1", "s2", "s3", "s4"]
     state = Membership(members={s: {"hostid": f"h/{s}"} for s in spares}, spare_pool=list(spares))
     g = gate_mod.HealthGate(Job(store, 1), RunConfig(health_max_age=10.0, health_recheck_every=3.0), state)
@@ -144,7 +146,7 @@ def test_the_gate_takes_fresh_verdicts_waits_for_running_checks_and_asks_stale_o
     _post(store, "s3", 1, ok=False)  # sick
     assert g.healthy(spares) == ["s0", "s1"]  # (s4 never started a check: never promoted)
     assert g.healthy(spares, pending=True) == ["s0", "s1", "s2"]
-    events = lambda: [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines()]  # noqa: E731
+    events = lambda: sealed.records(keys.EVENTS, store.get(keys.EVENTS))  # noqa: E731
     assert [(e["kind"], e["node"]) for e in events()] == [("spare_unhealthy", "s3")]  # once, though read twice
 
     g.begin(["s0", "s1", "s2"])  # a recovery: only the stale one is asked to check again
@@ -193,7 +195,8 @@ def test_the_gate_takes_fresh_verdicts_waits_for_running_checks_and_asks_stale_o
     _post(store, "s1", 5)
     t = time.monotonic()
     assert g.vet(["s1"], 1) == [] and 0.25 <= time.monotonic() - t < 2
-    assert "no answer to the check before its promotion" in json.loads(store.get(keys.health("s1")))["reason"]
+    why = json.loads(sealed.get(store, keys.health("s1")) or b"null")["reason"]
+    assert "no answer to the check before its promotion" in why
     # --health-max-age 0: no verdict is fresh, every promotion asks for a check just before it
     strict = gate_mod.HealthGate(Job(store, 1), RunConfig(health_max_age=0.0), state)
     _post(store, "s0", 6, ok=True)
@@ -206,31 +209,32 @@ def test_a_spare_checks_in_the_background_and_a_running_check_answers_an_ask(tmp
     from phoenixft.health.spare import SpareHealth
 
     _master, store = _store()
+    sealed.bind("t" * 32, "rid")  # (the job's processes seal what they write and check what they read)
     h = SpareHealth(RunConfig(nodes=2), "s0", "t3strun000", "h/s0", workers=1)
     t = time.monotonic()
     h.start_join(store)  # announced at once; its process starts once the node's worker is ready
     assert time.monotonic() - t < 1.0 and h.running is None and h.busy
-    running = json.loads(store.get(keys.health_running("s0")))
+    running = json.loads(sealed.get(store, keys.health_running("s0")) or b"null")
     assert running["n"] == 1 and running["phase"] == "join" and not store.check([keys.health("s0")])
     h.poll(store)
     assert h.running is None
-    store.set(keys.ready("s0.0"), str(time.time()))
+    sealed.put(store, keys.ready("s0.0"), str(time.time()))
     h.poll(store)  # the worker is ready: the check runs now, in its own process
     assert h.running is not None
-    store.set(keys.HEALTH_ASK, json.dumps({"seq": 7, "nodes": ["s0"], "recheck": [], "t": time.time()}))
+    sealed.put(store, keys.HEALTH_ASK, json.dumps({"seq": 7, "nodes": ["s0"], "recheck": [], "t": time.time()}))
     h.answer(store)  # asked while its join check runs: that check answers the ask, no second one starts
     assert h.n == 1
     deadline = time.monotonic() + 60
     while h.running is not None and time.monotonic() < deadline:
         h.poll(store)
         time.sleep(0.02)
-    rec = json.loads(store.get(keys.health("s0")))
+    rec = json.loads(sealed.get(store, keys.health("s0")) or b"null")
     assert rec["ok"] and rec["n"] == 1 and rec["ask"] == 7 and rec["phase"] == "join", rec
-    store.set(keys.HEALTH_ASK, json.dumps({"seq": 8, "nodes": ["s0"], "recheck": ["s0"], "t": time.time()}))
+    sealed.put(store, keys.HEALTH_ASK, json.dumps({"seq": 8, "nodes": ["s0"], "recheck": ["s0"], "t": time.time()}))
     h.answer(store)
-    assert h.n == 2 and json.loads(store.get(keys.health_running("s0")))["phase"] == "recheck"
+    assert h.n == 2 and json.loads(sealed.get(store, keys.health_running("s0")) or b"null")["phase"] == "recheck"
     h.stop()  # its agent leaves: the check is killed, nothing posted
-    assert h.running is None and json.loads(store.get(keys.health("s0")))["n"] == 1
+    assert h.running is None and json.loads(sealed.get(store, keys.health("s0")) or b"null")["n"] == 1
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("phoenixft-t3strun000")]
 
 
