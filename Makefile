@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/phoenixft demo
 
 # two pytest-xdist workers, a test file each at a time (module fixtures stay one per file; reference runs are
-# shared: tests/conftest.py); then, alone, the few tests that compare wall-clock step times (marker `serial`)
+# shared: tests/conftest.py); then, alone, the tests marked `serial` (docs/testing.md says which and why)
 test: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow and not serial" -n 2 --dist loadfile --durations=15
 	$(PY) -m pytest -q -x -m "serial and not slow" --durations=5

@@ -483,6 +483,7 @@ def test_bad_demo_flags_are_named_as_given(argv: list[str], line: str, tmp_path:
     assert list(tmp_path.iterdir()) == []  # nothing started
 
 
+@pytest.mark.serial  # (a wall-clock bound on CPU-bound work: run alone, not beside another test)
 def test_a_large_job_gets_its_schedule_at_once() -> None:
     """Every pair of nodes is checked for survivability; the replica ring was built anew per pair, so a
     campaign over a few thousand nodes never got past drawing its schedule (O(n^3))."""

@@ -93,6 +93,7 @@ def _events(store: Any) -> list[dict[str, Any]]:
     return [json.loads(sealed.peel(x) or b"") for x in raw.splitlines() if x.strip()]
 
 
+@pytest.mark.serial  # (alone: a run started beside it could sweep the memory it looks for, see conftest)
 def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """4 hosts + 1 spare host (+ the head), `tiny`: the host in slot 2 is partitioned at step 4 for 6 s (its
     link down, its processes running). The job notices it within --failure-timeout, fences it and hot-swaps

@@ -33,6 +33,11 @@ from phoenixft.controlplane import keys, sealed
 from phoenixft.dist.comm import connect_store
 from phoenixft.protect import shm
 
+# `serial`: runs alone in `make test`, after the other tests: every local run that starts sweeps the memory of
+# dead runs on this machine, and one started beside these tests could free what they look for (a leak would
+# pass unseen, a planted orphan go missing)
+pytestmark = pytest.mark.serial
+
 TAG_ENV = "PHOENIXFT_TEST_LEAK_TAG"
 GONE_WITHIN_S = 15.0  # after the launcher's exit (SIGKILL: its agents notice through a pidfd, then clean up)
 

@@ -24,6 +24,11 @@ from phoenixft.dist.comm import connect_store
 from phoenixft.protect import shm
 from phoenixft.runtime.procs import cmdlines, start_time
 
+# `serial`: runs alone in `make test`, after the other tests: every local run that starts sweeps the memory of
+# dead runs on this machine, and one started beside these tests could free what they look for (a leak would
+# pass unseen, a planted orphan go missing)
+pytestmark = pytest.mark.serial
+
 PY = sys.executable
 
 

@@ -144,7 +144,7 @@ def test_resume_of_another_model_names_both_sizes(tmp_path: Path, capsys: pytest
                     f"--resume={tmp_path / 'ckpt'}: checkpoint has 812,288 parameters, --model small has ", capsys)
 
 
-@pytest.mark.serial  # (a wall-clock bound: run alone)
+@pytest.mark.serial  # (a wall-clock bound on CPU-bound work: run alone, not beside another test)
 def test_agent_without_a_store_fails_in_bounded_time() -> None:
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "phoenixft", "agent", "--store", "127.0.0.1:1", "--node", "n9",
