@@ -9,6 +9,7 @@ RUN_ERROR = "run/error"
 EVENTS = "events"  # newline-separated JSON records, appended
 PROGRESS = "progress"
 FINAL = "final"
+FINAL_SEEN = "final/seen"  # set (sealed) by the launcher once it has the signed final state: rank 0 stops rewriting it
 EPOCH = "epoch"
 JOURNAL = "coordinator/journal"  # the coordinator's last decision (topology, spare pool, dead nodes), write-ahead
 COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)

@@ -188,17 +188,31 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
     _through_tls(a, flag)
     bind = a.host.strip("[]") or local_addr
     _check_bind(bind)
-    store, cfg, served = _connect(a, flag, token)
+    store, cfg, _ = _connect(a, flag)
     _prepare_host(cfg, a.node, shm=not a.parent_pid)  # (before asking to join, too)
     node, run_id = _admit(a, store, token, bind)
     assert token is not None  # admitted: the verdict verified with it
-    if run_id != served:  # (the config was checked under the store's run id: the verdict's is the one)
-        raise UserError(f"{flag}={a.store}: the run id in the store ({served}) is not the run the coordinator "
-                        f"admitted this node to ({run_id})")
     from phoenixft.controlplane import sealed
 
     sealed.bind(token, run_id)  # what this agent writes to the store and acts on is sealed
-    return _Node(a, store, cfg, node, run_id, bind, token).run()
+    checked = _verified_config(a, flag, store, token, run_id)
+    if checked.to_json() != cfg.to_json():  # (the one read before the join was not the job's: check again)
+        _prepare_host(checked, a.node, shm=not a.parent_pid)
+    return _Node(a, store, checked, node, run_id, bind, token).run()
+
+
+def _verified_config(a: argparse.Namespace, flag: str, store: Store, token: str, run_id: str) -> RunConfig:
+    """The job's config once its signature verifies with the run key of the token and the run id the
+    signed admission verdict named (the launcher puts back one that something else overwrote), waited for
+    until --connect-timeout; UserError then."""
+    from phoenixft.controlplane import keys
+    from phoenixft.controlplane.signed import wait_verified
+
+    raw = wait_verified(store, token, run_id, keys.CONFIG, a.connect_timeout)
+    if raw is None:
+        raise UserError(f"{flag}={a.store}: the job's config there is not signed with the key of run {run_id} "
+                        "(something other than the job wrote it)")
+    return RunConfig.from_json(raw.decode())
 
 
 def _through_tls(a: argparse.Namespace, flag: str) -> None:
@@ -266,13 +280,12 @@ def _check_args(a: argparse.Namespace) -> None:
             raise UserError(f"{name}={v:g} is invalid: must be > 0 and at most {MAX_AGENT_WAIT_S:g} seconds")
 
 
-def _connect(a: argparse.Namespace, flag: str, token: str | None) -> tuple[Store, RunConfig, str]:
-    """(a client of the store, the job's config, the run id it serves) - retried while the store's answers
-    time out (a loaded host) until --connect-timeout; UserError if it is no phoenixft store. With a token, the
-    config counts once its signature verifies with the run key of the token and the store's run id (which it
-    also vouches for: the launcher puts back either if something else overwrote it)."""
+def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
+    """(a client of the store, the job's config as the store holds it, the run id it serves) - retried while
+    the store's answers time out (a loaded host) until --connect-timeout; UserError if it is no phoenixft
+    store. The config is checked (`_verified_config`) once the admission has proven the token and named the
+    run; before, it only sizes the host's check (`_prepare_host`), done again if the checked one differs."""
     from phoenixft.controlplane import keys
-    from phoenixft.controlplane.signed import verified
     from phoenixft.dist.comm import connect_store
 
     connect_deadline = time.monotonic() + a.connect_timeout
@@ -285,13 +298,13 @@ def _connect(a: argparse.Namespace, flag: str, token: str | None) -> tuple[Store
             served = clean(store.get(keys.RUN_ID), 64) if store.check([keys.RUN_ID]) else ""
             if a.run_id and served and a.run_id != served:  # before asking to join: a refused agent holds no slot
                 raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
-            if token and verified(store, token, served, keys.CONFIG, note=False) is None:
+            try:
+                return store, RunConfig.from_json(bytes(raw).decode(errors="replace")), served
+            except Exception:  # noqa: BLE001 - not a config (overwritten by a stranger): its writer puts it back
                 if time.monotonic() > connect_deadline:
-                    raise UserError(f"{flag}={a.store}: the job's config there is not signed with this agent's token "
-                                    "(a job with another token, or something other than the job wrote it)")
+                    raise UserError(f"{flag}={a.store}: the job's config there is unreadable") from None
                 time.sleep(0.2)
                 continue
-            return store, RunConfig.from_json(bytes(raw).decode()), served
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...

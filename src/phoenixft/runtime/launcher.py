@@ -76,6 +76,7 @@ STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves on
 CONTROL_PLANE_TIMEOUT_S = 15.0  # a cluster: no answer for this long and the run is failed (agents' default too)
 INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP
 ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coordinator gets to decide (and record why)
+FINAL_WAIT_S = 12.0  # the run state said done: how long to look for the signed final-state record
 KEEP_EVERY_S = 1.0  # how often the launcher checks the keys it wrote once (`_keep`)
 LOST_TEARDOWN_CALL_S = 2.0  # a replicated store lost: each teardown call gets this long (if it is back: cleaned)
 
@@ -379,6 +380,17 @@ class LocalJob:
         the key afterwards cannot take the run's true final state away)."""
         if self.final is None and self.store.check([keys.FINAL]):
             self.final = parse_json(verified(self.store, self.token, self.run_id, keys.FINAL), keys.FINAL)
+            if self.final is not None:  # (rank 0 writes it again until it is seen: a stranger's overwrite is raced)
+                sealed.put(self.store, keys.FINAL_SEEN, "1")
+
+    def await_final(self, timeout_s: float) -> None:
+        """The signed final-state record, looked for every 20 ms for at most `timeout_s` (the run state said
+        done: rank 0 writes both again until this launcher has the record)."""
+        deadline = time.monotonic() + timeout_s
+        self._look_final()
+        while self.final is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            self._look_final()
 
     def _last_steps(self) -> None:
         """The step records not yet read when the run ended (to its exports; the report writes metrics.jsonl)."""
@@ -746,7 +758,7 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
             job.start()
             state = job.monitor()
             if state == "done":
-                job._look_final()
+                job.await_final(FINAL_WAIT_S)
                 if job.final is None:  # "done" signed, its record not: overwritten since by a party without the key
                     state = ("failed: the run's final state in the store is not signed with this run's key "
                              "(something other than this job overwrote it)")

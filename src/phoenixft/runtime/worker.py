@@ -49,6 +49,8 @@ __all__ = ["Worker", "worker_main"]
 
 CONFIG_WAIT_S = 10.0  # a config that does not verify: how long to wait for the launcher to put it back
 RUN_DIR_WAIT_S = 5.0  # ... a run directory
+FINAL_ACK_S = 10.0  # rank 0 writes the final state again until the launcher has it, at most this long
+FINAL_REWRITE_S = 0.05
 
 
 class Worker:
@@ -217,9 +219,8 @@ class Worker:
 
             run_dir = self._run_dir()
             path = write_final(run_dir, self.ctx.trainer, master, self.cfg, sha) if run_dir else ""
-            final = json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.ctx.epoch, "path": path})
-            set_signed(self.ctx.store, env_token(), self.run_id, keys.FINAL, final)  # (the launcher believes
-            set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "done")  # only signed ones)
+            self._publish_final(json.dumps({"sha256": sha, "step": self.cfg.steps, "epoch": self.ctx.epoch,
+                                            "path": path}))
             return
         deadline = time.monotonic() + self.ctx.coll_timeout
         while time.monotonic() < deadline:
@@ -229,6 +230,19 @@ class Worker:
                 raise PeerFailure("failure during the final gather")
             time.sleep(0.02)
         raise PeerFailure("rank 0 did not publish the final state")
+
+    def _publish_final(self, final: str) -> None:
+        """The final state and the run's end, signed with the run key (the launcher believes only signed ones),
+        written again every FINAL_REWRITE_S until the launcher says it has them (`final/seen`, sealed), at
+        most FINAL_ACK_S: a stranger who overwrites them as they appear delays the end, and must keep winning
+        every race for as long to make the run fail."""
+        deadline = time.monotonic() + FINAL_ACK_S
+        while True:
+            set_signed(self.ctx.store, env_token(), self.run_id, keys.FINAL, final)
+            set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "done")
+            if sealed.has(self.ctx.store, keys.FINAL_SEEN) or time.monotonic() > deadline:
+                return
+            time.sleep(FINAL_REWRITE_S)
 
     def _run_dir(self) -> str:
         """Where the final model goes: the launcher's run directory (`run/dir`, sealed: one that does not verify
