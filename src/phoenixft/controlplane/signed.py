@@ -24,7 +24,8 @@ from phoenixft.controlplane import keys
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import clean, note_bad
 
-__all__ = ["run_key", "sig_key", "sign", "set_signed", "verified", "wait_verified", "run_ended", "env_token"]
+__all__ = ["CONFIG_WAIT_S", "run_key", "sig_key", "sign", "set_signed", "verified", "wait_verified", "run_ended",
+           "env_token"]
 
 _TOKEN_ENV = "PHOENIXFT_TOKEN"  # (auth.TOKEN_ENV; not imported: auth imports this package's readers)
 
@@ -64,6 +65,9 @@ def verified(store: Store, token: str, run_id: str, name: str, note: bool = True
     if note:
         note_bad(name, "not signed with this run's key" if token else "no job token here to verify it", value)
     return None
+
+
+CONFIG_WAIT_S = 10.0  # a config that does not verify: how long to wait for the launcher to put it back
 
 
 def wait_verified(store: Store, token: str, run_id: str, name: str, timeout_s: float) -> bytes | None:

@@ -30,7 +30,7 @@ from phoenixft.controlplane import (
     poll_interval,
     sealed,
 )
-from phoenixft.controlplane.signed import verified
+from phoenixft.controlplane.signed import CONFIG_WAIT_S, wait_verified
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.decide import Decider, verified_checkpoint
 from phoenixft.coordinator.detect import FailureDetector
@@ -44,7 +44,6 @@ __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
 
 FORGED_FLAG_POLL_S = 0.02  # a failure flag not sealed with the run key is polled this often until replaced
 POLL_S = 0.025  # steady state: a flag-watch thread wakes the loop at once on a failure (see _watch_flags)
-CONFIG_WAIT_S = 10.0  # a config that does not verify: how long to wait for its writer to put it back
 STANDBY_GIVE_UP_S = 60.0  # a standby whose store has had no quorum for this long stops (no job outlives that)
 
 
@@ -92,15 +91,11 @@ class Coordinator:
     def _verified_config(self, token: str) -> bytes:
         """The job's config once its signature verifies with the run key (the launcher puts back one that
         something else overwrote); WrongToken after CONFIG_WAIT_S (this token, or run id, is not the job's)."""
-        deadline = time.monotonic() + CONFIG_WAIT_S
-        while True:
-            raw = verified(self.store, token, self.run_id, keys.CONFIG)
-            if raw is not None:
-                return raw
-            if time.monotonic() > deadline:
-                raise WrongToken(f"${auth.TOKEN_ENV} is not this job's token (or {self.run_id!r} not its run id): the "
-                                 "job's config is not signed with them")
-            time.sleep(0.1)
+        raw = wait_verified(self.store, token, self.run_id, keys.CONFIG, CONFIG_WAIT_S)
+        if raw is None:
+            raise WrongToken(f"${auth.TOKEN_ENV} is not this job's token (or {self.run_id!r} not its run id): the "
+                             "job's config is not signed with them")
+        return raw
 
     # ------------------------------------------------------------------ main loop
     def _lead(self, announce: str = "") -> bool:

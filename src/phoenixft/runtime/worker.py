@@ -24,7 +24,7 @@ import torch
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, auth, exists_many, keys, sealed
-from phoenixft.controlplane.signed import env_token, run_ended, set_signed, wait_verified
+from phoenixft.controlplane.signed import CONFIG_WAIT_S, env_token, run_ended, set_signed, wait_verified
 from phoenixft.controlplane.values import parse_int
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.coordinator.stragglers import nodes_compute
@@ -47,7 +47,6 @@ from phoenixft.workload import WorkloadContext, load_workload, unsupported_param
 
 __all__ = ["Worker", "worker_main"]
 
-CONFIG_WAIT_S = 10.0  # a config that does not verify: how long to wait for the launcher to put it back
 RUN_DIR_WAIT_S = 5.0  # ... a run directory
 FINAL_ACK_S = 10.0  # rank 0 writes the final state again until the launcher has it, at most this long
 FINAL_REWRITE_S = 0.05
