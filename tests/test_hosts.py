@@ -165,16 +165,13 @@ def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, refer
     vlog = (tmp_path / f"{victim_host}.log").read_text()
     assert "partition healed" in vlog and "fenced by the control plane" in vlog, vlog[-2000:]
     # strangers: refused with one clear line, never members, never in any topology
-    # (another job's token is refused at the join, or before it: the job's config is not signed with it)
-    for f, whys in (("x1-none.log", ("presented no token",)),
-                    ("x1-wrong.log", ("wrong token", "not signed with this agent's token"))):
+    for f, why in (("x1-none.log", "presented no token"), ("x1-wrong.log", "wrong token")):
         text = (tmp_path / f).read_text()
-        assert "Traceback" not in text and len([x for x in text.splitlines() if "phoenixft agent" in x]) == 1, text
-        assert any(w in text for w in whys) and ("refused to admit" in text or "config there is not signed" in text)
+        assert "refused to admit" in text and why in text and "Traceback" not in text, text
     assert not any(m["name"] in ("stranger", "other-job") for m in rep["members"].values()), rep["members"]
     ev = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     refused = sorted(e["name"] for e in ev if e["kind"] == "join_refused")
-    assert "stranger" in refused and set(refused) <= {"other-job", "stranger"}, refused
+    assert refused == ["other-job", "stranger"], refused
     # the token is in no file the job wrote
     for p in (tmp_path / "run").rglob("*"):
         if p.is_file():
