@@ -111,7 +111,7 @@ def test_descriptor_posted_before_a_blocking_abort(monkeypatch: pytest.MonkeyPat
         assert "e0" in retire.abandoned()
         del comm
         gc.collect()
-        assert train() is None, "a gloo group stayed alive while an NCCL abort of its epoch hung"
+        _released([train], "a gloo group stayed alive while an NCCL abort of its epoch hung")
     finally:
         stuck.release.set()
     deadline = time.monotonic() + 10.0
@@ -143,7 +143,8 @@ def test_a_build_failing_on_its_third_group_aborts_the_first_two(monkeypatch: py
         raise AssertionError("the build did not fail")
     assert aborted == ["group 1", "group 2"]
     gc.collect()
-    assert len(built) == 2 and all(r() is None for r in built), "the groups of a failed build were kept"
+    assert len(built) == 2
+    _released(built, "the groups of a failed build were kept")
 
 
 def test_retired_groups_are_released() -> None:
@@ -154,4 +155,49 @@ def test_retired_groups_are_released() -> None:
     assert comm.retirement is not None and comm.retirement.done.is_set() and not comm.retirement.errors
     del comm
     gc.collect()
-    assert all(r() is None for r in refs), "retired groups are still referenced"
+    _released(refs, "retired groups are still referenced")
+
+
+def _released(refs: list[weakref.ref[Any]], why: str, timeout_s: float = 10.0) -> None:
+    """Every one of `refs` freed within `timeout_s` (the reaper frees them once it holds the last reference)."""
+    deadline = time.monotonic() + timeout_s
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(r() is None for r in refs), why
+
+
+class _SlowToFree:
+    """A group whose destructor blocks (a gloo group's joins its worker threads, one of which may still be
+    inside an op of the failed step until the group's timeout); it records the thread it ran on."""
+
+    freed_on: list[str] = []
+
+    def abort(self) -> None:
+        pass
+
+    def __del__(self) -> None:
+        time.sleep(1.0)
+        self.freed_on.append(threading.current_thread().name)
+
+
+def test_the_last_reference_to_a_retired_group_is_dropped_off_the_training_thread() -> None:
+    """The training thread keeps references to the failed epoch's groups past the retirement (the closures
+    and works of the abandoned step, until the next step replaces them). When it drops the last one, the
+    destructor must not run on it: a stalled first step after a hot swap would cost up to the collective
+    timeout."""
+    _SlowToFree.freed_on.clear()
+    group = _SlowToFree()
+    r = retire.Retirement("e7", [("gloo", group)])
+    assert r.wait(5.0)
+    t0 = time.monotonic()
+    del group  # the training thread's last reference: the reaper holds the group until now
+    took = time.monotonic() - t0
+    assert took < 0.5, f"dropping a retired group took the training thread {took:.1f}s"
+    deadline = time.monotonic() + 10.0
+    while not _SlowToFree.freed_on and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _SlowToFree.freed_on == ["phoenixft-reaper"]
+    deadline = time.monotonic() + 5.0
+    while retire.reaping() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert retire.reaping() == 0

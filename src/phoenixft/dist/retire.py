@@ -13,23 +13,88 @@ An abort that does not return by the deadline is *abandoned*: the worker goes on
 other), while the abandoned thread keeps the old groups referenced (their communicators, device
 buffers and watchdog threads stay allocated) until the abort returns, when they are released, or
 until the process exits (the thread is a daemon: it never holds the exit up). `abandoned()` lists
-them. A completed abort drops the thread's references: once nothing else refers to them (the
-worker's communicators of the next epoch replace the old ones), the groups are freed, their
-watchdog threads with them, in whichever thread drops the last reference (after the abort and the
-severing, a gloo group's destructor has no op left to wait for).
+them.
+
+A completed abort hands the groups to the reaper, a daemon thread that keeps them until it holds the
+last reference, and then frees them itself. A group's destructor joins its worker threads, and a
+gloo worker thread can still be inside an op of the failed step until the group's timeout, even after
+the abort and the severing. The training thread also drops references late: the closures and works of
+a step abandoned by the failure are dropped when the next step replaces them. If the training thread
+dropped the last reference, its next step would stall for up to the collective timeout (60 s at
+least). The reaper pays that wait on a thread of its own.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["ABORT_WAIT_S", "Retirement", "abandoned"]
+__all__ = ["ABORT_WAIT_S", "Retirement", "abandoned", "reap", "reaping"]
 
 ABORT_WAIT_S = 5.0  # how long a recovery waits for the old epoch's aborts before it abandons them
 _lock = threading.Lock()
 _abandoned: list[Retirement] = []
+
+
+class _Reaper:
+    """Keeps objects until it holds their last reference, then drops them on its own daemon thread (which
+    runs while it holds any, and ends when it holds none)."""
+
+    NAP_S = (0.01, 0.25)  # the first and the longest nap between two looks at the references
+
+    def __init__(self) -> None:
+        self._held: list[Any] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, objs: Iterable[Any]) -> None:
+        with self._cv:
+            self._held.extend(objs)
+            if self._held and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="phoenixft-reaper", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def count(self) -> int:
+        with self._cv:
+            return len(self._held)
+
+    def _run(self) -> None:
+        nap = self.NAP_S[0]
+        while True:
+            with self._cv:
+                # 2 references: the list's and getrefcount's argument (nobody else holds it)
+                last = {i for i in range(len(self._held)) if sys.getrefcount(self._held[i]) <= 2}
+                if last:
+                    free = [self._held[i] for i in sorted(last)]
+                    self._held = [self._held[i] for i in range(len(self._held)) if i not in last]
+                elif not self._held:
+                    self._thread = None
+                    return
+                else:
+                    self._cv.wait(nap)
+                    nap = min(2 * nap, self.NAP_S[1])
+                    continue
+            nap = self.NAP_S[0]
+            free.clear()  # the destructors run here, outside the lock: a blocking one holds up nobody
+
+
+_reaper = _Reaper()
+# (a child forked while the reaper ran has no such thread: it starts its own; the parent's objects stay)
+os.register_at_fork(after_in_child=lambda: setattr(_reaper, "_thread", None))
+
+
+def reap(objs: Iterable[Any]) -> None:
+    """Free `objs` on the reaper's thread, once nothing else refers to them (see the module docstring)."""
+    _reaper.hold(objs)
+
+
+def reaping() -> int:
+    """How many objects the reaper still holds (another holder still refers to them, or it has not looked)."""
+    return _reaper.count()
 
 
 def abandoned() -> list[str]:
@@ -57,16 +122,20 @@ class Retirement:
         others = [pg for kind, pg in self._groups if kind != "gloo"]
         self._groups = []  # from here on the thread's lists are the only references this object holds
         try:
-            for pg in local:
-                self._abort(pg)
+            self._abort_all(local)
             if self._sever is not None:
                 self._sever()
-            del local  # the local groups are released now, even while an NCCL abort below hangs
-            for pg in others:
-                self._abort(pg)
+            reap(local)  # the local groups are released now, even while an NCCL abort below hangs
+            del local
+            self._abort_all(others)
         finally:
+            reap(others)
             others.clear()
             self.done.set()
+
+    def _abort_all(self, pgs: list[Any]) -> None:
+        for pg in pgs:  # (the loop's name goes with this frame: no reference to a group outlives the call)
+            self._abort(pg)
 
     def _abort(self, pg: Any) -> None:
         try:
