@@ -5,11 +5,15 @@ retired groups are released."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 import types
 import weakref
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,3 +205,35 @@ def test_the_last_reference_to_a_retired_group_is_dropped_off_the_training_threa
     while retire.reaping() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert retire.reaping() == 0
+
+
+_TWO_RANKS_THEN_EXIT = """
+import datetime, sys, threading
+import torch, torch.distributed as dist
+from phoenixft.dist.comm import EpochComm
+master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+got = {}
+def rank(r):
+    c = dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=10))
+    comm = EpochComm(c, 0, r, 2, 10.0)
+    t = torch.ones(3) * (r + 1)
+    comm.train.allreduce([t]).wait()
+    got[r] = t.tolist()
+    comm.retire()
+ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+assert got == {0: [3.0] * 3, 1: [3.0] * 3}, got
+"""
+
+
+def test_a_process_that_exits_while_the_reaper_frees_groups_exits_cleanly() -> None:
+    """Two ranks retire their groups and the interpreter exits at once, while the reaper is freeing them: it
+    waits for the destructor in progress, so the process exits 0 rather than aborting ("terminate called
+    without an active exception")."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", _TWO_RANKS_THEN_EXIT], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": src})
+        assert p.returncode == 0 and "terminate called" not in p.stderr, (p.returncode, p.stderr[-2000:])

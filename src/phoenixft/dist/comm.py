@@ -2,7 +2,8 @@
 
 Every recovery opens a new *epoch*; its process groups are built directly under a fresh store
 prefix (`e{epoch}/train`, `e{epoch}/repl`, ...) with `ProcessGroupGloo(PrefixStore(...))`: no
-`init_process_group`, no process restart. With `--device cuda` the groups that carry device
+`init_process_group`, no process restart. The values of each rendezvous are sealed with the run key
+(dist/rendezvous.py): whoever writes the store can make a build fail, not redirect it. With `--device cuda` the groups that carry device
 tensors (data-parallel, tensor-parallel, pipeline edges, tied embedding) are NCCL groups built
 the same way on the same prefixes (`Device.new_group`); the groups that carry host memory stay
 gloo: replication, and `train` (scalars, recovery transfers of the host snapshot, invariants).
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.dist.device import BIND_ENV, Device, gloo_group
+from phoenixft.dist.rendezvous import rendezvous_store
 from phoenixft.dist.retire import Retirement
 from phoenixft.errors import PeerFailure
 from phoenixft.parallel.layout import Layout
@@ -183,7 +185,7 @@ class EpochComm:
         return set(_socket_fds()) - before
 
     def _group(self, store: dist.Store, name: str, members: list[int], kind: str, timeout: timedelta) -> Any:
-        pg = self.device.new_group(kind, dist.PrefixStore(f"e{self.epoch}/{name}", store), members.index(self.rank),
+        pg = self.device.new_group(kind, rendezvous_store(store, f"e{self.epoch}/{name}"), members.index(self.rank),
                                    len(members), timeout)
         self._groups.append((kind, pg))
         return pg
@@ -202,7 +204,7 @@ class EpochComm:
         self.xfer_members = sorted(set(transfer_members or []))
         self.xfer: Any = None
         if rank in self.xfer_members:
-            self.xfer = gloo_group(dist.PrefixStore(f"e{epoch}/xfer", store), self.xfer_members.index(rank),
+            self.xfer = gloo_group(rendezvous_store(store, f"e{epoch}/xfer"), self.xfer_members.index(rank),
                                    len(self.xfer_members), to, lanes=XFER_LANES, threads=2 * XFER_LANES)
             self._groups.append(("gloo", self.xfer))
         self._gloo_sockets = set(_socket_fds()) - before

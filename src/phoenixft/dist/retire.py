@@ -26,6 +26,7 @@ least). The reaper pays that wait on a thread of its own.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -49,6 +50,8 @@ class _Reaper:
         self._held: list[Any] = []
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._freeing = False  # the thread is inside destructors (outside the lock)
+        self._stopping = False  # the interpreter exits: free nothing more
 
     def hold(self, objs: Iterable[Any]) -> None:
         with self._cv:
@@ -62,15 +65,29 @@ class _Reaper:
         with self._cv:
             return len(self._held)
 
+    def at_exit(self, timeout_s: float = 10.0) -> None:
+        """The interpreter exits: let a destructor in progress finish (bounded), then free nothing more (what
+        is still held goes with the interpreter's own teardown, on the main thread). A process that exited
+        while this thread was inside a group's destructor would abort ("terminate called without an active
+        exception": the group's threads destroyed while joinable)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._freeing, timeout=timeout_s)
+
     def _run(self) -> None:
         nap = self.NAP_S[0]
         while True:
             with self._cv:
+                if self._stopping:
+                    self._thread = None
+                    return
                 # 2 references: the list's and getrefcount's argument (nobody else holds it)
                 last = {i for i in range(len(self._held)) if sys.getrefcount(self._held[i]) <= 2}
                 if last:
                     free = [self._held[i] for i in sorted(last)]
                     self._held = [self._held[i] for i in range(len(self._held)) if i not in last]
+                    self._freeing = True
                 elif not self._held:
                     self._thread = None
                     return
@@ -80,11 +97,23 @@ class _Reaper:
                     continue
             nap = self.NAP_S[0]
             free.clear()  # the destructors run here, outside the lock: a blocking one holds up nobody
+            with self._cv:
+                self._freeing = False
+                self._cv.notify_all()
 
 
 _reaper = _Reaper()
-# (a child forked while the reaper ran has no such thread: it starts its own; the parent's objects stay)
-os.register_at_fork(after_in_child=lambda: setattr(_reaper, "_thread", None))
+atexit.register(_reaper.at_exit)
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while the reaper ran has no such thread (it starts its own), and the lock may have been
+    held by it at the fork: both start afresh (the parent's objects stay held)."""
+    _reaper._cv = threading.Condition()
+    _reaper._thread, _reaper._freeing = None, False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def reap(objs: Iterable[Any]) -> None:
