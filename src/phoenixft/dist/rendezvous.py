@@ -37,7 +37,9 @@ class RendezvousStore(dist.Store):
 
     def __init__(self, inner: dist.Store, prefix: str) -> None:
         super().__init__()
-        self.inner, self.prefix = inner, prefix
+        self.inner: Any = inner  # (torch's stubs type values as str; bytes are what it passes and takes)
+        self.prefix = prefix
+        self.set_timeout(getattr(inner, "timeout"))  # (torch's default otherwise: 300 s)
 
     def _name(self, key: str) -> str:
         return f"rendezvous/{self.prefix}/{key}"
@@ -80,13 +82,6 @@ class RendezvousStore(dist.Store):
 
     def num_keys(self) -> int:
         return self.inner.num_keys()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self.inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.inner.timeout
 
 
 def _bytes(value: Any) -> bytes:
