@@ -155,6 +155,24 @@ def test_a_response_cannot_be_replayed_and_a_rogue_coordinator_is_noticed() -> N
     desk.answer(app, "s0")
     t.join(timeout=20)
     assert out["late"]["node"] == "s0", out
+    # an agent never `add`s: with both counters made non-numbers and the next request number taken by a
+    # stranger, it waits for the coordinator to put a number back, claims the next free number, and joins
+    top = int(store.get(keys.ADMIT_SEQ))
+    store.set(keys.admit_req(top + 1), "a stranger's request")
+    store.set(keys.ADMIT_SEQ, "garbage")
+    store.set(keys.ADMIT_POSTED, "garbage")
+    t = _ask(server, out, "poisoned", "gamma", TOKEN)
+    deadline = time.monotonic() + 20  # the agent meets the garbage before the coordinator looks again
+    while store.get(keys.ADMIT_POSTED) == b"garbage" and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert t.is_alive(), out.get("poisoned")  # (an `add` on the garbage would have cut its connection)
+    (app,) = _apps(desk)
+    assert app.seq > top + 1 and app.request["name"] == "gamma", app  # (past the number the repair put back)
+    assert store.get(keys.admit_req(top + 1)) == b"a stranger's request"
+    desk.answer(app, "s1")
+    t.join(timeout=20)
+    assert out["poisoned"]["node"] == "s1", out
+    assert int(store.get(keys.ADMIT_SEQ)) >= app.seq and int(store.get(keys.ADMIT_POSTED)) >= 0
 
 
 def test_planted_challenges_and_deleted_verdicts_admit_no_one() -> None:

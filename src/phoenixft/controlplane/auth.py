@@ -204,12 +204,61 @@ def _run_over(store: Store, token: str | None, run_ids: list[str]) -> str | None
     return None
 
 
+SEQ_TRIES = 10_000  # request numbers an agent tries past the counter before it gives up (all taken: forged)
+BUMP_TRIES = 100  # compare_set rounds of one counter update (each lost to a concurrent writer)
+SEQ_REPAIR_WAIT_S = 10.0  # how long an agent waits for the coordinator to repair a request counter made garbage
+
+
+def _bump(store: Store, key: str, at_least: int | None = None) -> None:
+    """Counter `key` up by one, or (`at_least`) up to at least that, by compare_set: never an `add`, which a
+    value someone else made a non-number would answer by cutting the connection. A non-number is replaced.
+    Losing a round to a concurrent writer reads the counter again."""
+    for _ in range(BUMP_TRIES):
+        raw = read_raw(store, key)
+        cur = b"" if raw is None else raw
+        v = parse_int(raw, key, -1) if raw is not None else 0
+        if at_least is not None and v >= at_least:
+            return
+        want = str(at_least if at_least is not None else max(v, 0) + 1).encode()
+        if bytes(store.compare_set(key, cur, want)) == want:
+            return
+
+
+def _counter_now(store: Store, timeout_s: float = SEQ_REPAIR_WAIT_S) -> int:
+    """The request counter (0 if absent). One someone made a non-number: the coordinator puts a number back
+    when it next looks (which `admit/posted` moving makes it do), waited for at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    nudged = False
+    while True:
+        raw = read_raw(store, keys.ADMIT_SEQ)
+        v = 0 if raw is None else parse_int(raw, keys.ADMIT_SEQ, -1)
+        if v >= 0:
+            return v
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the request counter {keys.ADMIT_SEQ} is not a number, and no coordinator "
+                               f"put one back within {timeout_s:g}s")
+        if not nudged:
+            _bump(store, keys.ADMIT_POSTED)
+            nudged = True
+        time.sleep(0.05)
+
+
 def _post_request(store: Store, raw_req: str, name: str, where: str) -> int:
+    """Post the join request under the first free number past the counter (claimed by compare_set on the
+    request's own key: the request is unique, so the claim is unambiguous), raise the counter to it, then
+    signal the coordinator (`admit/posted`)."""
     try:
-        seq = int(store.add(keys.ADMIT_SEQ, 1))
-        store.set(keys.admit_req(seq), raw_req)
-        store.add(keys.ADMIT_POSTED, 1)
-    except Exception as e:  # noqa: BLE001 - a counter made a non-number by someone else cuts the connection
+        seq = _counter_now(store) + 1
+        mine = raw_req.encode()
+        for _ in range(SEQ_TRIES):
+            if bytes(store.compare_set(keys.admit_req(seq), b"", mine)) == mine:
+                break
+            seq += 1
+        else:
+            raise RuntimeError(f"no free request number in {SEQ_TRIES} past the counter")
+        _bump(store, keys.ADMIT_SEQ, at_least=seq)
+        _bump(store, keys.ADMIT_POSTED)
+    except Exception as e:  # noqa: BLE001 - the store went away, or the numbers were all taken
         why = clean(str(e).splitlines()[0] if str(e) else type(e).__name__, 120)
         raise UserError(f"the store at {where} did not take the join request of {name!r} ({why}): is it this "
                         "job's, and reachable?") from None
@@ -242,7 +291,7 @@ def request_admission(store: Store, request: dict[str, Any], token: str | None, 
                 answered[c[0]] = c[1]
                 resp = _response_mac(token, c[1], seq, c[0], raw_req) if token else ""
                 store.set(keys.admit_resp(seq), json.dumps({"nonce": c[0], "mac": resp}))
-                store.add(keys.ADMIT_POSTED, 1)
+                _bump(store, keys.ADMIT_POSTED)
             raw_v = read_raw(store, keys.admit_verdict(seq))
             if raw_v is not None:
                 body = _verdict(raw_v, token, seq, raw_req, answered)

@@ -20,8 +20,8 @@ RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run d
 JOB_WHOLE = "job/whole"  # set by the coordinator while the job has its full size (and a warm spare, if it has spares)
 RUN_ID = "run/id"  # the run's id (shared-memory names), told to every admitted agent
 MEMBERS = "members"  # JSON {node id: {name, host, spare, t}} of every admitted node (informational, unsigned)
-ADMIT_SEQ = "admit/seq"  # counter: an agent's join request takes the next number
-ADMIT_POSTED = "admit/posted"  # counter an agent bumps after each write of its join request or response
+ADMIT_SEQ = "admit/seq"  # counter: the highest number a join request took (raised by compare_set)
+ADMIT_POSTED = "admit/posted"  # counter an agent raises (compare_set) after each write of its request or response
 ADMIT_DONE = "admit/done"  # the join requests the coordinator answered (signed: a restart never answers one again)
 
 
