@@ -3,10 +3,11 @@
 Every recovery opens a new *epoch*; its process groups are built directly under a fresh store
 prefix (`e{epoch}/train`, `e{epoch}/repl`, ...) with `ProcessGroupGloo(PrefixStore(...))`: no
 `init_process_group`, no process restart. The values of each rendezvous are sealed with the run key
-(dist/rendezvous.py): whoever writes the store can make a build fail, not redirect it. With `--device cuda` the groups that carry device
-tensors (data-parallel, tensor-parallel, pipeline edges, tied embedding) are NCCL groups built
-the same way on the same prefixes (`Device.new_group`); the groups that carry host memory stay
-gloo: replication, and `train` (scalars, recovery transfers of the host snapshot, invariants).
+(dist/rendezvous.py): whoever writes the store can make a build fail, not redirect it. With
+`--device cuda` the groups that carry device tensors (data-parallel, tensor-parallel, pipeline
+edges, tied embedding) are NCCL groups built the same way on the same prefixes
+(`Device.new_group`); the groups that carry host memory stay gloo: replication, and `train`
+(scalars, recovery transfers of the host snapshot, invariants).
 
 A gloo collective whose peer died raises at once only on the dead peer's neighbours; the others
 wait on live peers that have given up. So no wait here is a plain `work.wait()`: `wait_work`
