@@ -251,7 +251,6 @@ def test_scrub_repairs_a_replica_before_the_recovery_that_needs_it(tmp_path: Pat
     assert "from owner n0.0" in table[: table.index("</table>")] and ">n1<" in table[: table.index("</table>")]
 
 
-@pytest.mark.serial  # (the scrub of step 4's block races the kill in step 5's replication: run alone)
 def test_scrub_reencodes_a_parity_block_before_the_rebuild_that_needs_it(tmp_path: Path, reference: Any) -> None:
     ref = reference(nodes=3, steps=12)
     rep = run(tmp_path, **E2E, redundancy="ec:2+1", inject=INJECT)

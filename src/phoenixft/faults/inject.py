@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,7 +56,10 @@ class FaultInjector:
                     and not sealed.has(self.w.store, keys.fault(f.index) + "/fired")):
                 self._wait_whole(f)
 
-    def at(self, step: int, phase: str) -> None:
+    def at(self, step: int, phase: str, joined: Callable[[], None] | None = None) -> None:
+        """Fire the faults due at (step, phase) on this rank. `joined` (the replicate phase) waits until
+        every peer has entered the step's replication, so that the fault strikes at one point of the
+        protocol however the ranks' threads are timed."""
         if self.w.topo is None:
             return
         slot = self.w.topo.slot_of(self.w.node_id)
@@ -63,6 +67,8 @@ class FaultInjector:
             if f.point is not Point.STEP or f.step != step or f.phase != phase:
                 continue
             if f.kind_of.strikes(f, self.w.rank, slot, self.w.topo):  # (a `,wait=S` fault held the step: `hold`)
+                if joined is not None:
+                    joined()
                 self.fire(f, step=step, phase=phase)
 
     def slow_factor(self, step: int) -> float:

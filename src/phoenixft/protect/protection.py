@@ -74,7 +74,7 @@ class Protection:
                 chunk_numel=int(cfg.chunk_mb * (1 << 20) / 4),
                 abort_check=self._flag_check(store),  # type: ignore[arg-type]  # (on)
                 timeout_s=timeout_s,
-                on_in_flight=lambda s: ctx.inject.at(s + 1, "replicate"),
+                on_in_flight=lambda s, joined: ctx.inject.at(s + 1, "replicate", joined),
                 after_commit=self.after_replication,
                 transport=cfg.replica_transport,
                 before_job=self._scrub if self.scrubber is not None else None,

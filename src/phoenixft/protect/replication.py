@@ -74,7 +74,7 @@ class Replicator:
         chunk_numel: int,
         abort_check: Callable[[], str | None],
         timeout_s: float,
-        on_in_flight: Callable[[int], None] | None = None,
+        on_in_flight: Callable[[int, Callable[[], None]], None] | None = None,
         after_commit: Callable[[int, dict[int, Holding]], None] | None = None,
         transport: str | TransportMode = TransportMode.AUTO,
         before_job: Callable[[int, Callable[[], str | None]], None] | None = None,
@@ -215,9 +215,14 @@ class Replicator:
                 raise PeerFailure(f"replication of step {step}: superseded by a recovery")
             yield
 
-    def in_flight(self, step: int) -> None:
+    def in_flight(self, step: int, joined: Any) -> None:
+        """Step's transfers are posted (a `replicate` kill strikes here). `joined` is the job's first
+        exchange: once it completed, every peer has entered the job (its scrub share done: gloo's and NCCL's
+        all-to-all complete only when every rank of the group posted its part), so a fault that waits for
+        it strikes at the same point of the protocol whatever the threads' timing."""
         if self._on_in_flight is not None:
-            self._on_in_flight(step)
+            self._on_in_flight(step, lambda: wait_work(joined, f"replication of step {step}: the first exchange",
+                                                       self._abort_reason, self.timeout_s, BACKGROUND_NAP_S))
 
     def _replicate(self, step: int) -> None:
         if self._before_job is not None:
@@ -292,6 +297,7 @@ class Replicator:
         for dst, (src, shard) in zip(self.plan.send_to, self.plan.recv_from, strict=True):
             w, rhdr, _ = alltoallv(pg, world, {dst: hdr}, {src: 5}, dtype=torch.int64)
             works.append(w)
+            joined = w
             # received straight into the holding's staging half, marked torn until its checksum matched:
             # the committed half stays the recovery point whatever happens to this transfer
             h = self.holding(shard)
@@ -308,10 +314,10 @@ class Replicator:
                     recv, into = inn.receive(src, buf[off : off + m])
                     w, _, _ = alltoallv(pg, world, out.send(dst, payload[off : off + m]), recv, out=into)
                     works.append(w)
-                    if off == 0 and self._on_in_flight is not None:
-                        self._on_in_flight(step)
-            elif self._on_in_flight is not None:
-                self._on_in_flight(step)
+                    if off == 0:
+                        self.in_flight(step, joined)
+            else:
+                self.in_flight(step, joined)
             incoming.append((shard, rhdr, h, half, inn))
         return works, incoming
 

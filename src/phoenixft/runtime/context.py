@@ -10,6 +10,7 @@ object, never the worker: they read the same few fields, and call the rank's abo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +36,7 @@ __all__ = ["RankContext", "FaultHooks", "NoFaults"]
 class FaultHooks(Protocol):
     """The points where `--inject` faults fire inside protection and recovery (faults/inject.py)."""
 
-    def at(self, step: int, phase: str) -> None: ...
+    def at(self, step: int, phase: str, joined: Callable[[], None] | None = None) -> None: ...
 
     def in_recovery(self, topo: Topology) -> None: ...
 
@@ -49,7 +50,7 @@ class FaultHooks(Protocol):
 class NoFaults:
     """No fault injected anywhere."""
 
-    def at(self, step: int, phase: str) -> None:
+    def at(self, step: int, phase: str, joined: Callable[[], None] | None = None) -> None:
         pass
 
     def in_recovery(self, topo: Topology) -> None:

@@ -107,7 +107,7 @@ class ErasureProtector:
         hdr = {r: torch.tensor([plan.gid, step, crc, checksum(out[r])], dtype=torch.int64) for _, r in others}
         w1, _, rhdr = alltoallv(pg, world, hdr, {r: 4 for _, r in others}, dtype=torch.int64)
         w2, _, rdat = alltoallv(pg, world, out, {r: lf for _, r in others})
-        repl.in_flight(step)
+        repl.in_flight(step, w1)
         repl.wait_all([w1, w2], f"parity shuffle of step {step}")
         mcrc = [0] * d
         mcrc[me] = crc
