@@ -34,6 +34,20 @@ def processes_with(tag: str) -> list[int]:
     return found
 
 
+# What the suite's runs default to where the product's default would only cost time: a micro-batch of 2
+# sequences instead of 8 (the model, its shards, the optimizer state and everything protection moves are the
+# same; the forward and backward are a quarter). `run()` and `reference()` apply it, so a run and its
+# failure-free reference share it; a test that starts `phoenixft` itself and compares with a `reference()`
+# passes `--micro-batch 2` too (`SUITE_FLAGS`), or asks the reference for the product's default.
+SUITE_DEFAULTS: dict[str, Any] = {"micro_batch": 2}
+SUITE_FLAGS = ["--micro-batch", "2"]
+
+
+def suite_config(kw: dict[str, Any]) -> dict[str, Any]:
+    """`kw` with `SUITE_DEFAULTS` filled in where the test did not say."""
+    return {**SUITE_DEFAULTS, **kw}
+
+
 def run(tmp: Path, **kw: Any) -> dict[str, Any]:
     """Run a job to completion; assert that no process and no shared memory outlives it.
 
@@ -41,6 +55,7 @@ def run(tmp: Path, **kw: Any) -> dict[str, Any]:
     segment that the run's own processes should have cleaned up: see `phoenixft.runtime.launcher`), and,
     independently of the launcher, /proc holds no process naming the run id and /dev/shm no file
     of the run."""
+    kw = suite_config(kw)
     kw.setdefault("timeout", 240.0)
     if kw.get("spares", 1) and kw.get("protect", "phoenix") == "phoenix" and kw.get("inject"):
         # a node fault at a step waits (bounded) until the job is whole, i.e. its spares are warm:
@@ -90,6 +105,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     shared = tmp_path_factory.getbasetemp().parent / "references" if worker else None
 
     def get(**kw: Any) -> dict[str, Any]:
+        kw = suite_config(kw)
         key = RunConfig(**kw).to_json()
         if key in _refs:
             return _refs[key]

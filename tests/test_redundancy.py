@@ -629,7 +629,7 @@ class _Repl:
 
         return contextlib.nullcontext()
 
-    def in_flight(self, step: int) -> None:
+    def in_flight(self, step: int, joined: object) -> None:
         pass
 
 
