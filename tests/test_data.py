@@ -282,7 +282,7 @@ def test_training_on_a_prepared_token_file(tmp_path: Path) -> None:
     loss = rep["loss"]
     assert len(loss) == 30 and sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.5, loss
     # the workers trained on this file: step 1's loss is the one computed here on its first two microbatches
-    wl = gpt(str(data), micro_batch=8, microbatches=2, seed=1234)
+    wl = gpt(str(data), micro_batch=rep["config"]["micro_batch"], microbatches=2, seed=1234)
     torch.manual_seed(1234)
     model = wl.build_model()
     first = 0.0

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import processes_with, run
+from conftest import SUITE_FLAGS, processes_with, run
 
 from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_drain_request
@@ -98,8 +98,8 @@ def test_signal_and_cli_drain_a_live_run(tmp_path: Path, reference, capsys) -> N
     ref = reference(nodes=3, steps=16, microbatches=6)
     d = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--nodes", "3", "--spares", "2", "--steps", "16",
-                          "--microbatches", "6", "--run-dir", str(d), "--quiet"], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE)
+                          *SUITE_FLAGS, "--microbatches", "6", "--run-dir", str(d), "--quiet"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         port = _wait("the store", lambda: (d / "coordinator.port").is_file() and (d / "coordinator.port").read_text())
         store = connect_store(f"127.0.0.1:{port}", 30.0)

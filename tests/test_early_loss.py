@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port
+from conftest import SUITE_FLAGS, free_port
 
 PY = sys.executable
 TOKEN = "q7Vx2-Lm9_Zr4Tb8Kc1Nw6Hd3Pj5Sf0Y"  # a job token of 32 url-safe characters
@@ -76,7 +76,7 @@ def _two_node_job(tmp_path: Path, start: Start, *flags: str) -> tuple[str, subpr
     """A hand-started head for 2 nodes of 1 worker and 1 spare, `tiny`, 8 steps: (its address, its process)."""
     port = free_port()
     coord = start("coordinator.log", "coordinator", "--host", "127.0.0.1", "--port", str(port), "--nodes", "2",
-                  "--workers-per-node", "1", "--spares", "1", "--steps", "8", "--model", "tiny",
+                  "--workers-per-node", "1", "--spares", "1", "--steps", "8", *SUITE_FLAGS, "--model", "tiny",
                   "--failure-timeout", "2", "--run-dir", str(tmp_path / "run"), "--quiet", "--timeout", "120",
                   "--join-timeout", "90", *flags)
     return f"127.0.0.1:{port}", coord

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_with, run
+from conftest import SUITE_FLAGS, processes_with, run
 
 from phoenixft.controlplane import (
     Election,
@@ -304,7 +304,7 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
     try:
         start("head", "coordinator", "--host", "127.0.0.1", "--port", "0", "--control-plane", cluster.url,
               "--nodes", "2", "--spares", "0", "--steps", "40", "--model", "tiny", "--failure-timeout", "5",
-              "--inject", "kill:node=1@step=25,wait=90", "--run-dir", str(tmp_path / "run"), "--quiet")
+              *SUITE_FLAGS, "--inject", "kill:node=1@step=25,wait=90", "--run-dir", str(tmp_path / "run"), "--quiet")
         _wait_for(lambda: (tmp_path / "run" / "control_plane").exists(), 60, "the head to publish its URL")
         url = (tmp_path / "run" / "control_plane").read_text().strip()
         s = connect(url, 10.0)

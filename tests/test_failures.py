@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_with, run
+from conftest import SUITE_DEFAULTS, processes_with, run
 
 
 def test_worker_crash_is_restarted_in_place(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -320,7 +320,8 @@ def test_the_last_node_lost_ends_the_run_saying_why(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("workload,needle", [
-    ("unreduced_loss_workload", "the workload's loss returned a torch.float32 tensor of shape (8, 1) at step 1"),
+    ("unreduced_loss_workload", "the workload's loss returned a torch.float32 tensor of shape "
+                                f"({SUITE_DEFAULTS['micro_batch']}, 1) at step 1"),
     ("dict_loss_workload", "the workload's loss returned a dict at step 1"),
     ("bad_batch_workload", "exception in the workload at step 3 on rank"),
     ("bad_model_workload", "exception in the workload's build_model: RuntimeError: layer sizes do not match"),

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_with
+from conftest import SUITE_FLAGS, processes_with
 
 from phoenixft.controlplane import keys, signed, values
 from phoenixft.controlplane.etcd_cluster import etcd_binary
@@ -123,12 +123,15 @@ def test_sealed_logs_claims_and_hints_survive_garbage_on_a_real_store() -> None:
     values._noted.clear()
 
 
+STEPS = 120  # (long enough for the stranger's forgeries, checks and the coordinator's restart mid-run)
+
+
 def _cli(run_dir: Path, backend: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     env.pop("PHOENIXFT_TOKEN", None)
-    return subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--nodes", "2", "--spares", "0", "--steps", "40",
-                             "--model", "tiny", "--run-dir", str(run_dir), "--timeout", "200",
-                             "--control-plane", backend],
+    return subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--nodes", "2", "--spares", "0",
+                             "--steps", str(STEPS), *SUITE_FLAGS, "--model", "tiny", "--run-dir", str(run_dir),
+                             "--timeout", "200", "--control-plane", backend],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -257,7 +260,7 @@ def test_a_stranger_cannot_crash_fake_or_steer_a_run(tmp_path: Path, reference: 
     forged ends until the run is over: exit 0, the final hash of a failure-free run, no traceback, no
     needless recovery, no node fenced, every refusal logged in one line. The token stays in a 0600 file:
     on no command line, in no output, log, report or other file of the run."""
-    ref_hash = reference(nodes=2, steps=40)["final_state_sha256"]
+    ref_hash = reference(nodes=2, steps=STEPS)["final_state_sha256"]
     run_dir, evil = tmp_path / "run", tmp_path / "evil"
     p = _cli(run_dir, backend)
     seen: dict[str, Any] = {}
@@ -277,7 +280,7 @@ def test_a_stranger_cannot_crash_fake_or_steer_a_run(tmp_path: Path, reference: 
     assert "Traceback" not in err + logs and "sha256 deadbeef" not in out + err, (err + logs)[-3000:]
     assert p.returncode == 0, err[-3000:]
     rep = json.loads((run_dir / "report.json").read_text())
-    assert rep["state"] == "done" and rep["steps_completed"] == 40
+    assert rep["state"] == "done" and rep["steps_completed"] == STEPS
     assert rep["final_state_sha256"] == ref_hash and ref_hash[:12] in out + err
     assert rep["recoveries"] == [], rep["recoveries"]  # no needless recovery: nobody dead, fenced, drained
     assert [ev["kind"] for ev in rep["control_plane"]].count("coordinator_exited") <= 1, rep["control_plane"]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SUITE_FLAGS
 from netns import Hosts, namespaces, sweep_orphans, unavailable
 
 from phoenixft.controlplane import sealed
@@ -112,7 +113,7 @@ def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, refer
     with Hosts(names) as H:
         head = _head(H, tmp_path, token, "--nodes", "4", "--spares", "1", "--steps", str(steps), "--model", "tiny",
                      "--failure-timeout", "2", "--quiet", "--inject", "partition:node=2@step=4,for=6,wait=90",
-                     "--inject", "kill:node=1@step=8,wait=120")
+                     *SUITE_FLAGS, "--inject", "kill:node=1@step=8,wait=120")
         log = tmp_path / "head.log"
         for h in ("h1", "h2", "h3", "h4"):
             _agent(H, tmp_path, h, token, "--node", h)
@@ -297,7 +298,7 @@ def test_the_heads_host_cut_off_for_longer_than_the_failure_timeout(tmp_path: Pa
     token = secrets.token_hex(16)
     with Hosts(["head", "h1", "h2", "h3"]) as H:
         head = _head(H, tmp_path, token, "--nodes", "2", "--spares", "1", "--steps", str(steps), "--model", "tiny",
-                     "--failure-timeout", "2", "--quiet")
+                     *SUITE_FLAGS, "--failure-timeout", "2", "--quiet")
         log = tmp_path / "head.log"
         for h in ("h1", "h2"):
             _agent(H, tmp_path, h, token, "--node", h)

@@ -71,8 +71,8 @@ def test_clipping_and_schedule_match_torch(reference) -> None:  # type: ignore[n
     kw = {"lr_schedule": "cosine", "warmup_steps": 3, "clip_grad_norm": clip, "min_lr": 1e-4}
     rep = reference(nodes=2, steps=steps, **kw)
     metrics = [json.loads(x) for x in (Path(rep["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=8, model="tiny",
-                                                                 microbatches=2))
+    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=rep["config"]["micro_batch"],
+                                                                 model="tiny", microbatches=2))
     torch.manual_seed(1234)
     model = wl.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -158,8 +158,8 @@ def test_real_data_trains_evaluates_and_exports(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(tmp_path / "run"), "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=8, model="tiny",
-                                                                 microbatches=2, data=str(data)))
+    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=rep["config"]["micro_batch"],
+                                                                 model="tiny", microbatches=2, data=str(data)))
     model = wl.build_model()
     model.load_state_dict(load_file(str(out)))
     assert wl.eval_batch is not None

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SUITE_FLAGS
 from netns import Hosts, unavailable
 
 from phoenixft.cli.cmd_certs import make_certs
@@ -189,7 +190,7 @@ def test_a_job_across_hosts_over_tls_recovers_and_keeps_strangers_out(tmp_path: 
         log = tmp_path / "head.log"
         H.run("head", [PY, "-m", "phoenixft", "coordinator", "--host", head_addr, "--port", str(PORT),
                        "--nodes", "2", "--spares", "1", "--steps", str(steps), "--failure-timeout", "2", "--quiet",
-                       "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "report.json"),
+                       *SUITE_FLAGS, "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "report.json"),
                        "--inject", "kill:node=1@step=6,wait=60", *_tls_args(d)], log=log, env=_env(token))
         agents = {h: H.run(h, [PY, "-m", "phoenixft", "agent", "--coordinator", f"{head_addr}:{PORT}", "--node", h,
                                *(["--spare"] if h == "h3" else []), *_tls_args(d)], log=tmp_path / f"{h}.log",

@@ -41,7 +41,7 @@ def single_process_losses(steps: int, microbatches: int, micro_batch: int = 8, s
 def test_distributed_optimizer_matches_torch_adamw(tmp_path: Path, reference, nodes: int, workers: int) -> None:  # type: ignore[no-untyped-def]
     rep = reference(nodes=nodes, workers_per_node=workers, steps=20)
     assert rep["state"] == "done"
-    ref = single_process_losses(20, nodes * workers)
+    ref = single_process_losses(20, nodes * workers, micro_batch=rep["config"]["micro_batch"])
     assert len(rep["loss"]) == 20
     for s, (a, b) in enumerate(zip(rep["loss"], ref, strict=True), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {s}: distributed {a} vs torch.optim.AdamW {b}"
