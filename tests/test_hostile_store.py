@@ -123,7 +123,7 @@ def test_sealed_logs_claims_and_hints_survive_garbage_on_a_real_store() -> None:
     values._noted.clear()
 
 
-STEPS = 120  # (long enough for the stranger's forgeries, checks and the coordinator's restart mid-run)
+STEPS = 80  # (long enough for the stranger's forgeries, checks and the coordinator's restart mid-run)
 
 
 def _cli(run_dir: Path, backend: str) -> subprocess.Popen[str]:

@@ -34,6 +34,7 @@ from phoenixft.observe.html_report import write_report
 
 FAULTS = ["kill:node=1@step=10,phase=backward", "kill:node=0@step=20,phase=optimizer"]
 STEPS = 30
+OTHER_STEPS = 12  # the different-seed reference's steps
 TIME_KEYS = [
     "detect_s",
     "decide_s",
@@ -255,10 +256,10 @@ def check_throughput_overlay(fig: Any, run_dir: Path, ref_dir: Path) -> None:
     for label, d in (("reference (no failure)", ref_dir), ("this run", run_dir)):
         xs, ys = line(fig, label)
         ends, spans = own_step_timeline(d)
-        assert len(xs) == STEPS and xs == pytest.approx(ends, abs=1e-9), label
+        assert len(xs) == len(ends) > 0 and xs == pytest.approx(ends, abs=1e-9), label
         # rate = tokens per step / span: the product is the same constant for every step of both runs
         tokens = [y * s for y, s in zip(ys, spans, strict=True)]
-        assert tokens == pytest.approx([tokens[0]] * STEPS, rel=1e-9), label
+        assert tokens == pytest.approx([tokens[0]] * len(ends), rel=1e-9), label
 
 
 @pytest.fixture(scope="module")
@@ -270,8 +271,9 @@ def ref_clean(reference: Any) -> Path:
 @pytest.fixture(scope="module")
 def ref_other(reference: Any) -> Path:
     """A different job: seed 4321 (on one node with the same global batch of 3 microbatches, which
-    keeps it cheap: one worker process instead of three)."""
-    return Path(reference(nodes=1, microbatches=3, steps=STEPS, seed=4321)["run_dir"])
+    keeps it cheap: one worker process instead of three), and shorter than this run: the comparison
+    covers the steps both have."""
+    return Path(reference(nodes=1, microbatches=3, steps=OTHER_STEPS, seed=4321)["run_dir"])
 
 
 @pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)
@@ -313,7 +315,7 @@ def test_reference_from_a_different_seed_shows_the_difference(
     assert other["final_state_sha256"] != report["final_state_sha256"]
     n = min(len(other["loss"]), len(report["loss"]))
     diff = max(abs(a - b) for a, b in zip(report["loss"][:n], other["loss"][:n], strict=True))
-    assert n == STEPS and diff > 0
+    assert n == OTHER_STEPS < len(report["loss"]) and diff > 0
 
     r = render_with_reference(run2, ref_other, tmp_path / "other.html", monkeypatch)
     kv = r.page.kv
