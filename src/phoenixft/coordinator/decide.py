@@ -236,13 +236,18 @@ class Decider:
                            dict(self._refused))
         plan = planner.plan(pool)
         coming = self.admission.spare_coming(pool)
-        if not plan.ok and old.tp * old.pp > 1 and (self.cfg.repair_after > 0 or coming) and len(dead) > len(pool):
+        unrepairable = self._unrepairable(dead)
+        repairs = len(dead) - len(unrepairable) if self.cfg.repair_after > 0 else 0
+        if not plan.ok and old.tp * old.pp > 1 and (repairs + len(pool) >= len(dead) or coming) \
+                and len(dead) > len(pool):
             pool = self.admission.health.vet(self._wait_for_spares(e, dead, pool), need)
             plan = planner.plan(pool)
         if not plan.ok:
             plan = self.fresh_start(old, dead | leaving, descs, pool, progress=self.job.progress()) or plan
         if not plan.ok or plan.topo is None:
             error = planner.failure(plan.error, refused)
+            if unrepairable and old.tp * old.pp > 1:
+                error += "; " + "; ".join(f"{n} cannot come back: {why}" for n, why in sorted(unrepairable.items()))
             self.recovery_failed(e, t_start, dead, fenced, restarted, descs, error)
             self.job.fail_run(f"{error} (epoch {e})")
             return
@@ -300,6 +305,18 @@ class Decider:
             tiers = tiers or [os.path.dirname(was)]
             self._refused[was] = f"was refused by the workers ({refused.split(': ', 1)[-1][:200]})"
         return tiers, refused
+
+    def _unrepairable(self, dead: set[str]) -> dict[str, str]:
+        """The lost nodes whose repair (--repair-after) would be refused, with why: those on a quarantined
+        host (a node convicted of silent data corruption has its host quarantined at once)."""
+        quarantined = self.admission.health.quarantined(force=True)
+        out = {}
+        for n in dead:
+            host = self.admission.health.host(n)
+            if host in quarantined:
+                out[n] = ("convicted of silent data corruption, " if n in self._sdc else "") + \
+                    f"its host {host} is quarantined"
+        return out
 
     def _wait_for_spares(self, e: int, dead: set[str], pool: list[str]) -> list[str]:
         """A mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or for
