@@ -48,6 +48,9 @@ EQUIVALENT: dict[str, str] = {
                 "lexicographic key order"),
     f"{_P}81": "any multiplier above the largest load keeps the key lexicographic: the same order",
     f"{_P}92": "every load counted in twos: the loads compare as before, and the multiplier still exceeds them",
+    "phoenixft.recovery.planner.x__in_memory__mutmut_3": (
+        "`_in_memory`'s only caller, plan_recovery, always passes src_world (an int: the last topology's world or "
+        "the unfinished repartition's), so the `src_world is None` default branch is never taken"),
     "phoenixft.faults.scenarios.xǁKillDuringRecoveryǁdraw__mutmut_38": (
         "`other >= j` differs from `other > j` only when other == j, which happens only with spares (no mate drawn "
         "without spares returns a plain kill first), where the condition is false either way"),

@@ -26,6 +26,8 @@ import zlib
 import pytest
 
 from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.protect.redundancy.parity import parity_name
+from phoenixft.protect.redundancy.placement import RingRank, place_groups
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
 
 CASES = 4000
@@ -45,7 +47,7 @@ def make_case(rng: random.Random, mesh: bool = False) -> PlanInput:
     nodes = [f"n{i}" for i in range(n)]
     rng.shuffle(nodes)
     old = Topology(epoch=rng.randint(0, 5), nodes=nodes, workers_per_node=g, replicas=k, racks=racks,
-                   resume_step=0, meta={"generation": gen}, tp=tp, pp=pp)
+                   resume_step=0, meta={"generation": gen} if gen else {}, tp=tp, pp=pp)
     dead = {x for x in nodes if rng.random() < 0.3}
     if not dead and rng.random() < 0.7:
         dead = {rng.choice(nodes)}
@@ -144,6 +146,11 @@ def check(pi: PlanInput) -> str:
     assert set(plan.promoted) <= set(pi.pool) and len(set(topo.nodes)) == len(topo.nodes)
     assert set(plan.dropped) <= pi.dead
     assert len(topo.nodes) >= len(pi.old.nodes) - len(plan.dropped)
+    # what the new epoch records: the generation moves on exactly when the node count changes (no meta: 0)
+    gen = int(pi.old.meta.get("generation", 0))
+    assert topo.meta["generation"] == gen + (len(topo.nodes) != len(pi.old.nodes)), (topo.meta, pi.old.meta)
+    assert (topo.meta["dead"], topo.meta["promoted"], topo.meta["class"], topo.meta["action"],
+            topo.meta["dropped"]) == (sorted(pi.dead), plan.promoted, plan.klass, plan.action, plan.dropped)
     if plan.action == "persistent":
         return "persistent"
     r = plan.resume_step
@@ -155,6 +162,8 @@ def check(pi: PlanInput) -> str:
             w = wid_of(topo, prov)
             assert copies[name][r].get(w) == crc, f"provider {w} of {name} holds no such copy at {r}"
             assert (kind == "own") == (name in pi.descs[w].own)
+            owner = wid_of(pi.old, int(i))
+            assert owner not in copies[name][r] or w == owner, f"{name}: its owner {owner} holds it, {w} provides it"
         for rk in range(topo.world):
             d = pi.descs.get(wid_of(topo, rk))
             if d is None or r not in d.params:
@@ -176,6 +185,7 @@ def check(pi: PlanInput) -> str:
             continue
         src = wid_of(topo, t["opt_src"])
         assert copies[name][r].get(src) == t["crc"], f"{src} holds no verified {name}@{r}"
+        assert w not in copies[name][r] or src == w, f"{w} holds {name}@{r} itself, yet it is sent from {src}"
         if t["param_src"] < 0:
             assert has_params
         else:
@@ -381,6 +391,58 @@ def test_descriptors_round_trip_through_their_json_form() -> None:
             d.t, d.error = rng.random() * 100, rng.choice(["", "peer failure: n3 lost"])
             d.parity = {f"g{rng.randint(0, 3)}.p0": {rng.randint(0, 9): {"crc": rng.randint(1, 99)}}
                         for _ in range(rng.randint(0, 2))}
+            d.params_crc = {st: rng.randint(1, 2**32 - 1) for st in d.params}
             back = Descriptor.from_json(json.loads(json.dumps(d.to_json())))
             assert back == d, (back, d)
     assert Descriptor.from_json({"wid": "n1.0"}) == Descriptor(wid="n1.0")
+
+
+def test_decode_jobs_name_their_group_and_the_shards_of_a_mesh_layout() -> None:
+    """Erasure-coded groups on every data-parallel ring of a (tp, pp) mesh; a node is lost and a spare takes
+    its slot, and each of its shards, copied nowhere, is rebuilt from its group. Each decode job names its
+    group (gid, h), its members by their index in the layout (tensor and pipeline coordinates included), the
+    members it rebuilds (`lost`), the pieces it reads; the transfer to each of the spare's ranks points at
+    the job that rebuilds its shard."""
+    rng = random.Random(5)
+    for _ in range(80):
+        tp, pp, dp = rng.choice([1, 2]), rng.choice([1, 2]), rng.randint(3, 5)
+        h = rng.randint(1, 2)
+        d = rng.randint(1, dp - h)
+        old = Topology(epoch=2, nodes=[f"n{i}" for i in range(dp * pp)], workers_per_node=tp, replicas=1,
+                       resume_step=0, tp=tp, pp=pp)
+        lay, g, r = old.layout, tp, rng.randint(3, 20)
+        rings = sorted({tuple(lay.dp_group(x)) for x in range(old.world)})
+        groups = [grp for ring in rings for grp in place_groups([RingRank(rank=x, node=x // g) for x in ring], d, h)]
+        dead = rng.choice(old.nodes)
+        descs = {wid_of(old, x): Descriptor(wid=wid_of(old, x), stage=lay.coord(x).name(), params=[r],
+                                            own={old.shard_name(x): {r: crc_of(old.shard_name(x), r)}})
+                 for x in range(old.world) if old.node_of_rank(x) != dead}
+        for gid, grp in enumerate(groups):
+            names = [old.shard_name(m) for m in grp.members]
+            for j, holder in enumerate(grp.parity):
+                if wid_of(old, holder) in descs:
+                    pn = parity_name(names, j)
+                    descs[wid_of(old, holder)].parity[pn] = {r: {
+                        "crc": crc_of(pn, r), "j": j, "h": grp.h, "gid": gid, "members": names,
+                        "mcrc": [crc_of(x, r) for x in names]}}
+        plan = plan_recovery(PlanInput(old=old, dead={dead}, restarted=set(), descs=descs, pool=["s0"],
+                                       target_nodes=len(old.nodes), replicas=1, racks=1))
+        assert plan.ok and plan.resume_step == r and plan.topo is not None, plan.error
+        topo = plan.topo
+        lost_ranks = [x for x in range(old.world) if old.node_of_rank(x) == dead]
+        jobs = topo.meta["decode"]
+        want = {gid: grp for gid, grp in enumerate(groups) if set(grp.members) & set(lost_ranks)}
+        assert sorted(j["gid"] for j in jobs) == sorted(want), (jobs, want)
+        for job in jobs:
+            grp = want[job["gid"]]
+            lost = [i for i, m in enumerate(grp.members) if m in lost_ranks]
+            assert (job["world"], job["shards"], job["h"], job["lost"], job["step"]) == (
+                old.world, list(grp.members), grp.h, lost, r)
+            assert job["mcrc"] == [crc_of(old.shard_name(m), r) for m in grp.members]
+            assert {int(i): dst for i, dst in job["to"].items()} == {i: grp.members[i] for i in lost}
+            assert len(job["pieces"]) == grp.d and all(wid_of(topo, p["src"]) == p["wid"] for p in job["pieces"])
+        by_dst = {t["dst"]: t for t in topo.transfers}
+        for x in lost_ranks:
+            job = jobs[by_dst[x]["decode"]]
+            assert x in job["shards"] and by_dst[x]["opt_src"] == -1
+            assert by_dst[x]["crc"] == crc_of(old.shard_name(x), r)
