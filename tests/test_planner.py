@@ -28,7 +28,7 @@ import pytest
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.protect.redundancy.parity import parity_name
 from phoenixft.protect.redundancy.placement import RingRank, place_groups
-from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
+from phoenixft.recovery.planner import STRIPES, Descriptor, PlanInput, feasible_steps, plan_recovery
 
 CASES = 4000
 
@@ -94,7 +94,8 @@ def make_case(rng: random.Random, mesh: bool = False) -> PlanInput:
     man = {"step": max(0, s - rng.randint(2, 8)), "shards": old.world, "numel": 100, "shard_numel": 10,
            "path": "/x"} if rng.random() < 0.4 else None
     return PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
-                     target_nodes=n + rng.randint(0, 1), replicas=k, racks=racks, manifest=man)
+                     target_nodes=n + rng.randint(0, 1), replicas=k, racks=racks, manifest=man,
+                     grow_only=not dead and rng.random() < 0.5)
 
 
 def oracle(pi: PlanInput) -> tuple[set[int], dict[str, dict[int, dict[str, int]]]]:
@@ -119,23 +120,46 @@ def wid_of(topo: Topology, rank: int) -> str:
     return f"{topo.node_of_rank(rank)}.{rank % topo.workers_per_node}"
 
 
+def expected_membership(pi: PlanInput) -> tuple[list[str], list[str], str, str]:
+    """promoted, dropped, class, action: a spare (in pool order) per dead slot (in slot order), the slots left
+    over dropped; with none dropped a data-parallel job grows back to its target while spares last (a mesh
+    never changes size). The class says what happened (a node lost, workers restarted in place, a planned
+    grow), the action what the plan does about it (a shrink or a grow over anything else)."""
+    dead = [x for x in pi.old.nodes if x in pi.dead]
+    swapped = min(len(dead), len(pi.pool))
+    dropped = dead[swapped:]
+    grow = 0
+    if not dropped and pi.old.tp * pi.old.pp == 1:
+        grow = max(0, min(pi.target_nodes - len(pi.old.nodes), len(pi.pool) - swapped))
+    klass = ("permanent" if pi.dead else "transient" if pi.restarted else
+             "planned" if pi.grow_only or grow else "transient")
+    action = ("shrink" if dropped else "grow" if grow and not pi.dead else "hotswap" if pi.dead else
+              "inplace" if pi.restarted else "grow" if pi.grow_only else "reconfigure")
+    return pi.pool[: swapped + grow], dropped, klass, action
+
+
 def check(pi: PlanInput) -> str:
     plan = plan_recovery(pi)
     ok_steps, copies = oracle(pi)
     alive = [x for x in pi.old.nodes if x not in pi.dead]
+    promoted, dropped, klass, action = expected_membership(pi)
     if not alive and not pi.pool:
-        assert not plan.ok and "every node is lost" in plan.error
+        assert plan.ok is False and plan.error == (
+            f"every node is lost ({', '.join(sorted(pi.dead))}) and no spare is ready"), plan
         return "all-lost"
     if pi.old.tp * pi.old.pp > 1 and len(pi.dead) > len(pi.pool):
-        assert not plan.ok and "cannot drop a node" in plan.error, plan
+        assert plan.ok is False and plan.error == (
+            f"{', '.join(dropped)} lost and no spare ready: a {pi.old.tp}x{pi.old.pp} (tp x pp) mesh cannot drop a "
+            "node (run with more --spares, or --repair-after)"), plan
         return "mesh-short"
+    assert plan.rejected == sorted({x for d in pi.descs.values() for x in d.rejected})
     if ok_steps:
         assert plan.ok, f"declared lost although steps {sorted(ok_steps)} are recoverable: {plan.error}"
         assert plan.action != "persistent"
         assert plan.resume_step == max(ok_steps), (plan.resume_step, ok_steps)
     else:
         if pi.manifest is None:
-            assert not plan.ok and "in-memory state lost" in plan.error, plan
+            assert plan.ok is False and "in-memory state lost" in plan.error, plan
             missing = [x for x in (pi.old.shard_name(i) for i in range(pi.old.world)) if not copies.get(x)]
             assert plan.lost == missing
             return "lost"
@@ -146,6 +170,10 @@ def check(pi: PlanInput) -> str:
     assert set(plan.promoted) <= set(pi.pool) and len(set(topo.nodes)) == len(topo.nodes)
     assert set(plan.dropped) <= pi.dead
     assert len(topo.nodes) >= len(pi.old.nodes) - len(plan.dropped)
+    assert (plan.promoted, plan.dropped, plan.klass) == (promoted, dropped, klass), (plan, pi)
+    assert plan.action == ("persistent" if not ok_steps else action), (plan, pi)
+    assert len(topo.nodes) == len(pi.old.nodes) + len(promoted) - len(pi.dead), (topo.nodes, pi)
+    assert topo.resume_step == plan.resume_step
     # what the new epoch records: the generation moves on exactly when the node count changes (no meta: 0)
     gen = int(pi.old.meta.get("generation", 0))
     assert topo.meta["generation"] == gen + (len(topo.nodes) != len(pi.old.nodes)), (topo.meta, pi.old.meta)
@@ -161,7 +189,7 @@ def check(pi: PlanInput) -> str:
             name = pi.old.shard_name(int(i))
             w = wid_of(topo, prov)
             assert copies[name][r].get(w) == crc, f"provider {w} of {name} holds no such copy at {r}"
-            assert (kind == "own") == (name in pi.descs[w].own)
+            assert kind == ("own" if name in pi.descs[w].own else "replica"), kind
             owner = wid_of(pi.old, int(i))
             assert owner not in copies[name][r] or w == owner, f"{name}: its owner {owner} holds it, {w} provides it"
         for rk in range(topo.world):
@@ -187,7 +215,7 @@ def check(pi: PlanInput) -> str:
         assert copies[name][r].get(src) == t["crc"], f"{src} holds no verified {name}@{r}"
         assert w not in copies[name][r] or src == w, f"{w} holds {name}@{r} itself, yet it is sent from {src}"
         if t["param_src"] < 0:
-            assert has_params
+            assert has_params and t["param_srcs"] == [], t
         else:
             src_d = pi.descs[wid_of(topo, t["param_src"])]
             assert r in src_d.params and src_d.stage == stage, f"{w} ({stage}) gets parameters of {src_d.stage}"
@@ -209,6 +237,7 @@ def test_planner_against_generated_schedules() -> None:
     # the generator must reach every outcome, or the properties above were not exercised
     for outcome in ("in-memory", "reshard", "persistent", "lost"):
         assert seen.get(outcome, 0) >= 50, seen
+    assert feasible_steps(make_case(rng), []) == set()  # no shard named: no step to resume at
 
 
 def test_planner_mesh_layouts() -> None:
@@ -443,6 +472,30 @@ def test_decode_jobs_name_their_group_and_the_shards_of_a_mesh_layout() -> None:
             assert len(job["pieces"]) == grp.d and all(wid_of(topo, p["src"]) == p["wid"] for p in job["pieces"])
         by_dst = {t["dst"]: t for t in topo.transfers}
         for x in lost_ranks:
-            job = jobs[by_dst[x]["decode"]]
-            assert x in job["shards"] and by_dst[x]["opt_src"] == -1
-            assert by_dst[x]["crc"] == crc_of(old.shard_name(x), r)
+            t = by_dst[x]
+            job = jobs[t["decode"]]
+            assert x in job["shards"] and t["opt_src"] == -1 and t["crc"] == crc_of(old.shard_name(x), r)
+            # the spare gets its stage's parameters, in stripes, from the stage's survivors
+            assert t["param_src"] in t["param_srcs"] and all(
+                lay.coord(p).name() == lay.coord(x).name() and old.node_of_rank(p) != dead for p in t["param_srcs"])
+        # the evidence the restore is checked against: every shard's committed checksum at r, the rebuilt ones'
+        # from their group
+        ev = topo.meta["evidence"]
+        assert ev["step"] == r and all(ev["opt"][str(x)][str(r)] == crc_of(old.shard_name(x), r)
+                                       for x in range(old.world)), ev
+
+
+def test_parameters_come_in_stripes_from_the_primary_and_the_next_holders() -> None:
+    """A member that lacks the parameters gets them from STRIPES members of its stage, a stripe each: the
+    primary (round-robin by its rank over the holders, in worker-id order) and the holders after it."""
+    old = Topology(epoch=3, nodes=[f"n{i}" for i in range(8)], workers_per_node=1, replicas=1, resume_step=6)
+    descs = {f"n{i}.0": Descriptor(wid=f"n{i}.0", params=[6], own={shard_name(i, 8): {6: 1 + i}},
+                                   holdings={shard_name((i - 1) % 8, 8): {6: 1 + (i - 1) % 8}})
+             for i in range(8) if i != 3}
+    plan = plan_recovery(PlanInput(old=old, dead={"n3"}, restarted=set(), descs=descs, pool=["s0"], target_nodes=8,
+                                   replicas=1, racks=1))
+    assert plan.ok and plan.topo is not None, plan.error
+    (t,) = plan.topo.transfers
+    # holders n0 n1 n2 n4 n5 n6 n7; rank 3's primary is the 4th (n4, rank 4), then n5, n6, n7
+    assert (t["dst"], t["param_src"], t["param_srcs"], t["opt_src"], t["crc"]) == (3, 4, [4, 5, 6, 7], 4, 4)
+    assert STRIPES == 4

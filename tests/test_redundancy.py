@@ -440,12 +440,16 @@ def test_planner_with_parity_groups_against_generated_schedules() -> None:
                     assert dd.parity[p["name"]][r]["crc"] == p["crc"]
         if "reshard" in topo.meta:
             seen["reshard"] = seen.get("reshard", 0) + 1
-            for i, (prov, kind, crc) in topo.meta["reshard"]["providers"].items():
+            providers = topo.meta["reshard"]["providers"]
+            assert sorted(providers, key=int) == [str(i) for i in range(pi.old.world)], providers
+            for i, (prov, kind, crc) in providers.items():
                 name = shard_name(int(i), pi.old.world)
                 if kind == "decode":
                     job = next(j for j in jobs if int(i) in j["shards"])
                     pos = job["shards"].index(int(i))
                     assert job["to"][str(pos)] == prov and job["mcrc"][pos] == crc and r not in copies.get(name, {})
+                    # rebuilt by the holder of the job's first piece: the pieces then travel to it
+                    assert f"{topo.node_of_rank(prov)}.0" == job["pieces"][0]["wid"], (prov, job)
                 else:
                     assert copies[name][r][f"{topo.node_of_rank(prov)}.0"] == crc
             continue
