@@ -59,6 +59,16 @@ EQUIVALENT: dict[str, str] = {
     **{f"phoenixft.recovery.planner.x__in_memory__mutmut_{i}": (
         "the repartition branch never runs for a tp x pp mesh (it refuses to drop a node, never grows, so never "
         "carries meta['reshard']): tp = pp = 1 there, the shard names are the same") for i in (276, 277)},
+    "phoenixft.recovery.planner.x_plan_recovery__mutmut_94": (
+        "src_world None instead of old.world when no unfinished repartition is resumed: `_in_memory` reads None as "
+        "old.world"),
+    **{f"phoenixft.recovery.planner.x_plan_recovery__mutmut_{i}": (
+        "meta['reshard'] is only written by a repartition, which a tp x pp mesh never does (it refuses to drop a "
+        "node and never grows): tp = pp = 1 there, the shard names are the same") for i in (113, 114)},
+    "phoenixft.recovery.planner.x_plan_recovery__mutmut_199": "`_in_memory` never reads its `g` argument",
+    "phoenixft.recovery.planner.x__new_topo__mutmut_36": (
+        "no caller passes `transfers` (the plan fills them in afterwards): `transfers or []` is [], "
+        "Topology's default"),
     "phoenixft.recovery.planner.x__in_memory__mutmut_286": (
         "no worker id is '' or 'XXXX' (wids are <node>.<local rank>): preferring either picks no holder"),
     **{f"phoenixft.recovery.planner.x__split__mutmut_{i}": (

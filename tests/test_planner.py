@@ -138,6 +138,22 @@ def expected_membership(pi: PlanInput) -> tuple[list[str], list[str], str, str]:
     return pi.pool[: swapped + grow], dropped, klass, action
 
 
+def why_lost(pi: PlanInput, copies: dict[str, dict[int, dict[str, int]]], missing: list[str]) -> str:
+    """What a plan without an in-memory step says: the shards with no copy left (else each shard's steps, none
+    common to all), the replicas rejected by checksum, the copies that failed I3 in transit."""
+    shards = [pi.old.shard_name(i) for i in range(pi.old.world)]
+    held = "; ".join(f"{x}: {sorted(copies.get(x, {}))}" for x in shards)
+    what = f"lost shards: {', '.join(missing)}" if missing else f"no step is held by every shard ({held})"
+    rejected = sorted({x for d in pi.descs.values() for x in d.rejected})
+    if rejected:
+        what += f"; replicas rejected by checksum (shard, step): {[list(x) for x in rejected]}"
+    bad = sorted({x for d in pi.descs.values() for x in d.bad_sources})
+    if bad:
+        what += ("; invariant I3 failed: copies that did not match their committed checksum in transit (shard, "
+                 f"step, source): {[list(x) for x in bad]}")
+    return what
+
+
 def check(pi: PlanInput) -> str:
     plan = plan_recovery(pi)
     ok_steps, copies = oracle(pi)
@@ -158,12 +174,15 @@ def check(pi: PlanInput) -> str:
         assert plan.action != "persistent"
         assert plan.resume_step == max(ok_steps), (plan.resume_step, ok_steps)
     else:
+        missing = [x for x in (pi.old.shard_name(i) for i in range(pi.old.world)) if not copies.get(x)]
+        what = why_lost(pi, copies, missing)
+        assert plan.lost == missing
         if pi.manifest is None:
-            assert plan.ok is False and "in-memory state lost" in plan.error, plan
-            missing = [x for x in (pi.old.shard_name(i) for i in range(pi.old.world)) if not copies.get(x)]
-            assert plan.lost == missing
+            assert plan.ok is False and plan.error == (
+                f"in-memory state lost ({what}) and no complete persistent checkpoint"), plan
             return "lost"
         assert plan.ok and plan.action == "persistent" and plan.resume_step == pi.manifest["step"]
+        assert plan.topo is not None and plan.topo.meta["reason"] == what, (plan.topo.meta, what)
     topo = plan.topo
     assert topo is not None and topo.epoch == pi.old.epoch + 1
     assert not set(topo.nodes) & pi.dead, "a dead node is a member"
@@ -174,6 +193,12 @@ def check(pi: PlanInput) -> str:
     assert plan.action == ("persistent" if not ok_steps else action), (plan, pi)
     assert len(topo.nodes) == len(pi.old.nodes) + len(promoted) - len(pi.dead), (topo.nodes, pi)
     assert topo.resume_step == plan.resume_step
+    # the new epoch's replica rings: k kept while each ring has k other nodes, racks while they divide the nodes
+    n = len(topo.nodes)
+    assert topo.replicas == min(pi.replicas, n // pi.old.pp - 1)
+    assert topo.racks == (pi.racks if n % pi.racks == 0 and pi.racks <= n else 1), (topo.racks, pi.racks, n)
+    for rk in range(topo.world):
+        assert len(set(topo.sources(rk)) - {rk}) == topo.replicas
     # what the new epoch records: the generation moves on exactly when the node count changes (no meta: 0)
     gen = int(pi.old.meta.get("generation", 0))
     assert topo.meta["generation"] == gen + (len(topo.nodes) != len(pi.old.nodes)), (topo.meta, pi.old.meta)
@@ -499,3 +524,19 @@ def test_parameters_come_in_stripes_from_the_primary_and_the_next_holders() -> N
     # holders n0 n1 n2 n4 n5 n6 n7; rank 3's primary is the 4th (n4, rank 4), then n5, n6, n7
     assert (t["dst"], t["param_src"], t["param_srcs"], t["opt_src"], t["crc"]) == (3, 4, [4, 5, 6, 7], 4, 4)
     assert STRIPES == 4
+
+
+def test_lost_shards_are_named_in_the_layout_some_member_already_holds() -> None:
+    """A repartition (2 -> 3 nodes) that did not complete and no step recoverable in either layout: the lost
+    shards are named in the source layout only while no member holds a shard of the new one; once a member
+    holds one, they are the new layout's shards nobody holds."""
+    old = Topology(epoch=2, nodes=["n0", "n1", "n2"], workers_per_node=1, replicas=1, resume_step=5,
+                   meta={"generation": 1, "reshard": {"old_world": 2, "providers": {}, "params_to": {}}})
+    descs = {"n0.0": Descriptor(wid="n0.0", params=[5], own={shard_name(0, 2): {5: 1}}),
+             "n1.0": Descriptor(wid="n1.0", params=[5])}
+    pi = PlanInput(old=old, dead={"n2"}, restarted=set(), descs=descs, pool=[], target_nodes=3, replicas=1, racks=1)
+    plan = plan_recovery(pi)
+    assert plan.ok is False and plan.lost == [shard_name(1, 2)], plan
+    descs["n1.0"].own = {shard_name(1, 3): {5: 2}}
+    plan = plan_recovery(pi)
+    assert plan.ok is False and plan.lost == [shard_name(0, 3), shard_name(2, 3)], plan

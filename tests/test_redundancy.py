@@ -420,6 +420,8 @@ def test_planner_with_parity_groups_against_generated_schedules() -> None:
             continue
         if not ok:
             assert not plan.ok, "a plan without a recoverable step"
+            # lost: the shards with neither a copy nor a group that can rebuild them, at any step
+            assert plan.lost == [x for x in shards if not copies.get(x) and not opts.get(x)], (plan.lost, plan.error)
             seen["lost"] = seen.get("lost", 0) + 1
             continue
         assert plan.ok, plan.error
