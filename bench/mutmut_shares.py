@@ -48,6 +48,32 @@ EQUIVALENT: dict[str, str] = {
                 "lexicographic key order"),
     f"{_P}81": "any multiplier above the largest load keeps the key lexicographic: the same order",
     f"{_P}92": "every load counted in twos: the loads compare as before, and the multiplier still exceeds them",
+    "phoenixft.recovery.planner.x__in_memory__mutmut_3": (
+        "`_in_memory`'s only caller, plan_recovery, always passes src_world (an int: the last topology's world or "
+        "the unfinished repartition's), so the `src_world is None` default branch is never taken"),
+    "phoenixft.recovery.planner.x_plan_recovery__mutmut_41": (
+        "`grew` is only read as a truth value (`pi.grow_only or grew`, `grew and not pi.dead`): None and False alike"),
+    "phoenixft.recovery.planner.x__in_memory__mutmut_251": (
+        "the unchanged-world branch has no dropped slot (a dropped slot shortens the node list): `dropped` is [], "
+        "Plan's default"),
+    **{f"phoenixft.recovery.planner.x__in_memory__mutmut_{i}": (
+        "the repartition branch never runs for a tp x pp mesh (it refuses to drop a node, never grows, so never "
+        "carries meta['reshard']): tp = pp = 1 there, the shard names are the same") for i in (276, 277)},
+    "phoenixft.recovery.planner.x_plan_recovery__mutmut_94": (
+        "src_world None instead of old.world when no unfinished repartition is resumed: `_in_memory` reads None as "
+        "old.world"),
+    **{f"phoenixft.recovery.planner.x_plan_recovery__mutmut_{i}": (
+        "meta['reshard'] is only written by a repartition, which a tp x pp mesh never does (it refuses to drop a "
+        "node and never grows): tp = pp = 1 there, the shard names are the same") for i in (113, 114)},
+    "phoenixft.recovery.planner.x_plan_recovery__mutmut_199": "`_in_memory` never reads its `g` argument",
+    "phoenixft.recovery.planner.x__new_topo__mutmut_36": (
+        "no caller passes `transfers` (the plan fills them in afterwards): `transfers or []` is [], "
+        "Topology's default"),
+    "phoenixft.recovery.planner.x__in_memory__mutmut_286": (
+        "no worker id is '' or 'XXXX' (wids are <node>.<local rank>): preferring either picks no holder"),
+    **{f"phoenixft.recovery.planner.x__split__mutmut_{i}": (
+        "node ids are n<i> or s<k> (launcher, admission), without a dot: a wid <node>.<local rank> has one dot, "
+        "which rsplit('.'), split('.', 1) and rsplit('.', 2) split alike") for i in (5, 6, 8)},
     "phoenixft.faults.scenarios.xǁKillDuringRecoveryǁdraw__mutmut_38": (
         "`other >= j` differs from `other > j` only when other == j, which happens only with spares (no mate drawn "
         "without spares returns a plain kill first), where the condition is false either way"),

@@ -113,7 +113,12 @@ def test_every_kind_round_trips_parse_str_parse(kind: str) -> None:
     for i in range(1500):
         text = GENERATORS[kind](rng)
         f = parse_fault(text, i)
-        assert f.kind == kind
+        assert f.kind == kind and f.index == i
+        # the written spec names the same target (the nodes in their order, the rack, rank, etcd member, spare)
+        assert "@" not in text or str(f).split("@")[0] == text.split("@")[0], (text, str(f))
+        # a kind's own settings are set only on its specs (0 / None elsewhere)
+        assert ((f.factor > 1) == (kind == "slow") and (f.factor == 0.0) == (kind != "slow")
+                and (f.notice is not None) == (kind == "preempt") and (f.spare is not None) == (kind == "sick")), f
         back = parse_fault(str(f), i)
         assert back == dataclasses.replace(f, text=str(f)), (text, str(f))
         assert str(back) == str(f)
@@ -199,18 +204,44 @@ def test_a_launch_mode_refuses_what_it_cannot_fire() -> None:
 
 
 @pytest.mark.parametrize("text,why", [
-    ("slow:node=1@step=5", "expected slow:node=I@step=S,factor=F"),
-    ("slow:node=1@step=5,factor=1", "factor=1 must be a number > 1"),
-    ("slow:node=1@step=5,factor=nan", "factor=nan must be a number > 1"),
+    ("slow:node=1@step=5", "expected slow:node=I@step=S,factor=F (F > 1: how many times slower its compute is)"),
+    ("slow:node=1@step=5,factor=1", "factor=1 must be a number > 1 (how many times as long the compute takes)"),
+    ("slow:node=1@step=5,factor=nan", "factor=nan must be a number > 1 (how many times as long the compute takes)"),
     ("slow:node=1@step=5,factor=1001", "factor=1001 must be at most 1000"),
     ("slow:node=1@step=5,factor=x", "factor must be a number, got 'x'"),
-    ("slow:node=1@step=5,factor=2,phase=backward", "takes no phase"),
-    ("slow:node=1@step=5,factor=2,wait=3", "wait=SECONDS is for"),
-    ("slow:node=1,2@step=5,factor=2", "expected"),
-    ("kill:node=1@step=5,factor=2", "factor=F is only for slow faults"),
+    ("slow:node=1@step=5,factor=2,phase=backward",
+     "slow:node=I@step=S,factor=F takes no phase (the node's whole compute is slower)"),
+    ("slow:node=1@step=5,factor=2,wait=3",
+     "wait=SECONDS is for kill, hang, crash, corrupt and partition faults, not slow"),
+    ("slow:node=1,2@step=5,factor=2", "expected kill:node=I[,J]@step=S[,phase=P], ..."),
+    ("kill:node=1@step=5,factor=2", "factor=F is only for slow faults (how many times slower the node's compute is)"),
 ])
 def test_a_slow_fault_needs_a_factor_above_one(text: str, why: str) -> None:
-    with pytest.raises(UserError, match=re.escape(why)):
+    with pytest.raises(UserError) as e:
         parse_fault(text)
+    msg, head = str(e.value), f"--inject={text!r} is invalid: "
+    assert msg.startswith(head + why[:-3]) if why.endswith("...") else msg == head + why, msg
     f = parse_fault("slow:node=2@step=7,factor=2.5")
     assert (f.nodes, f.step, f.factor, str(f)) == ((2,), 7, 2.5, "slow:node=2@step=7,factor=2.5")
+
+
+@pytest.mark.parametrize("text,why", [
+    ("kill:node=1@step=5,notice=5", "notice=SECONDS is only for preempt faults (the time from the notice to the kill)"),
+    ("preempt:node=1@step=5,notice=soon", "notice must be seconds, got 'soon'"),
+    ("preempt:node=1@step=5,notice=inf", "notice=inf must be a finite number of seconds >= 0"),
+    ("preempt:node=1@step=5,notice=-1", "notice=-1 must be >= 0 seconds"),
+])
+def test_a_preempt_fault_needs_a_notice_of_zero_seconds_or_more(text: str, why: str) -> None:
+    with pytest.raises(UserError) as e:
+        parse_fault(text)
+    assert str(e.value) == f"--inject={text!r} is invalid: {why}"
+    f = parse_fault("preempt:node=2@step=7,notice=30")
+    assert (f.nodes, f.step, f.notice, str(f)) == ((2,), 7, 30.0, "preempt:node=2@step=7,notice=30.0")
+
+
+def test_an_etcd_member_is_its_index_and_the_leader_minus_one() -> None:
+    """FaultSpec.member: the member's index in the cluster the run started, -1 for its raft leader; a spec
+    parsed alone is fault 0."""
+    one, leader = parse_fault("kill:etcd=2@step=3"), parse_fault("kill:etcd=leader@step=3")
+    assert (one.member, one.index, str(one)) == (2, 0, "kill:etcd=2@step=3")
+    assert (leader.member, leader.index, str(leader)) == (-1, 0, "kill:etcd=leader@step=3")

@@ -59,6 +59,15 @@ from phoenixft.faults.spec import parse_fault
         ("partition:node=1@step=3,for=-2", "for=-2 must be > 0 seconds"),
         ("bogus:node=1@step=3", "is invalid: expected kill:node=I"),
         ("kill:node=1@step=3@step=4", "is invalid: "),
+        # a target's value is everything after its first "=" (and a spec's kind what comes before its first ":")
+        ("kill:node=1=2@step=3", "node must be integers, got '1=2'"),
+        ("sick:spare=1:x", "spare must be integers, got '1:x'"),
+        # a target key the kind does not take is named, whatever other targets the kind takes
+        ("crash:slot=1@step=3", "target 'slot=1'; expected "),
+        ("kill:rank=1@step=3", "target 'rank=1'; expected "),
+        ("sick:slot=1", "target 'slot=1'; expected "),
+        ("kill:spare=1@step=3", "target 'spare=1'; expected "),
+        ("sick:spare=1,2", "spare=1,2: a sick fault takes one spare; give one --inject per spare"),
     ],
 )
 def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> None:

@@ -42,6 +42,9 @@ def test_layout_is_megatron_order_and_groups_partition_the_world() -> None:
                 assert r in grp
                 assert all(getattr(lay.coord(x), a) == getattr(c, a) for x in grp for a in same)
         assert len(seen) == lay.world
+        for r in (-1, lay.world):  # a rank outside the world is refused, naming the ranks there are
+            with pytest.raises(ValueError, match=rf"^rank {r} outside 0\.\.{lay.world - 1}$"):
+                lay.coord(r)
         for groups in ([lay.dp_group(r) for r in range(lay.world)], [lay.tp_group(r) for r in range(lay.world)]):
             assert sorted({x for g in groups for x in g}) == list(range(lay.world))
     with pytest.raises(ValueError):

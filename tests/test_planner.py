@@ -26,7 +26,9 @@ import zlib
 import pytest
 
 from phoenixft.dist.topology import Topology, shard_name
-from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
+from phoenixft.protect.redundancy.parity import parity_name
+from phoenixft.protect.redundancy.placement import RingRank, place_groups
+from phoenixft.recovery.planner import STRIPES, Descriptor, PlanInput, feasible_steps, plan_recovery
 
 CASES = 4000
 
@@ -45,7 +47,7 @@ def make_case(rng: random.Random, mesh: bool = False) -> PlanInput:
     nodes = [f"n{i}" for i in range(n)]
     rng.shuffle(nodes)
     old = Topology(epoch=rng.randint(0, 5), nodes=nodes, workers_per_node=g, replicas=k, racks=racks,
-                   resume_step=0, meta={"generation": gen}, tp=tp, pp=pp)
+                   resume_step=0, meta={"generation": gen} if gen else {}, tp=tp, pp=pp)
     dead = {x for x in nodes if rng.random() < 0.3}
     if not dead and rng.random() < 0.7:
         dead = {rng.choice(nodes)}
@@ -92,7 +94,8 @@ def make_case(rng: random.Random, mesh: bool = False) -> PlanInput:
     man = {"step": max(0, s - rng.randint(2, 8)), "shards": old.world, "numel": 100, "shard_numel": 10,
            "path": "/x"} if rng.random() < 0.4 else None
     return PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
-                     target_nodes=n + rng.randint(0, 1), replicas=k, racks=racks, manifest=man)
+                     target_nodes=n + rng.randint(0, 1), replicas=k, racks=racks, manifest=man,
+                     grow_only=not dead and rng.random() < 0.5)
 
 
 def oracle(pi: PlanInput) -> tuple[set[int], dict[str, dict[int, dict[str, int]]]]:
@@ -117,33 +120,90 @@ def wid_of(topo: Topology, rank: int) -> str:
     return f"{topo.node_of_rank(rank)}.{rank % topo.workers_per_node}"
 
 
+def expected_membership(pi: PlanInput) -> tuple[list[str], list[str], str, str]:
+    """promoted, dropped, class, action: a spare (in pool order) per dead slot (in slot order), the slots left
+    over dropped; with none dropped a data-parallel job grows back to its target while spares last (a mesh
+    never changes size). The class says what happened (a node lost, workers restarted in place, a planned
+    grow), the action what the plan does about it (a shrink or a grow over anything else)."""
+    dead = [x for x in pi.old.nodes if x in pi.dead]
+    swapped = min(len(dead), len(pi.pool))
+    dropped = dead[swapped:]
+    grow = 0
+    if not dropped and pi.old.tp * pi.old.pp == 1:
+        grow = max(0, min(pi.target_nodes - len(pi.old.nodes), len(pi.pool) - swapped))
+    klass = ("permanent" if pi.dead else "transient" if pi.restarted else
+             "planned" if pi.grow_only or grow else "transient")
+    action = ("shrink" if dropped else "grow" if grow and not pi.dead else "hotswap" if pi.dead else
+              "inplace" if pi.restarted else "grow" if pi.grow_only else "reconfigure")
+    return pi.pool[: swapped + grow], dropped, klass, action
+
+
+def why_lost(pi: PlanInput, copies: dict[str, dict[int, dict[str, int]]], missing: list[str]) -> str:
+    """What a plan without an in-memory step says: the shards with no copy left (else each shard's steps, none
+    common to all), the replicas rejected by checksum, the copies that failed I3 in transit."""
+    shards = [pi.old.shard_name(i) for i in range(pi.old.world)]
+    held = "; ".join(f"{x}: {sorted(copies.get(x, {}))}" for x in shards)
+    what = f"lost shards: {', '.join(missing)}" if missing else f"no step is held by every shard ({held})"
+    rejected = sorted({x for d in pi.descs.values() for x in d.rejected})
+    if rejected:
+        what += f"; replicas rejected by checksum (shard, step): {[list(x) for x in rejected]}"
+    bad = sorted({x for d in pi.descs.values() for x in d.bad_sources})
+    if bad:
+        what += ("; invariant I3 failed: copies that did not match their committed checksum in transit (shard, "
+                 f"step, source): {[list(x) for x in bad]}")
+    return what
+
+
 def check(pi: PlanInput) -> str:
     plan = plan_recovery(pi)
     ok_steps, copies = oracle(pi)
     alive = [x for x in pi.old.nodes if x not in pi.dead]
+    promoted, dropped, klass, action = expected_membership(pi)
     if not alive and not pi.pool:
-        assert not plan.ok and "every node is lost" in plan.error
+        assert plan.ok is False and plan.error == (
+            f"every node is lost ({', '.join(sorted(pi.dead))}) and no spare is ready"), plan
         return "all-lost"
     if pi.old.tp * pi.old.pp > 1 and len(pi.dead) > len(pi.pool):
-        assert not plan.ok and "cannot drop a node" in plan.error, plan
+        assert plan.ok is False and plan.error == (
+            f"{', '.join(dropped)} lost and no spare ready: a {pi.old.tp}x{pi.old.pp} (tp x pp) mesh cannot drop a "
+            "node (run with more --spares, or --repair-after)"), plan
         return "mesh-short"
+    assert plan.rejected == sorted({x for d in pi.descs.values() for x in d.rejected})
     if ok_steps:
         assert plan.ok, f"declared lost although steps {sorted(ok_steps)} are recoverable: {plan.error}"
         assert plan.action != "persistent"
         assert plan.resume_step == max(ok_steps), (plan.resume_step, ok_steps)
     else:
+        missing = [x for x in (pi.old.shard_name(i) for i in range(pi.old.world)) if not copies.get(x)]
+        what = why_lost(pi, copies, missing)
+        assert plan.lost == missing
         if pi.manifest is None:
-            assert not plan.ok and "in-memory state lost" in plan.error, plan
-            missing = [x for x in (pi.old.shard_name(i) for i in range(pi.old.world)) if not copies.get(x)]
-            assert plan.lost == missing
+            assert plan.ok is False and plan.error == (
+                f"in-memory state lost ({what}) and no complete persistent checkpoint"), plan
             return "lost"
         assert plan.ok and plan.action == "persistent" and plan.resume_step == pi.manifest["step"]
+        assert plan.topo is not None and plan.topo.meta["reason"] == what, (plan.topo.meta, what)
     topo = plan.topo
     assert topo is not None and topo.epoch == pi.old.epoch + 1
     assert not set(topo.nodes) & pi.dead, "a dead node is a member"
     assert set(plan.promoted) <= set(pi.pool) and len(set(topo.nodes)) == len(topo.nodes)
     assert set(plan.dropped) <= pi.dead
     assert len(topo.nodes) >= len(pi.old.nodes) - len(plan.dropped)
+    assert (plan.promoted, plan.dropped, plan.klass) == (promoted, dropped, klass), (plan, pi)
+    assert plan.action == ("persistent" if not ok_steps else action), (plan, pi)
+    assert len(topo.nodes) == len(pi.old.nodes) + len(promoted) - len(pi.dead), (topo.nodes, pi)
+    assert topo.resume_step == plan.resume_step
+    # the new epoch's replica rings: k kept while each ring has k other nodes, racks while they divide the nodes
+    n = len(topo.nodes)
+    assert topo.replicas == min(pi.replicas, n // pi.old.pp - 1)
+    assert topo.racks == (pi.racks if n % pi.racks == 0 and pi.racks <= n else 1), (topo.racks, pi.racks, n)
+    for rk in range(topo.world):
+        assert len(set(topo.sources(rk)) - {rk}) == topo.replicas
+    # what the new epoch records: the generation moves on exactly when the node count changes (no meta: 0)
+    gen = int(pi.old.meta.get("generation", 0))
+    assert topo.meta["generation"] == gen + (len(topo.nodes) != len(pi.old.nodes)), (topo.meta, pi.old.meta)
+    assert (topo.meta["dead"], topo.meta["promoted"], topo.meta["class"], topo.meta["action"],
+            topo.meta["dropped"]) == (sorted(pi.dead), plan.promoted, plan.klass, plan.action, plan.dropped)
     if plan.action == "persistent":
         return "persistent"
     r = plan.resume_step
@@ -154,7 +214,9 @@ def check(pi: PlanInput) -> str:
             name = pi.old.shard_name(int(i))
             w = wid_of(topo, prov)
             assert copies[name][r].get(w) == crc, f"provider {w} of {name} holds no such copy at {r}"
-            assert (kind == "own") == (name in pi.descs[w].own)
+            assert kind == ("own" if name in pi.descs[w].own else "replica"), kind
+            owner = wid_of(pi.old, int(i))
+            assert owner not in copies[name][r] or w == owner, f"{name}: its owner {owner} holds it, {w} provides it"
         for rk in range(topo.world):
             d = pi.descs.get(wid_of(topo, rk))
             if d is None or r not in d.params:
@@ -176,8 +238,9 @@ def check(pi: PlanInput) -> str:
             continue
         src = wid_of(topo, t["opt_src"])
         assert copies[name][r].get(src) == t["crc"], f"{src} holds no verified {name}@{r}"
+        assert w not in copies[name][r] or src == w, f"{w} holds {name}@{r} itself, yet it is sent from {src}"
         if t["param_src"] < 0:
-            assert has_params
+            assert has_params and t["param_srcs"] == [], t
         else:
             src_d = pi.descs[wid_of(topo, t["param_src"])]
             assert r in src_d.params and src_d.stage == stage, f"{w} ({stage}) gets parameters of {src_d.stage}"
@@ -199,6 +262,7 @@ def test_planner_against_generated_schedules() -> None:
     # the generator must reach every outcome, or the properties above were not exercised
     for outcome in ("in-memory", "reshard", "persistent", "lost"):
         assert seen.get(outcome, 0) >= 50, seen
+    assert feasible_steps(make_case(rng), []) == set()  # no shard named: no step to resume at
 
 
 def test_planner_mesh_layouts() -> None:
@@ -381,6 +445,98 @@ def test_descriptors_round_trip_through_their_json_form() -> None:
             d.t, d.error = rng.random() * 100, rng.choice(["", "peer failure: n3 lost"])
             d.parity = {f"g{rng.randint(0, 3)}.p0": {rng.randint(0, 9): {"crc": rng.randint(1, 99)}}
                         for _ in range(rng.randint(0, 2))}
+            d.params_crc = {st: rng.randint(1, 2**32 - 1) for st in d.params}
             back = Descriptor.from_json(json.loads(json.dumps(d.to_json())))
             assert back == d, (back, d)
     assert Descriptor.from_json({"wid": "n1.0"}) == Descriptor(wid="n1.0")
+
+
+def test_decode_jobs_name_their_group_and_the_shards_of_a_mesh_layout() -> None:
+    """Erasure-coded groups on every data-parallel ring of a (tp, pp) mesh; a node is lost and a spare takes
+    its slot, and each of its shards, copied nowhere, is rebuilt from its group. Each decode job names its
+    group (gid, h), its members by their index in the layout (tensor and pipeline coordinates included), the
+    members it rebuilds (`lost`), the pieces it reads; the transfer to each of the spare's ranks points at
+    the job that rebuilds its shard."""
+    rng = random.Random(5)
+    for _ in range(80):
+        tp, pp, dp = rng.choice([1, 2]), rng.choice([1, 2]), rng.randint(3, 5)
+        h = rng.randint(1, 2)
+        d = rng.randint(1, dp - h)
+        old = Topology(epoch=2, nodes=[f"n{i}" for i in range(dp * pp)], workers_per_node=tp, replicas=1,
+                       resume_step=0, tp=tp, pp=pp)
+        lay, g, r = old.layout, tp, rng.randint(3, 20)
+        rings = sorted({tuple(lay.dp_group(x)) for x in range(old.world)})
+        groups = [grp for ring in rings for grp in place_groups([RingRank(rank=x, node=x // g) for x in ring], d, h)]
+        dead = rng.choice(old.nodes)
+        descs = {wid_of(old, x): Descriptor(wid=wid_of(old, x), stage=lay.coord(x).name(), params=[r],
+                                            own={old.shard_name(x): {r: crc_of(old.shard_name(x), r)}})
+                 for x in range(old.world) if old.node_of_rank(x) != dead}
+        for gid, grp in enumerate(groups):
+            names = [old.shard_name(m) for m in grp.members]
+            for j, holder in enumerate(grp.parity):
+                if wid_of(old, holder) in descs:
+                    pn = parity_name(names, j)
+                    descs[wid_of(old, holder)].parity[pn] = {r: {
+                        "crc": crc_of(pn, r), "j": j, "h": grp.h, "gid": gid, "members": names,
+                        "mcrc": [crc_of(x, r) for x in names]}}
+        plan = plan_recovery(PlanInput(old=old, dead={dead}, restarted=set(), descs=descs, pool=["s0"],
+                                       target_nodes=len(old.nodes), replicas=1, racks=1))
+        assert plan.ok and plan.resume_step == r and plan.topo is not None, plan.error
+        topo = plan.topo
+        lost_ranks = [x for x in range(old.world) if old.node_of_rank(x) == dead]
+        jobs = topo.meta["decode"]
+        want = {gid: grp for gid, grp in enumerate(groups) if set(grp.members) & set(lost_ranks)}
+        assert sorted(j["gid"] for j in jobs) == sorted(want), (jobs, want)
+        for job in jobs:
+            grp = want[job["gid"]]
+            lost = [i for i, m in enumerate(grp.members) if m in lost_ranks]
+            assert (job["world"], job["shards"], job["h"], job["lost"], job["step"]) == (
+                old.world, list(grp.members), grp.h, lost, r)
+            assert job["mcrc"] == [crc_of(old.shard_name(m), r) for m in grp.members]
+            assert {int(i): dst for i, dst in job["to"].items()} == {i: grp.members[i] for i in lost}
+            assert len(job["pieces"]) == grp.d and all(wid_of(topo, p["src"]) == p["wid"] for p in job["pieces"])
+        by_dst = {t["dst"]: t for t in topo.transfers}
+        for x in lost_ranks:
+            t = by_dst[x]
+            job = jobs[t["decode"]]
+            assert x in job["shards"] and t["opt_src"] == -1 and t["crc"] == crc_of(old.shard_name(x), r)
+            # the spare gets its stage's parameters, in stripes, from the stage's survivors
+            assert t["param_src"] in t["param_srcs"] and all(
+                lay.coord(p).name() == lay.coord(x).name() and old.node_of_rank(p) != dead for p in t["param_srcs"])
+        # the evidence the restore is checked against: every shard's committed checksum at r, the rebuilt ones'
+        # from their group
+        ev = topo.meta["evidence"]
+        assert ev["step"] == r and all(ev["opt"][str(x)][str(r)] == crc_of(old.shard_name(x), r)
+                                       for x in range(old.world)), ev
+
+
+def test_parameters_come_in_stripes_from_the_primary_and_the_next_holders() -> None:
+    """A member that lacks the parameters gets them from STRIPES members of its stage, a stripe each: the
+    primary (round-robin by its rank over the holders, in worker-id order) and the holders after it."""
+    old = Topology(epoch=3, nodes=[f"n{i}" for i in range(8)], workers_per_node=1, replicas=1, resume_step=6)
+    descs = {f"n{i}.0": Descriptor(wid=f"n{i}.0", params=[6], own={shard_name(i, 8): {6: 1 + i}},
+                                   holdings={shard_name((i - 1) % 8, 8): {6: 1 + (i - 1) % 8}})
+             for i in range(8) if i != 3}
+    plan = plan_recovery(PlanInput(old=old, dead={"n3"}, restarted=set(), descs=descs, pool=["s0"], target_nodes=8,
+                                   replicas=1, racks=1))
+    assert plan.ok and plan.topo is not None, plan.error
+    (t,) = plan.topo.transfers
+    # holders n0 n1 n2 n4 n5 n6 n7; rank 3's primary is the 4th (n4, rank 4), then n5, n6, n7
+    assert (t["dst"], t["param_src"], t["param_srcs"], t["opt_src"], t["crc"]) == (3, 4, [4, 5, 6, 7], 4, 4)
+    assert STRIPES == 4
+
+
+def test_lost_shards_are_named_in_the_layout_some_member_already_holds() -> None:
+    """A repartition (2 -> 3 nodes) that did not complete and no step recoverable in either layout: the lost
+    shards are named in the source layout only while no member holds a shard of the new one; once a member
+    holds one, they are the new layout's shards nobody holds."""
+    old = Topology(epoch=2, nodes=["n0", "n1", "n2"], workers_per_node=1, replicas=1, resume_step=5,
+                   meta={"generation": 1, "reshard": {"old_world": 2, "providers": {}, "params_to": {}}})
+    descs = {"n0.0": Descriptor(wid="n0.0", params=[5], own={shard_name(0, 2): {5: 1}}),
+             "n1.0": Descriptor(wid="n1.0", params=[5])}
+    pi = PlanInput(old=old, dead={"n2"}, restarted=set(), descs=descs, pool=[], target_nodes=3, replicas=1, racks=1)
+    plan = plan_recovery(pi)
+    assert plan.ok is False and plan.lost == [shard_name(1, 2)], plan
+    descs["n1.0"].own = {shard_name(1, 3): {5: 2}}
+    plan = plan_recovery(pi)
+    assert plan.ok is False and plan.lost == [shard_name(0, 3), shard_name(2, 3)], plan

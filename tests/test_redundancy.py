@@ -420,6 +420,8 @@ def test_planner_with_parity_groups_against_generated_schedules() -> None:
             continue
         if not ok:
             assert not plan.ok, "a plan without a recoverable step"
+            # lost: the shards with neither a copy nor a group that can rebuild them, at any step
+            assert plan.lost == [x for x in shards if not copies.get(x) and not opts.get(x)], (plan.lost, plan.error)
             seen["lost"] = seen.get("lost", 0) + 1
             continue
         assert plan.ok, plan.error
@@ -440,12 +442,16 @@ def test_planner_with_parity_groups_against_generated_schedules() -> None:
                     assert dd.parity[p["name"]][r]["crc"] == p["crc"]
         if "reshard" in topo.meta:
             seen["reshard"] = seen.get("reshard", 0) + 1
-            for i, (prov, kind, crc) in topo.meta["reshard"]["providers"].items():
+            providers = topo.meta["reshard"]["providers"]
+            assert sorted(providers, key=int) == [str(i) for i in range(pi.old.world)], providers
+            for i, (prov, kind, crc) in providers.items():
                 name = shard_name(int(i), pi.old.world)
                 if kind == "decode":
                     job = next(j for j in jobs if int(i) in j["shards"])
                     pos = job["shards"].index(int(i))
                     assert job["to"][str(pos)] == prov and job["mcrc"][pos] == crc and r not in copies.get(name, {})
+                    # rebuilt by the holder of the job's first piece: the pieces then travel to it
+                    assert f"{topo.node_of_rank(prov)}.0" == job["pieces"][0]["wid"], (prov, job)
                 else:
                     assert copies[name][r][f"{topo.node_of_rank(prov)}.0"] == crc
             continue
