@@ -74,6 +74,8 @@ EQUIVALENT: dict[str, str] = {
     **{f"phoenixft.recovery.planner.x__split__mutmut_{i}": (
         "node ids are n<i> or s<k> (launcher, admission), without a dot: a wid <node>.<local rank> has one dot, "
         "which rsplit('.'), split('.', 1) and rsplit('.', 2) split alike") for i in (5, 6, 8)},
+    "phoenixft.faults.spec.x_parse_fault__mutmut_190": (
+        "a bare flag's separator is only tested for truth (`if not sep`) afterwards: '=' and 'XX=XX' alike"),
     "phoenixft.faults.scenarios.xǁKillDuringRecoveryǁdraw__mutmut_38": (
         "`other >= j` differs from `other > j` only when other == j, which happens only with spares (no mate drawn "
         "without spares returns a plain kill first), where the condition is false either way"),

@@ -116,6 +116,9 @@ def test_every_kind_round_trips_parse_str_parse(kind: str) -> None:
         assert f.kind == kind and f.index == i
         # the written spec names the same target (the nodes in their order, the rack, rank, etcd member, spare)
         assert "@" not in text or str(f).split("@")[0] == text.split("@")[0], (text, str(f))
+        # wait= and for= as given, else 0.0 (no hold; a partition until its agent gives up)
+        when = dict(x.split("=", 1) for x in text.split("@")[-1].split(",") if "=" in x)
+        assert (f.wait, f.duration) == (float(when.get("wait", 0)), float(when.get("for", 0))), (text, f)
         # a kind's own settings are set only on its specs (0 / None elsewhere)
         assert ((f.factor > 1) == (kind == "slow") and (f.factor == 0.0) == (kind != "slow")
                 and (f.notice is not None) == (kind == "preempt") and (f.spare is not None) == (kind == "sick")), f

@@ -20,7 +20,8 @@ from phoenixft.faults.spec import parse_fault
         ("hang:node=0@step=3,wait=5,wait=9", "wait= is given twice; give it once"),
         # a node listed twice: "several nodes at once" would wait for an arrival that never comes
         ("kill:node=1,1@step=4", "node=1,1 names node 1 more than once; list each node once, e.g. node=1"),
-        ("kill:node=0,2,0@step=4,phase=backward", "names node 0 more than once; list each node once, e.g. node=0,2"),
+        ("kill:node=0,2,0@step=4,phase=backward",
+         "node=0,2,0 names node 0 more than once; list each node once, e.g. node=0,2"),
         # single-valued targets are refused as lists instead of silently cut to their first member
         ("kill:rack=0,1@step=3", "rack=0,1: a kill fault takes one rack; give one --inject per rack"),
         ("crash:rank=1,2@step=3", "rank=1,2: a crash fault takes one rank; give one --inject per rank"),
@@ -35,14 +36,16 @@ from phoenixft.faults.spec import parse_fault
         ("kill:node=1@step=3,wait=-1", "wait=-1 must be >= 0 seconds"),
         ("kill:node=1@step=3,wait=inf", "wait=inf must be a finite number of seconds >= 0"),
         ("hang:node=1@step=3,wait=nan", "wait=nan must be a finite number of seconds >= 0"),
-        ("partition:node=1@step=3,for=inf", "for=inf must be a finite number of seconds > 0"),
+        ("partition:node=1@step=3,for=inf",
+         "for=inf must be a finite number of seconds > 0 (leave it out: until the agent gives up)"),
         # a phase that means nothing for the kind was accepted and ignored
-        ("corrupt:node=1@step=3,phase=optimizer", "a corruption is at rest (no phase"),
+        ("corrupt:node=1@step=3,phase=optimizer", "phase='optimizer': a corruption is at rest (no phase"),
         ("nan:step=3,phase=backward", "nan:step=S takes no phase"),
         # every other refusal names what is wrong, in its own words
         ("kill:etcd=two@step=3", "etcd='two': expected a member index (0, 1, 2) or leader"),
         ("kill:etcd=1@step=3,phase=backward", "expected kill:etcd=I@step=S or kill:etcd=leader@step=S (no phase, no"),
         ("kill:etcd=1@recovery=2", "expected kill:etcd=I@step=S or kill:etcd=leader@step=S"),
+        ("kill:etcd=1@step=3,wait=5", "expected kill:etcd=I@step=S or kill:etcd=leader@step=S (no phase, no wait)"),
         ("kill:slot=1@step=3", "target 'slot=1'; expected "),
         ("kill:node=1@step", "expected key=value, got 'step'"),
         ("kill:node=1@step=3,for=2", "for=SECONDS is only for partition faults (how long the host stays cut off)"),
@@ -54,6 +57,7 @@ from phoenixft.faults.spec import parse_fault
         ("kill:rack=x@step=3", "rack must be integers, got 'x'"),
         ("kill:node=1,1,2,2@step=4", "node=1,1,2,2 names node 1, 2 more than once; list each node once, e.g. node=1,2"),
         ("kill:node=1@step=x", "step must be integers, got 'x'"),
+        ("kill:node=1@recovery=x", "recovery must be integers, got 'x'"),
         ("kill:node=1@step=3,wait=soon", "wait must be seconds, got 'soon'"),
         ("partition:node=1@step=3,for=0", "for=0 must be > 0 seconds (leave it out: until the agent gives up)"),
         ("partition:node=1@step=3,for=-2", "for=-2 must be > 0 seconds"),
@@ -68,13 +72,19 @@ from phoenixft.faults.spec import parse_fault
         ("sick:slot=1", "target 'slot=1'; expected "),
         ("kill:spare=1@step=3", "target 'spare=1'; expected "),
         ("sick:spare=1,2", "spare=1,2: a sick fault takes one spare; give one --inject per spare"),
+        ("sick:spare=-1", "spare=-1: a spare's number (s0, s1, ...) is >= 0"),
+        # an unknown key, or a when part without its step (sick's @step=S is optional, not its other keys)
+        ("kill:node=1@step=3,colour=red", "is invalid: expected kill:node=I[,J]@step=S[,phase=P], "),
+        ("sick:spare=1@phase=forward", "is invalid: expected kill:node=I[,J]@step=S[,phase=P], "),
     ],
 )
 def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> None:
     with pytest.raises(UserError) as e:
         parse_fault(spec)
     msg = str(e.value)
-    assert msg.startswith(f"--inject={spec!r} is invalid: ") and needle in msg and "\n" not in msg, msg
+    head = f"--inject={spec!r} is invalid: "
+    # the reason comes first, in the words given (a needle starting "is invalid: " gives the reason's start)
+    assert msg.startswith(head + needle.removeprefix("is invalid: ")) and "\n" not in msg, msg
     assert "is for kill, hang, crash and corrupt faults at a step" not in msg  # the old, misleading message
 
 
