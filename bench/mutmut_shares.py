@@ -166,9 +166,11 @@ def _pct(x: object) -> str:
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    out = [f"Measured with `{COMMAND}`; survivors then checked against the tests added for them with "
-           "`python bench/mutmut_shares.py --verify` (each applied with `mutmut apply`, its module's tests run, "
-           "the file restored). Shares leave out the equivalent mutants and those not run.", "",
+    out = [f"Measured with `{COMMAND}`. The survivors of a run are then judged again, after tests were added "
+           "for them, by `mutmut run <their names>` (the new result replaces the old one: \"killed by the run\" "
+           "counts both), or, without a new run, by `python bench/mutmut_shares.py --verify` (each applied with "
+           "`mutmut apply`, its module's tests run, the file restored: \"killed by tests added for survivors\"). "
+           "Shares leave out the equivalent mutants and those not run.", "",
            "| module | mutants | killed by the run | killed by tests added for survivors | survived | equivalent | "
            "not run | killed share (run) | killed share |", "|---|---|---|---|---|---|---|---|---|"]
     tot = dict.fromkeys(("mutants", "killed", "later", "survived", "equivalent", "not_run"), 0)

@@ -76,6 +76,7 @@ from phoenixft.faults.spec import parse_fault
         # an unknown key, or a when part without its step (sick's @step=S is optional, not its other keys)
         ("kill:node=1@step=3,colour=red", "is invalid: expected kill:node=I[,J]@step=S[,phase=P], "),
         ("sick:spare=1@phase=forward", "is invalid: expected kill:node=I[,J]@step=S[,phase=P], "),
+        ("sdc:node=1@step=3,target=foo", "target='foo': one of param, grad, shard"),
     ],
 )
 def test_bad_spec_is_one_line_saying_what_is_wrong(spec: str, needle: str) -> None:
