@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_with, run
+from conftest import SUITE_FLAGS, processes_with, run
 
 from phoenixft.controlplane import keys, sealed
 from phoenixft.dist.comm import connect_store
@@ -156,7 +156,7 @@ def test_sigkill_of_the_launcher_leaves_nothing(launcher: Any) -> None:
 def test_the_zygote_sigkilled_mid_run_takes_nothing_with_it(launcher: Any, reference: Any) -> None:
     """The warm zygote forked the coordinator and the agents, but they follow the launcher: killing
     the zygote alone (an OOM killer's pick) loses nothing, and the run ends as a failure-free one."""
-    ln = launcher("--nodes", "2", "--spares", "1", "--steps", "30", "--model", "tiny")
+    ln = launcher("--nodes", "2", "--spares", "1", "--steps", "30", *SUITE_FLAGS, "--model", "tiny")
     run_id = ln.wait_training()
 
     def zygotes() -> list[int]:
