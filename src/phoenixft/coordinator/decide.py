@@ -236,17 +236,17 @@ class Decider:
                            dict(self._refused))
         plan = planner.plan(pool)
         coming = self.admission.spare_coming(pool)
-        unrepairable = self._unrepairable(dead)
+        mesh_stuck = not plan.ok and old.tp * old.pp > 1  # (only then: a forced read of the quarantined hosts)
+        unrepairable = self._unrepairable(dead) if mesh_stuck else {}
         repairs = len(dead) - len(unrepairable) if self.cfg.repair_after > 0 else 0
-        if not plan.ok and old.tp * old.pp > 1 and (repairs + len(pool) >= len(dead) or coming) \
-                and len(dead) > len(pool):
+        if mesh_stuck and (repairs + len(pool) >= len(dead) or coming) and len(dead) > len(pool):
             pool = self.admission.health.vet(self._wait_for_spares(e, dead, pool), need)
             plan = planner.plan(pool)
         if not plan.ok:
             plan = self.fresh_start(old, dead | leaving, descs, pool, progress=self.job.progress()) or plan
         if not plan.ok or plan.topo is None:
             error = planner.failure(plan.error, refused)
-            if unrepairable and old.tp * old.pp > 1:
+            if unrepairable:
                 error += "; " + "; ".join(f"{n} cannot come back: {why}" for n, why in sorted(unrepairable.items()))
             self.recovery_failed(e, t_start, dead, fenced, restarted, descs, error)
             self.job.fail_run(f"{error} (epoch {e})")
