@@ -150,7 +150,8 @@ def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
 
 
     steps = 100  # (the run must outlast the stop: about 70 steps here, with the reconfigures it causes)
-    ref = reference(nodes=2, steps=steps)
+    kw = {"micro_batch": 8}  # (the product's: at the suite's smaller batch the run can end inside the stop)
+    ref = reference(nodes=2, steps=steps, **kw)
     seen: dict[str, Any] = {}
 
     def stop_agent_of_n1() -> None:
@@ -168,7 +169,7 @@ def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
 
     t = threading.Thread(target=stop_agent_of_n1, daemon=True)
     t.start()
-    rep = run(tmp_path, nodes=2, spares=1, steps=steps, failure_timeout=2.0, timeout=120.0)
+    rep = run(tmp_path, nodes=2, spares=1, steps=steps, failure_timeout=2.0, timeout=120.0, **kw)
     t.join(timeout=10)
     assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
     assert "error" not in seen and seen.get("state") == "T", seen  # the agent was stopped
