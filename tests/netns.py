@@ -10,7 +10,9 @@
 Nothing is added to the machine's own network namespace: both ends of every veth pair are created
 directly inside the test namespaces, so no address or route of the machine changes and only the
 test namespaces' addresses are ever bound. `run(host, argv)` starts a process inside a host
-(`ip netns exec`, its own session); `connect(host, addr)` opens a store client from inside a host
+(`ip netns exec`, its own session; with `own_shm`, on a /dev/shm of its own, a tmpfs mounted in the
+process's own mount namespace, which its children share and which goes when the last of them exits:
+a host that shares no memory file with the others); `connect(host, addr)` opens a store client from inside a host
 (setns on this thread for the moment of the connect; the socket stays in that namespace).
 
 Cleanup: `close()` SIGKILLs every process group this harness started, then every process still
@@ -181,13 +183,16 @@ class Hosts:
             _ip("-n", ns, "link", "set", "eth0", "up")
 
     # ------------------------------------------------------------------ use
-    def run(self, host: str, argv: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None
-            ) -> subprocess.Popen[bytes]:
-        """Start argv inside `host` (its own session); stdout+stderr to `log` if given."""
+    def run(self, host: str, argv: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None,
+            own_shm: bool = False) -> subprocess.Popen[bytes]:
+        """Start argv inside `host` (its own session; `own_shm`: on a /dev/shm of its own, see the module
+        docstring); stdout+stderr to `log` if given."""
         out: Any = subprocess.DEVNULL
         if log is not None:
             out = open(log, "ab")
             self._logs.append(out)
+        if own_shm:  # (`ip netns exec` gives the process a mount namespace of its own: the tmpfs stays in it)
+            argv = ["sh", "-c", 'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"', "sh", *argv]
         p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *argv], stdout=out, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         self.procs.append(p)

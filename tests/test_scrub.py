@@ -1,6 +1,7 @@
-"""Scrubbing (protect/scrub.py, scrub_repair.py) and the at-rest bit flip (faults/at_rest.py): the rate
-limiter's promise over generated schedules, verification and repair of held halves, and end to end: a
-bit flipped in the copy a later recovery needs is found and repaired first, and the run ends bitwise."""
+"""Scrubbing (protect/scrub.py, scrub_round.py, scrub_repair.py) and the at-rest bit flip (faults/at_rest.py):
+the rate limiter's promise over generated schedules, verification of held halves, the repair round between
+real processes over generated rounds, and end to end: a bit flipped in the copy a later recovery needs is
+found and repaired first (from a peer on this host or another), and the run ends bitwise."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from phoenixft.faults.at_rest import flip_bit
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import parse_fault
 from phoenixft.protect.scrub import Finding, HeldCopy, Scrubber, ScrubSchedule
-from phoenixft.protect.scrub_repair import read_peer_half
 from phoenixft.protect.snapshot import Holding, checksum
 
 
@@ -104,40 +104,59 @@ def test_flip_bit_flips_exactly_that_bit_and_flipping_again_restores() -> None:
 def test_scrubber_finds_a_flipped_bit_repairs_it_and_reports_once() -> None:
     h, other = _holding(5, seed=1), _holding(5, seed=1)  # `other`: a good copy of the same bytes
     found: list[Finding] = []
+    rounds: list[list[tuple[str, int, int]]] = []  # what each tick's repair was handed
 
-    def repair(c: HeldCopy, half: int, step: int, crc: int) -> str:
-        src = other.payload(other.half_with(step) or 0)
-        assert checksum(src) == crc
-        c.pp.payload(half).copy_(src)
-        return "the good copy"
+    def repair(pairs: list[tuple[HeldCopy, Finding]]) -> None:
+        rounds.append([(f.kind, f.half, f.step) for _, f in pairs])
+        for c, f in pairs:
+            src = other.payload(other.half_with(f.step) or 0)
+            assert checksum(src) == f.crc
+            c.pp.payload(f.half).copy_(src)
+            f.repaired_from = "the good copy"
 
     sc = Scrubber(1, lambda: [HeldCopy("replica", 0, h)], repair, found.append)
     sc.tick()
     assert found == [] and sc.stats.last_bytes == 2 * 2 * 1000 * 4  # both halves hashed, nothing found
+    assert rounds == [[]]  # the repair is called every tick (a collective round in the product), empty here
     flip_bit(h.payload(1), 123, 30)
     assert not h.verify(1)
     sc.tick()
     (f,) = found
     assert (f.kind, f.ident, f.half, f.step, f.repaired_from) == ("replica", 0, 1, 5, "the good copy")
-    assert h.verify(1) and sc.stats.found == sc.stats.repaired == 1
+    assert h.verify(1) and sc.stats.found == sc.stats.repaired == 1 and rounds[1] == [("replica", 1, 5)]
     # a copy that cannot be repaired is said once, not at every pass; a half not committed is not hashed
     flip_bit(h.payload(0), 7, 3)
 
-    def no_repair(c: HeldCopy, half: int, step: int, crc: int) -> str:
-        raise LookupError("no good copy")
+    def no_repair(pairs: list[tuple[HeldCopy, Finding]]) -> None:
+        rounds.append([(f.kind, f.half, f.step) for _, f in pairs])
+        for _, f in pairs:
+            f.why_not = "no good copy"
 
     sc2 = Scrubber(1, lambda: [HeldCopy("replica", 0, h)], no_repair, found.append)
     sc2.tick()
     sc2.tick()
     assert [(x.half, x.step, x.why_not) for x in found[1:]] == [(0, 4, "no good copy")]
+    assert rounds[2:] == [[("replica", 0, 4)], []]
     h.begin_write(0)  # torn: skipped
     sc2.tick()
     assert sc2.stats.last_bytes == 1000 * 2 * 4 and len(found) == 2
 
 
+def test_the_repair_round_is_made_even_when_verification_fails() -> None:
+    calls: list[int] = []
+
+    def copies() -> list[HeldCopy]:
+        raise RuntimeError("a holding went away")
+
+    sc = Scrubber(1, copies, lambda pairs: calls.append(len(pairs)), lambda f: None)
+    with pytest.raises(RuntimeError, match="went away"):
+        sc.tick()
+    assert calls == [0]  # every rank makes the round, or the group's collectives would no longer match
+
+
 def test_scrubber_spreads_a_pass_over_n_steps() -> None:
     copies = [HeldCopy("replica", i, _holding(3, seed=i)) for i in range(4)]  # 8 halves of 8000 bytes
-    sc = Scrubber(4, lambda: copies, lambda *a: "", lambda f: None)
+    sc = Scrubber(4, lambda: copies, lambda pairs: None, lambda f: None)
     per_tick = []
     for _ in range(4):
         sc.tick()
@@ -149,26 +168,12 @@ def test_halves_older_than_any_recovery_point_are_not_hashed() -> None:
     h = _holding(5)  # halves of steps 4 and 5
     flip_bit(h.payload(h.half_with(4) or 0), 1, 1)  # damage in the half of step 4
     found: list[Finding] = []
-    sc = Scrubber(1, lambda: [HeldCopy("replica", 0, h)], lambda *a: "", found.append, oldest=lambda: 5)
+    sc = Scrubber(1, lambda: [HeldCopy("replica", 0, h)], lambda pairs: None, found.append, oldest=lambda: 5)
     sc.tick()
     assert found == [] and sc.stats.last_bytes == 1000 * 2 * 4  # only the half of step 5: a recovery point
     sc._oldest = lambda: 4
     sc.tick()
     assert [f.step for f in found] == [4]
-
-
-def test_read_peer_half_reads_the_half_of_that_step_and_checks_it(tmp_path: Path) -> None:
-    base = str(tmp_path / "peer-hold0")
-    h = _holding(7, path=base, seed=3)
-    out = torch.empty(2000)
-    half = h.half_with(7) or 0
-    crc7 = h.crc_of(half)
-    assert read_peer_half(base, 2, 1000, 0, 7, crc7, out) and torch.equal(out, h.payload(half).reshape(-1))
-    assert not read_peer_half(base, 2, 1000, 0, 7, crc7 ^ 1, out)  # a checksum it does not match: refused
-    assert not read_peer_half(base, 2, 1000, 0, 9, crc7, out)  # a step it does not hold
-    assert not read_peer_half(str(tmp_path / "absent"), 2, 1000, 0, 7, crc7, out)
-    one_row = torch.empty(1000)  # rows [1, 2) of a 2-row pair: the second row of the half
-    assert read_peer_half(base, 2, 1000, 1, 7, checksum(h.data[half, 1:]), one_row)
 
 
 @pytest.mark.parametrize("text,why", [
@@ -265,3 +270,44 @@ def test_without_scrubbing_the_same_schedule_loses_the_shard(tmp_path: Path) -> 
     assert rep["state"] == "failed"
     assert "lost shards: pp0.tp0.dp0of3" in rep["error"] and "['pp0.tp0.dp0of3', 3]" in rep["error"], rep["error"]
     assert rep["scrub"] == {"every": 0, "found": 0, "repaired": 0, "findings": []}
+
+
+def test_scrub_repairs_a_replica_from_its_owner_on_another_host(tmp_path: Path, reference: Any) -> None:
+    """The same schedule across hosts (network namespaces, each host on a /dev/shm of its own, so that no
+    memory file of one host can be read from another): n1's corrupt replica is repaired with bytes sent by
+    its owner n0 over the network, and the recovery after n0's kill resumes from it, bitwise."""
+    import secrets
+    import subprocess
+
+    from conftest import SUITE_FLAGS
+    from netns import Hosts, unavailable
+    from test_hosts import PORT, PY, _env
+
+    if unavailable() is not None:
+        pytest.skip(str(unavailable()))
+    ref = reference(nodes=3, steps=12)
+    token = secrets.token_hex(16)
+    with Hosts(["head", "h1", "h2", "h3", "h4"]) as H:
+        head = H.run("head", [PY, "-m", "phoenixft", "coordinator", "--host", H.addr["head"], "--port", PORT,
+                              "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "report.json"),
+                              "--nodes", "3", "--spares", "1", "--steps", "12", "--model", "tiny", "--quiet",
+                              "--replica-transport", "tcp", "--chunk-mb", "0.01", "--scrub-every", "1",
+                              "--failure-timeout", "2", *SUITE_FLAGS, *[x for f in INJECT for x in ("--inject", f)]],
+                     log=tmp_path / "head.log", env=_env(token))
+        for h in ("h1", "h2", "h3", "h4"):
+            H.run(h, [PY, "-m", "phoenixft", "agent", "--coordinator", f"{H.addr['head']}:{PORT}", "--node", h,
+                      *(["--spare"] if h == "h4" else [])], log=tmp_path / f"{h}.log", env=_env(token), own_shm=True)
+        try:
+            rc = head.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run did not end:\n" + (tmp_path / "head.log").read_text()[-3000:])
+        assert rc == 0, (tmp_path / "head.log").read_text()[-3000:]
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"], rep.get("error")
+    assert rep["faults_not_fired"] == []
+    (f,) = rep["scrub"]["findings"]
+    assert (f["node"], f["step"], f["repaired"], f["repaired_from"]) == ("n1", 3, True, "owner n0.0"), f
+    (rec,) = rep["recoveries"]
+    assert rec["resumed_step"] == 3 and rec["replicas_rejected"] == [] and rec["dead"] == ["n0"], rec
+    owner, holder = rep["members"]["n0"]["name"], rep["members"]["n1"]["name"]
+    assert owner != holder and {owner, holder} <= {"h1", "h2", "h3"}, rep["members"]  # (on two hosts)

@@ -152,7 +152,9 @@ def test_a_mesh_without_a_spare_stops_at_once_when_the_convicted_node_cannot_com
     assert "sdc_fenced" in kinds, kinds
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e.get("kind") == "waiting_for_spares"], "waited for a repair that is refused"
-    assert rep["steps_completed"] == 5
+    # stopped in the step of the conviction: n1's step 6 never committed; a rank whose step 6 needed nothing
+    # more from n1 once the gradients were reduced may have committed it before the stop (rank 0's record: 6)
+    assert rep["steps_completed"] in (5, 6), rep["steps_completed"]
 
 
 @pytest.mark.slow

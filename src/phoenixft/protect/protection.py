@@ -23,6 +23,7 @@ from phoenixft.controlplane import Store, exists_many, keys, sealed
 from phoenixft.controlplane.signed import run_ended
 from phoenixft.dist.topology import Topology, shard_name
 from phoenixft.errors import PeerFailure, RunAborted
+from phoenixft.protect import scrub_repair
 from phoenixft.protect.persist import Persister
 from phoenixft.protect.redundancy.erasure import ErasureScheme
 from phoenixft.protect.redundancy.scheme import Redundancy
@@ -30,7 +31,7 @@ from phoenixft.protect.replicas import ReplicaScheme
 from phoenixft.protect.replication import Replicator
 from phoenixft.protect.scheme import RedundancyScheme
 from phoenixft.protect.scrub import Finding, HeldCopy, Scrubber
-from phoenixft.protect.scrub_repair import repair_half
+from phoenixft.protect.scrub_round import repair_round
 from phoenixft.protect.snapshot import INVALID, Holding
 from phoenixft.recovery.evidence import params_checksums
 from phoenixft.recovery.planner import Descriptor
@@ -54,6 +55,10 @@ def make_scheme(redundancy: Redundancy, repl: Replicator, shm_base: Callable[[],
     return ReplicaScheme(repl)
 
 
+def _no_code(d: int, h: int) -> Any:
+    raise LookupError("a parity block under a scheme that keeps none")
+
+
 class Protection:
     def __init__(self, ctx: RankContext, timeout_s: float) -> None:
         self.ctx = ctx
@@ -64,8 +69,8 @@ class Protection:
         self.repl: Replicator | None = None
         self.scheme: RedundancyScheme | None = None
         # --scrub-every N: the held copies re-verified at the start of each protection job (scrub.py)
-        self.scrubber = Scrubber(cfg.scrub_every, self._held, lambda c, x, s, crc: repair_half(ctx, c, x, s, crc),
-                                 self._found, self._oldest) if on and cfg.scrub_every > 0 else None
+        self.scrubber = Scrubber(cfg.scrub_every, self._held, self._repair, self._found,
+                                 self._oldest) if on and cfg.scrub_every > 0 else None
         if on:
             self.repl = Replicator(
                 None,  # type: ignore[arg-type]  # the trainer's shard, set when the worker partitions
@@ -95,6 +100,19 @@ class Protection:
         tr = self.ctx.trainer
         held = tr.steps_held() if tr is not None and getattr(tr, "flat", None) is not None else []
         return min(held, default=0)
+
+    def _repair(self, found: list[tuple[HeldCopy, Finding]]) -> None:
+        """The repair round of this job (scrub_round.py): every rank of the replication group, every job."""
+        ctx, repl = self.ctx, self.repl
+        assert repl is not None and repl.comm is not None and ctx.topo is not None
+        tr, topo = ctx.trainer, ctx.topo
+        ec = getattr(self.scheme, "ec", None)
+        reqs = scrub_repair.requests(found, ctx.rank, topo, copies_kept=isinstance(self.scheme, ReplicaScheme),
+                                     code=ec.code if ec is not None else _no_code,
+                                     member_numel=tr.flat.shard_numel * tr.payload_rows)
+        serve = scrub_repair.server(lambda: getattr(ctx.trainer, "state", None), lambda: repl.holdings)
+        repair_round(repl.comm.repl, repl.comm.world, repl.wait_all, reqs, serve, repl.chunk,
+                     lambda r: scrub_repair.worker_name(topo, r))
 
     def _scrub(self, step: int, abort: Any) -> None:
         """The scrubber's share of step `step`, on the replication thread before its job (a scrub that fails

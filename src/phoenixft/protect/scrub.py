@@ -6,9 +6,10 @@ its groups (`ec:D+H`). Each half's header records the checksum its bytes had whe
 A bit that flips there afterwards (silent data corruption at rest) is found by a recovery's descriptor,
 which then refuses the copy: too late if that copy was the only one of its step. With `--scrub-every N`
 the rank re-hashes its held halves in the background and compares them with their recorded checksums;
-a half that differs is repaired from a good copy (`scrub_repair.py`: its owner's committed half,
-another holder's replica, or for a parity block a fresh encode of its group's data) before any
-recovery needs it, and every finding is reported (an event: the live line, the report's `scrub`).
+a half that differs is repaired from a good copy held by a peer, on this host or another (the repair
+round, scrub_round.py and scrub_repair.py: its owner's committed half, another holder's replica, or for a
+parity block a fresh encode of its group's data) before any recovery needs it, and every finding is
+reported (an event: the live line, the report's `scrub`).
 
 Only halves that are recovery points are hashed: a half of a step older than both steps the rank's
 parameter buffers hold is the staging half of the next protection job (a replica's or parity block's
@@ -35,7 +36,7 @@ from typing import Any
 
 from phoenixft.protect.snapshot import H_CRC, H_STEP, H_VALID, PingPong, checksum
 
-__all__ = ["ScrubSchedule", "HeldCopy", "Finding", "Scrubber", "ScrubStats"]
+__all__ = ["ScrubSchedule", "HeldCopy", "Finding", "Repair", "Scrubber", "ScrubStats"]
 
 
 class ScrubSchedule:
@@ -113,13 +114,17 @@ class ScrubStats:
     findings: list[Finding] = field(default_factory=list)
 
 
+Repair = Callable[[list[tuple[HeldCopy, Finding]]], None]
+
+
 class Scrubber:
-    """One rank's scrubber. `copies()`: what it holds now; `repair(copy, half, step, crc)`: restore that half
-    from a good source and return its name (or raise `LookupError` saying why none is reachable);
-    `report(finding)`: publish it."""
+    """One rank's scrubber. `copies()`: what it holds now; `repair(found)`: restore each (copy, finding)
+    from a good source, setting the finding's `repaired_from` (where the bytes came from) or `why_not`;
+    called once per tick, with the tick's findings, none included (in the product it is a collective
+    round that every rank makes); `report(finding)`: publish it."""
 
     def __init__(self, every: int, copies: Callable[[], list[HeldCopy]],
-                 repair: Callable[[HeldCopy, int, int, int], str], report: Callable[[Finding], Any],
+                 repair: Repair, report: Callable[[Finding], Any],
                  oldest: Callable[[], int] = lambda: 0) -> None:
         """`oldest()`: the oldest step a recovery could resume from now (the older of the two steps the
         rank's parameter buffers hold); a half of an older step is the next protection job's staging half,
@@ -132,24 +137,35 @@ class Scrubber:
     def tick(self, abort: Callable[[], str | None] = lambda: None) -> None:
         """Verify the halves this step's share of the pass names; repair and report what does not match."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        oldest = self._oldest()
-        held = {(c.kind, c.ident, x): c for c in self._copies() for x in (0, 1) if c.pp.step_of(x) >= oldest}
-        due = self.schedule.tick({k: c.nbytes() for k, c in held.items()})
         done = 0
-        for key in due:
-            if abort():
-                break
-            c, half = held[key], key[2]  # type: ignore[index]
-            done += self._verify(c, half)
+        found: list[tuple[HeldCopy, Finding]] = []
+        try:
+            oldest = self._oldest()
+            held = {(c.kind, c.ident, x): c for c in self._copies() for x in (0, 1) if c.pp.step_of(x) >= oldest}
+            due = self.schedule.tick({k: c.nbytes() for k, c in held.items()})
+            for key in due:
+                if abort():
+                    break
+                c, half = held[key], key[2]  # type: ignore[index]
+                done += self._verify(c, half, found)
+        finally:  # the repair is a round every rank makes, whatever its own verification did
+            t1 = time.perf_counter()
+            self._repair(found)
+        for _, f in found:
+            f.repair_s = time.perf_counter() - t1
+            self.stats.found += 1
+            self.stats.repaired += f.repaired_from is not None
+            self.stats.findings.append(f)
+            self._report(f)
         self.stats.ticks += 1
         self.stats.verified_bytes += done
         self.stats.last_bytes = done
         self.stats.last_s = time.perf_counter() - t0
         self.stats.last_cpu_s = time.thread_time() - c0
 
-    def _verify(self, c: HeldCopy, half: int) -> int:
-        """Verify one half (a half not committed, or whose checksum is not recorded yet, is skipped);
-        returns the bytes hashed."""
+    def _verify(self, c: HeldCopy, half: int, found: list[tuple[HeldCopy, Finding]]) -> int:
+        """Verify one half (a half not committed, or whose checksum is not recorded yet, is skipped), adding
+        it to `found` when its bytes do not match; returns the bytes hashed."""
         hdr = c.pp.header[half]
         if not int(hdr[H_VALID]) or int(hdr[H_CRC]) == 0:
             return 0
@@ -161,15 +177,5 @@ class Scrubber:
         if sig in self._reported:  # found before and not repairable: said once
             return payload.numel() * 4
         self._reported.add(sig)
-        f = Finding(kind=c.kind, ident=c.ident, half=half, step=step, crc=crc)
-        t0 = time.perf_counter()
-        try:
-            f.repaired_from = self._repair(c, half, step, crc)
-        except LookupError as e:
-            f.why_not = str(e)
-        f.repair_s = time.perf_counter() - t0
-        self.stats.found += 1
-        self.stats.repaired += f.repaired_from is not None
-        self.stats.findings.append(f)
-        self._report(f)
+        found.append((c, Finding(kind=c.kind, ident=c.ident, half=half, step=step, crc=crc)))
         return payload.numel() * 4

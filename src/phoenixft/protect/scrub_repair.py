@@ -1,140 +1,144 @@
-"""Repairing a held half the scrubber found corrupt (scrub.py), from a good copy on this host.
+"""What the scrub repair round (scrub_round.py) asks for each corrupt held half, and what a rank serves.
 
-Every committed copy lives in a host shared-memory file whose name is a function of the run, the
-worker and the partition generation (shm.py), and whose header says which step each half holds. So
-a rank can fetch a good copy of (shard, step) without its peers' help, off the training path:
+For a half the scrubber found corrupt (scrub.py), holding step s committed with checksum c:
 
-- a replica it keeps for shard x: from x's owner's committed half (`<owner>-state`), else from the
-  replica another holder keeps (`<holder>-hold<x>`);
-- its own shard's half: from a holder's replica of it;
-- a parity block: re-encoded from its group's members' committed halves of the same step (each one
-  verified against the member checksum the block recorded), with the group's code.
+- a replica of shard x: asked of x's owner (its committed half of s), then of x's other holders (their
+  replicas of s): the first that holds a good copy sends it;
+- the rank's own shard's half: asked of its holders (`replicas:K`; under `ec:D+H` nobody keeps a copy of a
+  shard: a recovery rebuilds it from the group, and the half is reported not repaired);
+- a parity block: every member of the block's group is asked for its committed half of s (checked against
+  the member checksum the block recorded), and the block is encoded again from them with the group's code.
 
-Whatever is read is verified against the checksum the corrupt half's header recorded before it is
-installed (a torn or stale read fails that check and is not installed). A source whose file is not on
-this host (a peer on another machine) cannot be read: `LookupError` says so, the bad half stays out of
-every recovery (its checksum refuses it), and the next protection job replaces it.
+Whatever arrives is verified against the checksum the corrupt half was committed with before the half is
+written and committed again under the same step and shard. A peer serves a copy only after verifying it
+against the checksum asked for, so a corrupt copy is never sent as a good one.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from phoenixft.dist.topology import Topology
-from phoenixft.protect import shm
 from phoenixft.protect.redundancy.parity import ParityHolding
-from phoenixft.protect.scrub import HeldCopy
-from phoenixft.protect.snapshot import H_STEP, H_VALID, PingPong, checksum
+from phoenixft.protect.scrub import Finding, HeldCopy
+from phoenixft.protect.scrub_round import HELD, OWN, Ask, Request
+from phoenixft.protect.snapshot import Holding, PingPong, checksum
 
-__all__ = ["repair_half", "read_peer_half"]
-
-
-def read_peer_half(base: str, rows: int, numel: int, first_row: int, step: int, crc: int, out: torch.Tensor) -> bool:
-    """Read the payload rows [first_row, rows) of the half of `step` of the ping-pong file pair `base`.data/.hdr
-    into `out` (contiguous float32); True if a committed half of `step` was there and its bytes have checksum `crc`."""
-    try:
-        hdr = np.fromfile(base + ".hdr", dtype=np.int64, count=10).reshape(2, 5)
-        fd = os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC)
-    except (OSError, ValueError):
-        return False
-    try:
-        arr: Any = out.view(-1).view(torch.uint8).numpy()
-        mv = memoryview(arr)
-        for half in (0, 1):
-            if not int(hdr[half, H_VALID]) or int(hdr[half, H_STEP]) != step:
-                continue
-            off, done = (half * rows + first_row) * numel * 4, 0
-            while done < len(mv):
-                n = os.preadv(fd, [mv[done:]], off + done)
-                if n <= 0:
-                    break
-                done += n
-            if done == len(mv) and checksum(out) == crc:
-                return True
-        return False
-    finally:
-        os.close(fd)
+__all__ = ["requests", "server", "worker_name"]
 
 
-def _wid(topo: Topology, rank: int) -> str:
+def worker_name(topo: Topology, rank: int) -> str:
     return f"{topo.node_of_rank(rank)}.{rank % topo.workers_per_node}"
 
 
-def _base(ctx: Any, rank: int) -> str:
-    gen = int(str(ctx.shm).rsplit("-g", 1)[1])
-    return shm.worker_base(ctx.run_id, _wid(ctx.topo, rank), gen)
-
-
-def _install(pp: PingPong, half: int, step: int, crc: int, good: torch.Tensor) -> None:
+def _install(pp: PingPong, half: int, step: int, crc: int, good: torch.Tensor, src: str) -> str:
+    if checksum(good) != crc:
+        raise LookupError(f"the copy {src} sent does not match the committed checksum")
     shard = pp.shard_of(half)
     pp.begin_write(half)
     pp.payload(half).copy_(good.view_as(pp.payload(half)))
     pp.commit(half, step, crc, shard)
-
-
-def repair_half(ctx: Any, c: HeldCopy, half: int, step: int, crc: int) -> str:
-    """Restore `c`'s `half` (holding `step`, committed with checksum `crc`) from a good copy on this host;
-    returns where the bytes came from. Raises LookupError saying why no good copy could be read."""
-    topo: Topology | None = ctx.topo
-    if ctx.shm is None or topo is None:
-        raise LookupError("the copies are in private memory: no other copy can be read from here")
-    tr = ctx.trainer
-    good = torch.empty(c.pp.payload(half).numel())
-    idx, count = c.pp.shard_of(half)
-    if c.kind == "parity":
-        assert isinstance(c.pp, ParityHolding)
-        src = _reencode(ctx, topo, c.pp, half, step, good)
-    else:
-        if count != topo.world:
-            raise LookupError(f"the copy is of a partition of {count} shards, the ring now has {topo.world}")
-        # (owner's committed half, then other holders' replicas) for a replica; holders' replicas for the own shard
-        cands: list[tuple[int, str, int, int]] = [] if c.kind == "own" else [(idx, "-state", tr.rows, tr.payload_from)]
-        cands += [(r, f"-hold{idx}", tr.payload_rows, 0) for r in topo.holders(idx) if r != ctx.rank]
-        src = ""
-        for r, suffix, rows, first in cands:
-            if read_peer_half(_base(ctx, r) + suffix, rows, tr.flat.shard_numel, first, step, crc, good):
-                src = f"{'owner' if suffix == '-state' else 'replica on'} {_wid(topo, r)}"
-                break
-        if not src:
-            who = ", ".join(_wid(topo, r) for r, *_ in cands) or "nobody"
-            raise LookupError(f"no good copy of step {step} readable on this host (tried {who})")
-    _install(c.pp, half, step, crc, good)
     return src
 
 
-def _reencode(ctx: Any, topo: Topology, ph: ParityHolding, half: int, step: int, out: torch.Tensor) -> str:
-    """Parity block `half` of step `step` computed afresh from its members' committed halves into `out`."""
-    from phoenixft.protect.redundancy.protect import u8
+def requests(pairs: list[tuple[HeldCopy, Finding]], rank: int, topo: Topology, copies_kept: bool,
+             code: Callable[[int, int], Any], member_numel: int) -> list[Request]:
+    """The round's request for each corrupt half. `copies_kept`: the scheme keeps replicas (`replicas:K`);
+    `code(d, h)`: the erasure code of a d+h group; `member_numel`: float32 in a member's committed payload."""
+    out: list[Request] = []
+    for c, f in pairs:
+        if c.kind == "parity":
+            assert isinstance(c.pp, ParityHolding)
+            out.append(_parity_request(c.pp, f, topo, code, member_numel))
+            continue
+        r = Request(f)
+        out.append(r)
+        idx, count = c.pp.shard_of(f.half)
+        if count != topo.world:
+            r.refused = f"the copy is of a partition of {count} shards, the ring now has {topo.world}"
+            continue
+        n = int(c.pp.payload(f.half).numel())
+        if c.kind == "replica":  # the owner's committed half, then the other holders' replicas
+            r.asks = [(idx, Ask(OWN, idx, f.step, f.crc, n))]
+        r.asks += [(h, Ask(HELD, idx, f.step, f.crc, n)) for h in topo.holders(idx) if h != rank] if copies_kept \
+            else []
+        if not r.asks:
+            r.nobody = "no peer keeps a copy of this shard" + ("" if copies_kept else
+                                                                " (ec:D+H rebuilds it from its group in a recovery)")
+        r.install = _copy_installer(c.pp, f, r.asks, topo)
+    return out
 
-    tr = ctx.trainer
-    info = ph.info_of(half)
+
+def _copy_installer(pp: PingPong, f: Finding, asks: list[tuple[int, Ask]], topo: Topology
+                    ) -> Callable[[dict[int, torch.Tensor]], str]:
+    def install(got: dict[int, torch.Tensor]) -> str:
+        ((p, good),) = got.items()
+        what = next(a.what for q, a in asks if q == p)
+        src = f"{'owner' if what == OWN else 'replica on'} {worker_name(topo, p)}"
+        return _install(pp, f.half, f.step, f.crc, good, src)
+
+    return install
+
+
+def _parity_request(ph: ParityHolding, f: Finding, topo: Topology, code: Callable[[int, int], Any],
+                    member_numel: int) -> Request:
+    info = ph.info_of(f.half)
+    r = Request(f, every=True)
     if info.world != topo.world:
-        raise LookupError(f"the block is of a partition of {info.world} shards, the ring now has {topo.world}")
-    d, n = len(info.members), tr.flat.shard_numel * tr.payload_rows
-    g = ph.numel // d
-    payloads = []
-    for k, m in enumerate(info.members):
-        buf = torch.empty(n)
-        if not read_peer_half(_base(ctx, m) + "-state", tr.rows, tr.flat.shard_numel, tr.payload_from, step,
-                              info.mcrc[k], buf):
-            raise LookupError(f"member {_wid(topo, m)}'s committed half of step {step} is not readable on this "
-                              "host (or no longer holds that step)")
-        payloads.append(buf)
+        r.refused = f"the block is of a partition of {info.world} shards, the ring now has {topo.world}"
+        return r
+    r.asks = [(m, Ask(OWN, m, f.step, info.mcrc[k], member_numel)) for k, m in enumerate(info.members)]
+    r.nobody = f"not every member of its group holds a good committed half of step {f.step} (asked " + \
+        ", ".join(worker_name(topo, m) for m in info.members) + ")"
 
-    def stripe(p: torch.Tensor, i: int) -> np.ndarray:
-        t = torch.zeros(g)
-        lo, hi = i * g, min(n, (i + 1) * g)
-        if hi > lo:
-            t[: hi - lo] = p[lo:hi]
-        return u8(t)
+    def install(got: dict[int, torch.Tensor]) -> str:
+        from phoenixft.protect.redundancy.protect import u8
 
-    code = ctx.scheme.ec.code(d, info.h)
-    for i in range(d):
-        u8(out[i * g : (i + 1) * g])[:] = code.encode([stripe(p, i) for p in payloads])[info.j]
-    if checksum(out) != int(ph.header[half, 1]):
-        raise LookupError("the parity re-encoded from its members does not match its committed checksum")
-    return "re-encoded from " + ", ".join(_wid(topo, m) for m in info.members)
+        payloads = [got[m] for m in info.members]
+        d, n = len(payloads), member_numel
+        g = ph.numel // d
+        good = torch.empty(ph.numel)
+
+        def stripe(p: torch.Tensor, i: int) -> np.ndarray:
+            t = torch.zeros(g)
+            lo, hi = i * g, min(n, (i + 1) * g)
+            if hi > lo:
+                t[: hi - lo] = p[lo:hi]
+            return u8(t)
+
+        enc = code(d, info.h)
+        for i in range(d):
+            u8(good[i * g : (i + 1) * g])[:] = enc.encode([stripe(p, i) for p in payloads])[info.j]
+        src = "re-encoded from " + ", ".join(worker_name(topo, m) for m in info.members)
+        if checksum(good) != f.crc:
+            raise LookupError("the parity re-encoded from its members does not match its committed checksum")
+        return _install(ph, f.half, f.step, f.crc, good, src)
+
+    r.install = install
+    return r
+
+
+def server(state: Callable[[], PingPong | None], holdings: Callable[[], dict[int, Holding]]
+           ) -> Callable[[Ask], torch.Tensor | None]:
+    """What this rank sends for an ask: its own committed half of the step (OWN) or its replica of the shard
+    (HELD), each only when its bytes match the checksum asked for; None otherwise."""
+
+    def serve(a: Ask) -> torch.Tensor | None:
+        if a.what == OWN:
+            st = state()
+            half = st.half_with(a.step) if st is not None else None
+            if st is None or half is None:
+                return None
+            t = st.payload(half)
+            return t if checksum(t) == a.crc else None
+        h = holdings().get(a.ident)
+        half = h.verified_half(a.step) if h is not None else None
+        if h is None or half is None or h.crc_of(half) != a.crc:
+            return None
+        return h.payload(half)
+
+    return serve
