@@ -9,7 +9,9 @@ round to cancel drift. Per mode, pooled over rounds, with the first 3 steps drop
 - step time: the median step time of rank 0 (`dt`), and its ratio to the unscrubbed runs' median
   (`vs_off`): the figure the default is chosen on, at the mercy of other jobs on a shared machine;
 - scrub cost: what rank 0's scrubber itself spent per step (`scrub_s`: wall seconds of its share of
-  the pass, on the replication thread, off the training loop's critical path) and the bytes it re-hashed
+  the pass and of the job's repair round, on the replication thread, off the training loop's critical
+  path; the round's all-reduce waits for every rank to reach its protection job, a wait the job's first
+  exchange would otherwise make, so the CPU seconds `scrub_cpu_s` are the cost) and the bytes it re-hashed
   (`scrub_bytes`), as a fraction of the median step time (`scrub_share`): the part of the ratio that is
   the scrubber's, measured in the run rather than inferred from two runs' noise;
 - how long the training loop waited for the protection job before its gradient reduction
