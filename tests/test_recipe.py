@@ -101,7 +101,8 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """BatchNorm running statistics change every step and differ per rank before the broadcast:
     a hot-swap of rank 0 keeps them exact, and the export carries them."""
     monkeypatch.syspath_prepend(str(HERE))
@@ -118,13 +119,16 @@ def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch
     b = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))
     assert set(a) == set(b) and "1.running_mean" in a and int(a["1.num_batches_tracked"]) == 10
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # the export loads into the user's model, from the run directory and from the persistent checkpoint
+    # the export loads into the user's model, from the run directory and from the persistent checkpoint (the
+    # command in this process, which imports the workload's module as the command would: a new interpreter would
+    # spend seconds importing torch; the one below runs the command)
+    from phoenixft.cli.main import main
+
     wl = load_workload("user_workload:bn_workload", WorkloadContext(seed=1234, micro_batch=16, model="tiny"))
     for src in (tmp_path / "swap", tmp_path / "ckpt"):
         out = tmp_path / f"export-{src.name}.pt"
-        p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(src), "--out", str(out), "--format", "pt"],
-                           capture_output=True, text=True, timeout=120, env=_env())
-        assert p.returncode == 0, p.stderr
+        capsys.readouterr()
+        assert main(["export", str(src), "--out", str(out), "--format", "pt"]) == 0, capsys.readouterr().err
         model = wl.build_model()
         model.load_state_dict(torch.load(out))
         differ = [k for k in a if not torch.equal(model.state_dict()[k], a[k])]
