@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -347,13 +345,18 @@ def test_verdicts_from_reports() -> None:
     assert v["verdict"] == "unsurvivable-by-design" and "vm/n1 were quarantined" in v["reason"], v["reason"]
 
 
-def _chaos(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
+def _chaos(tmp: Path, capsys: pytest.CaptureFixture[str],
+           *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
+    """`phoenixft chaos` in this process (as `run()` runs its jobs; a new interpreter would spend seconds
+    importing torch and starting its zygote first): its exit code, stdout and stderr, and its report."""
+    from phoenixft.cli.main import main
+
     report = tmp / "chaos.json"
-    src = str(Path(__file__).parents[1] / "src")
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "phoenixft", "chaos", "--quiet", "--micro-batch", "1",
-                        "--run-dir", str(tmp / "runs"), "--report", str(report), *args],
-                       capture_output=True, text=True, timeout=400, env=env)
+    argv = ["chaos", "--quiet", "--micro-batch", "1", "--run-dir", str(tmp / "runs"), "--report", str(report), *args]
+    capsys.readouterr()
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    p = subprocess.CompletedProcess(argv, rc, out, err)
     rep = json.loads(report.read_text())
     for run_id in (rep["run"].get("run_id"), rep["reference"].get("run_id")):
         if run_id:
@@ -362,12 +365,12 @@ def _chaos(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dic
     return p, rep
 
 
-def test_campaign_end_to_end(tmp_path: Path) -> None:
+def test_campaign_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # seed 13 on this setup: crash (step 3), corrupt replica + owner killed (8), kill during recovery (11); two
     # replicas, so the owner's shard keeps a good copy when the corrupted one is rejected; 3 spares cover the 3
     # lost nodes, so the job never shrinks and must end bitwise equal to the reference
-    p, rep = _chaos(tmp_path, "--nodes", "3", "--spares", "3", "--replicas", "2", "--steps", "16", "--faults", "3",
-                    "--seed", "13")
+    p, rep = _chaos(tmp_path, capsys, "--nodes", "3", "--spares", "3", "--replicas", "2", "--steps", "16",
+                    "--faults", "3", "--seed", "13")
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert [f["kind"] for f in rep["schedule"]] == ["crash", "corrupt", "kill_during_recovery"]
     assert rep["verdict"] == "pass", rep["reason"]
@@ -386,9 +389,9 @@ def test_campaign_end_to_end(tmp_path: Path) -> None:
     assert "recovery" in fired["kill:node=0@step=11,phase=recovery"]  # fired mid state transfer
 
 
-def test_unsurvivable_schedule_is_reported_as_such(tmp_path: Path) -> None:
+def test_unsurvivable_schedule_is_reported_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # seed 2, one fault, --allow-unsurvivable: nodes 0 and 1 die together, and node 1 keeps node 0's only replica
-    p, rep = _chaos(tmp_path, "--nodes", "3", "--spares", "2", "--steps", "8", "--faults", "1", "--seed", "2",
+    p, rep = _chaos(tmp_path, capsys, "--nodes", "3", "--spares", "2", "--steps", "8", "--faults", "1", "--seed", "2",
                     "--allow-unsurvivable")
     assert p.returncode == 3, p.stdout + p.stderr[-3000:]
     assert rep["verdict"] == "unsurvivable-by-design"

@@ -374,13 +374,16 @@ class _Procs:
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
 
-    def head(self, cluster_url: str, steps: int, *extra: str) -> tuple[str, Any]:
-        """Start the head on `cluster_url`; its job URL and a client, once its coordinator leads."""
+    def head(self, cluster_url: str, steps: int, *extra: str, agents: bool = False) -> tuple[str, Any]:
+        """Start the head on `cluster_url`; its job URL and a client, once its coordinator leads. With `agents`,
+        the agents are started as soon as the URL is known (they start up while the head's coordinator does)."""
         self.start("head", "coordinator", "--host", "127.0.0.1", "--port", "0", "--control-plane", cluster_url,
                    "--nodes", "2", "--spares", "0", "--steps", str(steps), "--model", "tiny",
                    "--run-dir", str(self.tmp / "run"), "--quiet", *extra)
         _wait_for(lambda: (self.tmp / "run" / "control_plane").exists(), 60, "the head to publish its URL")
         url = (self.tmp / "run" / "control_plane").read_text().strip()
+        if agents:
+            self.agents(url)
         s = connect(url, 10.0)
         _wait_for(lambda: get_nowait(s, "coordinator/leader") is not None, 60, "the head's coordinator to lead")
         return url, s
@@ -409,6 +412,7 @@ def test_a_standby_with_another_token_is_refused(cluster: EtcdCluster, tmp_path:
         t = time.monotonic()
         wrong = jp.start("wrong", "coordinator", "--standby", url,
                          env=dict(jp.env, **{TOKEN_ENV: generate_token()}))
+        good = jp.start("good", "coordinator", "--standby", url)  # (both start up at once; the head leads on)
         try:
             rc = wrong.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -419,7 +423,6 @@ def test_a_standby_with_another_token_is_refused(cluster: EtcdCluster, tmp_path:
         assert "standing by" not in out and time.monotonic() - t < 60
         assert get_nowait(s, "coordinator/leader") is not None  # the head's coordinator still leads
         assert get_nowait(s, "config/sig"), "the head did not sign the config"
-        good = jp.start("good", "coordinator", "--standby", url)
         _wait_for(lambda: "standing by" in jp.log("good"), 60, "the standby with the job's token to stand by")
         assert good.poll() is None, jp.log("good")
         jp.procs["head"].send_signal(signal.SIGTERM)  # the head tears the job down; the standby ends with it
@@ -558,8 +561,7 @@ def test_agents_stop_when_the_jobs_keys_are_gone(cluster: EtcdCluster, tmp_path:
     jp = _Procs(tmp_path, generate_token())
     url = ""
     try:
-        url, s = jp.head(cluster.url, 5000)
-        jp.agents(url)
+        url, s = jp.head(cluster.url, 5000, agents=True)
         _wait_for(lambda: int(sealed.peel(get_nowait(s, "progress")) or 0) >= 2, 120, "step 2")
         os.killpg(jp.procs["head"].pid, signal.SIGKILL)  # (no head left to end the run properly)
         jp.procs["head"].wait(timeout=10)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -231,27 +229,33 @@ def test_spare_killed_during_its_own_transfer(tmp_path: Path, reference) -> None
     assert first["completed_in_epoch"] == 2 and all(second["invariants"].values())
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "phoenixft", "run", "--quiet", *args], capture_output=True,
-                          text=True, timeout=180, env=env)
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`phoenixft run --quiet ARGS` in this process (as `run()` runs its jobs): its exit code and what it
+    wrote to stderr. A new interpreter would spend seconds importing torch and starting its zygote first."""
+    from phoenixft.cli.main import main
+
+    capsys.readouterr()
+    rc = main(["run", "--quiet", *args])
+    return rc, capsys.readouterr().err
 
 
-def test_nan_loss_stops_cleanly(tmp_path: Path) -> None:
-    p = _cli("--nodes", "2", "--spares", "0", "--steps", "10", "--inject", "nan:step=5", "--run-dir", str(tmp_path))
-    assert p.returncode != 0
-    reasons = [ln for ln in p.stderr.splitlines() if ln.startswith("!! run failed")]
-    assert len(reasons) == 1 and "loss of step 5 is nan" in reasons[0], p.stderr
-    assert "Traceback" not in p.stderr
+def test_nan_loss_stops_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "--nodes", "2", "--spares", "0", "--steps", "10", "--inject", "nan:step=5",
+                   "--run-dir", str(tmp_path))
+    assert rc != 0
+    reasons = [ln for ln in err.splitlines() if ln.startswith("!! run failed")]
+    assert len(reasons) == 1 and "loss of step 5 is nan" in reasons[0], err
+    assert "Traceback" not in err
 
 
-def test_exception_in_user_code_stops_cleanly(tmp_path: Path) -> None:
-    here = str(Path(__file__).parent)
-    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = _cli("--nodes", "2", "--spares", "1", "--steps", "10", "--workload", "user_workload:broken_workload",
-             "--run-dir", str(tmp_path), env=env)
-    assert p.returncode != 0
-    reasons = [ln for ln in p.stderr.splitlines() if ln.startswith("!! run failed")]
-    assert len(reasons) == 1 and "ValueError: shapes do not line up" in reasons[0], p.stderr
+def test_exception_in_user_code_stops_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    _user_workloads(monkeypatch)
+    rc, err = _cli(capsys, "--nodes", "2", "--spares", "1", "--steps", "10", "--workload",
+                   "user_workload:broken_workload", "--run-dir", str(tmp_path))
+    assert rc != 0
+    reasons = [ln for ln in err.splitlines() if ln.startswith("!! run failed")]
+    assert len(reasons) == 1 and "ValueError: shapes do not line up" in reasons[0], err
 
 
 def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -491,16 +495,17 @@ def test_a_split_that_raises_stops_the_run_with_one_line(tmp_path: Path, monkeyp
     ("bad_prepare_workload", "--workload='user_workload:bad_prepare_workload': its prepare() failed: "
                              "PermissionError: the cache directory is read-only (deliberate)"),
 ])
-def test_a_workload_that_fails_to_set_up_is_one_line(tmp_path: Path, workload: str, line: str) -> None:
+def test_a_workload_that_fails_to_set_up_is_one_line(tmp_path: Path, workload: str, line: str,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """The factory, or the one-off prepare() the launcher runs, raising: a launcher traceback before."""
-    here = str(Path(__file__).parent)
-    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = _cli("--nodes", "2", "--steps", "3", "--workload", f"user_workload:{workload}", "--run-dir", str(tmp_path),
-             env=env)
-    assert p.returncode == 2, p.stderr
+    _user_workloads(monkeypatch)
+    rc, err = _cli(capsys, "--nodes", "2", "--steps", "3", "--workload", f"user_workload:{workload}",
+                   "--run-dir", str(tmp_path))
+    assert rc == 2, err
     # (the launcher's notice of another run's memory it swept at its start, when this machine had some, aside)
-    own = [x for x in p.stderr.strip().splitlines() if not _SWEPT.match(x)]
-    assert own == [f"phoenixft run: error: {line}"], p.stderr
+    own = [x for x in err.strip().splitlines() if not _SWEPT.match(x)]
+    assert own == [f"phoenixft run: error: {line}"], err
 
 
 _SWEPT = re.compile(r"removed \d+ orphaned shared-memory segment\(s\), [\d.]+ MiB, of dead run\(s\) \w")

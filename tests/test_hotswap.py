@@ -218,7 +218,11 @@ def test_a_spare_that_died_while_idle_is_never_promoted(tmp_path: Path) -> None:
 
 
 def _connected(connect_store: Any, addr: str) -> Any:
-    try:
+    import socket
+
+    host, port = addr.rsplit(":", 1)
+    try:  # a plain connect first: a store client refused while the head starts backs off for seconds
+        socket.create_connection((host, int(port)), timeout=1.0).close()
         s = connect_store(addr, 5.0)
         return s if s.check(["config"]) else None
     except Exception:  # noqa: BLE001 - the head is still starting

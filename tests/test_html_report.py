@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SUITE_FLAGS
 
 from phoenixft.errors import UserError
 from phoenixft.observe import html_report
@@ -122,6 +123,7 @@ def run2(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--run-dir",
         str(d),
         "--quiet",
+        *SUITE_FLAGS,  # (the micro-batch of `ref_clean`, the failure-free run it is compared with)
     ]
     for f in FAULTS:
         cmd += ["--inject", f]
@@ -272,8 +274,9 @@ def ref_clean(reference: Any) -> Path:
 def ref_other(reference: Any) -> Path:
     """A different job: seed 4321 (on one node with the same global batch of 3 microbatches, which
     keeps it cheap: one worker process instead of three), and shorter than this run: the comparison
-    covers the steps both have."""
-    return Path(reference(nodes=1, microbatches=3, steps=OTHER_STEPS, seed=4321)["run_dir"])
+    covers the steps both have. One thread: alone in its world, the worker would take one per core, and
+    their spin-waits beside the suite's other processes made its steps ten times slower."""
+    return Path(reference(nodes=1, microbatches=3, steps=OTHER_STEPS, seed=4321, threads=1)["run_dir"])
 
 
 @pytest.mark.slow  # (see README, Tests: covered in `make test` by a broader run)

@@ -238,7 +238,9 @@ def test_sigkill_of_an_agent_or_a_worker_leaves_nothing(tagged_run: Any, who: st
     teardown record stays empty), the node's memory is freed while the run goes on, a spare takes over.
     SIGKILL of n1's worker: its agent restarts it in place. Either way the run ends done and nothing of it
     is left."""
-    r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "60")
+    # (the suite's micro-batch: what is looked at is processes and memory, and the run's 57 steps after the kill
+    # last a quarter as long)
+    r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "60", "--micro-batch", "2")
     r.wait_training(step=3)
     agent, workers = r.of_node("n1")
     victim = agent if who == "agent" else workers[0]

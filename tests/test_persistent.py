@@ -39,7 +39,17 @@ def test_owner_and_replica_lost_falls_back_to_persistent_tier(tmp_path: Path, re
     assert man is not None and man["step"] == 12 and man["shards"] == 4  # still written after the fallback
 
 
-def test_torn_checkpoint_is_never_loaded(tmp_path: Path) -> None:
+def _export(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`phoenixft export ARGS` in this process (its exit code, its stderr): a new interpreter would spend
+    seconds importing torch first. (test_export_to_a_path_that_cannot_be_written_is_one_line runs the command.)"""
+    from phoenixft.cli.main import main
+
+    capsys.readouterr()
+    rc = main(["export", *args])
+    return rc, capsys.readouterr().err
+
+
+def test_torn_checkpoint_is_never_loaded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = tmp_path / "ckpt"
     rep = run(tmp_path / "a", nodes=2, spares=0, steps=8, persist_every=4, persist_dir=str(ckpt))
     assert latest_manifest(ckpt)["step"] == 8  # type: ignore[index]
@@ -48,11 +58,9 @@ def test_torn_checkpoint_is_never_loaded(tmp_path: Path) -> None:
     assert latest_manifest(ckpt)["step"] == 4  # type: ignore[index]
     # a shard file lost from a complete checkpoint: exporting it is one line naming the file, exit 2
     (ckpt / "step_00000004" / "rank1" / ".metadata").unlink()
-    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(ckpt), "--out", str(tmp_path / "m.pt"),
-                        "--format", "pt"], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")))
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert f"{ckpt / 'step_00000004' / 'rank1' / '.metadata'} is missing" in p.stderr, p.stderr
+    rc, err = _export(capsys, str(ckpt), "--out", str(tmp_path / "m.pt"), "--format", "pt")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert f"{ckpt / 'step_00000004' / 'rank1' / '.metadata'} is missing" in err, err
 
 
 def test_a_checkpoint_that_cannot_be_written_is_in_the_report(tmp_path: Path) -> None:
@@ -145,7 +153,8 @@ def test_resume_fails_in_one_line_when_no_checkpoint_verifies(tmp_path: Path, ch
     assert [(e["step"], e["using"]) for e in _skip_events(tmp_path / "run")] == [(8, None), (4, None)]
 
 
-def test_export_never_writes_a_checkpoint_that_does_not_verify(tmp_path: Path, checkpoints: Path) -> None:
+def test_export_never_writes_a_checkpoint_that_does_not_verify(tmp_path: Path, checkpoints: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """Flipped bytes in the newest checkpoint's rank-0 file (which also holds the model's buffers, not
     covered by the shard's checksum): `phoenixft export` refuses it in one line naming the file and the
     newest checkpoint that verifies, and exports that one when asked for it."""
@@ -153,15 +162,12 @@ def test_export_never_writes_a_checkpoint_that_does_not_verify(tmp_path: Path, c
     shutil.copytree(checkpoints, ckpt)
     bad = ckpt / "step_00000008" / "rank0" / "__0_0.distcp"
     _flip(bad)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     out = tmp_path / "m.safetensors"
-    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(ckpt), "--out", str(out)],
-                       capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode == 2 and "Traceback" not in p.stderr and not out.exists(), p.stderr[-2000:]
-    assert f"{bad} does not match the checksum written with it" in p.stderr and "(--step 4)" in p.stderr, p.stderr
-    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(ckpt), "--out", str(out), "--step", "4"],
-                       capture_output=True, text=True, timeout=120, env=env)
-    assert p.returncode == 0 and out.exists(), p.stderr[-2000:]
+    rc, err = _export(capsys, str(ckpt), "--out", str(out))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and not out.exists(), err[-2000:]
+    assert f"{bad} does not match the checksum written with it" in err and "(--step 4)" in err, err
+    rc, err = _export(capsys, str(ckpt), "--out", str(out), "--step", "4")
+    assert rc == 0 and out.exists(), err[-2000:]
 
 
 def test_fallback_skips_a_corrupt_checkpoint(tmp_path: Path, checkpoints: Path, reference) -> None:  # type: ignore[no-untyped-def]

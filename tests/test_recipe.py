@@ -101,7 +101,8 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """BatchNorm running statistics change every step and differ per rank before the broadcast:
     a hot-swap of rank 0 keeps them exact, and the export carries them."""
     monkeypatch.syspath_prepend(str(HERE))
@@ -118,13 +119,12 @@ def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch
     b = load_file(str(tmp_path / "swap" / "final" / "model.safetensors"))
     assert set(a) == set(b) and "1.running_mean" in a and int(a["1.num_batches_tracked"]) == 10
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # the export loads into the user's model, from the run directory and from the persistent checkpoint
+    # the export loads into the user's model, from the run directory and from the persistent checkpoint (in this
+    # process, which imports the workload's module as the command would; the check below runs the command)
     wl = load_workload("user_workload:bn_workload", WorkloadContext(seed=1234, micro_batch=16, model="tiny"))
     for src in (tmp_path / "swap", tmp_path / "ckpt"):
         out = tmp_path / f"export-{src.name}.pt"
-        p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(src), "--out", str(out), "--format", "pt"],
-                           capture_output=True, text=True, timeout=120, env=_env())
-        assert p.returncode == 0, p.stderr
+        _export(capsys, str(src), "--out", str(out), "--format", "pt")
         model = wl.build_model()
         model.load_state_dict(torch.load(out))
         differ = [k for k in a if not torch.equal(model.state_dict()[k], a[k])]
@@ -139,7 +139,16 @@ def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch
     assert val[4] is not None and val[9] is not None and val[0] is None
 
 
-def test_real_data_trains_evaluates_and_exports(tmp_path: Path) -> None:
+def _export(capsys: pytest.CaptureFixture[str], *args: str) -> None:
+    """`phoenixft export ARGS` in this process, which must succeed: a new interpreter would spend seconds
+    importing torch first (test_buffers_are_protected_restored_and_exported runs the command)."""
+    from phoenixft.cli.main import main
+
+    capsys.readouterr()
+    assert main(["export", *args]) == 0, capsys.readouterr().err
+
+
+def test_real_data_trains_evaluates_and_exports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """prepare-data -> --data with evaluation -> the validation loss falls -> the exported model
     reproduces the run's last validation loss."""
     import sysconfig
@@ -155,9 +164,7 @@ def test_real_data_trains_evaluates_and_exports(tmp_path: Path) -> None:
            if "val_loss" in m]
     assert len(val) == 6 and val[-1] < val[0] - 0.3, val
     out = tmp_path / "model.safetensors"
-    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(tmp_path / "run"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    _export(capsys, str(tmp_path / "run"), "--out", str(out))
     wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=rep["config"]["micro_batch"],
                                                                  model="tiny", microbatches=2, data=str(data)))
     model = wl.build_model()
@@ -205,7 +212,8 @@ def test_a_nonpersistent_buffer_is_protected(tmp_path: Path, monkeypatch: pytest
     assert "calls" not in sd and "net.0.weight" in sd  # the export stays the model's state_dict
 
 
-def test_frozen_parameters_train_in_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_frozen_parameters_train_in_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     """--precision bf16 turned the trained parameters and the floating buffers into bf16 but left frozen
     parameters in fp32, so a model with a frozen layer failed in its first step ("mat1 and mat2 must have
     the same dtype, but got Float and BFloat16"). They follow as model.to(bf16) would; the final model
@@ -221,9 +229,7 @@ def test_frozen_parameters_train_in_bf16(tmp_path: Path, monkeypatch: pytest.Mon
     assert_one_hotswap(rep, ["n1"], 5)
     assert rep["final_state_sha256"] == clean["final_state_sha256"]
     out = tmp_path / "ckpt.safetensors"
-    p = subprocess.run([sys.executable, "-m", "phoenixft", "export", str(tmp_path / "ckpt"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=120, env=_env())
-    assert p.returncode == 0, p.stderr
+    _export(capsys, str(tmp_path / "ckpt"), "--out", str(out))
     a, b = load_file(str(tmp_path / "swap" / "final" / "model.safetensors")), load_file(str(out))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert a["0.weight"].dtype == torch.bfloat16 and a["2.weight"].dtype == torch.float32

@@ -218,14 +218,15 @@ class EtcdCluster:
         self.wait_healthy(timeout_s, [i])
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p is not None and p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    continue
+        """SIGTERM the members one after another, each waited for (at most 5 s, then SIGKILL). Signalled all
+        at once, the leader tries to hand its leadership to followers that are leaving too and exits only
+        after that times out (about 7 s); one at a time, each exits in a fraction of a second."""
         for i, p in enumerate(self.procs):
-            if p is None:
+            if p is None or p.poll() is not None:
+                continue
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
                 continue
             try:
                 p.wait(timeout=5)

@@ -51,6 +51,7 @@ from phoenixft.controlplane import (
     exists_many,
     get_nowait,
     keys,
+    multi_get_nowait,
     provision_cluster,
     remote_spec_problem,
     sealed,
@@ -675,16 +676,27 @@ class LocalJob:
 
     def _await_remote_agents(self, deadline: float) -> None:
         """Head: keep serving the store until every admitted node that is not fenced has left (its agent
-        saw the final run state and stopped its workers), at most until `deadline`; record who did not."""
+        saw the final run state and stopped its workers), at most until `deadline`; record who did not. A node
+        whose heartbeat does not change for --failure-timeout meanwhile is not waited for any longer: its agent
+        is dead or cut off (an idle spare lost during the run, never fenced), and cannot see the end either."""
+        silent: list[str] = []
         try:
             members = sealed.get_json(self.store, keys.MEMBERS, {})
             waiting = [n for n in members if not sealed.has(self.store, keys.fence(n))]
+            beats: dict[str, tuple[bytes | None, float]] = {}
             while waiting and time.monotonic() < deadline:
                 waiting = [n for n in waiting if not sealed.has(self.store, keys.left(n))]
+                now = time.monotonic()
+                for n, b in zip(waiting, multi_get_nowait(self.store, [keys.heartbeat(n) for n in waiting]),
+                                strict=True):
+                    if n not in beats or beats[n][0] != b:
+                        beats[n] = (b, now)
+                silent += [n for n in waiting if now - beats[n][1] > self.cfg.failure_timeout]
+                waiting = [n for n in waiting if n not in silent]
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store is gone: nobody can leave through it any more
             return
-        self.leaks["not_left"] = waiting
+        self.leaks["not_left"] = sorted(silent + waiting)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.agents.values()] + [p.pid for p in self.coords.values()]
