@@ -513,9 +513,55 @@ _SWEPT = re.compile(r"removed \d+ orphaned shared-memory segment\(s\), [\d.]+ Mi
 
 def test_a_run_timeout_shorter_than_a_step_says_its_value(tmp_path: Path) -> None:
     """`--timeout 0.5` ended 'failed: timeout after 0s' (the value rounded to whole seconds): the report
-    named a limit the user never gave. It says 0.5s now, and leaves nothing behind."""
+    named a limit the user never gave. It says 0.5s now, and leaves nothing behind (`run()` fails if teardown
+    had to kill anything: rank 0 finishing just after the timeout used to publish its final state over the
+    run's end for 10 s, until the launcher killed its node)."""
     rep = run(tmp_path, nodes=2, spares=1, steps=12, timeout=0.5)
     assert rep["state"] == "failed: timeout after 0.5s", rep["state"]
+
+
+def _ended_worker(monkeypatch: pytest.MonkeyPatch, state: str) -> tuple[Any, Any]:
+    """A worker's view of a run whose end (`state`, signed with the run key) is in a real store."""
+    from types import SimpleNamespace
+
+    from phoenixft.controlplane import keys, signed
+    from phoenixft.controlplane.server import serve_store
+    from phoenixft.dist.comm import connect_store
+    from phoenixft.runtime.worker import Worker
+
+    monkeypatch.setenv("PHOENIXFT_TOKEN", "t" * 8 + "Aq3-Zt9_pL0wYv2s")
+    server = serve_store("127.0.0.1", 0)
+    st = connect_store(server.addr)
+    signed.set_signed(st, signed.env_token(), "run1", keys.RUN_STATE, state)
+    w = Worker.__new__(Worker)
+    w.ctx, w.run_id, w._end_checked = SimpleNamespace(store=st, wid="n0.0"), "run1", 0.0
+    return w, server
+
+
+def test_rank_0_finishing_after_the_run_ended_keeps_that_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run ended (a --timeout, an interruption) while rank 0 finished its last step: it publishes neither
+    its final state nor `done` over that end, and returns at once (it used to rewrite both for 10 s, waiting
+    for an acknowledgement the launcher, already tearing down, never gives)."""
+    import time
+
+    from phoenixft.controlplane import keys, signed
+
+    w, _server = _ended_worker(monkeypatch, "aborted")
+    t0 = time.monotonic()
+    w._publish_final('{"sha256": "x", "step": 12}')
+    assert time.monotonic() - t0 < 1.0
+    assert signed.run_ended(w.ctx.store, "run1") == "aborted" and not w.ctx.store.check([keys.FINAL])
+
+
+def test_a_rank_stops_at_a_step_boundary_once_the_run_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fast steps never wait long enough in a collective to look at the control plane: the step boundary
+    looks (at most every RUN_END_CHECK_S, one store request) and stops the rank once the run has ended."""
+    from phoenixft.errors import RunAborted
+
+    w, _server = _ended_worker(monkeypatch, "aborted")
+    with pytest.raises(RunAborted, match=r"run ended \(aborted\)"):
+        w._stop_if_ended()
+    w._stop_if_ended()  # (looked a moment ago: not again before RUN_END_CHECK_S)
 
 
 def test_a_run_ended_while_a_node_is_stopped_does_not_wait_out_the_grace_for_it(tmp_path: Path) -> None:

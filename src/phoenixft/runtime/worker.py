@@ -50,6 +50,7 @@ __all__ = ["Worker", "worker_main"]
 RUN_DIR_WAIT_S = 5.0  # ... a run directory
 FINAL_ACK_S = 10.0  # rank 0 writes the final state again until the launcher has it, at most this long
 FINAL_REWRITE_S = 0.05
+RUN_END_CHECK_S = 0.5  # how often a rank looks at a step boundary whether the run has ended (one store request)
 
 
 class Worker:
@@ -92,6 +93,7 @@ class Worker:
         # what protection, recovery and fault injection see of this rank: its trainer, epoch, communicators
         self.ctx = RankContext(cfg, run_id, self.wid, node_id, store, self.watcher)
         self._side_store: Store | None = None  # for polls while the rendezvous blocks ctx.store (_build_comm)
+        self._end_checked = 0.0  # when a step boundary last looked whether the run has ended
         world, gen = cfg.world, 0
         try:
             if cur is not None:  # restarted in place: the partition is the current epoch's, not the initial one
@@ -234,9 +236,15 @@ class Worker:
         """The final state and the run's end, signed with the run key (the launcher believes only signed ones),
         written again every FINAL_REWRITE_S until the launcher says it has them (`final/seen`, sealed), at
         most FINAL_ACK_S: a stranger who overwrites them as they appear delays the end, and must keep winning
-        every race for as long to make the run fail."""
+        every race for as long to make the run fail. A run that already ended otherwise (its --timeout, a
+        failure, an interruption: an end signed with the run key) keeps that end: nothing is written."""
         deadline = time.monotonic() + FINAL_ACK_S
         while True:
+            ended = run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
+            if ended is not None and ended != "done":
+                print(f"phoenixft worker {self.ctx.wid}: the run ended ({ended}) before its final state was "
+                      "published; it is not", flush=True)
+                return
             set_signed(self.ctx.store, env_token(), self.run_id, keys.FINAL, final)
             set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "done")
             if sealed.has(self.ctx.store, keys.FINAL_SEEN) or time.monotonic() > deadline:
@@ -328,6 +336,19 @@ class Worker:
         after = self.watcher.drain_step(self.ctx.epoch)
         if after is not None and done >= after:
             raise PeerFailure(f"drain requested by the control plane: stopped at the step boundary after step {done}")
+
+    def _stop_if_ended(self) -> None:
+        """At a step boundary, at most every RUN_END_CHECK_S: the run has ended (its --timeout, an interruption,
+        a failure the launcher saw): stop here. A step's own waits see the end only when one of them lasts long
+        enough to look, which fast collectives never do; without this the ranks would train on until the
+        launcher killed them."""
+        now = time.monotonic()
+        if now - self._end_checked < RUN_END_CHECK_S:
+            return
+        self._end_checked = now
+        ended = run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
+        if ended is not None:
+            raise RunAborted(f"run ended ({ended})")
 
     def _drain_wait_s(self) -> float:
         """How long a drain waits for the replication of the last completed step (and for every peer to
@@ -502,6 +523,7 @@ class Worker:
                 try:
                     while step <= self.cfg.steps:
                         self._stop_for_drain(step - 1)
+                        self._stop_if_ended()
                         self.train_step(step)
                         step += 1
                     self.finish()
