@@ -272,6 +272,7 @@ def test_without_scrubbing_the_same_schedule_loses_the_shard(tmp_path: Path) -> 
     assert rep["scrub"] == {"every": 0, "found": 0, "repaired": 0, "findings": []}
 
 
+@pytest.mark.slow  # (about 25 s: five hosts' processes; the round itself is in make test, test_scrub_round.py)
 def test_scrub_repairs_a_replica_from_its_owner_on_another_host(tmp_path: Path, reference: Any) -> None:
     """The same schedule across hosts (network namespaces, each host on a /dev/shm of its own, so that no
     memory file of one host can be read from another): n1's corrupt replica is repaired with bytes sent by

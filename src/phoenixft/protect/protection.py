@@ -40,6 +40,7 @@ from phoenixft.runtime.context import RankContext
 __all__ = ["Protection", "make_scheme"]
 
 
+ROUND_NAP_S = 0.0005  # the longest nap between polls of the scrub repair round's exchanges
 RUN_END_CHECK_S = 1.0  # a replication waiting on a stopped peer looks this often whether the run has ended
 
 
@@ -111,7 +112,9 @@ class Protection:
                                      code=ec.code if ec is not None else _no_code,
                                      member_numel=tr.flat.shard_numel * tr.payload_rows)
         serve = scrub_repair.server(lambda: getattr(ctx.trainer, "state", None), lambda: repl.holdings)
-        repair_round(repl.comm.repl, repl.comm.world, repl.wait_all, reqs, serve, repl.chunk,
+        # (the round's exchanges are small and start the job: polled as often as the training thread's waits)
+        repair_round(repl.comm.repl, repl.comm.world, lambda w, what: repl.wait_all(w, what, ROUND_NAP_S), reqs,
+                     serve, repl.chunk,
                      lambda r: scrub_repair.worker_name(topo, r))
 
     def _scrub(self, step: int, abort: Any) -> None:

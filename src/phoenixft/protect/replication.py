@@ -201,11 +201,12 @@ class Replicator:
         return self._abort_check()
 
     # ---------------------------------------------------------------- for a redundancy scheme's job
-    def wait_all(self, works: list[Any], what: str) -> None:
-        """Wait for a job's transfers (one deadline for all), giving up when a recovery starts."""
+    def wait_all(self, works: list[Any], what: str, nap_s: float = BACKGROUND_NAP_S) -> None:
+        """Wait for a job's transfers (one deadline for all), giving up when a recovery starts; `nap_s`: the
+        longest nap between polls (a short exchange the job waits on before its transfers takes a shorter one)."""
         deadline = time.monotonic() + self.timeout_s
         for w in works:
-            wait_work(w, what, self._abort_reason, max(0.1, deadline - time.monotonic()), BACKGROUND_NAP_S)
+            wait_work(w, what, self._abort_reason, max(0.1, deadline - time.monotonic()), nap_s)
 
     @contextlib.contextmanager
     def commit_guard(self, comm: EpochComm, step: int) -> Iterator[None]:
