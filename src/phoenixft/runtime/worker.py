@@ -225,7 +225,7 @@ class Worker:
             return
         deadline = time.monotonic() + self.ctx.coll_timeout
         while time.monotonic() < deadline:
-            if self.ctx.store.check([keys.RUN_STATE]) and run_ended(self.ctx.store, self.run_id) is not None:
+            if self._run_end() is not None:
                 return
             if self.ctx.abort_reason():
                 raise PeerFailure("failure during the final gather")
@@ -240,7 +240,7 @@ class Worker:
         failure, an interruption: an end signed with the run key) keeps that end: nothing is written."""
         deadline = time.monotonic() + FINAL_ACK_S
         while True:
-            ended = run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
+            ended = self._run_end()
             if ended is not None and ended != "done":
                 print(f"phoenixft worker {self.ctx.wid}: the run ended ({ended}) before its final state was "
                       "published; it is not", flush=True)
@@ -274,7 +274,7 @@ class Worker:
                 v = sealed.get(self.ctx.store, key) if is_sealed else self.ctx.store.get(key)
                 if v is not None:
                     return v
-            ended = run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
+            ended = self._run_end()
             if ended is not None:
                 raise RunAborted(f"run ended ({ended})")
             if time.monotonic() > deadline:
@@ -337,6 +337,10 @@ class Worker:
         if after is not None and done >= after:
             raise PeerFailure(f"drain requested by the control plane: stopped at the step boundary after step {done}")
 
+    def _run_end(self) -> str | None:
+        """The run's end signed with the run key ("done", "aborted", "failed", ...), or None while it runs."""
+        return run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
+
     def _stop_if_ended(self) -> None:
         """At a step boundary, at most every RUN_END_CHECK_S: the run has ended (its --timeout, an interruption,
         a failure the launcher saw): stop here. A step's own waits see the end only when one of them lasts long
@@ -346,7 +350,7 @@ class Worker:
         if now - self._end_checked < RUN_END_CHECK_S:
             return
         self._end_checked = now
-        ended = run_ended(self.ctx.store, self.run_id) if self.ctx.store.check([keys.RUN_STATE]) else None
+        ended = self._run_end()
         if ended is not None:
             raise RunAborted(f"run ended ({ended})")
 
