@@ -194,3 +194,62 @@ def test_the_drain_command_signs_its_request_with_the_job_token(tmp_path: Path, 
     assert req is not None and req["node_id"] == "n1" and req["reason"] == "maintenance" and req["source"] == "cli"
     sealed.bind(token, "run2")
     assert sealed.unseal(keys.drain_key(1), raw) is None
+
+
+def test_a_drain_whose_node_died_ends_the_survivors_waits_at_its_end() -> None:
+    """A drain notice of 0 s: the node is SIGKILLed as its drain begins. The survivors' protection job of the
+    step (the scrub repair round's all-reduce spans every rank) then waits on a dead peer; it used to wait out
+    the replication timeout, because the job's flag check let any epoch with a drain notice finish its job,
+    even after the drain's end, so the training thread (waiting for that job before its gradient all-reduce)
+    missed the gather and its node was fenced as unresponsive. And each survivor waited out the drain wait
+    (5 s) for the dead node's descriptor. Both now end at the drain's end (`keys.drain_abort`)."""
+    import secrets
+    from types import SimpleNamespace
+
+    from phoenixft.controlplane.server import serve_store
+    from phoenixft.dist.comm import connect_store
+    from phoenixft.protect.protection import Protection
+    from phoenixft.runtime.worker import Worker
+
+    token, e = secrets.token_urlsafe(32), 3
+    server = serve_store("127.0.0.1", 0)
+    st = connect_store(server.addr)
+    sealed.bind(token, "run1")
+    try:
+        flagged = [False]
+        ctx = SimpleNamespace(epoch=e, run_id="run1", store=st, watcher=SimpleNamespace(flagged=lambda x: flagged[0]))
+        check = Protection._flag_check(SimpleNamespace(ctx=ctx), st)  # type: ignore[arg-type]  # (the workers')
+        assert check() is None
+        st.set(keys.failflag(e), "1")  # a stranger's flag is ignored
+        assert check() is None
+        sealed.put(st, keys.drain_notice(e), json.dumps({"node": "n1", "after_step": 5}))
+        sealed.put(st, keys.failflag(e), "1")
+        assert check() is None  # a planned drain: every peer is alive, the job finishes
+        st.set(keys.drain_abort(e), "1")  # (forged: ignored)
+        assert check() is None
+        sealed.put(st, keys.drain_abort(e), "1")
+        assert check() == "recovery requested"  # the drain is over: a job still waiting gives up
+        check2 = Protection._flag_check(SimpleNamespace(ctx=ctx), st)  # type: ignore[arg-type]
+        flagged[0] = True  # the watcher raises a drain epoch's flag only at the drain's end: no round trip
+        st.delete_key(keys.drain_abort(e))
+        assert check2() == "recovery requested"
+        ctx.epoch = e + 1  # an ordinary failure of the next epoch
+        flagged[0] = False
+        sealed.put(st, keys.failflag(e + 1), "1")
+        assert check2() == "recovery requested"
+
+        # the survivor's wait for every descriptor (the dead node's never comes) ends at the drain's end
+        topo = SimpleNamespace(nodes=["n0", "n1", "n2"], workers_per_node=1)
+        worker = SimpleNamespace(ctx=ctx, _drain_wait_s=lambda: 30.0)
+        for n in ("n0", "n2"):
+            sealed.put(st, keys.desc(e, f"{n}.0"), "{}")
+        sealed.put(st, keys.drain_abort(e), "1")
+        t0 = time.monotonic()
+        Worker._await_peers_settled(worker, e, topo)  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 10.0
+        worker = SimpleNamespace(ctx=ctx, _drain_wait_s=lambda: 0.5)  # without the drain's end: the bounded wait
+        t0 = time.monotonic()
+        Worker._await_peers_settled(worker, e + 1, topo)  # type: ignore[arg-type]
+        assert time.monotonic() - t0 >= 0.5
+    finally:
+        sealed.unbind()

@@ -151,32 +151,34 @@ class Protection:
     def _flag_check(self, store: Store) -> Any:
         every = store.abort_check_s  # the watcher sees a flag first: a costly round trip is only the fallback
         last = [0.0, 0.0]  # the last look at the flag; at the run's end (not urgent: once a second)
-        drains: dict[int, bool] = {}  # epoch -> whether it ends for a planned drain (looked up once)
-
-        def flagged(epoch: int) -> str | None:
-            """The failure flag of `epoch` is set: give up, unless the epoch ends for a planned drain, where
-            the job finishes (every peer is alive; the worker waits for it before its descriptor, then aborts)."""
-            if epoch not in drains:
-                drains[epoch] = sealed.has(store, keys.drain_notice(epoch))
-            return None if drains[epoch] else "recovery requested"
+        notices: set[int] = set()  # epochs seen to end for a planned drain (a notice is never taken back)
 
         def check() -> str | None:
             """Why the replication of a step should give up: a recovery of this epoch, or (RunAborted) the
             end of the run: a peer that stopped mid-transfer (a hang, a timeout of the run) must not keep
-            this node waiting out the replication timeout after the run has ended."""
-            if self.ctx.watcher.flagged(self.ctx.epoch):
-                return flagged(self.ctx.epoch)
+            this node waiting out the replication timeout after the run has ended.
+
+            An epoch that ends for a planned drain lets the job finish (every peer is alive; the worker waits
+            for it before its descriptor) until the drain's end (`keys.drain_abort`): the coordinator sets it
+            once every rank stopped, or once it stopped waiting for them (the drained node died: its notice
+            ran out), and a job that waits on that node must give up then, or its rank misses the gather."""
+            e = self.ctx.epoch
+            if self.ctx.watcher.flagged(e):  # (the watcher raises a drain's flag only at the drain's end)
+                return "recovery requested"
             now = time.monotonic()
             if now - last[0] < every:
                 return None
             last[0] = now
-            names = [keys.failflag(self.ctx.epoch)]
+            names = [keys.failflag(e), keys.drain_abort(e)]
             if now - last[1] >= RUN_END_CHECK_S:  # (a TCPStore answers one key per round trip: not every poll)
                 last[1] = now
                 names.append(keys.RUN_STATE)
-            failed, *over = exists_many(store, names)
-            if failed and sealed.has(store, names[0]) and flagged(self.ctx.epoch):  # (a forged flag is ignored)
-                return "recovery requested"
+            failed, drain_over, *over = exists_many(store, names)
+            if failed and sealed.has(store, names[0]):  # (a forged flag is ignored)
+                if e not in notices and sealed.has(store, keys.drain_notice(e)):
+                    notices.add(e)
+                if e not in notices or (drain_over and sealed.has(store, names[1])):
+                    return "recovery requested"
             ended = run_ended(store, self.ctx.run_id) if any(over) else None  # (a forged end is ignored)
             if ended is not None:
                 raise RunAborted(f"run ended ({ended})")

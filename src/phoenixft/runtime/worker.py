@@ -362,12 +362,17 @@ class Worker:
     def _await_peers_settled(self, e: int, topo: Topology) -> None:
         """A drain: every worker of the epoch has posted its descriptor (so its replication is complete)
         before this one retires the epoch's groups: a retired group could cut a transfer a peer is still
-        receiving from this rank. Bounded (a peer lost meanwhile is the ordinary failure path)."""
+        receiving from this rank. Bounded, and over at the drain's end (`keys.drain_abort`: the coordinator saw
+        every descriptor, or stopped waiting for them: the drained node died before its notice ran out, and
+        its descriptor never comes); a peer lost meanwhile is the ordinary failure path."""
         deadline = time.monotonic() + self._drain_wait_s()
         names = [keys.desc(e, f"{n}.{i}") for n in topo.nodes for i in range(topo.workers_per_node)]
         posts = sealed.Hint(keys.desc_posted(e), 0.05)  # (each worker sets it after its descriptor)
+        over = sealed.Hint(keys.drain_abort(e), 0.05)
         while time.monotonic() < deadline and not (posts.moved(self.ctx.store)
                                                    and sealed.all_present(self.ctx.store, names)):
+            if over.moved(self.ctx.store) and sealed.has(self.ctx.store, keys.drain_abort(e)):
+                return
             time.sleep(0.002)
 
     def _build_comm(self, topo: Topology) -> EpochComm:
