@@ -330,6 +330,14 @@ class Worker:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
         return self.join(topo)
 
+    def _post_join(self, topo: Topology, t0: float, inv: dict[str, bool], bad: list[str],
+                   timings: dict[str, Any]) -> None:
+        """This rank's join record of `topo`'s epoch: its invariants, what failed verification, its timings."""
+        timings["join_s"] = time.time() - t0
+        sealed.put(self.ctx.store, keys.join(topo.epoch, self.wid),
+                   json.dumps({"t": time.time(), "rank": self.ctx.rank, "invariants": inv, "i3_failures": bad,
+                               **timings}))
+
     def _stop_for_drain(self, done: int) -> None:
         """At the step boundary after step `done`: a planned drain of this epoch stops every rank here, once
         the drain's step is done (no collective of the next step has begun, nothing is left half-done)."""
@@ -478,12 +486,15 @@ class Worker:
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
         seen = installed_seen(tr, topo, self.ctx.rank, r)
-        inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step, tr.state.steps(),
-                                       held, not bad, self.ctx.wait, seen)
-        timings["join_s"] = time.time() - t0
-        sealed.put(self.ctx.store, keys.join(topo.epoch, self.wid), json.dumps({"t": time.time(), "rank": self.ctx.rank,
-                                                                     "invariants": inv, "i3_failures": bad,
-                                                                     **timings}))
+        try:
+            inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step,
+                                           tr.state.steps(), held, not bad, self.ctx.wait, seen)
+        except PeerFailure:
+            if bad:  # the check was cut short (a peer that saw I3 fail set the failure flag first): what failed
+                # verification here still reaches the report, or the recovery would say I3 failed on no rank
+                self._post_join(topo, t0, dict.fromkeys(("I1", "I2", "I3", "I4"), False), bad, timings)
+            raise
+        self._post_join(topo, t0, inv, bad, timings)
         if not inv["I3"]:
             # a copy failed verification: recover again without that source (or stop, if none is left)
             raise PeerFailure(f"invariant I3 failed after recovery to epoch {topo.epoch}: "
