@@ -41,6 +41,7 @@ if etcd_binary() is None:
     pytest.skip("no etcd binary (apt-get install etcd-server)", allow_module_level=True)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+TESTS = str(Path(__file__).resolve().parent)
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +282,8 @@ def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_path: Path, reference: Any) -> None:
+def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_path: Path, reference: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Multi-host shape on loopback: a head (`phoenixft coordinator --control-plane etcd://...`), a
     standby coordinator started by hand elsewhere (`--standby URL`), two nodes and a spare joined
     with `phoenixft agent`. The head's whole process group (launcher, its coordinator) is SIGKILLed
@@ -290,8 +292,13 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
     failure-free hash."""
     from phoenixft.controlplane.auth import TOKEN_ENV, generate_token
 
-    ref = reference(nodes=2, steps=40)
-    env = dict(os.environ, **{TOKEN_ENV: generate_token()}, PYTHONPATH=SRC)
+    monkeypatch.syspath_prepend(TESTS)  # (the reference runs in this process: it imports user_workload too)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
+    ref = reference(nodes=2, steps=40, workload="user_workload:workload")
+    # tests/user_workload.py's paced workload: `workload`'s arithmetic, each step 0.1 s longer asleep (the run
+    # must outlast the head's loss and the takeover; training flat out would burn the CPU the suite needs)
+    env = dict(os.environ, **{TOKEN_ENV: generate_token()}, PYTHONPATH=os.pathsep.join([SRC, TESTS]),
+               PHOENIXFT_TEST_PACE_S="0.1")
     exe = [sys.executable, "-m", "phoenixft"]
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -303,8 +310,9 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
     url = ""
     try:
         start("head", "coordinator", "--host", "127.0.0.1", "--port", "0", "--control-plane", cluster.url,
-              "--nodes", "2", "--spares", "0", "--steps", "40", "--model", "tiny", "--failure-timeout", "5",
-              *SUITE_FLAGS, "--inject", "kill:node=1@step=25,wait=90", "--run-dir", str(tmp_path / "run"), "--quiet")
+              "--nodes", "2", "--spares", "0", "--steps", "40", "--workload", "user_workload:paced_workload",
+              "--failure-timeout", "5", *SUITE_FLAGS, "--inject", "kill:node=1@step=25,wait=90",
+              "--run-dir", str(tmp_path / "run"), "--quiet")
         _wait_for(lambda: (tmp_path / "run" / "control_plane").exists(), 60, "the head to publish its URL")
         url = (tmp_path / "run" / "control_plane").read_text().strip()
         s = connect(url, 10.0)

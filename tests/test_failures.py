@@ -137,7 +137,7 @@ def test_a_stopped_worker_whose_agent_runs_on_is_fenced_within_the_failure_timeo
 
 
 def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
-        tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+        tmp_path: Path, reference, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The agent of n1 SIGSTOPped for 5 s (starved, Ctrl-Z'd by hand), its worker training on: its heartbeat went
     stale, and each recovery found the node's worker answering (not dead: a reconfigure) and left its staleness
     as it was, so the next poll, 0.25 s later, started another: 18 spurious recoveries in the report for 8 s.
@@ -146,31 +146,33 @@ def test_a_stopped_agent_whose_workers_run_on_is_not_a_recovery_every_poll(
     import threading
     import time
 
-
-    steps = 100  # (the run must outlast the stop: about 70 steps here, with the reconfigures it causes)
-    kw = {"micro_batch": 8}  # (the product's: at the suite's smaller batch the run can end inside the stop)
-    ref = reference(nodes=2, steps=steps, **kw)
+    _user_workloads(monkeypatch)
+    monkeypatch.setenv("PHOENIXFT_TEST_PACE_S", "0.5")  # (16 steps of at least 0.5 s: the run outlasts the stop)
+    steps = 16
+    ref = reference(nodes=2, steps=steps, workload="user_workload:workload")
     seen: dict[str, Any] = {}
 
     def stop_agent_of_n1() -> None:
         try:
             deadline = time.monotonic() + 90
-            _await_progress(tmp_path, 4, deadline)
+            _await_progress(tmp_path, 3, deadline)
             worker = _worker_of("n1", os.getpid())
             assert worker is not None, "no worker of n1 found"
             agent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
             _sigstop(agent, seen)
             time.sleep(5.0)
+            seen["ran_on"] = Path(f"/proc/{worker}").exists()  # (the run was still on when the stop ended)
             os.kill(agent, signal.SIGCONT)
         except BaseException as e:  # (a thread's failure is otherwise silent: the test asserts on `seen`)
             seen["error"] = repr(e)
 
     t = threading.Thread(target=stop_agent_of_n1, daemon=True)
     t.start()
-    rep = run(tmp_path, nodes=2, spares=1, steps=steps, failure_timeout=2.0, timeout=120.0, **kw)
+    rep = run(tmp_path, nodes=2, spares=1, steps=steps, failure_timeout=2.0, timeout=120.0,
+              workload="user_workload:paced_workload")
     t.join(timeout=10)
     assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"]
-    assert "error" not in seen and seen.get("state") == "T", seen  # the agent was stopped
+    assert "error" not in seen and seen.get("state") == "T" and seen.get("ran_on"), seen  # the agent was stopped
     recs = rep["recoveries"]
     assert 1 <= len(recs) <= 3, [(r["action"], r["resumed_step"]) for r in recs]
     assert all(r["action"] == "reconfigure" and r["dead"] == [] and r["fenced"] == [] for r in recs), recs

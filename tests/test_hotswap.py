@@ -137,11 +137,16 @@ class _HandJob:
     `phoenixft` process in its own session with its log in tmp_path/NAME.log; `close` ends them all
     (the head first, by SIGTERM, when `graceful`; then whatever is left by SIGKILL of its group)."""
 
-    def __init__(self, tmp_path: Path, steps: int) -> None:
+    def __init__(self, tmp_path: Path, steps: int, pace_s: float = 0.1) -> None:
         from conftest import free_port
 
         self.tmp, self.steps = tmp_path, steps
         self.port, self.env = free_port(), dict(os.environ, PHOENIXFT_TOKEN="q7Vx2-Lm9_Zr4Tb8Kc1Nw6Hd3Pj5Sf0Y")
+        # the job trains tests/user_workload.py's paced workload: its steps last `pace_s` at least, asleep (the
+        # tests wait for events between steps; a job training flat out would burn the CPU the suite needs)
+        tests_dir = str(Path(__file__).parent)
+        self.env.update(PHOENIXFT_TEST_PACE_S=str(pace_s),
+                        PYTHONPATH=os.pathsep.join(p for p in (tests_dir, self.env.get("PYTHONPATH")) if p))
         self.addr = f"127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -164,7 +169,8 @@ class _HandJob:
         from phoenixft.dist.comm import connect_store
 
         self.start("head", "coordinator", "--host", "127.0.0.1", "--port", str(self.port), "--nodes", "2",
-                   "--spares", "1", "--workers-per-node", "1", "--steps", str(self.steps), "--model", "tiny",
+                   "--spares", "1", "--workers-per-node", "1", "--steps", str(self.steps),
+                   "--workload", "user_workload:paced_workload",
                    "--failure-timeout", "2", "--run-dir", str(self.tmp / "run"), "--quiet", "--timeout", "240",
                    "--join-timeout", "90")
         for name, extra in (("a", []), ("b", []), ("sp", ["--spare"])):
@@ -198,14 +204,14 @@ def test_a_spare_that_died_while_idle_is_never_promoted(tmp_path: Path) -> None:
     longer whole once the spare is gone, and the node's loss shrinks the job at once. It must not
     promote the dead spare (a `hotswap` into a corpse), wait out --failure-timeout for it to answer,
     fence it and only then shrink, in a second recovery (a mesh, which cannot shrink, would be lost)."""
-    job = _HandJob(tmp_path, steps=120)  # (the spare's loss is noticed by about step 45 here, 2-3 s after step 3)
+    job = _HandJob(tmp_path, steps=60, pace_s=0.2)  # (the spare's loss is noticed 2-3 s after step 3: by step 20)
     try:
         store = job.begin()
         job.kill("sp")
         job.wait_for("the job to be not whole without its spare", lambda: not store.check(["job/whole"]), 15)
         members = json.loads(sealed.peel(store.get("members")) or b"")
         victim = next(n for n, m in members.items() if m["name"] == "b")
-        assert int(sealed.peel(store.get("progress")) or 0) < 90, "too late: make the run longer"
+        assert int(sealed.peel(store.get("progress")) or 0) < 45, "too late: make the run longer"
         job.kill("b")
         assert job.procs["head"].wait(timeout=240) == 0, (tmp_path / "head.log").read_text()[-3000:]
         rep = json.loads((tmp_path / "run" / "report.json").read_text())

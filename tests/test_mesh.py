@@ -150,13 +150,13 @@ def test_split_refuses_what_does_not_divide(tmp_path: Path) -> None:
 
 
 # (the product's micro-batch: the 1e-4 agreement of 3D with data-parallel losses is measured at it)
-MESH = {"nodes": 4, "tp": 2, "pp": 2, "steps": 20, "micro_batch": 8}
+MESH = {"nodes": 4, "tp": 2, "pp": 2, "steps": 20, "micro_batch": 2}
 
 
 def test_3d_matches_data_parallel_at_every_step(reference) -> None:  # type: ignore[no-untyped-def]
     """Same model, same global batch (4 microbatches): TP=2 x PP=2 x DP=2 against DP=2 alone."""
     mesh = reference(**MESH)
-    dp = reference(nodes=2, microbatches=4, steps=20, micro_batch=8)
+    dp = reference(nodes=2, microbatches=4, steps=20, micro_batch=2)
     assert len(mesh["loss"]) == len(dp["loss"]) == 20
     for s, (a, b) in enumerate(zip(mesh["loss"], dp["loss"], strict=True), 1):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {s}: 3D loss {a} vs data-parallel {b}"
@@ -250,8 +250,8 @@ def test_3d_checkpoint_resumes_on_another_layout(tmp_path: Path, reference) -> N
     persist = str(tmp_path / "ckpt")
     first = run(tmp_path / "a", **{**MESH, "steps": 10}, spares=0, persist_every=5, persist_dir=persist)
     assert first["state"] == "done", first.get("error")
-    dp_ref = reference(nodes=2, microbatches=4, steps=20, micro_batch=8)
-    dp = run(tmp_path / "b", nodes=2, microbatches=4, steps=20, micro_batch=8, spares=0, resume=persist)
+    dp_ref = reference(nodes=2, microbatches=4, steps=20, micro_batch=2)
+    dp = run(tmp_path / "b", nodes=2, microbatches=4, steps=20, micro_batch=2, spares=0, resume=persist)
     assert dp["state"] == "done", dp.get("error")
     assert len(dp["loss"]) == 10
     for s, (a, b) in enumerate(zip(dp["loss"], dp_ref["loss"][10:], strict=True), 11):

@@ -35,6 +35,21 @@ def workload(ctx: WorkloadContext) -> Workload:
     return Workload(build_model=build_model, loss=loss, batch=batch)
 
 
+def paced_workload(ctx: WorkloadContext) -> Workload:
+    """`workload`, each microbatch's loss taking PHOENIXFT_TEST_PACE_S seconds more (default 0.25), asleep: a run
+    that must last (outlast a stop, leave time to notice a loss) without training for its time on the CPU. The
+    arithmetic is `workload`'s: the same final state as a run of `workload`."""
+    wl = workload(ctx)
+    pace = float(os.environ.get("PHOENIXFT_TEST_PACE_S", "0.25"))
+
+    def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            time.sleep(pace)
+        return wl.loss(model, b)
+
+    return Workload(build_model=wl.build_model, loss=loss, batch=wl.batch)
+
+
 def broken_workload(ctx: WorkloadContext) -> Workload:
     """The same workload with a bug that fires at step 4 (a software error: not ours to heal)."""
     wl = workload(ctx)
