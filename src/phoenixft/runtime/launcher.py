@@ -86,6 +86,14 @@ AGENT_FLOOR_MIB = 25  # what an agent process costs at least (its own pages; for
 WORKER_FLOOR_MIB = 100  # what a worker process costs at least before its model's state (`tiny`: measured 120)
 
 
+def _publish(path: Path, text: str) -> None:
+    """Write a run-directory file that other processes poll for (`phoenixft status`, `drain`, scripts): whole
+    or absent, never seen empty (written beside it and renamed into place)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _mem_total_mib() -> int | None:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
@@ -252,7 +260,7 @@ class LocalJob:
             self.cluster = provision_cluster(self.cfg.control_plane, self.run_id, str(self.run_dir / "logs"),
                                              self.display.info, tls=self.tls, token=self.token)
             self.addr = self.public_addr = self.cluster.addr
-            (self.run_dir / "control_plane").write_text(self.addr)
+            _publish(self.run_dir / "control_plane", self.addr)
         # on a replicated store a call that no member answers fails after CONTROL_PLANE_TIMEOUT_S (the monitor
         # then fails the run)
         self.store = connect(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0, self.tls,
@@ -309,7 +317,7 @@ class LocalJob:
             self.addr = self._server.addr  # this host's own processes (coordinator, launcher) connect directly
             self._gateway = start_gateway(self.host, self.port, self._server.port, self.tls)
             self.public_addr = self._gateway.addr
-        (self.run_dir / "coordinator.port").write_text(str(self._server.port))
+        _publish(self.run_dir / "coordinator.port", str(self._server.port))
 
     def _start_agent(self, node: str, host: str = "") -> None:
         """Start node's agent; `host`: the simulated host it runs on (a repaired node's: the host it was lost
