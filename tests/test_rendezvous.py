@@ -30,8 +30,8 @@ def master() -> Iterator[dist.TCPStore]:
     sealed.unbind()
 
 
-def _client(master: dist.TCPStore) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
+def _client(master: dist.TCPStore, timeout: datetime.timedelta = TIMEOUT) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False, timeout=timeout)
 
 
 def _ranks(master: dist.TCPStore, world: int, epoch: int = 0) -> dict[int, Any]:
@@ -40,7 +40,8 @@ def _ranks(master: dist.TCPStore, world: int, epoch: int = 0) -> dict[int, Any]:
 
     def rank(r: int) -> None:
         try:
-            comm = EpochComm(_client(master), epoch, r, world, 10.0)
+            # (generous timeouts: the ranks are threads of one process, on a loaded machine gloo's sends took >10 s)
+            comm = EpochComm(_client(master, datetime.timedelta(seconds=60)), epoch, r, world, 60.0)
             t = torch.full((3,), float(r + 1))
             comm.train.allreduce([t]).wait()
             got[r] = t.tolist()
