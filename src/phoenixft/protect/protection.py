@@ -169,15 +169,15 @@ class Protection:
             if now - last[0] < every:
                 return None
             last[0] = now
-            names = [keys.failflag(e), keys.drain_abort(e)]
+            names = [keys.failflag(e)]
             if now - last[1] >= RUN_END_CHECK_S:  # (a TCPStore answers one key per round trip: not every poll)
                 last[1] = now
                 names.append(keys.RUN_STATE)
-            failed, drain_over, *over = exists_many(store, names)
+            failed, *over = exists_many(store, names)
             if failed and sealed.has(store, names[0]):  # (a forged flag is ignored)
                 if e not in notices and sealed.has(store, keys.drain_notice(e)):
                     notices.add(e)
-                if e not in notices or (drain_over and sealed.has(store, names[1])):
+                if e not in notices or sealed.has(store, keys.drain_abort(e)):  # (looked at only in a drain)
                     return "recovery requested"
             ended = run_ended(store, self.ctx.run_id) if any(over) else None  # (a forged end is ignored)
             if ended is not None:
