@@ -614,6 +614,58 @@ def test_dry_run_of_a_large_job_is_short(capsys: pytest.CaptureFixture[str]) -> 
     assert "... and 1234 more groups of the same form" in out and "    n1-n1250 " in out, out
 
 
+_META_PROBE = r"""
+import sys, torch
+from torch import nn
+from phoenixft.train.gpt import GPT, PRESETS
+from phoenixft.workload import build_on_meta
+
+class EveryInit(nn.Module):  # every initialiser of torch.nn.init, the Tensor fills, tied and frozen parameters
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.out = nn.Linear(8, 50, bias=False)
+        self.out.weight = self.emb.weight
+        self.conv = nn.Conv1d(8, 8, 3)
+        self.w = nn.ParameterList(nn.Parameter(torch.empty(6, 4)) for _ in range(10))
+        self.frozen = nn.Parameter(torch.empty(3, dtype=torch.bfloat16), requires_grad=False)
+        self.register_buffer("stat", torch.empty(5).fill_(1.0))
+        for f, p in zip([nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_, nn.init.xavier_uniform_,
+                         nn.init.xavier_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
+                         nn.init.orthogonal_, nn.init.eye_, nn.init.zeros_], self.w):
+            f(p)
+        nn.init.dirac_(self.conv.weight)
+        nn.init.constant_(self.conv.bias, 0.5)
+        self.frozen.data.uniform_().bernoulli_(0.5)
+
+def structure(m: nn.Module) -> list:
+    return [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in m.named_parameters()] + \
+        [(n, tuple(t.shape), t.dtype) for n, t in m.named_buffers()]
+
+compiler_before = "torch._dynamo" in sys.modules
+for build in (lambda: GPT(PRESETS["tiny"]), EveryInit):
+    meta = build_on_meta(build)
+    assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+    assert structure(meta) == structure(build()), build
+    assert len(list(meta.parameters())) == len(list(build().parameters()))  # tied weights stay tied
+assert compiler_before or "torch._dynamo" not in sys.modules, "a meta build imported torch's compiler"
+print("ok")
+"""
+
+
+def test_a_meta_build_has_the_models_structure_and_runs_no_initialiser() -> None:
+    """--dry-run, the launcher's host check and the config's checks build the model on the meta device to
+    count it. They skip its initialisers: run on meta, torch sends the random ones through Python reference
+    kernels whose first call imports torch's compiler, seconds of every launch's start-up on a slow host. The
+    structure (names, shapes, dtypes, which parameters train, tied weights) must be the model's own; checked
+    in a fresh interpreter, where the compiler is not yet imported."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _META_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------- the encode job
 
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from phoenixft.errors import UserError
 
-__all__ = ["Workload", "WorkloadContext", "load_workload", "check_workload_path", "unsupported_parameters"]
+__all__ = ["Workload", "WorkloadContext", "load_workload", "check_workload_path", "unsupported_parameters",
+           "build_on_meta"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,3 +119,40 @@ def unsupported_parameters(model: torch.nn.Module, precision: str = "fp32") -> s
                 "--precision bf16 runs them in bf16 itself; it also takes a model built in bf16); build the model "
                 "in float32")
     return None
+
+
+# in-place initialisers that only write values: on the meta device they have nothing to write. Run there,
+# torch routes the random ones through its Python reference kernels, whose first call imports the compiler
+# (torch._dynamo): seconds of a launch's start-up for a build that only counts parameters.
+_META_NOOPS = frozenset({
+    "constant_", "dirac_", "eye_", "kaiming_normal_", "kaiming_uniform_", "normal_", "ones_", "orthogonal_",
+    "sparse_", "trunc_normal_", "uniform_", "xavier_normal_", "xavier_uniform_", "zeros_",  # torch.nn.init
+    "zero_", "fill_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_", "bernoulli_",  # Tensor
+})
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Skips `_META_NOOPS` on meta tensors (their shapes, dtypes and sharing are what a meta build is for)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _META_NOOPS:
+            t = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        out = kwargs.get("out")
+        if name == "eye" and isinstance(out, torch.Tensor) and out.is_meta:  # nn.init.eye_: eye(*t.shape, out=t)
+            return out
+        return func(*args, **kwargs)
+
+
+T = TypeVar("T")
+
+
+def build_on_meta(build: Callable[[], T]) -> T:
+    """`build()` on torch's meta device, its value initialisers skipped: a model's structure (parameters,
+    buffers, shapes, dtypes, stages) with no memory allocated and no initialisation run."""
+    with torch.device("meta"), _SkipMetaInit():
+        return build()

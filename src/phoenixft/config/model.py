@@ -152,22 +152,23 @@ def _states(optimizer: str) -> tuple[str, ...]:
 
 def _check_split(cfg: RunConfig) -> None:
     """--tp/--pp > 1: the workload must say how its model splits, and this split must be valid."""
-    import torch
-
     from phoenixft.parallel.layers import TPHandle
     from phoenixft.parallel.stage import StageSpec
-    from phoenixft.workload import WorkloadContext, load_workload
+    from phoenixft.workload import WorkloadContext, build_on_meta, load_workload
 
     wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
     if wl.split is None:
         raise UserError(f"--tp={cfg.tp} --pp={cfg.pp} is invalid for --workload {cfg.workload}: it does not say "
                         "how its model splits (Workload.split); use --tp 1 --pp 1 for data parallelism")
+    split = wl.split
+
+    def build_and_split() -> None:
+        model = wl.build_model()
+        for pp in range(cfg.pp):
+            split(model, StageSpec(pp=pp, pp_size=cfg.pp, tp=0, tp_size=cfg.tp, handle=TPHandle(cfg.tp, 0)))
+
     try:
-        with torch.device("meta"):
-            model = wl.build_model()
-            for pp in range(cfg.pp):
-                spec = StageSpec(pp=pp, pp_size=cfg.pp, tp=0, tp_size=cfg.tp, handle=TPHandle(cfg.tp, 0))
-                wl.split(model, spec)
+        build_on_meta(build_and_split)
     except UserError:
         raise
     except Exception:  # noqa: BLE001 - user code: the workers report its errors properly
@@ -190,13 +191,10 @@ def model_numel(cfg: RunConfig) -> int | None:
 
 def _build_numel(cfg: RunConfig) -> int | None:
     try:
-        import torch
-
-        from phoenixft.workload import WorkloadContext, load_workload
+        from phoenixft.workload import WorkloadContext, build_on_meta, load_workload
 
         wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
-        with torch.device("meta"):
-            model = wl.build_model()
+        model = build_on_meta(wl.build_model)
         return sum(p.numel() for p in model.parameters() if p.requires_grad)
     except Exception:  # noqa: BLE001 - user code: the workers will report its errors properly
         return None

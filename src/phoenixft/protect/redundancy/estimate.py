@@ -119,12 +119,11 @@ def estimate_config(cfg: RunConfig) -> Estimate:
     import torch
 
     from phoenixft.optim import make_optimizer
-    from phoenixft.workload import WorkloadContext, load_workload
+    from phoenixft.workload import WorkloadContext, build_on_meta, load_workload
 
     wl = load_workload(cfg.workload, WorkloadContext.from_config(cfg))
     try:
-        with torch.device("meta"):
-            model = wl.build_model()
+        model = build_on_meta(wl.build_model)
     except Exception as e:  # noqa: BLE001 - user code: one line, not a traceback
         raise UserError(f"--workload={cfg.workload!r}: its build_model failed on torch's meta device (where --dry-run "
                         f"builds it, allocating nothing): {type(e).__name__}: {e}") from None
