@@ -34,13 +34,14 @@ def processes_with(tag: str) -> list[int]:
     return found
 
 
-# What the suite's runs default to where the product's default would only cost time: a micro-batch of 2
-# sequences instead of 8 (the model, its shards, the optimizer state and everything protection moves are the
-# same; the forward and backward are a quarter). `run()` and `reference()` apply it, so a run and its
-# failure-free reference share it; a test that starts `phoenixft` itself and compares with a `reference()`
-# passes `--micro-batch 2` too (`SUITE_FLAGS`), or asks the reference for the product's default.
-SUITE_DEFAULTS: dict[str, Any] = {"micro_batch": 2}
-SUITE_FLAGS = ["--micro-batch", "2"]
+# What the suite's runs default to where the product's default would only cost time: the `nano` GPT (tiny's
+# shape: 4 layers, 4 heads, every parallelism and protection path; 60k parameters instead of 834k) and a
+# micro-batch of 2 sequences instead of 8. `run()` and `reference()` apply them, so a run and its failure-free
+# reference share them; a test that starts `phoenixft` itself and compares with a `reference()` passes them
+# too (`SUITE_FLAGS`), or names the model and micro-batch on both sides. A test whose claim needs more than
+# one gradient bucket or replication chunk sets `bucket_mb`/`chunk_mb` to fit the model it runs.
+SUITE_DEFAULTS: dict[str, Any] = {"micro_batch": 2, "model": "nano"}
+SUITE_FLAGS = ["--micro-batch", "2", "--model", "nano"]
 
 
 def suite_config(kw: dict[str, Any]) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def test_resume_without_the_writers_config_still_names_the_rows(tmp_path: Path) 
 
 @pytest.fixture(scope="module")
 def adamw_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real checkpoint of step 4, written by --optimizer adamw (the default)."""
+    """A real checkpoint of step 4, written by --optimizer adamw (the default), of the suite's `nano` model."""
     tmp = tmp_path_factory.mktemp("adamw")
     rep = run(tmp / "run", nodes=2, spares=0, steps=4, persist_every=4, persist_dir=str(tmp / "ckpt"))
     assert rep["state"] == "done", rep.get("error")
@@ -106,8 +106,8 @@ def test_resume_of_a_real_checkpoint_with_another_optimizer_is_refused_up_front(
         adamw_checkpoint: Path, optimizer: str, capsys: pytest.CaptureFixture[str]) -> None:
     _refused(f"--optimizer={optimizer!r} is invalid with --resume={adamw_checkpoint}: its checkpoint of step 4 was "
              "written with --optimizer adamw, 3 state rows (param, exp_avg, exp_avg_sq)", nodes=2, spares=0, steps=8,
-             resume=str(adamw_checkpoint), optimizer=optimizer)
-    assert main(["run", "--dry-run", "--nodes", "2", "--spares", "0", "--steps", "8", "--resume",
+             resume=str(adamw_checkpoint), optimizer=optimizer, model="nano")
+    assert main(["run", "--dry-run", "--nodes", "2", "--spares", "0", "--steps", "8", "--model", "nano", "--resume",
                  str(adamw_checkpoint), "--optimizer", optimizer]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "resume it with --optimizer adamw or adam" in lines[0], lines
@@ -117,7 +117,7 @@ def test_resume_of_a_real_checkpoint_with_another_optimizer_is_refused_up_front(
                                 dict(optimizer="adamw", precision="bf16")], ids=["adamw", "adam", "adamw-bf16"])
 def test_resume_of_a_real_checkpoint_with_the_same_state_rows_is_valid(adamw_checkpoint: Path,
                                                                         kw: dict[str, str]) -> None:
-    RunConfig(nodes=2, spares=0, steps=8, resume=str(adamw_checkpoint), **kw).validate()
+    RunConfig(nodes=2, spares=0, steps=8, resume=str(adamw_checkpoint), model="nano", **kw).validate()
 
 
 def test_one_node_per_replica_ring_says_what_would_work() -> None:

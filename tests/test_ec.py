@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run
+from conftest import SUITE_DEFAULTS, run
 
-NUMEL = 834304  # trained parameters of the tiny GPT (tests/test_ec.py::test_model_size_assumed_here)
+NUMEL = 60096  # trained parameters of the suite's `nano` GPT (tests/test_ec.py::test_model_size_assumed_here)
 STATE_ROWS = 2  # AdamW's exp_avg and exp_avg_sq: the fp32 optimizer payload a member's shard holds
 ALIGN = 64  # elements per shard, and bytes per erasure-code stripe, are multiples of 64
 
@@ -31,10 +31,11 @@ def _piece_bytes(world: int, d: int) -> int:
     return d * max(ALIGN, _up(-(-payload // d), ALIGN))
 
 
-def _ok(rec: dict, action: str, decoded: list[str], d: list[int] | None = None) -> None:  # type: ignore[type-arg]
+def _ok(rec: dict, action: str, decoded: list[str], d: list[int] | None = None,  # type: ignore[type-arg]
+        workers_per_node: int = 1) -> None:
     """A recovery that rebuilt `decoded`, each from the d pieces of its group (`d`: per decoded shard, 2 by
     default), each piece sent to the rank that rebuilds it; a hot-swap moves, besides the pieces, the
-    parameters to each promoted spare, and nothing else."""
+    parameters to each worker of each promoted spare, and nothing else."""
     assert rec["action"] == action, rec
     assert all(rec["invariants"].get(k) is True for k in ("I1", "I2", "I3", "I4")), rec["invariants"]
     assert rec["redundancy"].startswith("ec:")
@@ -45,13 +46,14 @@ def _ok(rec: dict, action: str, decoded: list[str], d: list[int] | None = None) 
     assert rec["decode_s"] > 0.0, rec  # a decode ran (a recovery without one reports 0.0)
     if action == "hotswap":
         params = 4 * _up(-(-NUMEL // worlds[0]), ALIGN) * worlds[0]
-        assert rec["bytes_moved"] - rec["bytes_decoded_from"] == len(rec["promoted"]) * params, rec
+        assert rec["bytes_moved"] - rec["bytes_decoded_from"] == len(rec["promoted"]) * workers_per_node * params, rec
 
 
 def test_model_size_assumed_here() -> None:
     from phoenixft.workload import WorkloadContext, load_workload
 
-    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=8, model="tiny"))
+    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=8,
+                                                                 model=SUITE_DEFAULTS["model"]))
     assert sum(p.numel() for p in wl.build_model().parameters() if p.requires_grad) == NUMEL
 
 
@@ -142,14 +144,14 @@ def test_ec42_eight_nodes_two_of_one_group_killed(tmp_path: Path, reference) -> 
     _ok(rec, "hotswap", ["pp0.tp0.dp0of8", "pp0.tp0.dp2of8"], d=[4, 4])
 
 
-@pytest.mark.slow
 def test_ec21_two_workers_per_node_one_ring_per_local_rank(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     # 3 nodes x 2 workers: two rings (local rank 0 and 1), each {n0, n2} + parity on n1 and {n1} + parity on
-    # n2; killing n1 loses one member in each ring: dp2of6 (ring 0) and dp3of6 (ring 1), both rebuilt
+    # n2; killing n1 loses one member in each ring, n1's own one-member group: dp2of6 (ring 0) and dp3of6
+    # (ring 1), each rebuilt from its one parity block on n2
     ref = reference(nodes=3, workers_per_node=2, steps=10)
     rep = run(tmp_path, nodes=3, workers_per_node=2, spares=1, steps=10, redundancy="ec:2+1",
               inject=["kill:node=1@step=5,phase=backward"])
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
-    _ok(rec, "hotswap", ["pp0.tp0.dp2of6", "pp0.tp0.dp3of6"], d=[2, 1])
+    _ok(rec, "hotswap", ["pp0.tp0.dp2of6", "pp0.tp0.dp3of6"], d=[1, 1], workers_per_node=2)

@@ -260,7 +260,7 @@ def test_a_stranger_cannot_crash_fake_or_steer_a_run(tmp_path: Path, reference: 
     forged ends until the run is over: exit 0, the final hash of a failure-free run, no traceback, no
     needless recovery, no node fenced, every refusal logged in one line. The token stays in a 0600 file:
     on no command line, in no output, log, report or other file of the run."""
-    ref_hash = reference(nodes=2, steps=STEPS)["final_state_sha256"]
+    ref_hash = reference(nodes=2, steps=STEPS, model="tiny")["final_state_sha256"]
     run_dir, evil = tmp_path / "run", tmp_path / "evil"
     p = _cli(run_dir, backend)
     seen: dict[str, Any] = {}

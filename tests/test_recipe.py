@@ -44,7 +44,8 @@ def test_recipe_survives_a_node_kill_bitwise(tmp_path: Path, reference, name: st
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     assert rep["loss"] == ref["loss"]
     rec = assert_one_hotswap(rep, ["n1"], 6)
-    assert rec["bytes_moved"] == _hotswap_bytes(kw, world=2), (rec["bytes_moved"], _hotswap_bytes(kw, world=2))
+    want = _hotswap_bytes(kw, world=2, model=rep["config"]["model"])
+    assert rec["bytes_moved"] == want, (rec["bytes_moved"], want)
     assert rec["decoded"] == [] and rec["bytes_decoded_from"] == 0 and rec["decode_s"] == 0.0  # replicas: no decode
     lrs = [json.loads(x)["lr"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lrs == [lr_at(s, schedule=kw["lr_schedule"], lr=kw.get("lr", 1e-3), min_lr=0.0,
@@ -52,11 +53,11 @@ def test_recipe_survives_a_node_kill_bitwise(tmp_path: Path, reference, name: st
                    for s in range(1, 11)]
 
 
-def _hotswap_bytes(kw: dict[str, Any], world: int) -> int:
+def _hotswap_bytes(kw: dict[str, Any], world: int, model: str) -> int:
     """What a hot-swap of one rank of `world` moves, from the model's size alone: the whole parameter buffer
     in the training dtype to the spare, and the lost rank's optimizer shard in fp32 (its state tensors, and
     with bf16 its fp32 master weights as well). Shards are multiples of 64 elements."""
-    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=8, model="tiny"))
+    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=8, model=model))
     numel = sum(p.numel() for p in wl.build_model().parameters() if p.requires_grad)
     shard = -(-numel // (world * 64)) * 64
     bf16 = kw.get("precision") == "bf16"
@@ -72,7 +73,7 @@ def test_clipping_and_schedule_match_torch(reference) -> None:  # type: ignore[n
     rep = reference(nodes=2, steps=steps, **kw)
     metrics = [json.loads(x) for x in (Path(rep["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=rep["config"]["micro_batch"],
-                                                                 model="tiny", microbatches=2))
+                                                                 model=rep["config"]["model"], microbatches=2))
     torch.manual_seed(1234)
     model = wl.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -166,7 +167,8 @@ def test_real_data_trains_evaluates_and_exports(tmp_path: Path, capsys: pytest.C
     out = tmp_path / "model.safetensors"
     _export(capsys, str(tmp_path / "run"), "--out", str(out))
     wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=1234, micro_batch=rep["config"]["micro_batch"],
-                                                                 model="tiny", microbatches=2, data=str(data)))
+                                                                 model=rep["config"]["model"], microbatches=2,
+                                                                 data=str(data)))
     model = wl.build_model()
     model.load_state_dict(load_file(str(out)))
     assert wl.eval_batch is not None

@@ -17,9 +17,10 @@ from phoenixft.data import _mix
 from phoenixft.workload import WorkloadContext, load_workload
 
 
-def single_process_losses(steps: int, microbatches: int, micro_batch: int = 8, seed: int = 1234) -> list[float]:
+def single_process_losses(steps: int, microbatches: int, micro_batch: int = 8, seed: int = 1234,
+                          model: str = "tiny") -> list[float]:
     """The same batches, one process, torch.optim.AdamW (the ground truth)."""
-    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=seed, micro_batch=micro_batch, model="tiny"))
+    wl = load_workload("phoenixft.gpt:workload", WorkloadContext(seed=seed, micro_batch=micro_batch, model=model))
     torch.manual_seed(seed)
     model = wl.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -41,7 +42,8 @@ def single_process_losses(steps: int, microbatches: int, micro_batch: int = 8, s
 def test_distributed_optimizer_matches_torch_adamw(tmp_path: Path, reference, nodes: int, workers: int) -> None:  # type: ignore[no-untyped-def]
     rep = reference(nodes=nodes, workers_per_node=workers, steps=20)
     assert rep["state"] == "done"
-    ref = single_process_losses(20, nodes * workers, micro_batch=rep["config"]["micro_batch"])
+    ref = single_process_losses(20, nodes * workers, micro_batch=rep["config"]["micro_batch"],
+                                model=rep["config"]["model"])
     assert len(rep["loss"]) == 20
     for s, (a, b) in enumerate(zip(rep["loss"], ref, strict=True), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {s}: distributed {a} vs torch.optim.AdamW {b}"
@@ -73,7 +75,7 @@ def test_user_workload_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--model", "huge"], "--model='huge' is invalid: valid presets: tiny, small, medium"),
+        (["--model", "huge"], "--model='huge' is invalid: valid presets: nano, tiny, small, medium"),
         (["--nodes", "0"], "--nodes=0 is invalid"),
         (["--nodes", "2", "--microbatches", "3"], "--microbatches=3 is invalid: must be a multiple"),
         (["--workload", "no_such_module:fn"], "--workload='no_such_module:fn' does not import"),

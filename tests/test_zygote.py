@@ -105,6 +105,27 @@ def test_the_zygote_is_shared_and_replaced_when_it_died(z: zygote.Zygote, tmp_pa
     assert z2.spawn(["zchild", "exit", "0"], tmp_path / "ok.log", {}).wait(timeout=120) == 0
 
 
+_EXIT_PROBE = """
+import atexit, sys
+from phoenixft.runtime import zygote
+from phoenixft.runtime.procs import alive, start_time
+seen = {}
+atexit.register(lambda: print("alive" if alive(seen["pid"], seen["start"]) else "gone", flush=True))  # runs last
+z = zygote.Zygote.shared()
+seen.update(pid=z.pid, start=start_time(z.pid))
+sys.exit(0)
+"""
+
+
+def test_a_launching_process_ends_its_zygote_before_it_exits(tmp_path: Path) -> None:
+    """A `phoenixft run` that has exited leaves no process of its own behind: its zygote is ended and waited
+    for at its exit (left alone, the zygote exits once it reads the end of its request pipe, after the
+    launcher: a user's or a test's look at the processes just after the launcher's exit found it)."""
+    p = subprocess.run([sys.executable, "-c", _EXIT_PROBE], capture_output=True, text=True, timeout=180,
+                       cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.strip() == "gone", (p.stdout, p.stderr[-2000:])
+
+
 def _no_spawn(*_: object, **__: object) -> zygote.Child:
     raise AssertionError("the zygote was used")
 

@@ -22,7 +22,8 @@ class TrainingConfig:
     """What is trained, for how long, and how."""
 
     steps: int = option(20, "Training steps to complete.")
-    model: str = option("tiny", "GPT size preset for the default workload: tiny (~1M), small (~11M), medium (~100M).")
+    model: str = option("tiny", "GPT size preset for the default workload: nano (~60k, for smoke tests), tiny (~1M), "
+                        "small (~11M), medium (~100M).")
     workload: str = option(
         DEFAULT_WORKLOAD,
         "Workload factory 'pkg.module:function' returning phoenixft.Workload (default: the built-in GPT).",

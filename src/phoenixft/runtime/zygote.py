@@ -36,6 +36,7 @@ pay the import once. `PHOENIXFT_ZYGOTE=0` starts every process fresh instead (Po
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import io
@@ -278,6 +279,7 @@ _AT_START = ("PYTHON", "OMP_", "MKL_", "GOMP_", "KMP_", "LD_", "MALLOC_", "TORCH
 class Zygote:
     _shared: dict[tuple[Any, ...], Zygote] = {}
     _shared_lock = threading.Lock()
+    _atexit_pid = 0  # the process that registered `_close_all` (a forked child registers its own)
 
     @classmethod
     def shared(cls) -> Zygote:
@@ -291,8 +293,22 @@ class Zygote:
                     del cls._shared[k]
             z = cls._shared.get(key)
             if z is None or not z.alive():
+                if cls._atexit_pid != os.getpid():
+                    cls._atexit_pid = os.getpid()
+                    atexit.register(cls._close_all)
                 z = cls._shared[key] = cls()
             return z
+
+    @classmethod
+    def _close_all(cls) -> None:
+        """At this process's exit: end its zygotes and wait for them, so that a launcher leaves no process of
+        its own behind once it has exited (left alone, a zygote exits as its request pipe closes: after it)."""
+        with cls._shared_lock:
+            zygotes = [z for k, z in cls._shared.items() if k[0] == os.getpid()]
+            cls._shared.clear()
+        for z in zygotes:
+            with contextlib.suppress(Exception):
+                z.close(timeout_s=2.0)
 
     def __init__(self) -> None:
         self._cv = threading.Condition()

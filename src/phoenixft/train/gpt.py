@@ -30,6 +30,7 @@ class GPTConfig:
 
 
 PRESETS: dict[str, GPTConfig] = {
+    "nano": GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=32),  # tiny's shape at 1/14 of its parameters
     "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64),
     "small": GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=128),
     "medium": GPTConfig(n_layer=14, n_head=12, n_embd=768, block_size=256),
