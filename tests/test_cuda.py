@@ -211,3 +211,12 @@ def test_a_dead_peer_raises_in_the_survivor_which_builds_the_next_epoch() -> Non
     assert ("n0", 0, "retired", "ok") in got, got
     assert ("n0", 1, "sum", 3.0) in got and ("s0", 1, "sum", 3.0) in got, got
     assert n0.exitcode == 0, got
+
+
+def test_seeding_the_gpu_draws_what_torch_manual_seed_draws() -> None:
+    d = _gpu()
+    torch.manual_seed(99)
+    want = torch.rand(4, device=d.torch).cpu(), torch.rand(4).tolist()
+    torch.manual_seed(98)
+    d.seed(99)
+    assert torch.equal(torch.rand(4, device=d.torch).cpu(), want[0]) and torch.rand(4).tolist() == want[1]

@@ -117,6 +117,25 @@ def test_nccl_environment_keeps_acceptable_user_values_and_replaces_fatal_ones()
 
 
 # ---------------------------------------------------------------------------------------------- the seam on CPU
+def test_seeding_a_device_draws_what_torch_manual_seed_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Device.seed` (each microbatch's dropout seed) leaves the CPU generator where `torch.manual_seed` leaves
+    it, so a run's randomness is unchanged, and queues no deferred seeding of other device kinds (torch's
+    own call captures a Python stack for each, every microbatch)."""
+    import torch.xpu.random
+
+    queued: list[object] = []
+    monkeypatch.setattr(torch.xpu.random, "_lazy_call", lambda *a, **k: queued.append(a))
+    cpu = Device("cpu")
+    for seed in (0, 1, 1234, 2**62 + 7, 0xFFFF_FFFF_FFFF_FFFF):
+        torch.manual_seed(seed)
+        want = torch.get_rng_state()
+        torch.manual_seed(seed ^ 1)  # (somewhere else first)
+        queued.clear()
+        cpu.seed(seed)
+        assert torch.equal(torch.get_rng_state(), want), seed
+        assert queued == [], seed
+
+
 def test_cpu_device_writes_the_host_half_itself(tmp_path: Path) -> None:
     d = Device("cpu")
     assert d.backend == "gloo" and not d.mirror and not d.is_cuda and d.describe() == "cpu"

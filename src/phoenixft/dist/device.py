@@ -263,6 +263,18 @@ class Device:
         """Backend of the training groups (data-parallel, tensor-parallel, pipeline, embedding)."""
         return "nccl" if self.is_cuda else "gloo"
 
+    # ---------------------------------------------------------------- randomness
+    def seed(self, seed: int) -> None:
+        """Seed the generators this worker draws from: the CPU's default one and, on a GPU, this device's.
+        `torch.manual_seed` seeds the same two (and every other device), but each call queues a deferred
+        seeding, with a captured Python stack, for every device kind torch has not initialised: a per-
+        microbatch cost on the training path."""
+        torch.default_generator.manual_seed(seed)
+        if self.is_cuda:
+            if not torch.cuda.is_initialized():
+                torch.cuda.init()  # (the generators exist once CUDA is initialised)
+            torch.cuda.default_generators[self.index].manual_seed(seed)
+
     # ---------------------------------------------------------------- tensors
     def move(self, obj: Any) -> Any:
         """`obj` (a tensor, or tuples, lists and dicts of them: a batch) on this device; unchanged on CPU."""

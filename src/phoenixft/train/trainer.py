@@ -322,7 +322,7 @@ class Trainer:
 
         def forward(j: int, b: Any, inp: torch.Tensor | None) -> torch.Tensor:
             self.interrupt()
-            torch.manual_seed(_mix(cfg.seed, s, lo + j))
+            self.device.seed(_mix(cfg.seed, s, lo + j))
             with self._user_code(s, rank):
                 out = stage.forward(inp, b)
             if stage.last:
@@ -501,7 +501,7 @@ class Trainer:
         self.model.eval()
 
         def batch(j: int) -> Any:
-            torch.manual_seed(_mix(self.cfg.seed, -1, mine[j]))
+            self.device.seed(_mix(self.cfg.seed, -1, mine[j]))
             return self.device.move(eval_batch(mine[j]))
 
         try:
