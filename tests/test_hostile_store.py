@@ -127,11 +127,14 @@ STEPS = 80  # (long enough for the stranger's forgeries, checks and the coordina
 
 
 def _cli(run_dir: Path, backend: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    # tests/user_workload.py's paced workload: `workload`'s arithmetic, each step 0.1 s longer asleep (the run
+    # lasts while the stranger works without training flat out on the CPU the suite's other tests need)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests")]),
+           "PHOENIXFT_TEST_PACE_S": "0.1"}
     env.pop("PHOENIXFT_TOKEN", None)
     return subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--nodes", "2", "--spares", "0",
-                             "--steps", str(STEPS), *SUITE_FLAGS, "--model", "tiny", "--run-dir", str(run_dir),
-                             "--timeout", "200", "--control-plane", backend],
+                             "--steps", str(STEPS), *SUITE_FLAGS, "--workload", "user_workload:paced_workload",
+                             "--run-dir", str(run_dir), "--timeout", "200", "--control-plane", backend],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -251,7 +254,8 @@ def _argv_watch(token_file: Path, launcher: subprocess.Popen[str], seen: dict[st
 
 @pytest.mark.parametrize("backend", ["tcpstore", pytest.param("etcd", marks=[  # (a minute: a cluster, an election)
     pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")])])
-def test_a_stranger_cannot_crash_fake_or_steer_a_run(tmp_path: Path, reference: Any, backend: str) -> None:
+def test_a_stranger_cannot_crash_fake_or_steer_a_run(tmp_path: Path, reference: Any, backend: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A live `phoenixft run` and a stranger with a plain store client and no token. It forges every key
     the job acts on (a healthy node's exit and fence, the failure flag, poisoned counters, the config, the
     run directory, drain requests and notices, accusations, host history, events) and nothing moves: no
@@ -260,7 +264,10 @@ def test_a_stranger_cannot_crash_fake_or_steer_a_run(tmp_path: Path, reference: 
     forged ends until the run is over: exit 0, the final hash of a failure-free run, no traceback, no
     needless recovery, no node fenced, every refusal logged in one line. The token stays in a 0600 file:
     on no command line, in no output, log, report or other file of the run."""
-    ref_hash = reference(nodes=2, steps=STEPS, model="tiny")["final_state_sha256"]
+    monkeypatch.syspath_prepend(str(REPO / "tests"))  # (the reference runs in this process: it imports user_workload)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH"))
+                                                     if p))
+    ref_hash = reference(nodes=2, steps=STEPS, workload="user_workload:workload")["final_state_sha256"]
     run_dir, evil = tmp_path / "run", tmp_path / "evil"
     p = _cli(run_dir, backend)
     seen: dict[str, Any] = {}
