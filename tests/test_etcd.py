@@ -370,7 +370,10 @@ class _Procs:
         from phoenixft.controlplane.auth import TOKEN_ENV
 
         self.tmp, self.procs = tmp, {}  # type: dict[str, subprocess.Popen[bytes]]
-        self.env = dict(os.environ, **{TOKEN_ENV: token}, PYTHONPATH=SRC)
+        # the head trains tests/user_workload.py's paced workload: each step 0.1 s longer asleep (these runs
+        # must last while etcd members, heads and keys are taken away; flat out they burn the suite's CPU)
+        self.env = dict(os.environ, **{TOKEN_ENV: token}, PYTHONPATH=os.pathsep.join([SRC, TESTS]),
+                        PHOENIXFT_TEST_PACE_S="0.1")
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(self.tmp / f"{name}.log", "wb") as log:
@@ -386,8 +389,8 @@ class _Procs:
         """Start the head on `cluster_url`; its job URL and a client, once its coordinator leads. With `agents`,
         the agents are started as soon as the URL is known (they start up while the head's coordinator does)."""
         self.start("head", "coordinator", "--host", "127.0.0.1", "--port", "0", "--control-plane", cluster_url,
-                   "--nodes", "2", "--spares", "0", "--steps", str(steps), "--model", "tiny",
-                   "--run-dir", str(self.tmp / "run"), "--quiet", *extra)
+                   "--nodes", "2", "--spares", "0", "--steps", str(steps), "--workload",
+                   "user_workload:paced_workload", *SUITE_FLAGS, "--run-dir", str(self.tmp / "run"), "--quiet", *extra)
         _wait_for(lambda: (self.tmp / "run" / "control_plane").exists(), 60, "the head to publish its URL")
         url = (self.tmp / "run" / "control_plane").read_text().strip()
         if agents:
@@ -449,7 +452,7 @@ def test_the_standby_outlives_raft_leader_kills(tmp_path: Path) -> None:
     run completes, and every process ends with rc 0."""
     from phoenixft.controlplane.auth import generate_token
 
-    steps = 200  # (~60 ms a step here, and the kills stall it: the run must outlive them, ~12 s)
+    steps = 200  # (at least 0.1 s a step, paced, and the kills stall it: the run must outlive them, ~12 s)
     jp = _Procs(tmp_path, generate_token())
     with EtcdCluster(3, tag="pytest-standby") as c:
         try:

@@ -96,7 +96,7 @@ def _events(store: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.serial  # (alone: a run started beside it could sweep the memory it looks for, see conftest)
 def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    """4 hosts + 1 spare host (+ the head), `tiny`: the host in slot 2 is partitioned at step 4 for 6 s (its
+    """4 hosts + 1 spare host (+ the head), the suite's `nano`: the host in slot 2 is partitioned at step 4 for 6 s (its
     link down, its processes running). The job notices it within --failure-timeout, fences it and hot-swaps
     the spare in; the healed host finds itself fenced and exits having written nothing after its fence, and
     comes back as a spare (as a repaired node would). The host in slot 1 is SIGKILLed at step 8, a fault that
@@ -111,7 +111,7 @@ def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, refer
     token = secrets.token_hex(16)
     names = ["head", "h1", "h2", "h3", "h4", "h5", "x1"]
     with Hosts(names) as H:
-        head = _head(H, tmp_path, token, "--nodes", "4", "--spares", "1", "--steps", str(steps), "--model", "tiny",
+        head = _head(H, tmp_path, token, "--nodes", "4", "--spares", "1", "--steps", str(steps),
                      "--failure-timeout", "2", "--quiet", "--inject", "partition:node=2@step=4,for=6,wait=90",
                      *SUITE_FLAGS, "--inject", "kill:node=1@step=8,wait=120")
         log = tmp_path / "head.log"
@@ -297,7 +297,7 @@ def test_the_heads_host_cut_off_for_longer_than_the_failure_timeout(tmp_path: Pa
     ref = reference(nodes=2, steps=steps)
     token = secrets.token_hex(16)
     with Hosts(["head", "h1", "h2", "h3"]) as H:
-        head = _head(H, tmp_path, token, "--nodes", "2", "--spares", "1", "--steps", str(steps), "--model", "tiny",
+        head = _head(H, tmp_path, token, "--nodes", "2", "--spares", "1", "--steps", str(steps),
                      *SUITE_FLAGS, "--failure-timeout", "2", "--quiet")
         log = tmp_path / "head.log"
         for h in ("h1", "h2"):
