@@ -93,8 +93,9 @@ if str(SRC) not in sys.path:
 import torch.distributed as dist  # noqa: E402
 
 from phoenixft.config import RunConfig  # noqa: E402
-from phoenixft.controlplane import auth, keys  # noqa: E402
+from phoenixft.controlplane import auth, keys, sealed  # noqa: E402
 from phoenixft.controlplane.server import serve_store  # noqa: E402
+from phoenixft.controlplane.signed import sign  # noqa: E402
 from phoenixft.dist.topology import Topology, shard_name  # noqa: E402
 from phoenixft.recovery.planner import Descriptor  # noqa: E402
 from phoenixft.runtime.procs import die_with_parent  # noqa: E402
@@ -498,12 +499,14 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0, procs: int = 0
                           wait_for_workers=False)
     cfg = RunConfig(nodes=n_nodes, workers_per_node=G, spares=1, protect="phoenix", replicas=1,
                     failure_timeout=failure_timeout, quiet=True)
-    store.set(keys.CONFIG, cfg.to_json())
-    store.set(keys.RUN_ID, f"cp{w}")
+    token, run_id, raw_cfg = auth.generate_token(), f"cp{w}", cfg.to_json()
+    store.set(keys.CONFIG_SIG, sign(token, run_id, keys.CONFIG, raw_cfg))  # as the launcher writes it: signed
+    store.set(keys.CONFIG, raw_cfg)
+    store.set(keys.RUN_ID, run_id)
     coord_log = workdir / f"coordinator-w{w}.log"
     agents_log = workdir / f"agents-w{w}.log"
     env = {"PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           auth.TOKEN_ENV: auth.generate_token()}  # the coordinator signs with it, the agents prove it
+           auth.TOKEN_ENV: token}  # the coordinator signs with it, the agents prove it
     nodes = [f"n{i}" for i in range(n_nodes)] + ["s0"]
     procs = max(1, min(procs or default_procs(), len(nodes)))
     lock = threading.Lock()
@@ -549,7 +552,7 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0, procs: int = 0
             """s0 admitted and its workers ready (else the recovery would shrink the job, not swap)."""
             if not store.check([keys.ready(f"s0.{i}") for i in range(G)] + [keys.MEMBERS]):
                 return False
-            return "s0" in json.loads(store.get(keys.MEMBERS))
+            return "s0" in json.loads(sealed.peel(store.get(keys.MEMBERS)) or b"{}")
 
         _until(lambda: n_read0() == w and spare_warm(), deadline, "every worker to read epoch 0, the spare warm",
                trouble, lambda: f"{n_read0()} of {w} read it; topology 0 published: {store.check([keys.topo(0)])}; "
@@ -567,8 +570,8 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0, procs: int = 0
                        f"{store.get(keys.RUN_ERROR).decode() if store.check([keys.RUN_ERROR]) else None}")
         coord_cpu_s = _cpu_s(coord.pid) - cpu0
         store_cpu_s = _own_cpu_s() - own0
-        rec = json.loads(store.get(keys.recovery(1)))
-        events = [json.loads(x) for x in store.get(keys.EVENTS).decode().splitlines() if x.strip()]
+        rec = json.loads(sealed.peel(store.get(keys.recovery(1))) or b"")
+        events = [json.loads(sealed.peel(x) or b"") for x in bytes(store.get(keys.EVENTS)).splitlines() if x.strip()]
     finally:
         kill_group(coord)
         kill_group(agents)

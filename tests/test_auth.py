@@ -427,7 +427,7 @@ def test_a_local_run_refuses_an_agent_without_the_token(tmp_path: Path) -> None:
 
     t = threading.Thread(target=stranger, daemon=True)
     t.start()
-    rep = run(tmp_path, nodes=2, spares=0, steps=80)
+    rep = run(tmp_path, nodes=2, spares=0, steps=80, model="tiny")  # (tiny: it outlasts the stranger's start-up)
     t.join(timeout=120)
     p = out["p"]
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -199,7 +199,8 @@ def test_3d_a_full_audit_names_the_node_and_the_swap_is_bitwise(tmp_path: Path, 
 def test_a_long_clean_run_with_every_check_on_detects_nothing(tmp_path: Path, precision: str,
                                                               layout: dict[str, int]) -> None:
     nodes = 4 if layout else 2
+    # the product's default model (`nano`'s training has genuine gradient-norm spikes: suspects, rightly replayed)
     rep = run(tmp_path, nodes=nodes, spares=0, steps=1000, precision=precision, sdc_audit="sample",
-              sdc_audit_every=5, timeout=3600.0, **layout)
+              sdc_audit_every=5, timeout=3600.0, model="tiny", **layout)
     assert rep["state"] == "done", rep.get("error")
     assert rep["sdc"]["detections"] == [] and rep["sdc"]["verdicts"] == [] and rep["recoveries"] == []
