@@ -61,6 +61,7 @@ def test_no_spare_shrinks_and_short_notice_is_a_failure(tmp_path: Path, referenc
     ref = reference(nodes=4, steps=12)
     rep = run(tmp_path / "shrink", nodes=4, spares=0, steps=12, inject=["preempt:node=1@step=5,notice=30"])
     assert rep["state"] == "done", rep.get("error")
+    assert [f["step"] for f in rep["faults"]] == [5], rep["faults"]  # the job held step 5 for the agent's notice
     _drained_cleanly(rep, tmp_path / "shrink", "n1", None)
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(rep["loss"], ref["loss"], strict=True))
     rep = run(tmp_path / "kill", nodes=4, spares=1, steps=12, inject=["preempt:node=1@step=6,notice=0"])

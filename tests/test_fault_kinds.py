@@ -169,9 +169,13 @@ def test_whom_a_fault_strikes_and_what_it_holds() -> None:
                        "kill:coordinator@step=3": [0], "crash:rank=2@step=3": [2], "hang:node=0@step=3": [0]}
     held = {text: [s for s in (3, 4) if parse_fault(text).kind_of.held_at(parse_fault(text), s)]
             for text in ("kill:node=1@step=4,wait=5", "corrupt:node=1@step=4,wait=5", "partition:node=1@step=4,wait=5")}
-    # a corruption at rest holds the step before (it hits that step's replicas); a partition's agent holds it
+    # a corruption at rest holds the step before (it hits that step's replicas); a partition holds its own
+    # step until its agent has cut the link, with or without wait=
     assert held == {"kill:node=1@step=4,wait=5": [4], "corrupt:node=1@step=4,wait=5": [3],
-                    "partition:node=1@step=4,wait=5": []}
+                    "partition:node=1@step=4,wait=5": [4]}
+    # so does a preemption: both are fired by an agent, which looks at the job's progress only now and then
+    for text in ("partition:node=1@step=4", "preempt:node=1@step=4,notice=30"):
+        assert [s for s in (3, 4, 5) if parse_fault(text).kind_of.held_at(parse_fault(text), s)] == [4], text
 
 
 @pytest.mark.parametrize("text,why", [

@@ -125,6 +125,7 @@ def test_kill_then_partition_across_four_hosts_and_a_spare(tmp_path: Path, refer
         # the partition: wait for its fence, then for the healed host to stop by itself
         fault = json.loads(_wait("the partition", lambda: _get(store, "fault/0"), 180, head, log))
         victim = fault["node"]
+        assert fault["step"] == 4, fault  # the job held step 4 for the agent, however fast it trains
         victim_host = json.loads(_get(store, "members") or b"{}")[victim]["name"]
         fenced_at = float(_wait("the fence", lambda: _get(store, f"fence/{victim}"), 60, head, log))
         snapshot = _node_keys_written_by(store, victim, epochs=3)
@@ -286,19 +287,23 @@ def _root_links() -> set[str]:
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
 
 
-def test_the_heads_host_cut_off_for_longer_than_the_failure_timeout(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+def test_the_heads_host_cut_off_for_longer_than_the_failure_timeout(tmp_path: Path, reference,  # type: ignore[no-untyped-def]
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The head's own link goes down for 6 s (--failure-timeout 2), every agent and the spare alive: all
     heartbeats stop at once. Fencing every node would fail the run when the link
     came back ("every node is lost (n0, n1) and no spare is ready"). Every member and spare silent at
     once, nobody posting, is taken for what it most likely is (this host cut off): the gather waits
     (an `all_silent` event, at most ALL_SILENT_WAIT_S more), then gives every node the full timeout
     to reconnect. Nobody is fenced, and the run ends bitwise equal to a failure-free one."""
-    steps = 40  # (the failure-free run of test_failures' stopped-worker test: one reference run for both)
-    ref = reference(nodes=2, steps=steps)
+    steps = 40  # (the failure-free run of test_etcd's head-host test: one reference run for both)
+    ref = reference(nodes=2, steps=steps, workload="user_workload:workload")
     token = secrets.token_hex(16)
+    # tests/user_workload.py's paced workload (`workload`'s arithmetic, each step 0.1 s longer asleep): the run is
+    # still on when the link goes down, however fast this machine trains
+    monkeypatch.setenv("PHOENIXFT_TEST_PACE_S", "0.1")
     with Hosts(["head", "h1", "h2", "h3"]) as H:
         head = _head(H, tmp_path, token, "--nodes", "2", "--spares", "1", "--steps", str(steps),
-                     *SUITE_FLAGS, "--failure-timeout", "2", "--quiet")
+                     "--workload", "user_workload:paced_workload", *SUITE_FLAGS, "--failure-timeout", "2", "--quiet")
         log = tmp_path / "head.log"
         for h in ("h1", "h2"):
             _agent(H, tmp_path, h, token, "--node", h)

@@ -88,6 +88,12 @@ def fault(index: int) -> str:
     return f"fault/{index}"
 
 
+def fault_done(index: int) -> str:
+    """Set by the agent that takes a partition fault in hand, before it acts (or once it could not): the
+    workers holding the fault's step go on."""
+    return f"fault/{index}/done"
+
+
 def fault_claim(index: int, who: int | str) -> str:
     """Claimed once by each node a fault strikes (by node id; a partition by its slot)."""
     return f"fault/{index}/claim/{who}"

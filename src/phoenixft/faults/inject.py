@@ -8,7 +8,8 @@ received replica at rest, and `corrupts_transfers` corrupts a copy in flight. A 
 per run through the store, recorded as an event, then carried out by its kind (`FaultKind.act`: a real
 SIGKILL / SIGSTOP / exit of the node's process group, or of the coordinator). `,wait=S` holds the step
 on every rank, before it begins (`hold`), until the job is whole (full size, and a warm spare if the
-job has spares), at most S seconds.
+job has spares), at most S seconds; the step of a fault an agent fires (a partition, a preemption's
+notice) is held on every rank until that agent has taken it in hand.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from phoenixft.faults.spec import FaultSpec
 from phoenixft.protect.snapshot import Holding
 from phoenixft.runtime.context import RankContext
 
-__all__ = ["FaultInjector"]
+__all__ = ["AGENT_FIRE_S", "FaultInjector"]
+
+AGENT_FIRE_S = 30.0  # how long the workers hold a partition's step for its agent (which looks every second at most)
 
 
 class FaultInjector:
@@ -52,8 +55,12 @@ class FaultInjector:
         if self.w.topo is None:
             return
         for f in self.w.faults:
-            if (f.wait and f.kind_of.held_at(f, step)
-                    and not sealed.has(self.w.store, keys.fault(f.index) + "/fired")):
+            if not f.kind_of.held_at(f, step):
+                continue
+            if f.point in (Point.HEARTBEAT, Point.NOTICE):  # a partition, a preemption: fired by an agent
+                if any(s < len(self.w.topo.nodes) for s in f.nodes):
+                    self._wait_agent(f)
+            elif f.wait and not sealed.has(self.w.store, keys.fault(f.index) + "/fired"):
                 self._wait_whole(f)
 
     def at(self, step: int, phase: str, joined: Callable[[], None] | None = None) -> None:
@@ -150,6 +157,16 @@ class FaultInjector:
         deadline = time.monotonic() + timeout_s
         while sum(sealed.present(self.w.store, names)) < targets and time.monotonic() < deadline:
             time.sleep(0.002)
+
+    def _wait_agent(self, f: FaultSpec) -> None:
+        """A fault an agent fires at this step (a partition, a preemption's notice): hold (at most its
+        `,wait=` and AGENT_FIRE_S more) until the agent of its node has taken it in hand (`fault_done`), so
+        it strikes in this step, however fast the job trains, and no fault of a later step overtakes it; a
+        recovery meanwhile takes the step over."""
+        deadline = time.monotonic() + f.wait + AGENT_FIRE_S
+        while not sealed.has(self.w.store, keys.fault_done(f.index)) and time.monotonic() < deadline:
+            self.w.watcher.check()
+            time.sleep(0.02)
 
     def _wait_whole(self, f: FaultSpec) -> None:
         """Hold (at most `,wait=S`) until the job is whole; a recovery meanwhile (the grow it waits for)

@@ -326,7 +326,7 @@ class Partition(FaultKind):
         return Point.HEARTBEAT
 
     def held_at(self, f: FaultSpec, step: int) -> bool:
-        return False  # its agent holds it (SIGSTOP of the node's workers), not the workers
+        return f.step == step  # every rank waits at the step's start until the agent has cut the link
 
     def refuse(self, f: FaultSpec, local: bool) -> str | None:
         if local:
@@ -394,7 +394,7 @@ class Preempt(FaultKind):
         return Point.NOTICE
 
     def held_at(self, f: FaultSpec, step: int) -> bool:
-        return False
+        return f.step == step  # every rank waits at the step's start until the agent has asked for the drain
 
     def describe(self, f: FaultSpec) -> str:
         return f"preemption notice to node {f.node} ({f.notice or 0:g}s before its SIGKILL)"

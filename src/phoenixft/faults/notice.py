@@ -13,7 +13,9 @@ The fault `preempt:node=I@step=S,notice=T` (kinds.py `Preempt`) fires here, by t
 the job has completed step S-1: it is claimed once per run in the store and recorded, then the agent sends
 itself its drain signal (a real signal, through the same handler), and T seconds later SIGKILLs its
 node's process group if the node has not left by then (`expired`): a drain that could not finish in time
-becomes an ordinary failure.
+becomes an ordinary failure. Every rank holds step S at its start until the drain is asked for
+(`fault/<i>/done`), so the notice comes in step S however fast the job trains and however seldom the agent
+looks.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class NoticeHandler:
         self.source = "signal"
         self.deadline: float | None = None  # when the node goes (wall clock), if the notice said
         self.kill_at: float | None = None  # (monotonic) a preempt fault's SIGKILL of the node
+        self.fired: int | None = None  # the preempt fault whose notice this is (its held step goes on once asked)
 
     def install(self) -> None:
         signal.signal(self.drain_signal, self.on_signal)
@@ -82,6 +85,9 @@ class NoticeHandler:
             else:
                 print(f"phoenixft agent {self.node}: {reason}: asked the coordinator to drain slot {slot}",
                       flush=True)
+        if self.fired is not None:  # the workers holding the fault's step go on (the drain is asked for)
+            sealed.put(store, keys.fault_done(self.fired), "1")
+            self.fired = None
 
     def expired(self) -> bool:
         """A preempt fault's notice ran out (the node is to be SIGKILLed now)."""
@@ -108,5 +114,6 @@ class NoticeHandler:
             sealed.append(store, keys.EVENTS, rec)
             self.source, self.deadline = "preempt", time.time() + notice
             self.kill_at = time.monotonic() + notice
+            self.fired = f.index
             os.kill(os.getpid(), self.drain_signal)  # a real signal, through the same handler
             return

@@ -6,12 +6,14 @@ the job's progress; once the job has completed step S-1 (so within one heartbeat
 starting) it claims the fault in the store (it fires once per run, also when the node in slot I
 was replaced meanwhile), records it (`fault/<i>`, an event), and only then
 takes the link that carries the agent's address down (`ip link set dev IF down`): its processes
-live on, but nothing reaches them and nothing leaves. After T seconds (`for=`) a timer brings the
+live on, but nothing reaches them and nothing leaves. Every rank of the job holds step S at its start
+until the agent has taken the fault in hand (`fault/<i>/done`, set just before the cut, or when it
+cannot be made), so the cut falls in step S however fast the job trains and however seldom the agent
+looks. After T seconds (`for=`) a timer brings the
 link back up; without `for=` it stays down until the agent gives up on the control plane
 (`--control-plane-timeout`) and exits, which brings it back up on the way out. With `wait=W` the
-fault first holds its step until the job is whole (full size, and a warm spare if it has spares), at most W seconds,
-by pausing the node's workers (SIGSTOP; the peers wait at their next collective), as `wait=` does
-for the faults workers fire.
+agent first waits until the job is whole (full size, and a warm spare if it has spares), at most W
+seconds, the workers holding the step meanwhile, as `wait=` does for the faults workers fire.
 
 It needs `ip` (iproute2) and the right to change links (root, or CAP_NET_ADMIN; in a network
 namespace, the namespace's own), and a host with its own address: a loopback address cannot be
@@ -22,13 +24,10 @@ cut (`phoenixft run` refuses partition faults). A partition that cannot be made 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 
 from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.values import parse_int
@@ -100,28 +99,13 @@ def cut_link(addr: str) -> LinkCut:
 class PartitionInjector:
     """The partition faults of one node agent; `tick(store)` once per heartbeat, `heal()` on exit."""
 
-    def __init__(self, faults: list[FaultSpec], node: str, bind: str, workers: Callable[[], list[int]],
-                 token: str | None) -> None:
+    def __init__(self, faults: list[FaultSpec], node: str, bind: str, token: str | None) -> None:
         self.todo = [f for f in faults if f.point is Point.HEARTBEAT]
-        self.node, self.bind, self.workers, self.token = node, bind, workers, token
+        self.node, self.bind, self.token = node, bind, token
         self.cut: LinkCut | None = None
         self._held: dict[int, float] = {}  # fault index -> when its hold began
-        self._stopped = False
         self._topo: tuple[int, list[str]] | None = None  # (epoch, nodes) of the last verified topology
         self._timer: threading.Timer | None = None
-
-    def _signal_workers(self, sig: int) -> None:
-        for pid in self.workers():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        self._stopped = sig == signal.SIGSTOP
-
-    @property
-    def holding(self) -> bool:
-        """Whether the node's workers are paused by this injector (a `wait=` hold): not a failure."""
-        return self._stopped
 
     def _slot(self, store: Store) -> int | None:
         """This node's slot in the current epoch (from a topology whose signature verifies)."""
@@ -154,11 +138,9 @@ class PartitionInjector:
             if sealed.has(store, keys.fault(f.index) + "/fired"):  # fired on the node this one replaced: once a run
                 self.todo.remove(f)
                 continue
-            if f.wait and not sealed.has(store, keys.JOB_WHOLE):
+            if f.wait and not sealed.has(store, keys.JOB_WHOLE):  # (the workers hold the step meanwhile)
                 since = self._held.setdefault(f.index, time.monotonic())
                 if time.monotonic() - since < f.wait:
-                    if not self._stopped:
-                        self._signal_workers(signal.SIGSTOP)  # hold the step until the job is whole
                     return
             self.todo.remove(f)
             self._fire(store, f, slot, progress + 1)
@@ -181,6 +163,7 @@ class PartitionInjector:
             if sealed.claim(store, keys.fault(f.index) + "/fired"):
                 sealed.put(store, keys.fault(f.index), json.dumps(rec))
             sealed.append(store, keys.EVENTS, rec)
+            sealed.put(store, keys.fault_done(f.index), "1")  # the workers holding the step go on (into the cut)
             store.check([keys.EVENTS])  # a set is not acknowledged: an answered request flushes them first
             try:
                 self.cut = LinkCut(ifname)
@@ -195,8 +178,8 @@ class PartitionInjector:
                 self._timer.daemon = True
                 self._timer.start()
         finally:
-            if self._stopped:
-                self._signal_workers(signal.SIGCONT)
+            if self.cut is None:  # not cut (or cut by the agent that claimed it first): the step goes on
+                sealed.put(store, keys.fault_done(f.index), "1")
 
     def _heal_by_timer(self) -> None:
         if self.cut is not None:

@@ -43,8 +43,8 @@
 P is one of forward, backward, replicate, optimizer (default forward); recovery for kill; a corrupt
 fault takes none (at rest) or transfer; nan takes none. `,wait=SECONDS` (kill, hang, crash,
 corrupt, partition at a step): the fault holds its step (a corruption at rest: the step before,
-whose replication it corrupts; every rank waits before the step begins; a partition: the agent
-pauses its node's workers with SIGSTOP) - training pauses there - until the job is whole again
+whose replication it corrupts; every rank waits before the step begins, as it does for every
+partition until its agent has cut the link) - training pauses there - until the job is whole again
 (full size, and a warm spare ready if the job was given spares), at most that long, then fires;
 `phoenixft chaos` uses it so that repaired spares can return between faults. A fault fires at
 most once per (fault, node): the first process that reaches it claims it atomically in the store

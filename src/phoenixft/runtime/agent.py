@@ -87,10 +87,6 @@ class StoppedWorkers:
             del self._since[pid]
         return out
 
-    def forget(self) -> None:
-        """Workers stopped on purpose (the partition fault's `wait=` hold): their stop is not counted."""
-        self._since.clear()
-
 
 def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0,
                  drain_signal: int = 0) -> int:
@@ -374,7 +370,7 @@ class _Node:
         self.registered = False
         self.fenced = False
         self.worst = 0
-        self.injector = PartitionInjector(cfg.faults, node, bind, lambda: list(self.children), token)
+        self.injector = PartitionInjector(cfg.faults, node, bind, token)
         self.beat: Heartbeat | None = None
         self.last_ok = time.monotonic()
         # where reads are costly every look costs the cluster CPU (and a heartbeat is a replicated write): look
@@ -487,9 +483,7 @@ class _Node:
         if self.beat is None or self.beat.store is not store:
             self.beat = Heartbeat(store, keys.heartbeat(node), self.cfg.failure_timeout)  # (a lease where there are)
         # a worker stopped (SIGSTOP) for longer than the failure timeout while this agent runs: no
-        # longer vouch for the node (workers the partition fault's hold pauses itself are not judged)
-        if self.injector.holding:
-            self.stopped_workers.forget()
+        # longer vouch for the node
         stopped = self.stopped_workers.stopped(self.children)
         if stopped and store.check([keys.RUN_STATE]) and run_ended(store, self.run_id) is not None:
             # the run ended: a stopped worker would never see it, and this agent would wait for it
