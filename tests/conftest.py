@@ -14,6 +14,26 @@ import pytest
 # `--device cuda`, `place("cuda", ...)`, or the `auto_device` fixture); set before phoenixft resolves anything
 os.environ.setdefault("PHOENIXFT_AUTO_DEVICE", "cpu")
 
+TESTS_DIR = str(Path(__file__).resolve().parent)
+
+
+def on_pythonpath(path: str, monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+    """`path` on $PYTHONPATH (first), for the processes a run starts, unless it is there already: an unchanged
+    environment keeps this process's warm zygote (`phoenixft.runtime.zygote` serves the environment it started
+    in; a changed `PYTHONPATH` costs a new one, an `import torch`)."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if os.path.realpath(path) in map(os.path.realpath, parts):
+        return
+    value = os.pathsep.join([path, *parts])
+    if monkeypatch is None:
+        os.environ["PYTHONPATH"] = value
+    else:
+        monkeypatch.setenv("PYTHONPATH", value)
+
+
+# the user workloads in tests/ (user_workload.py, ...) importable by every run of the suite, from its start
+on_pythonpath(TESTS_DIR)
+
 from phoenixft.config import RunConfig  # noqa: E402
 from phoenixft.observe.display import Display  # noqa: E402
 from phoenixft.runtime.launcher import run_job  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SUITE_FLAGS, processes_with, run
+from conftest import SUITE_FLAGS, on_pythonpath, processes_with, run
 
 from phoenixft.controlplane import (
     Election,
@@ -293,7 +293,7 @@ def test_the_head_host_is_lost_and_the_job_goes_on(cluster: EtcdCluster, tmp_pat
     from phoenixft.controlplane.auth import TOKEN_ENV, generate_token
 
     monkeypatch.syspath_prepend(TESTS)  # (the reference runs in this process: it imports user_workload too)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
+    on_pythonpath(TESTS, monkeypatch)
     ref = reference(nodes=2, steps=40, workload="user_workload:workload")
     # tests/user_workload.py's paced workload: `workload`'s arithmetic, each step 0.1 s longer asleep (the run
     # must outlast the head's loss and the takeover; training flat out would burn the CPU the suite needs)

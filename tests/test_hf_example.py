@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run
+from conftest import on_pythonpath, run
 
 try:
     import transformers  # noqa: F401
@@ -38,7 +37,7 @@ STEPS = 8
 @pytest.fixture()
 def examples_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    monkeypatch.setenv("PYTHONPATH", str(EXAMPLES) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    on_pythonpath(str(EXAMPLES), monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is downloaded, ever
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SUITE_FLAGS, processes_with
+from conftest import SUITE_FLAGS, on_pythonpath, processes_with
 
 from phoenixft.controlplane import keys, signed, values
 from phoenixft.controlplane.etcd_cluster import etcd_binary
@@ -265,8 +265,7 @@ def test_a_stranger_cannot_crash_fake_or_steer_a_run(tmp_path: Path, reference: 
     needless recovery, no node fenced, every refusal logged in one line. The token stays in a 0600 file:
     on no command line, in no output, log, report or other file of the run."""
     monkeypatch.syspath_prepend(str(REPO / "tests"))  # (the reference runs in this process: it imports user_workload)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH"))
-                                                     if p))
+    on_pythonpath(str(REPO / "tests"), monkeypatch)
     ref_hash = reference(nodes=2, steps=STEPS, workload="user_workload:workload")["final_state_sha256"]
     run_dir, evil = tmp_path / "run", tmp_path / "evil"
     p = _cli(run_dir, backend)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_one_hotswap, processes_with, run
+from conftest import assert_one_hotswap, on_pythonpath, processes_with, run
 
 from phoenixft.controlplane import sealed
 
@@ -269,7 +269,7 @@ def test_a_stateless_optimizer_of_the_workloads_own_is_protected(
     restarted in place (a recovery of a failure that was none, tracebacks in every log)."""
     here = str(Path(__file__).parent)
     monkeypatch.syspath_prepend(here)
-    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    on_pythonpath(here, monkeypatch)
     wl = "user_workload:stateless_optimizer_workload"
     ref = reference(nodes=2, steps=8, workload=wl)
     rep = run(tmp_path, nodes=2, spares=1, steps=8, workload=wl, inject=["kill:node=1@step=5"])

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run
+from conftest import on_pythonpath, run
 
 from phoenixft.controlplane import keys
 from phoenixft.protect import persist
@@ -355,7 +355,7 @@ def test_resume_with_another_precision_than_the_buffers_were_saved_in(tmp_path: 
 
     here = str(Path(__file__).parent)
     monkeypatch.syspath_prepend(here)
-    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    on_pythonpath(here, monkeypatch)
     bn = {"workload": "user_workload:bn_workload", "micro_batch": 16, "nodes": 2}
     rep = run(tmp_path / "a", spares=0, steps=2, persist_every=2, persist_dir=str(tmp_path / "ckpt"), **bn)
     assert rep["state"] == "done", rep.get("error")

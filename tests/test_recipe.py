@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_one_hotswap, run
+from conftest import assert_one_hotswap, on_pythonpath, run
 from safetensors.torch import load_file
 
 from phoenixft.data import _mix
@@ -107,7 +107,7 @@ def test_buffers_are_protected_restored_and_exported(tmp_path: Path, monkeypatch
     """BatchNorm running statistics change every step and differ per rank before the broadcast:
     a hot-swap of rank 0 keeps them exact, and the export carries them."""
     monkeypatch.syspath_prepend(str(HERE))
-    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    on_pythonpath(str(HERE), monkeypatch)
     kw: dict[str, Any] = {"workload": "user_workload:bn_workload", "micro_batch": 16, "lr": 1e-2, "steps": 10,
                           "nodes": 2, "eval_every": 5}
     clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
@@ -187,7 +187,7 @@ def _swapped_equals_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workl
     run ends."""
     fault = f"kill:node={node}@step={step},phase={phase}"
     monkeypatch.syspath_prepend(str(HERE))
-    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    on_pythonpath(str(HERE), monkeypatch)
     kw: dict[str, Any] = {"workload": f"user_workload:{workload}", "steps": 6, "nodes": 2}
     clean = run(tmp_path / "clean", spares=0, protect="none", **kw)
     rep = run(tmp_path / "swap", spares=1, inject=[fault], **kw)
@@ -221,7 +221,7 @@ def test_frozen_parameters_train_in_bf16(tmp_path: Path, monkeypatch: pytest.Mon
     the same dtype, but got Float and BFloat16"). They follow as model.to(bf16) would; the final model
     and the export of the persistent checkpoint agree on them."""
     monkeypatch.syspath_prepend(str(HERE))
-    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    on_pythonpath(str(HERE), monkeypatch)
     kw: dict[str, Any] = {"workload": "user_workload:frozen_layer_workload", "steps": 6, "nodes": 2,
                           "precision": "bf16"}
     clean = run(tmp_path / "clean", spares=0, protect="none", **kw)

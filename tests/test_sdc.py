@@ -7,12 +7,11 @@ data is replayed, found equal, and nobody is fenced."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run
+from conftest import on_pythonpath, run
 
 from phoenixft.observe.html_report import write_report
 
@@ -89,7 +88,7 @@ def test_a_genuine_spike_is_replayed_found_equal_and_nobody_is_fenced(tmp_path: 
     """Every check on (fingerprints every step, the guard, full audits): the data's spike at step 12 is
     the only detection, its replay equal bit for bit, and the run equal to one without any check."""
     here = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    on_pythonpath(here, monkeypatch)
     wl = "user_workload:spike_workload"
     ref = reference(nodes=3, steps=14, workload=wl, spike_threshold=-1, sdc_check_every=0)
     rep = run(tmp_path, nodes=3, spares=1, steps=14, workload=wl, sdc_audit="full")

@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from phoenixft.controlplane import auth
-    from phoenixft.runtime import zygote
+
     flag, path = getattr(args, "token", ""), getattr(args, "token_file", "")
     token = auth.resolve_token(flag, path)
     if token:
@@ -37,8 +37,6 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_estimate(estimate_config(cfg), cfg))
         return 0
-    if zygote.enabled():  # its `import torch` overlaps this process's own (phoenixft.runtime.launcher's)
-        zygote.Zygote.shared()
     from phoenixft.runtime.launcher import INTERRUPTED, run_job
 
     report = run_job(cfg, token=token)

@@ -775,6 +775,8 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
         try:
+            if local and zygote.enabled():  # its `import torch` overlaps the job's start-up; only once the checks
+                zygote.Zygote.shared()      # above have passed (a run refused for its flags or run dir starts none)
             job.start()
             state = job.monitor()
             if state == "done":
