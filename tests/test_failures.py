@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SUITE_DEFAULTS, processes_with, run
+from conftest import SUITE_DEFAULTS, on_pythonpath, processes_with, run
 
 
 def test_worker_crash_is_restarted_in_place(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -348,7 +348,7 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monke
     crash-looped before the join (build_model)."""
     here = str(Path(__file__).parent)
     monkeypatch.syspath_prepend(here)
-    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    on_pythonpath(here, monkeypatch)
     rep = run(tmp_path, nodes=2, spares=1, steps=5, workload=f"user_workload:{workload}", timeout=90.0)
     assert rep["state"] == "failed" and needle in rep.get("error", ""), rep.get("error")
     assert rep["recoveries"] == [], rep["recoveries"]  # nothing restarted, no spare consumed
@@ -359,7 +359,7 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monke
 def _user_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
     here = str(Path(__file__).parent)
     monkeypatch.syspath_prepend(here)
-    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    on_pythonpath(here, monkeypatch)
     monkeypatch.setenv("PHOENIXFT_TEST_HEAD_PID", str(os.getpid()))  # (run() launches in this process)
 
 
@@ -518,7 +518,7 @@ def test_a_run_timeout_shorter_than_a_step_says_its_value(tmp_path: Path) -> Non
     named a limit the user never gave. It says 0.5s now, and leaves nothing behind (`run()` fails if teardown
     had to kill anything: rank 0 finishing just after the timeout used to publish its final state over the
     run's end for 10 s, until the launcher killed its node)."""
-    rep = run(tmp_path, nodes=2, spares=1, steps=12, timeout=0.5)
+    rep = run(tmp_path, nodes=2, spares=1, steps=200, timeout=0.5)  # (far more steps than 0.5 s trains anywhere)
     assert rep["state"] == "failed: timeout after 0.5s", rep["state"]
 
 
