@@ -44,19 +44,45 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from phoenixft.controlplane.address import (
-    ProvisionedCluster,
-    StoreAddress,
-    connect,
-    describe,
-    provision_cluster,
-    remote_spec_problem,
-    validate_spec,
-)
-from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable
 from phoenixft.controlplane.store import Store, StoreError, StoreUnavailable, TcpStore, count_opened
+
+if TYPE_CHECKING:
+    from phoenixft.controlplane.address import (
+        ProvisionedCluster,
+        StoreAddress,
+        connect,
+        describe,
+        provision_cluster,
+        remote_spec_problem,
+        validate_spec,
+    )
+    from phoenixft.controlplane.etcd_store import EtcdError, EtcdStore, EtcdUnavailable
+
+# The store clients import torch (TCPStore; `EtcdStore` is a c10d store too): loaded on first use, so that a
+# command refused for its flags or its token (`phoenixft.controlplane.auth` is a submodule) answers at once.
+_LAZY = {"ProvisionedCluster": "address", "StoreAddress": "address", "connect": "address", "describe": "address",
+         "provision_cluster": "address", "remote_spec_problem": "address", "validate_spec": "address",
+         "EtcdError": "etcd_store", "EtcdStore": "etcd_store", "EtcdUnavailable": "etcd_store"}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def _etcd() -> Any:
+    """The etcd client module (imports torch: only once a store is in hand, which did already)."""
+    from phoenixft.controlplane import etcd_store
+
+    return etcd_store
 
 __all__ = ["Store", "StoreError", "StoreUnavailable", "TcpStore", "connect", "describe", "StoreAddress",
            "validate_spec", "remote_spec_problem", "provision_cluster", "ProvisionedCluster", "Heartbeat",
@@ -113,7 +139,7 @@ class Heartbeat:
         self._lease = 0
 
     def beat(self, value: str | bytes) -> None:
-        if not isinstance(self.store, EtcdStore):
+        if not isinstance(self.store, _etcd().EtcdStore):
             self.store.set(self.key, value)
             return
         if self._lease and self.store.lease_keepalive(self._lease, timeout_s=self.ttl) > 0:
@@ -125,7 +151,7 @@ class Heartbeat:
 
 def guarded_set(store: Store, guard: Election | None, names: Sequence[str], values: Sequence[str | bytes]) -> bool:
     """Write `names` atomically if `guard` (an `Election` or None) still leads; False if not."""
-    if guard is None or not isinstance(store, EtcdStore):
+    if guard is None or not isinstance(store, _etcd().EtcdStore):
         store.multi_set(list(names), list(values))
         return True
     ops = [{"request_put": {"key": k, "value": v}} for k, v in zip(names, values, strict=True)]
@@ -141,7 +167,7 @@ class Election:
 
     def __init__(self, store: Store, ident: str = "", ttl_s: int = 2, key: str = LEADER_KEY,
                  on_lost: Callable[[], None] | None = None) -> None:
-        if not isinstance(store, EtcdStore):
+        if not isinstance(store, _etcd().EtcdStore):
             raise ValueError("leader election needs the etcd control plane (--control-plane etcd://...)")
         self.store: EtcdStore = store
         self.key = key
@@ -173,10 +199,10 @@ class Election:
                 r = self.store.txn([{"key": self.key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
                                    [{"request_put": {"key": self.key, "value": self.ident, "lease": str(self.lease)}}],
                                    [{"request_range": {"key": self.key}}], timeout_s=per_call)
-            except (EtcdUnavailable, OSError):
+            except (_etcd().EtcdUnavailable, OSError):
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
                 continue
-            except EtcdError as e:
+            except _etcd().EtcdError as e:
                 if "lease not found" not in str(e):
                     raise
                 self.lease = 0  # it expired between its keep-alive and the transaction: take a new one
@@ -207,7 +233,7 @@ class Election:
         while not self._stop.wait(period):
             try:
                 left = self.store.lease_keepalive(self.lease, timeout_s=period)
-            except (EtcdError, EtcdUnavailable, OSError):
+            except (_etcd().EtcdError, _etcd().EtcdUnavailable, OSError):
                 left = -1
             now = time.monotonic()
             if left > 0:
@@ -223,6 +249,6 @@ class Election:
         if self.lease:
             try:
                 self.store.lease_revoke(self.lease)
-            except (EtcdError, EtcdUnavailable):
+            except (_etcd().EtcdError, _etcd().EtcdUnavailable):
                 pass
         self.leading = False

@@ -44,6 +44,7 @@ __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
 
 FORGED_FLAG_POLL_S = 0.02  # a failure flag not sealed with the run key is polled this often until replaced
 POLL_S = 0.025  # steady state: a flag-watch thread wakes the loop at once on a failure (see _watch_flags)
+JOIN_NAP_S = 0.05  # the longest the loop waiting for the nodes to join sleeps between two looks
 STANDBY_GIVE_UP_S = 60.0  # a standby whose store has had no quorum for this long stops (no job outlives that)
 
 
@@ -159,6 +160,9 @@ class Coordinator:
             return
         deadline = time.monotonic() + self.cfg.join_timeout
         swapped: dict[str, str] = {}  # an active node that died before the start -> the spare in its slot
+        # looked at every 5 ms at first, then less often (JOIN_NAP_S): agents started by hand take seconds to
+        # import torch, and a join loop of several store requests every 5 ms competes with them for the CPU
+        nap = 0.005
         while True:
             self.admission.admit(force=True)
             slots = sorted((n for n in self.state.members if n.startswith("n")), key=index)
@@ -188,7 +192,8 @@ class Coordinator:
                                       "stopped or died while starting, and no ready spare could take its slot; "
                                       f"joined: {joined})", blamed=waiting)
                 return
-            time.sleep(0.005)
+            time.sleep(nap)
+            nap = min(nap * 1.5, max(JOIN_NAP_S, self.store.poll_s))
         self.job.event("run_start", nodes=active, spares=self.state.spare_pool)
         start, meta = 0, {}
         if self.cfg.resume:

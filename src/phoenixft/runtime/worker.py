@@ -50,6 +50,8 @@ __all__ = ["Worker", "worker_main"]
 RUN_DIR_WAIT_S = 5.0  # ... a run directory
 FINAL_ACK_S = 10.0  # rank 0 writes the final state again until the launcher has it, at most this long
 FINAL_REWRITE_S = 0.05
+WAIT_KEY_NAP_S = 0.05  # the longest a worker sleeps between two looks for a key it waits for (a spare's assignment)
+WAIT_END_CHECK_S = 0.1  # ... and how often it looks meanwhile whether the run has ended
 RUN_END_CHECK_S = 0.5  # how often a rank looks at a step boundary whether the run has ended (one store request)
 
 
@@ -267,19 +269,26 @@ class Worker:
     # ------------------------------------------------------------------ membership and recovery
     def _wait_key(self, key: str, timeout_s: float, is_sealed: bool = False) -> bytes:
         """The value of `key` once it is there (`is_sealed`: and verifies); RunAborted if the run ends first or
-        after `timeout_s`."""
+        after `timeout_s`. Looked for every 5 ms at first, backing off to every WAIT_KEY_NAP_S (or the store's
+        `poll_s`), and the run's end every WAIT_END_CHECK_S: a spare waits like this for its assignment the whole
+        run, and must not cost the control plane hundreds of requests a second while it does."""
         deadline = time.monotonic() + timeout_s
+        nap, cap, end_checked = 0.005, max(WAIT_KEY_NAP_S, self.ctx.store.poll_s), 0.0
         while True:
             if self.ctx.store.check([key]):
                 v = sealed.get(self.ctx.store, key) if is_sealed else self.ctx.store.get(key)
                 if v is not None:
                     return v
-            ended = self._run_end()
-            if ended is not None:
-                raise RunAborted(f"run ended ({ended})")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - end_checked >= WAIT_END_CHECK_S:
+                end_checked = now
+                ended = self._run_end()
+                if ended is not None:
+                    raise RunAborted(f"run ended ({ended})")
+            if now > deadline:
                 raise RunAborted(f"no answer from the control plane for {key!r} after {timeout_s:.0f}s")
-            time.sleep(0.005)
+            time.sleep(nap)
+            nap = min(nap * 1.5, cap)
 
     def await_membership(self) -> Topology:
         if self.node_id.startswith("s"):  # spare: wait, warm, to be promoted
