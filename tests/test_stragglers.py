@@ -234,8 +234,10 @@ def test_a_slow_node_is_evicted_and_the_run_stays_bitwise(tmp_path: Path, refere
     before = statistics.median(dt[s] for s in range(2, SLOW_AT))
     during = statistics.median(dt[s] for s in range(SLOW_AT + 1, gone))
     after = statistics.median(dt[s] for s in range(gone + 3, STEPS + 1))
-    # (a loaded 2-core machine: the bounds are generous; bench/stragglers.py measures the 10%)
-    assert during > 1.5 * before, (before, during, after)
+    # (a loaded 2-core machine: the bounds are generous; bench/stragglers.py measures the 10%). The unslowed
+    # pace is the faster of before and after: the 4 steps before also hold the spare's join check and the
+    # first steps' warm-up (0.116 s a step there, 0.079 s after, seen on a 2-core machine)
+    assert during > 1.5 * min(before, after), (before, during, after)
     assert after < 0.7 * during and after < 1.3 * before, (before, during, after)
 
 
