@@ -26,7 +26,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from phoenixft.controlplane import auth
-
     flag, path = getattr(args, "token", ""), getattr(args, "token_file", "")
     token = auth.resolve_token(flag, path)
     if token:

@@ -193,7 +193,7 @@ class Coordinator:
                                       f"joined: {joined})", blamed=waiting)
                 return
             time.sleep(nap)
-            nap = min(nap * 1.5, max(JOIN_NAP_S, self.store.poll_s))
+            nap = min(nap * 1.5, poll_interval(self.store, JOIN_NAP_S))
         self.job.event("run_start", nodes=active, spares=self.state.spare_pool)
         start, meta = 0, {}
         if self.cfg.resume:

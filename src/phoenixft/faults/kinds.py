@@ -107,7 +107,8 @@ class FaultKind:
         return Point.STEP
 
     def held_at(self, f: FaultSpec, step: int) -> bool:
-        """Whether the workers hold step `step` for f's `,wait=` (it is due in that step)."""
+        """Whether the workers hold step `step` for f's `,wait=` (it is due in that step); for a fault its
+        agent fires (a partition, a preemption's notice), until that agent has taken it in hand."""
         return f.step == step and f.phase != "transfer"
 
     def strikes(self, f: FaultSpec, rank: int, slot: int, topo: Topology) -> bool:
@@ -325,9 +326,6 @@ class Partition(FaultKind):
     def point(self, f: FaultSpec) -> Point:
         return Point.HEARTBEAT
 
-    def held_at(self, f: FaultSpec, step: int) -> bool:
-        return f.step == step  # every rank waits at the step's start until the agent has cut the link
-
     def refuse(self, f: FaultSpec, local: bool) -> str | None:
         if local:
             return ("a partition needs hosts with their own addresses (`phoenixft coordinator` on one host, "
@@ -392,9 +390,6 @@ class Preempt(FaultKind):
 
     def point(self, f: FaultSpec) -> Point:
         return Point.NOTICE
-
-    def held_at(self, f: FaultSpec, step: int) -> bool:
-        return f.step == step  # every rank waits at the step's start until the agent has asked for the drain
 
     def describe(self, f: FaultSpec) -> str:
         return f"preemption notice to node {f.node} ({f.notice or 0:g}s before its SIGKILL)"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import Store, auth, exists_many, keys, sealed
+from phoenixft.controlplane import Store, auth, exists_many, keys, poll_interval, sealed
 from phoenixft.controlplane.signed import CONFIG_WAIT_S, env_token, run_ended, set_signed, wait_verified
 from phoenixft.controlplane.values import parse_int
 from phoenixft.controlplane.watcher import FailureWatcher
@@ -273,7 +273,7 @@ class Worker:
         `poll_s`), and the run's end every WAIT_END_CHECK_S: a spare waits like this for its assignment the whole
         run, and must not cost the control plane hundreds of requests a second while it does."""
         deadline = time.monotonic() + timeout_s
-        nap, cap, end_checked = 0.005, max(WAIT_KEY_NAP_S, self.ctx.store.poll_s), 0.0
+        nap, cap, end_checked = 0.005, poll_interval(self.ctx.store, WAIT_KEY_NAP_S), 0.0
         while True:
             if self.ctx.store.check([key]):
                 v = sealed.get(self.ctx.store, key) if is_sealed else self.ctx.store.get(key)
