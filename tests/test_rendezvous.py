@@ -37,6 +37,9 @@ def _client(master: dist.TCPStore, timeout: datetime.timedelta = TIMEOUT) -> dis
 def _ranks(master: dist.TCPStore, world: int, epoch: int = 0) -> dict[int, Any]:
     """Each rank, on a thread with a store client of its own, builds the epoch's groups and sums its rank + 1."""
     got: dict[int, Any] = {}
+    # every rank has its sum before any retires its groups: a gloo all-reduce can complete on one rank while its
+    # last send to a peer is still in flight, and retiring then closes that peer's connection under it
+    done = threading.Barrier(world, timeout=60)
 
     def rank(r: int) -> None:
         try:
@@ -45,9 +48,11 @@ def _ranks(master: dist.TCPStore, world: int, epoch: int = 0) -> dict[int, Any]:
             t = torch.full((3,), float(r + 1))
             comm.train.allreduce([t]).wait()
             got[r] = t.tolist()
+            done.wait()
             comm.retire()
         except Exception as e:  # noqa: BLE001 - reported to the test
             got[r] = e
+            done.abort()  # (the others stop waiting for this rank)
 
     ts = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in ts:
