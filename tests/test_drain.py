@@ -96,11 +96,18 @@ def test_signal_and_cli_drain_a_live_run(tmp_path: Path, reference, capsys) -> N
     from phoenixft.cli.main import main
     from phoenixft.dist.comm import connect_store
 
-    ref = reference(nodes=3, steps=16, microbatches=6)
+    steps = 30
+    ref = reference(nodes=3, steps=steps, microbatches=6, workload="user_workload:workload")
     d = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--nodes", "3", "--spares", "2", "--steps", "16",
-                          *SUITE_FLAGS, "--microbatches", "6", "--run-dir", str(d), "--quiet"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # tests/user_workload.py's paced workload: `workload`'s arithmetic, each microbatch 0.05 s longer asleep, so
+    # a step lasts 0.3 s at least however fast the machine: the run outlasts both drains (a run training flat
+    # out could end before the agent's request for the second was seen)
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "PHOENIXFT_TEST_PACE_S": "0.05",
+           "PYTHONPATH": os.pathsep.join(q for q in (here, os.environ.get("PYTHONPATH")) if q)}
+    p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--nodes", "3", "--spares", "2", "--steps",
+                          str(steps), *SUITE_FLAGS, "--microbatches", "6", "--workload", "user_workload:paced_workload",
+                          "--run-dir", str(d), "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         port = _wait("the store", lambda: (d / "coordinator.port").is_file() and (d / "coordinator.port").read_text())
         store = connect_store(f"127.0.0.1:{port}", 30.0)
