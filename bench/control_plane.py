@@ -21,10 +21,13 @@ wait for the failure flag (as the `FailureWatcher`: a server-side `wait`), then 
 `Worker.recover()` - fence check, post its
 descriptor (`desc/<e>/<wid>`, built with `recovery.planner.Descriptor` from the topology: the two
 ping-pong steps of its parameters, its own shard and the replicas of its ring sources, with crcs)
-and bump `desc_posted/<e>` - and reads the next topology. A thread takes its nodes one after the
+and set the hint `desc_posted/<e>` - and reads the next topology. What a real process writes sealed with
+the run key (`phoenixft.controlplane.sealed`: readiness, heartbeats, descriptors, the agent's exit), the
+harness writes sealed too, so the coordinator checks every MAC it would check in a job; the spare health
+gate is off (its checks are the spare host's own work, before any failure). A thread takes its nodes one after the
 other, phase by phase; a node after the first finds the flag (or the topology) set when it makes its
 server-side wait. Workers wait with the store's server-side `wait` rather than the real worker's
-5 ms poll. Descriptors are built before the failure (a real worker builds its own in parallel with
+back-off poll. Descriptors are built before the failure (a real worker builds its own in parallel with
 the others; here they would be serialized).
 
 Why so few threads and several processes: store round trips from one interpreter slow down with
@@ -41,7 +44,7 @@ SIGKILLed with its process group in a `finally` (SIGTERM unwinds to it too), and
 this process dies first (`PR_SET_PDEATHSIG`); every wait in the harness has a deadline.
 
 Once every worker has read epoch 0, node n1 is killed the way the launcher reports an agent exit
-(`exit/n1` set, the `exits` counter bumped; its agent stops at the exit key, its workers, woken by
+(`exit/n1` set, the `exits` hint set; its agent stops at the exit key, its workers, woken by
 the failure flag, see it and go silent).
 Measured, from the coordinator's own records (`recovery/1`, the `epoch` event) and the workers'
 clocks (one machine, one clock):
@@ -164,6 +167,14 @@ def _wait_get(c: Any, key: str, sh: Shared, deadline: float) -> bytes | None:
     return None
 
 
+def _epoch(node: str, raw: bytes) -> int:
+    """The epoch in spare `node`'s sealed `assign/<node>` (as the worker reads it: the MAC checked)."""
+    value = sealed.unseal(keys.assign(node), raw)
+    if value is None:
+        raise ValueError(f"{keys.assign(node)} does not verify with the run key")
+    return int(value)
+
+
 def _admit(addr: str, node: str, sh: Shared, deadline: float, clients: dict[str, Any]) -> None:
     """One agent gets itself admitted (the job token's HMAC challenge-response) on its own client."""
     try:
@@ -187,7 +198,7 @@ def _beat(clients: dict[str, Any], sh: Shared, deadline: float) -> None:
                 if c.check([keys.fence(node)]) or (node == KILLED and c.check([keys.node_exit(node)])):
                     del clients[node]
                     continue
-                c.set(keys.heartbeat(node), str(time.time()))
+                c.set(keys.heartbeat(node), sealed.beat_value(keys.heartbeat(node)))
             due = max(due + HB_S, time.monotonic())
             sh.stop.wait(due - time.monotonic())
     except Exception as e:  # noqa: BLE001 - the store is gone (the harness ended): nothing to report to
@@ -239,12 +250,12 @@ def _worker(addr: str, wid: str, sh: Shared, deadline: float) -> None:
     node = wid.rsplit(".", 1)[0]
     try:
         c = _connect(addr, sh)
-        c.set(keys.ready(wid), str(time.time()))
+        sealed.put(c, keys.ready(wid), str(time.time()))
         if node.startswith("s"):  # a spare: wait, warm, to be promoted
             e = _wait_get(c, keys.assign(node), sh, deadline)
             if e is None:
                 return
-            raw = _wait_get(c, keys.topo(int(e)), sh, deadline)
+            raw = _wait_get(c, keys.topo(_epoch(node, e)), sh, deadline)
             if raw is not None:
                 _read1(sh, wid, raw)
             return
@@ -271,8 +282,8 @@ def _post_descriptor(c: Any, sh: Shared, node: str, wid: str, desc: dict[str, An
     with sh.lock:
         sh.woke[wid] = desc["t"]
     c.check([keys.fence(node)])  # (the flag is not set again: a worker woken by it leaves it be)
-    c.set(keys.desc(0, wid), json.dumps(desc))
-    c.add(keys.desc_posted(0), 1)
+    sealed.put(c, keys.desc(0, wid), json.dumps(desc))
+    sealed.hint(c, keys.desc_posted(0))  # (a hint, never an `add`: see controlplane.sealed)
     with sh.lock:
         sh.posted[wid] = time.time()
 
@@ -288,7 +299,7 @@ def _open(addr: str, node: str, sh: Shared, clients: dict[str, Any]) -> None:
     try:
         c = _connect(addr, sh)
         for wid in _wids(node):
-            c.set(keys.ready(wid), str(time.time()))
+            sealed.put(c, keys.ready(wid), str(time.time()))
         with sh.lock:
             clients[node] = c
     except Exception as e:  # noqa: BLE001 - reported, the run then misses its checks
@@ -310,10 +321,10 @@ def _nodes(clients: dict[str, Any], sh: Shared, deadline: float) -> None:
             if n.startswith("s"):  # a spare (on a thread of its own): wait, warm, to be promoted
                 c = clients[n]
                 e = _wait_get(c, keys.assign(n), sh, deadline)
-                if e is None or _wait_get(c, keys.topo(int(e)), sh, deadline) is None:
+                if e is None or _wait_get(c, keys.topo(_epoch(n, e)), sh, deadline) is None:
                     return
                 for wid in _wids(n):
-                    _read1(sh, wid, bytes(c.get(keys.topo(int(e)))))
+                    _read1(sh, wid, bytes(c.get(keys.topo(_epoch(n, e)))))
         active = [n for n in nodes if not n.startswith("s")]
         topos: dict[str, Topology] = {}
         descs: dict[str, dict[str, dict[str, Any]]] = {}
@@ -498,11 +509,16 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0, procs: int = 0
     store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
     cfg = RunConfig(nodes=n_nodes, workers_per_node=G, spares=1, protect="phoenix", replicas=1,
-                    failure_timeout=failure_timeout, quiet=True)
+                    failure_timeout=failure_timeout, quiet=True,
+                    # the simulated agents run no spare health check (a real one runs on its own host, before
+                    # the failure): with the gate off every ready spare counts as healthy, and the spare is
+                    # promoted as one whose fresh verdict passed would be, at no cost to the protocol measured
+                    health_gate=False)
     token, run_id, raw_cfg = auth.generate_token(), f"cp{w}", cfg.to_json()
     store.set(keys.CONFIG_SIG, sign(token, run_id, keys.CONFIG, raw_cfg))  # as the launcher writes it: signed
     store.set(keys.CONFIG, raw_cfg)
     store.set(keys.RUN_ID, run_id)
+    sealed.bind(token, run_id)  # this process writes an agent's exit as the launcher does: sealed
     coord_log = workdir / f"coordinator-w{w}.log"
     agents_log = workdir / f"agents-w{w}.log"
     env = {"PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -517,7 +533,8 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0, procs: int = 0
     coord = spawn([sys.executable, "-m", "phoenixft.runtime.procs", *lifeline, "--signal", str(int(signal.SIGKILL)),
                    "phoenixft.coordinator", "--store", addr], coord_log, env=env)
     agents = None
-    opts = [*lifeline, "--threads", str(THREADS)] + (["--thread-per-worker"] if THREAD_PER_WORKER else [])
+    opts = [*lifeline, "--run-id", run_id, "--threads", str(THREADS),
+            *(["--thread-per-worker"] if THREAD_PER_WORKER else [])]
 
     def trouble() -> str | None:
         if coord.poll() is not None:
@@ -562,17 +579,19 @@ def run_one(w: int, workdir: Path, failure_timeout: float = 60.0, procs: int = 0
         members = [f"{n}.{i}" for n in nodes if n != KILLED for i in range(G)]
         cpu0, own0 = _cpu_s(coord.pid), _own_cpu_s()
         t_kill = time.time()
-        store.set(keys.node_exit(KILLED), str(t_kill))  # what the launcher does when an agent exits
-        store.add("exits", 1)  # its agent stops at the exit key; its workers see it when the flag wakes them
+        sealed.put(store, keys.node_exit(KILLED), str(t_kill))  # what the launcher does when an agent exits
+        sealed.hint(store, keys.EXITS)  # its agent stops at the exit key; its workers see it when the flag wakes them
         _until(lambda: n_done() == procs, deadline, "every member to read epoch 1", trouble,
                lambda: f"{n_done()} of {procs} simulating processes done; "
-                       f"{store.add(keys.desc_posted(0), 0)} descriptors posted; run error: "
+                       f"{sum(store.check([keys.desc(0, m)]) for m in members)} descriptors posted; topology 1 "
+                       f"published: {store.check([keys.topo(1)])}; run error: "
                        f"{store.get(keys.RUN_ERROR).decode() if store.check([keys.RUN_ERROR]) else None}")
         coord_cpu_s = _cpu_s(coord.pid) - cpu0
         store_cpu_s = _own_cpu_s() - own0
         rec = json.loads(sealed.peel(store.get(keys.recovery(1))) or b"")
         events = [json.loads(sealed.peel(x) or b"") for x in bytes(store.get(keys.EVENTS)).splitlines() if x.strip()]
     finally:
+        sealed.unbind()
         kill_group(coord)
         kill_group(agents)
         for ch in children:
@@ -676,6 +695,7 @@ def main() -> int:
     ap.add_argument("--store", default="", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=60.0, help=argparse.SUPPRESS)
     ap.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)  # the harness's pid
+    ap.add_argument("--run-id", default="", help=argparse.SUPPRESS)  # the children seal with the run key
     ap.add_argument("--thread-per-worker", action="store_true",
                     help="one harness thread per simulated worker (default: one per node, its workers in turn)")
     a = ap.parse_args()
@@ -683,6 +703,8 @@ def main() -> int:
     if a.procs < 0 or a.threads < 1:
         ap.error("--procs must be at least 1 (0: the default), --threads at least 1")
     THREADS = a.threads
+    if a.agents or a.sim:  # what the job's processes write is sealed with the run key (controlplane.sealed)
+        sealed.bind(os.environ[auth.TOKEN_ENV], a.run_id)
     if a.agents:
         return agents_main(a.store, a.agents.split(","), a.budget, a.parent or os.getppid())
     if a.sim:

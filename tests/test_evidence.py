@@ -16,9 +16,20 @@ from typing import Any
 import torch
 from conftest import TwoPassGather
 
+from phoenixft.coordinator.publish import published
 from phoenixft.dist.topology import Topology
 from phoenixft.protect.snapshot import PingPong, checksum
-from phoenixft.recovery.evidence import NO_EVIDENCE, NO_MATCH, Seen, installed_seen, match_opt, params_checksums
+from phoenixft.recovery.evidence import (
+    NO_EVIDENCE,
+    NO_MATCH,
+    Seen,
+    installed_seen,
+    match_opt,
+    params_checksums,
+    plan_evidence,
+    rank_evidence,
+    seen_after_restore,
+)
 from phoenixft.recovery.invariants import check_invariants, failure_message
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
 
@@ -63,6 +74,15 @@ def test_installed_bytes_are_identified_by_shard_and_step_over_generated_evidenc
                    "other": ev["opt"][str(j)][str(r)], "none": crcs[-1]}[kind]
             s, st = match_opt(ev, crc, i, r)
             assert (s, st) == {"ok": (i, r), "prev": (i, r - 1), "other": (j, r), "none": (NO_MATCH, NO_MATCH)}[kind]
+            # as a worker sees it: its own part first, the whole table read only when that matches nothing
+            reads: list[dict[str, Any]] = []
+
+            def whole(table: dict[str, Any] = ev, reads: list[dict[str, Any]] = reads) -> dict[str, Any]:
+                reads.append(table)
+                return table
+
+            got = seen_after_restore(rank_evidence(ev, i, "pp0.tp0"), crc, 0, i, "pp0.tp0", r, whole)
+            assert (got.opt_shard, got.opt_step) == (s, st) and len(reads) == (kind in ("other", "none")), kind
             seens.append(Seen(opt_shard=s, opt_step=st, param_step=NO_EVIDENCE, param_crc=0))
             truth.append(kind)
         want_i2 = [i for i, k in enumerate(truth) if k in ("other", "none")]
@@ -96,6 +116,58 @@ def test_parameters_of_another_step_than_recorded_break_i4() -> None:
 
 
 # -- the restore's last step over real halves ------------------------------------------------------------
+
+
+def _evidence_by_definition(pi: PlanInput, r: int, decoded: dict[int, int]) -> dict[str, Any]:
+    """The optimizer evidence as the module docstring defines it, shard by shard over every descriptor: the
+    owner's committed checksum first, then the holders' replica headers by worker id (own state before
+    replicas), a copy some receiver found bad or a zero checksum never; a rebuilt shard's recorded one last."""
+    bad = {(s, st, w) for d in pi.descs.values() for s, st, w in d.bad_sources}
+    opt: dict[str, dict[str, int]] = {}
+    for i in range(pi.old.world):
+        name, owner = pi.old.shard_name(i), f"{pi.old.node_of_rank(i)}.{i % pi.old.workers_per_node}"
+        order = ([owner] if owner in pi.descs else []) + [w for w in sorted(pi.descs) if w != owner]
+        ev: dict[str, int] = {}
+        for src in ("own", "holdings"):
+            for w in order:
+                for st, crc in getattr(pi.descs[w], src).get(name, {}).items():
+                    if (name, st, w) not in bad and crc != 0:
+                        ev.setdefault(str(st), crc)
+        if i in decoded:
+            ev.setdefault(str(r), decoded[i])
+        opt[str(i)] = ev
+    return opt
+
+
+def test_the_plans_evidence_matches_its_definition_over_generated_descriptors() -> None:
+    """Copies of one (shard, step) that disagree (a stale header, a corrupt replica), bad sources, zero
+    checksums, rebuilt shards, missing owners: the evidence the planner records takes each shard's checksum
+    from the source its definition names, over 2,000 generated jobs."""
+    rng = random.Random(11)
+    for case in range(2000):
+        n, g = rng.randint(2, 6), rng.choice([1, 2, 4])
+        old = Topology(epoch=1, nodes=[f"n{i}" for i in range(n)], workers_per_node=g, replicas=1, resume_step=0)
+        r = rng.randint(2, 9)
+        descs: dict[str, Descriptor] = {}
+        wids = [f"n{i}.{j}" for i in range(n) for j in range(g) if rng.random() < 0.8]
+        for w in wids:
+            d = Descriptor(wid=w)
+            for _ in range(rng.randint(0, 4)):
+                shard = old.shard_name(rng.randrange(old.world))
+                src = d.own if rng.random() < 0.4 else d.holdings
+                for st in rng.sample([r - 2, r - 1, r], rng.randint(1, 3)):
+                    src.setdefault(shard, {})[st] = rng.choice([0, rng.randrange(1, 6), rng.randrange(1, 1 << 32)])
+            descs[w] = d
+        for w in wids:
+            if rng.random() < 0.2:
+                src_w = rng.choice(wids)
+                for shard, steps in [*descs[src_w].own.items(), *descs[src_w].holdings.items()]:
+                    descs[w].bad_sources += [(shard, st, src_w) for st in steps if rng.random() < 0.5]
+        decoded = {i: rng.randrange(1, 1 << 32) for i in range(old.world) if rng.random() < 0.2}
+        pi = PlanInput(old=old, dead=set(), restarted=set(), descs=descs, pool=[], target_nodes=n, replicas=1,
+                       racks=1)
+        ev = plan_evidence(pi, r, decoded)
+        assert ev["step"] == r and ev["opt"] == _evidence_by_definition(pi, r, decoded), case
 
 
 def _state(tmp: Path, name: str, n: int, steps: dict[int, torch.Tensor], shard: tuple[int, int]) -> PingPong:
@@ -142,8 +214,11 @@ def _install_as(st: PingPong, rows: torch.Tensor, r: int, shard: tuple[int, int]
 
 
 def _verdict(topo: Topology, states: list[PingPong], flats: list[Any], r: int) -> list[tuple[dict[str, bool], str]]:
-    seens = [installed_seen(SimpleNamespace(state=st, flat=f), topo, i, r) for i, (st, f) in
-             enumerate(zip(states, flats, strict=True))]
+    ev = topo.meta["evidence"]  # (published beside the topology: each rank reads its part, the table if need be)
+    assert "evidence" not in published(topo).meta and published(topo).nodes == topo.nodes
+    seens = [installed_seen(SimpleNamespace(state=st, flat=f), topo, i, r,
+                            rank_evidence(ev, i, topo.layout.coord(i).name()), lambda: ev)
+             for i, (st, f) in enumerate(zip(states, flats, strict=True))]
     return _check_all(topo, r, seens)
 
 

@@ -150,10 +150,6 @@ MAX_OPEN = 256  # join requests the desk keeps open at most (a counter bumped by
 SCAN_LIMIT = 1024  # request numbers a restarted coordinator looks at beyond its signed record
 
 
-class RunEnded(Exception):
-    """The run ended (its signed final state is in the store) while this agent waited to be admitted."""
-
-
 def _digest(raw: str | bytes) -> str:
     return hashlib.sha256(raw if isinstance(raw, bytes) else raw.encode()).hexdigest()
 

@@ -57,6 +57,12 @@ def desc(epoch: int, wid: str) -> str:
     return f"desc/{epoch}/{wid}"
 
 
+def evidence(epoch: int, rank: int | None = None) -> str:
+    """The plan's evidence for I2/I4 (recovery/evidence.py): rank `rank`'s part (its shard, its stage), or
+    the whole table (None), read only to name what a rank installed when its part matches nothing."""
+    return f"evidence/{epoch}" if rank is None else f"evidence/{epoch}/{rank}"
+
+
 def desc_posted(epoch: int) -> str:
     """Counter every worker bumps (`store.add`) after posting its descriptor of `epoch`: the
     coordinator polls this one key instead of every worker's descriptor."""

@@ -17,6 +17,7 @@ follows from the admissions, which are signed too). Never from a made-up or stal
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import os
@@ -27,14 +28,23 @@ from phoenixft.controlplane import Election, auth, guarded_set, keys, sealed
 from phoenixft.controlplane.values import note_bad, parse_json
 from phoenixft.coordinator.shared import Job, Membership, index
 from phoenixft.dist.topology import Topology
+from phoenixft.recovery.evidence import rank_evidence
 
-__all__ = ["Publisher", "deposed"]
+__all__ = ["Publisher", "deposed", "published"]
 
 
 def _epoch_of(rec: dict[str, Any]) -> int | None:
     topo = rec.get("topo")
     e = topo.get("epoch") if isinstance(topo, dict) else None
     return e if isinstance(e, int) and not isinstance(e, bool) and e >= 0 else None
+
+
+def published(topo: Topology) -> Topology:
+    """`topo` as the store holds it: without the plan's evidence, which goes out under keys of its own
+    (every worker reads the topology; each needs only its own part of the evidence)."""
+    if "evidence" not in topo.meta:
+        return topo
+    return dataclasses.replace(topo, meta={k: v for k, v in topo.meta.items() if k != "evidence"})
 
 
 def deposed() -> None:
@@ -70,7 +80,8 @@ class Publisher:
                 f.write(record + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        raw = topo.to_json()
+        self._put_evidence(topo)
+        raw = published(topo).to_json()
         names = [keys.topo_sig(topo.epoch), keys.topo(topo.epoch), keys.EPOCH]  # the signature first
         values: list[str | bytes] = [auth.sign_topology(self.token, topo.epoch, raw), raw,
                                      sealed.seal(keys.EPOCH, str(topo.epoch))]
@@ -86,6 +97,17 @@ class Publisher:
         if not replay:
             self.job.event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world,
                            resume_step=topo.resume_step)
+
+    def _put_evidence(self, topo: Topology) -> None:
+        """The plan's evidence for I2/I4 (recovery/evidence.py), before its topology: each rank's part under
+        its own key and the whole table, sealed. (A replay writes them again from the journal's record.)"""
+        ev = topo.meta.get("evidence")
+        if not isinstance(ev, dict):
+            return
+        names = [keys.evidence(topo.epoch)] + [keys.evidence(topo.epoch, r) for r in range(topo.world)]
+        values = [json.dumps(ev)] + [json.dumps(rank_evidence(ev, r, topo.layout.coord(r).name()))
+                                     for r in range(topo.world)]
+        sealed.put_many(self.store, names, values)
 
     def _file_record(self) -> dict[str, Any] | None:
         """The last record of the journal file (None: no file, or no record in it)."""

@@ -12,10 +12,16 @@ survivors reported in their descriptors before anything was restored:
 After the restore each rank hashes what it actually installed (its optimizer shard's committed half and
 its parameters) and looks the checksums up in the evidence (`Seen`): bytes that match another shard's
 evidence break I2, bytes that match another step's break I4, whatever the headers the restore wrote say.
+
+The coordinator publishes the evidence beside the topology, not in it (the topology every worker reads
+stays the size of the node list): each rank's part under `evidence/<e>/<rank>` (`rank_evidence`), the
+whole table under `evidence/<e>`, which a rank reads only to name the shard its bytes belong to when they
+are not its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +29,7 @@ if TYPE_CHECKING:
     from phoenixft.recovery.planner import PlanInput
 
 __all__ = ["NO_EVIDENCE", "NO_MATCH", "Seen", "plan_evidence", "match_opt", "match_params", "seen_after_restore",
-           "params_checksum", "params_checksums", "installed_seen"]
+           "params_checksum", "params_checksums", "rank_evidence", "installed_seen"]
 
 NO_EVIDENCE = -2  # (in a `Seen` field) the plan carries nothing to compare with
 NO_MATCH = -1  # the installed bytes match no checksum recorded before the failure
@@ -74,17 +80,24 @@ def plan_evidence(pi: PlanInput, r: int, decoded: dict[int, int]) -> dict[str, A
     index -> the checksum its group recorded, for shards with no copy left at r). JSON-ready."""
     old = pi.old
     bad = {(s, st, w) for d in pi.descs.values() for s, st, w in d.bad_sources}
+    # shard name -> [(worker id, {step: crc})] of what the survivors hold, in worker-id order: one pass over
+    # the descriptors (a scan of every descriptor per shard costs W^2: seconds at W = 4,096)
+    held: dict[str, dict[str, list[tuple[str, dict[int, int]]]]] = {"own": {}, "holdings": {}}
+    for w in sorted(pi.descs):
+        d = pi.descs[w]
+        for src in ("own", "holdings"):
+            for name, steps in getattr(d, src).items():
+                held[src].setdefault(name, []).append((d.wid, steps))
     opt: dict[str, dict[str, int]] = {}
     for i in range(old.world):
         name, owner = old.shard_name(i), f"{old.node_of_rank(i)}.{i % old.workers_per_node}"
         ev: dict[str, int] = {}
         # the owner's own committed state first, then any holder's replica header (first by worker id)
-        order = [pi.descs[owner]] if owner in pi.descs else []
-        order += [pi.descs[w] for w in sorted(pi.descs) if w != owner]
         for src in ("own", "holdings"):
-            for d in order:
-                for st, crc in getattr(d, src).get(name, {}).items():
-                    if (name, st, d.wid) not in bad and crc != 0:
+            copies = held[src].get(name, [])
+            for wid, steps in sorted(copies, key=lambda c: c[0] != owner):  # (stable: the owner first)
+                for st, crc in steps.items():
+                    if (name, st, wid) not in bad and crc != 0:
                         ev.setdefault(str(st), crc)
         if i in decoded:
             ev.setdefault(str(r), decoded[i])
@@ -124,22 +137,38 @@ def match_params(evidence: dict[str, Any], crc: int, stage: str, r: int) -> int:
 
 
 def seen_after_restore(evidence: dict[str, Any] | None, opt_crc: int | None, param_crc: int, shard: int,
-                       stage: str, r: int) -> Seen:
+                       stage: str, r: int, whole: Callable[[], dict[str, Any] | None] = lambda: None) -> Seen:
     """A rank's `Seen` from the checksums of what it installed (`opt_crc`: its committed half of r, None
-    when it has none)."""
+    when it has none), by `evidence` (this rank's part, `rank_evidence`, or the whole table; None: the plan
+    recorded none). Optimizer bytes that match none of its own shard's checksums are looked up in the
+    `whole` table, read only then, to name the shard they are."""
     if not evidence:
         return Seen(param_crc=param_crc)
     s, st = match_opt(evidence, opt_crc, shard, r)
+    if s == NO_MATCH and opt_crc is not None:  # (not its own: another shard's, or nothing's)
+        table = whole()
+        if table:
+            s, st = match_opt(table, opt_crc, shard, r)
     return Seen(opt_shard=s, opt_step=st, param_step=match_params(evidence, param_crc, stage, r),
                 param_crc=param_crc)
 
 
-def installed_seen(trainer: Any, topo: Any, rank: int, r: int) -> Seen:
+def rank_evidence(evidence: dict[str, Any], rank: int, stage: str) -> dict[str, Any]:
+    """The part of `evidence` rank `rank` checks its install against: its own shard's checksums (every step)
+    and its stage's parameter checksums. The coordinator stores each rank's part under its own key
+    (`evidence/<e>/<rank>`), so that a recovery's W ranks read O(W) bytes in all, not W times the table."""
+    opt = evidence.get("opt", {})
+    return {"step": evidence.get("step"), "opt": {str(rank): opt.get(str(rank), {})},
+            "params": {stage: evidence.get("params", {}).get(stage, {})}}
+
+
+def installed_seen(trainer: Any, topo: Any, rank: int, r: int, evidence: dict[str, Any] | None,
+                   whole: Callable[[], dict[str, Any] | None] = lambda: None) -> Seen:
     """After a restore: hash what this rank installed for step r (its optimizer shard's committed half, its
-    live parameters) and identify it by the plan's evidence (`topo.meta["evidence"]`)."""
+    live parameters) and identify it by the plan's evidence (`seen_after_restore`)."""
     from phoenixft.protect.snapshot import checksum
 
     half = trainer.state.half_with(r)
     opt_crc = checksum(trainer.state.payload(half)) if half is not None else None
     stage = topo.layout.coord(rank).name()
-    return seen_after_restore(topo.meta.get("evidence"), opt_crc, params_checksum(trainer.flat), rank, stage, r)
+    return seen_after_restore(evidence, opt_crc, params_checksum(trainer.flat), rank, stage, r, whole)

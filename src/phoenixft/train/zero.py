@@ -260,9 +260,3 @@ class FlatModel:
         self.grad.zero_()
         if self.grad32 is not self.grad:
             self.grad32.zero_()
-
-    def accumulate(self) -> None:
-        """bf16: add this microbatch's gradients into the fp32 accumulator (fp32: they already are)."""
-        if self.grad32 is not self.grad:
-            self.grad32.add_(self.grad)
-            self.grad.zero_()
