@@ -107,8 +107,8 @@ def test_run_all_merge_keeps_the_top_level_keys(
 
 
 def test_run_all_merge_reports_the_transfer_part(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench/transfer.py's figure reaches latest.json: on `medium` under its issue-14 key, on `small`
-    (--quick) only under the part's own key."""
+    """bench/transfer.py's figure reaches latest.json: on `medium` under its target's key
+    (`recovery_transfer_gbps_medium`), on `small` (--quick) only under the part's own key."""
     monkeypatch.syspath_prepend(str(BENCH))
     import run_all
 
@@ -145,3 +145,16 @@ def test_transfer_link_floor_is_measured(monkeypatch: pytest.MonkeyPatch) -> Non
 
     gbps = transfer.link_gbps(8_000_000)
     assert _pos(gbps), gbps
+
+
+def test_every_named_mutation_still_finds_its_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make mutants` applies each named mutation by replacing its text in src/: a change to that code that
+    leaves the text behind would make the mutation (and its row in docs/testing.md) stale. Each text is
+    there exactly once, each catching test names a test file that exists, and each mutation changes it."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import mutants
+
+    assert len(mutants.MUTATIONS) >= 20 and mutants.check_fresh(mutants.MUTATIONS) == []
+    for m in mutants.MUTATIONS:
+        assert m.old != m.new and m.tests, m.name
+        assert all((BENCH.parent / t.split("::")[0]).is_file() for t in m.tests), (m.name, m.tests)
