@@ -229,6 +229,26 @@ def test_a_correct_restore_passes_on_the_evidence(tmp_path: Path) -> None:
         assert all(inv.values()), detail
 
 
+def test_evidence_gone_from_the_store_fails_i2_and_i4_instead_of_skipping_them(tmp_path: Path) -> None:
+    """The topology the workers read says (signed) that evidence was published; a rank whose part is missing
+    or does not verify (a stranger deleted or overwrote `evidence/<e>/<rank>`) identifies nothing: its I2 and
+    I4 fail, naming the key, rather than passing on the headers alone."""
+    topo, states, flats = _job(tmp_path, 12)
+    seen_by_workers = published(topo)
+    assert seen_by_workers.meta["evidence_step"] == 12 and "evidence" not in seen_by_workers.meta
+    ev = topo.meta["evidence"]
+    seens = [installed_seen(SimpleNamespace(state=st, flat=f), seen_by_workers, i, 12,
+                            None if i == 1 else rank_evidence(ev, i, topo.layout.coord(i).name()), lambda: ev)
+             for i, (st, f) in enumerate(zip(states, flats, strict=True))]
+    for inv, detail in _check_all(seen_by_workers, 12, seens):
+        assert inv == {"I1": True, "I2": False, "I3": True, "I4": False}, detail
+        assert "I2 fails on ranks [1]" in detail and "I4 fails on ranks [1]" in detail, detail
+        assert f"(evidence/{topo.epoch}/1) is missing or does not verify" in detail, detail
+    # a plan that published no evidence (a world that changed size) is checked on its headers, as before
+    plain = installed_seen(SimpleNamespace(state=states[1], flat=flats[1]), _topo(2, 12), 1, 12, None)
+    assert (plain.opt_shard, plain.opt_step, plain.param_step) == (NO_EVIDENCE, NO_EVIDENCE, NO_EVIDENCE)
+
+
 def test_a_restore_that_installs_the_previous_step_stops_with_i4(tmp_path: Path) -> None:
     r = 12
     topo, states, flats = _job(tmp_path, r)

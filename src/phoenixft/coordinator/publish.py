@@ -41,10 +41,13 @@ def _epoch_of(rec: dict[str, Any]) -> int | None:
 
 def published(topo: Topology) -> Topology:
     """`topo` as the store holds it: without the plan's evidence, which goes out under keys of its own
-    (every worker reads the topology; each needs only its own part of the evidence)."""
-    if "evidence" not in topo.meta:
+    (every worker reads the topology; each needs only its own part of the evidence), saying only that it
+    did (`evidence_step`: signed with the topology, so that a part gone missing is noticed)."""
+    ev = topo.meta.get("evidence")
+    if not isinstance(ev, dict):
         return topo
-    return dataclasses.replace(topo, meta={k: v for k, v in topo.meta.items() if k != "evidence"})
+    meta = {k: v for k, v in topo.meta.items() if k != "evidence"}
+    return dataclasses.replace(topo, meta={**meta, "evidence_step": ev.get("step")})
 
 
 def deposed() -> None:

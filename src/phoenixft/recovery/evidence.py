@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from phoenixft.recovery.planner import PlanInput
 
-__all__ = ["NO_EVIDENCE", "NO_MATCH", "Seen", "plan_evidence", "match_opt", "match_params", "seen_after_restore",
-           "params_checksum", "params_checksums", "rank_evidence", "installed_seen"]
+__all__ = ["NO_EVIDENCE", "NO_MATCH", "NOT_READ", "Seen", "plan_evidence", "match_opt", "match_params",
+           "seen_after_restore", "params_checksum", "params_checksums", "rank_evidence", "installed_seen"]
 
 NO_EVIDENCE = -2  # (in a `Seen` field) the plan carries nothing to compare with
 NO_MATCH = -1  # the installed bytes match no checksum recorded before the failure
+NOT_READ = -3  # the plan published evidence for this rank, but its part is missing or does not verify
 
 
 @dataclass(frozen=True)
@@ -165,10 +166,16 @@ def rank_evidence(evidence: dict[str, Any], rank: int, stage: str) -> dict[str, 
 def installed_seen(trainer: Any, topo: Any, rank: int, r: int, evidence: dict[str, Any] | None,
                    whole: Callable[[], dict[str, Any] | None] = lambda: None) -> Seen:
     """After a restore: hash what this rank installed for step r (its optimizer shard's committed half, its
-    live parameters) and identify it by the plan's evidence (`seen_after_restore`)."""
+    live parameters) and identify it by the plan's evidence (`seen_after_restore`). Where the (signed)
+    topology says evidence was published (`meta["evidence_step"]`) and this rank's part is missing or did
+    not verify (`evidence` None), nothing is identified: NOT_READ, which breaks I2 and I4 (a check is never
+    skipped because a key went missing)."""
     from phoenixft.protect.snapshot import checksum
 
     half = trainer.state.half_with(r)
     opt_crc = checksum(trainer.state.payload(half)) if half is not None else None
+    param_crc = params_checksum(trainer.flat)
+    if evidence is None and "evidence_step" in topo.meta:
+        return Seen(opt_shard=NOT_READ, opt_step=NOT_READ, param_step=NOT_READ, param_crc=param_crc)
     stage = topo.layout.coord(rank).name()
-    return seen_after_restore(evidence, opt_crc, params_checksum(trainer.flat), rank, stage, r, whole)
+    return seen_after_restore(evidence, opt_crc, param_crc, rank, stage, r, whole)

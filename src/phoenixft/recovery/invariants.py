@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from phoenixft.recovery.evidence import NO_EVIDENCE, NO_MATCH, Seen
+from phoenixft.recovery.evidence import NO_EVIDENCE, NO_MATCH, NOT_READ, Seen
 
 if TYPE_CHECKING:  # (the reports and the live display read entries without loading torch)
     from phoenixft.dist.topology import Topology
@@ -129,6 +129,10 @@ def _what_was_installed(topo: Topology, r: int, rows: list[list[int]], ranks: se
         if x[2] not in ranks or not 0 <= x[2] < topo.world:
             continue
         name = topo.shard_name(x[2])
+        if x[8] == NOT_READ:
+            said.append(f"rank {x[2]} ({name}, step {r}): the evidence published for it (evidence/{topo.epoch}/"
+                        f"{x[2]}) is missing or does not verify with the run key: its install cannot be checked")
+            continue
         if x[8] == NO_MATCH:
             said.append(f"rank {x[2]} ({name}, step {r}): its optimizer state matches no checksum committed "
                         "before the failure")
