@@ -14,8 +14,8 @@ EPOCH = "epoch"
 JOURNAL = "coordinator/journal"  # the coordinator's last decision (topology, spare pool, dead nodes), write-ahead
 COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)
 EXITS = "exits"  # node exits the launcher told (it alone writes it, with `set`): `exit/<node>` keys to look at
-WORKER_EXITS = "wexits"  # counter an agent bumps after writing `wexit/<wid>` (a worker restarted in place)
-START_FAILS = "startfails"  # counter a worker bumps after writing `startfail/<wid>` (it failed before any step)
+WORKER_EXITS = "wexits"  # hint an agent sets after writing `wexit/<wid>` (a worker restarted in place)
+START_FAILS = "startfails"  # hint a worker sets after writing `startfail/<wid>` (it failed before any step)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)
 JOB_WHOLE = "job/whole"  # set by the coordinator while the job has its full size (and a warm spare, if it has spares)
 RUN_ID = "run/id"  # the run's id (shared-memory names), told to every admitted agent
@@ -64,8 +64,8 @@ def evidence(epoch: int, rank: int | None = None) -> str:
 
 
 def desc_posted(epoch: int) -> str:
-    """Counter every worker bumps (`store.add`) after posting its descriptor of `epoch`: the
-    coordinator polls this one key instead of every worker's descriptor."""
+    """Hint every worker sets (`sealed.hint`, a fresh value, never an `add`) after posting its descriptor of
+    `epoch`: the coordinator polls this one key, and looks at every descriptor only when it moves."""
     return f"desc_posted/{epoch}"
 
 
