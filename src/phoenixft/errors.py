@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["UserError", "PeerFailure", "RunAborted", "Unhealable", "Drained"]
+__all__ = ["UserError", "PeerFailure", "RunAborted", "Unhealable", "Drained", "NOT_INSTALLED"]
+
+#: how a worker's failure report starts when it refused to install the persistent checkpoint it was given
+#: (here, not in protect/persist.py, so that the coordinator reads it without importing torch)
+NOT_INSTALLED = "the persistent checkpoint was not installed"
 
 
 class UserError(Exception):

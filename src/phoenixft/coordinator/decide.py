@@ -32,7 +32,7 @@ from phoenixft.coordinator.drain import DrainDesk, DrainRequest
 from phoenixft.coordinator.publish import Publisher
 from phoenixft.coordinator.shared import Job, Membership
 from phoenixft.dist.topology import Topology
-from phoenixft.protect.persist import NOT_INSTALLED, latest_manifest, skipped_line, verified_manifest
+from phoenixft.errors import NOT_INSTALLED
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
 
 __all__ = ["MAX_RECOVERIES_WITHOUT_PROGRESS", "Decider", "gc_paused", "planned_drain", "verified_checkpoint"]
@@ -61,6 +61,8 @@ def verified_checkpoint(job: Job, roots: str | list[str], exclude: dict[str, str
     """The newest checkpoint under `roots` (a directory, or several) that verifies
     (persist.verified_manifest); each newer one skipped is said, in one line, as a `checkpoint_skipped`
     event."""
+    from phoenixft.protect.persist import skipped_line, verified_manifest  # (torch: see Decider)
+
     man: dict[str, Any] | None = None
     found: list[dict[str, Any]] = []
     for root in [roots] if isinstance(roots, str) else roots:
@@ -98,8 +100,12 @@ class _Planner:
                  descs: dict[str, Descriptor], grow_only: bool, tiers: list[str], exclude: dict[str, str]) -> None:
         self.job, self.cfg, self.old, self.dead, self.restarted, self.descs = job, cfg, old, dead, restarted, descs
         self.grow_only, self.tiers, self.exclude = grow_only, tiers, exclude
-        self.man: dict[str, Any] | None = max((m for m in map(latest_manifest, tiers) if m is not None),
-                                              key=lambda m: int(m["step"]), default=None)
+        self.man: dict[str, Any] | None = None
+        if tiers:
+            from phoenixft.protect.persist import latest_manifest
+
+            self.man = max((m for m in map(latest_manifest, tiers) if m is not None), key=lambda m: int(m["step"]),
+                           default=None)
         self.verified: list[Any] = []  # [(manifest, skipped)] once the persistent tier was verified
 
     def plan(self, pool: list[str]) -> Plan:
@@ -152,6 +158,8 @@ class Decider:
         self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
         self._refused: dict[str, str] = {}  # checkpoint path -> why: refused by the workers, never chosen again
         self._sdc: dict[str, dict[str, Any]] = {}  # nodes convicted of silent data corruption in this recovery
+        if cfg.persist_dir or cfg.resume:  # the persistent tier's reader imports torch (seconds of CPU): now, not
+            import phoenixft.protect.persist  # noqa: F401  (during a recovery; without a tier, never)
 
     def recover(self) -> None:
         assert self.state.topo is not None

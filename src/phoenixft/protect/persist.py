@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.errors import NOT_INSTALLED
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import to_full
 from phoenixft.protect.snapshot import checksum
@@ -46,8 +47,6 @@ __all__ = ["NOT_INSTALLED", "Persister", "latest_manifest", "verified_manifest",
 
 KEEP = 2  # complete checkpoints kept on disk
 
-#: how a worker's failure report starts when it refused to install the persistent checkpoint it was given
-NOT_INSTALLED = "the persistent checkpoint was not installed"
 
 
 def _dcp() -> Any:
