@@ -157,6 +157,8 @@ def test_reads_without_blocking(store: Store) -> None:
     assert time.monotonic() - t < 2.0  # (not a blocking get that timed out)
     store.set(key, "v")
     assert store.get_nowait(key) == b"v"
+    # a linearizable read (who leads, before a job's keys are removed) answers alike, without blocking
+    assert store.get_nowait(key, serializable=False) == b"v" and store.get_nowait(key + "x", serializable=False) is None
     assert exists_many(store, [key, key + "x", key]) == [True, False, True]
     assert store.exists_many([key, key + "x"], serializable=False) == [True, False]
     assert multi_get_nowait(store, [key]) == [b"v"]

@@ -294,11 +294,12 @@ class EtcdStore(dist.Store):
                 return v
             self._watch(key, rev + 1, deadline)
 
-    def get_nowait(self, key: str) -> bytes | None:
-        """The value, or None if the key does not exist (no blocking). Serializable: answered by the
-        member this client talks to, without the leader's quorum round of a linearizable read (a
-        poll may see a write a few milliseconds late; every poller here tolerates that)."""
-        return self._read(key, serializable=True)[0]
+    def get_nowait(self, key: str, serializable: bool = True) -> bytes | None:
+        """The value, or None if the key does not exist (no blocking). Serializable by default: answered by
+        the member this client talks to, without the leader's quorum round of a linearizable read (a poll
+        may see a write a few milliseconds late; every poller here tolerates that). `serializable=False`
+        for a decision that must see every acknowledged write (a member that was cut off may lag far)."""
+        return self._read(key, serializable=serializable)[0]
 
     def check(self, keys: list[str]) -> bool:
         return all(self.exists_many(keys))

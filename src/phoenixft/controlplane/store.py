@@ -86,8 +86,9 @@ class Store(Protocol):
         it talks to, a few milliseconds stale, without a quorum round)."""
         ...
 
-    def get_nowait(self, key: str) -> bytes | None:
-        """The value, or None if the key does not exist."""
+    def get_nowait(self, key: str, serializable: bool = True) -> bytes | None:
+        """The value, or None if the key does not exist (`serializable`: as `exists_many`; False for a read
+        that must see every write acknowledged before it, such as who leads before removing a job)."""
         ...
 
     def multi_get_nowait(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -224,7 +225,7 @@ class TcpStore:
     def exists_many(self, keys: Sequence[str], serializable: bool = False) -> list[bool]:
         return [bool(self._raw.check([k])) for k in keys]
 
-    def get_nowait(self, key: str) -> bytes | None:
+    def get_nowait(self, key: str, serializable: bool = True) -> bytes | None:  # (one server: always current)
         return bytes(self._raw.get(key)) if self._raw.check([key]) else None
 
     def multi_get_nowait(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -668,8 +668,8 @@ class LocalJob:
         while it still does not answer. Always, otherwise."""
         if self.control_plane_lost is None or self.handed_over is not None:
             return self.handed_over is None
-        try:
-            leader = get_nowait(self.store, LEADER_KEY)
+        try:  # (linearizable: the member this host reaches may have been cut off with it and lag behind)
+            leader = self.store.get_nowait(LEADER_KEY, serializable=False)
         except Exception:  # noqa: BLE001 - still cut off: nothing can be written anyway
             return False
         if leader is None:
