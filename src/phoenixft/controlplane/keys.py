@@ -95,8 +95,8 @@ def fault(index: int) -> str:
 
 
 def fault_done(index: int) -> str:
-    """Set by the agent that takes a partition fault in hand, before it acts (or once it could not): the
-    workers holding the fault's step go on."""
+    """Set by the agent that takes a fault it fires in hand (a partition, before it cuts the link or once it
+    could not; a preemption, once its drain is asked for): the workers holding the fault's step go on."""
     return f"fault/{index}/done"
 
 

@@ -48,7 +48,6 @@ __all__ = ["NOT_INSTALLED", "Persister", "latest_manifest", "verified_manifest",
 KEEP = 2  # complete checkpoints kept on disk
 
 
-
 def _dcp() -> Any:
     """torch.distributed.checkpoint, imported on first use: it costs ~1 s of CPU at import, which
     every worker and coordinator start would otherwise pay even without a persistent tier."""

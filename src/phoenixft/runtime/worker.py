@@ -494,8 +494,8 @@ class Worker:
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
         store, e = self.ctx.store, topo.epoch
-        seen = installed_seen(tr, topo, self.ctx.rank, r, sealed.get_json(store, keys.evidence(e, self.ctx.rank)),
-                              lambda: sealed.get_json(store, keys.evidence(e)))
+        part = sealed.get_json(store, keys.evidence(e, self.ctx.rank)) if "evidence_step" in topo.meta else None
+        seen = installed_seen(tr, topo, self.ctx.rank, r, part, lambda: sealed.get_json(store, keys.evidence(e)))
         try:
             inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step,
                                            tr.state.steps(), held, not bad, self.ctx.wait, seen)
