@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-all bench lint mutants mutmut clean
+.PHONY: demo test test-oldest-torch test-all bench lint mutants mutmut clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,9 +19,22 @@ demo: $(STAMP)
 # shared: tests/conftest.py); then, alone, the tests marked `serial` (docs/testing.md says which and why), collected
 # from the files that mark any (collecting the whole suite again costs the second command seconds of CPU)
 SERIAL_FILES = $(shell grep -rl --include='*.py' 'mark\.serial' tests | sort)
+define suite
+	$(1) -m pytest -q -x -m "not slow and not serial" -n 2 --dist loadfile --durations=15
+	$(1) -m pytest -q -x -m "serial and not slow" --durations=5 $(SERIAL_FILES)
+endef
 test: $(STAMP)
-	$(PY) -m pytest -q -x -m "not slow and not serial" -n 2 --dist loadfile --durations=15
-	$(PY) -m pytest -q -x -m "serial and not slow" --durations=5 $(SERIAL_FILES)
+	$(call suite,$(PY))
+
+# the same suite on the oldest torch the package accepts (pyproject.toml's lower bound), in a venv of its own:
+# PyPI's torch 2.11.0 is a CUDA build (about 4 GB with its NVIDIA libraries) and runs the suite on the CPU
+OLDEST_TORCH ?= 2.11.0
+VENV_OLDEST ?= .venv-torch-$(OLDEST_TORCH)
+test-oldest-torch:
+	test -x $(VENV_OLDEST)/bin/python || $(PYTHON) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install -q torch==$(OLDEST_TORCH)
+	$(VENV_OLDEST)/bin/python -m pip install -q -e '.[test]'
+	$(call suite,$(VENV_OLDEST)/bin/python)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -x --durations=25

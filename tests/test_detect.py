@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from phoenixft.config import RunConfig
+from phoenixft.controlplane import values
 from phoenixft.coordinator import detect
 from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.shared import Membership
@@ -145,3 +146,57 @@ def test_forged_and_replayed_heartbeats_keep_no_dead_node_alive(monkeypatch: pyt
     beats[key] = sealed.beat_value(key)  # the node beats again
     clock[0] += 0.25
     assert det.stale(["n0"], clock[0]) == set()
+
+
+class _Counting:
+    """A real store's client that records the keys looked for."""
+
+    def __init__(self, store: Any) -> None:
+        self._s, self.looked = store, []  # type: list[str]
+
+    def exists_many(self, names: list[str], serializable: bool = False) -> list[bool]:
+        self.looked += names
+        out: list[bool] = self._s.exists_many(names, serializable)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s, name)
+
+
+def test_restarts_look_only_at_the_workers_of_nodes_whose_agent_restarted_one() -> None:
+    """On a live TCPStore (one round trip per key looked for): the workers restarted in place are found by
+    their sealed `wexit/<wid>` keys, looking at the workers of only those nodes whose agent set its sealed
+    node key. A node key that does not verify (a stranger's) costs a look at nothing more."""
+    from phoenixft.controlplane import keys, sealed
+    from phoenixft.controlplane.server import serve_store
+    from phoenixft.coordinator.shared import Job
+    from phoenixft.dist.comm import connect_store
+
+    server = serve_store("127.0.0.1", 0)
+    st = _Counting(connect_store(server.addr))
+    sealed.bind("Aq3-Zt9_pL0wYv2s" * 2, "run-detect")
+    try:
+        job = Job.__new__(Job)
+        job.store, job.g = st, 4
+        nodes = [f"n{i}" for i in range(64)]
+        det = FailureDetector(job, RunConfig(nodes=64, workers_per_node=4), Membership(), admission=None,  # type: ignore[arg-type]
+                              gather_poll_s=0.01)
+        assert det.restarts(nodes) == set()
+        assert len(st.looked) == 64, "a node key per node, no worker's key"
+        for wid in ("n7.2", "n40.0", "n40.3"):  # as the agents write them: the worker's key, the node's, the hint
+            sealed.put(st, keys.worker_exit(wid), "{}")
+            sealed.put(st, keys.node_restarts(wid.split(".")[0]), wid)
+            sealed.hint(st, keys.WORKER_EXITS)
+        st.set(keys.node_restarts("n9"), "forged")
+        st.looked.clear()
+        assert det.restarts(nodes) == {"n7.2", "n40.0", "n40.3"}
+        assert sorted(k for k in st.looked if k.startswith("wexit/")) == sorted(
+            keys.worker_exit(f"n{n}.{i}") for n in (7, 40) for i in range(4))
+        st.looked.clear()
+        assert det.restarts(nodes) == set() and st.looked == [], "the hint did not move: no key looked at"
+        st.delete_key(keys.worker_exit("n40.0"))  # dealt with by a recovery; its node key stays
+        sealed.hint(st, keys.WORKER_EXITS)
+        assert det.restarts(nodes) == {"n7.2", "n40.3"}
+    finally:
+        sealed.unbind()
+        values._noted.clear()

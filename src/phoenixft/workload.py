@@ -19,8 +19,10 @@ Any randomness inside `loss` (dropout) is seeded by phoenixft per (seed, step, m
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -121,24 +123,31 @@ def unsupported_parameters(model: torch.nn.Module, precision: str = "fp32") -> s
     return None
 
 
-# in-place initialisers that only write values: on the meta device they have nothing to write. Run there,
-# torch routes the random ones through its Python reference kernels, whose first call imports the compiler
-# (torch._dynamo): seconds of a launch's start-up for a build that only counts parameters.
-_META_NOOPS = frozenset({
-    "constant_", "dirac_", "eye_", "kaiming_normal_", "kaiming_uniform_", "normal_", "ones_", "orthogonal_",
-    "sparse_", "trunc_normal_", "uniform_", "xavier_normal_", "xavier_uniform_", "zeros_",  # torch.nn.init
-    "zero_", "fill_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_", "bernoulli_",  # Tensor
+# On the meta device an in-place op has no values to write: it changes a tensor's values only, except for the
+# few below that change its metadata (shape, strides, grad tracking), which run. Run there, torch routes many
+# of them (random initialisers; clamp_ and erfinv_ of torch 2.11's trunc_normal_) through its Python reference
+# kernels, whose first call imports the compiler (torch._dynamo): seconds of a launch's start-up for a build
+# that only counts parameters. torch.nn.init's functions are in-place ops too (`xavier_uniform_(t)`).
+_META_RUN = frozenset({
+    "requires_grad_", "detach_", "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
+    "transpose_", "swapdims_", "swapaxes_", "share_memory_", "rename_", "retain_grad",
 })
 
 
+def _meta_noop(name: str) -> bool:
+    """An in-place op that only writes values (skipped on meta tensors)."""
+    return name.endswith("_") and not name.startswith("_") and name not in _META_RUN
+
+
 class _SkipMetaInit(torch.overrides.TorchFunctionMode):
-    """Skips `_META_NOOPS` on meta tensors (their shapes, dtypes and sharing are what a meta build is for)."""
+    """Skips in-place value writes on meta tensors (their shapes, dtypes and sharing are what a meta build is
+    for)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _META_NOOPS:
+        if _meta_noop(name):
             t = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
             if isinstance(t, torch.Tensor) and t.is_meta:
                 return t
@@ -151,8 +160,35 @@ class _SkipMetaInit(torch.overrides.TorchFunctionMode):
 T = TypeVar("T")
 
 
+def _skip_on_meta(init: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def skip(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor if isinstance(tensor, torch.Tensor) and tensor.is_meta else init(tensor, *args, **kwargs)
+    skip.__wrapped_init__ = init  # type: ignore[attr-defined]
+    return skip
+
+
+@contextlib.contextmanager
+def _meta_inits() -> Iterator[None]:
+    """torch.nn.init's in-place initialisers skip meta tensors meanwhile. Most of them are not overridable
+    (`_SkipMetaInit` never sees them, only the ops inside): on some torch releases (2.11) those ops reach the
+    reference kernels on meta (`trunc_normal_`'s clamp_, `orthogonal_`'s sign). A model that calls them
+    through the module (`nn.init.orthogonal_`) gets the skipping ones; one that imported a function itself
+    runs it on meta, only slower. Another thread's call on real tensors runs the real initialiser."""
+    init = torch.nn.init
+    saved = {n: f for n, f in vars(init).items()
+             if _meta_noop(n) and callable(f) and not hasattr(f, "__wrapped_init__")}
+    for n, f in saved.items():
+        setattr(init, n, _skip_on_meta(f))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(init, n, f)
+
+
 def build_on_meta(build: Callable[[], T]) -> T:
     """`build()` on torch's meta device, its value initialisers skipped: a model's structure (parameters,
     buffers, shapes, dtypes, stages) with no memory allocated and no initialisation run."""
-    with torch.device("meta"), _SkipMetaInit():
+    with torch.device("meta"), _SkipMetaInit(), _meta_inits():
         return build()

@@ -114,6 +114,12 @@ def worker_exit(wid: str) -> str:
     return f"wexit/{wid}"
 
 
+def node_restarts(node: str) -> str:
+    """Set (sealed) by `node`'s agent once it restarted a worker in place, and kept: the coordinator looks at
+    the `wexit/<wid>` keys of these nodes only (one look per node, not per worker)."""
+    return f"wexit-node/{node}"
+
+
 def start_failed(wid: str) -> str:
     """JSON {t, error}: worker `wid` raised before the run's first step (its first error is kept)."""
     return f"startfail/{wid}"

@@ -79,12 +79,17 @@ class FailureDetector:
 
     def restarts(self, nodes: list[str]) -> set[str]:
         """Those workers of `nodes` that their agent restarted in place (`wexit/<wid>`, sealed, deleted once a
-        recovery has dealt with it). Single keys are looked at (and the worker ids listed) only when
-        the agents' restart hint moved (and every RESTARTS_EVERY_S): a poll that finds it unchanged costs
-        one store call."""
+        recovery has dealt with it). Single keys are looked at only when the agents' restart hint moved (and
+        every RESTARTS_EVERY_S): a poll that finds it unchanged costs one store call. Then one key per node
+        says whether its agent ever restarted a worker (`wexit-node/<node>`, set after the worker's key), and
+        only those nodes' workers are looked at: a store without a multi-key existence check (TCPStore)
+        answers one key per round trip."""
         if not hint_moved(self._restarts, self.store):
             return set()
-        wids = [w for node in nodes for w in self.job.wids(node)]
+        flagged = sealed.present(self.store, [keys.node_restarts(n) for n in nodes])
+        wids = [w for node, t in zip(nodes, flagged, strict=True) if t for w in self.job.wids(node)]
+        if not wids:
+            return set()
         return {w for w, t in zip(wids, sealed.present(self.store, [keys.worker_exit(w) for w in wids]), strict=True)
                 if t}
 

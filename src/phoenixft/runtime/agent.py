@@ -367,6 +367,9 @@ class _Node:
         self.store: Store | None = store  # None while reconnecting
         self.children: dict[int, int] = {}  # pid -> local rank
         self.restarts = {i: 0 for i in range(a.workers)}
+        # local rank -> exit code of a worker that exited while the control plane did not answer: whether to
+        # restart it is decided once it answers again (within --control-plane-timeout; the node stops after)
+        self.undecided: dict[int, int] = {}
         self.registered = False
         self.fenced = False
         self.worst = 0
@@ -421,7 +424,7 @@ class _Node:
     def supervise(self) -> int | None:
         """Look at the control plane and reap worker exits until no worker is left; an exit code if the node
         had to stop first (its job's keys gone, or no control plane for --control-plane-timeout)."""
-        while self.children:
+        while self.children or self.undecided:
             try:
                 if self.store is None:
                     raise ConnectionError("no connection to the store")
@@ -431,6 +434,9 @@ class _Node:
                         self.cleanup()
                         return 1
                 self.last_ok = time.monotonic()
+                for lr, code in list(self.undecided.items()):  # the control plane answers again: decide now
+                    del self.undecided[lr]
+                    self._exited(lr, code)
             except Exception:  # noqa: BLE001 - control plane gone: keep supervising for a bounded time
                 if time.monotonic() - self.last_ok > self.a.control_plane_timeout:
                     print(f"phoenixft agent {self.node}: no control plane for {self.a.control_plane_timeout:g}s; "
@@ -443,7 +449,10 @@ class _Node:
             if self.notice.expired():  # a preemption's notice ran out before the node left: it goes now
                 print(f"phoenixft agent {self.node}: preemption notice ran out; SIGKILL of the node", flush=True)
                 os.killpg(os.getpgid(0), signal.SIGKILL)
-            self.reap(0.25)
+            if self.children:
+                self.reap(0.25)
+            else:  # (only exits left to decide: wait for the control plane)
+                time.sleep(0.05)
         return None
 
     def on_sigterm(self, signum: int, frame: object) -> None:
@@ -518,12 +527,23 @@ class _Node:
                 self._post_health(reaped=True)
                 continue
             lr = self.children.pop(pid, None)
-            code = os.waitstatus_to_exitcode(status)
-            if code == 0 or lr is None or self.restart(lr, code):
-                continue
-            self.worst = max(self.worst, abs(code))
-            if self.restarts[lr] >= MAX_RESTARTS:  # crash loop: give up the whole node (permanent)
-                self.stop(signal.SIGTERM, None)
+            if lr is not None:
+                self._exited(lr, os.waitstatus_to_exitcode(status))
+
+    def _exited(self, lr: int, code: int) -> None:
+        """Worker `lr` exited with `code`: restart it in place, or count its failure (undecided while the control
+        plane does not answer)."""
+        if code == 0:
+            return
+        restarted = self.restart(lr, code)
+        if restarted is None:
+            self.undecided[lr] = code
+            return
+        if restarted:
+            return
+        self.worst = max(self.worst, abs(code))
+        if self.restarts[lr] >= MAX_RESTARTS:  # crash loop: give up the whole node (permanent)
+            self.stop(signal.SIGTERM, None)
 
     def _post_health(self, reaped: bool = False) -> None:
         try:
@@ -531,27 +551,41 @@ class _Node:
         except Exception:  # noqa: BLE001 - not posted: the supervision loop reconnects, the next look posts it
             traceback.print_exc()
 
-    def restart(self, lr: int, code: int) -> bool:
+    def restart(self, lr: int, code: int) -> bool | None:
         """The node is healthy and its worker `lr` died (exit `code`): restart it in place from the snapshot
-        it left in shared memory (a transient failure; no spare needed). False if it is not restarted."""
+        it left in shared memory (a transient failure; no spare needed). False if it is not restarted (the run
+        is over, the node fenced, or the worker failed MAX_RESTARTS times); None if the control plane did not
+        answer (asked again once it does: a store slow for a moment must not cost the node a worker)."""
         from phoenixft.controlplane import keys, sealed
         from phoenixft.controlplane.signed import run_ended
 
         store, wid = self.store, f"{self.node}.{lr}"
-        try:
-            over = store is not None and ((store.check([keys.RUN_STATE]) and run_ended(store, self.run_id) is not None)
-                                          or sealed.has(store, keys.fence(self.node)))
-            if store is None or over or self.restarts[lr] >= MAX_RESTARTS:
-                return False
-            self.restarts[lr] += 1
-            sealed.put(store, keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code,
-                                                                 "incarnation": self.restarts[lr]}))
-            sealed.hint(store, keys.WORKER_EXITS)  # the coordinator looks at wexit/ keys when this moves
-            self.children[_fork_worker(self.a.store, self.node, lr, self.run_id, self.a.threads,
-                                       self.restarts[lr], self.notice.drain_signal)] = lr
-            return True
-        except Exception:  # noqa: BLE001 - no control plane: nothing to rejoin
+        if self.restarts[lr] >= MAX_RESTARTS:
             return False
+        if store is None:
+            return None
+        try:
+            if ((store.check([keys.RUN_STATE]) and run_ended(store, self.run_id) is not None)
+                    or sealed.has(store, keys.fence(self.node))):
+                return False
+            n = self.restarts[lr] + 1
+            sealed.put(store, keys.worker_exit(wid), json.dumps({"t": time.time(), "code": code, "incarnation": n}))
+            sealed.put(store, keys.node_restarts(self.node), wid)  # (after the worker's key: looked at first)
+            sealed.hint(store, keys.WORKER_EXITS)  # the coordinator looks at wexit/ keys when this moves
+        except Exception as e:  # noqa: BLE001 - the control plane did not answer: decided once it does
+            print(f"phoenixft agent {self.node}: worker {wid} exited ({code}); the control plane did not answer "
+                  f"({type(e).__name__}: {e}): its restart waits for it", flush=True)
+            self.store = None  # (reconnected by the supervision loop, never reused after a failed call)
+            return None
+        self.restarts[lr] = n
+        try:
+            self.children[_fork_worker(self.a.store, self.node, lr, self.run_id, self.a.threads, n,
+                                       self.notice.drain_signal)] = lr
+        except OSError as e:  # (no memory or process left on the host: this node cannot go on whole)
+            print(f"phoenixft agent {self.node}: worker {wid} exited ({code}) and could not be restarted: {e}",
+                  flush=True)
+            return False
+        return True
 
     def cleanup(self) -> None:
         """Kill and reap the workers (and a health check), then free the node's shared memory; never raises."""
