@@ -225,6 +225,32 @@ def test_the_agent_decides_the_device_for_its_host(monkeypatch: pytest.MonkeyPat
     assert {k: os.environ[k] for k in nccl_env()} == nccl_env()
 
 
+def test_gpus_are_counted_without_cuda_here_and_without_a_child_where_no_gpu_can_be(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML's count where it answers; where it does not (no driver library) and the host has no device file
+    a GPU is reached through, none: PyPI's torch is a CUDA build, and on a CPU-only host a child importing
+    torch to ask cost every launch, agent and worker seconds. With a device file, the child asks."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 4, raising=False)
+    assert device.visible_gpus() == 4
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1, raising=False)
+    asked: list[list[str]] = []
+
+    def child(cmd: list[str], **kw: Any) -> Any:
+        asked.append(cmd)
+        return SimpleNamespace(returncode=0, stdout="2\n")
+
+    monkeypatch.setattr(device.subprocess, "run", child)
+    files: list[str] = []
+    monkeypatch.setattr(device.glob, "glob", lambda pattern: [f for f in files if f.startswith(pattern[:-1])])
+    monkeypatch.setattr(device.os.path, "exists", lambda path: path in files)
+    assert device.visible_gpus() == 0 and asked == [], "a child asked where no GPU can be"
+    for f in ("/dev/nvidiactl", "/dev/nvhost-ctrl-gpu", "/dev/dxg"):
+        files[:] = [f]
+        asked.clear()
+        assert device.visible_gpus() == 2 and len(asked) == 1, f
+
+
 # ---------------------------------------------------------------------------------------------- memory
 class _PinRecorder(Device):
     """A CPU device that says it is CUDA for the snapshot's pinning decision and records what it pins."""

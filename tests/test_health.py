@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_with, run, wait_while_running
+from conftest import on_pythonpath, processes_with, run, wait_while_running
 
 from phoenixft.controlplane import keys, sealed
 from phoenixft.health import quarantine, quarantined_at, quarantined_hosts, read_history, record_failure
@@ -265,11 +265,19 @@ def test_a_sick_spare_is_passed_over_for_the_next(tmp_path: Path, reference) -> 
 
 
 @pytest.mark.slow
-def test_a_spare_that_falls_sick_after_joining_fails_its_check_before_promotion(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    """With --health-max-age 0 every promotion waits for a check just before it: the one that finds s0 sick."""
-    ref = reference(nodes=2, steps=12)
-    rep = run(tmp_path, nodes=2, spares=2, steps=12, inject=["sick:spare=0@step=4", "kill:node=1@step=6"],
-              health_max_age=0.0)
+def test_a_spare_that_falls_sick_after_joining_fails_its_check_before_promotion(  # type: ignore[no-untyped-def]
+        tmp_path: Path, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --health-max-age 0 every promotion waits for a check just before it: the one that finds s0 sick.
+    The run is paced (tests/user_workload.py: 0.3 s more per microbatch, asleep) so that both spares' join
+    checks, which start once their workers are ready, run before s0 falls sick: unpaced, the suite's model
+    reached that step before they started."""
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    on_pythonpath(here, monkeypatch)
+    monkeypatch.setenv("PHOENIXFT_TEST_PACE_S", "0.3")
+    ref = reference(nodes=2, steps=12, workload="user_workload:workload")
+    rep = run(tmp_path, nodes=2, spares=2, steps=12, inject=["sick:spare=0@step=6", "kill:node=1@step=9"],
+              health_max_age=0.0, workload="user_workload:paced_workload")
     assert rep["state"] == "done", rep.get("error")
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]

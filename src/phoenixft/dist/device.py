@@ -31,6 +31,7 @@ does, so the CPU suite covers that path's ordering: commit after the copy, H2D a
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -88,12 +89,22 @@ def visible_gpus() -> int:
     n = count_nvml() if count_nvml is not None else -1
     if n >= 0:
         return int(n)
+    if _no_gpu_device_files():  # (a CPU-only host with PyPI's torch, a CUDA build: no child importing torch)
+        return 0
     try:
         p = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
                            capture_output=True, text=True, timeout=120)
         return int(p.stdout.strip() or 0) if p.returncode == 0 else 0
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return 0
+
+
+def _no_gpu_device_files() -> bool:
+    """Linux with none of the device files through which CUDA reaches an NVIDIA GPU: the driver's
+    `/dev/nvidia*` (bound into containers too), Jetson's `/dev/nvhost-*`, WSL 2's `/dev/dxg`."""
+    if not sys.platform.startswith("linux") or getattr(torch.version, "hip", None):
+        return False
+    return not (glob.glob("/dev/nvidia*") or glob.glob("/dev/nvhost-*") or os.path.exists("/dev/dxg"))
 
 
 def cuda_unavailable_here() -> str | None:
