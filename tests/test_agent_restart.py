@@ -15,7 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -107,3 +109,19 @@ def test_no_restart_once_the_node_is_fenced_or_the_worker_failed_too_often(node:
     assert n.restart(1, 1) is False and forks == []
     store.delete_key(keys.fence("n1"))
     assert n.restart(1, 1) is True and forks == [(1, 1)]
+
+
+def test_an_agent_forks_with_its_follower_thread_and_warns_nothing() -> None:
+    """An agent forks its workers beside one other thread (the one that follows the launcher): Python 3.12
+    warns at every such fork that it may deadlock the child, in every agent's log. `procs.fork` does not."""
+    from phoenixft.runtime import procs
+
+    follower = threading.Thread(target=time.sleep, args=(2.0,), daemon=True)
+    follower.start()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        pid = procs.fork()
+        if pid == 0:
+            os._exit(7)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
+    assert [str(w.message) for w in said] == []

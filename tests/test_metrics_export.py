@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_one_hotswap, run
+from conftest import assert_one_hotswap, on_pythonpath, run
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("prometheus_client")
@@ -21,8 +21,20 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-JOB: dict[str, Any] = {"nodes": 2, "steps": 12}
+# tests/user_workload.py's paced workload: `workload`'s arithmetic, each microbatch PACE_S longer asleep, so that
+# the endpoint is scraped at steps past the kill on any machine (unpaced, a fast one ran the steps after the
+# recovery between two scrapes)
+JOB: dict[str, Any] = {"nodes": 2, "steps": 12, "workload": "user_workload:paced_workload"}
 KILL_STEP = 6
+PACE_S = 0.1
+
+
+@pytest.fixture
+def paced(monkeypatch: pytest.MonkeyPatch) -> None:
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    on_pythonpath(here, monkeypatch)
+    monkeypatch.setenv("PHOENIXFT_TEST_PACE_S", str(PACE_S))
 
 
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -63,7 +75,7 @@ def _one(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **la
     return None
 
 
-def test_goodput_tensorboard_prometheus_and_live_metrics(tmp_path: Path, reference: Any) -> None:
+def test_goodput_tensorboard_prometheus_and_live_metrics(tmp_path: Path, reference: Any, paced: None) -> None:
     clean = reference(**JOB)  # failure-free (and unprotected: its goodput is the higher still)
     d, tb = tmp_path / "kill", tmp_path / "tb"
     box: dict[str, Any] = {}

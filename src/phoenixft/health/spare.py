@@ -77,7 +77,7 @@ class CheckProcess:
 
     def __init__(self, cfg: RunConfig, node: str, run_id: str, reference: str, perturb: bool, phase: str,
                  ignore_signal: int = 0) -> None:
-        from phoenixft.runtime.procs import die_with_parent
+        from phoenixft.runtime.procs import die_with_parent, fork
 
         self.bound = check_bound_s(cfg)
         self.deadline = time.monotonic() + self.bound
@@ -85,7 +85,7 @@ class CheckProcess:
         self._buf = b""
         r, w = os.pipe()
         parent = os.getpid()
-        pid = os.fork()
+        pid = fork()
         if pid == 0:  # the check's process
             code = 0
             try:

@@ -90,8 +90,10 @@ class StoppedWorkers:
 
 def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0,
                  drain_signal: int = 0) -> int:
+    from phoenixft.runtime.procs import fork
+
     parent = os.getpid()
-    pid = os.fork()
+    pid = fork()
     if pid == 0:  # child
         code = 1
         try:

@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-__all__ = ["die_with_parent", "start_time", "alive", "group_members", "cmdlines", "exit_now"]
+__all__ = ["die_with_parent", "start_time", "alive", "group_members", "cmdlines", "exit_now", "fork"]
 
 PR_SET_PDEATHSIG = 1
 
@@ -73,6 +73,19 @@ def _watch(pid: int, born: int, sig: int) -> None:
         os.kill(os.getpid(), sig)
 
     threading.Thread(target=wait, name=f"phoenixft-follow-{pid}", daemon=True).start()
+
+
+def fork() -> int:
+    """`os.fork()` for an agent's workers and health checks, without Python 3.12's warning that forking a
+    process with threads may deadlock the child. An agent's only other thread is `die_with_parent`'s, which
+    waits on a pidfd (or sleeps between looks at /proc) and holds no lock the child needs; the warning, on
+    every fork in every agent's log, would only alarm."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*multi-threaded, use of fork\(\) may lead to deadlocks",
+                                category=DeprecationWarning)
+        return os.fork()
 
 
 def _stat_fields(pid: int) -> list[str] | None:
