@@ -630,6 +630,7 @@ class EveryInit(nn.Module):  # every initialiser of torch.nn.init, the Tensor fi
         self.w = nn.ParameterList(nn.Parameter(torch.empty(6, 4)) for _ in range(10))
         self.frozen = nn.Parameter(torch.empty(3, dtype=torch.bfloat16), requires_grad=False)
         self.register_buffer("stat", torch.empty(5).fill_(1.0))
+        self.register_buffer("pos", torch.empty(5, 3).clamp_(0, 1).t_().unsqueeze_(0))  # (metadata ops run)
         for f, p in zip([nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_, nn.init.xavier_uniform_,
                          nn.init.xavier_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
                          nn.init.orthogonal_, nn.init.eye_, nn.init.zeros_], self.w):

@@ -130,7 +130,7 @@ def unsupported_parameters(model: torch.nn.Module, precision: str = "fp32") -> s
 # that only counts parameters. torch.nn.init's functions are in-place ops too (`xavier_uniform_(t)`).
 _META_RUN = frozenset({
     "requires_grad_", "detach_", "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
-    "transpose_", "swapdims_", "swapaxes_", "share_memory_", "rename_", "retain_grad",
+    "transpose_", "swapdims_", "swapaxes_", "share_memory_", "rename_", "sparse_resize_", "sparse_resize_and_clear_",
 })
 
 
