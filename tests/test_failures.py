@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SUITE_DEFAULTS, on_pythonpath, processes_with, run
+from conftest import SUITE_DEFAULTS, processes_with, run
 
 
 def test_worker_crash_is_restarted_in_place(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
@@ -337,8 +337,7 @@ def test_the_last_node_lost_ends_the_run_saying_why(tmp_path: Path) -> None:
     ("extra_state_workload", "module '0' keeps extra state (get_extra_state), which phoenixft cannot protect"),
     ("bad_optimizer_workload", "exception in the workload's optimizer at step 5 on rank"),
 ])
-def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           workload: str, needle: str) -> None:
+def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, workload: str, needle: str) -> None:
     """A loss that is not one number, a batch function or a build_model that raises, a model phoenixft cannot
     train (float64 parameters were silently made float32 and the user's batches then failed to match them;
     no trainable parameter at all failed inside autograd; a module's extra state, no tensor, failed inside the
@@ -346,9 +345,6 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monke
     they would fail with a traceback in every worker, restarts in place of both nodes until the run
     ended as "in-memory state lost" (the loss, the batch), or no word at all until --timeout while the nodes
     crash-looped before the join (build_model)."""
-    here = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(here)
-    on_pythonpath(here, monkeypatch)
     rep = run(tmp_path, nodes=2, spares=1, steps=5, workload=f"user_workload:{workload}", timeout=90.0)
     assert rep["state"] == "failed" and needle in rep.get("error", ""), rep.get("error")
     assert rep["recoveries"] == [], rep["recoveries"]  # nothing restarted, no spare consumed
@@ -357,9 +353,6 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, monke
 
 
 def _user_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
-    here = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(here)
-    on_pythonpath(here, monkeypatch)
     monkeypatch.setenv("PHOENIXFT_TEST_HEAD_PID", str(os.getpid()))  # (run() launches in this process)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import on_pythonpath, processes_with, run, wait_while_running
+from conftest import processes_with, run, wait_while_running
 
 from phoenixft.controlplane import keys, sealed
 from phoenixft.health import quarantine, quarantined_at, quarantined_hosts, read_history, record_failure
@@ -271,9 +271,6 @@ def test_a_spare_that_falls_sick_after_joining_fails_its_check_before_promotion(
     The run is paced (tests/user_workload.py: 0.3 s more per microbatch, asleep) so that both spares' join
     checks, which start once their workers are ready, run before s0 falls sick: unpaced, the suite's model
     reached that step before they started."""
-    here = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(here)
-    on_pythonpath(here, monkeypatch)
     monkeypatch.setenv("PHOENIXFT_TEST_PACE_S", "0.3")
     ref = reference(nodes=2, steps=12, workload="user_workload:workload")
     rep = run(tmp_path, nodes=2, spares=2, steps=12, inject=["sick:spare=0@step=6", "kill:node=1@step=9"],

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_one_hotswap, on_pythonpath, processes_with, run
+from conftest import assert_one_hotswap, processes_with, run
 
 from phoenixft.controlplane import sealed
 
@@ -263,13 +263,10 @@ def test_a_host_that_rejoins_frees_what_its_killed_node_left(tmp_path: Path) -> 
 
 
 def test_a_stateless_optimizer_of_the_workloads_own_is_protected(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:  # type: ignore[no-untyped-def]
+        tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """The workload's own optimizer with no state (plain SGD): the protected payload of fp32 parameters has
     no row, and viewing it as (0, -1) failed; every node's worker crashed in its epoch-0 join and was
     restarted in place (a recovery of a failure that was none, tracebacks in every log)."""
-    here = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(here)
-    on_pythonpath(here, monkeypatch)
     wl = "user_workload:stateless_optimizer_workload"
     ref = reference(nodes=2, steps=8, workload=wl)
     rep = run(tmp_path, nodes=2, spares=1, steps=8, workload=wl, inject=["kill:node=1@step=5"])

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_one_hotswap, on_pythonpath, run
+from conftest import assert_one_hotswap, run
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("prometheus_client")
@@ -31,9 +31,6 @@ PACE_S = 0.1
 
 @pytest.fixture
 def paced(monkeypatch: pytest.MonkeyPatch) -> None:
-    here = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(here)
-    on_pythonpath(here, monkeypatch)
     monkeypatch.setenv("PHOENIXFT_TEST_PACE_S", str(PACE_S))
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import on_pythonpath, run
+from conftest import run
 
 from phoenixft.controlplane import keys
 from phoenixft.protect import persist
@@ -345,7 +345,6 @@ def test_export_to_a_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> 
 
 
 def test_resume_with_another_precision_than_the_buffers_were_saved_in(tmp_path: Path, checkpoints: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """A checkpoint holds the model's buffers as bytes in the precision that trained them (floating buffers
     follow the parameters into bf16). Resumed with the other --precision they were read as garbage and the
@@ -353,9 +352,6 @@ def test_resume_with_another_precision_than_the_buffers_were_saved_in(tmp_path: 
     a traceback, bf16 into fp32). Refused in one line; a model without buffers (the GPT) still may switch."""
     from phoenixft.cli.main import main
 
-    here = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(here)
-    on_pythonpath(here, monkeypatch)
     bn = {"workload": "user_workload:bn_workload", "micro_batch": 16, "nodes": 2}
     rep = run(tmp_path / "a", spares=0, steps=2, persist_every=2, persist_dir=str(tmp_path / "ckpt"), **bn)
     assert rep["state"] == "done", rep.get("error")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import on_pythonpath, run
+from conftest import run
 
 from phoenixft.data import _mix
 from phoenixft.workload import WorkloadContext, load_workload
@@ -57,10 +57,7 @@ def test_two_runs_same_hash_and_loss_falls(tmp_path: Path, reference) -> None:  
     assert a["step_time_s"]["median"] > 0
 
 
-def test_user_workload_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    here = str(Path(__file__).parent)
-    monkeypatch.syspath_prepend(here)
-    on_pythonpath(here, monkeypatch)
+def test_user_workload_trains(tmp_path: Path) -> None:
     rep = run(tmp_path, nodes=2, spares=1, steps=15, workload="user_workload:workload", micro_batch=16,
               lr=1e-2, inject=["kill:node=1@step=8,phase=backward"])
     assert rep["state"] == "done", rep
