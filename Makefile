@@ -56,7 +56,7 @@ mutmut: $(STAMP)
 	$(PY) bench/mutmut_shares.py
 
 lint: $(STAMP)
-	$(PY) -m pip install -q ruff mypy
+	$(PY) -m pip install -q ruff==0.17.6 mypy==2.4.1
 	$(PY) -m ruff check src tests bench examples
 	$(PY) -m mypy src
 

@@ -99,7 +99,7 @@ from phoenixft.config import RunConfig  # noqa: E402
 from phoenixft.controlplane import auth, keys, sealed  # noqa: E402
 from phoenixft.controlplane.server import serve_store  # noqa: E402
 from phoenixft.controlplane.signed import sign  # noqa: E402
-from phoenixft.dist.topology import Topology, shard_name  # noqa: E402
+from phoenixft.distributed.topology import Topology, shard_name  # noqa: E402
 from phoenixft.recovery.planner import Descriptor  # noqa: E402
 from phoenixft.runtime.procs import die_with_parent  # noqa: E402
 

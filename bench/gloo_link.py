@@ -46,7 +46,7 @@ def _wait(w: object) -> None:
 
 
 def _body(rank: int, port: int, n: int, chunk: int, trials: int, lanes: list[int]) -> None:
-    from phoenixft.dist.comm import gloo_group
+    from phoenixft.distributed.comm import gloo_group
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
@@ -107,7 +107,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--gather", action="store_true", help="the parameter gather: all-gather vs gather_shards")
     ap.add_argument("--lanes", default="1,2", help="comma-separated connections per pair to compare (gloo devices; "
-                    "the recovery transfer uses phoenixft.dist.comm.XFER_LANES), each with 2 threads per lane")
+                    "the recovery transfer uses phoenixft.distributed.comm.XFER_LANES), each with 2 threads per lane")
     a = ap.parse_args()
     try:
         lanes = [int(x) for x in a.lanes.split(",")]

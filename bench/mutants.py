@@ -73,7 +73,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "if self.step_of(h) == step and (self.verified(h) or self.verify(h)):\n                return 1 - h",
              ("tests/test_integrity.py::test_the_sender_uses_whichever_half_of_the_step_verifies",)),
     Mutation("replica_on_owner_node", "a replica round at ring offset 0: the owner's own node keeps its replica",
-             "dist/topology.py",
+             "distributed/topology.py",
              "o = 1  # then the nearest others",
              "o = 0  # then the nearest others",
              ("tests/test_mesh.py::test_replicas_on_data_parallel_peers_of_other_nodes",

@@ -14,7 +14,7 @@ import json
 import time
 import zlib
 
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.recovery.planner import Descriptor, PlanInput, plan_recovery
 
 G, STEP = 8, 7

@@ -50,7 +50,7 @@ def one(work: Path, model: str) -> dict[str, Any]:
 
 def link_gbps(n_bytes: int) -> float | None:
     """GB/s of `bench/gloo_link.py` moving `n_bytes` once with the recovery group's lanes (None if it failed)."""
-    from phoenixft.dist.comm import XFER_LANES
+    from phoenixft.distributed.comm import XFER_LANES
 
     cmd = [sys.executable, str(Path(__file__).with_name("gloo_link.py")), "--mb", f"{n_bytes / 1e6:.3f}",
            "--lanes", str(XFER_LANES), "--trials", "1"]

@@ -223,7 +223,7 @@ class Hosts:
 
     def connect(self, host: str, addr: str, timeout_s: float = 30.0) -> Any:
         """A TCPStore client of `addr`, connected from inside `host`."""
-        from phoenixft.dist.comm import connect_store
+        from phoenixft.distributed.comm import connect_store
 
         with self.inside(host):
             return connect_store(addr, timeout_s)

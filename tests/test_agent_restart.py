@@ -25,7 +25,7 @@ import pytest
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import keys, sealed, values
 from phoenixft.controlplane.server import serve_store
-from phoenixft.dist.comm import connect_store
+from phoenixft.distributed.comm import connect_store
 from phoenixft.runtime import agent
 
 

@@ -99,7 +99,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_graph_sees_the_package() -> None:
     g = import_graph()
     assert "phoenixft.runtime.worker" in g
-    assert "phoenixft.dist.comm" in g["phoenixft.runtime.worker"]
+    assert "phoenixft.distributed.comm" in g["phoenixft.runtime.worker"]
 
 
 def test_no_import_cycles() -> None:

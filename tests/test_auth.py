@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _client(server: Any) -> Any:
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
 
     return connect_store(server.addr, 10.0)
 
@@ -301,7 +301,7 @@ def _has(path: Path, needle: bytes) -> bool:
 
 
 def test_workers_act_only_on_signed_topologies(monkeypatch: pytest.MonkeyPatch) -> None:
-    from phoenixft.dist.topology import Topology
+    from phoenixft.distributed.topology import Topology
 
     server = serve_store("127.0.0.1", 0)
     store = _client(server)
@@ -338,7 +338,7 @@ def test_the_store_listens_on_the_given_address_only() -> None:
 
 _LATE_PEER = r'''
 import sys, time, torch, torch.distributed as dist
-from phoenixft.dist.comm import EpochComm
+from phoenixft.distributed.comm import EpochComm
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
 comm = EpochComm(store, 0, 1, 2, 30.0)
 buf = torch.full((1 << 18,), 1.0)
@@ -357,7 +357,7 @@ def test_an_abandoned_collective_cannot_be_completed_by_a_late_peer(tmp_path: Pa
     import torch
     import torch.distributed as dist
 
-    from phoenixft.dist.comm import EpochComm
+    from phoenixft.distributed.comm import EpochComm
 
     script = tmp_path / "late_peer.py"
     script.write_text(_LATE_PEER)
@@ -474,7 +474,7 @@ def test_a_planner_that_raises_fails_the_run_in_one_line(monkeypatch: pytest.Mon
     line that names the exception instead."""
     from phoenixft import coordinator as coord_mod
     from phoenixft.coordinator import decide as decide_mod
-    from phoenixft.dist.topology import Topology
+    from phoenixft.distributed.topology import Topology
     from phoenixft.recovery.planner import Descriptor
 
     server = serve_store("127.0.0.1", 0)

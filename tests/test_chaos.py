@@ -77,7 +77,7 @@ def test_what_each_scenario_draws_and_says() -> None:
     """Each scenario's specs, slots and description for fixed draws: a kill, a crash, two nodes and their
     fallback, a kill during recovery whose second victim is a survivor (renumbered after a shrink, or not)
     or the spare promoted into the slot, and its fallback to a plain kill with neither."""
-    from phoenixft.dist.topology import Topology
+    from phoenixft.distributed.topology import Topology
     from phoenixft.faults.scenarios import SCENARIOS, Draw
 
     ring = Topology(epoch=0, nodes=[f"n{i}" for i in range(4)], workers_per_node=1, replicas=2, resume_step=0)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS: before its first use
 
-from phoenixft.dist.comm import EpochComm, connect_store, wait_work  # noqa: E402
-from phoenixft.dist.device import Device, place  # noqa: E402
+from phoenixft.distributed.comm import EpochComm, connect_store, wait_work  # noqa: E402
+from phoenixft.distributed.device import Device, place  # noqa: E402
 from phoenixft.errors import PeerFailure  # noqa: E402
 from phoenixft.protect.snapshot import ShardState  # noqa: E402
 

@@ -170,7 +170,7 @@ def test_restarts_look_only_at_the_workers_of_nodes_whose_agent_restarted_one() 
     from phoenixft.controlplane import keys, sealed
     from phoenixft.controlplane.server import serve_store
     from phoenixft.coordinator.shared import Job
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
 
     server = serve_store("127.0.0.1", 0)
     st = _Counting(connect_store(server.addr))

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from conftest import run
 
 from phoenixft.config import RunConfig
-from phoenixft.dist.comm import EpochComm, wait_work
-from phoenixft.dist.device import (
+from phoenixft.distributed.comm import EpochComm, wait_work
+from phoenixft.distributed.device import (
     DONE,
     Device,
     Pending,
@@ -360,7 +360,7 @@ class _Recorder(Device):
 def test_epoch_groups_by_backend(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     """With nccl, every group that carries device tensors is NCCL and `train`/`repl` stay gloo, on the
     same prefixes and in the same global order as with gloo."""
-    import phoenixft.dist.comm as comm_mod
+    import phoenixft.distributed.comm as comm_mod
 
     monkeypatch.setattr(comm_mod.dist, "PrefixStore", lambda prefix, store: prefix)
     monkeypatch.setattr(comm_mod, "_error_checked_wait", False)  # (restored after the test)

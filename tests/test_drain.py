@@ -94,7 +94,7 @@ def test_signal_and_cli_drain_a_live_run(tmp_path: Path, reference, capsys) -> N
     the signal, its agent turns it into a request. Both are planned drains with nothing lost, and the run ends
     bitwise equal to the failure-free one."""
     from phoenixft.cli.main import main
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
 
     steps = 30
     ref = reference(nodes=3, steps=steps, microbatches=6, workload="user_workload:workload")
@@ -171,7 +171,7 @@ def test_the_drain_command_signs_its_request_with_the_job_token(tmp_path: Path, 
     from phoenixft.config import RunConfig
     from phoenixft.controlplane import signed
     from phoenixft.controlplane.server import serve_store
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
 
     token = secrets.token_urlsafe(32)
     server = serve_store("127.0.0.1", 0)
@@ -215,7 +215,7 @@ def test_a_drain_whose_node_died_ends_the_survivors_waits_at_its_end() -> None:
     from types import SimpleNamespace
 
     from phoenixft.controlplane.server import serve_store
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
     from phoenixft.protect.protection import Protection
     from phoenixft.runtime.worker import Worker
 

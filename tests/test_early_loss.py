@@ -36,7 +36,7 @@ def _wait_for(path: Path, text: str, timeout_s: float) -> None:
 def _wait_ready(addr: str, wid: str, timeout_s: float) -> None:
     """Until worker `wid` of the job at `addr` has said it is ready (its `ready/` key)."""
     from phoenixft.controlplane import keys
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
 
     store = connect_store(addr, 30.0)
     deadline = time.monotonic() + timeout_s

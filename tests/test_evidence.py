@@ -17,7 +17,7 @@ import torch
 from conftest import TwoPassGather
 
 from phoenixft.coordinator.publish import published
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.protect.snapshot import PingPong, checksum
 from phoenixft.recovery.evidence import (
     NO_EVIDENCE,

@@ -51,7 +51,7 @@ def _await_progress(run_dir: Path, step: int, deadline: float) -> None:
     import time
 
     from phoenixft.controlplane import keys, sealed
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
 
     store = None
     while time.monotonic() < deadline and store is None:
@@ -271,7 +271,7 @@ def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends(monkey
 
     from phoenixft.controlplane import keys
     from phoenixft.controlplane.server import serve_store
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
     from phoenixft.errors import RunAborted
     from phoenixft.protect.protection import Protection
     from phoenixft.protect.replication import Replicator
@@ -521,7 +521,7 @@ def _ended_worker(monkeypatch: pytest.MonkeyPatch, state: str) -> tuple[Any, Any
 
     from phoenixft.controlplane import keys, signed
     from phoenixft.controlplane.server import serve_store
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
     from phoenixft.runtime.worker import Worker
 
     monkeypatch.setenv("PHOENIXFT_TOKEN", "t" * 8 + "Aq3-Zt9_pL0wYv2s")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.errors import UserError
 from phoenixft.faults.kinds import KILL_PHASES, KINDS, Point
 from phoenixft.faults.spec import parse_fault

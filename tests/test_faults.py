@@ -108,7 +108,7 @@ def test_duplicate_node_from_the_command_line_exits_2(capsys: pytest.CaptureFixt
 def test_a_recovery_phase_kill_waits_for_the_recovery_of_a_failure_not_a_planned_grow() -> None:
     from types import SimpleNamespace
 
-    from phoenixft.dist.topology import Topology
+    from phoenixft.distributed.topology import Topology
     from phoenixft.faults.inject import FaultInjector
 
     spec = parse_fault("kill:node=0@step=7,phase=recovery", 0)

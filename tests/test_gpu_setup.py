@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from phoenixft.config import RunConfig
-from phoenixft.dist import cuda_env, device
-from phoenixft.dist.cuda_env import (
+from phoenixft.distributed import cuda_env, device
+from phoenixft.distributed.cuda_env import (
     apply_determinism,
     apply_nccl_env,
     determinism_settings,
@@ -29,7 +29,7 @@ from phoenixft.dist.cuda_env import (
     placement_line,
     plan_gpus,
 )
-from phoenixft.dist.device import Device, check_device_here, gpu_slot
+from phoenixft.distributed.device import Device, check_device_here, gpu_slot
 from phoenixft.errors import UserError
 from phoenixft.protect.snapshot import ShardState
 from phoenixft.runtime import hostcheck

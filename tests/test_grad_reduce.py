@@ -81,7 +81,7 @@ def _train_worker(rank: int, world: int, port: int, q: mp.Queue) -> None:  # typ
     try:
         import phoenixft.train.trainer as trainer_mod
         from phoenixft.config import RunConfig
-        from phoenixft.dist.comm import EpochComm, wait_work
+        from phoenixft.distributed.comm import EpochComm, wait_work
         from phoenixft.parallel.layout import Layout
         from phoenixft.parallel.stage import WholeModel
         from phoenixft.workload import WorkloadContext, load_workload

@@ -87,7 +87,7 @@ def test_the_history_in_a_store_dedups_ignores_garbage_and_quarantines() -> None
 
 # ---------------------------------------------------------------- the built-in check
 def test_the_builtin_check_and_the_command(tmp_path: Path) -> None:
-    from phoenixft.dist.device import Device
+    from phoenixft.distributed.device import Device
 
     ref = reference_checksum()
     assert ref == reference_checksum() and len(ref) == 32

@@ -20,7 +20,7 @@ from conftest import SUITE_FLAGS, on_pythonpath, processes_with
 from phoenixft.controlplane import keys, signed, values
 from phoenixft.controlplane.etcd_cluster import etcd_binary
 from phoenixft.controlplane.server import serve_store
-from phoenixft.dist.comm import connect_store
+from phoenixft.distributed.comm import connect_store
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = "\x1b[2J\x1b]0;pwned\x07"

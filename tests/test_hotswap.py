@@ -166,7 +166,7 @@ class _HandJob:
 
     def begin(self) -> Any:
         """Head, agents and spare started; the store client once the job is whole at step 3."""
-        from phoenixft.dist.comm import connect_store
+        from phoenixft.distributed.comm import connect_store
 
         self.start("head", "coordinator", "--host", "127.0.0.1", "--port", str(self.port), "--nodes", "2",
                    "--spares", "1", "--workers-per-node", "1", "--steps", str(self.steps),

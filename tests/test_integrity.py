@@ -218,9 +218,9 @@ def test_a_damaged_replica_does_not_hide_the_intact_half_of_the_same_step(
 def test_the_sender_uses_whichever_half_of_the_step_verifies() -> None:
     import torch
 
+    from phoenixft.core.context import RankContext
     from phoenixft.protect.replicas import ReplicaScheme
     from phoenixft.protect.snapshot import Holding, checksum
-    from phoenixft.runtime.context import RankContext
 
     h = Holding(8)
     for half in (0, 1):  # the same step in both halves, then the first one damaged at rest

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import TwoPassGather
 
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.observe.display import Display
 from phoenixft.observe.html_report import RunData, render_html
 from phoenixft.protect.snapshot import PingPong, checksum

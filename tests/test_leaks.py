@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from phoenixft.controlplane import keys, sealed
-from phoenixft.dist.comm import connect_store
+from phoenixft.distributed.comm import connect_store
 from phoenixft.protect import shm
 
 # `serial`: runs alone in `make test`, after the other tests: every local run that starts sweeps the memory of

@@ -19,7 +19,7 @@ import torch
 from conftest import run
 
 from phoenixft.config import RunConfig
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.parallel.layers import TPHandle
 from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import from_full, segments, to_full

@@ -20,7 +20,7 @@ import pytest
 from conftest import SUITE_FLAGS, processes_with, run
 
 from phoenixft.controlplane import keys, sealed
-from phoenixft.dist.comm import connect_store
+from phoenixft.distributed.comm import connect_store
 from phoenixft.protect import shm
 from phoenixft.runtime.procs import cmdlines, start_time
 

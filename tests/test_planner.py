@@ -25,7 +25,7 @@ import zlib
 
 import pytest
 
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.protect.redundancy.parity import parity_name
 from phoenixft.protect.redundancy.placement import RingRank, place_groups
 from phoenixft.recovery.planner import STRIPES, Descriptor, PlanInput, feasible_steps, plan_recovery

@@ -26,7 +26,7 @@ import torch
 
 from phoenixft.cli.main import main as cli_main
 from phoenixft.config import RunConfig
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.errors import UserError
 from phoenixft.protect.redundancy.codes import ReedSolomon, XorCode, make_code, stripe_bytes
 from phoenixft.protect.redundancy.decodable import decode_options

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.controlplane import sealed
-from phoenixft.dist.comm import EpochComm
-from phoenixft.dist.rendezvous import RendezvousStore, rendezvous_store
+from phoenixft.distributed.comm import EpochComm
+from phoenixft.distributed.rendezvous import RendezvousStore, rendezvous_store
 
 TOKEN = "Aq3-Zt9_pL0wYv2s" * 2
 TIMEOUT = datetime.timedelta(seconds=10)

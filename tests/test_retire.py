@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-import phoenixft.dist.comm as comm_mod
+import phoenixft.distributed.comm as comm_mod
 from phoenixft.controlplane import keys, sealed
-from phoenixft.dist import retire
-from phoenixft.dist.comm import EpochComm
+from phoenixft.distributed import retire
+from phoenixft.distributed.comm import EpochComm
 from phoenixft.errors import RunAborted
 from phoenixft.runtime.worker import Worker
 
@@ -206,7 +206,7 @@ def test_the_last_reference_to_a_retired_group_is_dropped_off_the_training_threa
 _TWO_RANKS_THEN_EXIT = """
 import datetime, sys, threading
 import torch, torch.distributed as dist
-from phoenixft.dist.comm import EpochComm
+from phoenixft.distributed.comm import EpochComm
 master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
 got = {}
 def rank(r):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.protect.protection import make_scheme
 from phoenixft.protect.redundancy.scheme import parse_redundancy
 from phoenixft.protect.replication import Replicator

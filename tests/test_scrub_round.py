@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import run_ranks
 
-from phoenixft.dist.comm import wait_work
+from phoenixft.distributed.comm import wait_work
 from phoenixft.protect.scrub import Finding
 from phoenixft.protect.scrub_round import HELD, OWN, Ask, Request, repair_round
 from phoenixft.protect.snapshot import checksum

@@ -15,7 +15,7 @@ from conftest import run
 
 from phoenixft.controlplane import sealed
 from phoenixft.coordinator.stragglers import Flag, StragglerDetector, nodes_compute
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 
 Series = list[tuple[int, dict[str, float]]]
 

@@ -1,4 +1,4 @@
-"""The stream-ordered wait of NCCL collectives only kernels consume (dist/streams.py), with fake works:
+"""The stream-ordered wait of NCCL collectives only kernels consume (distributed/streams.py), with fake works:
 it never waits on the host, it checks every work's outcome with the polled wait once complete, and a
 failed work stops the step before its gradients are used; gloo keeps the polled wait."""
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from phoenixft.dist.comm import wait_work
-from phoenixft.dist.device import Device
-from phoenixft.dist.streams import StreamOrdered, stream_ordered
+from phoenixft.distributed.comm import wait_work
+from phoenixft.distributed.device import Device
+from phoenixft.distributed.streams import StreamOrdered, stream_ordered
 from phoenixft.errors import PeerFailure
 
 
@@ -37,7 +37,7 @@ class _Work:
 
 
 def _polled(work: Any, what: str) -> None:
-    import phoenixft.dist.comm as comm
+    import phoenixft.distributed.comm as comm
 
     was = comm._error_checked_wait
     comm._error_checked_wait = True  # as in a process with NCCL groups

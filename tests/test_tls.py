@@ -267,7 +267,7 @@ def test_status_reaches_a_tls_head_through_its_gateway(tmp_path: Path, capsys: p
     from phoenixft.controlplane import keys
     from phoenixft.controlplane.server import serve_store
     from phoenixft.controlplane.tls import start_gateway
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
     from phoenixft.observe import status as status_mod
 
     d, other = tmp_path / "pki", tmp_path / "other"

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import run_ranks
 
-from phoenixft.dist.comm import XFER_LANES, gloo_group
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.comm import XFER_LANES, gloo_group
+from phoenixft.distributed.topology import Topology
 from phoenixft.protect.snapshot import StreamChecksum, checksum
 from phoenixft.recovery.transfer import Piece, post, schedule, wait_all
 

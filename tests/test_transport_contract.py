@@ -237,7 +237,7 @@ def _fds_on(path: str) -> int:
 def test_a_handshake_that_fails_closes_the_files_it_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer lost mid-handshake (after the hellos, before the acks): the owners' files opened so far are
     closed, not kept open for the rest of the process (a dead node's deleted shard pinned in memory)."""
-    from phoenixft.dist import comm
+    from phoenixft.distributed import comm
     from phoenixft.errors import PeerFailure
 
     owner = ShardState(1000, str(tmp_path / "owner"), rows=3, payload_from=1)

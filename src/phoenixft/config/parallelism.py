@@ -50,7 +50,7 @@ class ParallelismConfig:
         if self.workers_per_node == 0:
             self.workers_per_node = max(1, self.tp)
             if self.device in ("auto", "cuda"):
-                from phoenixft.dist.device import resolve_device, visible_gpus
+                from phoenixft.distributed.device import resolve_device, visible_gpus
 
                 gpus = visible_gpus() if resolve_device(self.device) == "cuda" else 0
                 if gpus >= 1 and gpus % max(1, self.tp) == 0:
@@ -60,7 +60,7 @@ class ParallelismConfig:
 def validate_parallelism(cfg: RunConfig) -> None:
     """The device, the job's size, the mesh it is cut into, racks, spares and per-worker resources."""
     p = cfg.parallelism
-    from phoenixft.dist.device import DEVICES
+    from phoenixft.distributed.device import DEVICES
 
     # (whether CUDA is there is checked where the workers run: by each agent, for its host)
     need(p.device in ("auto", *DEVICES), "--device", p.device, f"one of auto, {', '.join(DEVICES)}")

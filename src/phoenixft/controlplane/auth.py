@@ -113,7 +113,7 @@ def verified_topology(store: Store, epoch: int, raw: bytes, timeout_s: float = 3
     """The `Topology` of `raw` (just read from `topo/<epoch>`) once its signature verifies with the
     job token; a wrong one is re-read (the coordinator may be overwriting a forgery) until
     `timeout_s`, then RunAborted: a worker never acts on an unsigned plan."""
-    from phoenixft.dist.topology import Topology
+    from phoenixft.distributed.topology import Topology
 
     token = os.environ.get(TOKEN_ENV, "")
     if not token:

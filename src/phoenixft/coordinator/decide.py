@@ -31,7 +31,7 @@ from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.drain import DrainDesk, DrainRequest
 from phoenixft.coordinator.publish import Publisher
 from phoenixft.coordinator.shared import Job, Membership
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.errors import NOT_INSTALLED
 from phoenixft.recovery.planner import Descriptor, Plan, PlanInput, plan_recovery
 

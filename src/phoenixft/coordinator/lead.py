@@ -38,7 +38,7 @@ from phoenixft.coordinator.drain import DrainDesk
 from phoenixft.coordinator.publish import Publisher, deposed
 from phoenixft.coordinator.shared import Job, Membership, index, wait_key
 from phoenixft.coordinator.stragglers import StragglerMonitor
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 
 __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
 
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
               "publishes; the launcher passes one)", file=sys.stderr)
         return 2
     if a.store:
-        from phoenixft.dist.comm import connect_store
+        from phoenixft.distributed.comm import connect_store
 
         store = connect_store(a.store)
     else:

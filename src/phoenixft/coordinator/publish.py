@@ -27,7 +27,7 @@ from typing import Any
 from phoenixft.controlplane import Election, auth, guarded_set, keys, sealed
 from phoenixft.controlplane.values import note_bad, parse_json
 from phoenixft.coordinator.shared import Job, Membership, index
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.recovery.evidence import rank_evidence
 
 __all__ = ["Publisher", "deposed", "published"]

@@ -15,7 +15,7 @@ from typing import Any
 from phoenixft.controlplane import Store, exists_many, keys, sealed
 from phoenixft.controlplane.signed import env_token, run_ended, set_signed
 from phoenixft.controlplane.values import clean, note_bad, parse_int
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 
 __all__ = ["NODE_ID", "Job", "Membership", "index", "wait_key"]
 

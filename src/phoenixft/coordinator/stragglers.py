@@ -32,7 +32,7 @@ from phoenixft.controlplane.values import parse_json
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.shared import Job, Membership
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 
 __all__ = ["Flag", "StragglerDetector", "StragglerMonitor", "evict", "nodes_compute", "DRAIN_REQUEST"]
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from phoenixft.config import RunConfig
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.errors import UserError
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.scenarios import SCENARIOS, ChaosFault, Draw, corrupt_owners

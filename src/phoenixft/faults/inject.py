@@ -26,11 +26,11 @@ import torch
 
 from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_int, parse_json
-from phoenixft.dist.topology import Topology
+from phoenixft.core.context import RankContext
+from phoenixft.distributed.topology import Topology
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 from phoenixft.protect.snapshot import Holding
-from phoenixft.runtime.context import RankContext
 
 __all__ = ["AGENT_FIRE_S", "FaultInjector"]
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from phoenixft.errors import UserError
 
 if TYPE_CHECKING:
-    from phoenixft.dist.topology import Topology
+    from phoenixft.distributed.topology import Topology
     from phoenixft.faults.inject import FaultInjector
     from phoenixft.faults.spec import FaultSpec
 

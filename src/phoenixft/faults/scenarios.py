@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.faults.spec import parse_fault
 
 __all__ = ["ChaosFault", "Draw", "Scenario", "SCENARIOS", "corrupt_owners"]

@@ -45,7 +45,7 @@ def check_bound_s(cfg: RunConfig) -> float:
 def _child(cfg: RunConfig, node: str, run_id: str, reference: str, perturb: bool, phase: str) -> dict[str, Any]:
     import torch
 
-    from phoenixft.dist.device import place
+    from phoenixft.distributed.device import place
     from phoenixft.health.check import SHM_CAP, SHM_CAP_PROMOTION, builtin_checks, run_command
     from phoenixft.protect.shm import node_prefix
 

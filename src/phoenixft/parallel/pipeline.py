@@ -9,7 +9,7 @@ process group per direction and stage boundary, where a transfer is a broadcast 
 (gloo's point-to-point works cannot be polled for completion; a broadcast can, so every transfer
 stays abortable). Each edge carries one direction in microbatch order, so sender and receiver
 always issue its transfers in the same order. Sends are asynchronous and waited at the end.
-Receives are waited with `device_wait`: on NCCL stream-ordered (dist/streams.py: the received tensor
+Receives are waited with `device_wait`: on NCCL stream-ordered (distributed/streams.py: the received tensor
 is read only by kernels), on gloo the polled wait. On CUDA the last stage's loss is read on the host
 only after the polled wait saw the stream's work complete (a `StreamMark`), so that a collective
 stuck on a dead peer ahead of it is noticed as in any other wait.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phoenixft.dist.streams import StreamMark
+from phoenixft.distributed.streams import StreamMark
 from phoenixft.parallel.stage import Stage
 
 __all__ = ["Pipeline"]

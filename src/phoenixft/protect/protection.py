@@ -21,7 +21,8 @@ import torch
 
 from phoenixft.controlplane import Store, exists_many, keys, sealed
 from phoenixft.controlplane.signed import run_ended
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.core.context import RankContext
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.protect import scrub_repair
 from phoenixft.protect.persist import Persister
@@ -35,7 +36,6 @@ from phoenixft.protect.scrub_round import repair_round
 from phoenixft.protect.snapshot import INVALID, Holding
 from phoenixft.recovery.evidence import params_checksums
 from phoenixft.recovery.planner import Descriptor
-from phoenixft.runtime.context import RankContext
 
 __all__ = ["Protection", "make_scheme"]
 

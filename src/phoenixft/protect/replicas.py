@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from phoenixft.dist.comm import EpochComm
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.comm import EpochComm
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.protect import shm
 from phoenixft.protect.replication import ReplicaPlan
 from phoenixft.protect.scheme import RankView, RedundancyScheme

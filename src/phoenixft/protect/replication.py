@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from phoenixft.dist.comm import EpochComm, alltoallv, wait_work
+from phoenixft.distributed.comm import EpochComm, alltoallv, wait_work
 from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.protect.snapshot import Holding, ShardState, checksum
 from phoenixft.protect.transport import ReplicaTransport, Routes, TransportMode

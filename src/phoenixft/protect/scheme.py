@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from phoenixft.dist.comm import EpochComm
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.comm import EpochComm
+from phoenixft.distributed.topology import Topology
 from phoenixft.protect.replication import Replicator
 from phoenixft.protect.scrub import HeldCopy
 from phoenixft.protect.snapshot import ShardState
@@ -34,7 +34,7 @@ BadSource = tuple[str, int, str]  # (shard or parity block, step, holder wid) wh
 
 
 class RankView(Protocol):
-    """What a scheme's recovery side needs of the rank it runs on (a `runtime.context.RankContext`)."""
+    """What a scheme's recovery side needs of the rank it runs on (a `core.context.RankContext`)."""
 
     rank: int
     comm: EpochComm | None

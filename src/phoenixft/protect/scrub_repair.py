@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.protect.redundancy.parity import ParityHolding
 from phoenixft.protect.scrub import Finding, HeldCopy
 from phoenixft.protect.scrub_round import HELD, OWN, Ask, Request

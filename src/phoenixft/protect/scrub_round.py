@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phoenixft.dist.comm import alltoallv
+from phoenixft.distributed.comm import alltoallv
 from phoenixft.protect.scrub import Finding
 
 __all__ = ["OWN", "HELD", "Ask", "Request", "repair_round"]

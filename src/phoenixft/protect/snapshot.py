@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import xxhash
 
-from phoenixft.dist.device import Device, Pending, alloc
+from phoenixft.distributed.device import Device, Pending, alloc
 
 __all__ = ["PingPong", "ShardState", "Holding", "checksum", "StreamChecksum", "alloc", "INVALID"]
 

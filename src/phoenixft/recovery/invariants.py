@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from phoenixft.recovery.evidence import NO_EVIDENCE, NO_MATCH, NOT_READ, Seen
 
 if TYPE_CHECKING:  # (the reports and the live display read entries without loading torch)
-    from phoenixft.dist.topology import Topology
+    from phoenixft.distributed.topology import Topology
 
 __all__ = ["INVARIANTS", "check_invariants", "failure_message", "failed_invariants", "invariants_hold"]
 

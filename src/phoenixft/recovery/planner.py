@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.protect.redundancy.decodable import DecodeJob, decode_options
 from phoenixft.recovery.evidence import plan_evidence
 

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from phoenixft.dist.comm import alltoallv
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.comm import alltoallv
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.errors import RunAborted
 from phoenixft.protect.redundancy.codes import Code, stripe_bytes
 from phoenixft.protect.redundancy.protect import ErasureProtector, u8

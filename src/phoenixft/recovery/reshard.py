@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from phoenixft.dist.comm import alltoallv
+from phoenixft.distributed.comm import alltoallv
 from phoenixft.parallel.layout import shard_numel_of
 
 __all__ = ["gather_full_optimizer", "old_shard_numel"]

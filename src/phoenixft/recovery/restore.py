@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from phoenixft.dist.comm import alltoallv
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.core.context import RankContext
+from phoenixft.distributed.comm import alltoallv
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.errors import PeerFailure, RunAborted
 from phoenixft.parallel.logical import from_full
 from phoenixft.protect.persist import NOT_INSTALLED, load_full
 from phoenixft.protect.snapshot import H_CRC, H_VALID, PingPong, StreamChecksum, checksum
 from phoenixft.recovery import transfer
 from phoenixft.recovery.reshard import gather_full_optimizer, old_shard_numel
-from phoenixft.runtime.context import RankContext
 
 __all__ = ["path_of", "restore_in_place", "reshard", "restore_persistent", "init_replicas", "own_half_problem"]
 

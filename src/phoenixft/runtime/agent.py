@@ -153,7 +153,7 @@ def _check_bind(addr: str) -> None:
 
 
 def _reconnect(addr: str) -> Store | None:
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
 
     try:
         return connect_store(addr, CALL_TIMEOUT_S)
@@ -284,7 +284,7 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
     store. The config is checked (`_verified_config`) once the admission has proven the token and named the
     run; before, it only sizes the host's check (`_prepare_host`), done again if the checked one differs."""
     from phoenixft.controlplane import keys
-    from phoenixft.dist.comm import connect_store
+    from phoenixft.distributed.comm import connect_store
 
     connect_deadline = time.monotonic() + a.connect_timeout
     store: Store | None
@@ -315,7 +315,7 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
 def _admit(a: argparse.Namespace, store: Store, token: str | None, bind: str) -> tuple[str, str]:
     """Ask the coordinator to admit this node (proving the job token); (its node id, the run id). Sets the
     token and this host's address in the environment the workers are forked with."""
-    from phoenixft.dist.comm import BIND_ENV
+    from phoenixft.distributed.comm import BIND_ENV
     from phoenixft.health.history import HOST_ID_ENV
 
     request = {"name": a.node, "spare": a.spare or (a.node.startswith("s") and bool(_ID.match(a.node))),

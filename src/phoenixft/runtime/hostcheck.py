@@ -66,7 +66,7 @@ def check_shm(need: int, free: int | None, where: str) -> None:
 def check_host(cfg: RunConfig, nodes_here: int, where: str) -> str:
     """The device the workers of this host train on (UserError, one line, if it cannot be used here),
     after checking that /dev/shm holds the snapshot halves of its `nodes_here` nodes."""
-    from phoenixft.dist.device import check_device_here
+    from phoenixft.distributed.device import check_device_here
 
     kind = check_device_here(cfg.device, where)
     check_shm(shm_needed(cfg, nodes_here, kind == "cuda"), shm_free(), where)
@@ -76,7 +76,7 @@ def check_host(cfg: RunConfig, nodes_here: int, where: str) -> str:
 def prepare_nccl(env: dict[str, str] | os._Environ[str]) -> str | None:
     """Set the NCCL settings a survivor needs in `env` (which the workers inherit); the line that names
     the values of the environment it replaced, if any."""
-    from phoenixft.dist.cuda_env import apply_nccl_env, nccl_overrides, override_line
+    from phoenixft.distributed.cuda_env import apply_nccl_env, nccl_overrides, override_line
 
     line = override_line(nccl_overrides(env))
     apply_nccl_env(env, "", 0)
@@ -91,8 +91,8 @@ def local_nodes(cfg: RunConfig) -> int:
 def local_notes(cfg: RunConfig, env: dict[str, str] | os._Environ[str]) -> list[str]:
     """What a local run on CUDA says once, each in one line: workers sharing GPUs (each with an NCCL
     host identity of its own), and the user's NCCL values its agents replace."""
-    from phoenixft.dist.cuda_env import nccl_overrides, override_line, placement_line
-    from phoenixft.dist.device import resolve_device, visible_gpus
+    from phoenixft.distributed.cuda_env import nccl_overrides, override_line, placement_line
+    from phoenixft.distributed.device import resolve_device, visible_gpus
 
     if resolve_device(cfg.device) != "cuda":
         return []

@@ -58,7 +58,7 @@ from phoenixft.controlplane import (
 )
 from phoenixft.controlplane.signed import run_ended, set_signed, sign, verified
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
-from phoenixft.dist.cuda_env import PLACEMENT_ENV
+from phoenixft.distributed.cuda_env import PLACEMENT_ENV
 from phoenixft.errors import UserError
 from phoenixft.health.history import HOST_ID_ENV, quarantined_hosts
 from phoenixft.observe.display import Display

@@ -9,7 +9,7 @@ layer (protection.py) replicates the previous step and, every K steps, persists 
 `PeerFailure` sends the worker into the recovery protocol: it posts a descriptor of what it holds
 (recovery/planner.py), waits for the next epoch's plan, and carries it out (recovery/restore.py);
 training resumes at the recovery step. Faults are injected by faults/inject.py. Protection, recovery
-and fault injection see the rank through its `RankContext` (runtime/context.py), never the worker. Run as
+and fault injection see the rank through its `RankContext` (core/context.py), never the worker. Run as
 `python -m phoenixft.runtime.worker` by the node agent (or forked by it).
 """
 
@@ -28,9 +28,10 @@ from phoenixft.controlplane.signed import CONFIG_WAIT_S, env_token, run_ended, s
 from phoenixft.controlplane.values import parse_int
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.coordinator.stragglers import nodes_compute
-from phoenixft.dist import device
-from phoenixft.dist.comm import EpochComm, connect_store
-from phoenixft.dist.topology import Topology
+from phoenixft.core.context import RankContext
+from phoenixft.distributed import device
+from phoenixft.distributed.comm import EpochComm, connect_store
+from phoenixft.distributed.topology import Topology
 from phoenixft.errors import Drained, PeerFailure, RunAborted, Unhealable, UserError
 from phoenixft.faults.inject import FaultInjector
 from phoenixft.optim import native
@@ -40,7 +41,6 @@ from phoenixft.protect.protection import Protection
 from phoenixft.recovery import restore
 from phoenixft.recovery.evidence import installed_seen
 from phoenixft.recovery.invariants import check_invariants, failure_message
-from phoenixft.runtime.context import RankContext
 from phoenixft.sdc.checks import SdcChecks, SdcSuspect
 from phoenixft.train.trainer import Trainer
 from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
@@ -324,7 +324,7 @@ class Worker:
             self._await_peers_settled(e, self.ctx.topo)
         # only now the old epoch's groups are aborted: an NCCL abort can block up to the group's timeout,
         # and the descriptor must reach the coordinator within its own; the abort gets a bounded wait
-        # (dist/retire.py: past it, the groups are abandoned to the abort's thread and the worker goes on)
+        # (distributed/retire.py: past it, the groups are abandoned to the abort's thread and the worker goes on)
         comm, self.ctx.comm = self.ctx.comm, None
         if comm is not None:
             comm.retire()
@@ -475,7 +475,7 @@ class Worker:
             self._build(stage)
             self.ctx.partition(topo.world, int(topo.meta.get("generation", 0)), r)
             tr = self.ctx.trainer
-        tr.stage.bind(self.ctx.comm.tp, tr.device_wait(self.ctx.wait))  # NCCL: stream-ordered (dist/streams.py)
+        tr.stage.bind(self.ctx.comm.tp, tr.device_wait(self.ctx.wait))  # NCCL: stream-ordered (distributed/streams.py)
         if "reshard" not in topo.meta and tr.flat.shards != lay.dp:
             # a spare built for the initial world, promoted into a resized one: it holds nothing yet
             self.ctx.repartition(topo.world, int(topo.meta.get("generation", 0)), r)

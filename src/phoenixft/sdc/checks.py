@@ -34,8 +34,8 @@ from phoenixft.sdc.logic import (
 )
 
 if TYPE_CHECKING:
+    from phoenixft.core.context import RankContext
     from phoenixft.faults.inject import FaultInjector
-    from phoenixft.runtime.context import RankContext
 
 __all__ = ["SdcChecks", "SdcSuspect"]
 

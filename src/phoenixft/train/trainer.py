@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 from phoenixft.config import RunConfig
 from phoenixft.data import _mix
-from phoenixft.dist.device import DONE, Device
-from phoenixft.dist.streams import StreamOrdered, stream_ordered
+from phoenixft.distributed.device import DONE, Device
+from phoenixft.distributed.streams import StreamOrdered, stream_ordered
 from phoenixft.errors import PeerFailure, RunAborted, Unhealable
 from phoenixft.optim import ElementwiseOptimizer, lr_at, make_optimizer
 from phoenixft.parallel.layout import Coord, Layout
@@ -162,7 +162,7 @@ class Trainer:
 
     def device_wait(self, wait: Wait) -> Wait:
         """The wait for collectives whose results only kernels read (tensor-parallel all-reduces, pipeline
-        receives): stream-ordered on NCCL (dist/streams.py), `wait` itself on gloo. Each epoch binds a
+        receives): stream-ordered on NCCL (distributed/streams.py), `wait` itself on gloo. Each epoch binds a
         fresh one (what a failed step's waits kept belongs to the retired groups)."""
         w = stream_ordered(wait, self.device.backend)
         self._ordered = w if isinstance(w, StreamOrdered) else None
@@ -543,7 +543,7 @@ class Trainer:
         return h.hexdigest(), full[0].clone()
 
     def _gather_stages(self, comm: Any, rank: int, layout: Layout, local: torch.Tensor, wait: Wait) -> torch.Tensor:
-        from phoenixft.dist.comm import alltoallv
+        from phoenixft.distributed.comm import alltoallv
 
         c = layout.coord(rank)
         segs = torch.tensor(self.segs, dtype=torch.int64).reshape(-1)

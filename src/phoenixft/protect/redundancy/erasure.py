@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from phoenixft.dist.comm import EpochComm
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.comm import EpochComm
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.protect import shm
 from phoenixft.protect.redundancy.parity import ParityHolding, parity_name
 from phoenixft.protect.redundancy.plan import ec_plan

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from phoenixft.dist.topology import Topology
+from phoenixft.distributed.topology import Topology
 from phoenixft.protect.redundancy.placement import Group, RingRank, place_groups
 from phoenixft.protect.redundancy.scheme import Redundancy
 

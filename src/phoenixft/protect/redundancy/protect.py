@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from phoenixft.dist.comm import alltoallv
+from phoenixft.distributed.comm import alltoallv
 from phoenixft.errors import PeerFailure
 from phoenixft.protect.redundancy.codes import Code, make_code, stripe_bytes
 from phoenixft.protect.redundancy.parity import ParityHolding

@@ -58,7 +58,7 @@ class Routes:
     def exchange(cls, pg: Any, world: int, mine: Hello | None, send_to: list[int], srcs: list[int],
                  wait: Wait) -> Routes:
         """The handshake with this rank's hello; `mine` None: every pair of this rank goes over TCP."""
-        from phoenixft.dist.comm import alltoallv
+        from phoenixft.distributed.comm import alltoallv
 
         n = Hello.numel_of()
         me = mine.encode() if mine is not None else torch.zeros(n, dtype=torch.int64)

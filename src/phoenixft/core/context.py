@@ -20,8 +20,8 @@ from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, exists_many, keys, sealed
 from phoenixft.controlplane.signed import run_ended
 from phoenixft.controlplane.watcher import FailureWatcher
-from phoenixft.dist.comm import EpochComm, wait_work
-from phoenixft.dist.topology import Topology, shard_name
+from phoenixft.distributed.comm import EpochComm, wait_work
+from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.errors import RunAborted
 from phoenixft.faults.spec import FaultSpec
 from phoenixft.protect import shm

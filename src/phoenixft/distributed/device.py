@@ -15,7 +15,7 @@ interface, so the CPU tests exercise the same logic the GPU path runs:
   `Device.h2d` (restore) copies a host half back into the working copy.
 - `place(kind, local_rank, node, nodes, workers_per_node)`: the worker's device, decided on its own
   host (`auto`: CUDA when a GPU is visible here). On CUDA, before the first CUDA call, the process
-  gets the NCCL settings a survivor needs and deterministic kernels (`dist/cuda_env.py`: a recovered
+  gets the NCCL settings a survivor needs and deterministic kernels (`distributed/cuda_env.py`: a recovered
   run must end bitwise equal to a failure-free one), then selects its GPU: the GPU of its LOCAL_RANK
   (one host per node), or, in a local run (`PHOENIXFT_GPU_PLACEMENT=spread`, set by `phoenixft run`),
   its slot in the plan of every worker of the run over the host's GPUs (`cuda_env.plan_gpus`: workers
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phoenixft.dist.cuda_env import (
+from phoenixft.distributed.cuda_env import (
     HOSTID_ENV,
     PLACEMENT_ENV,
     GpuSlot,

@@ -3,7 +3,7 @@
 Every recovery opens a new *epoch*; its process groups are built directly under a fresh store
 prefix (`e{epoch}/train`, `e{epoch}/repl`, ...) with `ProcessGroupGloo(PrefixStore(...))`: no
 `init_process_group`, no process restart. The values of each rendezvous are sealed with the run key
-(dist/rendezvous.py): whoever writes the store can make a build fail, not redirect it. With
+(distributed/rendezvous.py): whoever writes the store can make a build fail, not redirect it. With
 `--device cuda` the groups that carry device tensors (data-parallel, tensor-parallel, pipeline
 edges, tied embedding) are NCCL groups built the same way on the same prefixes
 (`Device.new_group`); the groups that carry host memory stay gloo: replication, and `train`
@@ -14,7 +14,7 @@ wait on live peers that have given up. So no wait here is a plain `work.wait()`:
 waits in short slices and between them checks an abort condition (the control plane's failure
 flag for this epoch), and gives up after a hard timeout. A failed epoch's groups are aborted and
 their connections severed on a thread of their own, within a bound (`EpochComm.retire`,
-dist/retire.py), then released.
+distributed/retire.py), then released.
 
 NCCL: a work's `wait()` only orders the current CUDA stream after it and does not report an error
 the work ended with; so once a process has NCCL groups, a completed work is waited with a timeout,
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from phoenixft.dist.device import BIND_ENV, Device, gloo_group
-from phoenixft.dist.rendezvous import rendezvous_store
-from phoenixft.dist.retire import Retirement
+from phoenixft.distributed.device import BIND_ENV, Device, gloo_group
+from phoenixft.distributed.rendezvous import rendezvous_store
+from phoenixft.distributed.retire import Retirement
 from phoenixft.errors import PeerFailure
 from phoenixft.parallel.layout import Layout
 
@@ -226,7 +226,7 @@ class EpochComm:
             self.emb = group(f"emb/dp{c.dp}.tp{c.tp}", lay.embedding_group(rank), backend)
 
     def retire(self, wait_s: float | None = None) -> bool:
-        """Abort every group and sever their connections, on a thread of its own (dist/retire.py),
+        """Abort every group and sever their connections, on a thread of its own (distributed/retire.py),
         and wait for that up to `wait_s` (default `retire.ABORT_WAIT_S`): True when every abort
         returned, False when it was abandoned (the caller goes on; the old groups stay with the abort's
         thread until it returns). A stuck op inside fails now instead of completing when a lost peer

@@ -2,7 +2,7 @@
 the NCCL settings a survivor needs, and the settings that make its kernels deterministic.
 
 Every function here is pure or takes the environment and the torch module it acts on as arguments,
-so the CPU suite checks exactly what a GPU worker would apply (`dist/device.py` applies it).
+so the CPU suite checks exactly what a GPU worker would apply (`distributed/device.py` applies it).
 
 - Placement (`plan_gpus`): the workers of one host, ordered active nodes first (n0, n1, ...), then
   spares (s0, s1, ...), each node's workers by local rank, take the visible GPUs in turn. With more

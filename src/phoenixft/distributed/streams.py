@@ -5,7 +5,7 @@ is read by the next kernels, never by the host. With the polled wait (`comm.wait
 stops at each such collective until it completed, so it cannot queue the next kernels meanwhile:
 the GPU idles for the launch latency after every one (several per layer). On NCCL `work.wait()`
 instead makes the current CUDA stream wait for the work and returns at once (`TORCH_NCCL_BLOCKING_WAIT`
-is 0: dist/device.py's `nccl_env`). `StreamOrdered` waits so and keeps the works it did not see
+is 0: distributed/device.py's `nccl_env`). `StreamOrdered` waits so and keeps the works it did not see
 complete; what stays watched for failures:
 
 - a dead peer: a kernel stuck behind the collective holds every later collective of the stream, so

@@ -17,7 +17,7 @@ wrapped: `rendezvous_store` returns the prefix store itself.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -39,7 +39,7 @@ class RendezvousStore(dist.Store):
         super().__init__()
         self.inner: Any = inner  # (torch's stubs type values as str; bytes are what it passes and takes)
         self.prefix = prefix
-        self.set_timeout(getattr(inner, "timeout"))  # (torch's default otherwise: 300 s)
+        self.set_timeout(cast(Any, inner).timeout)  # (torch's default otherwise: 300 s)
 
     def _name(self, key: str) -> str:
         return f"rendezvous/{self.prefix}/{key}"
