@@ -50,6 +50,26 @@ def paced_workload(ctx: WorkloadContext) -> Workload:
     return Workload(build_model=wl.build_model, loss=loss, batch=wl.batch)
 
 
+def lemon_workload(ctx: WorkloadContext) -> Workload:
+    """`workload` on a bad host: a node of the host named by PHOENIXFT_TEST_LEMON_HOST (a PHOENIXFT_HOST_ID, as a
+    local run names its simulated hosts) dies as real bad hardware does - its agent and itself SIGKILLed, no
+    `--inject` involved - as soon as it computes a batch of step PHOENIXFT_TEST_LEMON_STEP (default 3) or
+    later. Every other node computes `workload`'s batches."""
+    wl = workload(ctx)
+    lemon = os.environ.get("PHOENIXFT_HOST_ID", "") == os.environ.get("PHOENIXFT_TEST_LEMON_HOST", "-")
+    first = int(os.environ.get("PHOENIXFT_TEST_LEMON_STEP", "3"))
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if lemon and step >= first:
+            import signal
+
+            os.kill(os.getppid(), signal.SIGKILL)  # its node's agent
+            os.kill(os.getpid(), signal.SIGKILL)
+        return wl.batch(step, index)
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=batch)
+
+
 def broken_workload(ctx: WorkloadContext) -> Workload:
     """The same workload with a bug that fires at step 4 (a software error: not ours to heal)."""
     wl = workload(ctx)

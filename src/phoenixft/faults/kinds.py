@@ -130,6 +130,12 @@ class FaultKind:
         """Whether f makes the health check of spare `node` fail now (the job at step `progress`)."""
         return False
 
+    def harms_node(self, f: FaultSpec) -> bool:
+        """Whether f, once it struck a node, can make that node fail (killed, stopped, crashed, cut off,
+        preempted, convicted of corrupting data, failing its health check): that node's failures are then
+        the fault's, never its host's (`faults.struck`)."""
+        return True
+
     def describe(self, f: FaultSpec) -> str:
         """One line for people."""
         return str(f)
@@ -200,6 +206,9 @@ class Kill(FaultKind):
 
     def answered_by_recovery(self, f: FaultSpec) -> bool:
         return not f.coordinator and f.member is None  # those are the control plane's, answered by a standby
+
+    def harms_node(self, f: FaultSpec) -> bool:
+        return not f.coordinator and f.member is None  # (a coordinator kill strikes no node's host)
 
     def why_not_fired(self, f: FaultSpec) -> str:
         if f.recovery is not None or f.phase == "recovery":
@@ -272,6 +281,9 @@ class Corrupt(FaultKind):
 
     def answered_by_recovery(self, f: FaultSpec) -> bool:
         return False  # a corruption kills nothing: the kill it comes with is what a recovery answers
+
+    def harms_node(self, f: FaultSpec) -> bool:
+        return False  # (the replicas it flips are repaired or rejected; the node it hits runs on)
 
     def why_not_fired(self, f: FaultSpec) -> str:
         if f.phase == "transfer":
