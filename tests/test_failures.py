@@ -512,7 +512,32 @@ def test_a_run_timeout_shorter_than_a_step_says_its_value(tmp_path: Path) -> Non
     had to kill anything: rank 0 finishing just after the timeout used to publish its final state over the
     run's end for 10 s, until the launcher killed its node)."""
     rep = run(tmp_path, nodes=2, spares=1, steps=200, timeout=0.5)  # (far more steps than 0.5 s trains anywhere)
-    assert rep["state"] == "failed: timeout after 0.5s", rep["state"]
+    assert rep["state"] == ("failed: timeout after 0.5s (--timeout 0.5, the run's wall-clock limit: raise it, or "
+                            "leave --timeout out for none)"), rep["state"]
+
+
+def test_a_run_stopped_by_its_timeout_keeps_its_checkpoints_and_says_where_to_resume(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No wall-clock limit unless --timeout is given; one that is reached names the flag and its value, the
+    persistent tier finishes what it writes, and the end says which step it saved and how to go on; the
+    run resumed from there finishes."""
+    from phoenixft.config import RunConfig
+
+    assert RunConfig().timeout == 0  # (no limit by default)
+    ckpt = tmp_path / "ckpt"
+    rep = run(tmp_path / "a", nodes=2, spares=0, steps=5000, timeout=5.0, persist_every=3, persist_dir=str(ckpt),
+              workload="user_workload:workload")
+    assert rep["state"].startswith("failed: timeout after 5s (--timeout 5,"), rep["state"]
+    saved = rep["resume_from"]
+    assert saved is not None and saved["dir"] == str(ckpt) and saved["step"] % 3 == 0 and saved["step"] >= 3, saved
+    from phoenixft.protect.persist import verified_manifest
+
+    assert verified_manifest(ckpt)[0]["step"] == saved["step"]
+    assert f"the persistent tier saved step {saved['step']} in {ckpt}: go on from there with the same flags and " \
+           f"--resume {ckpt}" in capsys.readouterr().err
+    again = run(tmp_path / "b", nodes=2, spares=0, steps=saved["step"] + 2, resume=str(ckpt),
+                workload="user_workload:workload")
+    assert again["state"] == "done" and again["steps_completed"] == saved["step"] + 2, again.get("error")
 
 
 def _ended_worker(monkeypatch: pytest.MonkeyPatch, state: str) -> tuple[Any, Any]:
@@ -576,7 +601,7 @@ def test_a_run_ended_while_a_node_is_stopped_does_not_wait_out_the_grace_for_it(
     t0 = time.monotonic()
     rep = run_job(cfg, Display(quiet=True, steps=cfg.steps))
     took = time.monotonic() - t0
-    assert rep["state"] == "failed: timeout after 6s", rep["state"]
+    assert rep["state"].startswith("failed: timeout after 6s (--timeout 6,"), rep["state"]
     assert took < cfg.timeout + 6.0, f"the run took {took:.1f}s to end after its {cfg.timeout:g}s timeout"
     assert [k["node"] for k in rep["teardown"]["killed"]] == ["n1"], rep["teardown"]
     assert processes_with(rep["run_id"]) == []
@@ -611,7 +636,7 @@ def test_a_run_ended_while_one_worker_is_stopped_ends_without_waiting_for_it(tmp
     rep = run_job(cfg, Display(quiet=True, steps=cfg.steps))
     took = time.monotonic() - t0
     t.join(timeout=10)
-    assert rep["state"] == "failed: timeout after 6s", rep["state"]
+    assert rep["state"].startswith("failed: timeout after 6s (--timeout 6,"), rep["state"]
     assert took < cfg.timeout + 6.0, f"the run took {took:.1f}s to end after its {cfg.timeout:g}s timeout"
     assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
     assert processes_with(rep["run_id"]) == []

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from phoenixft.runtime.localjob import LocalJob
 
 __all__ = ["INTERRUPTED", "FINAL_WAIT_S", "signals_held", "final_report", "interrupted_report", "lost_report",
-           "write_report"]
+           "write_report", "resume_point", "resume_line"]
 
 INTERRUPTED = "failed: interrupted"  # the state of a run stopped by Ctrl-C, SIGTERM or SIGHUP
 FINAL_WAIT_S = 12.0  # the run state said done: how long to look for the signed final-state record
@@ -92,6 +92,26 @@ def lost_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
             "report_partial": "the control plane was lost: this report holds only what the launcher had seen"}
 
 
+def resume_point(persist_dir: str) -> dict[str, Any] | None:
+    """The newest complete checkpoint of the persistent tier once the run's processes are gone (every write
+    they had begun finished or given up): {"dir", "step"}, or None if there is none that verifies."""
+    from phoenixft.protect.persist import verified_manifest
+
+    try:
+        man, _ = verified_manifest(persist_dir)
+    except Exception:  # noqa: BLE001 - an unreadable directory: nothing to resume from, said so
+        return None
+    return {"dir": persist_dir, "step": int(man["step"])} if man is not None else None
+
+
+def resume_line(persist_dir: str, point: dict[str, Any] | None) -> str:
+    """What the end of a run that did not finish says about its persistent tier."""
+    if point is None:
+        return f"the persistent tier holds no complete checkpoint in {persist_dir} (none was due yet)"
+    return (f"the persistent tier saved step {point['step']} in {point['dir']}: go on from there with the same "
+            f"flags and --resume {point['dir']}")
+
+
 def write_report(job: LocalJob, cfg: RunConfig, state: str, report: dict[str, Any]) -> dict[str, Any]:
     """The report once the job is torn down (its teardown's findings added), written to the run directory
     and to --report; the end of the job said (a job handed over to another host's coordinator)."""
@@ -103,6 +123,9 @@ def write_report(job: LocalJob, cfg: RunConfig, state: str, report: dict[str, An
         job.display.info(f"the job goes on without this host: coordinator {job.handed_over} leads it (a standby "
                          "took over while this host was cut off from the control plane); its keys are left to it")
     report["teardown_stopped_while_starting"] = job.stopped_starting
+    if state != "done" and cfg.persist_dir:
+        report["resume_from"] = resume_point(cfg.persist_dir)
+        job.display.info(resume_line(cfg.persist_dir, report["resume_from"]))
     (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
     if cfg.report:
         Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)

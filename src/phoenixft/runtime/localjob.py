@@ -65,7 +65,7 @@ from phoenixft.runtime.jobfaults import LauncherFaults
 from phoenixft.runtime.repair import RepairQueue
 from phoenixft.runtime.teardown import JobTeardown
 
-__all__ = ["LocalJob", "Proc", "AGENT_MODULE", "CONTROL_PLANE_TIMEOUT_S"]
+__all__ = ["LocalJob", "Proc", "AGENT_MODULE", "CONTROL_PLANE_TIMEOUT_S", "timeout_state"]
 
 PARENT = "{parent}"  # in a spawned command line: the PID of the process it must not outlive
 Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
@@ -73,6 +73,12 @@ AGENT_MODULE = "phoenixft.runtime.agent"  # what a local job's node runs (`pytho
 CONTROL_PLANE_TIMEOUT_S = 15.0  # a cluster: no answer for this long and the run is failed (agents' default too)
 ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coordinator gets to decide (and record why)
 KEEP_EVERY_S = 1.0  # how often the launcher checks the keys it wrote once (`_keep`)
+
+
+def timeout_state(limit: float) -> str:
+    """The state of a run stopped by its --timeout: the flag and its value named (0.5 is not "0s")."""
+    return (f"failed: timeout after {limit:g}s (--timeout {limit:g}, the run's wall-clock limit: raise it, or leave "
+            "--timeout out for none)")
 
 
 def _publish(path: Path, text: str) -> None:
@@ -358,7 +364,7 @@ class LocalJob(JobTeardown):
             note_bad("step/<n>", "a step record this launcher cannot show", json.dumps(rec))
 
     def monitor(self) -> str:
-        deadline = time.monotonic() + self.cfg.timeout
+        deadline = time.monotonic() + self.cfg.timeout if self.cfg.timeout > 0 else float("inf")
         last_progress = -1
         # Local processes are looked at every 10 ms; the store every 50 ms, where reads are costly every
         # 250 ms (every read costs CPU on the machines that train; its fences and the run state in one request)
@@ -432,7 +438,7 @@ class LocalJob(JobTeardown):
                 if over and ended is not None:
                     return ended
                 if time.monotonic() > deadline:
-                    return f"failed: timeout after {self.cfg.timeout:g}s"  # (0.5 is not "0s")
+                    return timeout_state(self.cfg.timeout)
                 if self.local and all(n in self.exited for n in self.agents):
                     ended = run_ended(self.store, self.run_id, self.token) if self.store.check([keys.RUN_STATE]) \
                         else None

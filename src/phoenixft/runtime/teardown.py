@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from phoenixft.config.protection import PERSIST_CLOSE_S
 from phoenixft.controlplane import LEADER_KEY, Store, keys, multi_get_nowait, sealed
 from phoenixft.controlplane.signed import set_signed
 from phoenixft.protect import shm
@@ -122,7 +123,8 @@ class JobTeardown:
                 set_signed(self.store, self.token, self.run_id, keys.RUN_STATE, "aborted")
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
-        deadline = time.monotonic() + STOP_GRACE_S
+        # a persistent tier finishes the checkpoints it is writing first (a run stopped by its --timeout, Ctrl-C)
+        deadline = time.monotonic() + STOP_GRACE_S + (PERSIST_CLOSE_S if self.cfg.persist_every else 0.0)
         if not self.local and self._may_end_job():  # (cut off, or the job handed over: nobody leaves through us)
             self._await_remote_agents(deadline)
         procs = [*self.agents.values(), *self.coords.values()]
