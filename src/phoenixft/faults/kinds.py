@@ -17,6 +17,7 @@ import signal
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from phoenixft.errors import UserError
+from phoenixft.runtime.procs import signal_node
 
 if TYPE_CHECKING:
     from phoenixft.distributed.topology import Topology
@@ -196,7 +197,7 @@ class Kill(FaultKind):
         if f.coordinator:
             injector.kill_coordinator()
         else:
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            signal_node(os.getppid(), signal.SIGKILL)  # (a worker: its node is its agent and what runs below it)
 
     def refuse(self, f: FaultSpec, local: bool) -> str | None:
         if not local and f.coordinator:
@@ -232,7 +233,7 @@ class Hang(FaultKind):
     forms = ("hang:node=I@step=S",)
 
     def act(self, f: FaultSpec, injector: FaultInjector) -> None:
-        os.killpg(os.getpgid(0), signal.SIGSTOP)
+        signal_node(os.getppid(), signal.SIGSTOP)
 
     def describe(self, f: FaultSpec) -> str:
         return f"SIGSTOP node {f.node} in its {f.phase} phase"
