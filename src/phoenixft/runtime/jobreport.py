@@ -54,6 +54,8 @@ def final_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
     job._poll_events()
     job._last_steps()
     report = build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final, t_launch=job.t_launch)
+    if report.get("error_node"):
+        report["error_log"] = job.node_log(str(report["error_node"]))
     if job.store.check([keys.MEMBERS]):
         report["members"] = sealed.get_json(job.store, keys.MEMBERS, {})
     return report

@@ -55,7 +55,7 @@ from phoenixft.controlplane import (
 from phoenixft.controlplane.signed import run_ended, sign, verified
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
 from phoenixft.distributed.cuda_env import PLACEMENT_ENV
-from phoenixft.errors import UserError
+from phoenixft.errors import UserError, user_traceback
 from phoenixft.health.history import HOST_ID_ENV, quarantined_hosts
 from phoenixft.observe.display import Display
 from phoenixft.observe.live import LiveMetrics
@@ -201,9 +201,10 @@ class LocalJob(JobTeardown):
         if wl.prepare is not None and self.local:
             try:
                 wl.prepare()  # e.g. build the corpus cache once, before the workers map it
-            except Exception as e:  # noqa: BLE001 - user code: one line, not a traceback
+            except Exception as e:  # noqa: BLE001 - user code: one line, with its own traceback above it
+                where, trace = user_traceback(e)
                 raise UserError(f"--workload={self.cfg.workload!r}: its prepare() failed: {type(e).__name__}: "
-                                f"{e}") from None
+                                f"{e} (at {where})", detail=trace) from None
         self.display.tokens_per_step = wl.tokens_per_microbatch * self.cfg.total_microbatches
         if self.cfg.control_plane == "tcpstore":
             # The store is served from this process (its server thread needs no GIL), so that the
@@ -311,9 +312,17 @@ class LocalJob(JobTeardown):
                 note_bad(name, "overwritten or deleted by something other than this job; put back", now or b"")
                 self.store.set(name, value)
 
+    def node_log(self, node: str) -> str:
+        """Where node's agent and workers write: this run directory's logs/ for a local run, else their host."""
+        if self.local:
+            return str(self.run_dir / "logs" / f"{node}.log")
+        return f"the log of node {node}'s agent on its host"
+
     def _poll_events(self) -> None:
         for ev in sealed.records(keys.EVENTS, self._log.read(), self._events_macs):
             self.events_seen.append(json.dumps(ev))
+            if ev.get("kind") == "run_failed" and ev.get("traceback") and ev.get("node"):
+                ev["log"] = self.node_log(str(ev["node"]))  # (where the traceback is: said with the error)
             if self.live is not None:
                 self.live.event(ev)
             try:
