@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from phoenixft.errors import UserError
+from phoenixft.errors import UserError, user_traceback
 
 __all__ = ["Workload", "WorkloadContext", "load_workload", "check_workload_path", "unsupported_parameters",
            "build_on_meta"]
@@ -91,8 +91,10 @@ def load_workload(path: str, ctx: WorkloadContext) -> Workload:
         wl = _resolve(path)(ctx)
     except UserError:
         raise
-    except Exception as e:  # noqa: BLE001 - the factory is user code: its error is one line, not a traceback
-        raise UserError(f"--workload={path!r} failed to set up: {type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the factory is user code: one line, with its own traceback above it
+        where, trace = user_traceback(e)
+        raise UserError(f"--workload={path!r} failed to set up: {type(e).__name__}: {e} (at {where})",
+                        detail=trace) from None
     if not isinstance(wl, Workload):
         raise UserError(f"--workload={path!r} is invalid: it returned {type(wl).__name__}, expected phoenixft.Workload")
     return wl

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except UserError as e:
+        if e.detail:  # (the traceback of the user's own code that failed)
+            print(e.detail, file=sys.stderr)
         print(f"phoenixft {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

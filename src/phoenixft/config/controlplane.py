@@ -46,7 +46,9 @@ class ControlPlaneConfig:
                                     "during a recovery; needs --protect phoenix); --no-evict-stragglers: report "
                                     "it only.",
                                     flag="--evict-stragglers", action="both")
-    timeout: float = option(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
+    timeout: float = option(0.0, "A wall-clock limit for the whole run, in seconds: once reached, the run stops "
+                            "(the persistent tier finishes the checkpoints it is writing) and everything is torn "
+                            "down. 0 = no limit (the default: a training run takes as long as it takes).")
     tls_cert: str = option("", "This host's TLS certificate (PEM, signed by --tls-ca; `phoenixft certs DIR` makes "
                            "one). With --tls-key and --tls-ca: the store listens on loopback only and every agent "
                            "reaches it through mutually authenticated TLS; an etcd control plane is spoken to over "
@@ -78,7 +80,7 @@ def validate_control_plane(cfg: RunConfig) -> None:
          "> 1 and at most 1000 (how many times its peers' median a straggler's compute takes), or 0 = no detection")
     need(1 <= c.straggler_window <= 1_000_000, "--straggler-window", c.straggler_window,
          "must be in 1..1000000 (consecutive steps)")
-    real(c.timeout, c.timeout > 0, "--timeout", "> 0 seconds")
+    real(c.timeout, c.timeout >= 0, "--timeout", ">= 0 seconds (0 = no limit)")
     from phoenixft.controlplane.tls import TlsFiles
 
     TlsFiles.given(c.tls_cert, c.tls_key, c.tls_ca)  # (files present, key private, cert signed by the CA)

@@ -14,11 +14,12 @@ if TYPE_CHECKING:
     from phoenixft.config.run import RunConfig
     from phoenixft.protect.redundancy.scheme import Redundancy
 
-__all__ = ["ProtectionConfig", "validate_protection", "PROTECT_MODES", "TRANSPORTS"]
+__all__ = ["ProtectionConfig", "validate_protection", "PROTECT_MODES", "TRANSPORTS", "PERSIST_CLOSE_S"]
 
 PROTECT_MODES = ("phoenix", "none")
 TRANSPORTS = ("auto", "tcp")  # --replica-transport (protect/transport/: TransportMode)
 SCRUB_EVERY = 1  # --scrub-every default: measured by bench/scrub.py (docs/scrubbing.md)
+PERSIST_CLOSE_S = 60.0  # how long a rank's persistent tier may finish the checkpoints it is writing once it stops
 
 
 @dataclass(kw_only=True)

@@ -180,6 +180,7 @@ class RunConfig:
     health_recheck_every = _Flat[float]("health")
     quarantine_after = _Flat[int]("health")
     quarantine_window = _Flat[float]("health")
+    quarantine_injected = _Flat[bool]("health")
     inject = _Flat[list[str]]("injection")
     report = _Flat[str]("output")
     run_dir = _Flat[str]("output")

@@ -53,9 +53,12 @@ def format_lines(summary: dict[str, Any]) -> list[str]:
             + ("" if s["ok"] else f": {s['reason'][:160]}") for s in spares))
     q = summary["quarantine"]
     for h in q["hosts"]:
-        fails = "; ".join(f"{f['node']}: {f['reason'][:100]}" for f in h["failures"]) or h["reason"]
+        fails = "; ".join(f"{f['node']}: {f['reason'][:100]}" + (f" [injected: {f['injected']}]" if f.get("injected")
+                                                                  else "") for f in h["failures"]) or h["reason"]
         state = "QUARANTINED" if h["quarantined"] else "not quarantined"
-        out.append(f"host {h['host']}: {state}, {len(h['failures'])} failure(s) ({fails})")
+        injected = sum(1 for f in h["failures"] if f.get("injected"))
+        counted = f", {injected} of them injected (not counted)" if injected else ""
+        out.append(f"host {h['host']}: {state}, {len(h['failures'])} failure(s){counted} ({fails})")
     if q["quarantined"]:
         out.append(f"quarantined hosts: {', '.join(q['quarantined'])} (never admitted again; rule: "
                    f"{q['after']} failures within {q['window_s']:g}s)")

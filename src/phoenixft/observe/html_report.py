@@ -649,10 +649,12 @@ def _health_tables(run: RunData) -> str:
             + _td("QUARANTINED" if h.get("quarantined") else "admitted", "state",
                   "bad" if h.get("quarantined") else None)
             + _td(len(h.get("failures") or []), "failures", "num")
-            + _td("; ".join(f"{f.get('node')}: {f.get('reason')}" for f in h.get("failures") or []) or h.get("reason"),
-                  "detail") + "</tr>" for h in hosts)
+            + _td("; ".join(f"{f.get('node')}: {f.get('reason')}" + (f" [injected: {f['injected']}, not counted]"
+                                                                      if f.get("injected") else "")
+                            for f in h.get("failures") or []) or h.get("reason"), "detail") + "</tr>" for h in hosts)
         parts.append(f'<p>Quarantine: {_e(quarantine.get("after"))} failures within {_e(quarantine.get("window_s"))} '
-                     's; quarantined hosts are never admitted again.</p>'
+                     's (a failure an injected fault caused is not counted); quarantined hosts are never admitted '
+                     'again.</p>'
                      '<table id="hosts"><tr><th>host</th><th>state</th><th>failures</th><th>what failed</th></tr>'
                      f"{rows}</table>")
     return "\n".join(parts)

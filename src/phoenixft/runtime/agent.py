@@ -5,7 +5,9 @@ pays one `import torch`; a local run's agents are themselves forked from the lau
 zygote, `phoenixft.runtime.zygote`, and pay none), heartbeats to the control plane, and reports worker exits.
 A spare node is the same agent started with `--spare`: its workers build the model and wait,
 warm, for promotion. The agent and its workers share one process group (the agent is a
-session leader), so a node is killed, or fenced, as one unit.
+session leader when a local run starts it), so a node is killed, or fenced, as one unit; an agent started
+by hand may share its group with the script that started it, and a fault or an expired notice then
+strikes only the node's own process tree (`procs.signal_node`).
 
 The agent owns its node's host shared memory (`phoenixft.protect.shm`): it is listed in the run's owner
 record, its workers die with it (`PR_SET_PDEATHSIG`), and when it ends - normally, on SIGTERM,
@@ -51,7 +53,7 @@ from phoenixft.errors import UserError
 from phoenixft.faults.notice import NoticeHandler, signal_number
 from phoenixft.protect import shm
 from phoenixft.runtime import hostcheck
-from phoenixft.runtime.procs import die_with_parent, exit_now, process_state
+from phoenixft.runtime.procs import die_with_parent, exit_now, process_state, signal_node
 
 __all__ = ["main", "run_agent", "probe_store", "CALL_TIMEOUT_S"]
 
@@ -450,7 +452,7 @@ class _Node:
                     time.sleep(0.2)
             if self.notice.expired():  # a preemption's notice ran out before the node left: it goes now
                 print(f"phoenixft agent {self.node}: preemption notice ran out; SIGKILL of the node", flush=True)
-                os.killpg(os.getpgid(0), signal.SIGKILL)
+                signal_node(os.getpid(), signal.SIGKILL)  # (this node only: never the script that started it)
             if self.children:
                 self.reap(0.25)
             else:  # (only exits left to decide: wait for the control plane)
