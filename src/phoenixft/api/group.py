@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+_c10d: Any = torch._C._distributed_c10d  # (the option classes; torch's stubs lack some of them)
+
 __all__ = ["ResilientGroup", "BACKEND", "register_backend", "NotMember"]
 
 BACKEND = "phoenixft"
@@ -66,7 +68,7 @@ class ResilientGroup(dist.ProcessGroup):
     """The run's one process group; `bind(backend, rank, size)` at every epoch."""
 
     def __init__(self, rank: int, size: int) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._rank, self._size = rank, size
         self._inner: Any = None
         self._group_name = ""
@@ -100,7 +102,7 @@ class ResilientGroup(dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
-        super()._set_group_name(name)
+        super()._set_group_name(name)  # type: ignore[arg-type]
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -111,33 +113,33 @@ class ResilientGroup(dist.ProcessGroup):
         return self._group_name
 
     # ---------------------------------------------------------------- collectives
-    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        return self.inner.allreduce(tensors, opts if opts is not None else dist.AllreduceOptions())
+        return self.inner.allreduce(tensors, opts if opts is not None else _c10d.AllreduceOptions())
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.inner.allreduce_coalesced(tensors, opts if opts is not None else dist.AllreduceCoalescedOptions())
+        return self.inner.allreduce_coalesced(tensors, opts if opts is not None else _c10d.AllreduceCoalescedOptions())
 
-    def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+    def broadcast(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        return self.inner.broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
+        return self.inner.broadcast(tensors, opts if opts is not None else _c10d.BroadcastOptions())
 
-    def reduce(self, tensors: Any, opts: Any = None) -> Any:
+    def reduce(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        return self.inner.reduce(tensors, opts if opts is not None else dist.ReduceOptions())
+        return self.inner.reduce(tensors, opts if opts is not None else _c10d.ReduceOptions())
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.inner.allgather(outputs, inputs, opts if opts is not None else dist.AllgatherOptions())
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        return self.inner.allgather(outputs, inputs, opts if opts is not None else _c10d.AllgatherOptions())
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> Any:
-        return self.inner.allgather_coalesced(outputs, inputs, opts if opts is not None else dist.AllgatherOptions())
+        return self.inner.allgather_coalesced(outputs, inputs, opts if opts is not None else _c10d.AllgatherOptions())
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
-        return self.inner._allgather_base(output, input, opts if opts is not None else dist.AllgatherOptions())
+        return self.inner._allgather_base(output, input, opts if opts is not None else _c10d.AllgatherOptions())
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         return self._allgather_base(output, input, opts)
@@ -150,12 +152,12 @@ class ResilientGroup(dist.ProcessGroup):
                                     opts: Any = None) -> Any:
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        return self.inner.reduce_scatter(outputs, inputs, opts if opts is not None else dist.ReduceScatterOptions())
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
+        return self.inner.reduce_scatter(outputs, inputs, opts if opts is not None else _c10d.ReduceScatterOptions())
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         return self.inner._reduce_scatter_base(output, input,
-                                               opts if opts is not None else dist.ReduceScatterOptions())
+                                               opts if opts is not None else _c10d.ReduceScatterOptions())
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:  # noqa: A002
         return self._reduce_scatter_base(output, input, opts)
@@ -171,23 +173,23 @@ class ResilientGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts: Any = None) -> Any:
         return self.inner.alltoall_base(output, input, list(output_split_sizes or []), list(input_split_sizes or []),
-                                        opts if opts is not None else dist.AllToAllOptions())
+                                        opts if opts is not None else _c10d.AllToAllOptions())
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any,  # noqa: A002
                           input_split_sizes: Any, opts: Any = None) -> Any:
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.inner.alltoall(outputs, inputs, opts if opts is not None else dist.AllToAllOptions())
+        return self.inner.alltoall(outputs, inputs, opts if opts is not None else _c10d.AllToAllOptions())
 
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        return self.inner.gather(outputs, inputs, opts if opts is not None else dist.GatherOptions())
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        return self.inner.gather(outputs, inputs, opts if opts is not None else _c10d.GatherOptions())
 
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        return self.inner.scatter(outputs, inputs, opts if opts is not None else dist.ScatterOptions())
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
+        return self.inner.scatter(outputs, inputs, opts if opts is not None else _c10d.ScatterOptions())
 
     def barrier(self, opts: Any = None) -> Any:
-        return self.inner.barrier(opts if opts is not None else dist.BarrierOptions())
+        return self.inner.barrier(opts if opts is not None else _c10d.BarrierOptions())
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         return self.inner.send(tensors, dst, tag)
@@ -218,7 +220,7 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> ResilientGroup:  
 
 def register_backend() -> None:
     """Make `phoenixft` a torch.distributed backend (once per process)."""
-    if BACKEND.upper() in dist.Backend._plugins:  # type: ignore[attr-defined]
+    if BACKEND.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 

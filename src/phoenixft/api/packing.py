@@ -67,6 +67,18 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _map(x: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`x` rebuilt with `leaf(v)` for every value that is not a dict, list or plain tuple (namedtuples are leaves)."""
+    if isinstance(x, dict):
+        items = ((k, _map(v, leaf)) for k, v in x.items())
+        return dict(items) if type(x) is dict else type(x)(items)
+    if isinstance(x, list):
+        return [_map(v, leaf) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_map(v, leaf) for v in x)
+    return leaf(x)
+
+
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[str, ...] | None]:
     """The tensor whose bytes are packed, and a DTensor's placements."""
     to_local = getattr(t, "to_local", None)
@@ -82,24 +94,17 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor], list[tuple[str, tuple[in
     tensors: list[torch.Tensor] = []
     specs: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]] = []
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if x.is_sparse or x.layout != torch.strided:
-                raise TypeError(f"phoenixft cannot snapshot a {x.layout} tensor (only dense tensors)")
-            loc, pl = _local(x)
-            tensors.append(loc.detach())
-            specs.append((str(loc.dtype), tuple(loc.shape), pl))
-            return _Slot(len(tensors) - 1)
-        if isinstance(x, dict):
-            return type(x)((k, walk(v)) for k, v in x.items()) if type(x) is not dict else \
-                {k: walk(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(walk(v) for v in x)
-        return x
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.is_sparse or x.layout != torch.strided:
+            raise TypeError(f"phoenixft cannot snapshot a {x.layout} tensor (only dense tensors)")
+        loc, pl = _local(x)
+        tensors.append(loc.detach())
+        specs.append((str(loc.dtype), tuple(loc.shape), pl))
+        return _Slot(len(tensors) - 1)
 
-    return walk(obj), tensors, specs
+    return _map(obj, leaf), tensors, specs
 
 
 @dataclass(frozen=True)
@@ -117,18 +122,7 @@ def _refs(specs: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]], star
 
 
 def _with_refs(skel: Any, refs: list[TensorRef]) -> Any:
-    def walk(x: Any) -> Any:
-        if isinstance(x, _Slot):
-            return refs[x.i]
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()} if type(x) is dict else type(x)((k, walk(v)) for k, v in x.items())
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(walk(v) for v in x)
-        return x
-
-    return walk(skel)
+    return _map(skel, lambda x: refs[x.i] if isinstance(x, _Slot) else x)
 
 
 def _skeleton_bytes(skel: Any, refs: list[TensorRef]) -> bytes:
@@ -235,16 +229,10 @@ def unpack(buf: torch.Tensor, dtensor: Callable[[TensorRef, torch.Tensor], Any] 
         raise ValueError(f"a snapshot of {data_n} bytes in a buffer of {buf.numel()}")
     skel = pickle.loads(bytes(buf[HEADER : HEADER + skel_n].numpy().tobytes()))  # noqa: S301 - our own bytes, verified
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, TensorRef):
-            t = buf[x.offset : x.offset + x.nbytes].view(_dtype(x.dtype)).view(x.shape)
-            return dtensor(x, t) if (x.dtensor is not None and dtensor is not None) else t
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()} if type(x) is dict else type(x)((k, walk(v)) for k, v in x.items())
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(walk(v) for v in x)
-        return x
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, TensorRef):
+            return x
+        t = buf[x.offset : x.offset + x.nbytes].view(_dtype(x.dtype)).view(x.shape)
+        return dtensor(x, t) if (x.dtensor is not None and dtensor is not None) else t
 
-    return walk(skel)
+    return _map(skel, leaf)
