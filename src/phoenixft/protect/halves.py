@@ -176,12 +176,21 @@ class ByteHalves:
         """The current half's used bytes: what a peer that lacks the state installs."""
         return self.data(self.live)
 
+    def size_at(self, step: int) -> int:
+        """Bytes of the half holding `step` (0: none does)."""
+        h = self.half_with(step)
+        return self._used(h) if h is not None else 0
+
+    def params_view(self, which: int | None = None) -> torch.Tensor:
+        """The used bytes of half `which` (the current one by default): what the evidence hashes."""
+        return self.data(self.live if which is None else which)
+
     def receive_buffer(self, nbytes: int) -> torch.Tensor:
         """Room for a peer's copy of `nbytes` in the half that is not current (invalid until `adopt_received`)."""
         half = self.staging()
         return self.begin_write(half, nbytes)[:nbytes]
 
-    def adopt_received(self, step: int, nbytes: int, crc: int = 0) -> None:
+    def adopt_received(self, step: int, nbytes: int, crc: int = 0) -> None:  # (nbytes: what was received)
         """The buffer of `receive_buffer` holds a peer's copy of `step`: it becomes current, the other half
         is dropped (it held no step the plan resumes from)."""
         half = self.staging()
