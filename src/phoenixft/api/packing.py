@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorRef", "pack", "unpack", "packed_size", "Packer", "HEADER", "ALIGN", "flatten", "used_bytes"]
+__all__ = ["TensorRef", "pack", "unpack", "packed_size", "Packer", "HEADER", "ALIGN", "flatten", "used_bytes",
+           "check_restorable"]
 
 MAGIC = 0x50464E58  # "PFNX"
 VERSION = 1
@@ -126,9 +127,43 @@ def _with_refs(skel: Any, refs: list[TensorRef]) -> Any:
 
 
 def _skeleton_bytes(skel: Any, refs: list[TensorRef]) -> bytes:
+    """The skeleton pickled without its memo: equal nests give equal bytes, whichever objects they share (a
+    state loaded from a snapshot shares fewer than the one that wrote it)."""
     f = io.BytesIO()
-    pickle.dump(_with_refs(skel, refs), f, protocol=pickle.HIGHEST_PROTOCOL)
+    p = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
+    p.fast = True  # (no memo: nests of state dicts are trees)
+    p.dump(_with_refs(skel, refs))
     return f.getvalue()
+
+
+# what a snapshot's skeleton may name: plain containers and numbers, and our tensor references (a snapshot
+# comes from a peer: unpickling must not run anything else)
+_SAFE = {("builtins", n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "range")} | {
+    ("collections", "OrderedDict"), ("collections", "deque"), ("collections", "defaultdict"),
+    ("phoenixft.api.packing", "TensorRef"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar")}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _SAFE:
+            raise pickle.UnpicklingError(f"a snapshot names {module}.{name}, which phoenixft does not restore (a "
+                                         "state holds tensors, numbers, strings and containers of them)")
+        return super().find_class(module, name)
+
+
+def _loads(b: bytes) -> Any:
+    return _Unpickler(io.BytesIO(b)).load()
+
+
+def check_restorable(obj: Any) -> None:
+    """TypeError naming the first value of `obj`'s nest that a snapshot could not restore (checked once, when a
+    state is first packed: a snapshot that cannot be read back would only fail in a recovery)."""
+    skel, _t, specs = flatten(obj)
+    try:
+        _loads(_skeleton_bytes(skel, _refs(specs, HEADER)))
+    except pickle.UnpicklingError as e:
+        raise TypeError(f"phoenixft cannot protect this state: {e}") from None
 
 
 def packed_size(obj: Any) -> int:
@@ -185,7 +220,8 @@ class Packer:
         cached = self._views.get(id(buf))
         if cached is not None and cached[0] == key:
             views = cached[1]
-        else:
+        else:  # a new layout in this buffer: its gaps zeroed once (the bytes of a step depend on nothing else)
+            buf[:end].zero_()
             views = [buf[r.offset : r.offset + r.nbytes].view(_dtype(r.dtype)).view(r.shape) for r in refs]
             self._views[id(buf)] = (key, views)
         if tensors:
@@ -197,6 +233,7 @@ class Packer:
         raw = torch.frombuffer(bytearray(head + sk), dtype=torch.uint8)
         buf[: len(head)].copy_(raw[: len(head)])
         buf[HEADER : HEADER + len(sk)].copy_(raw[len(head) :])
+        buf[HEADER + len(sk) : refs[0].offset if refs else end].zero_()  # (a longer skeleton's tail, before)
         return end
 
 
@@ -227,7 +264,7 @@ def unpack(buf: torch.Tensor, dtensor: Callable[[TensorRef, torch.Tensor], Any] 
         raise ValueError("not a phoenixft snapshot (bad magic or version)")
     if data_n > buf.numel() or HEADER + skel_n > buf.numel():
         raise ValueError(f"a snapshot of {data_n} bytes in a buffer of {buf.numel()}")
-    skel = pickle.loads(bytes(buf[HEADER : HEADER + skel_n].numpy().tobytes()))  # noqa: S301 - our own bytes, verified
+    skel = _loads(bytes(buf[HEADER : HEADER + skel_n].numpy().tobytes()))
 
     def leaf(x: Any) -> Any:
         if not isinstance(x, TensorRef):

@@ -157,6 +157,18 @@ class ScriptState:
         self.flat.commit(h, step, used)
         self.loaded = step
 
+    def private_size(self) -> int:
+        """Bytes the live objects' own side packs into now."""
+        return self._priv_packer.size(self.tracked.private())
+
+    def commit_private(self, step: int, rank: int, world: int) -> None:
+        """The live objects' own side alone, committed as `step` (a rank new to a resized world)."""
+        s = self.state
+        ph = s.staging()
+        s.begin_write(ph)
+        self._priv_packer.pack(self.tracked.private(), s.data[ph, 0].view(torch.uint8))
+        s.commit(ph, step, checksum(s.payload(ph)), (rank, world))
+
     def load(self, step: int) -> None:
         """The live objects from the halves of `step` (a recovery's resume step)."""
         h, ph = self.flat.half_with(step), self.state.half_with(step)

@@ -3,7 +3,7 @@ precision, evaluation, the seed, and the checkpoint a run resumes from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from phoenixft.config.checks import need, real
@@ -64,6 +64,10 @@ class TrainingConfig:
                                flag="--eval-batches")
     seed: int = option(1234, "Seed of the model init and of the (pure) batch function.")
     resume: str = option("", "Start from the newest complete checkpoint in this directory (any node count).")
+    # a user's own training script instead of the built-in trainer (set by `phoenixft launch`, not a run flag)
+    script: str = option("", "The training script every worker runs (its absolute path).", cli=False)
+    script_args: list[str] = field(default_factory=list,
+                                   metadata={"help": "The script's own arguments.", "cli": False})
 
 
 def validate_training(cfg: RunConfig) -> None:
@@ -71,6 +75,8 @@ def validate_training(cfg: RunConfig) -> None:
     itself (its model, its data, a checkpoint to resume) is checked by `phoenixft.config.workload`."""
     t = cfg.training
     need(t.steps >= 1, "--steps", t.steps, "must be >= 1")
+    if t.script:  # a script trains its own model, on its own data, for its own steps
+        return
     from phoenixft.train.gpt import PRESETS
 
     need(t.model in PRESETS, "--model", t.model, f"valid presets: {', '.join(PRESETS)}")

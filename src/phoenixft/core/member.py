@@ -81,6 +81,7 @@ class Member:
 
     device: Device
     protection: Protection
+    user_group = False  # the epoch's groups include `user` (a script's own collectives)
 
     def __init__(self, start: Joined, node_id: str, local_rank: int, run_id: str) -> None:
         self.node_id, self.local_rank, self.run_id = node_id, local_rank, run_id
@@ -104,6 +105,12 @@ class Member:
             scheme.attach(self.ctx.trainer.state)
         if scheme is not None and self.incarnation > 0:  # adopt what it kept in shared memory
             scheme.adopt(self.run_id, self.wid, gen)
+
+    def announce(self) -> None:
+        """This rank is ready for its epoch (the coordinator starts the run once every active rank is)."""
+        sealed.put(self.ctx.store, keys.ready(self.wid), str(time.time()))
+        if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
+            self.ctx.store.delete_key(keys.start_failed(self.wid))
 
     def finish_hash(self, final: str) -> None:
         """Rank 0: the run's final state (JSON) and its end, published (see `_publish_final`)."""
@@ -190,6 +197,13 @@ class Member:
             raise RunAborted(f"{self.node_id} was fenced: it is not a member any more and writes nothing")
 
     def recover(self, err: str) -> int:
+        """Report a failure of the current epoch (`report`) and join the next; the resume step."""
+        return self.join(self.report(err))
+
+    def report(self, err: str) -> Topology:
+        """The failure `err` of the current epoch: the epoch's failure flag, this rank's descriptor, its groups
+        retired; the next epoch's topology once the coordinator published it (Drained, RunAborted: this node
+        is not in it)."""
         e = self.ctx.epoch
         t_err = time.time()
         self.watcher.disarm()
@@ -223,7 +237,7 @@ class Member:
                           f"at step {topo.resume_step}")
         if self.node_id not in topo.nodes:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
-        return self.join(topo)
+        return topo
 
     def _post_join(self, topo: Topology, t0: float, inv: dict[str, bool], bad: list[str],
                    timings: dict[str, Any]) -> None:
@@ -294,7 +308,8 @@ class Member:
                 comm = EpochComm(
                     self.ctx.store.c10d, topo.epoch, self.ctx.rank, topo.world, self.ctx.coll_timeout,
                     backend=self.device.backend, layout=topo.layout, device=self.device,
-                    transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None)
+                    transfer_members=topo.transfer_ranks() if restore.path_of(topo) == "in_place" else None,
+                    user_group=self.user_group)
                 box["comm"] = comm
                 if gave_up.is_set():  # completed after the worker abandoned it: nobody will use these groups
                     comm.retire()

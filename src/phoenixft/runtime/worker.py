@@ -210,9 +210,7 @@ class Worker(Member):
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
-        sealed.put(self.ctx.store, keys.ready(self.wid), str(time.time()))
-        if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
-            self.ctx.store.delete_key(keys.start_failed(self.wid))
+        self.announce()
         try:
             if self.incarnation > 0:  # restarted in place by the agent: rejoin from retained memory
                 e = parse_int(sealed.get(self.ctx.store, keys.EPOCH), keys.EPOCH, 0)
