@@ -30,13 +30,18 @@ class ResilientDDP(torch.nn.Module):
     """A module trained data-parallel over the job's group, across epochs."""
 
     _group: Any
+    _before: Callable[[], None]
     _share: Callable[[], tuple[int, int]]
     _kw: dict[str, Any]
 
     def __init__(self, module: torch.nn.Module, group: Any, share: Callable[[], tuple[int, int]],
-                 **ddp_kwargs: Any) -> None:
+                 before_reduce: Callable[[], None] = lambda: None, **ddp_kwargs: Any) -> None:
+        """`share()`: (samples this rank drew, samples of the global batch) in the current step; `before_reduce()`
+        runs before every bucket's reduction (the job waits there, once a step, for the previous step's
+        protection: a failure during the reduction then finds it complete)."""
         super().__init__()
         self.module = module
+        object.__setattr__(self, "_before", before_reduce)
         object.__setattr__(self, "_group", group)
         object.__setattr__(self, "_share", share)
         object.__setattr__(self, "_kw", ddp_kwargs)
@@ -57,6 +62,7 @@ class ResilientDDP(torch.nn.Module):
         object.__setattr__(self, "_ddp", ddp)
 
     def _reduce(self, bucket: Any) -> Any:
+        self._before()
         t = bucket.buffer()
         mine, total = self._share()
         world = self._group.size()

@@ -74,6 +74,7 @@ class Job:
         self._resume: int | None = None  # after a recovery: the step `job.steps` goes on from
         self._current: int | None = None  # the step inside `with job.step`, if any
         self._fired: set[str] = set()  # the fault phases already fired in the current step
+        self._waited: int | None = None  # the step that waited for its predecessor's protection
         self._metrics: dict[str, Any] = {}
         self._t0 = 0.0
         self.tracked.cursor = self._cursor
@@ -118,7 +119,7 @@ class Job:
         self._hook_phases(module)
         if any(is_sharded(p) for p in module.parameters()):
             return module
-        wrapped = ResilientDDP(module, self.m.group, self._share, **ddp_kwargs)
+        wrapped = ResilientDDP(module, self.m.group, self._share, self._protected_before, **ddp_kwargs)
         self.models.append(wrapped)
         return wrapped
 
@@ -292,10 +293,16 @@ class Job:
         self._fired.add(phase)
         self.m.inject.at(s, phase)
 
-    def _before_update(self) -> None:
+    def _protected_before(self) -> None:
+        """The previous step's protection complete (waited once a step): before the step's first gradient
+        reduction (a failure there then loses at most the step itself) and before its update."""
         s = self._current
-        if s is not None and self.m.ctx.scheme is not None:
-            self.m.ctx.scheme.wait(s - 1)  # the previous step is protected before this one changes anything
+        if s is not None and s != self._waited and self.m.ctx.scheme is not None:
+            self.m.ctx.scheme.wait(s - 1)
+            self._waited = s
+
+    def _before_update(self) -> None:
+        self._protected_before()
         self._phase("optimizer")
 
     def _hook_phases(self, module: torch.nn.Module) -> None:
@@ -307,8 +314,7 @@ class Job:
 
     def _commit(self, s: int) -> None:
         ctx = self.m.ctx
-        if ctx.scheme is not None:
-            ctx.scheme.wait(s - 1)
+        self._protected_before()
         assert ctx.topo is not None
         try:
             self.state.snapshot(s, ctx.rank, ctx.topo.world)

@@ -418,8 +418,13 @@ class _Node:
 
         if self.script is None:
             import phoenixft.runtime.worker  # noqa: F401
-        else:
-            import phoenixft.api.launched  # noqa: F401
+        else:  # what a script's workers import: torch's compiler stack (its first optimizer), the job (a no-op where
+            import importlib  # the zygote this agent was forked from has them)
+
+            from phoenixft.runtime.zygote import SCRIPT_PRELOAD
+
+            for m in SCRIPT_PRELOAD:
+                importlib.import_module(m)
 
         if self.store is not None:  # (it runs once they are ready; a promotion meanwhile waits for its verdict)
             try:

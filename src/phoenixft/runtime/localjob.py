@@ -169,8 +169,9 @@ class LocalJob(JobTeardown):
 
         argv = [str(os.getpid()) if a == PARENT else a for a in args]
         if zygote.enabled() and self._zygote_error is None:
+            preload = zygote.SCRIPT_PRELOAD if self.cfg.script and "phoenixft.runtime.agent" in argv else ()
             try:
-                return zygote.Zygote.shared().spawn(argv, path, extra)
+                return zygote.Zygote.shared().spawn(argv, path, extra, preload)
             except zygote.ZygoteError as e:
                 self._zygote_error = str(e)
                 self.display.info(f"starting processes fresh: the warm zygote failed ({e})")
