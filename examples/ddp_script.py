@@ -1,9 +1,9 @@
 """A plain PyTorch DDP training script, as people write it: a DataLoader with a DistributedSampler,
-AdamW, a cosine learning-rate schedule and gradient clipping. Nothing of phoenixft in it.
+AdamW, a cosine learning-rate schedule and gradient clipping.
 
     torchrun --nproc-per-node 2 examples/ddp_script.py --steps 200
 
-Its protected twin is examples/ddp_script_phoenixft.py (`diff` the two: a dozen lines).
+examples/ddp_script_phoenixft.py is this script protected by phoenixft: its lines marked `# phoenixft` differ.
 """
 
 import argparse

@@ -1,9 +1,9 @@
-"""The script of examples/ddp_script.py, protected by phoenixft: the changed lines are marked `# phoenixft`.
+"""A plain PyTorch DDP training script, as people write it: a DataLoader with a DistributedSampler,
+AdamW, a cosine learning-rate schedule and gradient clipping.
 
-    phoenixft launch --nodes 2 --spares 1 examples/ddp_script_phoenixft.py --steps 200
-    phoenixft launch --nodes 2 --spares 1 --inject kill:node=1@step=50,phase=backward \
-        examples/ddp_script_phoenixft.py --steps 200   # a node SIGKILLed mid-step: a spare takes over
-    torchrun --nproc-per-node 2 examples/ddp_script_phoenixft.py --steps 200   # also runs, unprotected
+    phoenixft launch --nodes 2 --spares 1 examples/ddp_script_phoenixft.py --steps 200  # (or torchrun, unprotected)
+
+examples/ddp_script_phoenixft.py is this script protected by phoenixft: its lines marked `# phoenixft` differ.
 """
 
 import argparse

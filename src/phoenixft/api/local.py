@@ -30,8 +30,12 @@ class LocalJob:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1 and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        if not dist.is_initialized():  # (one process: a group of one, so that the script's dist.* calls work)
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if world > 1:
+                dist.init_process_group(backend=backend)
+            else:
+                dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
