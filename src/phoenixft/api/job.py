@@ -347,10 +347,13 @@ class Job:
     def _end(self, s: int, exc: BaseException | None) -> bool:
         """The end of `with job.step(s)`: commit, recover, or stop the run for a bug; True: the exception is
         handled (the step is recovered)."""
-        self._current = None
         if exc is None:
-            self._commit(s)
+            try:
+                self._commit(s)
+            finally:
+                self._current = None
             return False
+        self._current = None
         if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             return False
         if isinstance(exc, (Drained, RunAborted)):

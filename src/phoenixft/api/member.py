@@ -186,6 +186,7 @@ class ScriptMember(Member):
         self.ctx.repartition(w, int(topo.meta["generation"]), r)
         if me in params_to:
             st.flat.install(got[params_to[me]], r)
+        st.state.invalidate_after(r)
         own = st.state.half_with(r) if old_rank >= 0 else None
         if own is None:  # (a new rank: its own side as the script built it, of step r)
             st.commit_private(r, me, w)
