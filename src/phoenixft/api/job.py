@@ -74,7 +74,7 @@ class Job:
         self._resume: int | None = None  # after a recovery: the step `job.steps` goes on from
         self._current: int | None = None  # the step inside `with job.step`, if any
         self._fired: set[str] = set()  # the fault phases already fired in the current step
-        self._waited: int | None = None  # the step that waited for its predecessor's protection
+        self._waited: tuple[int, int] | None = None  # the (epoch, step) that waited for its predecessor's protection
         self._metrics: dict[str, Any] = {}
         self._t0 = 0.0
         self.tracked.cursor = self._cursor
@@ -296,10 +296,10 @@ class Job:
     def _protected_before(self) -> None:
         """The previous step's protection complete (waited once a step): before the step's first gradient
         reduction (a failure there then loses at most the step itself) and before its update."""
-        s = self._current
-        if s is not None and s != self._waited and self.m.ctx.scheme is not None:
+        s, e = self._current, self.m.ctx.epoch
+        if s is not None and (e, s) != self._waited and self.m.ctx.scheme is not None:
             self.m.ctx.scheme.wait(s - 1)
-            self._waited = s
+            self._waited = (e, s)  # (a step replayed after a recovery waits again: the epoch is another)
 
     def _before_update(self) -> None:
         self._protected_before()
