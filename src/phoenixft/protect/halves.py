@@ -37,6 +37,7 @@ class ByteHalves:
     """Two uint8 halves with a step, checksum and used length each; one of them is current."""
 
     dtype = torch.uint8
+    variable_size = True  # (a recovery's transfer learns the size of a step from the members that hold it)
 
     def __init__(self, capacity: int = MIN_CAPACITY, path: str | None = None) -> None:
         self.path = path

@@ -217,15 +217,17 @@ def restore_in_place(m: RankContext, topo: Topology, r: int, timings: dict[str, 
     # who holds what is settled: wait until every member is here (so the transfer times below are the
     # bytes moving, not a peer still rolling back), then move the parameters, then the optimizer shards
     t0 = time.time()
-    # (the sizes of what moves ride on it: where the parameters' side has no fixed size, a script's packed
-    # state, every member that holds step r has the same bytes and says how many, the others 0)
-    size = torch.tensor([0 if need_params else flat.size_at(r)], dtype=torch.int64)
+    # (where the parameters' side has no fixed size, a script's packed state, its size rides on it: every
+    # member that holds step r has the same bytes and says how many, the others 0; a stage's flat buffers
+    # have their size, each stage its own)
+    variable = getattr(flat, "variable_size", False)
+    size = torch.tensor([0 if need_params or not variable else flat.size_at(r)], dtype=torch.int64)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
     m.wait(m.comm.train.allreduce([size], opts), "recovery transfer start")
     g = _XferGroup.of(m)
     t1 = time.time()
-    p_works, into = _post_params(m, topo, g, need_params, int(size))
+    p_works, into = _post_params(m, topo, g, need_params, int(size) if variable else flat.size_at(r))
     rx = _post_optimizer(m, topo, r, g, mine)
     t_posted = time.time()
     transfer.wait_all(p_works, m.wait, "parameter transfer")
