@@ -40,7 +40,7 @@ import torch
 
 from phoenixft.api.ddp import ResilientDDP
 from phoenixft.api.group import NotMember
-from phoenixft.api.loader import StepLoader, is_map_style
+from phoenixft.api.loader import StatefulLoader, StepLoader, is_map_style
 from phoenixft.api.member import ScriptMember
 from phoenixft.api.state import Outgrown
 from phoenixft.api.tracked import is_sharded
@@ -50,7 +50,7 @@ from phoenixft.errors import Drained, PeerFailure, RunAborted, user_traceback
 
 __all__ = ["Job", "TOTAL_STEPS_KEY"]
 
-TOTAL_STEPS_KEY = "script/total_steps"  # the steps the script's loop asked for (rank 0 writes it; sealed)
+TOTAL_STEPS_KEY = keys.SCRIPT_TOTAL_STEPS  # the steps the script's loop asked for (rank 0 writes it; sealed)
 _DIST_ERRORS = ("gloo", "nccl", "connection", "connect", "socket", "timed out", "timeout", "peer", "broken pipe",
                 "aborted", "closed")
 
@@ -65,6 +65,7 @@ class Job:
         self.tracked = self.state.tracked
         self.loaders: list[StepLoader] = []
         self.models: list[ResilientDDP] = []
+        self.sharded: list[torch.nn.Module] = []  # modules the script sharded itself (FSDP2)
         self.optimizers: list[Any] = []
         self.total: int | None = None
         self.finished = False  # the loop completed and the final state is published (or the job let this rank go)
@@ -117,7 +118,10 @@ class Job:
         are protected every step."""
         self.tracked.add("models", f"model{len(self.tracked.models)}", module)
         self._hook_phases(module)
-        if any(is_sharded(p) for p in module.parameters()):
+        if any(is_sharded(p) for p in module.parameters()):  # (its ranks cannot change: no shrink, no grow)
+            if self.rank == 0:
+                sealed.put(self.m.ctx.store, keys.SCRIPT_FIXED_SIZE, "1")
+            self.sharded.append(module)
             return module
         wrapped = ResilientDDP(module, self.m.group, self._share, self._protected_before, **ddp_kwargs)
         self.models.append(wrapped)
@@ -149,15 +153,16 @@ class Job:
     def wrap_loader(self, loader: Any) -> Any:
         """A `DataLoader` over a map-style dataset becomes a `StepLoader` (api/loader.py): each `next()` is this
         rank's share of one global microbatch, and the position is part of every snapshot. A loader of an
-        iterable dataset with `state_dict()` (a `StatefulDataLoader`) is protected as this rank's own state
-        and returned as it is."""
+        iterable dataset with `state_dict()` (a `StatefulDataLoader`) is protected as this rank's own state; the
+        loader returned is its own iterator (`next(loader)`), which resumes where a recovery puts it."""
         if is_map_style(loader):
             sl = StepLoader(loader, self.seed, self.m.cfg.world, self._dp)
             self.loaders.append(sl)
             return sl
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
-            self.tracked.add("loaders", f"loader{len(self.tracked.loaders)}", loader, per_rank=True)
-            return loader
+            wrapped = StatefulLoader(loader)
+            self.tracked.add("loaders", f"loader{len(self.tracked.loaders)}", wrapped, per_rank=True)
+            return wrapped
         raise TypeError(f"phoenixft cannot protect the position of a {type(loader).__name__}: give a DataLoader over "
                         "a map-style dataset (len() and indexing), or a loader with state_dict()/load_state_dict() "
                         "such as torchdata's StatefulDataLoader")
@@ -250,6 +255,13 @@ class Job:
     def _after_join(self) -> None:
         for w in self.models:
             w.rebuild()
+        for mod in self.sharded:  # a step cut off mid-forward or mid-backward: FSDP's per-iteration state reset
+            state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
+            if state is None or getattr(state, "_is_root", None) is None:  # (it has not run a forward yet)
+                continue
+            reset = getattr(mod, "reset_iter_state", None) or getattr(mod, "reshard", None)
+            if reset is not None:
+                reset()
         for e in self.tracked.models:
             for p in e.obj.parameters():
                 p.grad = None

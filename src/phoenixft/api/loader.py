@@ -30,7 +30,7 @@ import torch
 
 from phoenixft.data import _mix
 
-__all__ = ["StepLoader", "is_map_style", "shuffles"]
+__all__ = ["StepLoader", "StatefulLoader", "is_map_style", "shuffles"]
 
 
 def is_map_style(loader: Any) -> bool:
@@ -158,3 +158,48 @@ class _Follow:
 
     def __len__(self) -> int:
         return 1 << 62
+
+
+class StatefulLoader:
+    """A loader with `state_dict()`/`load_state_dict()` (torchdata's `StatefulDataLoader`), iterated through one
+    iterator this object keeps: after a recovery loads a snapshot's position, the next batch comes from a new
+    iterator that resumes there (an iterator the script made earlier would go on from where it was)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._it: Iterator[Any] | None = None
+        self._said = False
+
+    def __iter__(self) -> StatefulLoader:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            # (a loader that resumes by replaying its stream up to the position, as StatefulDataLoader does for a
+            # dataset without a state of its own, draws from the generators as it replays: those draws must not
+            # change what the step itself draws, or a resumed run would not be the run it resumes)
+            with torch.random.fork_rng(devices=[]):
+                self._it = iter(self.loader)
+        return next(self._it)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.loader.state_dict())
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._it = None
+        self.loader.load_state_dict(sd)
+        fetcher = sd.get("fetcher_state") or {}
+        if "dataset_state" in sd and sd.get("dataset_state") is None and isinstance(fetcher, dict) and \
+                fetcher.get("dataset_iter_state") is None and not self._said:
+            self._said = True
+            print("phoenixft: the loader's iterable dataset has no state_dict()/load_state_dict(): torchdata resumes "
+                  "it by replaying its stream up to the position (slow for a long run; and the position it reports "
+                  "after such a resume counts the replayed samples twice, so a second recovery would skip ahead). "
+                  "Give the dataset (or its iterator) a state_dict() and load_state_dict() (docs/script.md)",
+                  flush=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from phoenixft.api.group import ResilientGroup
 from phoenixft.api.state import DEFAULT_PRIVATE_BYTES, ScriptState, capacity_for
-from phoenixft.controlplane import sealed
+from phoenixft.api.tracked import is_sharded
+from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_int
 from phoenixft.core.member import Joined, Member
 from phoenixft.distributed import device
@@ -40,7 +41,7 @@ from phoenixft.recovery import restore
 
 __all__ = ["ScriptMember", "PRIVATE_KEY"]
 
-PRIVATE_KEY = "script/private_bytes"  # the shard capacity the ranks agreed on (sealed; only ever raised)
+PRIVATE_KEY = keys.SCRIPT_PRIVATE_BYTES  # the shard capacity the ranks agreed on (sealed; only ever raised)
 END_LOOK_S = 1.0
 
 
@@ -144,8 +145,11 @@ class ScriptMember(Member):
             st.load(0)  # (a fresh start after a failure in step 1: what step 1 changed goes)
         comm = self.ctx.comm
         assert comm is not None
-        tensors = [t for e in st.tracked.models for t in [*e.obj.parameters(), *e.obj.buffers()]]
-        _broadcast(comm.user, tensors, self.ctx.wait)
+        # (a sharded parameter, FSDP2's, is each rank's own part: nothing to broadcast; a replicated DTensor is
+        # broadcast as its local tensor)
+        tensors = [t.to_local() if hasattr(t, "to_local") else t
+                   for e in st.tracked.models for t in [*e.obj.parameters(), *e.obj.buffers()] if not is_sharded(t)]
+        _broadcast(comm.user, [t.data for t in tensors], self.ctx.wait)
         need = torch.tensor([st.private_size()], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]

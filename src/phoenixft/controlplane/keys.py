@@ -23,6 +23,11 @@ MEMBERS = "members"  # JSON {node id: {name, host, spare, t}} of every admitted 
 ADMIT_SEQ = "admit/seq"  # counter: the highest number a join request took (raised by compare_set)
 ADMIT_POSTED = "admit/posted"  # counter an agent raises (compare_set) after each write of its request or response
 ADMIT_DONE = "admit/done"  # the join requests the coordinator answered (signed: a restart never answers one again)
+# a user's training script (phoenixft.api), sealed: the steps its loop asked for (rank 0), the capacity every rank's
+# own snapshot side has (raised by any rank whose state outgrew it), and whether its model is sharded over the ranks
+SCRIPT_TOTAL_STEPS = "script/total_steps"
+SCRIPT_PRIVATE_BYTES = "script/private_bytes"
+SCRIPT_FIXED_SIZE = "script/fixed_size"
 
 
 def ready(wid: str) -> str:
