@@ -256,7 +256,8 @@ class Job:
         for w in self.models:
             w.rebuild()
         for mod in self.sharded:  # a step cut off mid-forward or mid-backward: FSDP's per-iteration state reset
-            state = mod._get_fsdp_state() if hasattr(mod, "_get_fsdp_state") else None
+            get_state: Any = getattr(mod, "_get_fsdp_state", None)
+            state = get_state() if get_state is not None else None
             if state is None or getattr(state, "_is_root", None) is None:  # (it has not run a forward yet)
                 continue
             reset = getattr(mod, "reset_iter_state", None) or getattr(mod, "reshard", None)
