@@ -9,6 +9,9 @@
     --ema                                  an exponential moving average of the weights (job.register_state)
     --batchnorm                            a BatchNorm layer: running statistics, a buffer each rank updates
     --fsdp                                 FSDP2 (fully_shard) instead of DDP
+    --exact                                no dropout and no noise in the samples, and the loss logged is the mean
+                                           over the whole global batch (a sum over the ranks): a shrink then
+                                           changes only the grouping of the gradient's sums
 
 It prints nothing but what phoenixft reports (job.log(loss=...)).
 """
@@ -24,6 +27,8 @@ import phoenixft
 
 
 class Teacher(Dataset):
+    noise = 0.01
+
     def __init__(self, n: int = 4096, dim: int = 16, classes: int = 8) -> None:
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, dim, generator=g)
@@ -33,7 +38,7 @@ class Teacher(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i] + 0.01 * torch.randn(self.x.shape[1]), self.y[i]  # (a draw from the step's generator)
+        return self.x[i] + self.noise * torch.randn(self.x.shape[1]), self.y[i]  # (a draw from the step's generator)
 
 
 class Stream(IterableDataset):
@@ -68,12 +73,15 @@ def main() -> None:
     p.add_argument("--ema", action="store_true")
     p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--exact", action="store_true")
     a = p.parse_args()
+    if a.exact:
+        Teacher.noise = 0.0
 
     job = phoenixft.init()
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 64)] + ([torch.nn.BatchNorm1d(64)] if a.batchnorm else []) + [
-        torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 8)]
+        torch.nn.GELU(), torch.nn.Dropout(0.0 if a.exact else 0.1), torch.nn.Linear(64, 8)]
     net = torch.nn.Sequential(*layers)
     ema = torch.optim.swa_utils.AveragedModel(net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)) \
         if a.ema else None
@@ -110,9 +118,10 @@ def main() -> None:
         data = job.wrap_loader(DataLoader(Teacher(), batch_size=16, shuffle=True))
     for step in job.steps(a.steps):
         with job.step(step):
-            total = 0.0
+            total, seen = 0.0, 0
             for k in range(a.accum):
                 x, y = next(data)
+                seen += len(y)
                 sync = model.no_sync() if (a.accum > 1 and k < a.accum - 1 and not a.fsdp) else None
                 with sync if sync is not None else contextlib.nullcontext():
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.amp):
@@ -125,6 +134,10 @@ def main() -> None:
             opt.zero_grad()
             if ema is not None:
                 ema.update_parameters(net)
+            if a.exact:  # the whole global batch's mean: each rank's mean weighed by its samples
+                t = torch.tensor([total * seen, float(seen)], dtype=torch.float64)
+                torch.distributed.all_reduce(t)
+                total = float(t[0] / t[1])
             job.log(loss=total)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixft.api.group import ResilientGroup
+from phoenixft.api.packing import check_restorable
 from phoenixft.api.state import DEFAULT_PRIVATE_BYTES, ScriptState, capacity_for
 from phoenixft.api.tracked import is_sharded
 from phoenixft.controlplane import keys, sealed
@@ -163,6 +164,12 @@ class ScriptMember(Member):
                 self.ctx.scheme.drop()
                 self.ctx.scheme.attach(st.state)
         st.flat.invalidate()
+        try:  # (a state a snapshot could not read back would fail only in a recovery: said now)
+            check_restorable(st.tracked.replicated(0))
+            check_restorable(st.tracked.private())
+        except TypeError as e:
+            self._stop_run(str(e))
+            raise RunAborted(str(e)) from None
         st.snapshot(0, self.ctx.rank, topo.world)
         timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0)
 

@@ -161,7 +161,11 @@ def check_restorable(obj: Any) -> None:
     state is first packed: a snapshot that cannot be read back would only fail in a recovery)."""
     skel, _t, specs = flatten(obj)
     try:
-        _loads(_skeleton_bytes(skel, _refs(specs, HEADER)))
+        raw = _skeleton_bytes(skel, _refs(specs, HEADER))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(f"phoenixft cannot protect this state: a value of it cannot be written ({e})") from None
+    try:
+        _loads(raw)
     except pickle.UnpicklingError as e:
         raise TypeError(f"phoenixft cannot protect this state: {e}") from None
 
