@@ -92,3 +92,24 @@ def test_the_converted_example_differs_from_the_plain_one_by_few_lines() -> None
     out = subprocess.run(["diff", str(PLAIN), str(EXAMPLE)], capture_output=True, text=True)
     changed = [ln for ln in out.stdout.splitlines() if ln.startswith(">")]
     assert 0 < len(changed) <= 15, out.stdout
+
+
+def test_four_ranks_hot_swap_bitwise_whatever_ddps_buckets(tmp_path: Path) -> None:
+    """With four data-parallel ranks the order of a gradient sum matters in the last bits; the job's DDP sums every
+    bucket in rank order, so the first step after the swap (a new DDP, its buckets as a new DDP lays them out)
+    sums as the failure-free run did."""
+    clean = launch(tmp_path / "clean", nodes=4)
+    rep = launch(tmp_path / "kill", nodes=4, inject=["kill:node=2@step=9,phase=backward"])
+    assert [r["action"] for r in rep["recoveries"]] == ["hotswap"], rep["recoveries"]
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+
+
+def test_owner_and_replica_lost_falls_back_to_the_persistent_tier_bitwise(tmp_path: Path) -> None:
+    clean = launch(tmp_path / "clean", nodes=4, spares=2)
+    rep = launch(tmp_path / "kill", nodes=4, spares=2, persist_every=4, persist_dir=str(tmp_path / "ckpt"),
+                 inject=["kill:node=0,1@step=10,phase=backward"])
+    assert rep["state"] == "done", rep["state"]
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "persistent" and rec["resumed_step"] in (4, 8), rec
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]
+

@@ -61,6 +61,13 @@ def test_a_shrink_keeps_the_global_batch(tmp_path: Path) -> None:
     assert worst < 1e-4, (worst, rep["loss"], clean["loss"])
 
 
+def test_a_shrink_then_a_grow_back_when_the_node_is_repaired(tmp_path: Path) -> None:
+    rep = launch(tmp_path, ["--pace", "0.1"], nodes=3, spares=0, repair_after=0.5, inject=["kill:node=1@step=3"])
+    assert rep["state"] == "done", rep["state"]
+    assert [r["action"] for r in rep["recoveries"]] == ["shrink", "grow"], rep["recoveries"]
+    assert all(all(r["invariants"][k] for k in ("I1", "I2", "I3", "I4")) for r in rep["recoveries"])
+
+
 def test_a_sharded_model_is_never_shrunk(tmp_path: Path) -> None:
     rep = launch(tmp_path, ["--fsdp"], nodes=2, spares=0, inject=["kill:node=1@step=6"])
     assert rep["state"].startswith("failed"), rep["state"]

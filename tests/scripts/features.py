@@ -9,6 +9,7 @@
     --ema                                  an exponential moving average of the weights (job.register_state)
     --batchnorm                            a BatchNorm layer: running statistics, a buffer each rank updates
     --fsdp                                 FSDP2 (fully_shard) instead of DDP
+    --pace S                               each step sleeps S seconds (a run that outlasts a node's repair)
     --exact                                no dropout and no noise in the samples, and the loss logged is the mean
                                            over the whole global batch (a sum over the ranks): a shrink then
                                            changes only the grouping of the gradient's sums
@@ -18,6 +19,7 @@ It prints nothing but what phoenixft reports (job.log(loss=...)).
 
 import argparse
 import contextlib
+import time
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,7 @@ def main() -> None:
     p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--exact", action="store_true")
+    p.add_argument("--pace", type=float, default=0.0, help="seconds each step sleeps (a run that lasts a while)")
     a = p.parse_args()
     if a.exact:
         Teacher.noise = 0.0
@@ -139,6 +142,7 @@ def main() -> None:
                 torch.distributed.all_reduce(t)
                 total = float(t[0] / t[1])
             job.log(loss=total)
+            time.sleep(a.pace)
 
 
 if __name__ == "__main__":

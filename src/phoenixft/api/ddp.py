@@ -8,10 +8,12 @@ rebuilt buckets, a half-done reduction) that a new member would not share, so ev
 the epoch from a fresh one, in step. It is built with `init_sync=False` (no collective while a
 member may still be setting up; the job synchronises the state itself).
 
-The gradient reduction is DDP's own, through a communication hook that divides by the world size as
-DDP does (bitwise the same) while every rank draws the same number of samples, and weighs each
-rank's gradient by its share of the step's samples when a shrink made the split uneven, so that the
-sum is the gradient of the whole global batch.
+The gradient reduction goes through a communication hook: it divides by the world size as DDP does
+while every rank draws the same number of samples, and weighs each rank's gradient by its share of the
+step's samples when a shrink made the split uneven, so that the sum is the gradient of the whole global
+batch; the sum itself is computed in rank order whatever DDP's bucket layout (api/ordered.py), so the
+first step after a recovery, with DDP's buckets as a new DDP lays them out, sums as the failure-free
+run did.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from phoenixft.api.ordered import OrderedReducer
+
 __all__ = ["ResilientDDP"]
 
 
@@ -33,9 +37,10 @@ class ResilientDDP(torch.nn.Module):
     _before: Callable[[], None]
     _share: Callable[[], tuple[int, int]]
     _kw: dict[str, Any]
+    _reducer: OrderedReducer
 
     def __init__(self, module: torch.nn.Module, group: Any, share: Callable[[], tuple[int, int]],
-                 before_reduce: Callable[[], None] = lambda: None, **ddp_kwargs: Any) -> None:
+                 before_reduce: Callable[[], None] = lambda: None, wait: Any = None, **ddp_kwargs: Any) -> None:
         """`share()`: (samples this rank drew, samples of the global batch) in the current step; `before_reduce()`
         runs before every bucket's reduction (the job waits there, once a step, for the previous step's
         protection: a failure during the reduction then finds it complete)."""
@@ -46,6 +51,7 @@ class ResilientDDP(torch.nn.Module):
         object.__setattr__(self, "_share", share)
         object.__setattr__(self, "_kw", ddp_kwargs)
         object.__setattr__(self, "_ddp", None)
+        object.__setattr__(self, "_reducer", OrderedReducer(group, wait or (lambda w, _what: w.wait())))
 
     def rebuild(self) -> None:
         """A fresh DDP around the module, over the group as the current epoch has it."""
@@ -70,8 +76,7 @@ class ResilientDDP(torch.nn.Module):
             t.div_(world)  # (DDP's own: the same bits as an unprotected run's)
         else:
             t.mul_(mine / total)
-        fut = self._group.allreduce([t]).get_future()
-        return fut.then(lambda f: f.value()[0])
+        return self._reducer.submit(t)
 
     @property
     def ddp(self) -> DistributedDataParallel:

@@ -123,7 +123,8 @@ class Job:
                 sealed.put(self.m.ctx.store, keys.SCRIPT_FIXED_SIZE, "1")
             self.sharded.append(module)
             return module
-        wrapped = ResilientDDP(module, self.m.group, self._share, self._protected_before, **ddp_kwargs)
+        wrapped = ResilientDDP(module, self.m.group, self._share, self._protected_before, self.m.ctx.wait,
+                               **ddp_kwargs)
         self.models.append(wrapped)
         return wrapped
 

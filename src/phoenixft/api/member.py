@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phoenixft.api.group import ResilientGroup
-from phoenixft.api.packing import check_restorable
+from phoenixft.api.packing import check_restorable, used_bytes
 from phoenixft.api.state import DEFAULT_PRIVATE_BYTES, ScriptState, capacity_for
 from phoenixft.api.tracked import is_sharded
 from phoenixft.controlplane import keys, sealed
@@ -35,9 +36,10 @@ from phoenixft.core.member import Joined, Member
 from phoenixft.distributed import device
 from phoenixft.distributed.comm import alltoallv
 from phoenixft.distributed.topology import Topology
-from phoenixft.errors import RunAborted
+from phoenixft.errors import NOT_INSTALLED, PeerFailure, RunAborted
 from phoenixft.faults.inject import FaultInjector
-from phoenixft.protect.snapshot import H_SHARD, H_SHARDS
+from phoenixft.protect.persist import load_into as persist_load
+from phoenixft.protect.snapshot import H_SHARD, H_SHARDS, H_VALID, checksum
 from phoenixft.recovery import restore
 
 __all__ = ["ScriptMember", "PRIVATE_KEY"]
@@ -131,8 +133,7 @@ class ScriptMember(Member):
         elif path == "reshard":
             self._resize(topo, r, old_rank, timings)
         else:
-            raise RunAborted(f"a script's state is not restored from the persistent tier (epoch {topo.epoch}): "
-                             "its in-memory copies were lost")
+            self._from_disk(topo, r, timings)
         self.script.resume(r)
         self.script.load(r)
 
@@ -205,6 +206,45 @@ class ScriptMember(Member):
             st.state.header[own, H_SHARD], st.state.header[own, H_SHARDS] = me, w
         timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0,
                        bytes_params=int(size) if me in params_to else 0)
+
+    def _from_disk(self, topo: Topology, r: int, timings: dict[str, Any]) -> None:
+        """Every rank reloads step r from the persistent tier: the replicated side (rank 0 wrote it), and its own
+        side where the checkpoint has one for its rank (a rank beyond the checkpoint's world starts its own side
+        as the script built it). A checkpoint that does not read back as written is never installed."""
+        t0 = time.time()
+        man, me, st = topo.meta["manifest"], self.ctx.rank, self.script
+        root, old_world = Path(man["path"]), int(man["shards"])
+        try:
+            rep_sd = {"buffers": torch.empty(int(man["buffer_bytes"]), dtype=torch.uint8)}
+            persist_load(rep_sd, str(root / "rank0"))
+            own = None
+            if me < old_world:
+                priv_sd = {"shard": torch.empty(1, int(man["shard_numel"]))}
+                persist_load(priv_sd, str(root / f"rank{me}"))
+                if checksum(priv_sd["shard"]) != int(man.get("crc", {}).get(str(me), -1)):
+                    raise OSError(f"rank{me}'s shard does not match the checksum written with it")
+                own = priv_sd["shard"].reshape(-1).view(torch.uint8)
+        except (OSError, KeyError, ValueError) as e:
+            raise PeerFailure(f"{NOT_INSTALLED} (step {r}): {e}") from None
+        self.ctx.repartition(topo.world, int(topo.meta.get("generation", 0)), r)
+        st.flat.invalidate()
+        st.flat.install(rep_sd["buffers"], r)
+        need = used_bytes(own) if own is not None else 0
+        if need > st.private_bytes:
+            st.resize_private(capacity_for(need))
+        if own is None:
+            st.commit_private(r, me, topo.world)
+        else:
+            ph = st.state.staging()
+            st.state.begin_write(ph)
+            st.state.data[ph, 0].view(torch.uint8)[:need].copy_(own[:need])
+            st.state.commit(ph, r, checksum(st.state.payload(ph)), (me, topo.world))
+            st.state.header[1 - ph, H_VALID] = 0
+        if self.ctx.scheme is not None:
+            self.ctx.scheme.drop()
+            self.ctx.scheme.attach(st.state)
+        timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0,
+                       bytes_params=int(rep_sd["buffers"].numel()))
 
     def _joined(self, topo: Topology, r: int) -> None:
         for hook in self.on_joined:

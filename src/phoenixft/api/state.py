@@ -16,6 +16,7 @@ adopts them) and moves the live objects (api/tracked.py) in and out of them:
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,21 @@ class ScriptState:
         """The step the live objects must take before training goes on (None: they hold it already)."""
         p = getattr(self, "_pending", None)
         return None if p is None or p == self.loaded else p
+
+    # ---------------------------------------------------------------- the persistent tier
+    def persist_item(self, step: int, ctx: Any) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor | None] | None:
+        """What this rank writes of `step` to the persistent tier (protect/persist.py): its own side (as the
+        checkpoint's shard) and, on rank 0, the replicated side (as its `buffers`)."""
+        ph, h = self.state.half_with(step), self.flat.half_with(step)
+        if ph is None or h is None or ctx.topo is None:
+            return None
+        rep = self.flat.data(h) if ctx.rank == 0 else None
+        meta: dict[str, Any] = {"rank": ctx.rank, "shards": ctx.topo.world, "numel": self.state.numel,
+                                "shard_numel": self.state.numel, "epoch": ctx.epoch, "seed": ctx.cfg.seed,
+                                "buffer_bytes": self.flat.size_at(step), "tp": 1, "pp": 1,
+                                "config": json.loads(ctx.cfg.to_json()), "full_numel": self.state.numel,
+                                "script": True}
+        return self.state.data[ph], meta, rep
 
     # ---------------------------------------------------------------- the end
     def digest(self, step: int) -> tuple[bytes, bytes]:

@@ -25,8 +25,7 @@ __all__ = ["add_parser", "launch"]
 
 # the run flags that describe the built-in trainer (its model, data, recipe and checks): the script has its own
 _BUILT_IN_ONLY = tuple(f.name for f in dataclasses.fields(TrainingConfig) if f.name not in ("seed",)) + (
-    "tp", "pp", "bucket_mb", "sdc_check_every", "spike_threshold", "spike_window", "sdc_audit", "sdc_audit_every",
-    "persist_every", "persist_dir")
+    "tp", "pp", "bucket_mb", "sdc_check_every", "spike_threshold", "spike_window", "sdc_audit", "sdc_audit_every")
 SCRIPT_STEPS = 1 << 30  # the run's step count as the launcher sees it: the script's loop decides (job.steps(n))
 
 
