@@ -365,6 +365,10 @@ class LocalJob(JobTeardown):
                 self.live.advance(self.store, parse_int(sealed.get(self.store, keys.PROGRESS), keys.PROGRESS, 0))
 
     def _show_progress(self, rec: dict[str, Any]) -> None:
+        if self.cfg.script and self.display.steps == self.cfg.steps:  # (a script's loop says how many it runs)
+            total = parse_int(sealed.get(self.store, keys.SCRIPT_TOTAL_STEPS), keys.SCRIPT_TOTAL_STEPS, 0)
+            if total > 0:
+                self.display.steps = total
         try:
             if self.live is not None:  # (every step record up to this one, in order: metrics.jsonl, the exports)
                 self.live.advance(self.store, int(rec["step"]))
@@ -485,6 +489,14 @@ class LocalJob(JobTeardown):
             self._start_agent(spare, host)
             sealed.append(self.store, keys.EVENTS, {"t": time.time(), "kind": "spare_repaired", "by": "launcher",
                                                     "node": spare, "replaces": lost})
+
+    def await_scripts(self, timeout_s: float) -> None:
+        """A script's run ended: its workers run the script's lines after the loop (a save, an evaluation) and
+        exit on their own; the local agents leave with them. Waits for that, at most `timeout_s` (the teardown
+        then ends whatever is left)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.agents.values()):
+            time.sleep(0.05)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.agents.values()] + [p.pid for p in self.coords.values()]
