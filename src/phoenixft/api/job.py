@@ -68,6 +68,7 @@ class Job:
         self.sharded: list[torch.nn.Module] = []  # modules the script sharded itself (FSDP2)
         self.optimizers: list[Any] = []
         self.total: int | None = None
+        self.protect = member.cfg.protect == "phoenix"
         self.finished = False  # the loop completed and the final state is published (or the job let this rank go)
         self._pending: Any = None  # the topology of the epoch to join before the first step
         self._expect: int | None = None  # the step `job.steps` yielded last
@@ -317,6 +318,7 @@ class Job:
 
     def _before_update(self) -> None:
         self._protected_before()
+        self.state.settle()  # (the last snapshot's copy of the parameters and optimizer state is complete)
         self._phase("optimizer")
 
     def _hook_phases(self, module: torch.nn.Module) -> None:
@@ -330,6 +332,11 @@ class Job:
         ctx = self.m.ctx
         self._protected_before()
         assert ctx.topo is not None
+        if not self.protect:  # (--protect none: nothing to recover from; the final state is packed at the end)
+            self._done = s
+            if ctx.rank == 0:
+                self._record(s)
+            return
         try:
             self.state.snapshot(s, ctx.rank, ctx.topo.world)
         except Outgrown as e:  # every rank's own side must fit one capacity: a larger one, in a recovery

@@ -96,6 +96,10 @@ class ScriptMember(Member):
         self.watcher.close()
         self.protection.close()
 
+    def report(self, err: str) -> Topology:
+        self.script.settle()  # (a snapshot's copy in flight completes: the descriptor says what the halves hold)
+        return super().report(err)
+
     # ---------------------------------------------------------------- the shard capacity
     def agreed_private(self) -> int:
         return parse_int(sealed.get(self.ctx.store, PRIVATE_KEY), PRIVATE_KEY, 0) or 0
@@ -172,6 +176,7 @@ class ScriptMember(Member):
             self._stop_run(str(e))
             raise RunAborted(str(e)) from None
         st.snapshot(0, self.ctx.rank, topo.world)
+        st.settle()  # (step 0 is the recovery point the invariants check)
         timings.update(restore_params_s=time.time() - t0, restore_opt_s=0.0)
 
     def _resize(self, topo: Topology, r: int, old_rank: int, timings: dict[str, Any]) -> None:
@@ -258,6 +263,9 @@ class ScriptMember(Member):
         assert comm is not None and topo is not None
         if self.ctx.scheme is not None:
             self.ctx.scheme.wait(step)
+        if self.cfg.protect != "phoenix":  # (unprotected: the final state packed now, for its hash)
+            self.script.snapshot(step, self.ctx.rank, topo.world)
+        self.script.settle()
         rep, priv = self.script.digest(step)
         mine = torch.frombuffer(bytearray(rep + priv), dtype=torch.uint8)
         out = torch.empty(topo.world * 64, dtype=torch.uint8)

@@ -7,13 +7,14 @@ built anew after a recovery therefore sums the first step after it in another or
 summed that step, and with three ranks or more (a + b is b + a; (a + b) + c is not a + (b + c)) the run
 drifts from it in the last bits.
 
-`OrderedReducer` sums each bucket as the built-in trainer reduces its gradients: an all-to-all hands every rank
-its slice of every rank's bucket, the rank adds the slices in rank order (((g0 + g1) + g2) + ...), and an
-all-gather returns the sums. It moves as many bytes as a ring all-reduce (twice (W-1)/W of the bucket), and the
-result is the same whatever the bucket layout: a recovered run ends bitwise equal to the failure-free one at
-any data-parallel width. Buckets are reduced in the order DDP hands them over, on one thread of the job's (so
-every rank posts the same collectives in the same order and backward computes on meanwhile); a failure
-of a collective fails the bucket's future, which DDP raises at the end of backward.
+`OrderedReducer` sums each bucket as the built-in trainer reduces its gradients: an all-to-all hands every
+rank its slice of every rank's bucket, the rank adds the slices in rank order (((g0 + g1) + g2) + ...), and
+an all-gather returns the sums. It moves as many bytes as a ring all-reduce (twice (W-1)/W of the bucket),
+and the result is the same whatever the bucket layout (with two ranks the all-reduce itself is used: a + b
+is b + a), so a recovered run ends bitwise equal to the failure-free one at any data-parallel width.
+Buckets are reduced in the order DDP hands them over, on one thread of the job's (so every rank posts the
+same collectives in the same order, and backward computes on meanwhile); a failure of a collective fails
+the bucket's future, which DDP raises at the end of backward.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def reduce_in_rank_order(group: Any, t: torch.Tensor, wait: Wait) -> None:
     world, me = group.size(), group.rank()
     n = t.numel()
     if world == 1 or n == 0:
+        return
+    if world == 2:  # (a + b is b + a: the group's own all-reduce sums in rank order already, in one collective)
+        wait(group.allreduce([t]), "gradient sums")
         return
     flat = t.view(-1)
     bounds = [n * i // world for i in range(world + 1)]

@@ -1,21 +1,24 @@
 """A nest of state dicts in one byte buffer, and back: how a script's state enters a snapshot half.
 
-`pack(obj, buf)` writes any nest of dicts, lists and tuples whose leaves are tensors or picklable
-values (a model's, an optimizer's, an LR scheduler's, a data loader's `state_dict()`) into the uint8
-tensor `buf`:
+`pack(obj, buf)` writes any nest of dicts, lists and tuples whose leaves are tensors or plain values (a model's,
+an optimizer's, an LR scheduler's, a data loader's `state_dict()`) into the uint8 tensor `buf`:
 
-    [header: magic, version, skeleton bytes, data bytes][skeleton (pickle)][tensor bytes, 64-aligned]
+    [header: magic, version, skeleton bytes, data start, used bytes][skeleton (pickle)][tensor bytes, 64-aligned]
 
-The skeleton is the nest with every tensor replaced by a `TensorRef` (its dtype, shape and offset);
-the tensors' bytes follow it. A packer keeps the views of one buffer's tensor region for as long as the
-nest's tensors keep their dtypes and shapes, so a step copies its tensors with one `_foreach_copy_`
-and pickles only the skeleton (the Python values: learning rates, counters, cursors).
+The skeleton is the nest with every tensor replaced by a `TensorRef` (its position among the tensors, dtype and
+shape); the tensors' bytes follow, from a data start that depends only on the skeleton's length (the next power
+of two, at least 4 KiB), each at an aligned offset that depends only on the tensors before it. So equal states
+give equal bytes in any process (peers compare the checksums of what they hold), and a buffer's tensor views stay
+the same step after step: a step pickles its skeleton once (the learning rates, counters, cursors) and copies its
+tensors with one `_foreach_copy_` (or hands the copy to a thread: `Packer.prepare`, then `write` with `copy=`).
+The skeleton is pickled without its memo, so a state loaded from a snapshot (which shares fewer objects than the
+one that wrote it) packs into the same bytes.
 
-`unpack(buf)` returns the nest with every tensor a view into `buf` (no copy): the caller copies what it
-keeps (`load_state_dict` copies into live tensors; an optimizer's state must be cloned, or it would
-alias the snapshot). A sharded tensor (`DTensor`) is packed as its local shard with its placements;
-`unpack` gives it back through `dtensor(ref, local)`, which the caller builds from the live parameter
-it belongs to.
+`unpack(buf)` returns the nest with every tensor a view into `buf` (no copy): the caller copies what it keeps
+(`load_state_dict` copies into live tensors; an optimizer's state must be cloned, or it would alias the snapshot).
+A snapshot comes from a peer: unpickling it names no class beyond plain containers and `TensorRef`. A sharded
+tensor (`DTensor`) is packed as its local shard with its placements; `unpack` gives it back through
+`dtensor(ref, local)`, which the caller builds from the live parameter it belongs to.
 """
 
 from __future__ import annotations
@@ -29,22 +32,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorRef", "pack", "unpack", "packed_size", "Packer", "HEADER", "ALIGN", "flatten", "used_bytes",
-           "check_restorable"]
+__all__ = ["TensorRef", "Prepared", "pack", "unpack", "packed_size", "Packer", "HEADER", "ALIGN", "flatten",
+           "used_bytes", "check_restorable"]
 
 MAGIC = 0x50464E58  # "PFNX"
-VERSION = 1
+VERSION = 2
 HEADER = 64
 ALIGN = 64
-_HDR = struct.Struct("<IIQQ")
+MIN_ROOM = 4096
+_HDR = struct.Struct("<IIQQQ")  # magic, version, skeleton bytes, data start, used bytes
+
+Spec = tuple[str, tuple[int, ...], tuple[str, ...] | None]  # (dtype, shape, DTensor placements)
 
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Where a tensor's bytes are in the buffer, and what it was."""
+    """A tensor in a packed nest: its position among the nest's tensors, and what it was."""
 
     index: int
-    offset: int  # bytes from the start of the buffer
     dtype: str  # e.g. "torch.float32"
     shape: tuple[int, ...]
     dtensor: tuple[str, ...] | None = None  # the placements of a DTensor (its local shard is what is packed)
@@ -68,6 +73,29 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _room(skel_bytes: int) -> int:
+    """Where the tensors start: a function of the skeleton's length alone."""
+    need = HEADER + skel_bytes
+    room = MIN_ROOM
+    while room < need:
+        room *= 2
+    return room
+
+
+def _offsets(start: int, specs: list[Spec]) -> list[tuple[int, int]]:
+    """(offset, bytes) of every tensor, from `start`, each aligned."""
+    out, off = [], start
+    for dt, shape, _pl in specs:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * _dtype(dt).itemsize
+        off = _align(off)
+        out.append((off, nbytes))
+        off += nbytes
+    return out
+
+
 def _map(x: Any, leaf: Callable[[Any], Any]) -> Any:
     """`x` rebuilt with `leaf(v)` for every value that is not a dict, list or plain tuple (namedtuples are leaves)."""
     if isinstance(x, dict):
@@ -89,11 +117,10 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[str, ...] | None]:
     return t, None
 
 
-def flatten(obj: Any) -> tuple[Any, list[torch.Tensor], list[tuple[str, tuple[int, ...], tuple[str, ...] | None]]]:
-    """The nest with tensors replaced by their index, the tensors (local shards), and their (dtype, shape,
-    placements)."""
+def flatten(obj: Any) -> tuple[Any, list[torch.Tensor], list[Spec]]:
+    """The nest with every tensor replaced by its `TensorRef`, the tensors (local shards), and their specs."""
     tensors: list[torch.Tensor] = []
-    specs: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]] = []
+    specs: list[Spec] = []
 
     def leaf(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -103,36 +130,18 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor], list[tuple[str, tuple[in
         loc, pl = _local(x)
         tensors.append(loc.detach())
         specs.append((str(loc.dtype), tuple(loc.shape), pl))
-        return _Slot(len(tensors) - 1)
+        return TensorRef(len(tensors) - 1, specs[-1][0], specs[-1][1], pl)
 
     return _map(obj, leaf), tensors, specs
 
 
-@dataclass(frozen=True)
-class _Slot:
-    i: int
-
-
-def _refs(specs: list[tuple[str, tuple[int, ...], tuple[str, ...] | None]], start: int) -> list[TensorRef]:
-    out, off = [], _align(start)
-    for i, (dt, shape, pl) in enumerate(specs):
-        r = TensorRef(i, off, dt, shape, pl)
-        out.append(r)
-        off = _align(off + r.nbytes)
-    return out
-
-
-def _with_refs(skel: Any, refs: list[TensorRef]) -> Any:
-    return _map(skel, lambda x: refs[x.i] if isinstance(x, _Slot) else x)
-
-
-def _skeleton_bytes(skel: Any, refs: list[TensorRef]) -> bytes:
+def _skeleton_bytes(skel: Any) -> bytes:
     """The skeleton pickled without its memo: equal nests give equal bytes, whichever objects they share (a
     state loaded from a snapshot shares fewer than the one that wrote it)."""
     f = io.BytesIO()
     p = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
     p.fast = True  # (no memo: nests of state dicts are trees)
-    p.dump(_with_refs(skel, refs))
+    p.dump(skel)
     return f.getvalue()
 
 
@@ -159,9 +168,9 @@ def _loads(b: bytes) -> Any:
 def check_restorable(obj: Any) -> None:
     """TypeError naming the first value of `obj`'s nest that a snapshot could not restore (checked once, when a
     state is first packed: a snapshot that cannot be read back would only fail in a recovery)."""
-    skel, _t, specs = flatten(obj)
+    skel, _t, _s = flatten(obj)
     try:
-        raw = _skeleton_bytes(skel, _refs(specs, HEADER))
+        raw = _skeleton_bytes(skel)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
         raise TypeError(f"phoenixft cannot protect this state: a value of it cannot be written ({e})") from None
     try:
@@ -170,79 +179,76 @@ def check_restorable(obj: Any) -> None:
         raise TypeError(f"phoenixft cannot protect this state: {e}") from None
 
 
-def packed_size(obj: Any) -> int:
-    """The bytes `pack(obj, ...)` writes."""
-    return Packer().size(obj)
+@dataclass
+class Prepared:
+    """A nest ready to be written: its skeleton's bytes, its tensors, where they go, and the bytes it takes."""
 
-
-def used_bytes(buf: torch.Tensor) -> int:
-    """How many bytes of `buf` a packed nest uses (0: nothing packed there)."""
-    head = bytes(buf[:HEADER].numpy().tobytes()) if buf.numel() >= HEADER else b""
-    if len(head) < _HDR.size:
-        return 0
-    magic, version, skel_n, data_n = _HDR.unpack_from(head)
-    if magic != MAGIC or version != VERSION:
-        return 0
-    return int(data_n)
+    skeleton: bytes
+    tensors: list[torch.Tensor]
+    specs: list[Spec]
+    start: int
+    offsets: list[tuple[int, int]]
+    end: int
 
 
 class Packer:
-    """Packs nests into buffers, reusing one buffer's tensor views while the nest's tensors keep their shapes."""
+    """Packs nests into buffers, reusing one buffer's tensor views while the layout stays the same."""
 
     def __init__(self) -> None:
-        self._views: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # id(buf) -> (spec key, views)
+        self._views: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # id(buf) -> (layout key, views)
+        self._layout: tuple[tuple[int, tuple[Spec, ...]], list[tuple[int, int]]] | None = None
+
+    def prepare(self, obj: Any) -> Prepared:
+        skel, tensors, specs = flatten(obj)
+        sk = _skeleton_bytes(skel)
+        start = _room(len(sk))
+        key = (start, tuple(specs))
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, _offsets(start, specs))
+        offsets = self._layout[1]
+        end = offsets[-1][0] + offsets[-1][1] if offsets else start
+        return Prepared(sk, tensors, specs, start, offsets, end)
 
     def size(self, obj: Any) -> int:
-        skel, _tensors, specs = flatten(obj)
-        return self._layout(skel, specs)[2]
+        return self.prepare(obj).end
 
-    @staticmethod
-    def _layout(skel: Any, specs: list[Any]) -> tuple[list[TensorRef], bytes, int]:
-        # the skeleton's size depends on the offsets it records, which depend on its size: two passes
-        # settle it (the offsets are aligned, so a few bytes more or less rarely move them)
-        refs = _refs(specs, HEADER)
-        for _ in range(4):
-            sk = _skeleton_bytes(skel, refs)
-            new = _refs(specs, HEADER + len(sk))
-            if new == refs:
-                break
-            refs = new
-        else:
-            sk = _skeleton_bytes(skel, refs)
-        end = refs[-1].offset + refs[-1].nbytes if refs else HEADER + len(sk)
-        return refs, sk, end
+    def views(self, p: Prepared, buf: torch.Tensor) -> list[torch.Tensor]:
+        """`buf`'s views for `p`'s tensors (the buffer's gaps zeroed when its layout is new)."""
+        key = (buf.data_ptr(), buf.numel(), p.start, tuple(p.specs))
+        cached = self._views.get(id(buf))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        buf[: p.end].zero_()  # (a new layout in this buffer: the bytes of a step depend on nothing else)
+        views = [buf[off : off + n].view(_dtype(dt)).view(shape)
+                 for (off, n), (dt, shape, _pl) in zip(p.offsets, p.specs, strict=True)]
+        self._views[id(buf)] = (key, views)
+        return views
+
+    def write(self, p: Prepared, buf: torch.Tensor,
+              copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None) -> int:
+        """Write `p` into `buf` (uint8, contiguous); returns the bytes used. ValueError if it does not fit.
+        `copy(dst_views, src_tensors)` copies the tensors (default: now, one `_foreach_copy_` per device)."""
+        if p.end > buf.numel():
+            raise ValueError(f"state of {p.end} bytes does not fit a buffer of {buf.numel()}")
+        views = self.views(p, buf)
+        if p.tensors:
+            (copy or _copy_all)(views, p.tensors)
+        head = _HDR.pack(MAGIC, VERSION, len(p.skeleton), p.start, p.end)
+        raw = torch.frombuffer(bytearray(head + p.skeleton), dtype=torch.uint8)
+        buf[: len(head)].copy_(raw[: len(head)])
+        buf[HEADER : HEADER + len(p.skeleton)].copy_(raw[len(head) :])
+        buf[HEADER + len(p.skeleton) : p.start].zero_()  # (a longer skeleton's tail, before)
+        return p.end
 
     def pack(self, obj: Any, buf: torch.Tensor,
              copy: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None) -> int:
-        """Write `obj` into `buf` (uint8, contiguous); returns the bytes used. ValueError if it does not fit.
-        `copy(dst_views, src_tensors)` copies the tensors (default: `torch._foreach_copy_`)."""
-        skel, tensors, specs = flatten(obj)
-        refs, sk, end = self._layout(skel, specs)
-        if end > buf.numel():
-            raise ValueError(f"state of {end} bytes does not fit a buffer of {buf.numel()}")
-        key = (buf.data_ptr(), buf.numel(), tuple(specs), tuple(r.offset for r in refs))
-        cached = self._views.get(id(buf))
-        if cached is not None and cached[0] == key:
-            views = cached[1]
-        else:  # a new layout in this buffer: its gaps zeroed once (the bytes of a step depend on nothing else)
-            buf[:end].zero_()
-            views = [buf[r.offset : r.offset + r.nbytes].view(_dtype(r.dtype)).view(r.shape) for r in refs]
-            self._views[id(buf)] = (key, views)
-        if tensors:
-            if copy is not None:
-                copy(views, tensors)
-            else:
-                _copy_all(views, tensors)
-        head = _HDR.pack(MAGIC, VERSION, len(sk), end)
-        raw = torch.frombuffer(bytearray(head + sk), dtype=torch.uint8)
-        buf[: len(head)].copy_(raw[: len(head)])
-        buf[HEADER : HEADER + len(sk)].copy_(raw[len(head) :])
-        buf[HEADER + len(sk) : refs[0].offset if refs else end].zero_()  # (a longer skeleton's tail, before)
-        return end
+        return self.write(self.prepare(obj), buf, copy)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for every i, grouped by device (one foreach call per group)."""
+    if not src:
+        return
     same = [i for i in range(len(src)) if src[i].device == dst[i].device]
     if len(same) == len(src):
         torch._foreach_copy_(dst, src)
@@ -254,26 +260,55 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             dst[i].copy_(src[i], non_blocking=True)
 
 
+def packed_size(obj: Any) -> int:
+    """The bytes `pack(obj, ...)` writes."""
+    return Packer().size(obj)
+
+
 def pack(obj: Any, buf: torch.Tensor) -> int:
     """`Packer().pack(obj, buf)`: the bytes used."""
     return Packer().pack(obj, buf)
 
 
+def _header(buf: torch.Tensor) -> tuple[int, int, int] | None:
+    if buf.numel() < HEADER:
+        return None
+    magic, version, skel_n, start, end = _HDR.unpack_from(bytes(buf[:HEADER].numpy().tobytes()))
+    if magic != MAGIC or version != VERSION:
+        return None
+    return int(skel_n), int(start), int(end)
+
+
+def used_bytes(buf: torch.Tensor) -> int:
+    """How many bytes of `buf` a packed nest uses (0: nothing packed there)."""
+    h = _header(buf)
+    return h[2] if h is not None else 0
+
+
 def unpack(buf: torch.Tensor, dtensor: Callable[[TensorRef, torch.Tensor], Any] | None = None) -> Any:
     """The nest packed in `buf`, its tensors views into `buf`; a DTensor's local shard is handed to
     `dtensor(ref, local)` (default: the local shard itself)."""
-    head = bytes(buf[:HEADER].numpy().tobytes())
-    magic, version, skel_n, data_n = _HDR.unpack_from(head)
-    if magic != MAGIC or version != VERSION:
+    h = _header(buf)
+    if h is None:
         raise ValueError("not a phoenixft snapshot (bad magic or version)")
-    if data_n > buf.numel() or HEADER + skel_n > buf.numel():
-        raise ValueError(f"a snapshot of {data_n} bytes in a buffer of {buf.numel()}")
+    skel_n, start, end = h
+    if end > buf.numel() or HEADER + skel_n > start:
+        raise ValueError(f"a snapshot of {end} bytes (skeleton {skel_n}, data from {start}) in a buffer of "
+                         f"{buf.numel()}")
     skel = _loads(bytes(buf[HEADER : HEADER + skel_n].numpy().tobytes()))
+    refs: list[TensorRef] = []
+    _map(skel, lambda x: refs.append(x) if isinstance(x, TensorRef) else None)
+    if sorted(r.index for r in refs) != list(range(len(refs))):
+        raise ValueError("a snapshot whose tensor references are not its tensors in order")
+    offsets = _offsets(start, [(r.dtype, r.shape, r.dtensor) for r in sorted(refs, key=lambda r: r.index)])
+    if offsets and offsets[-1][0] + offsets[-1][1] > end:
+        raise ValueError("a snapshot whose tensors run past its end")
 
     def leaf(x: Any) -> Any:
         if not isinstance(x, TensorRef):
             return x
-        t = buf[x.offset : x.offset + x.nbytes].view(_dtype(x.dtype)).view(x.shape)
+        off, n = offsets[x.index]
+        t = buf[off : off + n].view(_dtype(x.dtype)).view(x.shape)
         return dtensor(x, t) if (x.dtensor is not None and dtensor is not None) else t
 
     return _map(skel, leaf)

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from phoenixft.api.packing import Packer, unpack, used_bytes
+from phoenixft.api.copier import Copier
+from phoenixft.api.packing import Packer, _copy_all, unpack, used_bytes
 from phoenixft.api.tracked import Tracked
 from phoenixft.distributed.device import Device
 from phoenixft.protect.halves import ByteHalves
@@ -30,12 +31,12 @@ from phoenixft.protect.snapshot import H_VALID, INVALID, ShardState, checksum
 
 __all__ = ["ScriptState", "ScriptParams", "Outgrown", "DEFAULT_PRIVATE_BYTES", "capacity_for"]
 
-DEFAULT_PRIVATE_BYTES = 1 << 20
+DEFAULT_PRIVATE_BYTES = 1 << 16  # (every step replicates the whole capacity: kept small where the own side is)
 _ALIGN = 1 << 16
 
 
 def capacity_for(nbytes: int) -> int:
-    """The shard capacity that holds `nbytes` with room to grow (twice, at least 1 MiB, 64 KiB steps)."""
+    """The shard capacity that holds `nbytes` with room to grow (twice, at least 64 KiB, in 64 KiB steps)."""
     cap = max(DEFAULT_PRIVATE_BYTES, 2 * nbytes)
     return (cap + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -73,6 +74,8 @@ class ScriptState:
         self.state: ShardState = ShardState(private_bytes // 4, rows=1, payload_from=0)
         self._base: str | None = None
         self._rep_packer, self._priv_packer = Packer(), Packer()
+        self._copier = Copier()
+        self.async_copy = True  # the parameters' and optimizer state's copy off the training thread
         self.loaded: int | None = None  # the step the live objects hold (None: as the script built them)
 
     # ---------------------------------------------------------------- memory
@@ -140,27 +143,45 @@ class ScriptState:
 
     # ---------------------------------------------------------------- snapshots
     def snapshot(self, step: int, rank: int, world: int) -> None:
-        """Pack the live objects as `step` into the halves that are not current and commit both. Outgrown if
-        the private nest does not fit this epoch's shard."""
-        priv = self.tracked.private()
-        need = self._priv_packer.size(priv)
-        if need > self.private_bytes:
-            raise Outgrown(need)
-        rep = self.tracked.replicated(step)
-        size = self._rep_packer.size(rep)
+        """Pack the live objects as `step` into the halves that are not current. The own side and the small
+        tensors of the replicated side are copied now; the models' parameters and the optimizers' state, which
+        only an optimizer's `step()` changes, are copied on the copy thread while the next step computes, and
+        the replicated half commits once they are in (`settle()` waits for it: before the next update, the next
+        snapshot and any recovery). Outgrown if the own side does not fit this epoch's shard."""
+        self.settle()
+        priv = self._priv_packer.prepare(self.tracked.private())
+        if priv.end > self.private_bytes:
+            raise Outgrown(priv.end)
+        rep_nest = self.tracked.replicated(step)
+        n_late = self.tracked.late_tensors(rep_nest)
+        rep = self._rep_packer.prepare(rep_nest)
         h = self.flat.staging()
-        used = self._rep_packer.pack(rep, self.flat.begin_write(h, size))
+        buf = self.flat.begin_write(h, rep.end)
+        late: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+        def copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+            _copy_all(dst[n_late:], src[n_late:])
+            late.append((dst[:n_late], src[:n_late]))
+
+        used = self._rep_packer.write(rep, buf, copy if self.async_copy and n_late else None)
         s = self.state
         ph = s.staging()
         s.begin_write(ph)
-        self._priv_packer.pack(priv, s.data[ph, 0].view(torch.uint8))
+        self._priv_packer.write(priv, s.data[ph, 0].view(torch.uint8))
         s.commit(ph, step, checksum(s.payload(ph)), (rank, world))
-        self.flat.commit(h, step, used)
         self.loaded = step
+        if not late or not late[0][0]:
+            self.flat.commit(h, step, used)
+            return
+        self._copier.submit(late[0][0], late[0][1], lambda: self.flat.commit(h, step, used))
+
+    def settle(self) -> None:
+        """The last snapshot's copy is complete (and its replicated half committed)."""
+        self._copier.wait()
 
     def private_size(self) -> int:
         """Bytes the live objects' own side packs into now."""
-        return self._priv_packer.size(self.tracked.private())
+        return self._priv_packer.prepare(self.tracked.private()).end
 
     def commit_private(self, step: int, rank: int, world: int) -> None:
         """The live objects' own side alone, committed as `step` (a rank new to a resized world)."""
@@ -172,6 +193,7 @@ class ScriptState:
 
     def load(self, step: int) -> None:
         """The live objects from the halves of `step` (a recovery's resume step)."""
+        self.settle()
         h, ph = self.flat.half_with(step), self.state.half_with(step)
         if h is None or ph is None:
             raise RuntimeError(f"no snapshot of step {step} to load (replicated halves {self.flat.buf_step}, "

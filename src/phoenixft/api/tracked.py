@@ -79,6 +79,13 @@ class Tracked:
         out["extra"] = {e.name: _state_of(e.obj) for e in self.extra if not e.per_rank}
         return out
 
+    def late_tensors(self, rep: dict[str, Any]) -> int:
+        """How many of `rep`'s tensors (the first ones, in packing order: `step`, `cursor`, then `models` and
+        `optimizers`) change only in an optimizer's `step()`: their copy may run while the next step computes."""
+        from phoenixft.api.packing import flatten
+
+        return len(flatten({k: rep[k] for k in ("step", "cursor", "models", "optimizers")})[1])
+
     def private(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         out["buffers"] = {e.name: dict(e.obj.named_buffers()) for e in self.models}
