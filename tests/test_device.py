@@ -110,10 +110,11 @@ def test_nccl_environment_keeps_acceptable_user_values_and_replaces_fatal_ones()
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in set_now
     assert env["TORCH_NCCL_ENABLE_MONITORING"] == "0" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     assert "NCCL_HOSTID" not in env
-    assert nccl_env()["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # clean up, never tear the survivor down
-    env2 = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    apply_nccl_env(env2, "s0", 1, own_host=True)
-    assert env2["NCCL_HOSTID"] == "phoenixft-s0.1" and env2["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert nccl_env()["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # only phoenixft aborts, after the descriptor
+    for preset in ("1", "2", "3"):  # teardown (1, 3); a watchdog abort before the descriptor (2)
+        env2 = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": preset}
+        apply_nccl_env(env2, "s0", 1, own_host=True)
+        assert env2["NCCL_HOSTID"] == "phoenixft-s0.1" and env2["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
 
 
 # ---------------------------------------------------------------------------------------------- the seam on CPU
@@ -363,7 +364,6 @@ def test_epoch_groups_by_backend(monkeypatch: pytest.MonkeyPatch, backend: str) 
     import phoenixft.distributed.comm as comm_mod
 
     monkeypatch.setattr(comm_mod.dist, "PrefixStore", lambda prefix, store: prefix)
-    monkeypatch.setattr(comm_mod, "_error_checked_wait", False)  # (restored after the test)
     dev = _Recorder()
     c = EpochComm(dist.HashStore(), 3, 5, 8, 30.0, backend=backend, layout=Layout(8, tp=2, pp=2), device=dev)
     assert [(b, p) for b, p, _, _ in dev.made] == [
@@ -376,4 +376,3 @@ def test_epoch_groups_by_backend(monkeypatch: pytest.MonkeyPatch, backend: str) 
         assert c1.dp is c1.train and len(trivial.made) == 2
     else:
         assert c1.dp is not c1.train and trivial.made[2][:2] == ("nccl", "e0/dp/pp0.tp0")
-        assert comm_mod._error_checked_wait  # completed works are now waited on the error-checking path

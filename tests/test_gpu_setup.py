@@ -93,22 +93,22 @@ def test_a_local_run_spreads_its_workers_and_says_so(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
     assert hostcheck.local_notes(cfg, {}) == [placement_line(1, 3)]
     notes = hostcheck.local_notes(cfg, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
-    assert len(notes) == 2 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 2" in notes[1]
+    assert len(notes) == 2 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 0" in notes[1]
     assert hostcheck.local_notes(RunConfig(device="cpu"), {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}) == []
 
 
 # ---------------------------------------------------------------------------------------------- NCCL settings
-@pytest.mark.parametrize("preset", ["1", "3"])
+@pytest.mark.parametrize("preset", ["1", "2", "3"])
 def test_nccl_values_that_kill_a_survivor_are_replaced_and_named(preset: str) -> None:
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": preset, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
            "TORCH_NCCL_ENABLE_MONITORING": "1", "NCCL_ASYNC_ERROR_HANDLING": preset, "NCCL_DEBUG": "WARN"}
     over = nccl_overrides(env)
-    assert over == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": (preset, "2"), "TORCH_NCCL_DUMP_ON_TIMEOUT": ("1", "0"),
-                    "TORCH_NCCL_ENABLE_MONITORING": ("1", "0"), "NCCL_ASYNC_ERROR_HANDLING": (preset, "2")}
+    assert over == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": (preset, "0"), "TORCH_NCCL_DUMP_ON_TIMEOUT": ("1", "0"),
+                    "TORCH_NCCL_ENABLE_MONITORING": ("1", "0"), "NCCL_ASYNC_ERROR_HANDLING": (preset, "0")}
     line = override_line(over)
-    assert line is not None and "\n" not in line and f"TORCH_NCCL_ASYNC_ERROR_HANDLING={preset} -> 2" in line
+    assert line is not None and "\n" not in line and f"TORCH_NCCL_ASYNC_ERROR_HANDLING={preset} -> 0" in line
     apply_nccl_env(env, "n0", 0)
-    assert {k: env[k] for k in nccl_env()} == nccl_env() and env["NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert {k: env[k] for k in nccl_env()} == nccl_env() and env["NCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert env["NCCL_DEBUG"] == "WARN"  # not ours: left alone
     assert nccl_overrides(env) == {} and override_line({}) is None
 
@@ -123,8 +123,8 @@ def test_acceptable_user_values_are_kept() -> None:
 def test_the_agent_sets_them_for_its_workers_and_says_so_once() -> None:
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
     line = hostcheck.prepare_nccl(env)
-    assert line is not None and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 2" in line
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and "NCCL_HOSTID" not in env
+    assert line is not None and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 0" in line
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "NCCL_HOSTID" not in env
     assert hostcheck.prepare_nccl(env) is None  # nothing of the user's left to replace
 
 
@@ -184,10 +184,10 @@ def test_placing_a_cuda_worker_sets_up_its_process_before_cuda(monkeypatch: pyte
     d = device.place("cuda", 0, "s0", 2, 1)  # the third worker of n0, n1, s0 on one GPU
     assert d.is_cuda and d.index == 0 and d.backend == "nccl" and seen["gpu"] == 0
     assert seen["env"] == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and os.environ["NCCL_HOSTID"] == "phoenixft-s0.0"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and os.environ["NCCL_HOSTID"] == "phoenixft-s0.0"
     assert ("det", True, False) in calls and ("enable_flash_sdp", False) in calls
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 2" in out
+    assert out.count("\n") == 1 and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 -> 0" in out
     monkeypatch.delenv("NCCL_HOSTID")
     assert device.place("cuda", 0, "n0", 2, 1).index == 0 and "NCCL_HOSTID" not in os.environ  # slot 0: the host's
 

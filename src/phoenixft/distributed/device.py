@@ -58,6 +58,8 @@ from phoenixft.distributed.cuda_env import (
     override_line,
     plan_gpus,
 )
+from phoenixft.distributed.cuda_timing import CopyTiming
+from phoenixft.distributed.nccl import NcclGroup, check_handling_mode
 from phoenixft.errors import UserError
 
 __all__ = ["DEVICES", "Device", "Pending", "DONE", "alloc", "resolve_device", "cuda_unavailable", "place", "nccl_env",
@@ -252,14 +254,19 @@ class Device:
     """One worker's device: `cpu`, or GPU `index` with `cuda`. `mirror` (always on CUDA) keeps the
     optimizer shard's working copy apart from its host ping-pong halves."""
 
-    def __init__(self, kind: str = "cpu", index: int = 0, mirror: bool = False) -> None:
+    def __init__(self, kind: str = "cpu", index: int = 0, mirror: bool = False, emulate_nccl: bool = False,
+                 wid: str = "") -> None:
         if kind not in DEVICES:
             raise ValueError(f"device {kind!r}: one of {', '.join(DEVICES)}")
         self.kind, self.index = kind, index
         self.is_cuda = kind == "cuda"
-        self.mirror = self.is_cuda or mirror
+        self.emulate_nccl = emulate_nccl and not self.is_cuda  # (tests: distributed/nccl_emulation.py)
+        self.mirror = self.is_cuda or mirror or self.emulate_nccl
+        self.wid = wid  # the worker's id ("n0.0"), when placed for one
         self.torch = torch.device("cuda", index) if self.is_cuda else torch.device("cpu")
         self._stream: Any = None
+        self._mark_stream: Any = None
+        self.timing: CopyTiming | None = CopyTiming.from_env(wid) if self.is_cuda else None
 
     def __repr__(self) -> str:
         return f"Device({self.describe()})"
@@ -267,12 +274,14 @@ class Device:
     def describe(self) -> str:
         if self.is_cuda:
             return f"cuda:{self.index}"
+        if self.emulate_nccl:
+            return "cpu (mirrored shard, NCCL emulated on gloo)"
         return "cpu (mirrored shard)" if self.mirror else "cpu"
 
     @property
     def backend(self) -> str:
         """Backend of the training groups (data-parallel, tensor-parallel, pipeline, embedding)."""
-        return "nccl" if self.is_cuda else "gloo"
+        return "nccl" if self.is_cuda or self.emulate_nccl else "gloo"
 
     # ---------------------------------------------------------------- randomness
     def seed(self, seed: int) -> None:
@@ -345,13 +354,19 @@ class Device:
             return _Deferred(lambda: dst.copy_(src))
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.torch)
-        ready = torch.cuda.Event()
+        timing = self.timing  # (the GPU check's measurement: distributed/cuda_timing.py)
+        ready = torch.cuda.Event(enable_timing=timing is not None and timing.times_ready())
         ready.record(torch.cuda.current_stream(self.torch))  # after the optimizer's kernels
         self._stream.wait_event(ready)
         with torch.cuda.stream(self._stream):
+            start = torch.cuda.Event(enable_timing=True) if timing is not None and timing.measures() else None
+            if start is not None:
+                start.record(self._stream)
             dst.copy_(src, non_blocking=True)
-            end = torch.cuda.Event()
+            end = torch.cuda.Event(enable_timing=start is not None)
             end.record(self._stream)
+        if self.timing is not None:
+            self.timing.copied(ready, start, end, dst)
         return _CudaPending(end)
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -374,8 +389,14 @@ class Device:
             return gloo_group(store, rank, size, timeout)
         if backend != "nccl":
             raise NotImplementedError(f"backend {backend!r}")
-        if not self.is_cuda:
+        if not self.is_cuda and not self.emulate_nccl:
             raise RuntimeError("NCCL groups need a CUDA device (--device cuda)")
+        check_handling_mode()  # only phoenixft aborts an NCCL communicator, after the descriptor (distributed/nccl.py)
+        if self.emulate_nccl:
+            from phoenixft.distributed.nccl_emulation import EmulatedGroup
+
+            emulated = EmulatedGroup(gloo_group(store, rank, size, timeout), store, self.wid)
+            return NcclGroup(emulated, lambda work: work, timeout.total_seconds())
         pg_nccl: Any = getattr(dist, "ProcessGroupNCCL", None)
         if pg_nccl is None:
             raise RuntimeError(f"this torch ({torch.__version__}) has no NCCL (torch.distributed.ProcessGroupNCCL)")
@@ -384,15 +405,30 @@ class Device:
         pg = pg_nccl(store, rank, size, opts)
         pg._set_sequence_number_for_group()
         pg.eager_connect_single_device(self.torch)
-        return pg
+        return NcclGroup(pg, self._mark, timeout.total_seconds())
+
+    def _mark(self, work: Any) -> Any:
+        """An event that completes once `work`'s kernels finished: recorded on a stream of its own, ordered
+        behind the work (`block_current_stream`: orders the stream, never blocks or aborts)."""
+        if self._mark_stream is None:
+            self._mark_stream = torch.cuda.Stream(device=self.torch)
+        with torch.cuda.stream(self._mark_stream):
+            work.block_current_stream()
+            ev = torch.cuda.Event()
+            ev.record(self._mark_stream)
+        return ev
 
 
 def place(kind: str, local_rank: int, node: str, nodes: int, workers_per_node: int) -> Device:
     """The device of worker `local_rank` of `node` (`auto` resolved on this host); on CUDA, sets up the
     process before its first CUDA call (NCCL settings, deterministic kernels), then selects its GPU."""
     kind = check_device_here(kind, f"this host (node {node})")
+    wid = f"{node}.{local_rank}"
     if kind == "cpu":
-        return Device("cpu", mirror=os.environ.get(MIRROR_ENV, "") == "1")
+        mirror = os.environ.get(MIRROR_ENV, "")
+        if mirror == "nccl":  # (tests: the NCCL settings as on a GPU, NCCL's failure behaviour on gloo)
+            apply_nccl_env(os.environ, node, local_rank)
+        return Device("cpu", mirror=mirror == "1", emulate_nccl=mirror == "nccl", wid=wid)
     apply_determinism(determinism_settings(os.environ), os.environ, torch)  # CUBLAS_WORKSPACE_CONFIG: before cuBLAS
     why = cuda_unavailable()
     if why is not None:
@@ -406,4 +442,4 @@ def place(kind: str, local_rank: int, node: str, nodes: int, workers_per_node: i
         print(f"phoenixft worker {node}.{local_rank}: {line}", flush=True)
     torch.cuda.set_device(slot.gpu)
     os.environ["LOCAL_RANK"] = str(local_rank)  # for workload code that looks for it
-    return Device("cuda", slot.gpu)
+    return Device("cuda", slot.gpu, wid=wid)
