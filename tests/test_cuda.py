@@ -1,8 +1,13 @@
 """The CUDA path itself: pinned shared-memory snapshots, the copy stream and the deferred commit,
-NCCL groups on an epoch's store prefix, a peer's death surfacing as PeerFailure in a survivor that
-then builds the next epoch's NCCL group, the training step on a GPU, and the checks' GPU paths (the SDC
-fingerprints of device tensors and their NCCL exchange; a spare's health check on its GPU). Skipped without CUDA;
-bench/gpu_check.sh runs them on a GPU machine (and fails if they skip there)."""
+NCCL groups on an epoch's store prefix waited through their marks (never torch's `wait()`), a peer's
+death surfacing as PeerFailure in a survivor that retires the epoch within its bound and builds the
+next epoch's NCCL group, the training step on a GPU, and the checks' GPU paths (the SDC fingerprints of
+device tensors and their NCCL exchange; a spare's health check on its GPU). Skipped without CUDA;
+bench/gpu_check.sh runs them on a GPU machine (and fails if they skip there).
+
+Everything here but the GPU is as on the CPU suite's machines: each process's NCCL settings come from
+`place()` (the worker's own set-up), stores are torch's own, every wait is bounded, and every child
+process is joined or killed before a test returns."""
 
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ import torch.distributed as dist
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS: before its first use
 
+from phoenixft.distributed import retire  # noqa: E402
 from phoenixft.distributed.comm import EpochComm, connect_store, wait_work  # noqa: E402
 from phoenixft.distributed.device import Device, place  # noqa: E402
+from phoenixft.distributed.nccl import NcclGroup, NcclWork  # noqa: E402
 from phoenixft.errors import PeerFailure  # noqa: E402
 from phoenixft.protect.snapshot import ShardState  # noqa: E402
 
@@ -69,14 +76,18 @@ def test_copy_stream_orders_after_the_compute_and_commits_after_the_copy() -> No
 def test_nccl_group_on_a_prefix_store_waits_polled_and_aborts() -> None:
     d = _gpu()
     assert d.backend == "nccl"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # (set by place(): only phoenixft aborts)
     comm = EpochComm(dist.HashStore(), 0, 0, 1, 30.0, backend="nccl", device=d)
-    assert comm.dp is not comm.train  # data-parallel on NCCL, host transfers on gloo
+    assert comm.dp is not comm.train and isinstance(comm.dp, NcclGroup)  # data-parallel on NCCL, host transfers on gloo
     t = torch.arange(8.0, device=d.torch)
-    wait_work(comm.dp.allreduce([t]), "allreduce", lambda: None, 30.0)
+    work = comm.dp.allreduce([t])
+    assert isinstance(work, NcclWork)
+    wait_work(work, "allreduce", lambda: None, 30.0)
+    assert not work.failed  # done through its mark: the kernel finished
     out = torch.empty(8, device=d.torch)
     wait_work(comm.dp._allgather_base(out, t), "all-gather", lambda: None, 30.0)
     assert torch.equal(out.cpu(), torch.arange(8.0))
-    comm.retire()  # abort() of every group returns
+    assert comm.retire(10.0)  # abort() of every group returns, within the bound
 
 
 def test_training_on_the_gpu_is_deterministic_and_close_to_the_cpu() -> None:
@@ -164,9 +175,10 @@ def _member(addr: str, node: str, rank: int, epoch: int, q: Any) -> None:
             q.put((node, epoch, "second", "completed"))
         except PeerFailure as e:
             q.put((node, epoch, "second", f"PeerFailure: {e}"))
-            comm.retire()
-            q.put((node, epoch, "retired", "ok"))
-            comm2 = EpochComm(store, epoch + 1, rank, 2, 30.0, backend="nccl", device=d)  # the next epoch
+            t0 = time.monotonic()
+            returned = comm.retire()  # the abort on its own thread, waited for at most retire.ABORT_WAIT_S
+            q.put((node, epoch, "retired", "ok" if returned else "abandoned", round(time.monotonic() - t0, 2)))
+            comm2 = EpochComm(store.c10d, epoch + 1, rank, 2, 30.0, backend="nccl", device=d)  # the next epoch
             t3 = torch.tensor([float(rank + 1)], device=d.torch)
             wait_work(comm2.dp.allreduce([t3]), "allreduce", lambda: None, 30.0)
             q.put((node, epoch + 1, "sum", float(t3.item())))
@@ -175,6 +187,7 @@ def _member(addr: str, node: str, rank: int, epoch: int, q: Any) -> None:
         q.put((node, epoch, "error", f"{type(e).__name__}: {e}"))
 
 
+@pytest.mark.timeout(150)
 def test_a_dead_peer_raises_in_the_survivor_which_builds_the_next_epoch() -> None:
     """Epoch 0: n0 and n1 on NCCL; n1 is SIGKILLed while n0 waits in an all-reduce; the control
     plane's flag (set here once n1 is gone) or NCCL's own error ends n0's wait as PeerFailure, not
@@ -185,30 +198,36 @@ def test_a_dead_peer_raises_in_the_survivor_which_builds_the_next_epoch() -> Non
     q = ctx.Queue()
     n0 = ctx.Process(target=_member, args=(addr, "n0", 0, 0, q))
     n1 = ctx.Process(target=_member, args=(addr, "n1", 1, 0, q))
-    n0.start()
-    n1.start()
-    n1.join(120)
-    assert n1.exitcode == -signal.SIGKILL
-    server.set("dead/0", "1")  # what the coordinator does when the agent reports the exit
-    s0 = ctx.Process(target=_member, args=(addr, "s0", 1, 1, q))
-    s0.start()
-    n0.join(180)
-    s0.join(60)
-    got = []
-    while True:
-        try:
-            got.append(q.get(timeout=2))
-        except Exception:  # noqa: BLE001 - queue.Empty: everything was read
-            break
-    for p in (n0, s0):
-        if p.is_alive():
-            p.kill()
+    procs = [n0, n1]
+    try:
+        n0.start()
+        n1.start()
+        n1.join(90)
+        assert n1.exitcode == -signal.SIGKILL, n1.exitcode
+        server.set("dead/0", "1")  # what the coordinator does when the agent reports the exit
+        s0 = ctx.Process(target=_member, args=(addr, "s0", 1, 1, q))
+        procs.append(s0)
+        s0.start()
+        n0.join(120)
+        s0.join(30)
+        got = []
+        while True:
+            try:
+                got.append(q.get(timeout=2))
+            except Exception:  # noqa: BLE001 - queue.Empty: everything was read
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     errors = [g for g in got if g[2] == "error"]
     assert not errors, got
     assert ("n0", 0, "sum", 3.0) in got and ("n1", 0, "sum", 3.0) in got, got
     second = [g for g in got if g[0] == "n0" and g[2] == "second"]
     assert second and str(second[0][3]).startswith("PeerFailure"), got
-    assert ("n0", 0, "retired", "ok") in got, got
+    retired = [g for g in got if g[0] == "n0" and g[2] == "retired"]
+    assert retired and retired[0][3] == "ok" and retired[0][4] <= retire.ABORT_WAIT_S + 1.0, got  # bounded, returned
     assert ("n0", 1, "sum", 3.0) in got and ("s0", 1, "sum", 3.0) in got, got
     assert n0.exitcode == 0, got
 

@@ -4,8 +4,6 @@ through the mirror device, in process and in a real hot-swap."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import threading
@@ -315,34 +313,6 @@ def test_mirrored_shard_hotswap_is_bitwise_invisible(tmp_path: Path, reference: 
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
     (rec,) = rep["recoveries"]
     assert rec["action"] == "hotswap" and all(rec["invariants"].values())
-
-
-# ---------------------------------------------------------------------------------------------- the GPU check
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@no_cuda
-def test_gpu_check_fails_loudly_without_a_gpu() -> None:
-    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHON": sys.executable})
-    out = p.stdout + p.stderr
-    assert p.returncode == 1, out
-    assert "FAIL: environment: no CUDA device" in out and "this is not a GPU run" in out, out
-    assert "gpu_check: FAIL" in out and "PASS" not in out, out
-
-
-@pytest.mark.slow
-def test_gpu_check_harness_runs_on_cpu(tmp_path: Path) -> None:
-    """The harness's own logic (runs, report parsing, hash comparison, overhead ratio) on CPU."""
-    out = tmp_path / "summary.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
-                        "--target", "100", "--work", str(tmp_path / "runs"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=1500)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "NOT a GPU result" in p.stdout
-    res = json.loads(out.read_text())
-    assert res["pass"] and res["checks"]["hotswap"]["final_sha"] == res["checks"]["hotswap"]["reference_sha"]
-    assert res["checks"]["overhead"]["ratio"] > 0
 
 
 class _Recorder(Device):
