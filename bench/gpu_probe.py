@@ -95,6 +95,10 @@ def overlap(device: Any, copy_mb: int) -> dict[str, Any]:
     """The copy stream beside the compute stream, timed with CUDA events (see the module docstring)."""
     from phoenixft.protect.snapshot import ShardState
 
+    free_mb = shutil.disk_usage("/dev/shm").free >> 20  # the two halves take twice the copy: never past the room
+    copy_mb = min(copy_mb, free_mb // 4)
+    if copy_mb < 8:
+        return {"ok": False, "error": f"/dev/shm has {free_mb} MiB free: no room for a snapshot half"}
     n = (copy_mb << 20) // 4 // 3
     path = f"/dev/shm/phoenixft-gpucheck-{os.getpid()}"
     st = ShardState(n, path, rows=3, device=device)

@@ -554,3 +554,21 @@ def test_gpu_check_rehearsal_runs_the_harness_end_to_end_on_cpu(tmp_path: Path) 
     names = tarfile.open(out / "runs.tar.gz").getnames()
     assert "work/hotswap-dp2/kill/report.json" in names and "work/hotswap-dp2/kill/logs/n1.log" in names
     assert not any("/final/" in n or n.endswith("/token") for n in names)
+
+
+def test_a_refused_registration_leaves_the_halves_pageable_and_says_so_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sandbox may refuse `cudaHostRegister` of shared memory: the run goes on with pageable halves (their copy
+    synchronous), saying so in one line per process, instead of failing every worker."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(
+        cudaHostRegister=lambda ptr, n, flags: calls.append((ptr, n)) or 801))
+    monkeypatch.setattr(Device, "_pin_failed", False)
+    d = Device("cpu", wid="n1.0")
+    d.is_cuda = True  # (the pinning decision of a CUDA device, on a CPU)
+    a = device.alloc(4096, torch.float32, str(tmp_path / "a"))
+    b = device.alloc(4096, torch.float32, str(tmp_path / "b"))
+    assert d.pin(a) is a and d.pin(b) is b and not a.is_pinned() and len(calls) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("phoenixft n1.0: cudaHostRegister of 16384 bytes") and \
+        "cudaError 801" in out and "pageable" in out

@@ -231,3 +231,14 @@ def test_a_peer_killed_mid_collective_is_recovered_with_the_descriptor_before_an
     for a in aborts:
         assert a["thread"].startswith("phoenixft-abort-e"), a  # the retirement's thread, never the training one
         assert a["why"] == "abort()" and a["descriptor_posted"] is True, a
+
+
+def test_a_work_torch_refuses_to_order_is_failed_not_raised_from_the_poll() -> None:
+    class Refusing(_Raw):
+        def block_current_stream(self) -> None:
+            raise RuntimeError("NCCL communicator was aborted")
+
+    w = NcclWork(Refusing(), lambda raw: (raw.block_current_stream(), _Mark(raw))[1], 5.0)
+    assert w.is_completed() and w.failed
+    with pytest.raises(PeerFailure, match="NCCL reported an error"):
+        wait_work(w, "reduce", lambda: None, 5.0)

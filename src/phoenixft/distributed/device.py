@@ -207,6 +207,37 @@ class _CudaPending(Pending):
         return True
 
 
+SIDE_PRIORITY = -1  # the copy and mark streams' priority (see side_stream)
+
+
+def side_stream(device: torch.device) -> Any:
+    """A CUDA stream for the snapshot copy or the marks of NCCL works, from torch's pool of high-priority
+    streams: NCCL groups draw theirs from the default-priority pool, and a stream shared with one would queue
+    this stream's work behind its collectives (a mark waiting on a data-parallel reduce placed on the tensor-
+    parallel group's stream would make that group's next collective wait for the reduce)."""
+    return torch.cuda.Stream(device=device, priority=SIDE_PRIORITY)
+
+
+class _Marker:
+    """The marks of one NCCL group's works (distributed/nccl.py): an event that completes once the work's
+    kernels finished, recorded on a stream of this group's own, ordered behind the work
+    (`block_current_stream`: orders the stream, never blocks or aborts). One stream per group: a group whose
+    abort hangs leaves its stream waiting, and the next epoch's groups must not queue behind it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream: Any = None
+
+    def __call__(self, work: Any) -> Any:
+        if self.stream is None:
+            self.stream = side_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            work.block_current_stream()
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+
 def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
     """Host memory of `numel` elements: a shared-memory file at `path` (kept if it already has that size,
     so a worker restarted in place finds what it held), else private zeroed memory."""
@@ -254,6 +285,8 @@ class Device:
     """One worker's device: `cpu`, or GPU `index` with `cuda`. `mirror` (always on CUDA) keeps the
     optimizer shard's working copy apart from its host ping-pong halves."""
 
+    _pin_failed = False  # a registration failed in this process (said once)
+
     def __init__(self, kind: str = "cpu", index: int = 0, mirror: bool = False, emulate_nccl: bool = False,
                  wid: str = "") -> None:
         if kind not in DEVICES:
@@ -265,7 +298,6 @@ class Device:
         self.wid = wid  # the worker's id ("n0.0"), when placed for one
         self.torch = torch.device("cuda", index) if self.is_cuda else torch.device("cpu")
         self._stream: Any = None
-        self._mark_stream: Any = None
         self.timing: CopyTiming | None = CopyTiming.from_env(wid) if self.is_cuda else None
 
     def __repr__(self) -> str:
@@ -318,7 +350,8 @@ class Device:
         """`t` page-locked, so copies between it and the GPU run asynchronously: a page-aligned mapping
         (a shared-memory file) in place (`cudaHostRegister`, unregistered when the tensor is freed),
         other memory as a pinned copy (registering part of a page another registration shares fails).
-        `t` itself on CPU."""
+        `t` itself on CPU, and where the registration fails (a sandbox that refuses it): then the halves
+        stay pageable, the copies into them synchronous, and the process says so in one line, once."""
         if not self.is_cuda or t.numel() == 0 or t.is_pinned():
             return t
         if t.data_ptr() % PAGE or t.untyped_storage().data_ptr() != t.data_ptr():
@@ -326,7 +359,12 @@ class Device:
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1 = cudaHostRegisterPortable
         if err != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed (cudaError {err})")
+            if not Device._pin_failed:
+                Device._pin_failed = True
+                print(f"phoenixft {self.wid or 'worker'}: cudaHostRegister of {nbytes} bytes of shared memory failed "
+                      f"(cudaError {err}): the snapshot halves stay pageable, so their copy from the GPU is "
+                      "synchronous", flush=True)
+            return t
         weakref.finalize(t, _unpin, ptr)
         return t
 
@@ -353,7 +391,7 @@ class Device:
         if not self.is_cuda:
             return _Deferred(lambda: dst.copy_(src))
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.torch)
+            self._stream = side_stream(self.torch)
         timing = self.timing  # (the GPU check's measurement: distributed/cuda_timing.py)
         ready = torch.cuda.Event(enable_timing=timing is not None and timing.times_ready())
         ready.record(torch.cuda.current_stream(self.torch))  # after the optimizer's kernels
@@ -405,18 +443,7 @@ class Device:
         pg = pg_nccl(store, rank, size, opts)
         pg._set_sequence_number_for_group()
         pg.eager_connect_single_device(self.torch)
-        return NcclGroup(pg, self._mark, timeout.total_seconds())
-
-    def _mark(self, work: Any) -> Any:
-        """An event that completes once `work`'s kernels finished: recorded on a stream of its own, ordered
-        behind the work (`block_current_stream`: orders the stream, never blocks or aborts)."""
-        if self._mark_stream is None:
-            self._mark_stream = torch.cuda.Stream(device=self.torch)
-        with torch.cuda.stream(self._mark_stream):
-            work.block_current_stream()
-            ev = torch.cuda.Event()
-            ev.record(self._mark_stream)
-        return ev
+        return NcclGroup(pg, _Marker(self.torch), timeout.total_seconds())
 
 
 def place(kind: str, local_rank: int, node: str, nodes: int, workers_per_node: int) -> Device:

@@ -93,7 +93,10 @@ class NcclWork:
 
     def _poll(self) -> str:
         if self._mark is None:
-            self._mark = self._make_mark(self.work)
+            try:
+                self._mark = self._make_mark(self.work)
+            except RuntimeError:  # (ordering a stream behind a work torch already knows failed)
+                return "failed"
         if self._mark.query():
             return "done"
         if not self.work.is_completed():  # (true on a finished kernel or an error NCCL reported)
