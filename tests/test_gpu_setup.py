@@ -533,7 +533,6 @@ def test_the_archive_leaves_out_models_and_secrets_and_stays_under_its_limit(tmp
         "r.json", "runs.tar.gz"]
 
 
-@pytest.mark.slow
 def test_gpu_check_rehearsal_runs_the_harness_end_to_end_on_cpu(tmp_path: Path) -> None:
     """`--rehearse`: the GPU check's own logic (runs side by side, reports, hash comparison, the NCCL and timing
     summaries, the overhead ratio, packing) on CPU in the simulated GPU machine; NOT a GPU result."""
