@@ -62,8 +62,6 @@ def facts() -> dict[str, Any]:
     out["cudnn"] = torch.backends.cudnn.version()
     out["nccl_build"] = ".".join(map(str, torch.cuda.nccl.version()))
     out["driver"] = _driver()
-    get_driver = getattr(torch._C, "_cuda_getDriverVersion", None)
-    out["cuda_driver_api"] = get_driver() if get_driver else None
     out["devices"] = []
     for i in range(out["gpus"]):
         p = torch.cuda.get_device_properties(i)

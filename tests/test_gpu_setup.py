@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tarfile
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -571,3 +572,34 @@ def test_a_refused_registration_leaves_the_halves_pageable_and_says_so_once(
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and out.startswith("phoenixft n1.0: cudaHostRegister of 16384 bytes") and \
         "cudaError 801" in out and "pageable" in out
+
+
+def test_the_torch_apis_the_cuda_path_calls_exist_in_this_torch() -> None:
+    """Every torch attribute the CUDA path and the GPU check call, present in this torch (where it is a CUDA
+    build: PyPI's torch 2.11.0+cu130 in `make test-oldest-torch`, the GPU image's version): a renamed or
+    missing one fails here, on CPU, not in the one GPU run."""
+    import torch.distributed as dist
+
+    if not torch.backends.cuda.is_built():
+        pytest.skip(f"this torch ({torch.__version__}) is built without CUDA")
+    need = {
+        torch.cuda: ["Stream", "Event", "stream", "current_stream", "set_device", "cudart", "_device_count_nvml",
+                     "get_device_properties", "device_count", "is_available", "synchronize", "default_generators"],
+        torch.cuda.nccl: ["version"],
+        torch._C._cudart: ["cudaHostRegister", "cudaHostUnregister"],
+        dist: ["ProcessGroupNCCL", "ProcessGroupGloo", "PrefixStore", "HashStore", "TCPStore", "Work"],
+        dist.ProcessGroupNCCL: ["Options", "allreduce", "reduce", "broadcast", "_allgather_base", "abort",
+                                "eager_connect_single_device", "_set_sequence_number_for_group",
+                                "get_runtime_nccl_version", "size", "rank"],
+        dist.Work: ["is_completed", "block_current_stream", "get_future", "wait"],
+        torch.backends.cuda: ["enable_flash_sdp", "enable_mem_efficient_sdp", "enable_math_sdp", "enable_cudnn_sdp"],
+    }
+    missing = [f"{getattr(mod, '__name__', mod)}.{name}" for mod, names in need.items() for name in names
+               if not hasattr(mod, name)]
+    assert missing == [], missing
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=5)  # (settable: the epoch groups' op timeout)
+    import inspect
+
+    assert "priority" in inspect.signature(torch.cuda.Stream.__new__).parameters
+    assert "enable_timing" in inspect.signature(torch.cuda.Event.__new__).parameters
