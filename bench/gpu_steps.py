@@ -1,11 +1,11 @@
 """The GPU check's steps (bench/gpu_check.py runs them in this order, each within its share of the time):
 
+- hotswap-dp2, the most informative, first: 2 data-parallel nodes on NCCL, node 1 SIGKILLed as its
+  backward begins (its peer's gradient reductions in flight), a spare promoted;
 - probe: the device, driver, CUDA, NCCL (build and run time), a one-rank NCCL group waited as a worker
   waits, a pinned snapshot half and the copy/compute overlap of the copy stream (bench/gpu_probe.py);
-- hotswap-dp2 first among the runs: 2 data-parallel nodes on NCCL, node 1 SIGKILLed as its backward
-  begins (its peer's gradient reductions in flight), a spare promoted; then the same with tensor-parallel
-  2, pipeline-parallel 2, 4 data-parallel ranks (the reduction order after a swap), 256-token sequences
-  in bf16, and ec:2+2 (needs zfec). Each runs a failure-free reference (`--protect none --spares 0`)
+- the hot-swap again with tensor-parallel 2, pipeline-parallel 2, 4 data-parallel ranks (the reduction
+  order after a swap), 256-token sequences in bf16 (and, last, ec:2+2, which needs zfec). Each runs a failure-free reference (`--protect none --spares 0`)
   beside the killed run, and must end bitwise equal to it after exactly one hot-swap with every
   invariant true. NCCL writes its initialisation to files (the transport used); the killed run of
   hotswap-dp2 times its snapshot copies with CUDA events (pinned, overlap);
@@ -67,10 +67,10 @@ def _hotswap(name: str, what: str, est_s: float, args: tuple[str, ...], node: in
 
 
 STEPS: list[Step] = [
-    Step("probe", "probe", "device, driver, CUDA, NCCL; a one-rank NCCL group; pinned half, copy/compute overlap", 25,
-         cuda_only=True),
     _hotswap("hotswap-dp2", "data-parallel 2 on NCCL, node 1 killed in backward", 40,
              ("--nodes", "2", "--workers-per-node", "1", *TINY)),
+    Step("probe", "probe", "device, driver, CUDA, NCCL; a one-rank NCCL group; pinned half, copy/compute overlap", 25,
+         cuda_only=True),
     _hotswap("hotswap-tp2", "tensor-parallel 2 (2 nodes x 2), node 1 killed in backward", 45,
              ("--nodes", "2", "--workers-per-node", "2", "--tp", "2", *TINY)),
     _hotswap("hotswap-pp2", "pipeline-parallel 2 (4 nodes), node 1 killed in backward", 45,

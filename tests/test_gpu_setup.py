@@ -341,7 +341,7 @@ def test_gpu_check_dry_run_plans_every_step_in_the_simulated_gpu_machine() -> No
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     names = [line.split()[2].rstrip(":") for line in steps]
     order = list(dict.fromkeys(names))
-    assert order == ["probe", "hotswap-dp2", "hotswap-tp2", "hotswap-pp2", "hotswap-dp4", "bf16-256", "cuda-tests",
+    assert order == ["hotswap-dp2", "probe", "hotswap-tp2", "hotswap-pp2", "hotswap-dp4", "bf16-256", "cuda-tests",
                      "overhead", "erasure-code"], order
     assert all(": budget " in s or ": would run: " in s or ": left out: " in s for s in steps), steps
     assert [s for s in steps if ": left out: " in s] == [
@@ -440,6 +440,7 @@ def test_gpu_check_saves_after_every_step_and_leaves_out_what_no_longer_fits(tmp
     res = json.loads((out / "gpu_check.json").read_text())
     status = {e["name"]: (e["status"], e.get("detail", "")) for e in res["steps"]}
     assert [x[:2] for x in seen] == [("hotswap-dp2", "running"), ("hotswap-tp2", "running"), ("hotswap-pp2", "running")]
+    assert [e["name"] for e in res["steps"]][:2] == ["hotswap-dp2", "probe"]  # the most informative first
     assert all(cap <= 60 for _, _, cap in seen)
     assert status["probe"][0] == "left out" and "CUDA" in status["probe"][1]
     assert status["hotswap-dp2"] == ("rehearsed", "hotswap-dp2 ok")
