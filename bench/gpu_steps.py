@@ -5,10 +5,11 @@
 - probe: the device, driver, CUDA, NCCL (build and run time), a one-rank NCCL group waited as a worker
   waits, a pinned snapshot half and the copy/compute overlap of the copy stream (bench/gpu_probe.py);
 - the hot-swap again with tensor-parallel 2, pipeline-parallel 2, 4 data-parallel ranks (the reduction
-  order after a swap), 256-token sequences in bf16 (and, last, ec:2+2, which needs zfec). Each runs a failure-free reference (`--protect none --spares 0`)
-  beside the killed run, and must end bitwise equal to it after exactly one hot-swap with every
-  invariant true. NCCL writes its initialisation to files (the transport used); the killed run of
-  hotswap-dp2 times its snapshot copies with CUDA events (pinned, overlap);
+  order after a swap), 256-token sequences in bf16 (and, last, ec:2+2, which needs zfec).
+  Each hot-swap runs a failure-free reference (`--protect none --spares 0`) beside the killed run, and
+  must end bitwise equal to it after exactly one hot-swap with every invariant true. NCCL writes its
+  initialisation to files (the transport used); the killed run of hotswap-dp2 times its snapshot copies
+  with CUDA events (pinned, overlap);
 - cuda-tests: tests/test_cuda.py (a skipped test fails the step);
 - overhead: `--protect none` against `--protect phoenix`, interleaved rounds, the ratio of median step
   times (target <= 1.01x), every run's final state bitwise equal, the copies timed.
