@@ -1,312 +1,237 @@
-"""The GPU check (bench/gpu_check.sh runs it with the machine's own Python; see docs/gpu.md).
+"""The GPU check (bench/gpu_check.sh runs it with the machine's own Python; docs/gpu.md says how to run it).
 
-    python bench/gpu_check.py [--out runs/gpu_check.json] [--wheels DIR]   # on a GPU machine
-    python bench/gpu_check.py --dry-run                                    # anywhere: what it would run
-    python bench/gpu_check.py --device cpu --quick                         # this harness on CPU (no GPU result)
+    bench/gpu_check.sh --out DIR                 # on a GPU machine: everything under DIR
+    bench/gpu_check.sh --dry-run                 # anywhere: the plan, its time budget, every command
+    bench/gpu_check.sh --rehearse --out DIR      # this harness end to end on CPU (NOT a GPU result)
 
-Steps, each PASS, FAIL or left out (with the reason), in this order:
-
-- cuda-tests: tests/test_cuda.py (a skipped CUDA test fails the step), the device seam's tests;
-- hotswap, hotswap-tp2, hotswap-pp2, bf16-256, erasure-code: a failure-free reference
-  (`--protect none --spares 0`), then the same job with a spare and node 1 SIGKILLed inside its
-  optimizer step; the run must recover by a hot-swap (the spare promoted, every invariant true) and end
-  with a final state hash bitwise equal to the reference's. Data-parallel on NCCL; tensor-parallel 2;
-  pipeline-parallel 2; 256-token sequences in bf16 (the `medium` preset); `--redundancy ec:2+2`
-  (left out without zfec);
-- overhead: the failure-free overhead of protection with the copy stream: R rounds of the same job with
-  `--protect none` and `--protect phoenix` (order reversed every other round); the per-step times of
-  every run pooled after its first 3 steps; the ratio of the medians must be <= --target.
-
-One host: `phoenixft run` spreads the nodes over the GPUs, and workers beyond the GPUs get an NCCL
-host identity of their own (docs/gpu.md). Writes the results as JSON to --out; exit 0 only if every
-step that ran passed.
+The steps (bench/gpu_steps.py) run in order, most informative first, each within its share of a global
+deadline (`--deadline`, seconds from the start of gpu_check.sh) and at most `--step-cap`; a step that no
+longer fits is left out, saying so. After every step DIR/gpu_check.json is rewritten (the results so far,
+the step running now marked `running`) and every run's directory and logs are packed into
+DIR/runs.tar.gz, so a run cut off by the machine's time limit still returns what it had; DIR/gpu_check.log
+is this console output. Exit 0 only if every step that ran passed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import statistics
-import subprocess
+import signal
 import sys
 import time
-from dataclasses import dataclass
+import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_deps  # noqa: E402
+import gpu_evidence  # noqa: E402
+import gpu_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DROP = 3
-TESTS = ["tests/test_cuda.py", "tests/test_device.py", "tests/test_gpu_setup.py"]
+RESERVE_S = 20.0  # kept back from the deadline: the last packing and the summary
+DEADLINE_S = 480.0  # 8 minutes from the start of gpu_check.sh (the device machine's cap is 10 per command)
+STEP_CAP_S = 150.0
 
 
-@dataclass(frozen=True)
-class HotSwap:
-    """A hot-swap check: the job's flags, and the step whose optimizer phase node 1 is killed in."""
+class Log:
+    """Lines to the console and to DIR/gpu_check.log (written as they come)."""
 
-    name: str
-    args: tuple[str, ...]
-    kill_step: int
-    what: str
+    def __init__(self, path: Path | None) -> None:
+        self.f = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115 - closed at exit
 
-    def runs(self) -> list[tuple[str, list[str]]]:
-        ref = [*self.args, "--protect", "none", "--spares", "0"]
-        kill = [*self.args, "--spares", "1", "--inject", f"kill:node=1@step={self.kill_step},phase=optimizer,wait=120"]
-        return [("reference", ref), ("kill", kill)]
+    def __call__(self, msg: str) -> None:
+        print(msg, flush=True)
+        if self.f is not None:
+            self.f.write(msg + "\n")
 
 
-TINY = ("--model", "tiny", "--steps", "12")
-HOTSWAPS = [
-    HotSwap("hotswap", ("--nodes", "2", "--workers-per-node", "1", *TINY), 6, "data-parallel"),
-    HotSwap("hotswap-tp2", ("--nodes", "2", "--workers-per-node", "2", "--tp", "2", *TINY), 6, "tensor-parallel 2"),
-    HotSwap("hotswap-pp2", ("--nodes", "4", "--workers-per-node", "1", "--pp", "2", *TINY), 6,
-            "pipeline-parallel 2"),
-    HotSwap("bf16-256", ("--nodes", "2", "--workers-per-node", "1", "--model", "medium", "--precision", "bf16",
-                         "--micro-batch", "4", "--steps", "10"), 5, "256-token sequences in bf16"),
-    HotSwap("erasure-code", ("--nodes", "4", "--workers-per-node", "1", "--redundancy", "ec:2+2", *TINY), 6,
-            "Reed-Solomon parity, ec:2+2"),
-]
+class Results:
+    """DIR/gpu_check.json, rewritten atomically whenever it changes; DIR/runs.tar.gz after each step."""
 
+    def __init__(self, out: Path, work: Path, data: dict[str, Any]) -> None:
+        self.out, self.work, self.data = out, work, data
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def phoenixft_cmd(device: str, args: list[str], run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "phoenixft", "run", "--device", device, "--quiet", "--run-dir", str(run_dir),
-            "--report", str(run_dir / "report.json"), *args]
-
-
-def pytest_cmd() -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow", *TESTS]
-
-
-def run(run_dir: Path, device: str, args: list[str], timeout_s: float) -> dict[str, Any]:
-    """One `phoenixft run`; its report (with `_rc`, `_wall_s`, `_dt`: the per-step times of rank 0)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = phoenixft_cmd(device, args, run_dir)
-    t0 = time.monotonic()
-    with open(run_dir / "launcher.log", "w") as out:
-        try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = -9
-    rep: dict[str, Any] = {}
-    if (run_dir / "report.json").exists():
-        rep = json.loads((run_dir / "report.json").read_text())
-    rep["_rc"], rep["_wall_s"], rep["_cmd"] = rc, time.monotonic() - t0, shlex.join(cmd)
-    dts = []
-    if (run_dir / "metrics.jsonl").exists():
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            if "dt" in rec:
-                dts.append((int(rec["step"]), float(rec["dt"])))
-    rep["_dt"] = [dt for _, dt in sorted(dts)]
-    return rep
-
-
-def why_failed(rep: dict[str, Any], run_dir: Path) -> str:
-    tail = ""
-    log_file = run_dir / "launcher.log"
-    if log_file.exists():
-        tail = " | ".join(log_file.read_text(errors="replace").strip().splitlines()[-3:])
-    return f"exit {rep['_rc']}, state {rep.get('state')!r}, error {rep.get('error')!r}; launcher: {tail[-400:]}"
-
-
-def cuda_tests() -> tuple[bool, str]:
-    """The CUDA tests: pass only if pytest passed and no test of tests/test_cuda.py was skipped."""
-    p = subprocess.run(pytest_cmd(), capture_output=True, text=True, timeout=900, cwd=ROOT)
-    out = p.stdout + p.stderr
-    log(out.strip()[-3000:])
-    summary = out.strip().splitlines()[-1] if out.strip() else ""
-    if p.returncode != 0:
-        return False, f"pytest exit {p.returncode}: {summary}"
-    if any("SKIPPED" in line and "test_cuda" in line for line in out.splitlines()):
-        return False, f"CUDA tests were skipped on a GPU machine: {summary}"
-    return True, summary
-
-
-def hotswap(spec: HotSwap, device: str, work: Path) -> tuple[bool, str, dict[str, Any]]:
-    """A reference run and a run with node 1 SIGKILLed: recovered by a hot-swap, bitwise equal."""
-    reps = {}
-    for label, args in spec.runs():
-        log(f"{spec.name}: {label} run ...")
-        reps[label] = rep = run(work / f"{spec.name}-{label}", device, args, 420)
-        if rep["_rc"] != 0 or rep.get("state") != "done":
-            return False, f"the {label} run failed: " + why_failed(rep, work / f"{spec.name}-{label}"), {}
-    ref, hot = reps["reference"], reps["kill"]
-    recs = hot.get("recoveries", [])
-    same = hot.get("final_state_sha256") == ref.get("final_state_sha256")
-    dev_ok = hot.get("config", {}).get("device") == device == ref.get("config", {}).get("device")
-    rec_ok = (len(recs) == 1 and recs[0].get("action") == "hotswap" and recs[0].get("promoted") == ["s0"]
-              and bool(recs[0].get("invariants")) and all(recs[0].get("invariants", {}).values()))
-    detail = (f"{spec.what}: final state {str(hot.get('final_state_sha256'))[:16]} vs reference "
-              f"{str(ref.get('final_state_sha256'))[:16]} ({'bitwise equal' if same else 'DIFFERENT'}); "
-              f"recoveries {[(r.get('action'), r.get('promoted')) for r in recs]}")
-    if recs:
-        detail += f", recovery {recs[0].get('recovery_s', float('nan')):.2f} s, lost steps {recs[0].get('lost_steps')}"
-    if not dev_ok:
-        detail += f"; device in the reports: {hot.get('config', {}).get('device')!r}"
-    return same and rec_ok and dev_ok, detail, {"final_sha": hot.get("final_state_sha256"),
-                                                 "reference_sha": ref.get("final_state_sha256"), "recoveries": recs}
-
-
-def overhead_runs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    base = ["--nodes", "2", "--workers-per-node", "1", "--model", a.model, "--steps", str(a.steps), "--spares", "0"]
-    out = []
-    for r in range(a.rounds):
-        for mode in (["none", "phoenix"] if r % 2 == 0 else ["phoenix", "none"]):
-            out.append((f"{r}-{mode}", [*base, "--protect", mode]))
-    return out
-
-
-def overhead(a: argparse.Namespace, work: Path) -> tuple[bool, str, dict[str, Any]]:
-    dts: dict[str, list[float]] = {"none": [], "phoenix": []}
-    for label, args in overhead_runs(a):
-        log(f"overhead: {label} ...")
-        d = work / f"overhead-{label}"
-        rep = run(d, a.device, args, 900)
-        if rep["_rc"] != 0 or rep.get("state") != "done":
-            return False, f"{label} failed: " + why_failed(rep, d), {}
-        if len(rep["_dt"]) < a.steps:
-            return False, f"{label}: {len(rep['_dt'])} step records for {a.steps} steps", {}
-        dts[label.split("-")[1]] += rep["_dt"][DROP:]
-    m_none, m_ph = statistics.median(dts["none"]), statistics.median(dts["phoenix"])
-    ratio = m_ph / m_none
-    return ratio <= a.target, (f"median step {m_ph * 1e3:.2f} ms protected vs {m_none * 1e3:.2f} ms unprotected: "
-                               f"{ratio:.4f}x (target <= {a.target}x; {a.model}, {a.rounds} rounds x {a.steps} "
-                               f"steps, first {DROP} dropped)"), {"ratio": ratio, "samples": len(dts["none"]),
-                                                                  "median_s": {"none": m_none, "phoenix": m_ph}}
-
-
-def selected(a: argparse.Namespace) -> list[str]:
-    names = ["cuda-tests", *(h.name for h in HOTSWAPS), "overhead"]
-    if a.quick:
-        names = ["hotswap", "overhead"]
-    if a.only:
-        names = [n for n in names if n in a.only.split(",")]
-    return names
-
-
-def dry_run(a: argparse.Namespace, names: list[str], left_out: dict[str, str], work: Path) -> int:
-    """List every step with its exact commands, after checking each run's flags here; run nothing."""
-    from phoenixft.cli.main import build_parser
-    from phoenixft.config import config_from_args
-    from phoenixft.errors import UserError
-
-    bad = 0
-    for i, name in enumerate(names, 1):
-        if name in left_out:
-            log(f"step {i} {name}: left out: {left_out[name]}")
-            continue
-        if name == "cuda-tests":
-            cmds = [("", pytest_cmd())]
-        elif name == "overhead":
-            cmds = [(label, phoenixft_cmd(a.device, args, work / f"overhead-{label}"))
-                    for label, args in overhead_runs(a)]
-        else:
-            spec = next(h for h in HOTSWAPS if h.name == name)
-            cmds = [(label, phoenixft_cmd(a.device, args, work / f"{name}-{label}")) for label, args in spec.runs()]
-        for label, cmd in cmds:
-            log(f"step {i} {name}: would run: {shlex.join(cmd)}" + (f"  # {label}" if label else ""))
-            if cmd[2] == "phoenixft":  # the flags are valid (a CUDA-only check aside: made where workers run)
-                try:
-                    config_from_args(build_parser().parse_args(cmd[3:]))
-                except (UserError, SystemExit) as e:
-                    bad += 1
-                    log(f"step {i} {name}: INVALID flags: {e}")
-    log(f"gpu_check --dry-run: {len(names) - len(left_out.keys() & set(names))} step(s) listed; nothing was run")
-    return 1 if bad else 0
+    def save(self, pack: bool = False) -> None:
+        self.data["elapsed_s"] = round(time.time() - self.data["_t0"], 1)
+        if pack and self.work.exists():
+            try:
+                self.data["archive"] = gpu_evidence.pack(self.work, self.out)
+            except OSError as e:
+                self.data["archive"] = {"error": f"{type(e).__name__}: {e}"}
+        gpu_evidence.write_json(self.out / "gpu_check.json", {k: v for k, v in self.data.items() if k != "_t0"})
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                    help="cuda (the GPU check); cpu only exercises this harness")
-    ap.add_argument("--dry-run", action="store_true", help="check the dependencies, list the steps, run nothing")
-    ap.add_argument("--wheels", default="", help="a folder of wheels for missing modules (zfec, pytest, ...); "
-                                                 "torch is never installed")
+    ap.add_argument("--out", default="", help="folder for gpu_check.json, gpu_check.log and runs.tar.gz "
+                                              "(default: runs/gpu_check/<time>)")
+    ap.add_argument("--work", default="", help="folder of the runs (default: a fresh runs/gpu_check/<time>-work)")
+    ap.add_argument("--deadline", type=float, default=DEADLINE_S,
+                    help=f"seconds from the start (--t0) by which everything is done (default {DEADLINE_S:.0f})")
+    ap.add_argument("--step-cap", type=float, default=STEP_CAP_S, help=f"most seconds one step may take "
+                                                                       f"(default {STEP_CAP_S:.0f})")
+    ap.add_argument("--t0", type=float, default=0.0, help="when the check started (epoch seconds; gpu_check.sh "
+                                                          "passes its own start)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda; cpu rehearses this harness")
+    ap.add_argument("--dry-run", action="store_true", help="the plan with its time budget and commands; run nothing")
+    ap.add_argument("--quick", action="store_true", help="smaller runs (a CPU rehearsal)")
     ap.add_argument("--only", default="", help="comma-separated steps to run (default: all)")
-    ap.add_argument("--model", default="small", help="model of the overhead runs (default small, ~11M)")
+    ap.add_argument("--wheels", default="", help="a folder of wheels for missing modules (torch is never installed)")
+    ap.add_argument("--parallel", type=int, default=2, help="runs of one step at a time (default 2: the failure-free "
+                                                            "reference beside the killed run)")
+    ap.add_argument("--model", default="small", help="model of the overhead runs (default small)")
     ap.add_argument("--steps", type=int, default=30, help="steps per overhead run")
     ap.add_argument("--rounds", type=int, default=2, help="overhead rounds (each: none + phoenix)")
     ap.add_argument("--target", type=float, default=1.01, help="largest acceptable overhead ratio")
-    ap.add_argument("--quick", action="store_true", help="hotswap and a tiny overhead run only (a smoke run)")
-    ap.add_argument("--out", default=str(ROOT / "runs" / "gpu_check.json"))
-    ap.add_argument("--work", default="", help="run directories (default: a fresh runs/gpu_check-<time>)")
     a = ap.parse_args(argv)
-    if a.quick:
-        a.model, a.steps, a.rounds = "tiny", 12, 1
+    if a.deadline <= RESERVE_S or a.step_cap <= 0:
+        ap.error(f"--deadline must exceed {RESERVE_S:.0f} s and --step-cap be positive")
+    known = {s.name for s in gpu_steps.STEPS}
+    bad = [n for n in a.only.split(",") if n and n not in known]
+    if bad:
+        ap.error(f"--only={','.join(bad)} is invalid: the steps are {', '.join(sorted(known))}")
     return a
+
+
+def plan(a: argparse.Namespace, deps: gpu_deps.Deps) -> list[tuple[gpu_steps.Step, str]]:
+    """Every step, with why it is left out ('' if it runs)."""
+    out = []
+    for s in gpu_steps.STEPS:
+        why = ""
+        if a.only and s.name not in a.only.split(","):
+            why = "not asked for (--only)"
+        elif missing := [m for m in s.needs if m in deps.missing]:
+            why = "; ".join(f"{m} is missing ({gpu_deps.NEEDED[m][1]})" for m in missing)
+        out.append((s, why))
+    return out
+
+
+def dry_run(a: argparse.Namespace, steps: list[tuple[gpu_steps.Step, str]], c: gpu_steps.Ctx) -> int:
+    """Print every step with its time budget and exact commands, after checking each run's flags; run nothing."""
+    from phoenixft.cli.main import build_parser
+    from phoenixft.config import config_from_args
+    from phoenixft.errors import UserError
+
+    bad, total = 0, 0.0
+    for i, (s, why) in enumerate(steps, 1):
+        if why:
+            c.log(f"step {i} {s.name}: left out: {why}")
+            continue
+        total += s.est_s
+        c.log(f"step {i} {s.name}: budget {s.est_s:.0f} s (cap {a.step_cap:.0f} s): {s.what}")
+        for label, cmd in gpu_steps.commands(s, c, a.step_cap):
+            note = f"  # {label}" if label else ""
+            c.log(f"step {i} {s.name}: would run: {shlex.join(['python', *cmd[1:]])}{note}")
+            if cmd[1:3] == ["-m", "phoenixft"]:  # the flags are valid (CUDA itself is checked where workers run)
+                try:
+                    config_from_args(build_parser().parse_args(cmd[3:]))
+                except (UserError, SystemExit) as e:
+                    bad += 1
+                    c.log(f"step {i} {s.name}: INVALID flags: {e}")
+    fits = total + RESERVE_S <= a.deadline
+    c.log(f"gpu_check --dry-run: {sum(1 for _, w in steps if not w)} step(s) planned, {total:.0f} s of budget + "
+          f"{RESERVE_S:.0f} s reserve against a deadline of {a.deadline:.0f} s ({'fits' if fits else 'does NOT fit'}: "
+          "steps that no longer fit are left out at run time); nothing was run")
+    return 1 if bad or not fits else 0
+
+
+def environment(a: argparse.Namespace, deps: gpu_deps.Deps) -> dict[str, Any]:
+    return {"device": a.device, "python": sys.version.split()[0], "torch": deps.torch, "dependencies": deps.versions,
+            "missing": deps.missing, "cores": os.cpu_count(),
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("PHOENIXFT_", "NCCL_", "TORCH_NCCL",
+                                                                                 "CUDA_VISIBLE"))}}
+
+
+def run_steps(a: argparse.Namespace, steps: list[tuple[gpu_steps.Step, str]], c: gpu_steps.Ctx, res: Results,
+              deadline: float) -> bool:
+    ok = True
+    for s, why in steps:
+        entry: dict[str, Any] = {"name": s.name, "what": s.what, "budget_s": s.est_s}
+        res.data["steps"].append(entry)
+        left = deadline - time.time() - RESERVE_S
+        if not why and s.cuda_only and a.device == "cpu":
+            why = "needs CUDA (a CPU rehearsal)"
+        if not why and left < s.min_s:
+            why = f"out of time: {max(0.0, left):.0f} s left before the deadline, it needs about {s.est_s:.0f} s"
+        if why:
+            entry.update(status="left out", detail=why)
+            c.log(f"LEFT OUT: {s.name}: {why}")
+            res.save()
+            continue
+        cap = min(a.step_cap, left)
+        entry.update(status="running", cap_s=round(cap))
+        res.save()
+        c.log(f"{s.name}: {s.what} (cap {cap:.0f} s)")
+        t0 = time.monotonic()
+        try:
+            passed, detail, data = gpu_steps.run_step(s, c, cap)
+        except Exception as e:  # noqa: BLE001 - the harness's own failure: reported as this step's
+            passed, detail = False, f"harness error: {type(e).__name__}: {e}"
+            data = {"traceback": traceback.format_exc()}
+        status = ("pass" if passed else "fail") if a.device == "cuda" else ("rehearsed" if passed else "fail")
+        entry.update(status=status, detail=detail, wall_s=round(time.monotonic() - t0, 1), **data)
+        ok = ok and passed
+        c.log(f"{status.upper()}: {s.name}: {detail} ({entry['wall_s']} s)")
+        res.save(pack=True)
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    src = str(ROOT / "src")  # the project as it is here, for this process and the runs (nothing installed)
+    t0 = a.t0 or time.time()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(a.out) if a.out else ROOT / "runs" / "gpu_check" / stamp
+    work = Path(a.work) if a.work else ROOT / "runs" / "gpu_check" / f"{stamp}-work"  # (packed into `out`)
+    if not a.dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+    log = Log(None if a.dry_run else out / "gpu_check.log")
+    src = str(ROOT / "src")  # the project as it is here, for this process and every run (nothing installed)
     if src not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = src + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    work = Path(a.work or ROOT / "runs" / time.strftime("gpu_check-%Y%m%d-%H%M%S"))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    sys.path.insert(0, src)
     deps = gpu_deps.check()
     if deps.missing and a.wheels and not a.dry_run:
         deps = gpu_deps.install_missing(deps, a.wheels)
     for line in deps.lines():
         log(line)
-    names, left_out = selected(a), deps.left_out
+    c = gpu_steps.Ctx(a.device, work, log, a.quick, a.model, a.steps, a.rounds, a.target, a.parallel)
+    steps = plan(a, deps)
     if a.dry_run:
-        if a.wheels:
-            for m in deps.missing:
-                cmd = gpu_deps.install_command(sys.executable, a.wheels, m)
-                log(f"setup: would run: {shlex.join(cmd)}" if cmd else f"setup: {m} is never installed here")
-        log(f"setup: the project from {ROOT / 'src'} on PYTHONPATH (the machine's torch untouched); NCCL for one "
-            f"host: {', '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('NCCL_')) or '-'}")
-        return dry_run(a, names, left_out, work) if not deps.fatal else 1
-    results: dict[str, Any] = {"info": {"device": a.device, "dependencies": deps.versions, "torch": deps.torch,
-                                        "env": {k: v for k, v in sorted(os.environ.items())
-                                                if k.startswith(("PHOENIXFT_", "NCCL_", "TORCH_NCCL"))}},
-                               "checks": {}, "left_out": {}}
+        return dry_run(a, steps, c) if not deps.fatal else 1
+    kind = "GPU check" if a.device == "cuda" else "CPU rehearsal of the GPU check (NOT a GPU result)"
+    res = Results(out, work, {"_t0": t0, "kind": kind, "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                              "deadline_s": a.deadline, "step_cap_s": a.step_cap,
+                              "environment": environment(a, deps), "steps": [], "pass": None, "complete": False})
+    res.save()
+
+    def cut_off(signum: int, _frame: Any) -> None:
+        for p in list(c.children):
+            gpu_steps.stop(p)
+        res.data.update({"pass": False, "complete": False, "cut_off": f"signal {signum}"})
+        res.save(pack=True)
+        log(f"gpu_check: CUT OFF by signal {signum}; results so far in {out}")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, cut_off)
+    signal.signal(signal.SIGINT, cut_off)
     if deps.fatal or (a.device == "cuda" and not deps.has_cuda):
         why = f"missing {', '.join(deps.fatal)}" if deps.fatal else "no CUDA device visible to this torch"
         log(f"FAIL: environment: {why}: this is not a GPU run")
-        results["checks"]["environment"] = {"pass": False, "detail": why}
-        return finish(results, a.out, False)
-    return finish(results, a.out, run_steps(a, names, left_out, work, results))
-
-
-def run_steps(a: argparse.Namespace, names: list[str], left_out: dict[str, str], work: Path,
-              results: dict[str, Any]) -> bool:
-    ok = True
-    for name in names:
-        t0 = time.monotonic()
-        if name in left_out:
-            log(f"LEFT OUT: {name}: {left_out[name]}")
-            results["left_out"][name] = left_out[name]
-            continue
-        if name == "cuda-tests":
-            passed, detail, data = (*cuda_tests(), {})
-        elif name == "overhead":
-            passed, detail, data = overhead(a, work)
-        else:
-            passed, detail, data = hotswap(next(h for h in HOTSWAPS if h.name == name), a.device, work)
-        ok = ok and passed
-        results["checks"][name] = {"pass": passed, "detail": detail, "wall_s": round(time.monotonic() - t0, 1), **data}
-        log(f"{'PASS' if passed else 'FAIL'}: {name}: {detail}")
-    return ok
-
-
-def finish(results: dict[str, Any], out: str, ok: bool) -> int:
-    results["pass"] = ok
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(results, indent=2, default=str))
-    what = "gpu_check" if results["info"]["device"] == "cuda" else "gpu_check harness on CPU (NOT a GPU result)"
-    left = f" (left out: {', '.join(results['left_out'])})" if results.get("left_out") else ""
-    log(f"{what}: {'PASS' if ok else 'FAIL'}{left} (results in {out})")
-    return 0 if ok else 1
+        res.data.update({"pass": False, "complete": True, "environment_error": why})
+        res.save()
+        log(f"gpu_check: FAIL (results in {out})")
+        return 1
+    ok = run_steps(a, steps, c, res, t0 + a.deadline)
+    ran = [e for e in res.data["steps"] if e["status"] not in ("left out",)]
+    res.data.update({"pass": ok and bool(ran), "complete": True})
+    res.save(pack=True)
+    left = [e["name"] for e in res.data["steps"] if e["status"] == "left out"]
+    what = "gpu_check" if a.device == "cuda" else "gpu_check rehearsal on CPU (NOT a GPU result)"
+    log(f"{what}: {'PASS' if res.data['pass'] else 'FAIL'}" + (f" (left out: {', '.join(left)})" if left else "")
+        + f" (results in {out})")
+    return 0 if res.data["pass"] else 1
 
 
 if __name__ == "__main__":

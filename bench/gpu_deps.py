@@ -1,8 +1,10 @@
-"""The GPU check's dependency check: what this interpreter has, what is missing, and which steps a
-missing module leaves out. Importing a module here is only looked up (`importlib.util.find_spec`),
-except torch, whose CUDA build, NCCL and GPUs are asked (without starting a CUDA context).
+"""The GPU check's dependency check: what this interpreter has and what is missing (a missing module
+leaves out the steps that need it: bench/gpu_steps.py). A module is only looked up here
+(`importlib.util.find_spec`), except torch, whose CUDA build, NCCL and GPUs are asked (without
+starting a CUDA context).
 
     python bench/gpu_deps.py [--wheels DIR] [--install]
+    python bench/gpu_deps.py --simulate-env      # the exports that simulate the GPU machine here
 
 `--install` installs each missing module other than torch from the wheels in DIR (`pip install
 --no-index --no-deps --find-links DIR NAME`): torch is never installed over the machine's own.
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,17 +24,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NEEDED", "Deps", "check", "install_command", "main"]
+__all__ = ["NEEDED", "Deps", "check", "install_command", "main", "SIMULATED_MISSING", "simulated_env"]
 
-# module -> (distribution, what needs it, the steps left out without it; () = every step needs it)
-NEEDED: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "torch": ("torch", "the GPU path itself (the machine's own CUDA build)", ()),
-    "numpy": ("numpy", "tensor checksums", ()),
-    "xxhash": ("xxhash", "snapshot checksums", ()),
-    "safetensors": ("safetensors", "the final model export", ()),
-    "pytest": ("pytest", "the CUDA tests", ("cuda-tests",)),
-    "zfec": ("zfec", "Reed-Solomon parity of --redundancy ec:D+H with H >= 2", ("erasure-code",)),
+# module -> (distribution, what needs it, whether nothing can run without it); a step names the others it needs
+# (bench/gpu_steps.py: `Step.needs`) and is left out, saying why, where one is missing
+NEEDED: dict[str, tuple[str, str, bool]] = {
+    "torch": ("torch", "the GPU path itself (the machine's own CUDA build)", True),
+    "numpy": ("numpy", "the data pipeline and tensor checksums", True),
+    "xxhash": ("xxhash", "snapshot checksums", True),
+    "safetensors": ("safetensors", "the final model export", True),
+    "pytest": ("pytest", "the CUDA tests", False),
+    "zfec": ("zfec", "Reed-Solomon parity of --redundancy ec:D+H with H >= 2", False),
 }
+
+
+# The modules phoenixft or its tools may import that the GPU image the check targets does not have (torch 2.11
+# with CUDA 13, Python 3.12, numpy, pytest, xxhash, safetensors; no zfec, no cryptography, no etcd client):
+# `bench/gpu_check.sh --dry-run` and `--rehearse` hide them here (bench/gpu_sim_site/sitecustomize.py).
+SIMULATED_MISSING = ("zfec", "cryptography", "pyetcd", "etcd", "etcd3", "torchft", "pyeclib", "galois", "reedsolo",
+                     "crc32c", "google_crc32c")
+SIM_SITE = Path(__file__).resolve().parent / "gpu_sim_site"
+
+
+def simulated_env(env: dict[str, str], missing: tuple[str, ...] = SIMULATED_MISSING) -> dict[str, str]:
+    """`env` as the GPU machine would have it: `missing` not importable, no network but loopback."""
+    path = [str(SIM_SITE), *[p for p in env.get("PYTHONPATH", "").split(":") if p and p != str(SIM_SITE)]]
+    return {**env, "PYTHONPATH": ":".join(path), "PHOENIXFT_SIM_MISSING": ",".join(missing),
+            "PHOENIXFT_SIM_OFFLINE": "1"}
 
 
 @dataclass
@@ -42,12 +62,7 @@ class Deps:
     @property
     def fatal(self) -> list[str]:
         """Missing modules without which nothing can run."""
-        return [m for m in self.missing if not NEEDED[m][2]]
-
-    @property
-    def left_out(self) -> dict[str, str]:
-        """Step -> why it is left out."""
-        return {step: f"{m} is missing ({NEEDED[m][1]})" for m in self.missing for step in NEEDED[m][2]}
+        return [m for m in self.missing if NEEDED[m][2]]
 
     @property
     def has_cuda(self) -> bool:
@@ -82,7 +97,11 @@ def check(find: Callable[[str], object] = importlib.util.find_spec) -> Deps:
     """What this interpreter has of `NEEDED` (`find`: how a module is looked up)."""
     d = Deps()
     for mod, (dist, _, _) in NEEDED.items():
-        if find(mod) is None:
+        try:
+            spec = find(mod)
+        except ImportError:  # (an import hook that refuses the module: bench/gpu_sim_site)
+            spec = None
+        if spec is None:
             d.missing.append(mod)
             continue
         try:
@@ -117,7 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wheels", default="", help="a folder of wheels to install missing modules from")
     ap.add_argument("--install", action="store_true", help="install what is missing from --wheels")
+    ap.add_argument("--simulate-env", action="store_true",
+                    help="print the shell exports that simulate the GPU machine (bench/gpu_check.sh --dry-run)")
     a = ap.parse_args(argv)
+    if a.simulate_env:
+        env = simulated_env(dict(os.environ))
+        for k in ("PYTHONPATH", "PHOENIXFT_SIM_MISSING", "PHOENIXFT_SIM_OFFLINE"):
+            print(f"export {k}={shlex.quote(env[k])}")
+        return 0
     deps = check()
     if a.install and a.wheels and deps.missing:
         deps = install_missing(deps, a.wheels)

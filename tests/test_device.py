@@ -4,8 +4,6 @@ through the mirror device, in process and in a real hot-swap."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import threading
@@ -110,10 +108,11 @@ def test_nccl_environment_keeps_acceptable_user_values_and_replaces_fatal_ones()
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in set_now
     assert env["TORCH_NCCL_ENABLE_MONITORING"] == "0" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
     assert "NCCL_HOSTID" not in env
-    assert nccl_env()["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # clean up, never tear the survivor down
-    env2 = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    apply_nccl_env(env2, "s0", 1, own_host=True)
-    assert env2["NCCL_HOSTID"] == "phoenixft-s0.1" and env2["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert nccl_env()["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # only phoenixft aborts, after the descriptor
+    for preset in ("1", "2", "3"):  # teardown (1, 3); a watchdog abort before the descriptor (2)
+        env2 = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": preset}
+        apply_nccl_env(env2, "s0", 1, own_host=True)
+        assert env2["NCCL_HOSTID"] == "phoenixft-s0.1" and env2["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
 
 
 # ---------------------------------------------------------------------------------------------- the seam on CPU
@@ -316,34 +315,6 @@ def test_mirrored_shard_hotswap_is_bitwise_invisible(tmp_path: Path, reference: 
     assert rec["action"] == "hotswap" and all(rec["invariants"].values())
 
 
-# ---------------------------------------------------------------------------------------------- the GPU check
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@no_cuda
-def test_gpu_check_fails_loudly_without_a_gpu() -> None:
-    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHON": sys.executable})
-    out = p.stdout + p.stderr
-    assert p.returncode == 1, out
-    assert "FAIL: environment: no CUDA device" in out and "this is not a GPU run" in out, out
-    assert "gpu_check: FAIL" in out and "PASS" not in out, out
-
-
-@pytest.mark.slow
-def test_gpu_check_harness_runs_on_cpu(tmp_path: Path) -> None:
-    """The harness's own logic (runs, report parsing, hash comparison, overhead ratio) on CPU."""
-    out = tmp_path / "summary.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
-                        "--target", "100", "--work", str(tmp_path / "runs"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=1500)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "NOT a GPU result" in p.stdout
-    res = json.loads(out.read_text())
-    assert res["pass"] and res["checks"]["hotswap"]["final_sha"] == res["checks"]["hotswap"]["reference_sha"]
-    assert res["checks"]["overhead"]["ratio"] > 0
-
-
 class _Recorder(Device):
     """A device that records the groups an epoch asks for instead of building them."""
 
@@ -363,7 +334,6 @@ def test_epoch_groups_by_backend(monkeypatch: pytest.MonkeyPatch, backend: str) 
     import phoenixft.distributed.comm as comm_mod
 
     monkeypatch.setattr(comm_mod.dist, "PrefixStore", lambda prefix, store: prefix)
-    monkeypatch.setattr(comm_mod, "_error_checked_wait", False)  # (restored after the test)
     dev = _Recorder()
     c = EpochComm(dist.HashStore(), 3, 5, 8, 30.0, backend=backend, layout=Layout(8, tp=2, pp=2), device=dev)
     assert [(b, p) for b, p, _, _ in dev.made] == [
@@ -376,4 +346,3 @@ def test_epoch_groups_by_backend(monkeypatch: pytest.MonkeyPatch, backend: str) 
         assert c1.dp is c1.train and len(trivial.made) == 2
     else:
         assert c1.dp is not c1.train and trivial.made[2][:2] == ("nccl", "e0/dp/pp0.tp0")
-        assert comm_mod._error_checked_wait  # completed works are now waited on the error-checking path

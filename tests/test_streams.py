@@ -16,8 +16,8 @@ from phoenixft.errors import PeerFailure
 
 
 class _Work:
-    """An NCCL-like work: `wait()` without a timeout orders the stream (returns at once, recorded);
-    with one, the host waits and the error the work ended with is raised."""
+    """An NCCL work as the device seam hands it out (distributed/nccl.py's `NcclWork`): `order()` orders the
+    stream (returns at once, recorded); `wait()`, once complete, returns or raises the error it ended with."""
 
     def __init__(self, error: str | None = None) -> None:
         self.done, self.error = False, error
@@ -26,10 +26,10 @@ class _Work:
     def is_completed(self) -> bool:
         return self.done
 
+    def order(self) -> None:
+        self.stream_waits += 1
+
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is None:
-            self.stream_waits += 1
-            return True
         self.host_waits += 1
         if self.error:
             raise RuntimeError(self.error)
@@ -37,14 +37,7 @@ class _Work:
 
 
 def _polled(work: Any, what: str) -> None:
-    import phoenixft.distributed.comm as comm
-
-    was = comm._error_checked_wait
-    comm._error_checked_wait = True  # as in a process with NCCL groups
-    try:
-        wait_work(work, what, lambda: None, 5.0)
-    finally:
-        comm._error_checked_wait = was
+    wait_work(work, what, lambda: None, 5.0)
 
 
 def test_gloo_keeps_the_polled_wait() -> None:
@@ -76,7 +69,7 @@ def test_a_failed_collective_stops_the_step_when_settled() -> None:
 
 def test_an_error_known_at_the_wait_is_a_peer_failure() -> None:
     class _Aborted(_Work):
-        def wait(self, timeout: timedelta | None = None) -> bool:
+        def order(self) -> None:
             raise RuntimeError("NCCL communicator was aborted")
 
     with pytest.raises(PeerFailure, match="communicator was aborted"):

@@ -16,10 +16,11 @@ flag for this epoch), and gives up after a hard timeout. A failed epoch's groups
 their connections severed on a thread of their own, within a bound (`EpochComm.retire`,
 distributed/retire.py), then released.
 
-NCCL: a work's `wait()` only orders the current CUDA stream after it and does not report an error
-the work ended with; so once a process has NCCL groups, a completed work is waited with a timeout,
-the path on which torch rethrows the work's error (`_error_checked_wait`). `alltoallv` is a
-host-memory transfer: device tensors handed to it are copied to the host first.
+NCCL groups come from the device seam wrapped (distributed/nccl.py): their works report a failure
+through `is_completed()` and `wait()` without torch's own `WorkNCCL::wait()`, which would abort the
+communicator on the training thread before the survivor posts its recovery descriptor; the abort is
+`EpochComm.retire`'s, after the descriptor. `alltoallv` is a host-memory transfer: device tensors
+handed to it are copied to the host first.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ __all__ = ["EpochComm", "XFER_LANES", "wait_work", "connect_store", "alltoallv",
 POLL_S = 0.02
 XFER_LANES = 2  # connections per pair of the recovery-transfer group (see gloo_group)
 BACKENDS = ("gloo", "nccl")
-_error_checked_wait = False  # set once this process built NCCL groups (see the module docstring)
 
 
 def connect_store(addr: str, timeout_s: float = 30.0) -> Store:
@@ -88,10 +88,7 @@ def wait_work(work: Any, what: str, abort: Callable[[], str | None], timeout_s: 
         if now > deadline:
             raise PeerFailure(f"{what}: timed out after {timeout_s:.1f}s")
     try:
-        if _error_checked_wait:  # completed: returns at once, or raises the error the work ended with
-            work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
-        else:
-            work.wait()
+        work.wait()  # completed: returns at once, or raises the error the work ended with (never aborts)
     except RuntimeError as e:
         raise PeerFailure(f"{what}: {str(e).splitlines()[0][:200]}") from None
 
@@ -152,7 +149,6 @@ class EpochComm:
         """`backend` is that of the training groups (dp, tp, edges, emb, user): gloo, or nccl with a CUDA
         `device`; `train` and `repl` are gloo either way. `user_group`: also `user`, every rank, for a
         script's own collectives (its DDP, FSDP, `dist.*` calls through the job's `ResilientGroup`)."""
-        global _error_checked_wait
         self.epoch, self.rank, self.world = epoch, rank, world
         self.layout = layout or Layout(world)
         self.backend = backend
@@ -177,13 +173,11 @@ class EpochComm:
             self.retire()
             raise
         self._sockets = self._local_sockets(before)
-        if backend == "nccl":
-            _error_checked_wait = True
 
     def _local_sockets(self, before: set[str]) -> set[str]:
         """What the groups connected (gloo connects the full mesh as it builds); of NCCL groups nothing:
         NCCL's abort closes its own connections, and a socket NCCL keeps per process must not be cut."""
-        if self.backend == "nccl" and self._gloo_sockets is not None:
+        if self.backend == "nccl" and self.device.is_cuda and self._gloo_sockets is not None:
             return self._gloo_sockets
         return set(_socket_fds()) - before
 

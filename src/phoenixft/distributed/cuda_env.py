@@ -12,10 +12,12 @@ so the CPU suite checks exactly what a GPU worker would apply (`distributed/devi
   network transport (loopback). Of any two workers on one GPU at most one keeps the host's identity,
   so no communicator ever sees a duplicate. That is slower than NVLink or shared memory and meant for
   checks on a machine with few GPUs; `placement_line` says so in one line.
-- NCCL (`nccl_required`, `apply_nccl_env`): torch's defaults, and a cluster image's
-  `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` or `3`, let the watchdog tear a survivor down when a peer
-  dies; the values phoenixft needs replace whatever the environment holds, and `override_line`
-  names what was replaced.
+- NCCL (`nccl_required`, `apply_nccl_env`): torch's default and a cluster image's
+  `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` or `3` let the watchdog tear a survivor down when a peer dies;
+  `2` lets it abort the communicators, on its own thread, before the survivor posted its recovery
+  descriptor, after which a failed collective reports success (distributed/nccl.py). `0` is the one
+  value accepted: only phoenixft aborts, after the descriptor. The values phoenixft needs replace
+  whatever the environment holds, and `override_line` names what was replaced.
 - Determinism (`determinism_settings`, `apply_determinism`): `use_deterministic_algorithms(True)`
   without `warn_only` (only then does torch force deterministic kernels, and refuse the
   non-deterministic ones instead of warning), cuBLAS's fixed workspace (`CUBLAS_WORKSPACE_CONFIG`,
@@ -89,7 +91,7 @@ def placement_line(gpus: int, workers: int) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- NCCL
 _REQUIRED: dict[str, tuple[str, ...]] = {  # variable -> the values a survivor can live with (the first is set)
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("2", "0"),  # 2: abort the communicator, never tear the process down
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("0",),  # 0: torch never aborts nor tears down; we abort, after the descriptor
     "TORCH_NCCL_ENABLE_MONITORING": ("0",),  # no heartbeat monitor killing a process whose watchdog stalls
     "TORCH_NCCL_DUMP_ON_TIMEOUT": ("0",),  # no debug dump into the un-prefixed store on a timeout
     "TORCH_NCCL_PROPAGATE_ERROR": ("0",),
@@ -127,8 +129,8 @@ def nccl_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
 def apply_nccl_env(env: MutableMapping[str, str], node: str, local_rank: int,
                    own_host: bool = False) -> dict[str, str]:
     """Set the NCCL settings in `env`: those missing, and those with a value a survivor cannot live
-    with (kept when acceptable: `TORCH_NCCL_ASYNC_ERROR_HANDLING=0`); with `own_host`, a host identity
-    of this worker's own. Returns what it set."""
+    with (an acceptable value is kept); with `own_host`, a host identity of this worker's own. Returns
+    what it set."""
     done = {k: v for k, v in nccl_env().items() if env.get(k) not in _REQUIRED[k]}
     done.update({k: new for k, (_, new) in nccl_overrides(env).items()})
     if own_host:

@@ -58,6 +58,8 @@ from phoenixft.distributed.cuda_env import (
     override_line,
     plan_gpus,
 )
+from phoenixft.distributed.cuda_timing import CopyTiming
+from phoenixft.distributed.nccl import NcclGroup, check_handling_mode
 from phoenixft.errors import UserError
 
 __all__ = ["DEVICES", "Device", "Pending", "DONE", "alloc", "resolve_device", "cuda_unavailable", "place", "nccl_env",
@@ -205,6 +207,37 @@ class _CudaPending(Pending):
         return True
 
 
+SIDE_PRIORITY = -1  # the copy and mark streams' priority (see side_stream)
+
+
+def side_stream(device: torch.device) -> Any:
+    """A CUDA stream for the snapshot copy or the marks of NCCL works, from torch's pool of high-priority
+    streams: NCCL groups draw theirs from the default-priority pool, and a stream shared with one would queue
+    this stream's work behind its collectives (a mark waiting on a data-parallel reduce placed on the tensor-
+    parallel group's stream would make that group's next collective wait for the reduce)."""
+    return torch.cuda.Stream(device=device, priority=SIDE_PRIORITY)
+
+
+class _Marker:
+    """The marks of one NCCL group's works (distributed/nccl.py): an event that completes once the work's
+    kernels finished, recorded on a stream of this group's own, ordered behind the work
+    (`block_current_stream`: orders the stream, never blocks or aborts). One stream per group: a group whose
+    abort hangs leaves its stream waiting, and the next epoch's groups must not queue behind it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream: Any = None
+
+    def __call__(self, work: Any) -> Any:
+        if self.stream is None:
+            self.stream = side_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            work.block_current_stream()
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+
 def alloc(numel: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
     """Host memory of `numel` elements: a shared-memory file at `path` (kept if it already has that size,
     so a worker restarted in place finds what it held), else private zeroed memory."""
@@ -252,14 +285,20 @@ class Device:
     """One worker's device: `cpu`, or GPU `index` with `cuda`. `mirror` (always on CUDA) keeps the
     optimizer shard's working copy apart from its host ping-pong halves."""
 
-    def __init__(self, kind: str = "cpu", index: int = 0, mirror: bool = False) -> None:
+    _pin_failed = False  # a registration failed in this process (said once)
+
+    def __init__(self, kind: str = "cpu", index: int = 0, mirror: bool = False, emulate_nccl: bool = False,
+                 wid: str = "") -> None:
         if kind not in DEVICES:
             raise ValueError(f"device {kind!r}: one of {', '.join(DEVICES)}")
         self.kind, self.index = kind, index
         self.is_cuda = kind == "cuda"
-        self.mirror = self.is_cuda or mirror
+        self.emulate_nccl = emulate_nccl and not self.is_cuda  # (tests: distributed/nccl_emulation.py)
+        self.mirror = self.is_cuda or mirror or self.emulate_nccl
+        self.wid = wid  # the worker's id ("n0.0"), when placed for one
         self.torch = torch.device("cuda", index) if self.is_cuda else torch.device("cpu")
         self._stream: Any = None
+        self.timing: CopyTiming | None = CopyTiming.from_env(wid) if self.is_cuda else None
 
     def __repr__(self) -> str:
         return f"Device({self.describe()})"
@@ -267,12 +306,14 @@ class Device:
     def describe(self) -> str:
         if self.is_cuda:
             return f"cuda:{self.index}"
+        if self.emulate_nccl:
+            return "cpu (mirrored shard, NCCL emulated on gloo)"
         return "cpu (mirrored shard)" if self.mirror else "cpu"
 
     @property
     def backend(self) -> str:
         """Backend of the training groups (data-parallel, tensor-parallel, pipeline, embedding)."""
-        return "nccl" if self.is_cuda else "gloo"
+        return "nccl" if self.is_cuda or self.emulate_nccl else "gloo"
 
     # ---------------------------------------------------------------- randomness
     def seed(self, seed: int) -> None:
@@ -309,7 +350,8 @@ class Device:
         """`t` page-locked, so copies between it and the GPU run asynchronously: a page-aligned mapping
         (a shared-memory file) in place (`cudaHostRegister`, unregistered when the tensor is freed),
         other memory as a pinned copy (registering part of a page another registration shares fails).
-        `t` itself on CPU."""
+        `t` itself on CPU, and where the registration fails (a sandbox that refuses it): then the halves
+        stay pageable, the copies into them synchronous, and the process says so in one line, once."""
         if not self.is_cuda or t.numel() == 0 or t.is_pinned():
             return t
         if t.data_ptr() % PAGE or t.untyped_storage().data_ptr() != t.data_ptr():
@@ -317,7 +359,12 @@ class Device:
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1 = cudaHostRegisterPortable
         if err != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed (cudaError {err})")
+            if not Device._pin_failed:
+                Device._pin_failed = True
+                print(f"phoenixft {self.wid or 'worker'}: cudaHostRegister of {nbytes} bytes of shared memory failed "
+                      f"(cudaError {err}): the snapshot halves stay pageable, so their copy from the GPU is "
+                      "synchronous", flush=True)
+            return t
         weakref.finalize(t, _unpin, ptr)
         return t
 
@@ -344,14 +391,20 @@ class Device:
         if not self.is_cuda:
             return _Deferred(lambda: dst.copy_(src))
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.torch)
-        ready = torch.cuda.Event()
+            self._stream = side_stream(self.torch)
+        timing = self.timing  # (the GPU check's measurement: distributed/cuda_timing.py)
+        ready = torch.cuda.Event(enable_timing=timing is not None and timing.times_ready())
         ready.record(torch.cuda.current_stream(self.torch))  # after the optimizer's kernels
         self._stream.wait_event(ready)
         with torch.cuda.stream(self._stream):
+            start = torch.cuda.Event(enable_timing=True) if timing is not None and timing.measures() else None
+            if start is not None:
+                start.record(self._stream)
             dst.copy_(src, non_blocking=True)
-            end = torch.cuda.Event()
+            end = torch.cuda.Event(enable_timing=start is not None)
             end.record(self._stream)
+        if self.timing is not None:
+            self.timing.copied(ready, start, end, dst)
         return _CudaPending(end)
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -374,8 +427,14 @@ class Device:
             return gloo_group(store, rank, size, timeout)
         if backend != "nccl":
             raise NotImplementedError(f"backend {backend!r}")
-        if not self.is_cuda:
+        if not self.is_cuda and not self.emulate_nccl:
             raise RuntimeError("NCCL groups need a CUDA device (--device cuda)")
+        check_handling_mode()  # only phoenixft aborts an NCCL communicator, after the descriptor (distributed/nccl.py)
+        if self.emulate_nccl:
+            from phoenixft.distributed.nccl_emulation import EmulatedGroup
+
+            emulated = EmulatedGroup(gloo_group(store, rank, size, timeout), store, self.wid)
+            return NcclGroup(emulated, lambda work: work, timeout.total_seconds())
         pg_nccl: Any = getattr(dist, "ProcessGroupNCCL", None)
         if pg_nccl is None:
             raise RuntimeError(f"this torch ({torch.__version__}) has no NCCL (torch.distributed.ProcessGroupNCCL)")
@@ -384,15 +443,19 @@ class Device:
         pg = pg_nccl(store, rank, size, opts)
         pg._set_sequence_number_for_group()
         pg.eager_connect_single_device(self.torch)
-        return pg
+        return NcclGroup(pg, _Marker(self.torch), timeout.total_seconds())
 
 
 def place(kind: str, local_rank: int, node: str, nodes: int, workers_per_node: int) -> Device:
     """The device of worker `local_rank` of `node` (`auto` resolved on this host); on CUDA, sets up the
     process before its first CUDA call (NCCL settings, deterministic kernels), then selects its GPU."""
     kind = check_device_here(kind, f"this host (node {node})")
+    wid = f"{node}.{local_rank}"
     if kind == "cpu":
-        return Device("cpu", mirror=os.environ.get(MIRROR_ENV, "") == "1")
+        mirror = os.environ.get(MIRROR_ENV, "")
+        if mirror == "nccl":  # (tests: the NCCL settings as on a GPU, NCCL's failure behaviour on gloo)
+            apply_nccl_env(os.environ, node, local_rank)
+        return Device("cpu", mirror=mirror == "1", emulate_nccl=mirror == "nccl", wid=wid)
     apply_determinism(determinism_settings(os.environ), os.environ, torch)  # CUBLAS_WORKSPACE_CONFIG: before cuBLAS
     why = cuda_unavailable()
     if why is not None:
@@ -406,4 +469,4 @@ def place(kind: str, local_rank: int, node: str, nodes: int, workers_per_node: i
         print(f"phoenixft worker {node}.{local_rank}: {line}", flush=True)
     torch.cuda.set_device(slot.gpu)
     os.environ["LOCAL_RANK"] = str(local_rank)  # for workload code that looks for it
-    return Device("cuda", slot.gpu)
+    return Device("cuda", slot.gpu, wid=wid)

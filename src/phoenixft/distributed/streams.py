@@ -3,10 +3,11 @@
 A tensor-parallel all-reduce's result, or an activation received from the previous pipeline stage,
 is read by the next kernels, never by the host. With the polled wait (`comm.wait_work`) the host
 stops at each such collective until it completed, so it cannot queue the next kernels meanwhile:
-the GPU idles for the launch latency after every one (several per layer). On NCCL `work.wait()`
-instead makes the current CUDA stream wait for the work and returns at once (`TORCH_NCCL_BLOCKING_WAIT`
-is 0: distributed/device.py's `nccl_env`). `StreamOrdered` waits so and keeps the works it did not see
-complete; what stays watched for failures:
+the GPU idles for the launch latency after every one (several per layer). An NCCL work's `order()`
+(distributed/nccl.py: torch's `block_current_stream`, never its `wait()`, which would abort the
+communicator on this thread if the work failed) instead makes the current CUDA stream wait for the
+work and returns at once. `StreamOrdered` waits so and keeps the works it did not see complete; what
+stays watched for failures:
 
 - a dead peer: a kernel stuck behind the collective holds every later collective of the stream, so
   the step's next polled wait (a pipeline flush, the gradient buckets, the loss all-reduce on the
@@ -42,14 +43,17 @@ class StreamMark:
     """The work queued on the current CUDA stream of `device` so far, as a work the polled wait takes."""
 
     def __init__(self, device: torch.device) -> None:
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(device))
+        self.event: Any = None  # (a CPU device queues nothing: complete at once)
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
 
     def is_completed(self) -> bool:
-        return bool(self.event.query())
+        return self.event is None or bool(self.event.query())
 
     def wait(self, timeout: Any = None) -> bool:
-        self.event.synchronize()  # (called once complete: returns at once)
+        if self.event is not None:
+            self.event.synchronize()  # (called once complete: returns at once)
         return True
 
 
@@ -62,7 +66,7 @@ class StreamOrdered:
 
     def __call__(self, work: Any, what: str) -> None:
         try:
-            work.wait()  # the current stream waits for the work; the host goes on
+            work.order()  # the current stream waits for the work; the host goes on
         except RuntimeError as e:  # (an error already known: the communicator failed)
             raise PeerFailure(f"{what}: {str(e).splitlines()[0][:200] if str(e) else 'failed'}") from None
         self.kept.append((work, what))
