@@ -113,3 +113,17 @@ def test_owner_and_replica_lost_falls_back_to_the_persistent_tier_bitwise(tmp_pa
     assert rec["action"] == "persistent" and rec["resumed_step"] in (4, 8), rec
     assert rep["final_state_sha256"] == clean["final_state_sha256"]
 
+
+
+@pytest.mark.parametrize("body, says", [
+    ('print("a script that forgot phoenixft.init()")\n', "ended without calling phoenixft.init()"),
+    ('import phoenixft\nraise ValueError("a bad config value")\n', "ValueError: a bad config value"),
+    ('import phoenixft\njob = phoenixft.init()\nprint({}["missing"])\n', "KeyError"),
+])
+def test_a_script_that_cannot_train_ends_the_run_saying_why(tmp_path: Path, body: str, says: str) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text(body)
+    rep = launch(tmp_path / "run", script=script, spares=0)
+    assert rep["state"].startswith("failed"), rep["state"]
+    assert says in json.dumps(rep), rep.get("error")
+    assert "broken.py" in json.dumps(rep)

@@ -70,6 +70,7 @@ class Job:
         self.total: int | None = None
         self.protect = member.cfg.protect == "phoenix"
         self.finished = False  # the loop completed and the final state is published (or the job let this rank go)
+        self.trained = False  # a step committed here (an error after it is a crash to restart, not a bad script)
         self._pending: Any = None  # the topology of the epoch to join before the first step
         self._expect: int | None = None  # the step `job.steps` yielded last
         self._done: int | None = None  # the step the last `with job.step` committed
@@ -346,6 +347,7 @@ class Job:
         if ctx.scheme is not None:
             ctx.scheme.protect(s)
         self._done = s
+        self.trained = True
         if ctx.rank == 0:
             self._record(s)
 
@@ -411,14 +413,19 @@ class Job:
 
     def _user_error(self, exc: BaseException, s: int) -> None:
         """A bug in the script: not ours to heal. The run stops with its traceback (the script's frames first)."""
+        self.stop_for(exc, f"at step {s}")
+        raise SystemExit(4) from exc
+
+    def stop_for(self, exc: BaseException, when: str) -> None:
+        """Stop the whole run for the script's own error `exc` (raised `when`, e.g. "at step 7"): its traceback,
+        the script's frames first, in this node's log and with the run's end."""
         trace = user_traceback(exc)
-        why = f"exception in the training script at step {s} on rank {self.rank}: {type(exc).__name__}: {exc}"
+        why = f"exception in the training script {when} on rank {self.rank}: {type(exc).__name__}: {exc}"
         if trace is not None:
             print(trace[1], flush=True)
         self.m._stop_run(why, trace=trace)
         print(f"phoenixft worker {self.m.wid}: {why}", flush=True)
         self.m.close()
-        raise SystemExit(4) from exc
 
 
 class _Step:

@@ -25,3 +25,6 @@ def validate_script(cfg: RunConfig) -> None:
     need(cfg.tp == 1 and cfg.pp == 1, "--tp/--pp", f"{cfg.tp}/{cfg.pp}",
          "a script is protected data-parallel (its model may be FSDP2-sharded): --tp 1 --pp 1")
     need(not cfg.resume, "--resume", cfg.resume, "a script's state is restored from memory, not from --resume")
+    for f in cfg.faults:
+        why = f.kind_of.built_in_only
+        need(not why, "--inject", f.text, f"not under `phoenixft launch`: {why}")

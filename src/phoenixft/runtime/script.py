@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 
 __all__ = ["script_main"]
 
@@ -33,10 +34,33 @@ def script_main(script: tuple[str, list[str]], store: str, node: str, local_rank
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if code != 0 or launched.finished():
             return code
+    except Exception as e:  # noqa: BLE001 - the script's own error, outside a step
+        started = launched.current()
+        if started is not None and started.trained:  # (it trained: a failure outside a step's body, e.g. a
+            traceback.print_exc()                   # collective of its own: restarted in place, it rejoins)
+            return 1
+        if started is not None:  # (it joined: the same error on every node before any step, no restart heals it)
+            started.stop_for(e, "before its first step")
+            return 4
+        from phoenixft.errors import user_traceback
+        from phoenixft.runtime.worker import record_start_failure
+
+        trace = user_traceback(e)
+        if trace is not None:
+            print(trace[1], flush=True)
+        where = f" (at {trace[0]})" if trace is not None else ""
+        why = f"{path} raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}{where}"
+        print(f"phoenixft worker {wid}: {why}", flush=True)
+        record_start_failure(None, store, wid, why)
+        return 2
     job = launched.current()
     if job is None:
-        print(f"phoenixft worker {wid}: {path} ended without calling phoenixft.init(): nothing of it ran as a job "
-              "(docs/script.md shows the lines a script adds)", flush=True)
+        why = (f"{path} ended without calling phoenixft.init(): nothing of it ran as a job (docs/script.md shows "
+               "the lines a script adds)")
+        print(f"phoenixft worker {wid}: {why}", flush=True)
+        from phoenixft.runtime.worker import record_start_failure
+
+        record_start_failure(None, store, wid, why)  # (every node alike: the coordinator ends the run saying so)
         return 2
     if not launched.finished():
         print(f"phoenixft worker {wid}: {path} ended before its `for step in job.steps(n)` loop did (a `break`, or "

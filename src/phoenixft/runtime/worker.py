@@ -36,7 +36,7 @@ from phoenixft.sdc.checks import SdcChecks, SdcSuspect
 from phoenixft.train.trainer import Trainer
 from phoenixft.workload import WorkloadContext, load_workload, unsupported_parameters
 
-__all__ = ["Worker", "worker_main"]
+__all__ = ["Worker", "worker_main", "record_start_failure"]
 
 
 class Worker(Member):
@@ -249,7 +249,7 @@ class Worker(Member):
             self.protection.close()
 
 
-def _record_start_failure(w: Worker | None, store_addr: str, wid: str, error: str) -> None:
+def record_start_failure(w: Worker | None, store_addr: str, wid: str, error: str) -> None:
     """Tell the coordinator that this worker failed before it took part in any step (`startfail/<wid>`,
     its first error kept, and how often it failed so): when every node and spare of the run failed so
     before the run's first step, again after a restart in place (a failure once may be transient: its
@@ -279,10 +279,10 @@ def worker_main(store_addr: str, node_id: str, local_rank: int, run_id: str, thr
     except Unhealable:  # (the constructor stopped the run and said why: a restart would fail alike)
         return 4
     except UserError as e:  # e.g. the workload's factory fails on this host (its data is not here): one line
-        _record_start_failure(w, store_addr, wid, str(e))
+        record_start_failure(w, store_addr, wid, str(e))
         print(f"phoenixft worker {wid}: {e}", flush=True)
         return 2
     except Exception as e:  # (the agent prints its traceback and restarts the worker in place)
         first = str(e).splitlines()[0][:300] if str(e) else ""
-        _record_start_failure(w, store_addr, wid, f"{type(e).__name__}: {first}")
+        record_start_failure(w, store_addr, wid, f"{type(e).__name__}: {first}")
         raise
