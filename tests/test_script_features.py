@@ -9,6 +9,7 @@ here over generated cases."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,17 @@ def test_a_state_that_a_snapshot_could_not_restore_is_refused_at_once() -> None:
     with pytest.raises(TypeError, match="does not restore"):  # (a class a peer's snapshot could name)
         check_restorable({"x": _Data(3)})
     check_restorable({"lr": 0.1, "betas": (0.9, 0.99), "t": torch.zeros(3)})
+
+
+def test_a_chaos_campaign_on_a_script_passes(tmp_path: Path) -> None:
+    """`phoenixft chaos ... SCRIPT ARGS`: seeded faults (kills in any phase, crashes, hangs, kills mid-recovery...)
+    against the script's failure-free reference; every fault fires and the final state is the reference's."""
+    from phoenixft.cli.main import main
+
+    report = tmp_path / "chaos.json"
+    rc = main(["chaos", "--nodes", "3", "--spares", "2", "--steps", "24", "--faults", "4", "--seed", "3", "--quiet",
+               "--run-dir", str(tmp_path / "runs"), "--report", str(report), str(SCRIPT), "--steps", "24",
+               "--pace", "0.02"])
+    res = json.loads(report.read_text())
+    assert rc == 0 and res["verdict"] == "pass", (res["verdict"], res["reason"])
+    assert res["injected"] == res["faults"] == 4 and res["bitwise_equal"], res
