@@ -30,8 +30,6 @@ import contextlib
 import functools
 import json
 import math
-import random
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,12 +38,11 @@ import torch
 
 from phoenixft.api.ddp import ResilientDDP
 from phoenixft.api.group import NotMember
-from phoenixft.api.loader import StatefulLoader, StepLoader, is_map_style
+from phoenixft.api.loader import StatefulLoader, StepLoader, is_map_style, seed_step
 from phoenixft.api.member import ScriptMember
 from phoenixft.api.state import Outgrown
 from phoenixft.api.tracked import is_sharded
 from phoenixft.controlplane import keys, sealed
-from phoenixft.data import _mix
 from phoenixft.errors import Drained, PeerFailure, RunAborted, user_traceback
 
 __all__ = ["Job", "TOTAL_STEPS_KEY"]
@@ -287,15 +284,7 @@ class Job:
                                f"it yielded ({self._expect})")
         self._current, self._fired, self._metrics = s, set(), {}
         self._t0 = time.perf_counter()
-        dp = self.rank
-        seed = _mix(self.seed, s, dp)
-        torch.default_generator.manual_seed(seed)
-        if self.m.device.is_cuda:
-            torch.cuda.default_generators[self.m.device.index].manual_seed(seed)
-        random.seed(seed)
-        np = sys.modules.get("numpy")
-        if np is not None:
-            np.random.seed(seed % (1 << 32))
+        seed_step(self.seed, s, self.rank, self.m.device.index if self.m.device.is_cuda else None)
         for sl in self.loaders:
             sl.begin_step()
         self.m.inject.hold(s)

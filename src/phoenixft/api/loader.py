@@ -30,7 +30,23 @@ import torch
 
 from phoenixft.data import _mix
 
-__all__ = ["StepLoader", "StatefulLoader", "is_map_style", "shuffles"]
+__all__ = ["StepLoader", "StatefulLoader", "is_map_style", "shuffles", "seed_step"]
+
+
+def seed_step(seed: int, step: int, rank: int, cuda_index: int | None) -> None:
+    """Seed every generator a step may draw from, from (seed, step, data-parallel rank): torch's CPU generator and
+    this rank's GPU's (`cuda_index`, where CUDA is initialised), Python's `random`, NumPy's global one."""
+    import random
+    import sys
+
+    x = _mix(seed, step, rank)
+    torch.default_generator.manual_seed(x)
+    if cuda_index is not None:
+        torch.cuda.default_generators[cuda_index].manual_seed(x)
+    random.seed(x)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(x % (1 << 32))
 
 
 def is_map_style(loader: Any) -> bool:

@@ -9,8 +9,6 @@ step is seeded the same way, so a script's run here and its protected run comput
 from __future__ import annotations
 
 import os
-import random
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,8 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phoenixft.api.loader import StepLoader, is_map_style
-from phoenixft.data import _mix
+from phoenixft.api.loader import StepLoader, is_map_style, seed_step
 
 __all__ = ["LocalJob"]
 
@@ -75,14 +72,8 @@ class LocalJob:
 
     @contextmanager
     def step(self, s: int) -> Iterator[int]:
-        seed = _mix(self.seed, s, self.rank)
-        torch.default_generator.manual_seed(seed)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.default_generators[self.local_rank].manual_seed(seed)
-        random.seed(seed)
-        np = sys.modules.get("numpy")
-        if np is not None:
-            np.random.seed(seed % (1 << 32))
+        cuda = self.local_rank if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        seed_step(self.seed, s, self.rank, cuda)
         for sl in self.loaders:
             sl.begin_step()
         yield s

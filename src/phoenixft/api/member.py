@@ -33,7 +33,6 @@ from phoenixft.api.tracked import is_sharded
 from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_int
 from phoenixft.core.member import Joined, Member
-from phoenixft.distributed import device
 from phoenixft.distributed.comm import alltoallv
 from phoenixft.distributed.topology import Topology
 from phoenixft.errors import NOT_INSTALLED, PeerFailure, RunAborted
@@ -58,8 +57,7 @@ class ScriptMember(Member):
         start = Joined(store_addr, node_id, local_rank, run_id, incarnation)
         super().__init__(start, node_id, local_rank, run_id)
         cfg, cur = self.cfg, start.cur
-        torch.set_num_threads(threads)
-        self.device = device.place(cfg.device, local_rank, node_id, cfg.nodes, cfg.workers_per_node)
+        self._place(threads)
         self.script = ScriptState(self.device, self.agreed_private() or DEFAULT_PRIVATE_BYTES)
         self.ctx.trainer = self.script  # type: ignore[assignment]  # (the role the built-in Trainer plays)
         self.ctx.stage_of = (0, 0)

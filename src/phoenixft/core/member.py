@@ -28,6 +28,7 @@ from phoenixft.controlplane.signed import CONFIG_WAIT_S, env_token, run_ended, s
 from phoenixft.controlplane.values import parse_int
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.core.context import RankContext
+from phoenixft.distributed import device
 from phoenixft.distributed.comm import EpochComm, connect_store
 from phoenixft.distributed.device import Device
 from phoenixft.distributed.topology import Topology
@@ -95,6 +96,13 @@ class Member:
         self._side_store: Store | None = None  # for polls while the rendezvous blocks ctx.store (_build_comm)
         self._end_checked = 0.0  # when a step boundary last looked whether the run has ended
         self._first_after_join: int | None = None
+
+    def _place(self, threads: int) -> None:
+        """This rank's CPU threads and device (CUDA: the GPU of its LOCAL_RANK, NCCL set up to report, not punish,
+        a dead peer)."""
+        torch.set_num_threads(threads)
+        cfg = self.cfg
+        self.device = device.place(cfg.device, self.local_rank, self.node_id, cfg.nodes, cfg.workers_per_node)
 
     def _attach_protection(self, gen: int) -> None:
         """The protection layer (replicator, redundancy scheme, persistent tier), attached to the rank's state;

@@ -23,7 +23,6 @@ from phoenixft.controlplane import auth, keys, sealed
 from phoenixft.controlplane.values import parse_int
 from phoenixft.coordinator.stragglers import nodes_compute
 from phoenixft.core.member import Joined, Member
-from phoenixft.distributed import device
 from phoenixft.distributed.comm import connect_store
 from phoenixft.distributed.topology import Topology
 from phoenixft.errors import Drained, PeerFailure, RunAborted, Unhealable, UserError
@@ -47,9 +46,7 @@ class Worker(Member):
         start = Joined(store_addr, node_id, local_rank, run_id, incarnation)
         super().__init__(start, node_id, local_rank, run_id)
         cfg, cur = self.cfg, start.cur
-        torch.set_num_threads(threads)
-        # CUDA: the GPU of this LOCAL_RANK, NCCL set up to report (not punish) a dead peer
-        self.device = device.place(cfg.device, local_rank, node_id, cfg.nodes, cfg.workers_per_node)
+        self._place(threads)
         if not self.device.is_cuda and cfg.optimizer in ("adamw", "adam"):  # built or loaded now, not in step 1
             line = native.status()
             if local_rank == 0 and self.incarnation == 0:
