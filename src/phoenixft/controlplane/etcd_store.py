@@ -377,6 +377,14 @@ class EtcdStore(dist.Store):
         kvs = r.get("kvs") or []
         return self._join(kvs), int(r["header"]["revision"])
 
+    consumes_logs = False  # a log's pieces stay (every reader reads them by revision)
+
+    def log_push(self, key: str, value: Any) -> None:
+        self.append(key, value)
+
+    def log_take(self, key: str, cursor: int) -> tuple[bytes, int]:
+        return self.read_appended(key, cursor)
+
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         k = _b(self._k(key))
         exp, des = _bytes(expected), _bytes(desired)

@@ -295,7 +295,10 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
             raw = store.get(keys.CONFIG)
             served = clean(store.get(keys.RUN_ID), 64) if store.check([keys.RUN_ID]) else ""
             if a.run_id and served and a.run_id != served:  # before asking to join: a refused agent holds no slot
-                raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+                if time.monotonic() > connect_deadline:  # (until then: one something else wrote is put back)
+                    raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+                time.sleep(0.2)
+                continue
             try:
                 return store, RunConfig.from_json(bytes(raw).decode(errors="replace")), served
             except Exception:  # noqa: BLE001 - not a config (overwritten by a stranger): its writer puts it back
