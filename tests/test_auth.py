@@ -134,7 +134,7 @@ def test_a_response_cannot_be_replayed_and_a_rogue_coordinator_is_noticed() -> N
     nonce = json.loads(store.get(keys.admit_challenge(seq)))["nonce"]
     assert nonce != resp["nonce"]
     store.set(keys.admit_resp(seq), json.dumps({"nonce": nonce, "mac": resp["mac"]}))
-    (replayed,) = desk.poll(force=True)
+    (replayed,) = _apps(desk)  # (refused once its request stayed as it was for auth.WRONG_GRACE_S)
     assert replayed.seq == seq and replayed.proof == "wrong"
     # a coordinator holding another token cannot admit us: its verdict does not verify with ours
     auth.AdmissionDesk(store, "c" * 32, run_id="run1").answer(app, "n0")
@@ -209,7 +209,7 @@ def test_planted_challenges_and_deleted_verdicts_admit_no_one() -> None:
     for run_id, proof in (("run0", "wrong"), ("run1", "ok")):
         store.set(keys.admit_resp(seq), json.dumps({"nonce": nonce, "mac": auth._response_mac(TOKEN, run_id, seq,
                                                                                                  nonce, raw_req)}))
-        (app,) = desk.poll(force=True)
+        (app,) = _apps(desk)  # (a wrong one: once its request stayed unchanged for auth.WRONG_GRACE_S)
         assert app.proof == proof
         desk._pending[seq] = auth._Pending(t=time.monotonic(), nonce=nonce, raw_req=raw_req)
     desk._pending.clear()

@@ -167,6 +167,7 @@ def token_matches_job(store: Store, token: str, run_id: str | None = None) -> bo
 
 # ---------------------------------------------------------------------------------------- admission
 UNVERIFIED_GRACE_S = 2.0  # an agent that read an answer it cannot verify waits this long for a signed one
+WRONG_GRACE_S = 2.5  # a response that does not verify is refused once its request stayed unchanged this long
 FULL_LOOK_S = 1.0  # the desk looks at its open requests this often even if no agent bumped the counter
 MAX_OPEN = 256  # join requests the desk keeps open at most (a counter bumped by a stranger opens no more)
 SCAN_LIMIT = 1024  # request numbers a restarted coordinator looks at beyond its signed record
@@ -405,6 +406,7 @@ class _Pending:
     t: float
     nonce: str = ""
     raw_req: str = ""
+    wrong_at: float = 0.0  # when a response to our challenge first did not verify (0: none yet)
 
 
 def _ranges(seqs: set[int]) -> list[list[int]]:
@@ -539,7 +541,10 @@ class AdmissionDesk:
         if proof == "wrong" and now_raw is not None and now_raw.decode(errors="replace") != p.raw_req \
                 and not expired:
             p.raw_req = now_raw.decode(errors="replace")  # (changed since: looked at again, its agent answers again)
-            p.nonce = ""
+            p.nonce, p.wrong_at = "", 0.0
+            return None
+        if proof == "wrong" and not expired and now - (p.wrong_at or now) < WRONG_GRACE_S:
+            p.wrong_at = p.wrong_at or now  # (a request overwritten as it was challenged: its agent puts it back)
             return None
         del self._pending[seq]
         req = parse_json(p.raw_req, keys.admit_req(seq)) or {"name": "?", "unreadable": True}

@@ -48,11 +48,13 @@ class Keeper:
             self.store = store
 
         def loop() -> None:
-            while not self._stop.wait(self.every_s):
+            wait = self.every_s
+            while not self._stop.wait(wait):
                 try:
                     self.tick(force=True)
-                except Exception:  # noqa: BLE001 - the store did not answer this time: the next look asks again
-                    pass
+                    wait = self.every_s
+                except Exception:  # noqa: BLE001 - the store did not answer: asked again, less often while it does not
+                    wait = min(wait * 2, 60.0)
 
         threading.Thread(target=loop, name="phoenixft-keeper", daemon=True).start()
         return self

@@ -40,8 +40,8 @@ from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import note_bad, parse_json
 
 __all__ = ["PREFIX", "bind", "unbind", "bound", "bound_token", "read_unchecked", "seal", "unseal", "peel", "put",
-           "put_many", "get", "get_json", "get_many", "present", "has", "all_present", "append", "lines", "records",
-           "beat_value", "beat_count", "claim", "hint", "Hint"]
+           "put_many", "get", "get_json", "wait_json", "get_many", "present", "has", "all_present", "append", "lines",
+           "records", "beat_value", "beat_count", "claim", "hint", "Hint"]
 
 PREFIX = b"pf1:"
 _MAC_HEX = 64
@@ -142,6 +142,18 @@ def get(store: Store, name: str) -> bytes | None:
 
 def get_json(store: Store, name: str, default: Any = None, kind: type | tuple[type, ...] = dict) -> Any:
     return parse_json(get(store, name), name, default, kind)
+
+
+def wait_json(store: Store, name: str, timeout_s: float, kind: type | tuple[type, ...] = dict) -> Any:
+    """`get_json` once it is not None, looked for every 20 ms for at most `timeout_s` (a value its writer put
+    there before the reader could need it, which something else may have overwritten: its writer puts it back);
+    None then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = get_json(store, name, None, kind)
+        if v is not None or time.monotonic() > deadline:
+            return v
+        time.sleep(0.02)
 
 
 def get_many(store: Store, names: Sequence[str], there: Sequence[bool] | None = None) -> list[bytes | None]:

@@ -81,6 +81,7 @@ class Coordinator:
         self.job = Job(store, self.g)
         self.job.run_id = self.run_id
         self.job.keeper.guard = lambda: self.election is None or self.election.leading  # (a deposed one writes none)
+        self.job.keeper.start(store.independent())  # (its own client: it looks also while a recovery waits)
         self.state = Membership()
         self.publisher = Publisher(self.job, self.state, journal, token, election)
         desk = auth.AdmissionDesk(store, token, run_id=self.run_id, keeper=self.job.keeper)
@@ -167,7 +168,6 @@ class Coordinator:
         nap = 0.005
         while True:
             self.admission.admit(force=True)
-            self.job.keeper.tick()
             slots = sorted((n for n in self.state.members if n.startswith("n")), key=index)
             active = [swapped.get(n, n) for n in slots]
             if len(active) == self.cfg.nodes and self.job.ready(active):
@@ -242,7 +242,6 @@ class Coordinator:
             else:
                 self._wake.wait(self.poll_s)
                 self._wake.clear()
-            self.job.keeper.tick()
             if time.monotonic() - last_whole > 0.25:
                 last_whole = time.monotonic()
                 self._publish_whole()

@@ -49,6 +49,7 @@ from phoenixft.workload import WorkloadContext, load_workload, unsupported_param
 __all__ = ["Worker", "worker_main"]
 
 RUN_DIR_WAIT_S = 5.0  # ... a run directory
+EVIDENCE_WAIT_S = 5.0  # ... the plan's evidence (published before its topology; put back if overwritten)
 FINAL_ACK_S = 10.0  # rank 0 writes the final state again until the launcher has it, at most this long
 FINAL_REWRITE_S = 0.05
 WAIT_KEY_NAP_S = 0.05  # the longest a worker sleeps between two looks for a key it waits for (a spare's assignment)
@@ -498,8 +499,11 @@ class Worker:
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
         store, e = self.ctx.store, topo.epoch
-        part = sealed.get_json(store, keys.evidence(e, self.ctx.rank)) if "evidence_step" in topo.meta else None
-        seen = installed_seen(tr, topo, self.ctx.rank, r, part, lambda: sealed.get_json(store, keys.evidence(e)))
+        # (published before the topology; one overwritten since is put back by the coordinator: waited for, bounded)
+        part = sealed.wait_json(store, keys.evidence(e, self.ctx.rank), EVIDENCE_WAIT_S) \
+            if "evidence_step" in topo.meta else None
+        seen = installed_seen(tr, topo, self.ctx.rank, r, part,
+                              lambda: sealed.wait_json(store, keys.evidence(e), EVIDENCE_WAIT_S))
         try:
             inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step,
                                            tr.state.steps(), held, not bad, self.ctx.wait, seen)
