@@ -229,7 +229,8 @@ def _stranger(st: Any, run_dir: Path, evil: Path, launcher: subprocess.Popen[str
     cfg, run_dir_value, genuine = st.get(keys.CONFIG), st.get(keys.RUN_DIR), st.get(keys.EVENTS).split(b"\n")[0]
     for k, v in _forgeries(e, evil, cfg).items():
         st.set(k, v)
-    st.append(keys.EVENTS, b"not json " + ESC.encode() + b"\n\xff\xfe\n" + (genuine + b"\n") * 3)
+    # (the launcher takes the events from a queue, and keeps them under `events`: junk and copies go to the queue)
+    st.queue_push(keys.EVENTS_QUEUE, b"not json " + ESC.encode() + b"\n\xff\xfe\n" + (genuine + b"\n") * 3)
     st.append(keys.HOST_HISTORY, json.dumps({"kind": "quarantine", "host": "anything", "t": time.time()}) + "\n")
     st.append(f"sdc/accused/{e}", json.dumps({"node": "n1", "step": 3, "verdict": "forged"}) + "\n")
     did["forged"] = True
@@ -249,7 +250,7 @@ def _stranger(st: Any, run_dir: Path, evil: Path, launcher: subprocess.Popen[str
     did["restarted"] = time.monotonic() < deadline
     while launcher.poll() is None and time.monotonic() < deadline:
         try:
-            st.append(keys.EVENTS, "not json " + ESC + "\n{\"kind\": \"fault\"}\n[1]\n")
+            st.queue_push(keys.EVENTS_QUEUE, "not json " + ESC + "\n{\"kind\": \"fault\"}\n[1]\n")
             for k in (keys.EXITS, keys.MEMBERS, keys.WORKER_EXITS, keys.START_FAILS, keys.ADMIT_POSTED, "step/999"):
                 st.set(k, "garbage" + ESC)
             st.set(keys.fence("n0"), "1")

@@ -168,7 +168,7 @@ def test_reads_without_blocking(store: Store) -> None:
 
 def test_appended_log_is_read_incrementally(store: Store) -> None:
     key = "hosts/history"
-    assert store.read_appended(key, 0) == (b"", 0)
+    assert store.read_appended(key, 0)[0] == b""
     store.append(key, "a\n")
     store.append(key, "b\n")
     raw, cursor = store.read_appended(key, 0)

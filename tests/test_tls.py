@@ -265,30 +265,30 @@ def test_status_reaches_a_tls_head_through_its_gateway(tmp_path: Path, capsys: p
     own, stopped when it is done); with another CA's certificate it is one line naming --coordinator."""
     from phoenixft.cli.main import main
     from phoenixft.controlplane import keys
-    from phoenixft.controlplane.server import serve_store
-    from phoenixft.controlplane.tls import start_gateway
+    from phoenixft.controlplane.front import serve_job_store
+    from phoenixft.controlplane.storewire import Limits
     from phoenixft.distributed.comm import connect_store
     from phoenixft.observe import status as status_mod
 
     d, other = tmp_path / "pki", tmp_path / "other"
     make_certs(d, ["job"], [])
     make_certs(other, ["job"], [])
-    server = serve_store("127.0.0.1", 0)
-    store = connect_store(server.addr)
+    front = serve_job_store("127.0.0.1", 0, TlsFiles(*(_tls_args(d)[1::2])).env(), Limits())
+    gw_addr = front.public_addr  # (the TLS gateway's address)
+    store = connect_store(front.local_addr)
     store.set(keys.CONFIG, RunConfig(nodes=2, steps=50).to_json())
     store.set(keys.PROGRESS, "7")
-    gw = start_gateway("127.0.0.1", 0, server.port, TlsFiles(*(_tls_args(d)[1::2])))
     try:
-        assert main(["status", "--coordinator", gw.addr, "--json", "--events", "0", *_tls_args(d)]) == 0
+        assert main(["status", "--coordinator", gw_addr, "--json", "--events", "0", *_tls_args(d)]) == 0
         js = json.loads(capsys.readouterr().out)
         assert js["config"]["nodes"] == 2 and js["progress"]["step"] == 7, js
         assert status_mod._RELAYS == []
-        assert main(["status", "--coordinator", gw.addr, "--timeout", "3", "--tls-cert", str(other / "job.crt"),
+        assert main(["status", "--coordinator", gw_addr, "--timeout", "3", "--tls-cert", str(other / "job.crt"),
                      "--tls-key", str(other / "job.key"), "--tls-ca", str(other / "ca.crt")]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and f"--coordinator={gw.addr}: no TLS channel" in err, err
+        assert len(err.splitlines()) == 1 and f"--coordinator={gw_addr}: no TLS channel" in err, err
     finally:
-        gw.stop()
+        front.stop()
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary (apt-get install etcd-server)")

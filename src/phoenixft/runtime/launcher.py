@@ -149,6 +149,7 @@ class LocalJob:
 
         self.tls = TlsFiles.given(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)  # (checked again: files may have changed)
         self._gateway: Any = None  # with TLS: the relay agents reach the loopback-only store through
+        self._front: Any = None  # the store's front (controlplane.front), while the store is served
         self.public_addr = ""  # where agents join: the store, or with TLS its gateway
         self.token_generated = token is None
         self.run_id = uuid.uuid4().hex[:10]
@@ -304,22 +305,25 @@ class LocalJob:
 
     def _serve(self) -> None:
         """Serve the store from this process (its server thread needs no GIL), so that the coordinator's
-        logic can crash and be restarted without taking the store with it. It listens on the address
-        given only (see controlplane.server); with TLS on loopback only, agents reaching it through a
-        TLS gateway on the address given (controlplane.tls)."""
-        from phoenixft.controlplane.server import serve_store
+        logic can crash and be restarted without taking the store with it, behind its front (controlplane.front):
+        the store's own socket in a network namespace of its own, this host's processes of this user at the
+        front's loopback port, other hosts' agents at the address given (with TLS: certificates of the job CA
+        only; without, a plain TCP port, said in one line)."""
+        from phoenixft.controlplane.front import is_loopback, serve_job_store
+        from phoenixft.controlplane.storewire import Limits
 
-        if self.tls is None:
-            self._server = serve_store(self.host, self.port)
-            self.addr = self.public_addr = self._server.addr
-        else:
-            from phoenixft.controlplane.tls import start_gateway
-
-            self._server = serve_store("127.0.0.1", 0)
-            self.addr = self._server.addr  # this host's own processes (coordinator, launcher) connect directly
-            self._gateway = start_gateway(self.host, self.port, self._server.port, self.tls)
-            self.public_addr = self._gateway.addr
-        _publish(self.run_dir / "coordinator.port", str(self._server.port))
+        limits = Limits(max_bytes=self.cfg.store_max_mb << 20, max_keys=self.cfg.store_max_keys)
+        self._front = serve_job_store(self.host, self.port, self.tls.env() if self.tls else None, limits)
+        self._server = self._front.server
+        self.addr, self.public_addr = self._front.local_addr, self._front.public_addr
+        self._gateway = self._front.relay if self.tls is not None else None
+        if self._front.shared:
+            self.display.info(f"!! the store is reachable by every user of this host: {self._front.shared}")
+        if not self.local and self.tls is None and not is_loopback(self.host):
+            self.display.info(f"!! --host={self.host} serves the store without TLS: anyone who reaches "
+                              f"{self.public_addr} can read and write it (give --tls-cert, --tls-key and --tls-ca; "
+                              "`phoenixft certs DIR` makes them)")
+        _publish(self.run_dir / "coordinator.port", self.addr.rsplit(":", 1)[1])
 
     def _start_agent(self, node: str, host: str = "") -> None:
         """Start node's agent; `host`: the simulated host it runs on (a repaired node's: the host it was lost
@@ -670,8 +674,8 @@ class LocalJob:
             self.cluster.stop()
         if self.live is not None:
             self.live.close()
-        if self._gateway is not None:
-            self._gateway.stop()
+        if self._front is not None:
+            self._front.stop()
 
     def _may_end_job(self) -> bool:
         """Whether this launcher may end the job (announce its end, remove its keys). Not once it was cut
