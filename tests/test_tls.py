@@ -430,3 +430,61 @@ def test_the_record_a_node_writes_just_before_it_dies_gets_through_its_forwarder
         (rec,) = rep["recoveries"]
         assert rec.get("fault") == "kill:node=1@step=6,wait=60", rec
         assert [f["spec"] for f in rep["faults"]] == ["kill:node=1@step=6,wait=60"], rep["faults"]
+
+
+def test_the_gateway_caps_idle_connections_and_times_them_out(tmp_path: Path) -> None:
+    """1,100 connections that never complete a TLS handshake, from one address: the gateway holds at most its
+    per-address cap of them (the rest closed at once: its open files are never exhausted), closes each held one
+    after its handshake timeout, and serves a client of the job CA from another address throughout."""
+    import datetime
+    import resource
+
+    import torch.distributed as dist
+
+    from phoenixft.controlplane import tlsproxy
+    from phoenixft.controlplane.front import serve_job_store
+    from phoenixft.controlplane.storewire import Limits
+    from phoenixft.controlplane.tls import start_forwarder
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))  # (this test holds 1,100)
+    make_certs(tmp_path, ["job"], [])
+    files = TlsFiles(str(tmp_path / "job.crt"), str(tmp_path / "job.key"), str(tmp_path / "ca.crt"))
+    front = serve_job_store("127.0.0.2", 0, files.env(), Limits())  # (the idle ones come from 127.0.0.1)
+    host, port = front.public_addr.rsplit(":", 1)
+    idle: list[socket.socket] = []
+    fwd = None
+    try:
+        for _ in range(1100):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.connect((host, int(port)))
+            idle.append(s)
+        time.sleep(1.0)
+        held = sum(1 for s in idle if _open(s))
+        assert held <= tlsproxy.MAX_PER_ADDRESS < len(idle), held
+        fwd = start_forwarder(front.public_addr, files)  # (from 127.0.0.2: another address)
+        ours = dist.TCPStore("127.0.0.1", fwd.port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+        ours.set("still", b"served")
+        assert ours.get("still") == b"served"
+        time.sleep(tlsproxy.HANDSHAKE_TIMEOUT_S + 1.0)
+        assert sum(1 for s in idle if _open(s)) == 0  # every idle one closed after its handshake timeout
+    finally:
+        for s in idle:
+            s.close()
+        if fwd is not None:
+            fwd.stop()
+        front.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _open(s: socket.socket) -> bool:
+    """The peer has not closed `s` (nothing to read, no EOF)."""
+    s.setblocking(False)
+    try:
+        return bool(s.recv(1, socket.MSG_PEEK)) or False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
