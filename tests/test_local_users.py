@@ -98,8 +98,10 @@ def attempt(port: int, bind: str | None = None, payload: bytes = b"") -> str:
         return "answered" if s.recv(4) else "refused"
     except TimeoutError:
         return "kept open"
+    except (ConnectionResetError, BrokenPipeError):
+        return "refused"  # (closed before or while it spoke)
     except OSError as e:
-        return f"refused ({e.strerror})"
+        return f"failed ({e.strerror})"
     finally:
         s.close()
 
@@ -198,7 +200,9 @@ def test_a_run_beside_another_user_ends_bitwise_and_writes_nothing_of_it(tmp_pat
 
         def keep_trying() -> None:
             while p.poll() is None:
-                tries.append(as_user(uid, gid, lambda: [attempt(port), attempt(port, bind="127.0.0.7")]))
+                got = as_user(uid, gid, lambda: [attempt(port), attempt(port, bind="127.0.0.7")])
+                if p.poll() is None:  # (tried while the run still served its store)
+                    tries.append(got)
                 time.sleep(0.2)
 
         t = threading.Thread(target=keep_trying, daemon=True)
@@ -208,6 +212,5 @@ def test_a_run_beside_another_user_ends_bitwise_and_writes_nothing_of_it(tmp_pat
     assert p.returncode == 0, err[-3000:]
     rep = json.loads((run_dir / "report.json").read_text())
     assert rep["final_state_sha256"] == ref and [r["action"] for r in rep["recoveries"]] == ["hotswap"]
-    assert len(tries) >= 3 and all(set(t) <= {"refused", "refused (Connection refused)",
-                                              "refused (Connection reset by peer)"} for t in tries), tries
+    assert len(tries) >= 3 and all(t == ["refused", "refused"] for t in tries), tries
     assert f"refused a local connection of uid {uid}" in err, err[-3000:]
