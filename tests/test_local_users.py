@@ -212,5 +212,6 @@ def test_a_run_beside_another_user_ends_bitwise_and_writes_nothing_of_it(tmp_pat
     assert p.returncode == 0, err[-3000:]
     rep = json.loads((run_dir / "report.json").read_text())
     assert rep["final_state_sha256"] == ref and [r["action"] for r in rep["recoveries"]] == ["hotswap"]
-    assert len(tries) >= 3 and all(t == ["refused", "refused"] for t in tries), tries
+    passed = [t for t in tries if {"answered", "kept open"} & set(t)]  # (refused, or at the end nothing listening)
+    assert len(tries) >= 3 and sum(t == ["refused", "refused"] for t in tries) >= 3 and not passed, tries
     assert f"refused a local connection of uid {uid}" in err, err[-3000:]
