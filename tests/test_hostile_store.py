@@ -364,11 +364,18 @@ def test_token_files_must_be_private_and_tokens_strong(tmp_path: Path) -> None:
         auth.read_token_file(str(f))
     f.chmod(0o600)
     assert auth.resolve_token("", str(f)) == f.read_text().strip()
-    for weak in ("a" * 16, "a" * 40, "abcdefgh" * 4, "Password12345678"):
+    for weak in ("a" * 16, "a" * 40, "abcdefgh" * 4, "Password12345678", "Password123!Password123?",
+                 "correcthorsebatterystaple1", "CorrectHorseBatteryStaple1!", "Summer2024!Summer2024!xyz"):
         with pytest.raises(UserError, match=r"--token is too weak \(.*\): a job token needs 128 bits"):
             auth.check_token(weak, "--token")
-    for strong in (secrets.token_hex(16), secrets.token_urlsafe(16), auth.generate_token()):
-        assert auth.check_token(strong, "--token") == strong
+    for _ in range(200):  # random tokens as people make them pass (urlsafe 32: what `generate_token` makes)
+        for strong in (secrets.token_urlsafe(32), secrets.token_urlsafe(24), secrets.token_hex(32)):
+            assert auth.check_token(strong, "--token") == strong
+    # every MAC is keyed with the token stretched by scrypt (16 MiB): a guess costs that, not one HMAC
+    from phoenixft.controlplane import tokens
+
+    assert tokens.SCRYPT_N * tokens.SCRYPT_R * 128 >= 16 << 20
+    assert tokens.stretched("x" * 20) != tokens.stretched("x" * 21) and len(tokens.stretched("y" * 20)) == 32
     f.chmod(0o640)  # the command line: one line naming the flag, exit code 2, before anything starts
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     for cmd in (["agent", "--coordinator", "127.0.0.1:1", "--node", "x"], ["run", "--steps", "2"],

@@ -189,6 +189,7 @@ class RunConfig:
     json_events = _Flat[bool]("output")
     tensorboard = _Flat[str]("output")
     metrics_port = _Flat[int]("output")
+    metrics_host = _Flat[str]("output")
 
     # ------------------------------------------------------------------ derived
     @property

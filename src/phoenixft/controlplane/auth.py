@@ -66,6 +66,7 @@ from phoenixft.controlplane.tokens import (
     generate_token,
     read_token_file,
     resolve_token,
+    stretched,
     token_bits,
     token_source,
     write_token_file,
@@ -97,7 +98,7 @@ def mac(token: str, purpose: str, *parts: str | bytes | int) -> str:
     msg = [_VERSION, purpose.encode()]
     for p in parts:
         msg.append(p if isinstance(p, bytes) else str(p).encode("utf-8", errors="surrogatepass"))
-    return hmac.new(token.encode(), b"\0".join(msg), hashlib.sha256).hexdigest()
+    return hmac.new(stretched(token), b"\0".join(msg), hashlib.sha256).hexdigest()  # (scrypt: tokens.stretched)
 
 
 def _same(a: str | bytes, b: str) -> bool:

@@ -101,8 +101,10 @@ def job_credentials(prefix: str, token: str | None) -> tuple[str, str] | None:
         return user, password
     if not token:
         return None
+    from phoenixft.controlplane.tokens import stretched
+
     key = "/" + prefix.strip("/")
-    return job_user(key), hmac.new(token.encode(), b"phoenixft-etcd-password-v1\0" + key.encode(),
+    return job_user(key), hmac.new(stretched(token), b"phoenixft-etcd-password-v1\0" + key.encode(),
                                    hashlib.sha256).hexdigest()
 
 

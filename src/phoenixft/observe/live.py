@@ -51,7 +51,8 @@ class LiveMetrics:
         self.goodput: dict[str, Any] | None = None
         self._goodput_next = 0.0  # when the live goodput may be recomputed
         # the endpoint first: a port that is taken fails the start before any file is open
-        self.prom: PrometheusSink | None = PrometheusSink(host, cfg.metrics_port) if cfg.metrics_port >= 0 else None
+        self.prom: PrometheusSink | None = PrometheusSink(cfg.metrics_host, cfg.metrics_port) \
+            if cfg.metrics_port >= 0 else None
         self.tb: TensorBoardSink | None = TensorBoardSink(cfg.tensorboard) if cfg.tensorboard else None
         self._file: IO[str] | None = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         if self.prom is not None:

@@ -268,7 +268,7 @@ class LocalJob:
         self._log = LogReader(self.store, keys.EVENTS)
         self.live = LiveMetrics(self.cfg, self.run_dir, self.host, self.t_launch, self.display.info, token=self.token)
         if self.live.prom is not None:
-            self.display.info(f"Prometheus metrics at http://{self.host}:{self.live.prom.port}/metrics")
+            self.display.info(f"Prometheus metrics at http://{self.cfg.metrics_host}:{self.live.prom.port}/metrics")
         raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
         kept = {keys.CONFIG_SIG: sign(self.token, self.run_id, keys.CONFIG, raw_cfg).encode(),
                 keys.CONFIG: raw_cfg.encode(), keys.RUN_ID: self.run_id.encode()}
