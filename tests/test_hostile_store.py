@@ -78,6 +78,11 @@ def test_signed_values_verify_only_with_the_run_key() -> None:
     assert signed.run_ended(st, "run1", tok[::-1]) is None
     st.set(keys.RUN_STATE, "failed")  # overwritten by someone without the key
     assert signed.run_ended(st, "run1", tok) is None
+    # a signature binds its key's name: `done` signed for `final` (copied, with its signature, under run/state)
+    # is no run end
+    signed.set_signed(st, tok, "run1", keys.FINAL, "done")
+    st.multi_set([signed.sig_key(keys.RUN_STATE), keys.RUN_STATE], [st.get(signed.sig_key(keys.FINAL)), b"done"])
+    assert signed.run_ended(st, "run1", tok) is None and signed.verified(st, tok, "run1", keys.FINAL) == b"done"
 
 
 def test_sealed_values_verify_only_under_their_run_key_and_name(capsys: Any) -> None:

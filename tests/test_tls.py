@@ -488,3 +488,45 @@ def _open(s: socket.socket) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_the_gateway_refuses_a_client_without_a_certificate_of_the_job_ca(tmp_path: Path) -> None:
+    """The store's TLS gateway: a client of the job CA is let in; a TLS client presenting no certificate, one
+    of another CA, and a plain TCPStore client are refused before a byte reaches the store (nothing written)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from phoenixft.controlplane import tls
+    from phoenixft.controlplane.front import serve_job_store
+    from phoenixft.controlplane.storewire import Limits
+
+    make_certs(tmp_path / "pki", ["job"], [])
+    make_certs(tmp_path / "other", ["job"], [])
+    files = TlsFiles(str(tmp_path / "pki/job.crt"), str(tmp_path / "pki/job.key"), str(tmp_path / "pki/ca.crt"))
+    other = TlsFiles(str(tmp_path / "other/job.crt"), str(tmp_path / "other/job.key"), files.ca)
+    front = serve_job_store("127.0.0.2", 0, files.env(), Limits())
+    host, port = front.public_addr.rsplit(":", 1)
+    try:
+        assert tls.probe(host, int(port), files) is None
+        assert tls.probe(host, int(port), other) is not None
+        bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        bare.check_hostname, bare.verify_mode = False, ssl.CERT_NONE
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            try:
+                with bare.wrap_socket(raw) as s:
+                    s.settimeout(2)
+                    s.sendall(b"\x00\xce\xf7\x85<\x01\x06\x00\x00\x00\x00\x00\x00\x00/stray\x01\x00\x00\x00\x00"
+                              b"\x00\x00\x00x")  # (a TCPStore hello and a set, sent in the clear of TLS)
+                    got = s.recv(1)
+            except (ssl.SSLError, OSError):
+                got = b""
+        assert got == b"", "a client without a certificate got an answer"
+        with pytest.raises(Exception):  # noqa: B017 - (a plain TCPStore client: its hello is no TLS handshake)
+            dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=3))
+        ours = dist.TCPStore("127.0.0.1", int(front.local_addr.rsplit(":", 1)[1]), is_master=False,
+                             wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+        assert not ours.check(["stray"])  # nothing reached the store
+    finally:
+        front.stop()

@@ -522,7 +522,7 @@ class Worker:
             self._stop_run(why, ours=True)
             raise RunAborted(why)
         self.ctx.bad_sources = []
-        self.sdc.joined()
+        self.sdc.joined(r)
         self.watcher.arm(topo.epoch)
         if self.ctx.scheme is not None:
             self.ctx.scheme.protect(r)
