@@ -113,6 +113,8 @@ class _Paused(asyncio.StreamReaderProtocol):
 def _exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """A failed handshake (a peer without a certificate of the job CA) is one logged line, not a traceback."""
     exc = context.get("exception")
+    if exc is None:  # (a task pending when the loop stopped, at the end: nothing refused)
+        return
     transport = context.get("transport")
     peer = ""
     try:
