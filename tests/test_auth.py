@@ -24,7 +24,7 @@ from phoenixft.errors import RunAborted, UserError
 from phoenixft.faults.spec import parse_fault
 from phoenixft.runtime.launcher import check_mode
 
-TOKEN = "a" * 16 + "0123456789abcdef"
+TOKEN = "Qm7x-Rt2v_K9pLw3Zy8N-bH4jD6sFa1Ec5"  # (strong by the token rule: the CLI checks it)
 REPO = Path(__file__).resolve().parents[1]
 
 
