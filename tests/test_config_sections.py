@@ -29,13 +29,15 @@ DEFAULT_JSON = (
     ' 1e-08, "eval_batches": 4, "eval_every": 0, "evict_stragglers": true, "failure_timeout": 10.0, "fence_kill":'
     ' true, "health_check": "", "health_check_timeout": 60.0, "health_gate": true, "health_max_age": 60.0, '
     '"health_recheck_every": 30.0, "inject": null, "join_timeout": 600.0, "json_events": false, "lr": 0.001, '
-    '"lr_schedule": "constant", "metrics_port": -1, "micro_batch": 8, "microbatches": 0, "min_lr": 0.0, "model": '
+    '"lr_schedule": "constant", "metrics_host": "127.0.0.1", '
+    '"metrics_port": -1, "micro_batch": 8, "microbatches": 0, "min_lr": 0.0, "model": '
     '"tiny", "momentum": 0.9, "nesterov": false, "nodes": 2, "optimizer": "adamw", "persist_dir": "", '
     '"persist_every": 0, "pp": 1, "precision": "fp32", "protect": "phoenix", "quarantine_after": 2, '
     '"quarantine_window": 86400.0, "quiet": false, "racks": 1, "redundancy": "replicas:1", "repair_after": 0.0, '
     '"replica_transport": "auto", "replicas": 1, "report": "", "resume": "", "run_dir": "", "scrub_every": 1, '
     '"sdc_audit": "off", "sdc_audit_every": 0, "sdc_check_every": 1, "seed": 1234, "spare_arrives_at_step": 0, '
     '"spares": 1, "spike_threshold": 20.0, "spike_window": 32, "start_grace": 15.0, "steps": 20, '
+    '"store_max_keys": 1000000, "store_max_mb": 1024, '
     '"straggler_factor": 1.3, "straggler_window": 20, "tensorboard": "", "threads": 0, "timeout": 600.0, '
     '"tls_ca": "", "tls_cert": "", "tls_key": "", "tp": 1, "warmup_steps": 0, "weight_decay": 0.1, '
     '"workers_per_node": 1, "workload": "phoenixft.gpt:workload"}'
@@ -53,7 +55,7 @@ def test_the_json_form_is_the_flat_object_of_every_field() -> None:
     cfg = RunConfig(device="cpu")
     assert cfg.to_json() == DEFAULT_JSON
     assert {f.name for f in run_fields()} == set(json.loads(DEFAULT_JSON))
-    assert len(run_fields()) == 76
+    assert len(run_fields()) == 79
 
 
 def test_the_json_form_round_trips() -> None:

@@ -108,7 +108,9 @@ def standby(url: str, token_flag: str, token_file: str = "") -> int:
         raise UserError(f"--standby={url}: no phoenixft job there (no config under that prefix; use the URL the "
                         "head prints)")
     if store.check([keys.RUN_STATE]):
-        raise UserError(f"--standby={url}: that job has ended ({store.get(keys.RUN_STATE).decode()})")
+        from phoenixft.controlplane.values import clean
+
+        raise UserError(f"--standby={url}: that job has ended ({clean(store.get(keys.RUN_STATE), 80)})")
     try:
         matches = auth.token_matches_job(store, token)
     except Exception as e:  # noqa: BLE001 - StoreUnavailable, StoreError, OSError

@@ -53,6 +53,11 @@ class ControlPlaneConfig:
                            "HTTPS with this client certificate (and a local one started with TLS).",
                            flag="--tls-cert")
     tls_key: str = option("", "The private key of --tls-cert (PEM; yours, mode 0600).", flag="--tls-key")
+    store_max_mb: int = option(1024, "The most the TCPStore holds, in MiB (its values and queued items, whoever wrote "
+                               "them): a write past it closes its writer's connection, so nothing that reaches the "
+                               "store can grow it past this.", flag="--store-max-mb")
+    store_max_keys: int = option(1_000_000, "The most keys the TCPStore holds (whoever wrote them): a write past it "
+                                 "closes its writer's connection.", flag="--store-max-keys")
     tls_ca: str = option("", "The job CA's certificate (PEM): only peers presenting a certificate it signed are "
                          "let in.", flag="--tls-ca")
 
@@ -72,6 +77,8 @@ def validate_control_plane(cfg: RunConfig) -> None:
          "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
          "store lives in the launcher's process, so a standby would not remove the single point of failure)")
     real(c.join_timeout, c.join_timeout > 0, "--join-timeout", "> 0 seconds")
+    need(64 <= c.store_max_mb <= 1 << 20, "--store-max-mb", c.store_max_mb, "must be in 64..1048576 (MiB)")
+    need(10_000 <= c.store_max_keys <= 1 << 30, "--store-max-keys", c.store_max_keys, "must be in 10000..1073741824")
     real(c.start_grace, 0 < c.start_grace <= MAX_FAILURE_TIMEOUT_S, "--start-grace",
          f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
     real(c.straggler_factor, c.straggler_factor == 0 or 1 < c.straggler_factor <= 1000, "--straggler-factor",

@@ -173,6 +173,8 @@ class RunConfig:
     tls_cert = _Flat[str]("control")
     tls_key = _Flat[str]("control")
     tls_ca = _Flat[str]("control")
+    store_max_mb = _Flat[int]("control")
+    store_max_keys = _Flat[int]("control")
     health_gate = _Flat[bool]("health")
     health_check = _Flat[str]("health")
     health_check_timeout = _Flat[float]("health")
@@ -187,6 +189,7 @@ class RunConfig:
     json_events = _Flat[bool]("output")
     tensorboard = _Flat[str]("output")
     metrics_port = _Flat[int]("output")
+    metrics_host = _Flat[str]("output")
 
     # ------------------------------------------------------------------ derived
     @property

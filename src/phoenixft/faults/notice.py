@@ -109,7 +109,7 @@ class NoticeHandler:
             rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "preempt",
                    "node": self.node, "nodes": [self.node], "slot": slot, "step": progress + 1, "phase": "notice",
                    "notice_s": notice}
-            if sealed.claim(store, keys.fault(f.index) + "/fired"):
+            if sealed.claim(store, keys.fault_fired(f.index)):
                 sealed.put(store, keys.fault(f.index), json.dumps(rec))
             sealed.append(store, keys.EVENTS, rec)
             self.source, self.deadline = "preempt", time.time() + notice

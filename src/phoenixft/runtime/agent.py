@@ -57,6 +57,7 @@ __all__ = ["main", "run_agent", "probe_store", "CALL_TIMEOUT_S"]
 
 
 MAX_RESTARTS = 3
+RUN_ID_SETTLE_S = 3.0  # a run id in the store that is not --run-id: looked at again this long (put back?) first
 MAX_AGENT_WAIT_S = MAX_FAILURE_TIMEOUT_S  # --connect-timeout, --join-timeout, --control-plane-timeout: a day
 CALL_TIMEOUT_S = 5.0  # the agent's own store calls: a partitioned host notices within this, then reconnects
 _ID = re.compile(r"^[ns]\d+$")
@@ -287,6 +288,7 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
     from phoenixft.distributed.comm import connect_store
 
     connect_deadline = time.monotonic() + a.connect_timeout
+    mismatch_since = 0.0  # when the store first named another run
     store: Store | None
     while True:  # something listens there (probed): a client that times out on a loaded host tries again
         try:
@@ -295,7 +297,11 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
             raw = store.get(keys.CONFIG)
             served = clean(store.get(keys.RUN_ID), 64) if store.check([keys.RUN_ID]) else ""
             if a.run_id and served and a.run_id != served:  # before asking to join: a refused agent holds no slot
-                raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+                mismatch_since = mismatch_since or time.monotonic()  # (one something else wrote is put back within
+                if time.monotonic() - mismatch_since > RUN_ID_SETTLE_S:  # a second: looked at again until then)
+                    raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+                time.sleep(0.2)
+                continue
             try:
                 return store, RunConfig.from_json(bytes(raw).decode(errors="replace")), served
             except Exception:  # noqa: BLE001 - not a config (overwritten by a stranger): its writer puts it back

@@ -24,6 +24,7 @@ import torch
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, auth, exists_many, keys, poll_interval, sealed
+from phoenixft.controlplane.keeper import Keeper
 from phoenixft.controlplane.signed import CONFIG_WAIT_S, env_token, run_ended, set_signed, wait_verified
 from phoenixft.controlplane.values import parse_int
 from phoenixft.controlplane.watcher import FailureWatcher
@@ -48,6 +49,7 @@ from phoenixft.workload import WorkloadContext, load_workload, unsupported_param
 __all__ = ["Worker", "worker_main"]
 
 RUN_DIR_WAIT_S = 5.0  # ... a run directory
+EVIDENCE_WAIT_S = 5.0  # ... the plan's evidence (published before its topology; put back if overwritten)
 FINAL_ACK_S = 10.0  # rank 0 writes the final state again until the launcher has it, at most this long
 FINAL_REWRITE_S = 0.05
 WAIT_KEY_NAP_S = 0.05  # the longest a worker sleeps between two looks for a key it waits for (a spare's assignment)
@@ -115,6 +117,8 @@ class Worker:
         self.sdc = SdcChecks(self.ctx, self.inject)  # silent-data-corruption checks (docs/sdc.md)
         # the protection owns the replicator, the redundancy scheme and the persistent tier
         self.protection = Protection(self.ctx, self.ctx.coll_timeout)
+        # what this worker wrote for others to find (its readiness, its descriptor): put back if overwritten
+        self.keeper = Keeper(store).start(self.protection.bg_store or store)
         scheme = self.ctx.scheme = self.protection.scheme
         if scheme is not None and self.ctx.trainer is not None:
             scheme.attach(self.ctx.trainer.state)
@@ -296,7 +300,7 @@ class Worker:
                           keys.assign(self.node_id), 0)
         else:
             e = 0
-        return auth.verified_topology(self.ctx.store, e, self._wait_key(keys.topo(e), 600.0))
+        return auth.verified_topology(self.ctx.store, e, self._wait_key(keys.topo(e), 600.0), 600.0)
 
     def _check_fence(self) -> None:
         """A fenced node (declared dead while it was stopped or cut off) must never write again."""
@@ -309,7 +313,7 @@ class Worker:
         self.watcher.disarm()
         self._check_fence()
         if "requested by the control plane" not in err:  # else the flag is set already: no round trip
-            sealed.put_many(self.ctx.store, [keys.failflag(e), keys.failflag(e) + "/by-worker"], ["1", "1"])
+            sealed.put_many(self.ctx.store, [keys.failflag(e), keys.failflag_by_worker(e)], ["1", "1"])
         # (no event of its own: the descriptor carries the error and its time, and the coordinator logs one
         # `failures_reported` event for all of them: W appends to one key would be W more store round trips)
         drain = sealed.has(self.ctx.store, keys.drain_notice(e))  # the epoch ends for a planned drain
@@ -318,7 +322,8 @@ class Worker:
                 self.protection.repl.settle(self._drain_wait_s())  # the drained node's shard has its replica
             self.protection.repl.abort()
         desc = self.protection.descriptor(err, t_err)
-        sealed.put(self.ctx.store, keys.desc(e, self.wid), json.dumps(desc.to_json()))
+        self.keeper.drop_prefix("desc/")
+        self.keeper.put(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         sealed.hint(self.ctx.store, keys.desc_posted(e))  # the coordinator polls this one key, not every descriptor
         if drain and self.ctx.topo is not None:
             self._await_peers_settled(e, self.ctx.topo)
@@ -328,8 +333,8 @@ class Worker:
         comm, self.ctx.comm = self.ctx.comm, None
         if comm is not None:
             comm.retire()
-        topo = auth.verified_topology(self.ctx.store, e + 1,
-                                      self._wait_key(keys.topo(e + 1), self.cfg.next_epoch_wait_s))
+        wait_s = self.cfg.next_epoch_wait_s
+        topo = auth.verified_topology(self.ctx.store, e + 1, self._wait_key(keys.topo(e + 1), wait_s), wait_s)
         self._check_fence()
         if self.node_id not in topo.nodes and self.node_id in topo.meta.get("drained", []):
             raise Drained(f"{self.node_id} was drained: {topo.meta.get('drain', {}).get('reason', 'requested')}; "
@@ -494,8 +499,11 @@ class Worker:
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
         store, e = self.ctx.store, topo.epoch
-        part = sealed.get_json(store, keys.evidence(e, self.ctx.rank)) if "evidence_step" in topo.meta else None
-        seen = installed_seen(tr, topo, self.ctx.rank, r, part, lambda: sealed.get_json(store, keys.evidence(e)))
+        # (published before the topology; one overwritten since is put back by the coordinator: waited for, bounded)
+        part = sealed.wait_json(store, keys.evidence(e, self.ctx.rank), EVIDENCE_WAIT_S) \
+            if "evidence_step" in topo.meta else None
+        seen = installed_seen(tr, topo, self.ctx.rank, r, part,
+                              lambda: sealed.wait_json(store, keys.evidence(e), EVIDENCE_WAIT_S))
         try:
             inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step,
                                            tr.state.steps(), held, not bad, self.ctx.wait, seen)
@@ -514,7 +522,7 @@ class Worker:
             self._stop_run(why, ours=True)
             raise RunAborted(why)
         self.ctx.bad_sources = []
-        self.sdc.joined()
+        self.sdc.joined(r)
         self.watcher.arm(topo.epoch)
         if self.ctx.scheme is not None:
             self.ctx.scheme.protect(r)
@@ -526,7 +534,7 @@ class Worker:
     def _stop_run(self, why: str, ours: bool = False) -> None:
         """Stop the whole run at the last committed step, with one clear reason: a fault that is not
         ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past."""
-        if sealed.claim(self.ctx.store, "run/stop_claim"):
+        if sealed.claim(self.ctx.store, keys.STOP_CLAIM):
             last = max(self.ctx.trainer.state.steps(), default=0) if self.ctx.trainer is not None else 0
             msg = (f"{why}; the run stops rather than train on a state it cannot vouch for" if ours
                    else f"{why}; not ours to heal, stopped at the last committed step {last}")
@@ -535,7 +543,7 @@ class Worker:
             set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "failed")
 
     def run(self) -> int:
-        sealed.put(self.ctx.store, keys.ready(self.wid), str(time.time()))
+        self.keeper.put(keys.ready(self.wid), str(time.time()))
         if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
             self.ctx.store.delete_key(keys.start_failed(self.wid))
         try:
