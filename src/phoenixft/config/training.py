@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from phoenixft.config.checks import need, real
+from phoenixft.config.names import GPT_PRESETS, OPTIMIZER_NAMES, SCHEDULE_NAMES
 from phoenixft.config.options import option
 
 if TYPE_CHECKING:
@@ -23,10 +24,12 @@ class TrainingConfig:
 
     steps: int = option(20, "Training steps to complete.")
     model: str = option("tiny", "GPT size preset for the default workload: nano (~60k, for smoke tests), tiny (~1M), "
-                        "small (~11M), medium (~100M).")
+                        "small (~11M), medium (~100M). A --workload of your own receives it as it is "
+                        "(WorkloadContext.model): any name.")
     workload: str = option(
         DEFAULT_WORKLOAD,
-        "Workload factory 'pkg.module:function' returning phoenixft.Workload (default: the built-in GPT).",
+        "Workload factory returning phoenixft.Workload: 'pkg.module:function' (a module in the current directory, "
+        "on PYTHONPATH or installed) or 'path/to/file.py:function' (default: the built-in GPT).",
     )
     data: str = option("", "Token file to train on: a flat uint16/uint32 array of token ids (nanoGPT's train.bin "
                            "format; its last 5 percent held out), or a directory holding train.bin and val.bin. "
@@ -71,9 +74,10 @@ def validate_training(cfg: RunConfig) -> None:
     itself (its model, its data, a checkpoint to resume) is checked by `phoenixft.config.workload`."""
     t = cfg.training
     need(t.steps >= 1, "--steps", t.steps, "must be >= 1")
-    from phoenixft.train.gpt import PRESETS
-
-    need(t.model in PRESETS, "--model", t.model, f"valid presets: {', '.join(PRESETS)}")
+    if t.workload == DEFAULT_WORKLOAD:  # (a workload of the user's own receives --model as it is: free-form)
+        need(t.model in GPT_PRESETS, "--model", t.model,
+             f"valid presets of the built-in GPT: {', '.join(GPT_PRESETS)} (a --workload of your own takes any name)")
+    need("\n" not in t.model and "\0" not in t.model, "--model", t.model, "must be one line")
     need(t.micro_batch >= 1, "--micro-batch", t.micro_batch, "must be >= 1")
     need(t.microbatches >= 0, "--microbatches", t.microbatches, "must be >= 0 (0 = one per worker)")
     dpw = "nodes x workers-per-node" if cfg.tp * cfg.pp == 1 else "the data-parallel size"
@@ -89,14 +93,12 @@ def _validate_optimizer(t: TrainingConfig) -> None:
     """The optimizer, its hyperparameters and the learning-rate schedule."""
     real(t.lr, t.lr > 0, "--lr", "> 0")
     real(t.weight_decay, t.weight_decay >= 0, "--weight-decay", ">= 0")
-    from phoenixft.optim import OPTIMIZERS, SCHEDULES
-
-    need(t.optimizer in OPTIMIZERS, "--optimizer", t.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+    need(t.optimizer in OPTIMIZER_NAMES, "--optimizer", t.optimizer, f"one of {', '.join(OPTIMIZER_NAMES)}")
     real(t.beta1, 0 <= t.beta1 < 1, "--beta1", "in [0, 1)")
     real(t.beta2, 0 <= t.beta2 < 1, "--beta2", "in [0, 1)")
     real(t.eps, t.eps > 0, "--eps", "> 0")
     real(t.momentum, 0 <= t.momentum < 1, "--momentum", "in [0, 1)")
-    need(t.lr_schedule in SCHEDULES, "--lr-schedule", t.lr_schedule, f"one of {', '.join(SCHEDULES)}")
+    need(t.lr_schedule in SCHEDULE_NAMES, "--lr-schedule", t.lr_schedule, f"one of {', '.join(SCHEDULE_NAMES)}")
     need(0 <= t.warmup_steps <= t.steps, "--warmup-steps", t.warmup_steps, f"must be in 0..--steps ({t.steps})")
     real(t.min_lr, 0 <= t.min_lr <= t.lr, "--min-lr", f"in 0..--lr ({t.lr})")
     need(t.decay_steps >= 0, "--decay-steps", t.decay_steps, "must be >= 0")
