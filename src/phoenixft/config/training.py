@@ -3,8 +3,10 @@ precision, evaluation, the seed, and the checkpoint a run resumes from."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from phoenixft.config.checks import need, real
 from phoenixft.config.names import GPT_PRESETS, OPTIMIZER_NAMES, SCHEDULE_NAMES
@@ -13,9 +15,11 @@ from phoenixft.config.options import option
 if TYPE_CHECKING:
     from phoenixft.config.run import RunConfig
 
-__all__ = ["TrainingConfig", "validate_training", "DEFAULT_WORKLOAD"]
+__all__ = ["TrainingConfig", "validate_training", "DEFAULT_WORKLOAD", "is_file_spec", "absolute_workload",
+           "model_label"]
 
 DEFAULT_WORKLOAD = "phoenixft.gpt:workload"
+_DEFAULT_MODEL = "tiny"
 
 
 @dataclass(kw_only=True)
@@ -23,8 +27,8 @@ class TrainingConfig:
     """What is trained, for how long, and how."""
 
     steps: int = option(20, "Training steps to complete.")
-    model: str = option("tiny", "GPT size preset for the default workload: nano (~60k, for smoke tests), tiny (~1M), "
-                        "small (~11M), medium (~100M). A --workload of your own receives it as it is "
+    model: str = option(_DEFAULT_MODEL, "GPT size preset for the default workload: nano (~60k, for smoke tests), "
+                        "tiny (~1M), small (~11M), medium (~100M). A --workload of your own receives it as it is "
                         "(WorkloadContext.model): any name.")
     workload: str = option(
         DEFAULT_WORKLOAD,
@@ -67,6 +71,30 @@ class TrainingConfig:
                                flag="--eval-batches")
     seed: int = option(1234, "Seed of the model init and of the (pure) batch function.")
     resume: str = option("", "Start from the newest complete checkpoint in this directory (any node count).")
+
+
+def is_file_spec(target: str) -> bool:
+    """Whether the module part of a `--workload` spec names a file (`path/to/file.py`) rather than a module."""
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def absolute_workload(spec: str) -> str:
+    """`spec` with a file's path made absolute (the workers, and agents started elsewhere, find the same file)."""
+    target, sep, fn = spec.rpartition(":")
+    if not sep or not target or not is_file_spec(target):
+        return spec
+    return f"{os.path.abspath(os.path.expanduser(target))}:{fn}"
+
+
+def model_label(cfg: Mapping[str, Any]) -> str:
+    """What a run trains, as its reports name it (`cfg`: the flat config): `model=PRESET` for the built-in GPT,
+    `workload=SPEC` for a workload of the user's own (with its --model when one other than the default was
+    given)."""
+    workload = str(cfg.get("workload") or DEFAULT_WORKLOAD)
+    model = cfg.get("model")
+    if workload == DEFAULT_WORKLOAD:
+        return f"model={model}"
+    return f"workload={workload}" + (f", model={model}" if model and model != _DEFAULT_MODEL else "")
 
 
 def validate_training(cfg: RunConfig) -> None:

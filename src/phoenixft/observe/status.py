@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from phoenixft.config.training import model_label
 from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.signed import env_token, verified
 from phoenixft.controlplane.tls import Relay, TlsFiles
@@ -346,7 +347,7 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
         return "\n".join(out)
     out.append(
         f"job: {cfg.get('nodes')} node(s) x {cfg.get('workers_per_node')} worker(s), {cfg.get('spares')} "
-        f"spare(s), {cfg.get('steps')} steps, protect={cfg.get('protect')}, model={cfg.get('model')}"
+        f"spare(s), {cfg.get('steps')} steps, protect={cfg.get('protect')}, {model_label(cfg)}"
     )
     topo = st.get("topology")
     if st.get("epoch") is None or topo is None:

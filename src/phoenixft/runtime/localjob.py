@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenixft.config import RunConfig
+from phoenixft.config.training import model_label
 from phoenixft.controlplane import (
     LogReader,
     ProvisionedCluster,
@@ -240,7 +241,8 @@ class LocalJob(JobTeardown):
             for n in nodes:
                 self._start_agent(n)
             self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
-                              f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}"
+                              f"{self.cfg.spares} spare(s), {model_label(self.cfg.to_dict())}, "
+                              f"protect={self.cfg.protect}, store {self.addr}"
                               f"{' (agents through TLS at ' + self.public_addr + ')' if self._gateway else ''}, "
                               f"dir {self.run_dir}")
             return
