@@ -21,6 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from phoenixft import __version__
     from phoenixft.cli import (
         cmd_agent,
         cmd_certs,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     ap = _Parser(prog="phoenixft", description="Keep PyTorch training alive through node failures.")
+    ap.add_argument("--version", action="version", version=f"phoenixft {__version__}")
     # (its parsers are _Parsers: add_subparsers makes them of the parent's class)
     sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
                ap.add_subparsers(dest="command", metavar="COMMAND", required=True))
