@@ -9,6 +9,7 @@ import math
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from phoenixft.sdc.logic import Computation, SpikeGuard, add_fp, diverged, fingerprint, judge
