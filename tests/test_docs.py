@@ -232,3 +232,64 @@ def test_the_docs_name_files() -> None:
 @pytest.mark.parametrize("doc,path", PATHS, ids=[f"{d.name}:{p}" for d, p in PATHS])
 def test_files_named_in_the_docs_exist(doc: Path, path: str) -> None:
     assert (ROOT / path).exists(), f"{doc.name} names {path}, which is not in the repository"
+
+
+# --- figures and flags written from their sources ---------------------------------------------------------
+
+BENCH = ROOT / "bench"
+
+
+def _figures() -> object:
+    import sys
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import figures
+
+    return figures
+
+
+def test_the_measured_figures_are_the_results_files() -> None:
+    """Every figures block of README.md and docs/benchmarks.md says what its files in bench/results/ say
+    (`python bench/figures.py --write` writes them; a benchmark run does)."""
+    assert _figures().check() == []  # type: ignore[attr-defined]
+
+
+# A measured figure: a decimal with a unit or a ratio sign, a percentage, or a bold number. Outside the figures
+# blocks, code and inline code, these documents may hold only the settings below (parameters, not results).
+_FIGURE = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*\.\d+\s?(?:s|ms|us|GB/s|MB/s|GB|MB|MiB|GiB|x|%)(?![\w/])"
+                     r"|\d+(?:\.\d+)?%|\d+\.\d+x\b|\*\*\d[\d.,]*\*\*)")
+_SETTINGS = {"0.25 s", "95%", "4.4x", "10%"}  # a poll interval, the intervals' level, a target and its slack
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/benchmarks.md"])
+def test_no_measured_figure_stands_outside_a_figures_block(doc: str) -> None:
+    text = (ROOT / doc).read_text()
+    text = re.sub(r"<!-- figures:([\w-]+) -->.*?<!-- /figures:\1 -->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    loose = [m.group(0) for m in _FIGURE.finditer(text) if m.group(0) not in _SETTINGS]
+    assert loose == [], f"{doc}: figures not read from bench/results/ (a block of bench/figures.py): {loose}"
+
+
+def test_results_hold_no_path_of_the_machine_that_measured_them() -> None:
+    figures = _figures()
+    import benchlib  # (on the path with bench/figures.py)
+
+    paths = [p for p, _ in benchlib.machine_paths()] + ["/work/", "/home/", "/root/", "/tmp/"]
+    assert figures is not None
+    for f in sorted((BENCH / "results").iterdir()):
+        if f.suffix in (".json", ".md"):
+            text = f.read_text()
+            assert not [p for p in paths if p in text], f"{f.name} holds a path of this machine"
+
+
+def test_the_usage_flag_tables_are_the_parsers() -> None:
+    """docs/usage.md lists every flag of run, coordinator, chaos, agent, status and drain with its default and
+    help, as the parsers have them (`python -m phoenixft.cli.flagdoc --write`)."""
+    from phoenixft.cli import flagdoc
+
+    assert flagdoc.check() == []
+    # (a flag the parser gains shows up as a difference: the check is not vacuous)
+    assert "| `--quarantine-injected` | off |" in (ROOT / "docs" / "usage.md").read_text()
+    assert "| `--tls-cert` |" in flagdoc.render("run") and "| `--scrub-every` |" in flagdoc.render("run")
