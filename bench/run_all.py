@@ -346,11 +346,12 @@ def summary_md(res: dict[str, Any]) -> str:
             f"`python bench/scaling.py{flag}`",
         ),
     ]
+    how = ("each part's own latest run, merged by `python bench/run_all.py --merge`"
+           if res.get("merged_from_part_files") else ('make bench' if res['mode'] == 'full' else 'make bench QUICK=1'))
     lines = [
         f"Measured {res['machine'].get('date')} on {res['machine'].get('cpu_count')} x "
         f"{res['machine'].get('cpu_model')}, torch {res['machine'].get('torch')} "
-        f"(`{'make bench' if res['mode'] == 'full' else 'make bench QUICK=1'}`, "
-        f"{res['elapsed_s'].get('total')} s in all).",
+        f"({how}; {res['elapsed_s'].get('total')} s of benchmarks in all).",
         "",
         "| Figure | Measured | Target | Hit? | Command |",
         "|---|---|---|---|---|",
