@@ -293,3 +293,32 @@ def test_the_usage_flag_tables_are_the_parsers() -> None:
     # (a flag the parser gains shows up as a difference: the check is not vacuous)
     assert "| `--quarantine-injected` | off |" in (ROOT / "docs" / "usage.md").read_text()
     assert "| `--tls-cert` |" in flagdoc.render("run") and "| `--scrub-every` |" in flagdoc.render("run")
+
+
+def test_the_readme_demo_sample_is_what_the_demo_prints(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Each line of README.md's `make demo` sample is a line the demo prints (its label; the times vary), and the
+    demo prints no figure the README does not show (a step-time 'overhead' of three runs one after the other
+    contradicted the measured one)."""
+    import phoenixft.runtime.demo as demo
+
+    rec = {"action": "hotswap", "recovery_s": 0.312, "lost_steps": 1, "stages": {"detect_s": 0.014},
+           "invariants": {"I1": True, "I2": True, "I3": True, "I4": True}, "epoch": 1}
+    fake = {"state": "done", "steps_completed": 30, "final_state_sha256": "17206c7886b9" + "0" * 52,
+            "step_time_s": {"median": 0.06}, "recoveries": [], "run_dir": str(tmp_path)}
+    runs = iter([fake, fake, {**fake, "recoveries": [rec]}])
+    monkeypatch.setattr(demo, "run_job", lambda cfg, *a, **kw: next(runs))
+    monkeypatch.setattr(demo, "check_mode", lambda cfg, local: None)
+    import phoenixft.observe.html_report as html_report
+
+    monkeypatch.setattr(html_report, "write_report", lambda *a, **kw: tmp_path / "report.html")
+    assert demo.demo(steps=30, nodes=3, model="nano", kill_step=15, kill_node=1, phase="backward",
+                     run_dir=str(tmp_path)) == 0
+    printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    text = (ROOT / "README.md").read_text()
+    sample = text[text.index("`make demo` trains"):].split("```")[1].strip("\n").splitlines()
+    labels = {ln[:34].rstrip() for ln in printed}
+    for line in sample:
+        if line.strip():
+            assert line[:34].rstrip() in labels, f"README's demo line {line!r} is not what the demo prints"
+    assert not [ln for ln in printed if "overhead" in ln], printed
