@@ -230,8 +230,8 @@ def _check_tls_mismatch(a: argparse.Namespace, flag: str) -> None:
     got the gateway's refusal only after seconds of retries, and said 'not a reachable phoenixft store')."""
     from phoenixft.controlplane import describe, tls
 
-    if a.tls_cert or a.tls_key or a.tls_ca or describe(a.store).replicated:
-        return
+    if a.tls_cert or a.tls_key or a.tls_ca or a.parent_pid or describe(a.store).replicated:
+        return  # (an agent of `phoenixft run` is given the flags its launcher's store needs)
     host, _, port = a.store.rpartition(":")
     if tls.speaks_tls(host.strip("[]"), int(port), TLS_PROBE_S):
         raise UserError(f"{flag}={a.store}: the coordinator there speaks TLS (it was started with --tls-cert, "
