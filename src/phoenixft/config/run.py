@@ -228,18 +228,18 @@ class RunConfig:
         return 3 * self.failure_timeout + 60.0 + (self.mesh_spare_wait_s if self.tp * self.pp > 1 else 0.0)
 
     def validate(self) -> None:
-        """Raise UserError naming the option, the value and what would be valid: each section's own checks
-        first (the mesh first, the root of most other errors), none of which imports torch, so a bad value is
-        refused at once; then those that need the workload's model (how it splits over the mesh, its data,
-        its checkpoint)."""
+        """Raise UserError naming the option, the value and what would be valid: the mesh and, with --tp/--pp,
+        how the model splits over it first (the root of most other errors), then each section's own checks,
+        none of which imports torch (so a bad value of a data-parallel job is refused at once), then those that
+        need the workload's model (its data, its checkpoint)."""
         validate_parallelism(self)
+        validate_split(self)
         validate_training(self)
         validate_protection(self)
         validate_control_plane(self)
         validate_health(self)
         validate_injection(self)
         validate_output(self)
-        validate_split(self)
         validate_model(self)
 
     def model_numel(self) -> int | None:
