@@ -344,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     record = merged(rows) if a.only else rows
     if record is not None:  # (a partial run updates its rows of a recorded full run, in the list's order)
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"mutations": record, "red": sum(r["result"] == "red" for r in record),
-                                   "total": len(record)}, indent=1) + "\n")
+        from benchlib import scrub_paths  # (no path of this machine in a result: the test tails hold some)
+
+        OUT.write_text(json.dumps(scrub_paths({"mutations": record, "red": sum(r["result"] == "red" for r in record),
+                                               "total": len(record)}), indent=1) + "\n")
         write_doc(record)
     survivors = [r["name"] for r in rows if r["result"] != "red"]
     print(f"mutants: {len(rows) - len(survivors)}/{len(rows)} red" + (f"; not red: {', '.join(survivors)}"  # type: ignore[arg-type]

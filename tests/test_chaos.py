@@ -389,6 +389,26 @@ def test_campaign_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "recovery" in fired["kill:node=0@step=11,phase=recovery"]  # fired mid state transfer
 
 
+def test_a_campaign_that_strikes_one_host_again_and_again_passes_with_every_fault_fired(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Seed 7 on 2 nodes + 1 spare, repairs after 1 s: a hang of slot 1 (n1), a kill of slot 1 (s0, in it since),
+    a kill of slot 1 (s1: n1's host repaired) and a kill during that recovery: the simulated hosts of n1 and s0
+    are struck twice each, and repaired nodes return and are promoted (or grow the job back where a kill came
+    before the repair was ready). The quarantine never holds an injected fault against a host: the campaign
+    passes with every drawn fault fired, the hosts' failures all listed as injected."""
+    p, rep = _chaos(tmp_path, capsys, "--nodes", "2", "--spares", "1", "--steps", "16", "--faults", "3",
+                    "--seed", "7", "--model", "nano", "--repair-after", "1")
+    assert [f["kind"] for f in rep["schedule"]] == ["hang", "kill", "kill_during_recovery"], rep["schedule"]
+    assert p.returncode == 0 and rep["verdict"] == "pass", (rep["verdict"], rep["reason"], p.stdout[-3000:])
+    assert rep["faults"] == rep["recovered"] == 3 and rep["run"]["faults_not_fired"] == []
+    assert rep["quarantined_hosts"] == [] and rep["run"]["quarantine"]["quarantined"] == []
+    hosts = rep["run"]["quarantine"]["hosts"]
+    struck = {h["host"]: [f["injected"] for f in h["failures"]] for h in hosts}
+    assert max(len(v) for v in struck.values()) >= 2 and all(all(v) for v in struck.values()), struck
+    repaired = [n for r in rep["run"]["recoveries"] for n in r["promoted"] if int(n[1:]) >= 1]  # s1, s2, ...
+    assert repaired, rep["run"]["recoveries"]
+
+
 def test_unsurvivable_schedule_is_reported_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # seed 2, one fault, --allow-unsurvivable: nodes 0 and 1 die together, and node 1 keeps node 0's only replica
     p, rep = _chaos(tmp_path, capsys, "--nodes", "3", "--spares", "2", "--steps", "8", "--faults", "1", "--seed", "2",

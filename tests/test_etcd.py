@@ -225,9 +225,9 @@ def test_unreachable_etcd_is_one_line(tmp_path: Path, monkeypatch: pytest.Monkey
 
     from phoenixft.cli.main import main
     from phoenixft.controlplane.address import provision_cluster
-    from phoenixft.runtime import launcher
+    from phoenixft.runtime import localjob
 
-    monkeypatch.setattr(launcher, "provision_cluster", functools.partial(provision_cluster, probe_s=1.0))
+    monkeypatch.setattr(localjob, "provision_cluster", functools.partial(provision_cluster, probe_s=1.0))
     t = time.monotonic()
     rc = main(["run", "--control-plane", "etcd://127.0.0.1:1", "--steps", "2", "--quiet",
                "--run-dir", str(tmp_path / "run")])

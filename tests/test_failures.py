@@ -260,6 +260,38 @@ def test_exception_in_user_code_stops_cleanly(tmp_path: Path, monkeypatch: pytes
     assert len(reasons) == 1 and "ValueError: shapes do not line up" in reasons[0], err
 
 
+def test_an_error_in_user_code_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """torch raises inside the user's model ("expected input ... to have 1 channels"): the error names the user's
+    file and line (not torch's), the node's log holds the traceback with the user's frames first, the launcher's
+    lines say where that log is, and the report carries the traceback."""
+    import inspect
+
+    import user_workload
+
+    _user_workloads(monkeypatch)
+    rc, err = _cli(capsys, "--nodes", "2", "--spares", "0", "--steps", "4", "--workload",
+                   "user_workload:channel_mismatch_workload", "--run-dir", str(tmp_path))
+    assert rc == 1, err
+    src = inspect.getsourcefile(user_workload)
+    line = next(i for i, x in enumerate(Path(src or "").read_text().splitlines(), 1) if "the user's line" in x)
+    where = f"{src}:{line} in forward"
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert "to have 1 channels" in rep["error"] and f"(at {where}; traceback in the log of node" in rep["error"]
+    assert rep["error_where"] == where and rep["error_log"] == str(tmp_path / "logs" / f"{rep['error_node']}.log")
+    tb = rep["error_traceback"]
+    assert tb.startswith("Traceback of the error in your code (most recent call last); called from phoenixft at ")
+    first = tb.splitlines()[1]  # the user's frames first: the loss, then the model's forward, then torch's
+    assert first.startswith(f'  File "{src}", line ') and first.endswith(", in loss"), tb
+    assert f'File "{src}", line {line}, in forward' in tb and tb.endswith("to have 1 channels, but got 3 channels "
+                                                                           "instead"), tb
+    assert tb in Path(rep["error_log"]).read_text()
+    (failed,) = [ln for ln in err.splitlines() if ln.startswith("!! run failed")]
+    assert failed.endswith(f"[{rep['error_log']}]"), failed
+    assert f"   error in your code at {where}; its traceback: {rep['error_log']} and the report's error_traceback" \
+        in err.splitlines(), err
+
+
 def test_a_replication_stuck_on_a_stopped_peer_gives_up_when_the_run_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """A node hung (SIGSTOP) while its replica transfer to a healthy node was in flight; the run then ended
     (--timeout, Ctrl-C): the healthy node's replication thread only looked for a recovery, and its training
@@ -349,7 +381,12 @@ def test_a_bug_in_the_workload_stops_the_run_with_one_line(tmp_path: Path, workl
     assert rep["state"] == "failed" and needle in rep.get("error", ""), rep.get("error")
     assert rep["recoveries"] == [], rep["recoveries"]  # nothing restarted, no spare consumed
     logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.log"))
-    assert "Traceback" not in logs
+    assert "Traceback (most recent call last)" not in logs  # (no crash of phoenixft's own)
+    if "exception in" in needle:  # raised in the user's code: its traceback, the user's frames first
+        assert "user_workload.py:" in rep["error"] and "user_workload.py" in rep["error_traceback"], rep
+        assert "Traceback of the error in your code" in logs
+    else:  # (said by phoenixft itself: no traceback to show)
+        assert "error_traceback" not in rep and "Traceback" not in logs
 
 
 def _user_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -472,8 +509,9 @@ def test_checkpoints_the_workers_cannot_read_are_each_refused_once(
 
 
 def test_a_split_that_raises_stops_the_run_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A workload's split raising (--tp 2): a traceback in every worker, restarts in place, and the run
-    ended "n1 lost and no spare ready" with a ready spare, not a word of the split."""
+    """A workload's split raising (--tp 2) is user code failing, not a node failure: the run stops at once with
+    one line that names the split, its traceback (the user's frames first) in the node's log and the report;
+    no worker crashes, nothing restarts in place, no spare is used."""
     _user_workloads(monkeypatch)
     rep = run(tmp_path, nodes=2, spares=1, tp=2, steps=4, workload="user_workload:bad_split_workload", timeout=90.0)
     assert rep["state"] == "failed"
@@ -481,7 +519,8 @@ def test_a_split_that_raises_stops_the_run_with_one_line(tmp_path: Path, monkeyp
     assert "RuntimeError: no tensor-parallel layout for this layer (deliberate bug)" in rep["error"]
     assert rep["recoveries"] == []
     logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.log"))
-    assert "Traceback" not in logs
+    assert "Traceback (most recent call last)" not in logs  # (no crash of phoenixft's own, no restart)
+    assert "Traceback of the error in your code" in logs and ", in split" in rep["error_traceback"], rep
 
 
 @pytest.mark.parametrize("workload,line", [
@@ -493,14 +532,17 @@ def test_a_split_that_raises_stops_the_run_with_one_line(tmp_path: Path, monkeyp
 def test_a_workload_that_fails_to_set_up_is_one_line(tmp_path: Path, workload: str, line: str,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """The factory, or the one-off prepare() the launcher runs, raising: a launcher traceback before."""
+    """The factory, or the one-off prepare() the launcher runs, raising: one line that says where in the user's
+    code, under the traceback of the user's code (no launcher traceback)."""
     _user_workloads(monkeypatch)
     rc, err = _cli(capsys, "--nodes", "2", "--steps", "3", "--workload", f"user_workload:{workload}",
                    "--run-dir", str(tmp_path))
     assert rc == 2, err
     # (the launcher's notice of another run's memory it swept at its start, when this machine had some, aside)
     own = [x for x in err.strip().splitlines() if not _SWEPT.match(x)]
-    assert own == [f"phoenixft run: error: {line}"], err
+    assert own[-1].startswith(f"phoenixft run: error: {line} (at ") and "user_workload.py:" in own[-1], err
+    assert own[0].startswith("Traceback of the error in your code") and "Traceback (most recent" not in err, err
+    assert any(x.startswith('  File "') and "user_workload.py" in x for x in own), err
 
 
 _SWEPT = re.compile(r"removed \d+ orphaned shared-memory segment\(s\), [\d.]+ MiB, of dead run\(s\) \w")
@@ -512,7 +554,32 @@ def test_a_run_timeout_shorter_than_a_step_says_its_value(tmp_path: Path) -> Non
     had to kill anything: rank 0 finishing just after the timeout used to publish its final state over the
     run's end for 10 s, until the launcher killed its node)."""
     rep = run(tmp_path, nodes=2, spares=1, steps=200, timeout=0.5)  # (far more steps than 0.5 s trains anywhere)
-    assert rep["state"] == "failed: timeout after 0.5s", rep["state"]
+    assert rep["state"] == ("failed: timeout after 0.5s (--timeout 0.5, the run's wall-clock limit: raise it, or "
+                            "leave --timeout out for none)"), rep["state"]
+
+
+def test_a_run_stopped_by_its_timeout_keeps_its_checkpoints_and_says_where_to_resume(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No wall-clock limit unless --timeout is given; one that is reached names the flag and its value, the
+    persistent tier finishes what it writes, and the end says which step it saved and how to go on; the
+    run resumed from there finishes."""
+    from phoenixft.config import RunConfig
+
+    assert RunConfig().timeout == 0  # (no limit by default)
+    ckpt = tmp_path / "ckpt"
+    rep = run(tmp_path / "a", nodes=2, spares=0, steps=5000, timeout=5.0, persist_every=3, persist_dir=str(ckpt),
+              workload="user_workload:workload")
+    assert rep["state"].startswith("failed: timeout after 5s (--timeout 5,"), rep["state"]
+    saved = rep["resume_from"]
+    assert saved is not None and saved["dir"] == str(ckpt) and saved["step"] % 3 == 0 and saved["step"] >= 3, saved
+    from phoenixft.protect.persist import verified_manifest
+
+    assert verified_manifest(ckpt)[0]["step"] == saved["step"]
+    assert f"the persistent tier saved step {saved['step']} in {ckpt}: go on from there with the same flags and " \
+           f"--resume {ckpt}" in capsys.readouterr().err
+    again = run(tmp_path / "b", nodes=2, spares=0, steps=saved["step"] + 2, resume=str(ckpt),
+                workload="user_workload:workload")
+    assert again["state"] == "done" and again["steps_completed"] == saved["step"] + 2, again.get("error")
 
 
 def _ended_worker(monkeypatch: pytest.MonkeyPatch, state: str) -> tuple[Any, Any]:
@@ -576,7 +643,7 @@ def test_a_run_ended_while_a_node_is_stopped_does_not_wait_out_the_grace_for_it(
     t0 = time.monotonic()
     rep = run_job(cfg, Display(quiet=True, steps=cfg.steps))
     took = time.monotonic() - t0
-    assert rep["state"] == "failed: timeout after 6s", rep["state"]
+    assert rep["state"].startswith("failed: timeout after 6s (--timeout 6,"), rep["state"]
     assert took < cfg.timeout + 6.0, f"the run took {took:.1f}s to end after its {cfg.timeout:g}s timeout"
     assert [k["node"] for k in rep["teardown"]["killed"]] == ["n1"], rep["teardown"]
     assert processes_with(rep["run_id"]) == []
@@ -611,7 +678,7 @@ def test_a_run_ended_while_one_worker_is_stopped_ends_without_waiting_for_it(tmp
     rep = run_job(cfg, Display(quiet=True, steps=cfg.steps))
     took = time.monotonic() - t0
     t.join(timeout=10)
-    assert rep["state"] == "failed: timeout after 6s", rep["state"]
+    assert rep["state"].startswith("failed: timeout after 6s (--timeout 6,"), rep["state"]
     assert took < cfg.timeout + 6.0, f"the run took {took:.1f}s to end after its {cfg.timeout:g}s timeout"
     assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
     assert processes_with(rep["run_id"]) == []

@@ -83,6 +83,15 @@ def test_the_history_in_a_store_dedups_ignores_garbage_and_quarantines() -> None
     assert list(q) == ["h3"] and q["h3"].reason == "found corrupting gradients" and q["h3"].failures == []
     recs = host_records(read_history(store), 2, 3600.0)
     assert sorted(recs) == ["h1", "h2", "h3"] and len(recs["h2"].failures) == 1
+    # failures an --inject fault caused are listed, never counted: h4 fails three times, two of them injected
+    record_failure(store, "h4", "n4", "lost", "dead:n4", t=100.0, injected="kill:node=4@step=3")
+    record_failure(store, "h4", "s5", "lost", "dead:s5", t=110.0, injected="hang:node=4@step=9")
+    record_failure(store, "h4", "s7", "lost", "dead:s7", t=120.0)
+    recs = host_records(read_history(store), 2, 3600.0)
+    assert recs["h4"].quarantined is None and len(recs["h4"].failures) == 3, recs["h4"]
+    assert [f.get("injected") for f in recs["h4"].failures] == ["kill:node=4@step=3", "hang:node=4@step=9", None]
+    record_failure(store, "h4", "s9", "lost", "dead:s9", t=130.0)  # its second real failure
+    assert host_records(read_history(store), 2, 3600.0)["h4"].quarantined == 130.0
 
 
 # ---------------------------------------------------------------- the built-in check
@@ -324,10 +333,11 @@ def test_failing_and_hanging_health_commands_leave_no_spare(tmp_path: Path) -> N
 
 def test_a_host_that_failed_twice_is_dismissed_and_refused_when_repaired(tmp_path: Path) -> None:
     """n1's host is lost (failure 1); repaired (--repair-after), it comes back as spare s1, whose check fails
-    (failure 2): the host is quarantined, s1 dismissed, and its next return refused. (The corruption at rest
-    holds step 12 for up to 8 s, as the job is never whole again: time for the host's second return; the
-    replicas it corrupts are never used.)"""
-    rep = run(tmp_path, nodes=2, spares=1, steps=30, repair_after=0.5,
+    (failure 2): the host is quarantined, s1 dismissed, and its next return refused. Both failures are injected,
+    so --quarantine-injected counts them (the quarantine itself under test). (The corruption at rest holds
+    step 12 for up to 8 s, as the job is never whole again: time for the host's second return; the replicas it
+    corrupts are never used.)"""
+    rep = run(tmp_path, nodes=2, spares=1, steps=30, repair_after=0.5, quarantine_injected=True,
               inject=["kill:node=1@step=3", "sick:spare=1", "corrupt:node=0@step=12,wait=8"])
     assert rep["state"] == "done", rep.get("error")
     host = f"{socket.gethostname()}/n1"
@@ -345,6 +355,38 @@ def test_a_host_that_failed_twice_is_dismissed_and_refused_when_repaired(tmp_pat
 
 
 
+def test_injected_faults_are_never_held_against_a_host_and_a_real_lemon_is_quarantined(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose nodes die by themselves (tests/user_workload.py: lemon_workload, no --inject) is quarantined
+    after its second failure; a host that only an --inject kill struck is not, and its repaired node returns.
+    n1 (the lemon's host) dies at step 3 (real failure 1), s0 takes its slot, n1's host comes back repaired as
+    s1; the injected kill at step 8 strikes s0 (listed for s0's host, not counted), s1 is promoted and dies at
+    once (real failure 2): the lemon's host is quarantined and its next return refused, while s0's host
+    comes back as s2 and the run trains to its end. (The corruption at rest holds step 13 for up to 8 s, as
+    the job is never whole again: time for both returns; the replicas it corrupts are never used.)"""
+    host = f"{socket.gethostname()}/n1"
+    monkeypatch.setenv("PHOENIXFT_TEST_LEMON_HOST", host)
+    rep = run(tmp_path, nodes=2, spares=1, steps=16, repair_after=0.5, workload="user_workload:lemon_workload",
+              inject=["kill:node=1@step=8", "corrupt:node=0@step=13,wait=8"])
+    assert rep["state"] == "done", rep.get("error")
+    assert rep["faults_not_fired"] == [], rep["faults_not_fired"]
+    hosts = {h["host"]: h for h in rep["quarantine"]["hosts"]}
+    assert rep["quarantine"]["quarantined"] == [host], rep["quarantine"]
+    assert [(f["node"], f.get("injected")) for f in hosts[host]["failures"]] == [("n1", None), ("s1", None)], hosts
+    s0 = hosts[f"{socket.gethostname()}/s0"]
+    assert not s0["quarantined"] and [(f["node"], f.get("injected")) for f in s0["failures"]] == \
+        [("s0", "kill:node=1@step=8,wait=60")], s0
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    refused = [e for e in events if e["kind"] == "join_refused"]
+    assert refused and all(f"host {host} is quarantined" in e["reason"] for e in refused), refused
+    repaired = {e["node"]: e["replaces"] for e in events if e["kind"] == "spare_repaired"}
+    promoted = [n for r in rep["recoveries"] for n in r["promoted"]]
+    assert repaired.get("s2") == "s0" and "s2" in promoted, (repaired, rep["recoveries"])
+    lines = "\n".join(format_lines(rep))
+    assert f"host {host}: QUARANTINED, 2 failure(s)" in lines, lines
+    assert f"host {socket.gethostname()}/s0: not quarantined, 1 failure(s), 1 of them injected (not counted)" in lines
+
+
 LAUNCH = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
           "from phoenixft.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
@@ -356,8 +398,8 @@ def test_a_host_that_failed_twice_is_quarantined_across_a_coordinator_restart(tm
     coordinator is then killed, and the restarted one refuses that host too (an agent started by hand)."""
     run_dir, log = tmp_path / "live", tmp_path / "launcher.log"
     cmd = [sys.executable, "-c", LAUNCH, "run", "--nodes", "2", "--spares", "1", "--steps", "2000", "--repair-after",
-           "1", "--inject", "kill:node=1@step=3,wait=60", "--inject", "sick:spare=1", "--run-dir", str(run_dir),
-           "--quiet"]
+           "1", "--inject", "kill:node=1@step=3,wait=60", "--inject", "sick:spare=1", "--quarantine-injected",
+           "--run-dir", str(run_dir), "--quiet"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -106,13 +106,15 @@ def test_a_genuine_spike_is_replayed_found_equal_and_nobody_is_fenced(tmp_path: 
 def test_with_no_spare_a_convicted_node_is_dropped_the_job_shrinks_and_its_host_is_quarantined(
         tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """--spares 0: n1's flipped parameter is caught in step 8, n1 named and fenced (class sdc), the job
-    shrinks to two nodes at the same global batch and resumes from step 7, n1's host is quarantined; the
+    shrinks to two nodes at the same global batch and resumes from step 7, n1's host is quarantined
+    (--quarantine-injected: a conviction from an injected corruption counts against the host); the
     run is the failure-free one bit for bit up to the shrink, and within rounding after it (two ranks
     reduce in another order than three: what a shrink promises, tests/test_elastic.py)."""
     import socket
 
     ref = reference(nodes=3, steps=12, microbatches=6)
-    rep = run(tmp_path, nodes=3, spares=0, steps=12, microbatches=6, inject=["sdc:node=1@step=8,target=param"])
+    rep = run(tmp_path, nodes=3, spares=0, steps=12, microbatches=6, inject=["sdc:node=1@step=8,target=param"],
+              quarantine_injected=True)  # (an injected corruption is held against its host only when asked)
     assert rep["state"] == "done", rep.get("error")
     assert rep["faults_not_fired"] == [] and rep["steps_completed"] == 12
     (det,) = rep["sdc"]["detections"]
@@ -136,7 +138,7 @@ def test_a_mesh_without_a_spare_stops_at_once_when_the_convicted_node_cannot_com
     and the node named in the report."""
     import socket
 
-    rep = run(tmp_path, nodes=4, tp=2, pp=2, spares=0, steps=10, repair_after=1.0,
+    rep = run(tmp_path, nodes=4, tp=2, pp=2, spares=0, steps=10, repair_after=1.0, quarantine_injected=True,
               inject=["sdc:node=1@step=6,target=param"])
     assert rep["state"] == "failed" and rep["faults_not_fired"] == [], rep.get("error")
     (det,) = rep["sdc"]["detections"]

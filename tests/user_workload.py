@@ -50,6 +50,50 @@ def paced_workload(ctx: WorkloadContext) -> Workload:
     return Workload(build_model=wl.build_model, loss=loss, batch=wl.batch)
 
 
+def channel_mismatch_workload(ctx: WorkloadContext) -> Workload:
+    """A small CNN whose first convolution expects 1 input channel while its batches have 3: torch raises inside
+    its own convolution, called from this file's forward."""
+
+    class Cnn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 4, 3)
+            self.head = torch.nn.Linear(4 * 14 * 14, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x)  # the user's line the error is at
+            return self.head(h.flatten(1))
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(ctx.seed * 1_000_003 + step * 1009 + index)
+        return torch.randn(ctx.micro_batch, 3, 16, 16, generator=g), torch.randn(ctx.micro_batch, 1, generator=g)
+
+    def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(b[0]), b[1])
+
+    return Workload(build_model=Cnn, loss=loss, batch=batch)
+
+
+def lemon_workload(ctx: WorkloadContext) -> Workload:
+    """`workload` on a bad host: a node of the host named by PHOENIXFT_TEST_LEMON_HOST (a PHOENIXFT_HOST_ID, as a
+    local run names its simulated hosts) dies as real bad hardware does - its agent and itself SIGKILLed, no
+    `--inject` involved - as soon as it computes a batch of step PHOENIXFT_TEST_LEMON_STEP (default 3) or
+    later. Every other node computes `workload`'s batches."""
+    wl = workload(ctx)
+    lemon = os.environ.get("PHOENIXFT_HOST_ID", "") == os.environ.get("PHOENIXFT_TEST_LEMON_HOST", "-")
+    first = int(os.environ.get("PHOENIXFT_TEST_LEMON_STEP", "3"))
+
+    def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if lemon and step >= first:
+            import signal
+
+            os.kill(os.getppid(), signal.SIGKILL)  # its node's agent
+            os.kill(os.getpid(), signal.SIGKILL)
+        return wl.batch(step, index)
+
+    return Workload(build_model=wl.build_model, loss=wl.loss, batch=batch)
+
+
 def broken_workload(ctx: WorkloadContext) -> Workload:
     """The same workload with a bug that fires at step 4 (a software error: not ours to heal)."""
     wl = workload(ctx)

@@ -46,7 +46,9 @@ class ControlPlaneConfig:
                                     "during a recovery; needs --protect phoenix); --no-evict-stragglers: report "
                                     "it only.",
                                     flag="--evict-stragglers", action="both")
-    timeout: float = option(600.0, "Give up (and tear everything down) if the run takes longer than this, seconds.")
+    timeout: float = option(0.0, "A wall-clock limit for the whole run, in seconds: once reached, the run stops "
+                            "(the persistent tier finishes the checkpoints it is writing) and everything is torn "
+                            "down. 0 = no limit (the default: a training run takes as long as it takes).")
     tls_cert: str = option("", "This host's TLS certificate (PEM, signed by --tls-ca; `phoenixft certs DIR` makes "
                            "one). With --tls-key and --tls-ca: the store listens on loopback only and every agent "
                            "reaches it through mutually authenticated TLS; an etcd control plane is spoken to over "
@@ -68,10 +70,6 @@ def validate_control_plane(cfg: RunConfig) -> None:
     # (the collectives wait up to 6x this, in milliseconds that gloo keeps in a 32-bit int)
     real(c.failure_timeout, 0 < c.failure_timeout <= MAX_FAILURE_TIMEOUT_S, "--failure-timeout",
          f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
-    from phoenixft.controlplane import validate_spec
-
-    why = validate_spec(c.control_plane)
-    need(why is None, "--control-plane", c.control_plane, why or "")
     need(1 <= c.coordinators <= 9, "--coordinators", c.coordinators, "must be in 1..9")
     need(c.coordinators == 1 or c.control_plane != "tcpstore", "--coordinators", c.coordinators,
          "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
@@ -85,7 +83,14 @@ def validate_control_plane(cfg: RunConfig) -> None:
          "> 1 and at most 1000 (how many times its peers' median a straggler's compute takes), or 0 = no detection")
     need(1 <= c.straggler_window <= 1_000_000, "--straggler-window", c.straggler_window,
          "must be in 1..1000000 (consecutive steps)")
-    real(c.timeout, c.timeout > 0, "--timeout", "> 0 seconds")
-    from phoenixft.controlplane.tls import TlsFiles
+    real(c.timeout, c.timeout >= 0, "--timeout", ">= 0 seconds (0 = no limit)")
+    # last, and only when given: the control plane's package imports torch (the store client)
+    if c.control_plane != "tcpstore":
+        from phoenixft.controlplane import validate_spec
 
-    TlsFiles.given(c.tls_cert, c.tls_key, c.tls_ca)  # (files present, key private, cert signed by the CA)
+        why = validate_spec(c.control_plane)
+        need(why is None, "--control-plane", c.control_plane, why or "")
+    if c.tls_cert or c.tls_key or c.tls_ca:
+        from phoenixft.controlplane.tls import TlsFiles
+
+        TlsFiles.given(c.tls_cert, c.tls_key, c.tls_ca)  # (files present, key private, cert signed by the CA)

@@ -48,6 +48,11 @@ class HealthConfig:
     quarantine_window: float = option(DEFAULT_QUARANTINE_WINDOW_S, "Seconds within which --quarantine-after failures "
                                       "of one host quarantine it (a day: a host failing twice in a day is a lemon).",
                                       flag="--quarantine-window")
+    quarantine_injected: bool = option(False, "Count the failures that --inject faults cause (and those of a chaos "
+                                       "campaign) against their hosts as well, to try the quarantine itself; by "
+                                       "default an injected fault is never held against a host (its failures are "
+                                       "listed as injected, and repaired nodes come back).",
+                                       flag="--quarantine-injected", action="store_true")
 
 
 def validate_health(cfg: RunConfig) -> None:

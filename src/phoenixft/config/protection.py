@@ -14,11 +14,12 @@ if TYPE_CHECKING:
     from phoenixft.config.run import RunConfig
     from phoenixft.protect.redundancy.scheme import Redundancy
 
-__all__ = ["ProtectionConfig", "validate_protection", "PROTECT_MODES", "TRANSPORTS"]
+__all__ = ["ProtectionConfig", "validate_protection", "PROTECT_MODES", "TRANSPORTS", "PERSIST_CLOSE_S"]
 
 PROTECT_MODES = ("phoenix", "none")
 TRANSPORTS = ("auto", "tcp")  # --replica-transport (protect/transport/: TransportMode)
 SCRUB_EVERY = 1  # --scrub-every default: measured by bench/scrub.py (docs/scrubbing.md)
+PERSIST_CLOSE_S = 60.0  # how long a rank's persistent tier may finish the checkpoints it is writing once it stops
 
 
 @dataclass(kw_only=True)
@@ -72,7 +73,7 @@ class ProtectionConfig:
         k = replicas_of(str(self.redundancy))
         if k == 1 and self.replicas != 1:
             self.redundancy = f"replicas:{self.replicas}"
-        elif k is not None and self.replicas == 1:
+        elif k is not None and k >= 1 and self.replicas == 1:  # (a K < 1 stays --redundancy's: refused as such)
             self.replicas = k
 
     @property

@@ -182,6 +182,7 @@ class RunConfig:
     health_recheck_every = _Flat[float]("health")
     quarantine_after = _Flat[int]("health")
     quarantine_window = _Flat[float]("health")
+    quarantine_injected = _Flat[bool]("health")
     inject = _Flat[list[str]]("injection")
     report = _Flat[str]("output")
     run_dir = _Flat[str]("output")
@@ -230,9 +231,10 @@ class RunConfig:
         return 3 * self.failure_timeout + 60.0 + (self.mesh_spare_wait_s if self.tp * self.pp > 1 else 0.0)
 
     def validate(self) -> None:
-        """Raise UserError naming the option, the value and what would be valid: the mesh and how the
-        model splits over it first (the root of most other errors), each section's own checks, then
-        those that need the workload's model."""
+        """Raise UserError naming the option, the value and what would be valid: the mesh and, with --tp/--pp,
+        how the model splits over it first (the root of most other errors), then each section's own checks,
+        none of which imports torch (so a bad value of a data-parallel job is refused at once), then those that
+        need the workload's model (its data, its checkpoint)."""
         validate_parallelism(self)
         validate_split(self)
         validate_training(self)

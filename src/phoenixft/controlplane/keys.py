@@ -133,6 +133,12 @@ def fault_claim(index: int, who: int | str) -> str:
     return f"fault/{index}/claim/{who}"
 
 
+def fault_struck(node: str) -> str:
+    """Sealed JSON {spec, index, t}: an `--inject` fault that can make `node` fail struck it (faults/struck.py):
+    its failures from then on are the fault's, never its host's."""
+    return f"fault/struck/{node}"
+
+
 def fault_targets(index: int) -> str:
     """JSON list of the node ids a fault strikes, fixed by its first firing (faults/inject.py)."""
     return f"fault/{index}/targets"

@@ -169,6 +169,25 @@ def start_forwarder(remote: str, files: TlsFiles) -> Relay:
     return Relay(p, "127.0.0.1", listening(p, "TLS forwarder"))
 
 
+def speaks_tls(host: str, port: int, timeout_s: float) -> bool:
+    """Whether the server at host:port answers a TLS handshake (a head's TLS gateway does, within a round trip; a
+    plain TCPStore waits for its client to speak and says nothing: no answer within `timeout_s`, or ten times
+    the connection's own set-up time where that is longer, is no TLS). It is asked without a certificate and
+    without checking the server's: the answer says only that it speaks TLS."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        t0 = time.monotonic()
+        with socket.create_connection((host, port), timeout=max(timeout_s, 10.0)) as raw:
+            raw.settimeout(max(timeout_s, 10 * (time.monotonic() - t0)))
+            with ctx.wrap_socket(raw, server_hostname=host):
+                return True
+    except ssl.SSLError:
+        return True  # (it answered in TLS, refusing this client)
+    except OSError:
+        return False
+
+
 def probe(host: str, port: int, files: TlsFiles, timeout_s: float = 10.0) -> str | None:
     """Why a TLS connection to the gateway at host:port with these files fails (None: it is let in). A
     TLS 1.3 server refuses a client certificate after the client's handshake returned: its alert is read

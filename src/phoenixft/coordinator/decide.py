@@ -217,7 +217,8 @@ class Decider:
             fenced.add(n)
             why = f"silent data corruption in step {r.get('step')} ({r.get('verdict')}): {r.get('why', '')}"
             sdc_quarantine(self.store, n, why)
-            quarantine(self.store, self.admission.health.host(n), f"{n}: {why}")
+            if self.admission.health.injected(n) is None:  # (an injected corruption is not held against the host)
+                quarantine(self.store, self.admission.health.host(n), f"{n}: {why}")
             self.job.event("sdc_fenced", epoch=e, node=n, step=r.get("step"), verdict=r.get("verdict"))
         return found
 

@@ -28,6 +28,7 @@ from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_int, parse_json
 from phoenixft.core.context import RankContext
 from phoenixft.distributed.topology import Topology
+from phoenixft.faults import struck
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 from phoenixft.protect.snapshot import Holding
@@ -130,6 +131,7 @@ class FaultInjector:
                "rank": self.w.rank, "epoch": self.w.epoch, **where}
         if sealed.claim(self.w.store, keys.fault_fired(f.index)):
             sealed.put(self.w.store, keys.fault(f.index), json.dumps(rec))
+        struck.mark(self.w.store, self.w.node_id, f)  # (its failures are the fault's, never its host's)
         sealed.append(self.w.store, keys.EVENTS, rec)
 
     def fire(self, f: FaultSpec, **where: Any) -> None:

@@ -17,6 +17,7 @@ import signal
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from phoenixft.errors import UserError
+from phoenixft.runtime.procs import signal_node
 
 if TYPE_CHECKING:
     from phoenixft.distributed.topology import Topology
@@ -130,6 +131,12 @@ class FaultKind:
         """Whether f makes the health check of spare `node` fail now (the job at step `progress`)."""
         return False
 
+    def harms_node(self, f: FaultSpec) -> bool:
+        """Whether f, once it struck a node, can make that node fail (killed, stopped, crashed, cut off,
+        preempted, convicted of corrupting data, failing its health check): that node's failures are then
+        the fault's, never its host's (`faults.struck`)."""
+        return True
+
     def describe(self, f: FaultSpec) -> str:
         """One line for people."""
         return str(f)
@@ -190,7 +197,7 @@ class Kill(FaultKind):
         if f.coordinator:
             injector.kill_coordinator()
         else:
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            signal_node(os.getppid(), signal.SIGKILL)  # (a worker: its node is its agent and what runs below it)
 
     def refuse(self, f: FaultSpec, local: bool) -> str | None:
         if not local and f.coordinator:
@@ -200,6 +207,9 @@ class Kill(FaultKind):
 
     def answered_by_recovery(self, f: FaultSpec) -> bool:
         return not f.coordinator and f.member is None  # those are the control plane's, answered by a standby
+
+    def harms_node(self, f: FaultSpec) -> bool:
+        return not f.coordinator and f.member is None  # (a coordinator kill strikes no node's host)
 
     def why_not_fired(self, f: FaultSpec) -> str:
         if f.recovery is not None or f.phase == "recovery":
@@ -223,7 +233,7 @@ class Hang(FaultKind):
     forms = ("hang:node=I@step=S",)
 
     def act(self, f: FaultSpec, injector: FaultInjector) -> None:
-        os.killpg(os.getpgid(0), signal.SIGSTOP)
+        signal_node(os.getppid(), signal.SIGSTOP)
 
     def describe(self, f: FaultSpec) -> str:
         return f"SIGSTOP node {f.node} in its {f.phase} phase"
@@ -272,6 +282,9 @@ class Corrupt(FaultKind):
 
     def answered_by_recovery(self, f: FaultSpec) -> bool:
         return False  # a corruption kills nothing: the kill it comes with is what a recovery answers
+
+    def harms_node(self, f: FaultSpec) -> bool:
+        return False  # (the replicas it flips are repaired or rejected; the node it hits runs on)
 
     def why_not_fired(self, f: FaultSpec) -> str:
         if f.phase == "transfer":

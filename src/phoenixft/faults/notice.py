@@ -29,6 +29,7 @@ from typing import Any
 from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.drain import current_nodes, request_drain
 from phoenixft.controlplane.values import parse_int
+from phoenixft.faults import struck
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 
@@ -111,6 +112,7 @@ class NoticeHandler:
                    "notice_s": notice}
             if sealed.claim(store, keys.fault_fired(f.index)):
                 sealed.put(store, keys.fault(f.index), json.dumps(rec))
+            struck.mark(store, self.node, f)  # (if its notice runs out: the fault's failure, not the host's)
             sealed.append(store, keys.EVENTS, rec)
             self.source, self.deadline = "preempt", time.time() + notice
             self.kill_at = time.monotonic() + notice

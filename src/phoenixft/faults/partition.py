@@ -31,6 +31,7 @@ import time
 
 from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.values import parse_int
+from phoenixft.faults import struck
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import FaultSpec
 
@@ -162,6 +163,7 @@ class PartitionInjector:
             rec["interface"] = ifname
             if sealed.claim(store, keys.fault_fired(f.index)):
                 sealed.put(store, keys.fault(f.index), json.dumps(rec))
+            struck.mark(store, self.node, f)  # (declared dead while cut off: the fault's failure, not the host's)
             sealed.append(store, keys.EVENTS, rec)
             sealed.put(store, keys.fault_done(f.index), "1")  # the workers holding the step go on (into the cut)
             store.check([keys.EVENTS])  # a set is not acknowledged: an answered request flushes them first

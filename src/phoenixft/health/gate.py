@@ -105,11 +105,21 @@ class HealthGate:
                 "not admitted to this job again")
 
     def failed(self, node: str, reason: str, ident: str) -> None:
-        """A failure of `node`'s host, into the history (quarantining it when it is one too many)."""
+        """A failure of `node`'s host, into the history (quarantining it when it is one too many); one an
+        `--inject` fault caused is recorded as such and not counted (unless --quarantine-injected)."""
         host = self.host(node)
         if host:
-            record_failure(self.store, host, node, reason, ident)
+            record_failure(self.store, host, node, reason, ident, injected=self.injected(node))
             self.quarantined(force=True)
+
+    def injected(self, node: str) -> str | None:
+        """The `--inject` fault that struck `node` (its failures are the fault's, not its host's); None if none
+        did, or with --quarantine-injected (the quarantine itself under test)."""
+        if self.cfg.quarantine_injected or not self.cfg.faults:
+            return None
+        from phoenixft.faults.struck import struck_by
+
+        return struck_by(self.store, node)
 
     def note_dead(self, dead: set[str], epoch: int) -> None:
         """The nodes a recovery declared dead: a failure of each one's host."""

@@ -1,11 +1,13 @@
 """The failure history of each host, kept in the control-plane store, and the quarantine it decides.
 
 Every failure of a host (a node of it declared dead, a health check of it failed) and every explicit
-quarantine is one JSON line appended to `hosts/history` (`keys.HOST_HISTORY`): appends are atomic on
-every backend of the `Store` protocol, so any process may write (the coordinator, or a detector of silent
-data corruption calling `quarantine`), and the history outlives a coordinator restart or a standby's
-takeover like the rest of the job's keys. Each record has an `id` (a coordinator that records the
-same failure again after a restart writes the same id, and reading keeps one). Lines that do not parse
+quarantine is one JSON line (a failure that an `--inject` fault caused says which, `injected`: it is
+listed, and the rule does not count it: `phoenixft.faults.struck`) appended to `hosts/history`
+(`keys.HOST_HISTORY`): appends are atomic on every backend of the `Store` protocol, so any process may
+write (the coordinator, or a detector of silent data corruption calling `quarantine`), and the history
+outlives a coordinator restart or a standby's takeover like the rest of the job's keys. Each record has
+an `id` (a coordinator that records the same failure again after a restart writes the same id, and
+reading keeps one). Lines that do not parse
 are ignored and logged (`controlplane.values`).
 
 A host's identity is the `hostid` of its agent's join request: `PHOENIXFT_HOST_ID` when set (a local
@@ -32,7 +34,8 @@ HOST_ID_ENV = "PHOENIXFT_HOST_ID"  # the identity of the host an agent runs on (
 
 @dataclass
 class HostRecord:
-    """One host's history: its failures (time, node, reason) and, if quarantined, when and why."""
+    """One host's history: its failures (time, node, reason, and the `injected` fault that caused it, if one
+    did) and, if quarantined, when and why."""
 
     host: str
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -48,13 +51,18 @@ def _append(store: Store, rec: dict[str, Any]) -> None:
     sealed.append(store, keys.HOST_HISTORY, rec)
 
 
-def record_failure(store: Store, host: str, node: str, reason: str, ident: str, t: float | None = None) -> None:
+def record_failure(store: Store, host: str, node: str, reason: str, ident: str, t: float | None = None,
+                   injected: str | None = None) -> None:
     """Append one failure of `host` (its node `node`, `reason`); `ident` names the failure (the same
-    failure recorded twice counts once)."""
+    failure recorded twice counts once). `injected`: the `--inject` fault that caused it (listed, never
+    counted by the quarantine rule)."""
     if not host:
         return
-    _append(store, {"kind": "failure", "host": host, "node": node, "reason": clean(reason, 300), "id": ident,
-                    "t": time.time() if t is None else t})
+    rec = {"kind": "failure", "host": host, "node": node, "reason": clean(reason, 300), "id": ident,
+           "t": time.time() if t is None else t}
+    if injected:
+        rec["injected"] = clean(injected, 200)
+    _append(store, rec)
 
 
 def quarantine(store: Store, host: str, reason: str) -> None:
@@ -89,11 +97,12 @@ def host_records(history: list[dict[str, Any]], after: int, window: float) -> di
     for rec in sorted(history, key=lambda r: r["t"]):
         h = hosts.setdefault(rec["host"], HostRecord(rec["host"]))
         if rec["kind"] == "failure":
-            h.failures.append({"t": rec["t"], "node": str(rec.get("node", "")), "reason": str(rec.get("reason", ""))})
+            h.failures.append({"t": rec["t"], "node": str(rec.get("node", "")), "reason": str(rec.get("reason", "")),
+                               **({"injected": str(rec["injected"])} if rec.get("injected") else {})})
         elif h.quarantined is None:
             h.quarantined, h.reason = rec["t"], str(rec.get("reason", ""))
-    for h in hosts.values():
-        at = quarantined_at([f["t"] for f in h.failures], after, window)
+    for h in hosts.values():  # (a failure an --inject fault caused is listed, never counted)
+        at = quarantined_at([f["t"] for f in h.failures if not f.get("injected")], after, window)
         if at is not None and (h.quarantined is None or at < h.quarantined):
             h.quarantined = at
             h.reason = f"{after} failures within {window:g}s"

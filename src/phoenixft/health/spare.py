@@ -27,6 +27,7 @@ from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.keeper import Keeper
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
+from phoenixft.faults import struck
 from phoenixft.faults.kinds import Point
 
 __all__ = ["BUILTIN_BOUND_S", "REF_KEY", "JOIN_DEFER_S", "check_bound_s", "CheckProcess", "SpareHealth"]
@@ -202,6 +203,7 @@ class SpareHealth:
         progress = parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0)
         hit = [f for f in faults if f.kind_of.fails_health_check(f, self.node, progress)]
         for f in hit:
+            struck.mark(store, self.node, f)  # (the failed check is the fault's, not its host's)
             if sealed.claim(store, keys.fault_fired(f.index)):
                 rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
                        "node": self.node, "slot": None, "step": progress, "phase": "health"}

@@ -54,10 +54,13 @@ def format_lines(summary: dict[str, Any]) -> list[str]:
             + ("" if s["ok"] else f": {clean(s['reason'], 160)}") for s in spares))
     q = summary["quarantine"]
     for h in q["hosts"]:
-        fails = "; ".join(f"{clean(str(f['node']), 64)}: {clean(str(f['reason']), 100)}" for f in h["failures"]) \
-            or clean(str(h["reason"]), 200)
+        fails = "; ".join(f"{clean(str(f['node']), 64)}: {clean(str(f['reason']), 100)}"
+                          + (f" [injected: {clean(str(f['injected']), 40)}]" if f.get("injected") else "")
+                          for f in h["failures"]) or clean(str(h["reason"]), 200)
         state = "QUARANTINED" if h["quarantined"] else "not quarantined"
-        out.append(f"host {clean(str(h['host']), 80)}: {state}, {len(h['failures'])} failure(s) ({fails})")
+        injected = sum(1 for f in h["failures"] if f.get("injected"))
+        counted = f", {injected} of them injected (not counted)" if injected else ""
+        out.append(f"host {clean(str(h['host']), 80)}: {state}, {len(h['failures'])} failure(s){counted} ({fails})")
     if q["quarantined"]:
         shown = ", ".join(clean(str(h), 80) for h in q["quarantined"])
         out.append(f"quarantined hosts: {shown} (never admitted again; rule: "

@@ -102,7 +102,7 @@ class Display:
         elif k == "spare_repaired":
             self._err(f"   {ev['replaces']} repaired: back as spare {ev['node']} (--repair-after)")
         elif k == "run_failed":
-            self._err(f"!! run failed: {ev['error']}")
+            self._err(f"!! run failed: {ev['error']}" + (f" [{ev['log']}]" if ev.get("log") else ""))
         elif k == "admitted" and self.joins:
             note = f" ({ev['note']})" if ev.get("note") else ""
             role = "spare " if ev.get("spare") else ""
@@ -175,6 +175,10 @@ class Display:
         if isinstance(report.get("goodput"), dict):
             self._err(f"   {summary_line(report['goodput'])}")
         state = report.get("state")
+        if report.get("error_traceback"):  # an error in the user's own code: where its traceback is
+            self._err(f"   error in your code at {report.get('error_where')}; its traceback: "
+                      f"{report.get('error_log') or 'the log of node ' + str(report.get('error_node'))} and the "
+                      "report's error_traceback")
         self._err(f"{state}: {report.get('steps_completed', 0)} steps, final state sha256 "
                   f"{(report.get('final_state_sha256') or '-')[:16]}, report in {report.get('run_dir', '-')}")
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phoenixft.config.training import model_label
 from phoenixft.errors import UserError
 from phoenixft.observe.goodput import account
 from phoenixft.recovery.invariants import failed_invariants, invariants_hold
@@ -395,7 +396,7 @@ def _summary(run: RunData, ref: RunData | None, tokens: int | None) -> str:
             "job",
             f"{cfg.get('nodes', '?')} node(s) x {cfg.get('workers_per_node', '?')} worker(s), "
             f"{cfg.get('spares', '?')} spare(s), protect={cfg.get('protect', '?')}, "
-            f"model={cfg.get('model', '?')}, replicas={cfg.get('replicas', '?')}",
+            f"{model_label(cfg)}, replicas={cfg.get('replicas', '?')}",
             None,
         ),
         ("faults injected", ", ".join(cfg.get("inject") or []) or "none", None),
@@ -649,10 +650,12 @@ def _health_tables(run: RunData) -> str:
             + _td("QUARANTINED" if h.get("quarantined") else "admitted", "state",
                   "bad" if h.get("quarantined") else None)
             + _td(len(h.get("failures") or []), "failures", "num")
-            + _td("; ".join(f"{f.get('node')}: {f.get('reason')}" for f in h.get("failures") or []) or h.get("reason"),
-                  "detail") + "</tr>" for h in hosts)
+            + _td("; ".join(f"{f.get('node')}: {f.get('reason')}" + (f" [injected: {f['injected']}, not counted]"
+                                                                      if f.get("injected") else "")
+                            for f in h.get("failures") or []) or h.get("reason"), "detail") + "</tr>" for h in hosts)
         parts.append(f'<p>Quarantine: {_e(quarantine.get("after"))} failures within {_e(quarantine.get("window_s"))} '
-                     's; quarantined hosts are never admitted again.</p>'
+                     's (a failure an injected fault caused is not counted); quarantined hosts are never admitted '
+                     'again.</p>'
                      '<table id="hosts"><tr><th>host</th><th>state</th><th>failures</th><th>what failed</th></tr>'
                      f"{rows}</table>")
     return "\n".join(parts)

@@ -386,6 +386,10 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
     error = sealed.get(store, keys.RUN_ERROR) if store.check([keys.RUN_ERROR]) else None
     if error is not None:
         report["error"] = clean(error, 2000)
+        failed = next((ev for ev in events if ev.get("kind") == "run_failed" and ev.get("traceback")), None)
+        if failed is not None:  # an error in the user's own code: where, on which node, its traceback
+            report.update(error_where=failed.get("where"), error_node=failed.get("node"),
+                          error_traceback=failed["traceback"])
     write_metrics(run_dir, steps)
     if store.check([keys.EVENTS]):
         (run_dir / "events.jsonl").write_text("".join(json.dumps(ev) + "\n" for ev in events))

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any, TypeVar
 
+from phoenixft.config.training import model_label
 from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.auth import read_topology
 from phoenixft.controlplane.signed import env_token, verified
@@ -406,7 +407,7 @@ def _format(st: dict[str, Any], addr: str, out: list[str]) -> None:
     c = {k: clean(str(cfg.get(k)), 60) for k in ("nodes", "workers_per_node", "spares", "steps", "protect", "model")}
     out.append(
         f"job: {c['nodes']} node(s) x {c['workers_per_node']} worker(s), {c['spares']} "
-        f"spare(s), {c['steps']} steps, protect={c['protect']}, model={c['model']}"
+        f"spare(s), {c['steps']} steps, protect={c['protect']}, {clean(model_label(cfg), 120)}"
     )
     topo = st.get("topology")
     if st.get("epoch") is None or topo is None:

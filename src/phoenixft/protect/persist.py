@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from phoenixft.config.protection import PERSIST_CLOSE_S
 from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.errors import NOT_INSTALLED
 from phoenixft.parallel.layout import Layout
@@ -321,7 +322,7 @@ class Persister:
         except Exception:  # noqa: BLE001 - the control plane is gone: the log line is all there is
             pass
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float = PERSIST_CLOSE_S) -> None:
         """Finish the writes already staged (at most `timeout_s`), then stop."""
         deadline = time.monotonic() + timeout_s
         try:

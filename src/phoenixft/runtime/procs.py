@@ -7,6 +7,8 @@
 - `start_time(pid)`: the process's start time in clock ticks since boot (`/proc/PID/stat`
   field 22); a (pid, start time) pair names one process, never a later one that reuses the PID.
 - `group_members(pgid)`: live (not zombie) processes of a process group.
+- `signal_node(agent, sig)`: SIGKILL or SIGSTOP one node (its agent and the processes below it) and
+  nothing else, also where the agent shares its process group with the script that started it.
 
 `python -m phoenixft.runtime.procs --parent PID --signal N MODULE ARGS...` runs `python -m MODULE
 ARGS...` in this process after `die_with_parent(N, PID)`, and exits with `exit_now` (the launcher
@@ -21,7 +23,8 @@ import signal
 import sys
 from pathlib import Path
 
-__all__ = ["die_with_parent", "start_time", "alive", "group_members", "cmdlines", "exit_now", "fork"]
+__all__ = ["die_with_parent", "start_time", "alive", "group_members", "cmdlines", "exit_now", "fork", "descendants",
+           "signal_node"]
 
 PR_SET_PDEATHSIG = 1
 
@@ -144,6 +147,62 @@ def group_stopped(pgid: int) -> bool:
     SIGTSTP, a tracer): such a group obeys no request to exit until it is continued."""
     states = _group_states(pgid).values()
     return bool(states) and all(st in ("T", "t") for st in states)
+
+
+def descendants(root: int) -> list[int]:
+    """Live processes below `root` (its children, theirs, ...), by the parent links in /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            f = _stat_fields(int(d.name))
+            if f and f[0] not in ("Z", "X"):
+                children.setdefault(int(f[1]), []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def signal_node(root: int, sig: int) -> None:
+    """Send `sig` (SIGKILL: the node dies; SIGSTOP: it hangs) to one node: its agent `root` and every process
+    below it, and nothing else. An agent that leads its own session (a local run starts every agent so)
+    is signalled as its process group, at once. One started by hand may share its process group with
+    whatever started it (a script that runs `phoenixft agent ... &` puts every agent, the coordinator and
+    itself in one group): then the node's process tree is frozen first (SIGSTOP, until no new process
+    appears below `root`: none forks or leaves meanwhile), then signalled. The calling process, if it is one
+    of the node's, is signalled last."""
+    me = os.getpid()
+    try:
+        own_session = os.getsid(root) == root
+    except ProcessLookupError:
+        own_session = False
+    if own_session:
+        os.killpg(root, sig)
+        return
+    frozen: list[int] = []
+    inside = False  # (the caller is one of the node's processes: signalled last)
+    while True:
+        tree = (root, *descendants(root))
+        inside = inside or me in tree
+        new = [p for p in tree if p != me and p not in frozen]
+        if not new:
+            break
+        for p in new:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+            frozen.append(p)
+    if sig != signal.SIGSTOP:
+        for p in frozen:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+    if inside:
+        os.kill(me, sig)
 
 
 def cmdlines() -> dict[int, list[str]]:

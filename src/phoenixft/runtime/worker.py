@@ -33,7 +33,7 @@ from phoenixft.core.context import RankContext
 from phoenixft.distributed import device
 from phoenixft.distributed.comm import EpochComm, connect_store
 from phoenixft.distributed.topology import Topology
-from phoenixft.errors import Drained, PeerFailure, RunAborted, Unhealable, UserError
+from phoenixft.errors import Drained, PeerFailure, RunAborted, Unhealable, UserError, user_traceback
 from phoenixft.faults.inject import FaultInjector
 from phoenixft.optim import native
 from phoenixft.parallel.layers import TPHandle
@@ -110,8 +110,7 @@ class Worker:
                 if node_id.startswith("s") and self.protect:  # a spare: the memory it will receive into, touched now
                     self.ctx.trainer.prefault()
         except Unhealable as e:  # (the workload's model cannot be built: every node would fail alike)
-            self._stop_run(str(e))
-            print(f"phoenixft worker {self.wid}: {e}", flush=True)
+            self._unhealable(e)
             raise
         self.inject = self.ctx.inject = FaultInjector(self.ctx)
         self.sdc = SdcChecks(self.ctx, self.inject)  # silent-data-corruption checks (docs/sdc.md)
@@ -531,15 +530,28 @@ class Worker:
         return r
 
     # ------------------------------------------------------------------ main loop
-    def _stop_run(self, why: str, ours: bool = False) -> None:
+    def _unhealable(self, e: Unhealable) -> None:
+        """Stop the run for `e` in one line; an error raised in the user's own code (the workload's) also with
+        its traceback, the user's frames first: in this node's log, and with the run's end (the report)."""
+        trace = user_traceback(e.__cause__) if e.__cause__ is not None else None
+        if trace is not None:
+            print(trace[1], flush=True)
+        self._stop_run(str(e), trace=trace)
+        print(f"phoenixft worker {self.wid}: {e}", flush=True)
+
+    def _stop_run(self, why: str, ours: bool = False, trace: tuple[str, str] | None = None) -> None:
         """Stop the whole run at the last committed step, with one clear reason: a fault that is not
-        ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past."""
+        ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past. `trace`: where
+        in the user's code the error was raised and its traceback (`errors.user_traceback`)."""
         if sealed.claim(self.ctx.store, keys.STOP_CLAIM):
             last = max(self.ctx.trainer.state.steps(), default=0) if self.ctx.trainer is not None else 0
+            if trace is not None:
+                why = f"{why} (at {trace[0]}; traceback in the log of node {self.node_id})"
             msg = (f"{why}; the run stops rather than train on a state it cannot vouch for" if ours
                    else f"{why}; not ours to heal, stopped at the last committed step {last}")
             sealed.put(self.ctx.store, keys.RUN_ERROR, msg)
-            self.ctx.event("run_failed", error=why, last_committed=last)
+            extra = {"where": trace[0], "traceback": trace[1][-8000:], "node": self.node_id} if trace else {}
+            self.ctx.event("run_failed", error=why, last_committed=last, **extra)
             set_signed(self.ctx.store, env_token(), self.run_id, keys.RUN_STATE, "failed")
 
     def run(self) -> int:
@@ -569,8 +581,7 @@ class Worker:
                 except PeerFailure as e:
                     step = self._recover_until_joined(str(e)) + 1
         except Unhealable as e:
-            self._stop_run(str(e))
-            print(f"phoenixft worker {self.wid}: {e}", flush=True)
+            self._unhealable(e)
             return 4
         except Drained as e:
             print(f"phoenixft worker {self.wid}: {e}; leaving", flush=True)
