@@ -48,11 +48,12 @@ mutants: $(STAMP)
 	$(PY) bench/mutants.py $(if $(ONLY),--only $(ONLY),)
 	$(if $(TOOL),$(MAKE) mutmut,)
 
-# mutmut over the pure-logic modules ([tool.mutmut] in pyproject.toml); work files in mutants/
+# mutmut over the pure-logic and security modules ([tool.mutmut] in pyproject.toml); work files in mutants/.
+# On a shared 2-core machine: one module at a time, one child (make mutmut CHILDREN=1 MUTANTS='phoenixft.controlplane.values*')
 mutmut: $(STAMP)
 	$(PY) -m pip install -q 'mutmut>=3.3,<4'
 	rm -rf mutants
-	$(PY) -m mutmut run --max-children 2
+	$(PY) -m mutmut run --max-children $(or $(CHILDREN),2) $(MUTANTS)
 	$(PY) bench/mutmut_shares.py
 
 lint: $(STAMP)

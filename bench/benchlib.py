@@ -214,10 +214,35 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> s
 
 
 # ---------------------------------------------------------------------------- output
+def machine_paths() -> list[tuple[str, str]]:
+    """(path prefix of this machine, what a result writes instead): the checkout, the interpreter's
+    environment, the temporary directory and the home directory, longest first."""
+    import tempfile
+
+    pairs = [(str(REPO), "<repo>"), (sys.prefix, "<venv>"), (tempfile.gettempdir(), "<tmp>"),
+             (str(Path.home()), "~")]
+    return sorted(((p, r) for p, r in pairs if p and p != "/"), key=lambda x: -len(x[0]))
+
+
+def scrub_paths(data: Any) -> Any:
+    """`data` with every path of this machine in its strings replaced (`machine_paths`): a result says what was
+    measured, not where the checkout or the temporary files of the machine that measured it lay."""
+    if isinstance(data, str):
+        for prefix, repl in machine_paths():
+            data = data.replace(prefix, repl)
+        return data
+    if isinstance(data, dict):
+        return {scrub_paths(k): scrub_paths(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [scrub_paths(v) for v in data]
+    return data
+
+
 def write_json(path: Path, data: Any) -> None:
+    """Write a result (every path of this machine in it scrubbed: `scrub_paths`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.write_text(json.dumps(scrub_paths(data), indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
 
 

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(f"kill vs preemption with {a.notice:g}s notice ({a.nodes} nodes, tiny, step {a.step_at} of "
                 f"{a.steps}; final states {'bitwise equal' if same else 'DIFFERENT'})",
                 ["", "kill", "preempt", "kill/preempt"], rows))
-    write_json(Path(a.out), {"machine": machine_info(), "config": vars(a), "kill": kill, "preempt": preempt,
+    config = {k: v for k, v in vars(a).items() if k != "out"}  # (where it was written is no result)
+    write_json(Path(a.out), {"machine": machine_info(), "config": config, "kill": kill, "preempt": preempt,
                              "ratios_kill_over_preempt": ratios, "final_states_equal": same,
                              "straggler_eviction": straggler_eviction()})
     print(f"wrote {a.out}")

@@ -189,6 +189,36 @@ MUTATIONS: tuple[Mutation, ...] = (
              "if fenced_now and sealed.has(store, keys.fence(node)):",
              "if fenced_now:",
              ("tests/test_hostile_store.py::test_a_stranger_cannot_crash_fake_or_steer_a_run[tcpstore]",)),
+    Mutation("tls_gateway_no_client_certificate", "the TLS gateway lets in a client without a certificate",
+             "controlplane/tlsproxy.py",
+             "    ctx.verify_mode = ssl.CERT_REQUIRED\n    return ctx\n\n\ndef client_context",
+             "    ctx.verify_mode = ssl.CERT_OPTIONAL\n    return ctx\n\n\ndef client_context",
+             ("tests/test_tls.py::test_the_gateway_refuses_a_client_without_a_certificate_of_the_job_ca",)),
+    Mutation("sealed_mac_not_bound_to_name", "a sealed value's MAC does not bind its key's name",
+             "controlplane/sealed.py",
+             'm.update(name.encode() + b"\\0" + value)',
+             "m.update(value)",
+             ("tests/test_hostile_store.py::test_sealed_values_verify_only_under_their_run_key_and_name",)),
+    Mutation("signed_mac_not_bound_to_name", "a signed value's MAC does not bind its key's name",
+             "controlplane/signed.py",
+             'return hmac.new(run_key(token, run_id), name.encode() + b"\\0" + v, hashlib.sha256).hexdigest()',
+             "return hmac.new(run_key(token, run_id), v, hashlib.sha256).hexdigest()",
+             ("tests/test_hostile_store.py::test_signed_values_verify_only_with_the_run_key",)),
+    Mutation("json_nesting_unbounded", "a value nested a million deep reaches json.loads (a RecursionError)",
+             "controlplane/values.py",
+             '    if _depth(b) > MAX_DEPTH:\n        return f"nested deeper than {MAX_DEPTH} levels", None\n',
+             "",
+             ("tests/test_hostile_store.py::test_json_readers_are_total_over_generated_junk",)),
+    Mutation("front_lets_other_users_in", "the store's front lets in a local connection of another user",
+             "controlplane/tlsproxy.py",
+             "if peer.local and peer.uid != self.me:",
+             "if peer.local and peer.uid is None:",
+             ("tests/test_local_users.py::test_the_front_lets_in_this_users_processes_only",)),
+    Mutation("spike_window_reset_at_join", "the spike guard starts empty after a join (nothing flagged for 8 steps)",
+             "sdc/checks.py",
+             "        if not self.guarded or resume_step < 1:\n            return\n        names",
+             "        if True:\n            return\n        names",
+             ("tests/test_sdc.py::test_the_spike_guard_guards_the_steps_right_after_a_hot_swap",)),
 )
 
 
@@ -314,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     record = merged(rows) if a.only else rows
     if record is not None:  # (a partial run updates its rows of a recorded full run, in the list's order)
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"mutations": record, "red": sum(r["result"] == "red" for r in record),
-                                   "total": len(record)}, indent=1) + "\n")
+        from benchlib import scrub_paths  # (no path of this machine in a result: the test tails hold some)
+
+        OUT.write_text(json.dumps(scrub_paths({"mutations": record, "red": sum(r["result"] == "red" for r in record),
+                                               "total": len(record)}), indent=1) + "\n")
         write_doc(record)
     survivors = [r["name"] for r in rows if r["result"] != "red"]
     print(f"mutants: {len(rows) - len(survivors)}/{len(rows)} red" + (f"; not red: {', '.join(survivors)}"  # type: ignore[arg-type]

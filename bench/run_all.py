@@ -27,6 +27,7 @@ checkpoint_restart (list of {world_size, time_to_resume_s, restart_s, k, ...}) a
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import traceback
 from pathlib import Path
@@ -345,11 +346,12 @@ def summary_md(res: dict[str, Any]) -> str:
             f"`python bench/scaling.py{flag}`",
         ),
     ]
+    how = ("each part's own latest run, merged by `python bench/run_all.py --merge`"
+           if res.get("merged_from_part_files") else ('make bench' if res['mode'] == 'full' else 'make bench QUICK=1'))
     lines = [
         f"Measured {res['machine'].get('date')} on {res['machine'].get('cpu_count')} x "
         f"{res['machine'].get('cpu_model')}, torch {res['machine'].get('torch')} "
-        f"(`{'make bench' if res['mode'] == 'full' else 'make bench QUICK=1'}`, "
-        f"{res['elapsed_s'].get('total')} s in all).",
+        f"({how}; {res['elapsed_s'].get('total')} s of benchmarks in all).",
         "",
         "| Figure | Measured | Target | Hit? | Command |",
         "|---|---|---|---|---|",
@@ -388,8 +390,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the 3-minute version")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(PARTS)}")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--merge", action="store_true",
+                    help="run nothing: rebuild latest.json, summary.md and the figures in README.md and "
+                         "docs/benchmarks.md from each part's own JSON in --out (after a part was run alone)")
     a = ap.parse_args()
     out = Path(a.out)
+    if a.merge:
+        return merge_files(out)
     started = time.time()
     machine = machine_info()
     wanted = [p for p in PARTS if not a.only or p in a.only.split(",")]
@@ -443,7 +450,42 @@ def main() -> int:
     (out / "summary.md").write_text(summary_md(res))
     print("\n" + (out / "summary.md").read_text(), flush=True)
     log(f"run_all: done in {res['elapsed_s']['total']:.0f}s; wrote {out / 'latest.json'}")
+    _write_docs(out)
     return 1 if res["errors"] else 0
+
+
+def _write_docs(out: Path) -> None:
+    """The figures of README.md and docs/benchmarks.md, from the results just written (bench/figures.py)."""
+    if out.resolve() != RESULTS.resolve():
+        return  # (results written elsewhere are not the docs' figures)
+    import figures
+
+    for path in figures.write():
+        log(f"run_all: figures written into {path}")
+
+
+def merge_files(out: Path) -> int:
+    """latest.json and summary.md from each part's own file in `out` (every part keeps its latest run: one run
+    alone replaces its file, and this brings the merged figures and the docs level with it); no part runs."""
+    parts: dict[str, Any] = {}
+    for name in PARTS:
+        path = out / f"{name}.json"
+        if path.is_file():
+            parts[name] = json.loads(path.read_text())
+    if not parts:
+        log(f"run_all --merge: no part's JSON in {out}")
+        return 1
+    headline = parts.get("overhead") or next(iter(parts.values()))
+    machine = dict(headline.get("machine") or {})
+    machine["note"] = "each part's own machine and load are in its file (parts.<name>.machine)"
+    res = merge(parts, False, time.time(), machine)
+    res["elapsed_s"]["total"] = round(sum(v for k, v in res["elapsed_s"].items() if isinstance(v, int | float)), 1)
+    res["merged_from_part_files"] = sorted(parts)
+    write_json(out / "latest.json", res)
+    (out / "summary.md").write_text(summary_md(res))
+    log(f"run_all --merge: wrote {out / 'latest.json'} and {out / 'summary.md'} from {', '.join(sorted(parts))}")
+    _write_docs(out)
+    return 0
 
 
 if __name__ == "__main__":

@@ -33,16 +33,16 @@ OPS = 2000
 
 def round_trips(tls: Any) -> dict[str, float | None]:
     """Median seconds of one set+get pair: straight to the store, and through a forwarder and a gateway."""
-    from phoenixft.controlplane.server import serve_store
+    from phoenixft.controlplane.front import serve_job_store
     from phoenixft.controlplane.store import tcp_client
-    from phoenixft.controlplane.tls import start_forwarder, start_gateway
+    from phoenixft.controlplane.storewire import Limits
+    from phoenixft.controlplane.tls import start_forwarder
 
-    srv = serve_store("127.0.0.1", 0)
-    gw = start_gateway("127.0.0.1", 0, srv.port, tls)
-    fwd = start_forwarder(gw.addr, tls)
+    front = serve_job_store("127.0.0.1", 0, tls.env(), Limits())  # (the store behind its front, TLS at the gateway)
+    fwd = start_forwarder(front.public_addr, tls)
     out: dict[str, float | None] = {}
     try:
-        for name, port in (("plain", srv.port), ("tls", fwd.port)):
+        for name, port in (("plain", int(front.local_addr.rsplit(":", 1)[1])), ("tls", fwd.port)):
             c = tcp_client("127.0.0.1", port, 30.0)
             times = []
             for i in range(OPS):
@@ -53,7 +53,7 @@ def round_trips(tls: Any) -> dict[str, float | None]:
             out[name] = median(times[100:])
     finally:
         fwd.stop()
-        gw.stop()
+        front.stop()
     return out
 
 

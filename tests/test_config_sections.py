@@ -29,7 +29,8 @@ DEFAULT_JSON = (
     ' 1e-08, "eval_batches": 4, "eval_every": 0, "evict_stragglers": true, "failure_timeout": 10.0, "fence_kill":'
     ' true, "health_check": "", "health_check_timeout": 60.0, "health_gate": true, "health_max_age": 60.0, '
     '"health_recheck_every": 30.0, "inject": null, "join_timeout": 600.0, "json_events": false, "lr": 0.001, '
-    '"lr_schedule": "constant", "metrics_port": -1, "micro_batch": 8, "microbatches": 0, "min_lr": 0.0, "model": '
+    '"lr_schedule": "constant", "metrics_host": "127.0.0.1", '
+    '"metrics_port": -1, "micro_batch": 8, "microbatches": 0, "min_lr": 0.0, "model": '
     '"tiny", "momentum": 0.9, "nesterov": false, "nodes": 2, "optimizer": "adamw", "persist_dir": "", '
     '"persist_every": 0, "pp": 1, "precision": "fp32", "protect": "phoenix", "quarantine_after": 2, '
     '"quarantine_injected": false, "quarantine_window": 86400.0, "quiet": false, "racks": 1, '
@@ -38,6 +39,7 @@ DEFAULT_JSON = (
     '"script_args": [], "scrub_every": 1, '
     '"sdc_audit": "off", "sdc_audit_every": 0, "sdc_check_every": 1, "seed": 1234, "spare_arrives_at_step": 0, '
     '"spares": 1, "spike_threshold": 20.0, "spike_window": 32, "start_grace": 15.0, "steps": 20, '
+    '"store_max_keys": 1000000, "store_max_mb": 1024, '
     '"straggler_factor": 1.3, "straggler_window": 20, "tensorboard": "", "threads": 0, "timeout": 0.0, '
     '"tls_ca": "", "tls_cert": "", "tls_key": "", "tp": 1, "warmup_steps": 0, "weight_decay": 0.1, '
     '"workers_per_node": 1, "workload": "phoenixft.gpt:workload"}'
@@ -55,7 +57,45 @@ def test_the_json_form_is_the_flat_object_of_every_field() -> None:
     cfg = RunConfig(device="cpu")
     assert cfg.to_json() == DEFAULT_JSON
     assert {f.name for f in run_fields()} == set(json.loads(DEFAULT_JSON))
-    assert len(run_fields()) == 79
+    assert len(run_fields()) == 82
+
+
+def test_the_torch_free_name_lists_match_their_sources() -> None:
+    """config/names.py checks flag values without importing torch: its lists are the real ones."""
+    from phoenixft.config import names
+    from phoenixft.distributed.device import DEVICES
+    from phoenixft.optim import OPTIMIZERS, SCHEDULES
+    from phoenixft.train.gpt import PRESETS
+
+    assert names.GPT_PRESETS == tuple(PRESETS) and names.OPTIMIZER_NAMES == tuple(OPTIMIZERS)
+    assert names.SCHEDULE_NAMES == tuple(SCHEDULES) and names.DEVICES == tuple(DEVICES)
+
+
+def test_a_bad_flag_value_is_refused_before_torch_is_imported() -> None:
+    """Every section's own checks run before anything imports torch: a bad value is one line within a second
+    (with torch imported first it took 3-6 s), named as the user gave it."""
+    code = ("import sys, time; t = time.monotonic()\n"
+            "from phoenixft.cli.main import main\n"
+            "for argv in (['run', '--nodes', '-1'], ['run', '--redundancy', 'replicas:0'], ['chaos', '--lr', '-1'],\n"
+            "             ['coordinator', '--host', '127.0.0.1', '--steps', '0'], ['run', '--model', 'huge'],\n"
+            "             ['run', '--timeout', '-5'], ['run', '--optimizer', 'adamax']):\n"
+            "    assert main(argv) == 2, argv\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "print(time.monotonic() - t)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert lines == [
+        "phoenixft run: error: --nodes=-1 is invalid: need at least 1 node",
+        "phoenixft run: error: --redundancy='replicas:0' is invalid: K must be >= 1; valid: replicas:K (K >= 1 full "
+        "copies) or ec:D+H (D >= 1 data shards per group, H >= 1 parity blocks)",
+        "phoenixft chaos: error: --lr=-1.0 is invalid: must be a finite number > 0",
+        "phoenixft coordinator: error: --steps=0 is invalid: must be >= 1",
+        "phoenixft run: error: --model='huge' is invalid: valid presets of the built-in GPT: nano, tiny, small, "
+        "medium (a --workload of your own takes any name)",
+        "phoenixft run: error: --timeout=-5.0 is invalid: must be a finite number >= 0 seconds (0 = no limit)",
+        "phoenixft run: error: --optimizer='adamax' is invalid: one of adamw, adam, sgd, lion"], p.stderr
+    assert float(p.stdout) < 1.0, p.stdout
 
 
 def test_the_json_form_round_trips() -> None:
@@ -111,7 +151,7 @@ def test_sections_can_be_given_whole() -> None:
     ({"replicas": 2}, "replicas:2", 2),
     ({"redundancy": "replicas:3"}, "replicas:3", 3),
     ({"redundancy": "ec:2+1"}, "ec:2+1", 1),
-    ({"redundancy": "replicas:0"}, "replicas:0", 0),  # (refused by validate, as --replicas 0)
+    ({"redundancy": "replicas:0"}, "replicas:0", 1),  # (refused by validate, as --redundancy replicas:0)
 ])
 def test_replicas_is_a_shorthand_for_redundancy(kw: dict[str, object], redundancy: str, replicas: int) -> None:
     cfg = RunConfig(device="cpu", **kw)  # type: ignore[arg-type]

@@ -236,3 +236,93 @@ def test_the_docs_name_files() -> None:
 @pytest.mark.parametrize("doc,path", PATHS, ids=[f"{d.name}:{p}" for d, p in PATHS])
 def test_files_named_in_the_docs_exist(doc: Path, path: str) -> None:
     assert (ROOT / path).exists(), f"{doc.name} names {path}, which is not in the repository"
+
+
+# --- figures and flags written from their sources ---------------------------------------------------------
+
+BENCH = ROOT / "bench"
+
+
+def _figures() -> object:
+    import sys
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import figures
+
+    return figures
+
+
+def test_the_measured_figures_are_the_results_files() -> None:
+    """Every figures block of README.md and docs/benchmarks.md says what its files in bench/results/ say
+    (`python bench/figures.py --write` writes them; a benchmark run does)."""
+    assert _figures().check() == []  # type: ignore[attr-defined]
+
+
+# A measured figure: a decimal with a unit or a ratio sign, a percentage, or a bold number. Outside the figures
+# blocks, code and inline code, these documents may hold only the settings below (parameters, not results).
+_FIGURE = re.compile(r"(?<![\w.])(\d+(?:,\d{3})*\.\d+\s?(?:s|ms|us|GB/s|MB/s|GB|MB|MiB|GiB|x|%)(?![\w/])"
+                     r"|\d+(?:\.\d+)?%|\d+\.\d+x\b|\*\*\d[\d.,]*\*\*)")
+_SETTINGS = {"0.25 s", "95%", "4.4x", "10%"}  # a poll interval, the intervals' level, a target and its slack
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/benchmarks.md"])
+def test_no_measured_figure_stands_outside_a_figures_block(doc: str) -> None:
+    text = (ROOT / doc).read_text()
+    text = re.sub(r"<!-- figures:([\w-]+) -->.*?<!-- /figures:\1 -->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    loose = [m.group(0) for m in _FIGURE.finditer(text) if m.group(0) not in _SETTINGS]
+    assert loose == [], f"{doc}: figures not read from bench/results/ (a block of bench/figures.py): {loose}"
+
+
+def test_results_hold_no_path_of_the_machine_that_measured_them() -> None:
+    figures = _figures()
+    import benchlib  # (on the path with bench/figures.py)
+
+    paths = [p for p, _ in benchlib.machine_paths()] + ["/work/", "/home/", "/root/", "/tmp/"]
+    assert figures is not None
+    for f in sorted((BENCH / "results").iterdir()):
+        if f.suffix in (".json", ".md"):
+            text = f.read_text()
+            assert not [p for p in paths if p in text], f"{f.name} holds a path of this machine"
+
+
+def test_the_usage_flag_tables_are_the_parsers() -> None:
+    """docs/usage.md lists every flag of run, coordinator, chaos, agent, status and drain with its default and
+    help, as the parsers have them (`python -m phoenixft.cli.flagdoc --write`)."""
+    from phoenixft.cli import flagdoc
+
+    assert flagdoc.check() == []
+    # (a flag the parser gains shows up as a difference: the check is not vacuous)
+    assert "| `--quarantine-injected` | off |" in (ROOT / "docs" / "usage.md").read_text()
+    assert "| `--tls-cert` |" in flagdoc.render("run") and "| `--scrub-every` |" in flagdoc.render("run")
+
+
+def test_the_readme_demo_sample_is_what_the_demo_prints(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Each line of README.md's `make demo` sample is a line the demo prints (its label; the times vary), and the
+    demo prints no figure the README does not show (a step-time 'overhead' of three runs one after the other
+    contradicted the measured one)."""
+    import phoenixft.runtime.demo as demo
+
+    rec = {"action": "hotswap", "recovery_s": 0.312, "lost_steps": 1, "stages": {"detect_s": 0.014},
+           "invariants": {"I1": True, "I2": True, "I3": True, "I4": True}, "epoch": 1}
+    fake = {"state": "done", "steps_completed": 30, "final_state_sha256": "17206c7886b9" + "0" * 52,
+            "step_time_s": {"median": 0.06}, "recoveries": [], "run_dir": str(tmp_path)}
+    runs = iter([fake, fake, {**fake, "recoveries": [rec]}])
+    monkeypatch.setattr(demo, "run_job", lambda cfg, *a, **kw: next(runs))
+    monkeypatch.setattr(demo, "check_mode", lambda cfg, local: None)
+    import phoenixft.observe.html_report as html_report
+
+    monkeypatch.setattr(html_report, "write_report", lambda *a, **kw: tmp_path / "report.html")
+    assert demo.demo(steps=30, nodes=3, model="nano", kill_step=15, kill_node=1, phase="backward",
+                     run_dir=str(tmp_path)) == 0
+    printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    text = (ROOT / "README.md").read_text()
+    sample = text[text.index("`make demo` trains"):].split("```")[1].strip("\n").splitlines()
+    labels = {ln[:34].rstrip() for ln in printed}
+    for line in sample:
+        if line.strip():
+            assert line[:34].rstrip() in labels, f"README's demo line {line!r} is not what the demo prints"
+    assert not [ln for ln in printed if "overhead" in ln], printed

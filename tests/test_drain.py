@@ -180,7 +180,11 @@ def test_the_drain_command_signs_its_request_with_the_job_token(tmp_path: Path, 
     signed.set_signed(st, token, "run1", keys.CONFIG, RunConfig(nodes=2).to_json())
     sealed.bind(token, "run1")
     sealed.put(st, keys.EPOCH, "0")
-    st.set(keys.topo(0), json.dumps({"epoch": 0, "nodes": ["n0", "n1"]}))
+    from phoenixft.controlplane import auth
+    from phoenixft.distributed.topology import Topology
+
+    topo = Topology(epoch=0, nodes=["n0", "n1"], workers_per_node=1, replicas=1, resume_step=0).to_json()
+    st.multi_set([keys.topo_sig(0), keys.topo(0)], [auth.sign_topology(token, 0, topo), topo])  # (as published)
     sealed.unbind()
     monkeypatch.delenv("PHOENIXFT_TOKEN", raising=False)
     f = tmp_path / "tok"

@@ -155,7 +155,10 @@ def test_the_gate_takes_fresh_verdicts_waits_for_running_checks_and_asks_stale_o
     _post(store, "s3", 1, ok=False)  # sick
     assert g.healthy(spares) == ["s0", "s1"]  # (s4 never started a check: never promoted)
     assert g.healthy(spares, pending=True) == ["s0", "s1", "s2"]
-    events = lambda: sealed.records(keys.EVENTS, store.get(keys.EVENTS))  # noqa: E731
+    from phoenixft.controlplane import LogReader
+
+    log, seen = LogReader(store, keys.EVENTS), []  # (the events: a queue, taken from as a launcher does)
+    events = lambda: seen.extend(sealed.records(keys.EVENTS, log.read_bytes())) or seen  # noqa: E731
     assert [(e["kind"], e["node"]) for e in events()] == [("spare_unhealthy", "s3")]  # once, though read twice
 
     g.begin(["s0", "s1", "s2"])  # a recovery: only the stale one is asked to check again

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import SUITE_FLAGS, on_pythonpath, processes_with
 
-from phoenixft.controlplane import keys, signed, values
+from phoenixft.controlplane import LogReader, keys, signed, values
 from phoenixft.controlplane.etcd_cluster import etcd_binary
 from phoenixft.controlplane.server import serve_store
 from phoenixft.distributed.comm import connect_store
@@ -31,10 +31,41 @@ def test_readers_ignore_values_that_do_not_parse(capsys: Any) -> None:
     assert values.parse_lines(b'{"kind": "a"}\nnot json' + ESC.encode() + b'\n[1, 2]\n{"kind": "b"}\n', "events") \
         == [{"kind": "a"}, {"kind": "b"}]
     assert values.parse_int(b"12", "k") == 12 and values.parse_int(b"1e9x", "k", -1) == -1
-    assert values.parse_json(b'{"a": 1}', "k") == {"a": 1} and values.parse_json(b"[]", "k", "d") == "d"
+    assert values.parse_json(b'{"a": 1}', "j") == {"a": 1} and values.parse_json(b"[]", "j", "d") == "d"
     err = capsys.readouterr().err
-    assert "\x1b" not in err and "\x07" not in err and err.count("\n") == 4, err
+    assert "\x1b" not in err and "\x07" not in err and err.count("\n") == 3, err  # once per key
     assert "ignored the store value of 'events': not JSON" in err
+
+
+def test_json_readers_are_total_over_generated_junk(capsys: Any) -> None:
+    """Whatever the bytes (nested a million deep, longer than a reader parses, not UTF-8, lone surrogates,
+    NaN and 1e999, numbers of 5,000 digits, generated noise), a reader returns its default or a value of the
+    asked type, never raises, and logs each key once, its value cut short and printable."""
+    import random
+
+    values._noted.clear()
+    rng = random.Random(20240613)
+    fixed = [b"[" * 200_000, b"{" * 100_000, b'{"a":' * 50_000, b"x" * (values.MAX_PARSE_BYTES + 1),
+             b'[' + b'1,' * 2_000_000 + b'1]', b"\xff\xfe\xfd", b'"\\ud800"', b'{"a": "\\udfff"}', b"NaN",
+             b'{"a": Infinity}', b"1e999", b'{"t": -1e999}', b"9" * 5000, b"", b"  ", b"\x00", ESC.encode(),
+             b'{"a": [' * 40 + b']}' * 40, b'"' + b"[" * 100_000 + b'"']
+    noise = [bytes(rng.randrange(256) for _ in range(rng.choice([1, 7, 64, 300]))) for _ in range(2000)]
+    for i, raw in enumerate(fixed + noise):
+        for kind in (dict, list, (int, float), object):
+            v = values.parse_json(raw, f"k{i}", "default", kind)
+            assert v == "default" or isinstance(v, kind), (raw[:40], v)
+        assert isinstance(values.parse_int(raw, f"i{i}", -7), int)
+        assert isinstance(values.clean(raw), str) and len(values.clean(raw)) <= 123
+    assert values.parse_json(b'"\\ud800"', "s", None, str) == "\ud800"  # (a lone surrogate is a string: kept)
+    assert values.parse_json(b'{"a": [[1]]}', "ok") == {"a": [[1]]}  # within the bounds: parsed
+    assert values.parse_json(b'{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}', "in-string") is not None
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "\x1b" not in err
+    lines = err.splitlines()
+    assert all(line.startswith("phoenixft: ignored the store value of ") for line in lines), lines[:3]
+    assert len(lines) == len({line.split("'")[1] for line in lines}), "a key logged twice"
+    assert "nested deeper than 32 levels" in err and "too long to parse" in err and "not JSON" in err
+    values._noted.clear()
 
 
 def test_signed_values_verify_only_with_the_run_key() -> None:
@@ -47,6 +78,11 @@ def test_signed_values_verify_only_with_the_run_key() -> None:
     assert signed.run_ended(st, "run1", tok[::-1]) is None
     st.set(keys.RUN_STATE, "failed")  # overwritten by someone without the key
     assert signed.run_ended(st, "run1", tok) is None
+    # a signature binds its key's name: `done` signed for `final` (copied, with its signature, under run/state)
+    # is no run end
+    signed.set_signed(st, tok, "run1", keys.FINAL, "done")
+    st.multi_set([signed.sig_key(keys.RUN_STATE), keys.RUN_STATE], [st.get(signed.sig_key(keys.FINAL)), b"done"])
+    assert signed.run_ended(st, "run1", tok) is None and signed.verified(st, tok, "run1", keys.FINAL) == b"done"
 
 
 def test_sealed_values_verify_only_under_their_run_key_and_name(capsys: Any) -> None:
@@ -97,16 +133,22 @@ def test_sealed_logs_claims_and_hints_survive_garbage_on_a_real_store() -> None:
     st = connect_store(server.addr)
     sealed.bind("Aq3-Zt9_pL0wYv2s" * 2, "run1")
     recs = [{"kind": "epoch", "n": i} for i in range(5)]
-    for r in recs[:3]:
-        sealed.append(st, keys.EVENTS, r)
-    first = bytes(st.get(keys.EVENTS)).split(b"\n")[0]
-    st.append(keys.EVENTS, b"not json\n\xff\xfe garbage " + ESC.encode() + b"\n" + first + b"\n")  # + a copy
-    sealed.bind("Aq3-Zt9_pL0wYv2s" * 2, "run2")
-    sealed.append(st, keys.EVENTS, {"kind": "of another run"})
-    sealed.bind("Aq3-Zt9_pL0wYv2s" * 2, "run1")
-    for r in recs[3:]:
-        sealed.append(st, keys.EVENTS, r)
-    assert sealed.records(keys.EVENTS, st.get(keys.EVENTS)) == recs
+    log = LogReader(st, keys.EVENTS)  # (the events: a queue the launcher takes them from; the host history: a key)
+    for name, read in ((keys.EVENTS, log.read_bytes), (keys.HOST_HISTORY, lambda: st.get(keys.HOST_HISTORY))):
+        got = b""
+        for r in recs[:3]:
+            sealed.append(st, name, r)
+        got += read()
+        first = got.split(b"\n")[0]
+        junk = b"not json\n\xff\xfe garbage " + ESC.encode() + b"\n" + first + b"\n"  # + a copy
+        st.log_push(name, junk) if name == keys.EVENTS else st.append(name, junk)
+        sealed.bind("Aq3-Zt9_pL0wYv2s" * 2, "run2")
+        sealed.append(st, name, {"kind": "of another run"})
+        sealed.bind("Aq3-Zt9_pL0wYv2s" * 2, "run1")
+        for r in recs[3:]:
+            sealed.append(st, name, r)
+        got = got + read() if name == keys.EVENTS else read()
+        assert sealed.records(name, got) == recs, name
     for k in (keys.EXITS, keys.WORKER_EXITS, keys.START_FAILS, keys.desc_posted(0), "run/stop_claim", "c"):
         st.set(k, "garbage" + ESC)
     sealed.hint(st, keys.WORKER_EXITS)  # (never an `add`: the connection stays up)
@@ -119,7 +161,7 @@ def test_sealed_logs_claims_and_hints_survive_garbage_on_a_real_store() -> None:
     st.set(keys.fence("n0"), "1")  # a stranger's fence: not there for the job
     sealed.put(st, keys.fence("n1"), "1")
     assert sealed.present(st, [keys.fence("n0"), keys.fence("n1"), keys.fence("n2")]) == [False, True, False]
-    assert st.check([keys.EVENTS])  # the same connection still answers
+    assert st.check([keys.HOST_HISTORY])  # the same connection still answers
     values._noted.clear()
 
 
@@ -192,7 +234,8 @@ def _stranger(st: Any, run_dir: Path, evil: Path, launcher: subprocess.Popen[str
     cfg, run_dir_value, genuine = st.get(keys.CONFIG), st.get(keys.RUN_DIR), st.get(keys.EVENTS).split(b"\n")[0]
     for k, v in _forgeries(e, evil, cfg).items():
         st.set(k, v)
-    st.append(keys.EVENTS, b"not json " + ESC.encode() + b"\n\xff\xfe\n" + (genuine + b"\n") * 3)
+    # (the launcher takes the events from a queue, and keeps them under `events`: junk and copies go to the queue)
+    st.queue_push(keys.EVENTS_QUEUE, b"not json " + ESC.encode() + b"\n\xff\xfe\n" + (genuine + b"\n") * 3)
     st.append(keys.HOST_HISTORY, json.dumps({"kind": "quarantine", "host": "anything", "t": time.time()}) + "\n")
     st.append(f"sdc/accused/{e}", json.dumps({"node": "n1", "step": 3, "verdict": "forged"}) + "\n")
     did["forged"] = True
@@ -212,7 +255,7 @@ def _stranger(st: Any, run_dir: Path, evil: Path, launcher: subprocess.Popen[str
     did["restarted"] = time.monotonic() < deadline
     while launcher.poll() is None and time.monotonic() < deadline:
         try:
-            st.append(keys.EVENTS, "not json " + ESC + "\n{\"kind\": \"fault\"}\n[1]\n")
+            st.queue_push(keys.EVENTS_QUEUE, "not json " + ESC + "\n{\"kind\": \"fault\"}\n[1]\n")
             for k in (keys.EXITS, keys.MEMBERS, keys.WORKER_EXITS, keys.START_FAILS, keys.ADMIT_POSTED, "step/999"):
                 st.set(k, "garbage" + ESC)
             st.set(keys.fence("n0"), "1")
@@ -326,11 +369,18 @@ def test_token_files_must_be_private_and_tokens_strong(tmp_path: Path) -> None:
         auth.read_token_file(str(f))
     f.chmod(0o600)
     assert auth.resolve_token("", str(f)) == f.read_text().strip()
-    for weak in ("a" * 16, "a" * 40, "abcdefgh" * 4, "Password12345678"):
+    for weak in ("a" * 16, "a" * 40, "abcdefgh" * 4, "Password12345678", "Password123!Password123?",
+                 "correcthorsebatterystaple1", "CorrectHorseBatteryStaple1!", "Summer2024!Summer2024!xyz"):
         with pytest.raises(UserError, match=r"--token is too weak \(.*\): a job token needs 128 bits"):
             auth.check_token(weak, "--token")
-    for strong in (secrets.token_hex(16), secrets.token_urlsafe(16), auth.generate_token()):
-        assert auth.check_token(strong, "--token") == strong
+    for _ in range(200):  # random tokens as people make them pass (urlsafe 32: what `generate_token` makes)
+        for strong in (secrets.token_urlsafe(32), secrets.token_urlsafe(24), secrets.token_hex(32)):
+            assert auth.check_token(strong, "--token") == strong
+    # every MAC is keyed with the token stretched by scrypt (16 MiB): a guess costs that, not one HMAC
+    from phoenixft.controlplane import tokens
+
+    assert tokens.SCRYPT_N * tokens.SCRYPT_R * 128 >= 16 << 20
+    assert tokens.stretched("x" * 20) != tokens.stretched("x" * 21) and len(tokens.stretched("y" * 20)) == 32
     f.chmod(0o640)  # the command line: one line naming the flag, exit code 2, before anything starts
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     for cmd in (["agent", "--coordinator", "127.0.0.1:1", "--node", "x"], ["run", "--steps", "2"],

@@ -96,6 +96,9 @@ def test_signal_node_strikes_the_tree_below_its_root_and_nothing_beside_it(tmp_p
         assert len(tree) == 4 and len(beside) == 1, (tree, beside)
         assert {os.getpgid(p) for p in [script.pid, *tree, *beside]} == {script.pid}  # one group for all
         signal_node(root, signal.SIGSTOP)
+        deadline = time.monotonic() + 30  # (a signal is delivered when its process is next scheduled)
+        while any(state(p) != "T" for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert [state(p) for p in tree] == ["T"] * 4 and state(script.pid) == "S" and state(beside[0]) == "S"
         signal_node(root, signal.SIGKILL)
         deadline = time.monotonic() + 30

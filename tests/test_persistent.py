@@ -238,10 +238,16 @@ def _persister(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: object) ->
     return Persister(str(tmp_path), 1, store), store
 
 
-def _records(store: Any) -> list[dict[str, Any]]:
-    from phoenixft.controlplane import sealed
+_TAKEN: dict[int, list[dict[str, Any]]] = {}  # the events taken from each store's queue so far
 
-    return sealed.records(keys.EVENTS, store.get(keys.EVENTS))
+
+def _records(store: Any) -> list[dict[str, Any]]:
+    """The events so far (taken from the store's queue, as a launcher does: kept here)."""
+    from phoenixft.controlplane import LogReader, sealed
+
+    taken = _TAKEN.setdefault(id(store), [])
+    taken += sealed.records(keys.EVENTS, LogReader(store, keys.EVENTS).read_bytes())
+    return taken
 
 
 def _events(store: Any) -> list[tuple[str, int]]:

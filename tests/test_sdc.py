@@ -213,3 +213,25 @@ def test_a_long_clean_run_with_every_check_on_accuses_nobody(tmp_path: Path, pre
     assert [v["step"] for v in sdc["verdicts"]] == [d["step"] for d in sdc["detections"]], sdc
     assert all(v["verdict"] == "genuine" and v["node"] is None and v["candidates"] == [] for v in sdc["verdicts"]), \
         sdc["verdicts"]
+
+
+def test_the_spike_guard_guards_the_steps_right_after_a_hot_swap(tmp_path: Path, reference,  # type: ignore[no-untyped-def]
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node killed at step 9 and hot-swapped (the run resumes at step 8), then the data's genuine spike at
+    step 12, three steps after the join: every member, the promoted spare too, took the window of the steps up
+    to the resume step from the run's records, so the guard flags the spike (an empty window would have held
+    three steps, fewer than it needs to judge anything); its replay is equal, nobody is fenced, and the run
+    ends bitwise equal to one without any check."""
+    here = str(Path(__file__).resolve().parent)
+    on_pythonpath(here, monkeypatch)
+    wl = "user_workload:spike_workload"
+    ref = reference(nodes=3, steps=14, workload=wl, spike_threshold=-1, sdc_check_every=0)
+    rep = run(tmp_path, nodes=3, spares=1, steps=14, workload=wl, inject=["kill:node=1@step=9"])
+    assert rep["state"] == "done", rep.get("error")
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["resumed_step"] == 8 and rec["promoted"] == ["s0"], rec
+    (det,) = rep["sdc"]["detections"]
+    assert det["check"] == "spike guard" and det["step"] == 12 and det["reason"].startswith("loss "), det
+    (v,) = rep["sdc"]["verdicts"]
+    assert v["verdict"] == "genuine" and v["node"] is None and rep["sdc"]["nodes_named"] == []
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]

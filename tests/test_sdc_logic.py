@@ -9,6 +9,7 @@ import math
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from phoenixft.sdc.logic import Computation, SpikeGuard, add_fp, diverged, fingerprint, judge
@@ -175,3 +176,16 @@ def test_the_honest_limits_of_a_sampled_audit_name_the_steps_and_the_checkpoint(
                    "steps_that_may_be_affected": [13, 19], "resume_from_checkpoint_before": 13,
                    "checkpoint": str(tmp_path / "step_00000010")}
     assert _limits(cfg.replace(sdc_audit="full"), log, verdicts) == []
+
+
+def test_check_costs_per_step_are_amortised_means_with_the_median_beside() -> None:
+    """A sampled audit every 10 steps costs a tenth of one audit per step (its median is 0: most steps run none);
+    the share of the step is amortised too."""
+    from phoenixft.sdc.report import _costs
+
+    steps = [{"step": s, "dt": 0.1, "sdc_params_s": 0.001, "sdc_guard_s": 0.0005,
+              "sdc_audit_s": 0.05 if s % 10 == 0 else 0.0} for s in range(1, 101)]
+    c = _costs(steps)
+    assert c["audit_s"] == pytest.approx(0.005) and c["audit_median_s"] == 0.0
+    assert c["params_s"] == pytest.approx(0.001) and c["params_median_s"] == pytest.approx(0.001)
+    assert c["total_s"] == pytest.approx(0.0065) and c["share_of_step"] == pytest.approx(0.065)

@@ -98,6 +98,7 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
             {
                 "nodes": 2,
                 "workers_per_node": 2,
+        "replicas": 1,
                 "spares": 4,
                 "steps": 50,
                 "protect": "phoenix",
@@ -111,6 +112,7 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
         "epoch": 0,
         "nodes": ["n0", "n1"],
         "workers_per_node": 2,
+        "replicas": 1,
         "resume_step": 0,
         "meta": {},
     }
@@ -118,6 +120,7 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
         "epoch": 1,
         "nodes": ["s0", "n1"],
         "workers_per_node": 2,
+        "replicas": 1,
         "resume_step": 9,
         "meta": {"dead": ["n0"], "promoted": ["s0"], "class": "permanent", "action": "hotswap"},
     }
@@ -126,6 +129,7 @@ def test_status_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
         "racks": 2,
         "nodes": ["s1", "n1"],
         "workers_per_node": 2,
+        "replicas": 1,
         "resume_step": 19,
         "meta": {"dead": ["s0"], "promoted": ["s1"], "class": "permanent", "action": "hotswap"},
     }

@@ -167,16 +167,37 @@ def test_reads_without_blocking(store: Store) -> None:
 
 
 def test_appended_log_is_read_incrementally(store: Store) -> None:
+    key = "hosts/history"
+    assert store.read_appended(key, 0)[0] == b""
+    store.append(key, "a\n")
+    store.append(key, "b\n")
+    raw, cursor = store.read_appended(key, 0)
+    assert raw == b"a\nb\n"
+    store.append(key, "c\n")
+    raw, cursor = store.read_appended(key, cursor)
+    assert raw == b"c\n" and store.read_appended(key, cursor)[0] == b""
+    raw, cursor = store.read_appended(key, 0)
+    assert raw == b"a\nb\nc\n" and store.read_appended(key, cursor)[0] == b""
+
+
+def test_a_log_is_taken_incrementally_however_long_it_grew(store: Store) -> None:
+    """`log_push`/`log_take` (the events): each take returns what was pushed since the last, in order; on a
+    TCPStore it pops a queue, so a take costs what was added, not the log's length, and a `set` or `delete_key`
+    of the log's name by someone else touches nothing pushed."""
     key = "events"
     log = LogReader(store, key)
     assert log.read() == ""
-    store.append(key, "a\n")
-    store.append(key, "b\n")
-    assert log.read() == "a\nb\n"
-    store.append(key, "c\n")
-    assert log.read() == "c\n" and log.read() == ""
-    raw, cursor = store.read_appended(key, 0)
-    assert raw == b"a\nb\nc\n" and store.read_appended(key, cursor)[0] == b""
+    for i in range(50):
+        store.log_push(key, f"{i}\n")
+    assert log.read() == "".join(f"{i}\n" for i in range(50)) and log.read() == ""
+    store.log_push(key, b"x\n")
+    if store.consumes_logs:
+        store.set(key, "junk")
+        store.delete_key(key)
+        store.log_push(key, b"\xff" * (1 << 20))  # (a megabyte pushed once is read once)
+        assert log.read_bytes() == b"x\n" + b"\xff" * (1 << 20) and log.read_bytes() == b""
+    else:
+        assert log.read() == "x\n"
 
 
 # ---------------------------------------------------------------------- the client and the backend

@@ -265,30 +265,30 @@ def test_status_reaches_a_tls_head_through_its_gateway(tmp_path: Path, capsys: p
     own, stopped when it is done); with another CA's certificate it is one line naming --coordinator."""
     from phoenixft.cli.main import main
     from phoenixft.controlplane import keys
-    from phoenixft.controlplane.server import serve_store
-    from phoenixft.controlplane.tls import start_gateway
+    from phoenixft.controlplane.front import serve_job_store
+    from phoenixft.controlplane.storewire import Limits
     from phoenixft.distributed.comm import connect_store
     from phoenixft.observe import status as status_mod
 
     d, other = tmp_path / "pki", tmp_path / "other"
     make_certs(d, ["job"], [])
     make_certs(other, ["job"], [])
-    server = serve_store("127.0.0.1", 0)
-    store = connect_store(server.addr)
+    front = serve_job_store("127.0.0.1", 0, TlsFiles(*(_tls_args(d)[1::2])).env(), Limits())
+    gw_addr = front.public_addr  # (the TLS gateway's address)
+    store = connect_store(front.local_addr)
     store.set(keys.CONFIG, RunConfig(nodes=2, steps=50).to_json())
     store.set(keys.PROGRESS, "7")
-    gw = start_gateway("127.0.0.1", 0, server.port, TlsFiles(*(_tls_args(d)[1::2])))
     try:
-        assert main(["status", "--coordinator", gw.addr, "--json", "--events", "0", *_tls_args(d)]) == 0
+        assert main(["status", "--coordinator", gw_addr, "--json", "--events", "0", *_tls_args(d)]) == 0
         js = json.loads(capsys.readouterr().out)
         assert js["config"]["nodes"] == 2 and js["progress"]["step"] == 7, js
         assert status_mod._RELAYS == []
-        assert main(["status", "--coordinator", gw.addr, "--timeout", "3", "--tls-cert", str(other / "job.crt"),
+        assert main(["status", "--coordinator", gw_addr, "--timeout", "3", "--tls-cert", str(other / "job.crt"),
                      "--tls-key", str(other / "job.key"), "--tls-ca", str(other / "ca.crt")]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and f"--coordinator={gw.addr}: no TLS channel" in err, err
+        assert len(err.splitlines()) == 1 and f"--coordinator={gw_addr}: no TLS channel" in err, err
     finally:
-        gw.stop()
+        front.stop()
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary (apt-get install etcd-server)")
@@ -430,3 +430,103 @@ def test_the_record_a_node_writes_just_before_it_dies_gets_through_its_forwarder
         (rec,) = rep["recoveries"]
         assert rec.get("fault") == "kill:node=1@step=6,wait=60", rec
         assert [f["spec"] for f in rep["faults"]] == ["kill:node=1@step=6,wait=60"], rep["faults"]
+
+
+def test_the_gateway_caps_idle_connections_and_times_them_out(tmp_path: Path) -> None:
+    """1,100 connections that never complete a TLS handshake, from one address: the gateway holds at most its
+    per-address cap of them (the rest closed at once: its open files are never exhausted), closes each held one
+    after its handshake timeout, and serves a client of the job CA from another address throughout."""
+    import datetime
+    import resource
+
+    import torch.distributed as dist
+
+    from phoenixft.controlplane import tlsproxy
+    from phoenixft.controlplane.front import serve_job_store
+    from phoenixft.controlplane.storewire import Limits
+    from phoenixft.controlplane.tls import start_forwarder
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))  # (this test holds 1,100)
+    make_certs(tmp_path, ["job"], [])
+    files = TlsFiles(str(tmp_path / "job.crt"), str(tmp_path / "job.key"), str(tmp_path / "ca.crt"))
+    front = serve_job_store("127.0.0.2", 0, files.env(), Limits())  # (the idle ones come from 127.0.0.1)
+    host, port = front.public_addr.rsplit(":", 1)
+    idle: list[socket.socket] = []
+    fwd = None
+    try:
+        for _ in range(1100):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.connect((host, int(port)))
+            idle.append(s)
+        time.sleep(1.0)
+        held = sum(1 for s in idle if _open(s))
+        assert held <= tlsproxy.MAX_PER_ADDRESS < len(idle), held
+        fwd = start_forwarder(front.public_addr, files)  # (from 127.0.0.2: another address)
+        ours = dist.TCPStore("127.0.0.1", fwd.port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+        ours.set("still", b"served")
+        assert ours.get("still") == b"served"
+        time.sleep(tlsproxy.HANDSHAKE_TIMEOUT_S + 1.0)
+        assert sum(1 for s in idle if _open(s)) == 0  # every idle one closed after its handshake timeout
+    finally:
+        for s in idle:
+            s.close()
+        if fwd is not None:
+            fwd.stop()
+        front.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _open(s: socket.socket) -> bool:
+    """The peer has not closed `s` (nothing to read, no EOF)."""
+    s.setblocking(False)
+    try:
+        return bool(s.recv(1, socket.MSG_PEEK)) or False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def test_the_gateway_refuses_a_client_without_a_certificate_of_the_job_ca(tmp_path: Path) -> None:
+    """The store's TLS gateway: a client of the job CA is let in; a TLS client presenting no certificate, one
+    of another CA, and a plain TCPStore client are refused before a byte reaches the store (nothing written)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from phoenixft.controlplane import tls
+    from phoenixft.controlplane.front import serve_job_store
+    from phoenixft.controlplane.storewire import Limits
+
+    make_certs(tmp_path / "pki", ["job"], [])
+    make_certs(tmp_path / "other", ["job"], [])
+    files = TlsFiles(str(tmp_path / "pki/job.crt"), str(tmp_path / "pki/job.key"), str(tmp_path / "pki/ca.crt"))
+    other = TlsFiles(str(tmp_path / "other/job.crt"), str(tmp_path / "other/job.key"), files.ca)
+    front = serve_job_store("127.0.0.2", 0, files.env(), Limits())
+    host, port = front.public_addr.rsplit(":", 1)
+    try:
+        assert tls.probe(host, int(port), files) is None
+        assert tls.probe(host, int(port), other) is not None
+        bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        bare.check_hostname, bare.verify_mode = False, ssl.CERT_NONE
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            try:
+                with bare.wrap_socket(raw) as s:
+                    s.settimeout(2)
+                    s.sendall(b"\x00\xce\xf7\x85<\x01\x06\x00\x00\x00\x00\x00\x00\x00/stray\x01\x00\x00\x00\x00"
+                              b"\x00\x00\x00x")  # (a TCPStore hello and a set, sent in the clear of TLS)
+                    got = s.recv(1)
+            except (ssl.SSLError, OSError):
+                got = b""
+        assert got == b"", "a client without a certificate got an answer"
+        with pytest.raises(Exception):  # noqa: B017 - (a plain TCPStore client: its hello is no TLS handshake)
+            dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=3))
+        ours = dist.TCPStore("127.0.0.1", int(front.local_addr.rsplit(":", 1)[1]), is_master=False,
+                             wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+        assert not ours.check(["stray"])  # nothing reached the store
+    finally:
+        front.stop()

@@ -71,10 +71,12 @@ def test_user_workload_trains(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--model", "huge"], "--model='huge' is invalid: valid presets: nano, tiny, small, medium"),
+        (["--model", "huge"], "--model='huge' is invalid: valid presets of the built-in GPT: nano, tiny, small, "
+                              "medium"),
         (["--nodes", "0"], "--nodes=0 is invalid"),
         (["--nodes", "2", "--microbatches", "3"], "--microbatches=3 is invalid: must be a multiple"),
-        (["--workload", "no_such_module:fn"], "--workload='no_such_module:fn' does not import"),
+        (["--workload", "no_such_module:fn"], "--workload='no_such_module:fn': no module named 'no_such_module' "
+                                              "(searched the current directory"),
         (["--inject", "kill:node=7@step=2"], "node must be in 0..1"),
         (["--inject", "kill:node=0@step=2,phase=lunch"],
          "valid phases: forward, backward, replicate, optimizer, recovery"),

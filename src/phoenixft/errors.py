@@ -62,7 +62,8 @@ def user_traceback(exc: BaseException) -> tuple[str, str]:
     first = mine[0] if mine else next((i for i, f in enumerate(frames) if not f.filename.startswith(_OWN)), 0)
     inner = frames[mine[-1]] if mine else (frames[-1] if frames else None)
     where = f"{inner.filename}:{inner.lineno} in {inner.name}" if inner is not None else "(no frame)"
-    callers = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[:first]))
+    callers = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[:first])
+                          if f.filename.startswith(_OWN))
     head = "Traceback of the error in your code (most recent call last)" + (
         f"; called from phoenixft at {callers}" if callers else "") + ":\n"
     text = head + "".join(traceback.format_list(frames[first:])) + "".join(traceback.format_exception_only(exc))

@@ -1,7 +1,9 @@
 """The workload interface: how users train *their own* model under phoenixft.
 
 A workload factory is a function `f(ctx: WorkloadContext) -> Workload`, named on the command
-line as `--workload pkg.module:function`. The three callables it returns must be deterministic:
+line as `--workload pkg.module:function` (a module in the current directory, on PYTHONPATH or installed)
+or `--workload path/to/file.py:function` (loaded as `python file.py` runs it). The three callables it
+returns must be deterministic:
 
 - `build_model()` builds the model (called under `torch.manual_seed(ctx.seed)` on every rank);
 - `loss(model, batch)` returns the scalar loss of one microbatch;
@@ -22,12 +24,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from phoenixft.config.training import is_file_spec
 from phoenixft.errors import UserError, user_traceback
 
 __all__ = ["Workload", "WorkloadContext", "load_workload", "check_workload_path", "unsupported_parameters",
@@ -67,18 +73,115 @@ class Workload:
 MODULE_ALIASES = {"phoenixft.gpt": "phoenixft.train.gpt"}
 
 
+_FILES: dict[str, Any] = {}  # a workload file loaded once per process, by its path
+
+
+def _import_file(target: str, spec: str) -> Any:
+    """The module of the file `target`, loaded as `python FILE` would run it (its directory first on sys.path,
+    so that the modules beside it import)."""
+    path = os.path.abspath(os.path.expanduser(target))
+    if path in _FILES:
+        return _FILES[path]
+    if not os.path.isfile(path):
+        raise UserError(f"--workload={spec!r} is invalid: there is no file {path} (a relative path is taken from the "
+                        f"current directory, {os.getcwd()})")
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name in sys.modules and os.path.abspath(getattr(sys.modules[name], "__file__", "") or "") != path:
+        name = f"{name}_{abs(hash(path)):x}"  # (another module of that name is imported: keep both)
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    assert mod_spec is not None and mod_spec.loader is not None
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = mod
+    try:
+        mod_spec.loader.exec_module(mod)
+    except Exception as e:  # noqa: BLE001 - user code: one line, with its own traceback above it
+        del sys.modules[name]
+        where, trace = user_traceback(e)
+        raise UserError(f"--workload={spec!r} does not import: {type(e).__name__}: {e} (at {where})",
+                        detail=trace) from None
+    _FILES[path] = mod
+    return mod
+
+
+def _nearby(top: str, limit: int = 4) -> list[str]:
+    """Files `TOP.py` (or packages `TOP/`) within three directories below the current one: where a module the
+    user named may be."""
+    found: list[str] = []
+    base = os.getcwd()
+    for root, dirs, files in os.walk(base):
+        depth = os.path.relpath(root, base).count(os.sep) + (root != base)
+        dirs[:] = [] if depth >= 3 else sorted(d for d in dirs if not d.startswith((".", "__")) and
+                                                d not in ("node_modules", "site-packages", "venv", ".venv"))
+        if f"{top}.py" in files:
+            found.append(os.path.relpath(os.path.join(root, f"{top}.py"), base))
+        if top in dirs and os.path.isfile(os.path.join(root, top, "__init__.py")):
+            found.append(os.path.relpath(os.path.join(root, top), base) + os.sep)
+        if len(found) >= limit:
+            break
+    return found
+
+
+def _not_found(spec: str, name: str, fn: str) -> str:
+    """Why module `name` of `spec` cannot be imported: where it was looked for, and what would fix it."""
+    top = name.split(".")[0]
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    searched = (f"searched the current directory ({os.getcwd()}), PYTHONPATH ({pythonpath or 'not set'}) and the "
+                "installed packages")
+    files = [f for f in _nearby(top) if f.endswith(".py")] if "." not in name else _nearby(top)
+    if files:
+        f = files[0]
+        folder = os.path.dirname(f.rstrip(os.sep)) or "."
+        give = f"give the file, --workload {f}:{fn}, or " if f.endswith(".py") else ""
+        fix = (f"found {', '.join(files)} below the current directory: {give}put its directory on PYTHONPATH "
+               f"(PYTHONPATH={folder} phoenixft ...)")
+    else:
+        fix = (f"run from the directory that holds {top}.py, put that directory on PYTHONPATH "
+               f"(PYTHONPATH=DIR phoenixft ...), or give the file: --workload path/to/{top}.py:{fn}")
+    return f"--workload={spec!r}: no module named {name!r} ({searched}); {fix}"
+
+
+def _import_module(name: str, spec: str, fn: str) -> Any:
+    """Module `name`, looked for as `python -m` would (the current directory too), then on sys.path."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # (the `phoenixft` script's own directory is first on its path, not the current one)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if missing and (name == missing or name.startswith(missing + ".")):
+            raise UserError(_not_found(spec, name, fn)) from None
+        where, trace = user_traceback(e)
+        raise UserError(f"--workload={spec!r} does not import: it imports {missing!r}, which is not installed or not "
+                        f"on the path (at {where}; `pip install` it, or put its directory on PYTHONPATH)",
+                        detail=trace) from None
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix: one line, with its traceback
+        where, trace = user_traceback(e)
+        raise UserError(f"--workload={spec!r} does not import: {type(e).__name__}: {e} (at {where})",
+                        detail=trace) from None
+
+
 def _resolve(path: str) -> Callable[[WorkloadContext], Workload]:
     if ":" not in path:
-        raise UserError(f"--workload={path!r} is invalid: expected 'pkg.module:function'")
-    mod_name, fn_name = path.split(":", 1)
-    mod_name = MODULE_ALIASES.get(mod_name, mod_name)
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
-        raise UserError(f"--workload={path!r} does not import: {type(e).__name__}: {e}") from None
+        raise UserError(f"--workload={path!r} is invalid: expected 'pkg.module:function' or "
+                        "'path/to/file.py:function'")
+    target, fn_name = path.rsplit(":", 1)
+    if not target or not fn_name:
+        raise UserError(f"--workload={path!r} is invalid: expected 'pkg.module:function' or "
+                        "'path/to/file.py:function'")
+    if is_file_spec(target):
+        mod = _import_file(target, path)
+    else:
+        mod = _import_module(MODULE_ALIASES.get(target, target), path, fn_name)
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
-        raise UserError(f"--workload={path!r} is invalid: module {mod_name!r} has no function {fn_name!r}")
+        names = sorted(n for n, v in vars(mod).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == mod.__name__)
+        raise UserError(f"--workload={path!r} is invalid: {target} has no function {fn_name!r}"
+                        + (f" (its functions: {', '.join(names[:12])})" if names else ""))
     return fn
 
 

@@ -49,9 +49,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def coordinator(args: argparse.Namespace) -> int:
-    from phoenixft.controlplane import auth
     from phoenixft.errors import UserError
-    from phoenixft.runtime.launcher import INTERRUPTED, run_job
 
     if args.standby:
         from phoenixft.controlplane.tls import TlsFiles
@@ -67,10 +65,16 @@ def coordinator(args: argparse.Namespace) -> int:
                         "coordinator)")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port={args.port} is invalid: must be in 0..65535 (0 = any free port)")
+    # the run's own values first, checked before anything imports torch; a --token first of all (it is scrubbed
+    # from the command line as it is checked)
+    cfg = None if args.token else config_from_args(args)
+    from phoenixft.controlplane import auth
+    from phoenixft.runtime.launcher import INTERRUPTED, run_job
+
     token = auth.resolve_token(args.token, args.token_file)
     if token:
         auth.check_token(token, auth.token_source(args.token, args.token_file))
-    cfg = config_from_args(args)
+    cfg = cfg or config_from_args(args)
     report = run_job(cfg, host=args.host, port=args.port, token=token, local=False)
     if report.get("state") == INTERRUPTED:  # stopped by Ctrl-C, SIGTERM or SIGHUP, as `phoenixft run`
         return 130
@@ -108,7 +112,9 @@ def standby(url: str, token_flag: str, token_file: str = "") -> int:
         raise UserError(f"--standby={url}: no phoenixft job there (no config under that prefix; use the URL the "
                         "head prints)")
     if store.check([keys.RUN_STATE]):
-        raise UserError(f"--standby={url}: that job has ended ({store.get(keys.RUN_STATE).decode()})")
+        from phoenixft.controlplane.values import clean
+
+        raise UserError(f"--standby={url}: that job has ended ({clean(store.get(keys.RUN_STATE), 80)})")
     try:
         matches = auth.token_matches_job(store, token)
     except Exception as e:  # noqa: BLE001 - StoreUnavailable, StoreError, OSError

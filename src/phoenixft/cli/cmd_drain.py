@@ -51,12 +51,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _address(args: argparse.Namespace) -> str:
     if args.coordinator:
         return str(args.coordinator)
-    d = Path(args.run_dir)
-    for name, fmt in (("control_plane", "{}"), ("coordinator.port", "127.0.0.1:{}")):
-        if (d / name).is_file():
-            return fmt.format((d / name).read_text().strip())
-    raise UserError(f"--run-dir={args.run_dir}: not the directory of a running `phoenixft run` (no "
-                    "coordinator.port in it)")
+    from phoenixft.runtime.rundir import store_address
+
+    return store_address(args.run_dir)
 
 
 def _bind(args: argparse.Namespace, store: Any, addr: str) -> None:

@@ -25,12 +25,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from phoenixft.controlplane import auth
     flag, path = getattr(args, "token", ""), getattr(args, "token_file", "")
+    # the run's own values first, checked before anything imports torch; but a --token first of all (it is
+    # scrubbed from the command line as it is checked: `ps` must not show it while the config is checked)
+    cfg = None if flag else config_from_args(args)
+    from phoenixft.controlplane import auth
     token = auth.resolve_token(flag, path)
     if token:
         auth.check_token(token, auth.token_source(flag, path))
-    cfg = config_from_args(args)
+    cfg = cfg or config_from_args(args)
     if getattr(args, "dry_run", False):
         from phoenixft.protect.redundancy.estimate import estimate_config, format_estimate
 

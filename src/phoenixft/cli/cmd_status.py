@@ -1,4 +1,5 @@
-"""`phoenixft status --coordinator HOST:PORT`: membership, epoch, spares, progress and events of a live run.
+"""`phoenixft status (--coordinator HOST:PORT | --run-dir DIR)`: membership, epoch, spares, progress and events
+of a live run.
 
 Read-only; connects to the coordinator's store with a timeout (`--timeout`, default 5 s) and prints
 the status (or `--json`). With `--tls-cert/--tls-key/--tls-ca` it reaches a head started with TLS
@@ -25,12 +26,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="show membership, epoch, spares, progress and last events of a running job",
         description="Connect to a running job's coordinator (read-only) and show its current "
         "epoch and membership, the spare pool, progress, run state and last events. "
-        "For a local run the port is in RUN_DIR/coordinator.port.",
+        "For a run on this host, --run-dir DIR finds it.",
     )
-    p.add_argument(
-        "--coordinator", required=True, metavar="HOST:PORT",
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--coordinator", metavar="HOST:PORT",
         help="address of the coordinator's store (or the job's etcd:// URL)",
     )
+    where.add_argument("--run-dir", metavar="DIR", help="the run directory of a live `phoenixft run` (or of a "
+                       "`phoenixft coordinator` on this host): its store's address, and its token file when the "
+                       "run generated one")
     p.add_argument(
         "--events", type=int, default=10, metavar="N", help="how many of the last events to show (10)"
     )
@@ -57,6 +62,11 @@ def status(args: argparse.Namespace) -> int:
     from phoenixft.controlplane import describe
     from phoenixft.observe.status import close_relays, connect, format_status, left_behind, parse_address, read_status
 
+    if args.run_dir:  # (this host's run: its store on loopback, or its cluster's URL; its generated token)
+        from phoenixft.runtime.rundir import store_address, token_file
+
+        args.coordinator = store_address(args.run_dir)
+        args.token_file = args.token_file or token_file(args.run_dir)
     if not describe(args.coordinator).replicated:
         parse_address(args.coordinator)  # (a cluster's URL is checked by connect)
     if not args.timeout > 0:
@@ -71,8 +81,13 @@ def status(args: argparse.Namespace) -> int:
         store = connect(args.coordinator, args.timeout, files, token)
         st = read_status(store, args.coordinator, args.timeout, events=args.events)
     except UserError as e:
+        if args.run_dir and str(e).startswith("cannot reach"):  # (named as the user gave it)
+            report = os.path.join(args.run_dir, "report.json")
+            ended = f"; it has ended: its report is {report}" if os.path.exists(report) else ""
+            e = UserError(f"--run-dir={args.run_dir}: its run does not answer at {args.coordinator}{ended} "
+                          f"({str(e).split('(', 1)[-1]}")
         if not left_behind():
-            raise
+            raise e from None
         # a thread is stuck inside the c10d client: the interpreter's shutdown would abort the
         # process (SIGABRT) when it ends that thread, so the error is printed here and the exit is hard
         print(f"phoenixft status: error: {e}", file=sys.stderr, flush=True)

@@ -55,6 +55,11 @@ class ControlPlaneConfig:
                            "HTTPS with this client certificate (and a local one started with TLS).",
                            flag="--tls-cert")
     tls_key: str = option("", "The private key of --tls-cert (PEM; yours, mode 0600).", flag="--tls-key")
+    store_max_mb: int = option(1024, "The most the TCPStore holds, in MiB (its values and queued items, whoever wrote "
+                               "them): a write past it closes its writer's connection, so nothing that reaches the "
+                               "store can grow it past this.", flag="--store-max-mb")
+    store_max_keys: int = option(1_000_000, "The most keys the TCPStore holds (whoever wrote them): a write past it "
+                                 "closes its writer's connection.", flag="--store-max-keys")
     tls_ca: str = option("", "The job CA's certificate (PEM): only peers presenting a certificate it signed are "
                          "let in.", flag="--tls-ca")
 
@@ -65,15 +70,13 @@ def validate_control_plane(cfg: RunConfig) -> None:
     # (the collectives wait up to 6x this, in milliseconds that gloo keeps in a 32-bit int)
     real(c.failure_timeout, 0 < c.failure_timeout <= MAX_FAILURE_TIMEOUT_S, "--failure-timeout",
          f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
-    from phoenixft.controlplane import validate_spec
-
-    why = validate_spec(c.control_plane)
-    need(why is None, "--control-plane", c.control_plane, why or "")
     need(1 <= c.coordinators <= 9, "--coordinators", c.coordinators, "must be in 1..9")
     need(c.coordinators == 1 or c.control_plane != "tcpstore", "--coordinators", c.coordinators,
          "standby coordinators need --control-plane etcd or etcd://HOST:PORT,... (with the embedded tcpstore the "
          "store lives in the launcher's process, so a standby would not remove the single point of failure)")
     real(c.join_timeout, c.join_timeout > 0, "--join-timeout", "> 0 seconds")
+    need(64 <= c.store_max_mb <= 1 << 20, "--store-max-mb", c.store_max_mb, "must be in 64..1048576 (MiB)")
+    need(10_000 <= c.store_max_keys <= 1 << 30, "--store-max-keys", c.store_max_keys, "must be in 10000..1073741824")
     real(c.start_grace, 0 < c.start_grace <= MAX_FAILURE_TIMEOUT_S, "--start-grace",
          f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
     real(c.straggler_factor, c.straggler_factor == 0 or 1 < c.straggler_factor <= 1000, "--straggler-factor",
@@ -81,6 +84,13 @@ def validate_control_plane(cfg: RunConfig) -> None:
     need(1 <= c.straggler_window <= 1_000_000, "--straggler-window", c.straggler_window,
          "must be in 1..1000000 (consecutive steps)")
     real(c.timeout, c.timeout >= 0, "--timeout", ">= 0 seconds (0 = no limit)")
-    from phoenixft.controlplane.tls import TlsFiles
+    # last, and only when given: the control plane's package imports torch (the store client)
+    if c.control_plane != "tcpstore":
+        from phoenixft.controlplane import validate_spec
 
-    TlsFiles.given(c.tls_cert, c.tls_key, c.tls_ca)  # (files present, key private, cert signed by the CA)
+        why = validate_spec(c.control_plane)
+        need(why is None, "--control-plane", c.control_plane, why or "")
+    if c.tls_cert or c.tls_key or c.tls_ca:
+        from phoenixft.controlplane.tls import TlsFiles
+
+        TlsFiles.given(c.tls_cert, c.tls_key, c.tls_ca)  # (files present, key private, cert signed by the CA)

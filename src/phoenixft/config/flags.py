@@ -24,7 +24,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] 
 def config_from_args(args: argparse.Namespace, validate: bool = True) -> RunConfig:
     """The RunConfig of parsed flags, validated unless `validate` is False (the caller then checks its own
     requirements first and calls `validate()` itself)."""
-    cfg = RunConfig(**{f.name: getattr(args, f.name) for f in run_fields() if hasattr(args, f.name)})
+    given = {f.name: getattr(args, f.name) for f in run_fields() if hasattr(args, f.name)}
+    if isinstance(given.get("workload"), str):  # a file's path absolute: the workers find the same file
+        from phoenixft.config.training import absolute_workload
+
+        given["workload"] = absolute_workload(given["workload"])
+    cfg = RunConfig(**given)
     if validate:
         cfg.validate()
     return cfg

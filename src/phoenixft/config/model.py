@@ -21,10 +21,10 @@ _NUMEL: dict[tuple[Any, ...], int | None] = {}
 
 def validate_split(cfg: RunConfig) -> None:
     """--tp/--pp > 1: the workload loads and its model splits over the mesh (checked with the mesh's
-    sizes, before the sections that build on the mesh)."""
-    from phoenixft.workload import check_workload_path
-
+    sizes, before the sections that build on the mesh; only then is torch imported)."""
     if cfg.tp * cfg.pp > 1:
+        from phoenixft.workload import check_workload_path
+
         check_workload_path(cfg.workload)
         _check_split(cfg)
 

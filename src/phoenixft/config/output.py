@@ -30,11 +30,14 @@ class OutputConfig:
     tensorboard: str = option("", "Write TensorBoard event files to this directory as the run goes (loss, lr, "
                               "grad norm, step time, goodput and badput, recoveries); needs "
                               "`pip install 'phoenixft[metrics]'`.")
-    metrics_port: int = option(-1, "Serve Prometheus metrics on this port of the coordinator's address (127.0.0.1 "
-                               "for run, --host for coordinator) while the run goes (/metrics: steps, recoveries by "
-                               "class, goodput and badput, per-node step and compute time); 0 picks a free port "
+    metrics_port: int = option(-1, "Serve Prometheus metrics on this port of --metrics-host while the run goes "
+                               "(/metrics: steps, recoveries by class, goodput and badput, per-node step and "
+                               "compute time; unauthenticated: whoever reaches it reads them); 0 picks a free port "
                                "(printed, and in RUN_DIR/metrics.port); -1: none. Needs "
                                "`pip install 'phoenixft[metrics]'`.", flag="--metrics-port")
+    metrics_host: str = option("127.0.0.1", "The address --metrics-port listens on: this host's loopback unless "
+                               "you name another (e.g. the head's address, for a Prometheus server elsewhere).",
+                               flag="--metrics-host")
 
 
 def validate_output(cfg: RunConfig) -> None:

@@ -3,10 +3,14 @@ spare nodes and racks, and the per-worker resources (threads, gradient buckets).
 
 from __future__ import annotations
 
+import glob
+import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from phoenixft.config.checks import MAX_THREADS, MAX_WORKERS, need, real
+from phoenixft.config.names import DEVICES
 from phoenixft.config.options import option
 
 if TYPE_CHECKING:
@@ -49,7 +53,7 @@ class ParallelismConfig:
         agent and workers (`auto` stays `auto` in the published config)."""
         if self.workers_per_node == 0:
             self.workers_per_node = max(1, self.tp)
-            if self.device in ("auto", "cuda"):
+            if self.device in ("auto", "cuda") and _may_have_gpus(self.device):
                 from phoenixft.distributed.device import resolve_device, visible_gpus
 
                 gpus = visible_gpus() if resolve_device(self.device) == "cuda" else 0
@@ -57,11 +61,20 @@ class ParallelismConfig:
                     self.workers_per_node = gpus
 
 
+def _may_have_gpus(device: str) -> bool:
+    """Whether this host may have a GPU for `device` (decided without importing torch): not with `auto` pinned
+    to cpu ($PHOENIXFT_AUTO_DEVICE), nor on Linux without any of the device files through which CUDA reaches an
+    NVIDIA GPU (as `distributed.device` judges a host before it asks torch)."""
+    if device == "auto" and os.environ.get("PHOENIXFT_AUTO_DEVICE") == "cpu":
+        return False
+    if not sys.platform.startswith("linux"):
+        return True
+    return bool(glob.glob("/dev/nvidia*") or glob.glob("/dev/nvhost-*") or os.path.exists("/dev/dxg"))
+
+
 def validate_parallelism(cfg: RunConfig) -> None:
     """The device, the job's size, the mesh it is cut into, racks, spares and per-worker resources."""
     p = cfg.parallelism
-    from phoenixft.distributed.device import DEVICES
-
     # (whether CUDA is there is checked where the workers run: by each agent, for its host)
     need(p.device in ("auto", *DEVICES), "--device", p.device, f"one of auto, {', '.join(DEVICES)}")
     _validate_size(p)

@@ -73,7 +73,7 @@ class ProtectionConfig:
         k = replicas_of(str(self.redundancy))
         if k == 1 and self.replicas != 1:
             self.redundancy = f"replicas:{self.replicas}"
-        elif k is not None and self.replicas == 1:
+        elif k is not None and k >= 1 and self.replicas == 1:  # (a K < 1 stays --redundancy's: refused as such)
             self.replicas = k
 
     @property

@@ -175,6 +175,8 @@ class RunConfig:
     tls_cert = _Flat[str]("control")
     tls_key = _Flat[str]("control")
     tls_ca = _Flat[str]("control")
+    store_max_mb = _Flat[int]("control")
+    store_max_keys = _Flat[int]("control")
     health_gate = _Flat[bool]("health")
     health_check = _Flat[str]("health")
     health_check_timeout = _Flat[float]("health")
@@ -190,6 +192,7 @@ class RunConfig:
     json_events = _Flat[bool]("output")
     tensorboard = _Flat[str]("output")
     metrics_port = _Flat[int]("output")
+    metrics_host = _Flat[str]("output")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -230,9 +233,10 @@ class RunConfig:
         return 3 * self.failure_timeout + 60.0 + (self.mesh_spare_wait_s if self.tp * self.pp > 1 else 0.0)
 
     def validate(self) -> None:
-        """Raise UserError naming the option, the value and what would be valid: the mesh and how the
-        model splits over it first (the root of most other errors), each section's own checks, then
-        those that need the workload's model."""
+        """Raise UserError naming the option, the value and what would be valid: the mesh and, with --tp/--pp,
+        how the model splits over it first (the root of most other errors), then each section's own checks,
+        none of which imports torch (so a bad value of a data-parallel job is refused at once), then those that
+        need the workload's model (its data, its checkpoint)."""
         validate_parallelism(self)
         if self.script:
             from phoenixft.config.script import validate_script

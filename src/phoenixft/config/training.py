@@ -3,18 +3,23 @@ precision, evaluation, the seed, and the checkpoint a run resumes from."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from phoenixft.config.checks import need, real
+from phoenixft.config.names import GPT_PRESETS, OPTIMIZER_NAMES, SCHEDULE_NAMES
 from phoenixft.config.options import option
 
 if TYPE_CHECKING:
     from phoenixft.config.run import RunConfig
 
-__all__ = ["TrainingConfig", "validate_training", "DEFAULT_WORKLOAD"]
+__all__ = ["TrainingConfig", "validate_training", "DEFAULT_WORKLOAD", "is_file_spec", "absolute_workload",
+           "model_label"]
 
 DEFAULT_WORKLOAD = "phoenixft.gpt:workload"
+_DEFAULT_MODEL = "tiny"
 
 
 @dataclass(kw_only=True)
@@ -22,11 +27,13 @@ class TrainingConfig:
     """What is trained, for how long, and how."""
 
     steps: int = option(20, "Training steps to complete.")
-    model: str = option("tiny", "GPT size preset for the default workload: nano (~60k, for smoke tests), tiny (~1M), "
-                        "small (~11M), medium (~100M).")
+    model: str = option(_DEFAULT_MODEL, "GPT size preset for the default workload: nano (~60k, for smoke tests), "
+                        "tiny (~1M), small (~11M), medium (~100M). A --workload of your own receives it as it is "
+                        "(WorkloadContext.model): any name.")
     workload: str = option(
         DEFAULT_WORKLOAD,
-        "Workload factory 'pkg.module:function' returning phoenixft.Workload (default: the built-in GPT).",
+        "Workload factory returning phoenixft.Workload: 'pkg.module:function' (a module in the current directory, "
+        "on PYTHONPATH or installed) or 'path/to/file.py:function' (default: the built-in GPT).",
     )
     data: str = option("", "Token file to train on: a flat uint16/uint32 array of token ids (nanoGPT's train.bin "
                            "format; its last 5 percent held out), or a directory holding train.bin and val.bin. "
@@ -70,6 +77,30 @@ class TrainingConfig:
                                    metadata={"help": "The script's own arguments.", "cli": False})
 
 
+def is_file_spec(target: str) -> bool:
+    """Whether the module part of a `--workload` spec names a file (`path/to/file.py`) rather than a module."""
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def absolute_workload(spec: str) -> str:
+    """`spec` with a file's path made absolute (the workers, and agents started elsewhere, find the same file)."""
+    target, sep, fn = spec.rpartition(":")
+    if not sep or not target or not is_file_spec(target):
+        return spec
+    return f"{os.path.abspath(os.path.expanduser(target))}:{fn}"
+
+
+def model_label(cfg: Mapping[str, Any]) -> str:
+    """What a run trains, as its reports name it (`cfg`: the flat config): `model=PRESET` for the built-in GPT,
+    `workload=SPEC` for a workload of the user's own (with its --model when one other than the default was
+    given)."""
+    workload = str(cfg.get("workload") or DEFAULT_WORKLOAD)
+    model = cfg.get("model")
+    if workload == DEFAULT_WORKLOAD:
+        return f"model={model}"
+    return f"workload={workload}" + (f", model={model}" if model and model != _DEFAULT_MODEL else "")
+
+
 def validate_training(cfg: RunConfig) -> None:
     """The training flags on their own and against the data-parallel size; what needs the workload
     itself (its model, its data, a checkpoint to resume) is checked by `phoenixft.config.workload`."""
@@ -77,9 +108,10 @@ def validate_training(cfg: RunConfig) -> None:
     need(t.steps >= 1, "--steps", t.steps, "must be >= 1")
     if t.script:  # a script trains its own model, on its own data, for its own steps
         return
-    from phoenixft.train.gpt import PRESETS
-
-    need(t.model in PRESETS, "--model", t.model, f"valid presets: {', '.join(PRESETS)}")
+    if t.workload == DEFAULT_WORKLOAD:  # (a workload of the user's own receives --model as it is: free-form)
+        need(t.model in GPT_PRESETS, "--model", t.model,
+             f"valid presets of the built-in GPT: {', '.join(GPT_PRESETS)} (a --workload of your own takes any name)")
+    need("\n" not in t.model and "\0" not in t.model, "--model", t.model, "must be one line")
     need(t.micro_batch >= 1, "--micro-batch", t.micro_batch, "must be >= 1")
     need(t.microbatches >= 0, "--microbatches", t.microbatches, "must be >= 0 (0 = one per worker)")
     dpw = "nodes x workers-per-node" if cfg.tp * cfg.pp == 1 else "the data-parallel size"
@@ -95,14 +127,12 @@ def _validate_optimizer(t: TrainingConfig) -> None:
     """The optimizer, its hyperparameters and the learning-rate schedule."""
     real(t.lr, t.lr > 0, "--lr", "> 0")
     real(t.weight_decay, t.weight_decay >= 0, "--weight-decay", ">= 0")
-    from phoenixft.optim import OPTIMIZERS, SCHEDULES
-
-    need(t.optimizer in OPTIMIZERS, "--optimizer", t.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+    need(t.optimizer in OPTIMIZER_NAMES, "--optimizer", t.optimizer, f"one of {', '.join(OPTIMIZER_NAMES)}")
     real(t.beta1, 0 <= t.beta1 < 1, "--beta1", "in [0, 1)")
     real(t.beta2, 0 <= t.beta2 < 1, "--beta2", "in [0, 1)")
     real(t.eps, t.eps > 0, "--eps", "> 0")
     real(t.momentum, 0 <= t.momentum < 1, "--momentum", "in [0, 1)")
-    need(t.lr_schedule in SCHEDULES, "--lr-schedule", t.lr_schedule, f"one of {', '.join(SCHEDULES)}")
+    need(t.lr_schedule in SCHEDULE_NAMES, "--lr-schedule", t.lr_schedule, f"one of {', '.join(SCHEDULE_NAMES)}")
     need(0 <= t.warmup_steps <= t.steps, "--warmup-steps", t.warmup_steps, f"must be in 0..--steps ({t.steps})")
     real(t.min_lr, 0 <= t.min_lr <= t.lr, "--min-lr", f"in 0..--lr ({t.lr})")
     need(t.decay_steps >= 0, "--decay-steps", t.decay_steps, "must be >= 0")

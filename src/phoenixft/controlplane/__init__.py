@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from phoenixft.controlplane import keys
 from phoenixft.controlplane.store import Store, StoreError, StoreUnavailable, TcpStore, count_opened
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ __all__ = ["Store", "StoreError", "StoreUnavailable", "TcpStore", "connect", "de
            "Election", "guarded_set", "LogReader", "exists_many", "get_nowait", "multi_get_nowait", "EtcdStore",
            "EtcdError", "EtcdUnavailable", "LEADER_KEY", "poll_interval", "clients_opened"]
 
-LEADER_KEY = "coordinator/leader"
+LEADER_KEY = keys.LEADER
 
 
 def clients_opened() -> int:
@@ -117,15 +118,18 @@ def multi_get_nowait(store: Store, names: Sequence[str]) -> list[bytes | None]:
 
 
 class LogReader:
-    """Read what was appended to `key` since the last read (events)."""
+    """Read what was added to the log `key` since the last read (`Store.log_take`: the events)."""
 
     def __init__(self, store: Store, key: str) -> None:
         self.store, self.key = store, key
         self._cursor = 0
 
+    def read_bytes(self) -> bytes:
+        raw, self._cursor = self.store.log_take(self.key, self._cursor)
+        return bytes(raw)
+
     def read(self) -> str:
-        raw, self._cursor = self.store.read_appended(self.key, self._cursor)
-        return bytes(raw).decode(errors="replace")  # (anyone can append bytes that are not UTF-8)
+        return self.read_bytes().decode(errors="replace")  # (anyone can append bytes that are not UTF-8)
 
 
 class Heartbeat:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixft.controlplane import keys, signed
+from phoenixft.controlplane.keeper import Keeper
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.tokens import (
     MIN_TOKEN_BITS,
@@ -65,6 +66,7 @@ from phoenixft.controlplane.tokens import (
     generate_token,
     read_token_file,
     resolve_token,
+    stretched,
     token_bits,
     token_source,
     write_token_file,
@@ -83,7 +85,7 @@ from phoenixft.errors import RunAborted, UserError
 
 __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "MIN_TOKEN_BITS", "resolve_token", "token_source", "read_token_file",
            "write_token_file", "generate_token", "token_bits", "check_token", "mac",
-           "sign_topology", "verified_topology", "token_matches_job", "request_admission",
+           "sign_topology", "verified_topology", "read_topology", "token_matches_job", "request_admission",
            "Application", "AdmissionDesk", "NAME_RE"]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -95,13 +97,13 @@ def mac(token: str, purpose: str, *parts: str | bytes | int) -> str:
     """HMAC-SHA256 (hex) of the parts, with the protocol version and a purpose for domain separation."""
     msg = [_VERSION, purpose.encode()]
     for p in parts:
-        msg.append(p if isinstance(p, bytes) else str(p).encode())
-    return hmac.new(token.encode(), b"\0".join(msg), hashlib.sha256).hexdigest()
+        msg.append(p if isinstance(p, bytes) else str(p).encode("utf-8", errors="surrogatepass"))
+    return hmac.new(stretched(token), b"\0".join(msg), hashlib.sha256).hexdigest()  # (scrypt: tokens.stretched)
 
 
 def _same(a: str | bytes, b: str) -> bool:
-    a_s = a.decode(errors="replace") if isinstance(a, bytes) else a
-    return hmac.compare_digest(a_s.encode(), b.encode())
+    a_b = bytes(a) if isinstance(a, (bytes, bytearray)) else a.encode("utf-8", errors="replace")
+    return hmac.compare_digest(a_b, b.encode())
 
 
 # ---------------------------------------------------------------------------------------- topologies
@@ -111,8 +113,9 @@ def sign_topology(token: str, epoch: int, raw: str | bytes) -> str:
 
 def verified_topology(store: Store, epoch: int, raw: bytes, timeout_s: float = 30.0) -> Any:
     """The `Topology` of `raw` (just read from `topo/<epoch>`) once its signature verifies with the
-    job token; a wrong one is re-read (the coordinator may be overwriting a forgery) until
-    `timeout_s`, then RunAborted: a worker never acts on an unsigned plan."""
+    job token; a wrong one (or none: deleted) is re-read every 50 ms (the coordinator puts back what it
+    published, and overwrites a forgery when it publishes) until `timeout_s`, then RunAborted: a worker
+    never acts on an unsigned plan."""
     from phoenixft.distributed.topology import Topology
 
     token = os.environ.get(TOKEN_ENV, "")
@@ -123,12 +126,32 @@ def verified_topology(store: Store, epoch: int, raw: bytes, timeout_s: float = 3
     while True:
         sig = store.get(keys.topo_sig(epoch)) if store.check([keys.topo_sig(epoch)]) else b""
         if sig and _same(sig, sign_topology(token, epoch, raw)):
-            return Topology.from_json(raw)
+            topo = Topology.parse(raw, keys.topo(epoch))
+            if topo is not None:
+                return topo
         if time.monotonic() > deadline:
             raise RunAborted(f"the topology of epoch {epoch} in the store is not signed with this job's token: "
                              "refusing to act on it (something other than the coordinator wrote it)")
         time.sleep(0.05)
-        raw = store.get(keys.topo(epoch))
+        raw = store.get_nowait(keys.topo(epoch)) or b""
+
+
+def read_topology(store: Store, epoch: int, token: str | None) -> Any:
+    """The `Topology` of epoch `epoch` if it is in the store and its signature verifies with `token` (with no
+    token: unchecked, for a process that only shows it); None otherwise (logged). Never blocks, never raises
+    on what the store holds."""
+    from phoenixft.distributed.topology import Topology
+
+    name = keys.topo(epoch)
+    raw = store.get_nowait(name)
+    if raw is None:
+        return None
+    if token:
+        sig = store.get_nowait(keys.topo_sig(epoch))
+        if sig is None or not _same(bytes(sig), sign_topology(token, epoch, bytes(raw))):
+            note_bad(name, "not signed with this job's token", bytes(raw))
+            return None
+    return Topology.parse(bytes(raw), name)
 
 
 def token_matches_job(store: Store, token: str, run_id: str | None = None) -> bool | None:
@@ -145,6 +168,7 @@ def token_matches_job(store: Store, token: str, run_id: str | None = None) -> bo
 
 # ---------------------------------------------------------------------------------------- admission
 UNVERIFIED_GRACE_S = 2.0  # an agent that read an answer it cannot verify waits this long for a signed one
+WRONG_GRACE_S = 2.5  # a response that does not verify is refused once its request stayed unchanged this long
 FULL_LOOK_S = 1.0  # the desk looks at its open requests this often even if no agent bumped the counter
 MAX_OPEN = 256  # join requests the desk keeps open at most (a counter bumped by a stranger opens no more)
 SCAN_LIMIT = 1024  # request numbers a restarted coordinator looks at beyond its signed record
@@ -268,40 +292,40 @@ def request_admission(store: Store, request: dict[str, Any], token: str | None, 
     It answers every challenge it finds for its request (the coordinator writes a fresh one; one written
     by someone else only draws an answer the coordinator ignores) and acts only on a verdict whose MAC
     binds its request, a challenge it answered and that challenge's run id. UserError (one line) if it
-    is refused (the reason printable only), if the only answer is not signed with our token (after
-    UNVERIFIED_GRACE_S), or if no answer comes within `timeout_s`."""
+    is refused (the reason printable only), if an answer to one of its responses is not signed with our
+    token (after UNVERIFIED_GRACE_S), or if no answer comes within `timeout_s`. What it wrote (its request,
+    its responses) it puts back if something else overwrites it, and a value that answers none of its
+    responses (planted, or junk) is waited past."""
     raw_req = json.dumps({**request, "nonce": secrets.token_hex(16)}, sort_keys=True)  # (no two requests alike)
     name, host = request["name"], request.get("host") or "?"
     seq = _post_request(store, raw_req, name, where)
+    kept = Keeper(store)  # the request and our responses, put back if something else overwrites them
+    kept.keep(keys.admit_req(seq), raw_req.encode())
     deadline = time.monotonic() + timeout_s
-    late = (f"the coordinator at {where} did not answer the join request of {name!r} within "
-            f"{timeout_s:g}s (see --join-timeout; is a phoenixft coordinator serving that address?)")
-    answered: dict[str, str] = {}  # nonce -> run id of every challenge answered
-    unverified: tuple[float, bool] | None = None  # when an answer we cannot verify was first read; it said ok
+    wait = _Waiting(name, host, where, token)
     polls = 0
     while True:
         try:
             raw_c = read_raw(store, keys.admit_challenge(seq))
             c = _challenge(raw_c, keys.admit_challenge(seq)) if raw_c is not None else None
-            if c is not None and c[0] not in answered:
-                answered[c[0]] = c[1]
+            if c is not None and c[0] not in wait.answered:
+                wait.answered[c[0]] = c[1]
                 resp = _response_mac(token, c[1], seq, c[0], raw_req) if token else ""
-                store.set(keys.admit_resp(seq), json.dumps({"nonce": c[0], "mac": resp}))
+                kept.put_raw(keys.admit_resp(seq), json.dumps({"nonce": c[0], "mac": resp}).encode())
+                _bump(store, keys.ADMIT_POSTED)
+            if kept.tick() or (not wait.answered and polls % 50 == 49):
+                # (put back, or no challenge yet: the counter raised to our number again, in case something else
+                # reset it meanwhile, and the coordinator nudged to look)
+                _bump(store, keys.ADMIT_SEQ, at_least=seq)
                 _bump(store, keys.ADMIT_POSTED)
             raw_v = read_raw(store, keys.admit_verdict(seq))
             if raw_v is not None:
-                body = _verdict(raw_v, token, seq, raw_req, answered)
+                body = _verdict(raw_v, token, seq, raw_req, wait.answered)
                 if body is not None:
                     return _verdict_result(body, name, host, where)
-                if not token:
-                    raise UserError(f"the coordinator at {where} refused to admit {name!r} (from {host}): it presented "
-                                    f"no token (start the agent with this job's token: --token-file or ${TOKEN_ENV})")
-                said_ok = bool((parse_json(raw_v, keys.admit_verdict(seq)) or {}).get("ok"))
-                unverified = unverified or (time.monotonic(), said_ok)
-                if time.monotonic() - unverified[0] > UNVERIFIED_GRACE_S:
-                    raise UserError(_unverified_message(unverified[1], name, host, where))
+                wait.unsigned(raw_v, seq)
             if polls % 10 == 0:
-                state = _run_over(store, token, list(answered.values()))
+                state = _run_over(store, token, list(wait.answered.values()))
                 if state is not None:
                     raise UserError(f"the run at {where} ended ({state}) before {name!r} was admitted")
         except UserError:
@@ -309,9 +333,44 @@ def request_admission(store: Store, request: dict[str, Any], token: str | None, 
         except Exception:  # noqa: BLE001 - a call that failed or timed out: retry until the deadline
             pass
         if time.monotonic() > deadline:
-            raise UserError(late)
+            raise UserError(wait.late(timeout_s))
         polls += 1
         time.sleep(0.02)
+
+
+@dataclass
+class _Waiting:
+    """An agent waiting for its verdict: the challenges it answered, the answers it could not verify."""
+
+    name: str
+    host: str
+    where: str
+    token: str | None
+    answered: dict[str, str] = field(default_factory=dict)  # nonce -> run id of every challenge answered
+    unverified: tuple[float, bool] | None = None  # when an answer to our response we cannot verify came; it said ok
+    planted: bool = False  # a value there answered none of our responses
+
+    def unsigned(self, raw_v: bytes, seq: int) -> None:
+        """A verdict that does not verify: UserError once one that answers our response stays so for
+        UNVERIFIED_GRACE_S (a wrong token, or a rogue coordinator); any other (planted, junk) is waited past."""
+        v = parse_json(raw_v, keys.admit_verdict(seq))
+        if v is None or v.get("nonce") not in self.answered:
+            self.planted = True
+            return
+        if not self.token:
+            raise UserError(f"the coordinator at {self.where} refused to admit {self.name!r} (from {self.host}): it "
+                            f"presented no token (start the agent with this job's token: --token-file or "
+                            f"${TOKEN_ENV})")
+        self.unverified = self.unverified or (time.monotonic(), bool(v.get("ok")))
+        if time.monotonic() - self.unverified[0] > UNVERIFIED_GRACE_S:
+            raise UserError(_unverified_message(self.unverified[1], self.name, self.host, self.where))
+
+    def late(self, timeout_s: float) -> str:
+        head = f"the coordinator at {self.where} did not answer the join request of {self.name!r} within {timeout_s:g}s"
+        if self.planted:
+            return (head + ": the only answer there is not signed with this agent's token (a wrong token, or an "
+                    "answer written by someone other than the job's coordinator)")
+        return head + " (see --join-timeout; is a phoenixft coordinator serving that address?)"
 
 
 def _unverified_message(said_ok: bool, name: str, host: str, where: str) -> str:
@@ -348,6 +407,7 @@ class _Pending:
     t: float
     nonce: str = ""
     raw_req: str = ""
+    wrong_at: float = 0.0  # when a response to our challenge first did not verify (0: none yet)
 
 
 def _ranges(seqs: set[int]) -> list[list[int]]:
@@ -378,6 +438,13 @@ class AdmissionDesk:
     _last_look: float = 0.0
     _pending: dict[int, _Pending] = field(default_factory=dict)
     _done: set[int] = field(default_factory=set)
+    keeper: Keeper | None = None  # where given, the challenges, verdicts and the record are put back if overwritten
+
+    def _set(self, name: str, value: str) -> None:
+        if self.keeper is not None:
+            self.keeper.put_raw(name, value.encode())
+        else:
+            self.store.set(name, value)
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -404,7 +471,7 @@ class AdmissionDesk:
     def _mark_done(self, seq: int) -> None:
         self._done.add(seq)
         ranges = _ranges(self._done)
-        self.store.set(keys.ADMIT_DONE, json.dumps({"ranges": ranges, "mac": self._done_mac(ranges)}))
+        self._set(keys.ADMIT_DONE, json.dumps({"ranges": ranges, "mac": self._done_mac(ranges)}))
 
     # -------------------------------------------------------------- counters
     def _counter(self, key: str, repair: int) -> int | None:
@@ -425,7 +492,7 @@ class AdmissionDesk:
         if posted == self._posted_seen and not force and not (self._pending and now - self._last_look > FULL_LOOK_S):
             return []
         self._posted_seen, self._last_look = posted, now
-        top = self._counter(keys.ADMIT_SEQ, self._next_seq + MAX_OPEN) or 0
+        top = self._counter(keys.ADMIT_SEQ, max(self._next_seq - 1, 0)) or 0  # (a repair opens no numbers)
         for seq in range(max(self._next_seq, top - MAX_OPEN + 1), top + 1):
             if seq not in self._done:
                 self._pending[seq] = _Pending(t=now)
@@ -455,7 +522,7 @@ class AdmissionDesk:
                 del self._pending[seq]
                 return None
             p.nonce = secrets.token_hex(32)  # ours, fresh: never one found in the store
-            self.store.set(keys.admit_challenge(seq), json.dumps({"nonce": p.nonce, "run_id": self.run_id}))
+            self._set(keys.admit_challenge(seq), json.dumps({"nonce": p.nonce, "run_id": self.run_id}))
             return None
         raw_resp = read_raw(self.store, keys.admit_resp(seq))
         resp = parse_json(raw_resp, keys.admit_resp(seq)) if raw_resp is not None else None
@@ -463,11 +530,25 @@ class AdmissionDesk:
             if expired:
                 del self._pending[seq]
             return None
+        answer = str(resp.get("mac", ""))
+        proof = "none" if not answer else "wrong"
+        # the response binds the request as its agent wrote it: the one read when it was challenged, or (one
+        # that something else overwrote meanwhile, which its agent puts back) the one there now
+        now_raw = read_raw(self.store, keys.admit_req(seq))
+        for raw in dict.fromkeys([p.raw_req, now_raw.decode(errors="replace") if now_raw is not None else ""]):
+            if answer and raw and _same(answer, _response_mac(self.token, self.run_id, seq, p.nonce, raw)):
+                proof, p.raw_req = "ok", raw
+                break
+        if proof == "wrong" and now_raw is not None and now_raw.decode(errors="replace") != p.raw_req \
+                and not expired:
+            p.raw_req = now_raw.decode(errors="replace")  # (changed since: looked at again, its agent answers again)
+            p.nonce, p.wrong_at = "", 0.0
+            return None
+        if proof == "wrong" and not expired and now - (p.wrong_at or now) < WRONG_GRACE_S:
+            p.wrong_at = p.wrong_at or now  # (a request overwritten as it was challenged: its agent puts it back)
+            return None
         del self._pending[seq]
         req = parse_json(p.raw_req, keys.admit_req(seq)) or {"name": "?", "unreadable": True}
-        answer = str(resp.get("mac", ""))
-        proof = "none" if not answer else (
-            "ok" if _same(answer, _response_mac(self.token, self.run_id, seq, p.nonce, p.raw_req)) else "wrong")
         return Application(seq=seq, request=req, proof=proof, challenge=p.nonce, raw_req=p.raw_req)
 
     def answer(self, app: Application, node: str | None, reason: str = "", note: str = "") -> None:
@@ -476,7 +557,7 @@ class AdmissionDesk:
         body: dict[str, Any] = {"ok": node is not None, "run_id": self.run_id, "nonce": app.challenge,
                                 **({"node": node, "note": note} if node is not None else {"reason": reason})}
         sig = _verdict_mac(self.token, self.run_id, app.seq, app.challenge, app.raw_req, body)
-        self.store.set(keys.admit_verdict(app.seq), json.dumps({**body, "mac": sig}))
+        self._set(keys.admit_verdict(app.seq), json.dumps({**body, "mac": sig}))
         self._mark_done(app.seq)
 
     def _signed_verdict(self, seq: int, raw_req: str, raw_v: bytes) -> dict[str, Any] | None:

@@ -12,19 +12,21 @@ import time
 
 from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.store import Store
-from phoenixft.controlplane.values import parse_int, parse_json, read_raw
+from phoenixft.controlplane.values import parse_int
 
 __all__ = ["current_nodes", "request_drain"]
 
 
 def current_nodes(store: Store) -> list[str]:
-    """The node ids of the current epoch, in slot order ([] before the first epoch, or if unreadable)."""
+    """The node ids of the current epoch, in slot order ([] before the first epoch, or if unreadable or not
+    signed with the job token bound in this process)."""
     e = parse_int(sealed.get(store, keys.EPOCH), keys.EPOCH, -1)
     if e < 0:
         return []
-    topo = parse_json(read_raw(store, keys.topo(e)), keys.topo(e), {})
-    nodes = topo.get("nodes", [])
-    return [str(n) for n in nodes] if isinstance(nodes, list) else []
+    from phoenixft.controlplane.auth import read_topology
+
+    topo = read_topology(store, e, sealed.bound_token())  # (signed with the job token: a forged one names none)
+    return list(topo.nodes) if topo is not None else []
 
 
 def request_drain(store: Store, node: str, reason: str, source: str, deadline: float | None = None) -> int | None:

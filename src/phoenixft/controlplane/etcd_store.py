@@ -101,8 +101,10 @@ def job_credentials(prefix: str, token: str | None) -> tuple[str, str] | None:
         return user, password
     if not token:
         return None
+    from phoenixft.controlplane.tokens import stretched
+
     key = "/" + prefix.strip("/")
-    return job_user(key), hmac.new(token.encode(), b"phoenixft-etcd-password-v1\0" + key.encode(),
+    return job_user(key), hmac.new(stretched(token), b"phoenixft-etcd-password-v1\0" + key.encode(),
                                    hashlib.sha256).hexdigest()
 
 
@@ -376,6 +378,14 @@ class EtcdStore(dist.Store):
                                                       serializable=True))
         kvs = r.get("kvs") or []
         return self._join(kvs), int(r["header"]["revision"])
+
+    consumes_logs = False  # a log's pieces stay (every reader reads them by revision)
+
+    def log_push(self, key: str, value: Any) -> None:
+        self.append(key, value)
+
+    def log_take(self, key: str, cursor: int) -> tuple[bytes, int]:
+        return self.read_appended(key, cursor)
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         k = _b(self._k(key))

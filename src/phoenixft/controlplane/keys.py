@@ -1,4 +1,11 @@
-"""Names of the control-plane store keys: one place, so every process agrees on them."""
+"""Names of the control-plane store keys: one place, so every process agrees on them.
+
+Every key a process of the job reads or writes is named here (a constant, or a function of the ids it
+depends on): the test that writes junk into every key of a live run (tests/test_junk_values.py) enumerates
+this module, so a key added here is covered at once. The process groups' own rendezvous keys are torch's,
+below each group's prefix `e<epoch>/<group>` (distributed/comm.py; distributed/rendezvous.py seals each value):
+the junk test finds those in the live store.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,8 @@ CONFIG = "config"
 CONFIG_SIG = "config/sig"  # the config's signature with the run key (controlplane.signed): checked before use
 RUN_STATE = "run/state"  # "done" | "failed"
 RUN_ERROR = "run/error"
-EVENTS = "events"  # newline-separated JSON records, appended
+EVENTS = "events"  # sealed JSON lines: the run's events (on a TCPStore, what the launcher took from the queue)
+EVENTS_QUEUE = "events/queue"  # on a TCPStore: the queue events are pushed to (Store.log_push), the launcher pops
 PROGRESS = "progress"
 FINAL = "final"
 FINAL_SEEN = "final/seen"  # set (sealed) by the launcher once it has the signed final state: rank 0 stops rewriting it
@@ -23,6 +31,11 @@ MEMBERS = "members"  # JSON {node id: {name, host, spare, t}} of every admitted 
 ADMIT_SEQ = "admit/seq"  # counter: the highest number a join request took (raised by compare_set)
 ADMIT_POSTED = "admit/posted"  # counter an agent raises (compare_set) after each write of its request or response
 ADMIT_DONE = "admit/done"  # the join requests the coordinator answered (signed: a restart never answers one again)
+COORDINATOR_READY = "coordinator/ready"  # the time the coordinator (re)started its loop (informational)
+LEADER = "coordinator/leader"  # the leading coordinator's identity (etcd: bound to its lease)
+STOP_CLAIM = "run/stop_claim"  # claimed (sealed.claim) by the one worker that stops the run
+SDC_LOG = "sdc/log"  # sealed JSON lines: detections, verdicts, audits (the report's `sdc`)
+HEALTH_REF = "health/ref"  # the reference checksum of the health check's matrix product, published by the coordinator
 # a user's training script (phoenixft.api), sealed: the steps its loop asked for (rank 0), the capacity every rank's
 # own snapshot side has (raised by any rank whose state outgrew it), and whether its model is sharded over the ranks
 SCRIPT_TOTAL_STEPS = "script/total_steps"
@@ -56,6 +69,11 @@ def assign(node: str) -> str:
 
 def failflag(epoch: int) -> str:
     return f"failflag/{epoch}"
+
+
+def failflag_by_worker(epoch: int) -> str:
+    """Set with `failflag(epoch)` when a worker (not the coordinator) raised the flag."""
+    return f"failflag/{epoch}/by-worker"
 
 
 def desc(epoch: int, wid: str) -> str:
@@ -97,6 +115,16 @@ def step(s: int) -> str:
 
 def fault(index: int) -> str:
     return f"fault/{index}"
+
+
+def fault_fired(index: int) -> str:
+    """Claimed (or set) once fault `index` fired: it fires once a run."""
+    return f"fault/{index}/fired"
+
+
+def fault_together(index: int, node: str) -> str:
+    """Set by each node a fault strikes together once it is there to fire it (faults/inject.py)."""
+    return f"fault/{index}/together/{node}"
 
 
 def fault_done(index: int) -> str:
@@ -162,14 +190,14 @@ def left(node: str) -> str:
     return f"left/{node}"
 
 
-def drain_key(node: int) -> str:
-    """A request to drain the node in slot `node` of the current epoch (its position in the topology's node
+def drain_key(slot: int) -> str:
+    """A request to drain the node in slot `slot` of the current epoch (its position in the topology's node
     list): JSON {"reason": str, "source": str, "deadline": seconds since the epoch or null} and optionally
     "t" (when the notice came) and "node_id" (the node id the request means; a request whose slot holds
     another node by the time it is read is stale and ignored). Written by `phoenixft drain`, an agent that
     received its drain signal, the `preempt:` fault, and any other producer (a straggler detector: reason
     "straggler"); the coordinator is its one consumer and deletes it once it has acted on it."""
-    return f"drain/{int(node)}"
+    return f"drain/{int(slot)}"
 
 
 def drain_notice(epoch: int) -> str:
@@ -196,3 +224,28 @@ def health(node: str) -> str:
 def health_running(node: str) -> str:
     """JSON {n, phase, ask, t}: spare `node` started its n-th health check (its verdict, `health(node)`, follows)."""
     return f"health/running/{node}"
+
+
+def persist_rank(epoch: int, step: int, rank: int) -> str:
+    """Rank `rank`'s record of the persistent checkpoint of `step` written in `epoch` (protect/persist.py)."""
+    return f"persist/{epoch}/{step}/rank/{rank}"
+
+
+def persist_manifest(epoch: int, step: int) -> str:
+    """Claimed by the rank that writes the manifest of the persistent checkpoint of `step` (written in `epoch`)."""
+    return f"persist/{epoch}/{step}/manifest"
+
+
+def sdc_accused(epoch: int) -> str:
+    """Sealed JSON lines: the nodes named as computing wrong in `epoch`."""
+    return f"sdc/accused/{epoch}"
+
+
+def sdc_quarantine(node: str) -> str:
+    """Set (sealed) once `node` is kept out of the job for silent data corruption."""
+    return f"sdc/quarantine/{node}"
+
+
+def sdc_logged(what: str) -> str:
+    """Claimed once per SDC record logged once per run (`what` names it)."""
+    return f"sdc/logged/{what}"

@@ -35,18 +35,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from phoenixft.controlplane import keys
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import note_bad, parse_json
 
-__all__ = ["PREFIX", "bind", "unbind", "bound", "read_unchecked", "seal", "unseal", "peel", "put", "put_many", "get",
-           "get_json", "get_many", "present", "has", "all_present", "append", "records", "beat_value", "beat_count",
-           "claim", "hint", "Hint"]
+__all__ = ["PREFIX", "bind", "unbind", "bound", "bound_token", "read_unchecked", "seal", "unseal", "peel", "put",
+           "put_many", "get", "get_json", "wait_json", "get_many", "present", "has", "all_present", "append", "lines",
+           "records", "beat_value", "beat_count", "claim", "hint", "Hint"]
 
 PREFIX = b"pf1:"
 _MAC_HEX = 64
 _HEAD = len(PREFIX) + _MAC_HEX + 1
 _DOMAIN = b"phoenixft-sealed-v1\0"
 _key: list[Any] = [None]  # the bound run key's HMAC, ready to copy (None: nothing bound; _UNCHECKED)
+_token: list[str] = [""]  # the job token bound with it (topologies are signed with the token itself)
 _UNCHECKED = "unchecked"
 
 
@@ -55,11 +57,18 @@ def bind(token: str, run_id: str) -> None:
     from phoenixft.controlplane.signed import run_key
 
     _key[0] = hmac.new(run_key(token, run_id), _DOMAIN, hashlib.sha256) if token and run_id else None
+    _token[0] = token if token and run_id else ""
 
 
 def unbind() -> None:
     """Forget the bound run key (a test process that plays several runs' parts in turn)."""
     _key[0] = None
+    _token[0] = ""
+
+
+def bound_token() -> str:
+    """The job token bound with the run key ("" if none: a process that reads unchecked, or none bound)."""
+    return _token[0]
 
 
 def bound() -> bool:
@@ -135,6 +144,18 @@ def get_json(store: Store, name: str, default: Any = None, kind: type | tuple[ty
     return parse_json(get(store, name), name, default, kind)
 
 
+def wait_json(store: Store, name: str, timeout_s: float, kind: type | tuple[type, ...] = dict) -> Any:
+    """`get_json` once it is not None, looked for every 20 ms for at most `timeout_s` (a value its writer put
+    there before the reader could need it, which something else may have overwritten: its writer puts it back);
+    None then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = get_json(store, name, None, kind)
+        if v is not None or time.monotonic() > deadline:
+            return v
+        time.sleep(0.02)
+
+
 def get_many(store: Store, names: Sequence[str], there: Sequence[bool] | None = None) -> list[bytes | None]:
     """The verified values of `names` (None: absent or forged); `there`: which exist, if known."""
     there = store.exists_many(names, serializable=True) if there is None else there
@@ -161,13 +182,20 @@ def all_present(store: Store, names: Sequence[str]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- appended logs
+_PUSHED = {keys.EVENTS}  # logs one process reads as they grow (Store.log_push / log_take: the launcher's events)
+
+
 def append(store: Store, name: str, rec: dict[str, Any]) -> None:
     """Append `rec` (a JSON object) to the log `name`, sealed as one line."""
-    store.append(name, seal(name, json.dumps(rec)) + b"\n")
+    line = seal(name, json.dumps(rec)) + b"\n"
+    if name in _PUSHED:
+        store.log_push(name, line)
+    else:
+        store.append(name, line)
 
 
-def records(name: str, raw: bytes | str | None, seen: set[bytes] | None = None) -> list[dict[str, Any]]:
-    """The JSON objects of the sealed lines of log `name` in `raw`, in order: a line that does not verify or
+def lines(name: str, raw: bytes | str | None, seen: set[bytes] | None = None) -> list[tuple[bytes, dict[str, Any]]]:
+    """(line, JSON object) of each sealed line of log `name` in `raw`, in order: a line that does not verify or
     parse is skipped (logged), and one whose MAC is in `seen` (a copy; `seen` is updated) too."""
     data = raw.encode() if isinstance(raw, str) else bytes(raw or b"")
     seen = set() if seen is None else seen
@@ -185,8 +213,13 @@ def records(name: str, raw: bytes | str | None, seen: set[bytes] | None = None) 
         seen.add(mac)
         rec = parse_json(value, name)
         if rec is not None:
-            out.append(rec)
+            out.append((line, rec))
     return out
+
+
+def records(name: str, raw: bytes | str | None, seen: set[bytes] | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of the sealed lines of log `name` in `raw` (`lines`)."""
+    return [rec for _, rec in lines(name, raw, seen)]
 
 
 # ---------------------------------------------------------------------------------------- heartbeats

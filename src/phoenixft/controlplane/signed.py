@@ -35,8 +35,12 @@ def env_token() -> str:
 
 
 def run_key(token: str, run_id: str) -> bytes:
-    """The per-run key: every MAC of a value binds the run, so one run's signed value is no other's."""
-    return hmac.new(token.encode(), b"phoenixft-run-key-v1\0" + run_id.encode(), hashlib.sha256).digest()
+    """The per-run key: every MAC of a value binds the run, so one run's signed value is no other's. Keyed
+    with the token stretched by scrypt (`tokens.stretched`): a MAC read from the store tests a guessed token
+    at the price of one scrypt."""
+    from phoenixft.controlplane.tokens import stretched
+
+    return hmac.new(stretched(token), b"phoenixft-run-key-v1\0" + run_id.encode(), hashlib.sha256).digest()
 
 
 def sig_key(name: str) -> str:

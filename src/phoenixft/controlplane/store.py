@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["Store", "StoreError", "StoreUnavailable", "TcpStore", "tcp_client", "count_opened"]
+__all__ = ["Store", "StoreError", "StoreUnavailable", "TcpStore", "tcp_client", "count_opened", "LOG_TAKE_MAX"]
+
+LOG_TAKE_MAX = 4096  # items one `log_take` pops at most (a log pushed to as fast as it is read still returns)
 
 _opened = [0]
 
@@ -98,6 +100,21 @@ class Store(Protocol):
 
     def read_appended(self, key: str, cursor: int) -> tuple[bytes, int]:
         """What was appended to `key` since `cursor` (0 at first), and the cursor for the next read."""
+        ...
+
+    def log_push(self, key: str, value: str | bytes) -> None:
+        """Add `value` to the log `key` that one process reads as it grows (`log_take`): the events."""
+        ...
+
+    def log_take(self, key: str, cursor: int) -> tuple[bytes, int]:
+        """What was added to the log `key` since `cursor` (0 at first), and the cursor for the next call; where
+        `consumes_logs`, what it returns is taken out (its one reader keeps it), so each call costs what was
+        added since the last, never the whole log."""
+        ...
+
+    @property
+    def consumes_logs(self) -> bool:
+        """`log_take` takes what it returns out of the store (a TCPStore queue): the log's reader keeps it."""
         ...
 
     # ------------------------------------------------------------------ the client and the backend
@@ -236,6 +253,29 @@ class TcpStore:
             return b"", cursor
         raw = bytes(self._raw.get(key))
         return raw[cursor:], len(raw)
+
+    # logs: a queue per log (torch's TCPStore keeps queues apart from its keys), read by popping: each look
+    # costs what was added since the last, however long the log grew (an appended key is read whole every time)
+    @property
+    def consumes_logs(self) -> bool:
+        return hasattr(self._raw, "queue_push")
+
+    def log_push(self, key: str, value: str | bytes) -> None:
+        if self.consumes_logs:
+            self._raw.queue_push(f"{key}/queue", value)
+        else:
+            self._raw.append(key, value)  # type: ignore[attr-defined]
+
+    def log_take(self, key: str, cursor: int) -> tuple[bytes, int]:
+        if not self.consumes_logs:
+            return self.read_appended(key, cursor)
+        q, out = f"{key}/queue", []
+        for _ in range(min(int(self._raw.queue_len(q)), LOG_TAKE_MAX)):
+            try:
+                out.append(bytes(self._raw.queue_pop(q, False)))
+            except Exception:  # noqa: BLE001 - (emptied meanwhile: someone else popped)
+                break
+        return b"".join(out), cursor
 
     # the client
     @property

@@ -3,13 +3,14 @@
 A TCPStore speaks plain TCP and authenticates nobody. With `--tls-cert/--tls-key/--tls-ca` the
 job's store listens on loopback only and every other host reaches it through TLS:
 
-- the head runs a **gateway** (`start_gateway`): a process listening on the head's `--host:--port`
-  that accepts TLS connections whose client presents a certificate signed by the job CA, and relays
-  each to the store on loopback. The store's bytes are opened only after the handshake succeeded,
-  so a peer without such a certificate never reaches the store;
+- the head's store front (`controlplane/front.py`) listens on the head's `--host:--port` as a **gateway**:
+  it accepts TLS connections whose client presents a certificate signed by the job CA, and relays each to
+  the store. The store's bytes are opened only after the handshake succeeded, so a peer without such a
+  certificate never reaches the store;
 - each agent runs a **forwarder** (`start_forwarder`): a process listening on a free loopback port
   of its host that accepts only connections of its own user (the owner of the connecting socket is
-  read from `/proc/net/tcp`) and relays each through a new TLS connection to the gateway, verifying
+  found by the kernel from the connection's exact four-tuple: controlplane/peers.py) and relays each
+  through a new TLS connection to the gateway, verifying
   the gateway's certificate against the job CA. The agent and the workers it forks use the
   forwarder's address as the store's, so torch's TCPStore client and gloo's rendezvous (which runs
   through the store) work unchanged.
@@ -30,19 +31,14 @@ import os
 import socket
 import ssl
 import stat
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 
+from phoenixft.controlplane.front import Relay, listening, start_relay
 from phoenixft.controlplane.tlsproxy import TLS_ENV, client_context, server_context
 from phoenixft.errors import UserError
 
-__all__ = ["TlsFiles", "TLS_ENV", "from_env", "start_gateway", "start_forwarder", "Relay", "handshake_problem",
-           "probe"]
+__all__ = ["TlsFiles", "TLS_ENV", "from_env", "start_forwarder", "Relay", "handshake_problem", "probe"]
 
-START_TIMEOUT_S = 20.0
-_PROXY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tlsproxy.py")  # run as a script (no torch)
 
 
 @dataclass(frozen=True)
@@ -167,79 +163,29 @@ def from_env(environ: dict[str, str] | None = None) -> TlsFiles | None:
     return TlsFiles(*vals) if all(vals) else None
 
 
-class Relay:
-    """A running tlsproxy process: its listening address; `stop()` ends it."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], host: str, port: int) -> None:
-        self.proc, self.host, self.port = proc, host, port
-
-    @property
-    def addr(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-
-
-def _start(args: list[str], files: TlsFiles, pass_fds: tuple[int, ...], what: str) -> tuple[subprocess.Popen[bytes],
-                                                                                              int]:
-    """Start a tlsproxy process; (it, the port it listens on) once it says it listens. It ends when the
-    thread that started it ends (the kernel's parent-death signal follows the thread): start it from the
-    thread that lives as long as it should (the launcher's and the agent's main thread)."""
-    env = dict(os.environ, **files.env())
-    p = subprocess.Popen([sys.executable, "-P", _PROXY, "--parent", str(os.getpid()), *args],
-                         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, pass_fds=pass_fds)
-    assert p.stdout is not None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    line = b""
-    import selectors
-
-    with selectors.DefaultSelector() as sel:
-        sel.register(p.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline and not line.endswith(b"\n"):
-            if sel.select(timeout=0.2):
-                chunk = os.read(p.stdout.fileno(), 256)
-                if not chunk:
-                    break
-                line += chunk
-    p.stdout.close()
-    if not line.startswith(b"listening "):
-        p.kill()
-        p.wait(timeout=5)
-        raise UserError(f"the TLS {what} did not start ({line.decode(errors='replace').strip() or 'no answer'})")
-    return p, int(line.split()[1])
-
-
-def start_gateway(host: str, port: int, target_port: int, files: TlsFiles, what: str = "--host/--port") -> Relay:
-    """The head's TLS gateway on host:port (0: a free one), relaying to the store at 127.0.0.1:target_port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host.strip("[]"), port))
-        sock.listen(4096)
-    except OSError as e:
-        sock.close()
-        raise UserError(f"{what}={host}:{port}: cannot listen there ({e.strerror or e}); give an address of this "
-                        "host and a free port (0 = any free port)") from None
-    try:
-        p, got = _start(["gateway", "--fd", str(sock.fileno()), "--target", f"127.0.0.1:{target_port}"], files,
-                        (sock.fileno(),), "gateway")
-    finally:
-        sock.close()  # the gateway holds its own copy
-    return Relay(p, host.strip("[]"), got)
-
-
 def start_forwarder(remote: str, files: TlsFiles) -> Relay:
     """An agent's forwarder: 127.0.0.1:<free port> for this user's processes, TLS to the gateway at `remote`."""
-    p, got = _start(["forwarder", "--target", remote], files, (), "forwarder")
-    return Relay(p, "127.0.0.1", got)
+    p = start_relay(["forwarder", "--target", remote], files.env())
+    return Relay(p, "127.0.0.1", listening(p, "TLS forwarder"))
+
+
+def speaks_tls(host: str, port: int, timeout_s: float) -> bool:
+    """Whether the server at host:port answers a TLS handshake (a head's TLS gateway does, within a round trip; a
+    plain TCPStore waits for its client to speak and says nothing: no answer within `timeout_s`, or ten times
+    the connection's own set-up time where that is longer, is no TLS). It is asked without a certificate and
+    without checking the server's: the answer says only that it speaks TLS."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        t0 = time.monotonic()
+        with socket.create_connection((host, port), timeout=max(timeout_s, 10.0)) as raw:
+            raw.settimeout(max(timeout_s, 10 * (time.monotonic() - t0)))
+            with ctx.wrap_socket(raw, server_hostname=host):
+                return True
+    except ssl.SSLError:
+        return True  # (it answered in TLS, refusing this client)
+    except OSError:
+        return False
 
 
 def probe(host: str, port: int, files: TlsFiles, timeout_s: float = 10.0) -> str | None:

@@ -10,9 +10,11 @@ command line, at once: `scrub_argv`; prefer the other two). It must carry MIN_TO
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
+import hashlib
 import math
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -20,7 +22,8 @@ from pathlib import Path
 from phoenixft.errors import UserError
 
 __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "MIN_TOKEN_BITS", "MIN_DISTINCT", "resolve_token", "token_source",
-           "read_token_file", "write_token_file", "generate_token", "token_bits", "check_token", "scrub_argv"]
+           "read_token_file", "write_token_file", "generate_token", "token_bits", "check_token", "scrub_argv",
+           "stretched", "SCRYPT_N", "SCRYPT_R"]
 
 TOKEN_ENV = "PHOENIXFT_TOKEN"
 MIN_TOKEN_CHARS = 16
@@ -76,13 +79,64 @@ def generate_token() -> str:
     return secrets.token_urlsafe(32)  # 256 bits
 
 
+SCRYPT_N, SCRYPT_R = 1 << 14, 8  # 16 MiB and ~50 ms per derivation: what one offline guess costs
+_SCRYPT_SALT = b"phoenixft-job-key-v1"
+_WORD_RUN = 4  # a run of this many letters or more may be a word: it counts as one choice among _WORD_BITS
+_WORD_BITS = 20.0  # log2 of a generous dictionary (a million words and their capitalisations)
+
+
+@functools.lru_cache(maxsize=8)
+def stretched(token: str) -> bytes:
+    """The key every MAC of the job is made with: the token stretched with scrypt (memory-hard: SCRYPT_N x
+    SCRYPT_R x 128 bytes), so that a party who reads a MAC from the store (the config's signature, a join
+    response) pays one scrypt per token it guesses offline, not one HMAC. Computed once per process."""
+    return hashlib.scrypt(token.encode("utf-8", errors="surrogatepass"), salt=_SCRYPT_SALT, n=SCRYPT_N,
+                          r=SCRYPT_R, p=1, maxmem=SCRYPT_N * SCRYPT_R * 256, dklen=32)
+
+
+def _alphabet(token: str) -> int:
+    """The size of the alphabet the token's character classes span: lower 26, upper 26, digits 10, others 32."""
+    size = sum(n for test, n in ((str.islower, 26), (str.isupper, 26), (str.isdigit, 10))
+               if any(test(c) and c.isascii() for c in token))
+    return size + (32 if any(not (c.isascii() and c.isalnum()) for c in token) else 0)
+
+
+def _fresh(token: str) -> list[str]:
+    """The token's characters that repeat nothing before them: a span of 3 or more characters that occurred
+    earlier (case aside) is dropped, as a compressor would (`Password123!Password123?` keeps one copy)."""
+    low, out, i = token.lower(), [], 0
+    while i < len(token):
+        n = 0
+        while i + n < len(token) and low[i:i + n + 1] in low[:i]:
+            n += 1
+        if n >= 3:
+            i += n
+            continue
+        out.append(token[i])
+        i += 1
+    return out
+
+
+_WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")  # a word as people write one: lower case, Capitalized, UPPER
+
+
 def token_bits(token: str) -> float:
-    """The token's entropy as estimated from its character classes: length x log2(the size of the
-    alphabet that the classes it uses span: lower 26, upper 26, digits 10, anything else 32)."""
-    alphabet = sum(size for test, size in ((str.islower, 26), (str.isupper, 26), (str.isdigit, 10))
-                   if any(test(c) and c.isascii() for c in token))
-    alphabet += 32 if any(not (c.isascii() and c.isalnum()) for c in token) else 0
-    return len(token) * math.log2(alphabet) if alphabet > 1 else 0.0
+    """The token's entropy as estimated here: each character that repeats nothing before it (`_fresh`) counts
+    log2 of the alphabet its character classes span, except that a word of _WORD_RUN or more letters (lower
+    case, Capitalized or UPPER CASE) counts as one choice in a large dictionary (_WORD_BITS) when that is less:
+    `correcthorsebatterystaple1` is a word and a digit, 25 bits, not 121. In a random token such runs are short
+    and rare, and cost it little."""
+    alphabet = _alphabet(token)
+    if alphabet <= 1:
+        return 0.0
+    per_char = math.log2(alphabet)
+    fresh = "".join(_fresh(token))
+    bits, at = 0.0, 0
+    for m in _WORD.finditer(fresh):
+        n = len(m.group())
+        bits += (m.start() - at) * per_char + (min(_WORD_BITS, n * per_char) if n >= _WORD_RUN else n * per_char)
+        at = m.end()
+    return bits + (len(fresh) - at) * per_char
 
 
 def check_token(token: str, source: str) -> str:
@@ -95,35 +149,20 @@ def check_token(token: str, source: str) -> str:
         raise UserError(f"{source} is invalid: a job token needs at least {MIN_TOKEN_CHARS} characters and no "
                         f"whitespace (got {len(token)} characters); {how}")
     bits, distinct = token_bits(token), len(set(token))
-    weak = (f"{bits:.0f} bits" if bits < MIN_TOKEN_BITS else f"{distinct} distinct characters"
-            if distinct < MIN_DISTINCT else "one string repeated" if token in (token + token)[1:-1] else "")
+    weak = (f"{distinct} distinct characters" if distinct < MIN_DISTINCT else "one string repeated"
+            if token in (token + token)[1:-1] else f"{bits:.0f} bits" if bits < MIN_TOKEN_BITS else "")
     if weak:
         raise UserError(f"{source} is too weak ({weak}): a job token needs {MIN_TOKEN_BITS} bits of entropy, "
-                        f"estimated as length x log2(the alphabet its character classes span), at least "
-                        f"{MIN_DISTINCT} distinct characters and no repeated pattern; {how}")
+                        f"estimated from the alphabet its character classes span, with each repeated part counted "
+                        f"once and each run of {_WORD_RUN} or more letters as one dictionary word; at least "
+                        f"{MIN_DISTINCT} distinct characters; {how}")
     return token
-
-
-def _argv_area() -> tuple[int, int]:
-    """Addresses [start, end) of this process's argv strings (/proc/self/stat fields 48 and 49)."""
-    with open("/proc/self/stat") as f:
-        raw = f.read()
-    fields = raw[raw.rfind(")") + 2:].split()  # fields[0] is field 3
-    return int(fields[45]), int(fields[46])
 
 
 def scrub_argv(secret: str) -> bool:
     """Overwrite every occurrence of `secret` in this process's command line (what `ps` and
-    /proc/PID/cmdline show) with '*', in place; False where that cannot be done (not Linux)."""
-    if len(secret) < 4:
-        return False
-    try:
-        start, end = _argv_area()
-        area = ctypes.string_at(start, end - start)
-    except (OSError, ValueError, IndexError):
-        return False
-    needle = secret.encode()
-    scrubbed = area.replace(needle, b"*" * len(needle))
-    if scrubbed != area:
-        ctypes.memmove(start, scrubbed, len(scrubbed))
-    return True
+    /proc/PID/cmdline show) with '*', in place; False where that cannot be done (not Linux). The CLI does it
+    for `--token` as the package is imported (`phoenixft.cli.argv_scrub`), before anything else."""
+    from phoenixft.cli.argv_scrub import scrub
+
+    return scrub(secret)

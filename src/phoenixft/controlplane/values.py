@@ -1,9 +1,12 @@
 """Reading store values that anyone who reaches the store may have written.
 
 torch's `TCPStore` lets every client write every key, so a value read back is untrusted input: it
-may not parse, or parse to the wrong type. These readers never raise on such a value: they return
-the caller's default and log one line (control characters stripped, the value cut short) to stderr,
-at most a few times per key, so a stranger cannot flood a log either.
+may not parse, parse to the wrong type, nest a million levels deep, be megabytes long or not be
+UTF-8. These readers are total: whatever the bytes, they return the caller's default and log one line
+(control characters stripped, the value cut short) to stderr, once per key, so a stranger can neither
+crash a reader nor flood a log. Before `json.loads` sees a value, its size (`MAX_PARSE_BYTES`) and its
+nesting (`MAX_DEPTH`, counted outside strings) are bounded, non-finite numbers (NaN, Infinity, 1e999)
+are refused, and any exception of the parse is caught: a value is parsed, or ignored, never a raise.
 
 Counters: `TCPStore.add` on a key that holds a non-number makes the server drop the caller's
 connection (every later call of that client fails). So a counter that only one process writes is
@@ -13,45 +16,102 @@ kept with `set` (its writer's own count) and read with `get` (`read_int`, `read_
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 from collections import Counter
 from typing import Any
 
 from phoenixft.controlplane.store import Store
 
-__all__ = ["clean", "note_bad", "parse_json", "read_raw", "read_json", "read_int", "parse_int", "parse_lines",
-           "read_text", "parse_drain_request"]
+__all__ = ["MAX_PARSE_BYTES", "MAX_DEPTH", "clean", "note_bad", "noted", "parse_json", "json_problem", "read_raw",
+           "read_json", "read_int", "parse_int", "parse_lines", "read_text", "parse_drain_request"]
 
-_NOTES_PER_KEY = 5
+MAX_PARSE_BYTES = 4 << 20  # the longest value a reader parses (the job's largest, a big job's evidence, is far less)
+MAX_DEPTH = 32  # the deepest nesting a reader parses (the job's values nest 5 deep at most)
+_NOTES_PER_KEY = 1
+_NOTED_KEYS = 4096  # distinct keys noted at most (then one line says so): a stranger's key names cost no memory
 _noted: Counter[str] = Counter()
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 def clean(text: str | bytes, limit: int = 120) -> str:
-    """`text` with control characters (escape codes, newlines) replaced by '?' and cut to `limit`."""
-    s = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-    s = "".join(c if c.isprintable() else "?" for c in s)
-    return s if len(s) <= limit else s[:limit] + "..."
+    """`text` with control characters (escape codes, newlines) replaced by '?' and cut to `limit`: only the
+    first characters are looked at, so an 8 MiB value costs what a short one does."""
+    head = text[:limit * 4 + 4]
+    s = head.decode("utf-8", errors="replace") if isinstance(head, (bytes, bytearray)) else str(head)
+    s = "".join(c if c.isprintable() else "?" for c in s[:limit + 1])
+    return s if len(s) <= limit and len(head) == len(text) else s[:limit] + "..."
+
+
+def noted(key: str) -> int:
+    """How many values of `key` were ignored so far in this process (logged or not)."""
+    return _noted.get(key, 0)
 
 
 def note_bad(key: str, why: str, raw: str | bytes = b"") -> None:
-    """Log (one line, stderr) that the value of `key` was ignored because `why`; a few times per key."""
+    """Log (one line, stderr) that the value of `key` was ignored because `why`: once per key (counted after)."""
+    if key not in _noted and len(_noted) >= _NOTED_KEYS:
+        key = "<other keys>"
     _noted[key] += 1
     if _noted[key] > _NOTES_PER_KEY:
         return
     shown = f": {clean(raw)!r}" if raw else ""
-    more = " (further ones not logged)" if _noted[key] == _NOTES_PER_KEY else ""
-    print(f"phoenixft: ignored the store value of {clean(key, 80)!r}: {why}{shown}{more}", file=sys.stderr,
-          flush=True)
+    print(f"phoenixft: ignored the store value of {clean(key, 80)!r}: {why}{shown} (further ones of this key are "
+          "counted, not logged)", file=sys.stderr, flush=True)
+
+
+def _depth(raw: bytes) -> int:
+    """The deepest nesting of brackets outside JSON strings in `raw`, counted up to MAX_DEPTH + 1 (cheap: the
+    brackets of a value are few unless it nests, and a deep one stops the count early)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return 0
+    d = deepest = 0
+    for m in _BRACKET.finditer(_STRING.sub(b'""', raw) if b'"' in raw else raw):
+        d += 1 if m.group() in (b"[", b"{") else -1
+        if d > deepest:
+            deepest = d
+            if deepest > MAX_DEPTH:
+                break
+    return deepest
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a value of the job holds")
+
+
+def _finite(text: str) -> float:
+    f = float(text)
+    if not math.isfinite(f):
+        raise ValueError(f"{text[:20]} is not finite")
+    return f
+
+
+def json_problem(raw: str | bytes) -> tuple[str, Any]:
+    """("", the parsed value) if `raw` is JSON within the bounds (size, nesting, finite numbers); (why not,
+    None) otherwise. Never raises."""
+    b = raw.encode("utf-8", errors="surrogatepass") if isinstance(raw, str) else bytes(raw)
+    if len(b) > MAX_PARSE_BYTES:
+        return f"too long to parse ({len(b):,} bytes; at most {MAX_PARSE_BYTES:,})", None
+    if _depth(b) > MAX_DEPTH:
+        return f"nested deeper than {MAX_DEPTH} levels", None
+    try:
+        return "", json.loads(b, parse_constant=_refuse_constant, parse_float=_finite)
+    except (ValueError, UnicodeDecodeError):
+        return "not JSON", None
+    except Exception as e:  # noqa: BLE001 - (RecursionError, MemoryError, ...): whatever the bytes, no raise
+        return f"not JSON ({type(e).__name__})", None
 
 
 def parse_json(raw: str | bytes | None, key: str, default: Any = None, kind: type | tuple[type, ...] = dict) -> Any:
-    """`raw` parsed as JSON of type `kind`; `default` (logged) if it is not."""
+    """`raw` parsed as JSON of type `kind`; `default` (logged) if it is not, or is out of bounds (size,
+    nesting, a non-finite number): never a raise."""
     if raw is None:
         return default
-    try:
-        v = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        note_bad(key, "not JSON", raw)
+    why, v = json_problem(raw)
+    if why:
+        note_bad(key, why, raw)
         return default
     if not isinstance(v, kind):
         note_bad(key, f"not a JSON {getattr(kind, '__name__', 'value')}", raw)
@@ -64,8 +124,10 @@ def parse_int(raw: str | bytes | None, key: str, default: int = 0) -> int:
     if raw is None:
         return default
     try:
-        return int(raw.strip() if isinstance(raw, bytes) else str(raw).strip())
-    except ValueError:
+        if len(raw) > 40:
+            raise ValueError("too long")
+        return int(raw.strip() if isinstance(raw, (bytes, bytearray)) else str(raw).strip())
+    except (ValueError, TypeError):
         note_bad(key, "not an integer", raw)
         return default
 
@@ -91,7 +153,7 @@ def read_text(store: Store, key: str, default: str = "") -> str:
 
 def parse_lines(raw: str | bytes, key: str) -> list[dict[str, Any]]:
     """The JSON objects of an appended log (one per line); a line that is not one is skipped (logged)."""
-    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+    text = raw.decode("utf-8", errors="replace") if isinstance(raw, (bytes, bytearray)) else raw
     out = []
     for line in text.splitlines():
         if line.strip():

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import auth, keys, sealed
+from phoenixft.controlplane import auth, keys
 from phoenixft.controlplane.values import clean
 from phoenixft.coordinator.shared import NODE_ID, Job, Membership, index
 from phoenixft.health.gate import HealthGate, host_of_request
@@ -76,7 +76,7 @@ class Admission:
             self.state.spare_pool.append(node)
             self.state.spare_pool.sort(key=index)
         if not quiet:
-            sealed.put(self.store, keys.MEMBERS, json.dumps(self.state.members, sort_keys=True))
+            self.job.keeper.put(keys.MEMBERS, json.dumps(self.state.members, sort_keys=True))
 
     def _admission(self, req: dict[str, Any]) -> tuple[str | None, str, str]:
         """(node id or None, why not, a note for the agent) for a request whose token checked out."""

@@ -169,10 +169,11 @@ class Decider:
         old = self.state.topo
         e = old.epoch
         t_start = time.time()
-        sealed.put(self.store, keys.failflag(e), "1")
+        self.job.keeper.put(keys.failflag(e), "1")
+        self.job.keeper.drop(keys.JOB_WHOLE)
         self.store.delete_key(keys.JOB_WHOLE)  # not whole until published again
         if sealed.has(self.store, keys.drain_notice(e)):  # a drain this process did not finish (it took over since):
-            sealed.put(self.store, keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
+            self.job.keeper.put(keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
         self.admission.health.begin(self.admission.ready_spares(pending=True))  # (stale ones check meanwhile)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         self._sdc = self._convicted(e, old, dead, fenced)
@@ -192,10 +193,11 @@ class Decider:
         self.job.event("drain_requested", epoch=e, node=req.node, slot=req.slot, reason=req.reason,
                        source=req.source, deadline=req.deadline, t_notice=req.t_notice, after_step=after)
         desk.notice(e, req, after)
-        sealed.put(self.store, keys.failflag(e), "1")
+        self.job.keeper.put(keys.failflag(e), "1")
+        self.job.keeper.drop(keys.JOB_WHOLE)
         self.store.delete_key(keys.JOB_WHOLE)
         desk.await_stopped(e, old.world, req)
-        sealed.put(self.store, keys.drain_abort(e), "1")  # (whoever is still inside a step of e leaves it now)
+        self.job.keeper.put(keys.drain_abort(e), "1")  # (whoever is still inside a step of e leaves it now)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
         self._sdc = self._convicted(e, old, dead, fenced)
         if req.node in dead:
@@ -242,7 +244,7 @@ class Decider:
         need = len(dead) + len(leaving) + max(0, self.cfg.nodes - len(old.nodes))
         pool = self.admission.health.vet(self.admission.ready_spares(pending=True), need)  # (a fresh verdict each)
         grow_only = (not dead and not leaving and not restarted and len(old.nodes) < self.cfg.nodes
-                     and not sealed.has(self.store, keys.failflag(e) + "/by-worker"))
+                     and not sealed.has(self.store, keys.failflag_by_worker(e)))
         tiers, refused = self._persistent_tiers(old, descs)
         planner = _Planner(self.job, self.cfg, old, dead | leaving, restarted, descs, grow_only, tiers,
                            dict(self._refused))
@@ -273,9 +275,10 @@ class Decider:
         """Fence the dead nodes; the restarted workers that are not on one of them."""
         for w in restarted:
             self.store.delete_key(keys.worker_exit(w))
+            self.job.forget_ready(w)
         restarted = {w for w in restarted if w.split(".")[0] not in dead}
         for n in dead:
-            sealed.put(self.store, keys.fence(n), str(time.time()))  # when: nothing of n may be written after it
+            self.job.keeper.put(keys.fence(n), str(time.time()))  # when: nothing of n may be written after it
         self.state.dead |= dead
         return restarted
 
@@ -375,7 +378,7 @@ class Decider:
         if drain is not None:  # the drain it answers: whether it completed as one, or fell back to a failure
             rec["drain"] = {**drain.record(), "completed": drain.node in topo.meta.get("drained", [])}
             rec["drained"] = list(topo.meta.get("drained", []))
-        sealed.put(self.store, keys.recovery(e + 1), json.dumps(rec))
+        self.job.keeper.put(keys.recovery(e + 1), json.dumps(rec))
         self.publisher.publish(topo)
         self.job.event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,
                        decide_s=t_decided - t_start)
@@ -418,7 +421,7 @@ class Decider:
         """The recovery of epoch e's failure ends the run: recorded (what it found, why) for the report,
         whose recoveries would otherwise end silently before the failure that ended the run. Its fields
         are named as a recovery record's (`fenced`: the nodes found dead; `unresponsive`: those fenced)."""
-        sealed.put(self.store, keys.recovery_failed(e + 1), json.dumps({
+        self.job.keeper.put(keys.recovery_failed(e + 1), json.dumps({
             "epoch": e + 1, "failed_epoch": e, "t_start": t_start,
             "t_first_report": min([d.t for d in descs.values()] + [t_start]), "t_decided": time.time(),
             "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),

@@ -182,4 +182,4 @@ class DrainDesk:
 
     def notice(self, e: int, req: DrainRequest, after: int) -> None:
         """The epoch's drain notice (before its failure flag): every rank stops after step `after`."""
-        sealed.put(self.store, keys.drain_notice(e), json.dumps({**req.record(), "after_step": after}))
+        self.job.keeper.put(keys.drain_notice(e), json.dumps({**req.record(), "after_step": after}))

@@ -80,9 +80,12 @@ class Coordinator:
         self.g = self.cfg.workers_per_node
         self.job = Job(store, self.g)
         self.job.run_id = self.run_id
+        self.job.keeper.guard = lambda: self.election is None or self.election.leading  # (a deposed one writes none)
+        self.job.keeper.start(store.independent())  # (its own client: it looks also while a recovery waits)
         self.state = Membership()
         self.publisher = Publisher(self.job, self.state, journal, token, election)
-        self.admission = Admission(self.job, self.cfg, self.state, auth.AdmissionDesk(store, token), self.run_id)
+        desk = auth.AdmissionDesk(store, token, run_id=self.run_id, keeper=self.job.keeper)
+        self.admission = Admission(self.job, self.cfg, self.state, desk, self.run_id)
         self.detector = FailureDetector(self.job, self.cfg, self.state, self.admission, self.gather_poll_s)
         self.decider = Decider(self.job, self.cfg, self.state, self.admission, self.detector, self.publisher)
         self.stragglers = StragglerMonitor(self.job, self.cfg, self.state, self.admission, self.detector)
@@ -150,12 +153,12 @@ class Coordinator:
         self.led = True
         self.admission.load_members()
         self.admission.health.publish_reference()
-        sealed.put(self.store, keys.COORDINATOR_PID, str(os.getpid()))
+        self.job.keeper.put(keys.COORDINATOR_PID, str(os.getpid()))
         if self.publisher.reload():
             assert self.state.topo is not None
             self.job.event("coordinator_restarted", epoch=self.state.topo.epoch, spare_pool=self.state.spare_pool,
                            **({"leader": self.election.ident} if self.election is not None else {}))
-            self.store.set("coordinator/ready", str(time.time()))
+            self.store.set(keys.COORDINATOR_READY, str(time.time()))
             self._loop()
             return
         deadline = time.monotonic() + self.cfg.join_timeout
@@ -209,7 +212,7 @@ class Coordinator:
         self.publisher.publish(Topology(epoch=0, nodes=active, workers_per_node=self.g, replicas=self.cfg.replicas,
                                         racks=self.cfg.racks, resume_step=start, meta=meta, tp=self.cfg.tp,
                                         pp=self.cfg.pp))
-        self.store.set("coordinator/ready", str(time.time()))
+        self.store.set(keys.COORDINATOR_READY, str(time.time()))
         self._loop()
 
     def _loop(self) -> None:
@@ -266,7 +269,7 @@ class Coordinator:
             swapped[n] = spare
             self.state.dead.add(n)
             self.state.spare_pool.remove(spare)
-            sealed.put(self.store, keys.fence(n), str(time.time()))
+            self.job.keeper.put(keys.fence(n), str(time.time()))
             self.job.event("replaced_before_start", node=n, spare=spare,
                            why="its agent exited" if n in self.detector.exited_nodes else "no heartbeat")
 
@@ -309,8 +312,9 @@ class Coordinator:
         whole = len(self.state.topo.nodes) == self.cfg.nodes and (self.cfg.spares == 0 or bool(ready))
         there = sealed.present(self.store, [keys.JOB_WHOLE])[0]  # (a write only when it changes)
         if whole and not there:
-            sealed.put(self.store, keys.JOB_WHOLE, "1")
+            self.job.keeper.put(keys.JOB_WHOLE, "1")
         elif not whole and there:
+            self.job.keeper.drop(keys.JOB_WHOLE)
             self.store.delete_key(keys.JOB_WHOLE)
 
 

@@ -96,6 +96,7 @@ class Publisher:
             values.insert(0, sealed.seal(keys.JOURNAL, record))
         if not guarded_set(self.store, self.election, names, values):
             deposed()
+        self._keep(topo.epoch, names, values)
         self.state.topo = topo
         if not replay:
             self.job.event("epoch", epoch=topo.epoch, nodes=topo.nodes, world=topo.world,
@@ -111,6 +112,21 @@ class Publisher:
         values = [json.dumps(ev)] + [json.dumps(rank_evidence(ev, r, topo.layout.coord(r).name()))
                                      for r in range(topo.world)]
         sealed.put_many(self.store, names, values)
+        for n, v in zip(names, values, strict=True):
+            self.job.keeper.keep(n, sealed.seal(n, v))
+
+    KEEP_EPOCHS = 2  # the topologies (and their evidence) of this many epochs are put back if overwritten
+
+    def _keep(self, epoch: int, names: list[str], values: list[str | bytes]) -> None:
+        """What an epoch's publication wrote is kept (put back if overwritten: a worker that starts or restarts
+        reads it); that of epochs older than the last KEEP_EPOCHS no longer is."""
+        for n, v in zip(names, values, strict=True):
+            self.job.keeper.keep(n, v.encode() if isinstance(v, str) else bytes(v))
+        old = epoch - self.KEEP_EPOCHS
+        if old >= 0:
+            self.job.keeper.drop(keys.topo(old), keys.topo_sig(old))
+            self.job.keeper.drop_prefix(keys.evidence(old) + "/")
+            self.job.keeper.drop(keys.evidence(old))
 
     def _file_record(self) -> dict[str, Any] | None:
         """The last record of the journal file (None: no file, or no record in it)."""
@@ -171,9 +187,10 @@ class Publisher:
         dead, topo = set(last["dead"]), Topology(**last["topo"])
         if why:  # (put back, sealed, so that a later restart finds it)
             self.job.event("journal_restored", epoch=topo.epoch, why=why)
-            if not guarded_set(self.store, self.election, [keys.JOURNAL], [sealed.seal(keys.JOURNAL,
-                                                                                      json.dumps(last))]):
+            raw = sealed.seal(keys.JOURNAL, json.dumps(last))
+            if not guarded_set(self.store, self.election, [keys.JOURNAL], [raw]):
                 deposed()
+            self.job.keeper.keep(keys.JOURNAL, raw)
         self.state.dead = dead
         # the journal's pool, and spares admitted since (admissions are in the store, signed)
         pool = set(last["spare_pool"]) | {n for n, m in self.state.members.items() if m["spare"]}

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixft.controlplane import Store, exists_many, keys, sealed
-from phoenixft.controlplane.signed import env_token, run_ended, set_signed
+from phoenixft.controlplane.keeper import Keeper
+from phoenixft.controlplane.signed import env_token, run_ended, set_signed, sig_key, sign
 from phoenixft.controlplane.values import clean, note_bad, parse_int
 from phoenixft.distributed.topology import Topology
 
@@ -74,6 +75,8 @@ class Job:
         self.g = g
         self.run_id = ""  # the run's id (the key of what this process signs), set once known
         self.final_state: str | None = None  # the run's final state, once this process has seen it
+        self.keeper = Keeper(store)  # what the coordinator wrote for others to find: put back if overwritten
+        self._ready: set[str] = set()  # workers seen ready (a readiness overwritten since still counts)
 
     def event(self, kind: str, **fields: Any) -> None:
         sealed.append(self.store, keys.EVENTS, {"t": time.time(), "kind": kind, "by": "coordinator", **fields})
@@ -82,8 +85,17 @@ class Job:
         return [f"{node}.{i}" for i in range(self.g)]
 
     def ready(self, nodes: list[str]) -> bool:
-        """Every worker of every one of `nodes` has announced itself (one store call while one has not)."""
-        return sealed.all_present(self.store, [keys.ready(w) for n in nodes for w in self.wids(n)])
+        """Every worker of every one of `nodes` has announced itself (one store call while one has not). Once
+        seen, a worker stays ready until `forget_ready` (restarted in place): something that overwrites its key
+        afterwards does not make a ready spare look unready at the moment of a promotion."""
+        todo = [w for n in nodes for w in self.wids(n) if w not in self._ready]
+        if todo and not sealed.all_present(self.store, [keys.ready(w) for w in todo]):
+            return False
+        self._ready.update(todo)
+        return True
+
+    def forget_ready(self, wid: str) -> None:
+        self._ready.discard(wid)
 
     def node_ready(self, node: str) -> bool:
         return self.ready([node])
@@ -144,9 +156,11 @@ class Job:
                     why = f"{why} (before the first step, {wid} failed: {error})"
         except Exception:  # noqa: BLE001 - the run fails all the same, with the reason it was given
             pass
-        sealed.put(self.store, keys.RUN_ERROR, why)
+        self.keeper.put(keys.RUN_ERROR, why)
         self.event("run_failed", error=why)
         set_signed(self.store, env_token(), self.run_id, keys.RUN_STATE, "failed")
+        self.keeper.keep(sig_key(keys.RUN_STATE), sign(env_token(), self.run_id, keys.RUN_STATE, "failed").encode())
+        self.keeper.keep(keys.RUN_STATE, b"failed")
         self.final_state = "failed"
 
     def over(self) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, auth, exists_many, keys, poll_interval, sealed
+from phoenixft.controlplane.keeper import Keeper
 from phoenixft.controlplane.signed import CONFIG_WAIT_S, env_token, run_ended, set_signed, wait_verified
 from phoenixft.controlplane.values import parse_int
 from phoenixft.controlplane.watcher import FailureWatcher
@@ -41,6 +42,7 @@ from phoenixft.recovery.invariants import check_invariants, failure_message
 __all__ = ["Member", "Joined"]
 
 RUN_DIR_WAIT_S = 5.0  # ... a run directory
+EVIDENCE_WAIT_S = 5.0  # ... the plan's evidence (published before its topology; put back if overwritten)
 FINAL_ACK_S = 10.0  # rank 0 writes the final state again until the launcher has it, at most this long
 FINAL_REWRITE_S = 0.05
 WAIT_KEY_NAP_S = 0.05  # the longest a worker sleeps between two looks for a key it waits for (a spare's assignment)
@@ -108,6 +110,8 @@ class Member:
         """The protection layer (replicator, redundancy scheme, persistent tier), attached to the rank's state;
         after a restart in place, with what this rank kept in shared memory adopted."""
         self.protection = Protection(self.ctx, self.ctx.coll_timeout)
+        # what this rank wrote for others to find (its readiness, its descriptor): put back if overwritten
+        self.keeper = Keeper(self.ctx.store).start(self.protection.bg_store or self.ctx.store)
         scheme = self.ctx.scheme = self.protection.scheme
         if scheme is not None and self.ctx.trainer is not None:
             scheme.attach(self.ctx.trainer.state)
@@ -116,7 +120,7 @@ class Member:
 
     def announce(self) -> None:
         """This rank is ready for its epoch (the coordinator starts the run once every active rank is)."""
-        sealed.put(self.ctx.store, keys.ready(self.wid), str(time.time()))
+        self.keeper.put(keys.ready(self.wid), str(time.time()))
         if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
             self.ctx.store.delete_key(keys.start_failed(self.wid))
 
@@ -197,7 +201,8 @@ class Member:
                           keys.assign(self.node_id), 0)
         else:
             e = 0
-        return auth.verified_topology(self.ctx.store, e, self._wait_key(keys.topo(e), FIRST_EPOCH_WAIT_S))
+        return auth.verified_topology(self.ctx.store, e, self._wait_key(keys.topo(e), FIRST_EPOCH_WAIT_S),
+                                     FIRST_EPOCH_WAIT_S)
 
     def _check_fence(self) -> None:
         """A fenced node (declared dead while it was stopped or cut off) must never write again."""
@@ -217,7 +222,7 @@ class Member:
         self.watcher.disarm()
         self._check_fence()
         if "requested by the control plane" not in err:  # else the flag is set already: no round trip
-            sealed.put_many(self.ctx.store, [keys.failflag(e), keys.failflag(e) + "/by-worker"], ["1", "1"])
+            sealed.put_many(self.ctx.store, [keys.failflag(e), keys.failflag_by_worker(e)], ["1", "1"])
         # (no event of its own: the descriptor carries the error and its time, and the coordinator logs one
         # `failures_reported` event for all of them: W appends to one key would be W more store round trips)
         drain = sealed.has(self.ctx.store, keys.drain_notice(e))  # the epoch ends for a planned drain
@@ -226,7 +231,8 @@ class Member:
                 self.protection.repl.settle(self._drain_wait_s())  # the drained node's shard has its replica
             self.protection.repl.abort()
         desc = self.protection.descriptor(err, t_err)
-        sealed.put(self.ctx.store, keys.desc(e, self.wid), json.dumps(desc.to_json()))
+        self.keeper.drop_prefix("desc/")
+        self.keeper.put(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         sealed.hint(self.ctx.store, keys.desc_posted(e))  # the coordinator polls this one key, not every descriptor
         if drain and self.ctx.topo is not None:
             self._await_peers_settled(e, self.ctx.topo)
@@ -236,8 +242,8 @@ class Member:
         comm, self.ctx.comm = self.ctx.comm, None
         if comm is not None:
             comm.retire()
-        topo = auth.verified_topology(self.ctx.store, e + 1,
-                                      self._wait_key(keys.topo(e + 1), self.cfg.next_epoch_wait_s))
+        wait_s = self.cfg.next_epoch_wait_s
+        topo = auth.verified_topology(self.ctx.store, e + 1, self._wait_key(keys.topo(e + 1), wait_s), wait_s)
         self._check_fence()
         if self.node_id not in topo.nodes and self.node_id in topo.meta.get("drained", []):
             raise Drained(f"{self.node_id} was drained: {topo.meta.get('drain', {}).get('reason', 'requested')}; "
@@ -384,8 +390,11 @@ class Member:
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
         store, e = self.ctx.store, topo.epoch
-        part = sealed.get_json(store, keys.evidence(e, self.ctx.rank)) if "evidence_step" in topo.meta else None
-        seen = installed_seen(tr, topo, self.ctx.rank, r, part, lambda: sealed.get_json(store, keys.evidence(e)))
+        # (published before the topology; one overwritten since is put back by the coordinator: waited for, bounded)
+        part = sealed.wait_json(store, keys.evidence(e, self.ctx.rank), EVIDENCE_WAIT_S) \
+            if "evidence_step" in topo.meta else None
+        seen = installed_seen(tr, topo, self.ctx.rank, r, part,
+                              lambda: sealed.wait_json(store, keys.evidence(e), EVIDENCE_WAIT_S))
         try:
             inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step,
                                            tr.state.steps(), held, not bad, self.ctx.wait, seen)
@@ -433,7 +442,7 @@ class Member:
         """Stop the whole run at the last committed step, with one clear reason: a fault that is not
         ours to heal, or (`ours`) a broken recovery guarantee that must never be trained past. `trace`: where
         in the user's code the error was raised and its traceback (`errors.user_traceback`)."""
-        if sealed.claim(self.ctx.store, "run/stop_claim"):
+        if sealed.claim(self.ctx.store, keys.STOP_CLAIM):
             last = max(self.ctx.trainer.state.steps(), default=0) if self.ctx.trainer is not None else 0
             if trace is not None:
                 why = f"{why} (at {trace[0]}; traceback in the log of node {self.node_id})"

@@ -42,7 +42,7 @@ class RendezvousStore(dist.Store):
         self.set_timeout(cast(Any, inner).timeout)  # (torch's default otherwise: 300 s)
 
     def _name(self, key: str) -> str:
-        return f"rendezvous/{self.prefix}/{key}"
+        return f"rendezvous/{self.prefix}/{key}"  # (the name its MAC binds: group and key)
 
     def set(self, key: str, value: Any) -> None:
         self.inner.set(key, sealed.seal(self._name(key), _bytes(value)))

@@ -156,6 +156,45 @@ class Topology:
     def from_json(cls, text: str | bytes) -> Topology:
         return cls(**json.loads(text))
 
+    @classmethod
+    def parse(cls, raw: str | bytes | None, key: str = "topo") -> Topology | None:
+        """The topology in `raw` if it is one (every field of its type, within bounds); None (logged) if it is
+        not: for a reader of a value nobody signed, or before acting on one that verified."""
+        from phoenixft.controlplane.values import note_bad, parse_json
+
+        d = parse_json(raw, key)
+        if d is None:
+            return None
+        why = _shape_problem(d)
+        if why:
+            note_bad(key, f"not a topology ({why})", raw or b"")
+            return None
+        return cls(**d)
+
     def digest(self) -> str:
         core = {k: v for k, v in asdict(self).items() if k != "meta"}
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
+
+
+_INT_FIELDS = {"epoch": 0, "workers_per_node": 1, "replicas": 0, "resume_step": 0, "racks": 1, "tp": 1, "pp": 1}
+
+
+def _shape_problem(d: dict[str, Any]) -> str:
+    """Why `d` is not a topology's fields ('' if it is)."""
+    known = {f for f in Topology.__dataclass_fields__}
+    if set(d) - known:
+        return f"unknown field {sorted(set(d) - known)[0]!r}"
+    for f, least in _INT_FIELDS.items():
+        v = d.get(f, least)
+        if f in ("epoch", "workers_per_node", "replicas", "resume_step") and f not in d:
+            return f"no {f}"
+        if not isinstance(v, int) or isinstance(v, bool) or not least <= v < 1 << 62:
+            return f"{f} is not an integer >= {least}"
+    nodes = d.get("nodes")
+    if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        return "nodes is not a list of node ids"
+    if not isinstance(d.get("transfers", []), list) or not all(isinstance(t, dict) for t in d.get("transfers", [])):
+        return "transfers is not a list of objects"
+    if not isinstance(d.get("meta", {}), dict):
+        return "meta is not an object"
+    return ""

@@ -61,7 +61,7 @@ class FaultInjector:
             if f.point in (Point.HEARTBEAT, Point.NOTICE):  # a partition, a preemption: fired by an agent
                 if any(s < len(self.w.topo.nodes) for s in f.nodes):
                     self._wait_agent(f)
-            elif f.wait and not sealed.has(self.w.store, keys.fault(f.index) + "/fired"):
+            elif f.wait and not sealed.has(self.w.store, keys.fault_fired(f.index)):
                 self._wait_whole(f)
 
     def at(self, step: int, phase: str, joined: Callable[[], None] | None = None) -> None:
@@ -129,7 +129,7 @@ class FaultInjector:
         rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
                "node": self.w.node_id, "nodes": self._struck, "slot": self.w.topo.slot_of(self.w.node_id),
                "rank": self.w.rank, "epoch": self.w.epoch, **where}
-        if sealed.claim(self.w.store, keys.fault(f.index) + "/fired"):
+        if sealed.claim(self.w.store, keys.fault_fired(f.index)):
             sealed.put(self.w.store, keys.fault(f.index), json.dumps(rec))
         struck.mark(self.w.store, self.w.node_id, f)  # (its failures are the fault's, never its host's)
         sealed.append(self.w.store, keys.EVENTS, rec)
@@ -153,9 +153,8 @@ class FaultInjector:
         survivor notices the first death and leaves the step before the others are hit."""
         if targets < 2:
             return
-        key = keys.fault(f.index) + "/together"
-        sealed.put(self.w.store, f"{key}/{self.w.node_id}", "1")  # (one key per node: no counter to poison)
-        names = [f"{key}/{n}" for n in self._struck]
+        sealed.put(self.w.store, keys.fault_together(f.index, self.w.node_id), "1")  # (one key per node: no counter)
+        names = [keys.fault_together(f.index, n) for n in self._struck]
         deadline = time.monotonic() + timeout_s
         while sum(sealed.present(self.w.store, names)) < targets and time.monotonic() < deadline:
             time.sleep(0.002)
@@ -239,7 +238,7 @@ class FaultInjector:
     def _fired(self, f: FaultSpec) -> None:
         """Mark a fault that acts without `fire` (a corruption, a NaN) as fired: the report lists the
         `--inject` specs that never did (`faults_not_fired`)."""
-        sealed.put(self.w.store, keys.fault(f.index) + "/fired", "1")
+        sealed.put(self.w.store, keys.fault_fired(f.index), "1")
 
     def corrupt_replicas(self, step: int, received: dict[int, Holding]) -> None:
         """corrupt:node=I@step=S: flip bytes of the replicas the node in slot I received for step S-1

@@ -110,7 +110,7 @@ class NoticeHandler:
             rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "preempt",
                    "node": self.node, "nodes": [self.node], "slot": slot, "step": progress + 1, "phase": "notice",
                    "notice_s": notice}
-            if sealed.claim(store, keys.fault(f.index) + "/fired"):
+            if sealed.claim(store, keys.fault_fired(f.index)):
                 sealed.put(store, keys.fault(f.index), json.dumps(rec))
             struck.mark(store, self.node, f)  # (if its notice runs out: the fault's failure, not the host's)
             sealed.append(store, keys.EVENTS, rec)

@@ -136,7 +136,7 @@ class PartitionInjector:
         for f in list(self.todo):
             if slot not in f.nodes or f.step is None or progress < f.step - 1:
                 continue
-            if sealed.has(store, keys.fault(f.index) + "/fired"):  # fired on the node this one replaced: once a run
+            if sealed.has(store, keys.fault_fired(f.index)):  # fired on the node this one replaced: once a run
                 self.todo.remove(f)
                 continue
             if f.wait and not sealed.has(store, keys.JOB_WHOLE):  # (the workers hold the step meanwhile)
@@ -161,7 +161,7 @@ class PartitionInjector:
                                                    "node": self.node, "error": str(e)})
                 return
             rec["interface"] = ifname
-            if sealed.claim(store, keys.fault(f.index) + "/fired"):
+            if sealed.claim(store, keys.fault_fired(f.index)):
                 sealed.put(store, keys.fault(f.index), json.dumps(rec))
             struck.mark(store, self.node, f)  # (declared dead while cut off: the fault's failure, not the host's)
             sealed.append(store, keys.EVENTS, rec)

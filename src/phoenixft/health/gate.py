@@ -65,7 +65,7 @@ class HealthGate:
         if self.on and not sealed.has(self.store, REF_KEY):
             from phoenixft.health.check import reference_checksum
 
-            sealed.put(self.store, REF_KEY, reference_checksum())
+            self.job.keeper.put(REF_KEY, reference_checksum())
 
     # ------------------------------------------------------------------ hosts
     def host(self, node: str) -> str:
@@ -91,7 +91,7 @@ class HealthGate:
         for n in [s for s in st.spare_pool if self.host(s) == host and not st.in_use(s)]:
             st.spare_pool.remove(n)
             st.dead.add(n)
-            sealed.put(self.store, keys.fence(n), str(time.time()))
+            self.job.keeper.put(keys.fence(n), str(time.time()))
             self.job.event("spare_dismissed", node=n, host=host, reason="its host is quarantined")
 
     def refusal(self, req: dict[str, Any]) -> str:
@@ -144,8 +144,9 @@ class HealthGate:
         for i, n in enumerate(nodes):
             v = parse_json(sealed.unseal(keys.health(n), raw[2 * i]), keys.health(n))
             r = parse_json(sealed.unseal(keys.health_running(n), raw[2 * i + 1]), keys.health_running(n))
-            out[n] = (v if isinstance(v, dict) and isinstance(v.get("ok"), bool) else None,
-                      r if isinstance(r, dict) and isinstance(r.get("n"), int) else None)
+            prev = self._seen.get(n, (None, None))  # (a record gone or overwritten since: the last one read stands)
+            out[n] = (v if isinstance(v, dict) and isinstance(v.get("ok"), bool) else prev[0],
+                      r if isinstance(r, dict) and isinstance(r.get("n"), int) else prev[1])
         self._seen.update(out)
         return out
 
@@ -241,7 +242,7 @@ class HealthGate:
             self._rechecks.update(nodes)
         else:
             self._rechecks.difference_update(nodes)
-        sealed.put(self.store, keys.HEALTH_ASK, json.dumps({"seq": seq, "nodes": sorted(self.asked),
+        self.job.keeper.put(keys.HEALTH_ASK, json.dumps({"seq": seq, "nodes": sorted(self.asked),
                                                     "recheck": sorted(self._rechecks & set(self.asked)),
                                                     "t": time.time()}))
 

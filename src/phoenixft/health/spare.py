@@ -25,6 +25,7 @@ from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.controlplane.keeper import Keeper
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
 from phoenixft.faults import struck
 from phoenixft.faults.kinds import Point
@@ -32,7 +33,7 @@ from phoenixft.faults.kinds import Point
 __all__ = ["BUILTIN_BOUND_S", "REF_KEY", "JOIN_DEFER_S", "check_bound_s", "CheckProcess", "SpareHealth"]
 
 BUILTIN_BOUND_S = 30.0  # the built-in probes take well under a second; this bounds a device that hangs
-REF_KEY = "health/ref"  # the reference checksum of the matrix product, published by the coordinator
+REF_KEY = keys.HEALTH_REF  # the reference checksum of the matrix product, published by the coordinator
 JOIN_DEFER_S = 30.0  # the join check starts once the spare's workers are ready, or after this long at most
 BACKGROUND = ("join", "recheck")  # the checks no recovery asked for run at a lower CPU priority ...
 BACKGROUND_NICE = 10  # (a promotion waiting for one gets the CPU anyway: the job's other ranks wait with it)
@@ -185,6 +186,14 @@ class SpareHealth:
         self.running: CheckProcess | None = None
         self.deferred_until: float | None = None  # the join check waits for the workers' start, at most until then
         self._rec: dict[str, Any] = {}  # what the running check's verdict will say besides its result
+        self._kept: Keeper | None = None  # its records, put back if overwritten
+
+    def _keeper(self, store: Store) -> Keeper:
+        """The keeper of this spare's records, on the agent's current client (it reconnects after a failure)."""
+        if self._kept is None:
+            self._kept = Keeper(store)
+        self._kept.store = store
+        return self._kept
 
     def _sick(self, store: Store) -> bool:
         """A `sick:` fault of this spare applies now; recorded as fired the first time."""
@@ -195,7 +204,7 @@ class SpareHealth:
         hit = [f for f in faults if f.kind_of.fails_health_check(f, self.node, progress)]
         for f in hit:
             struck.mark(store, self.node, f)  # (the failed check is the fault's, not its host's)
-            if sealed.claim(store, keys.fault(f.index) + "/fired"):
+            if sealed.claim(store, keys.fault_fired(f.index)):
                 rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": f.kind,
                        "node": self.node, "slot": None, "step": progress, "phase": "health"}
                 sealed.put(store, keys.fault(f.index), json.dumps(rec))
@@ -209,7 +218,7 @@ class SpareHealth:
         self.n += 1
         t0 = time.time()
         running = {"n": self.n, "phase": phase, "ask": ask, "t": t0}
-        sealed.put(store, keys.health_running(self.node), json.dumps(running))
+        self._keeper(store).put(keys.health_running(self.node), json.dumps(running))
         self._rec = {"node": self.node, "host": self.host, "phase": phase, "ask": ask, "n": self.n, "t": t0}
         if defer_s > 0 and self.workers:
             self.deferred_until = time.monotonic() + defer_s
@@ -237,6 +246,7 @@ class SpareHealth:
         verdict posted, else None."""
         if store is None:
             return None
+        self._keeper(store).tick()  # (its records, put back if something else overwrote them)
         if self.deferred_until is not None and (time.monotonic() > self.deferred_until or store.check(self.workers)):
             self._launch(store)
         job = self.running
@@ -248,7 +258,7 @@ class SpareHealth:
         if out is None:
             return None
         rec = {**out, **self._rec, "duration_s": round(time.time() - self._rec["t"], 3)}
-        sealed.put(store, keys.health(self.node), json.dumps(rec))
+        self._keeper(store).put(keys.health(self.node), json.dumps(rec))
         self.running = None
         verdict = "healthy" if out["ok"] else f"UNHEALTHY: {out['reason']}"
         print(f"phoenixft agent {self.node}: health check ({rec['phase']}): {verdict}", flush=True)

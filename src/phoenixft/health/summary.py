@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.controlplane.values import clean
 from phoenixft.health.history import host_records, read_history
 
 __all__ = ["summarize", "format_lines"]
@@ -49,17 +50,19 @@ def format_lines(summary: dict[str, Any]) -> list[str]:
     spares = summary["health"]["spares"]
     if spares:
         out.append("spare health: " + "; ".join(
-            f"{s['node']} {'healthy' if s['ok'] else 'UNHEALTHY'} ({s['phase']} check)"
-            + ("" if s["ok"] else f": {s['reason'][:160]}") for s in spares))
+            f"{clean(s['node'], 64)} {'healthy' if s['ok'] else 'UNHEALTHY'} ({clean(s['phase'], 40)} check)"
+            + ("" if s["ok"] else f": {clean(s['reason'], 160)}") for s in spares))
     q = summary["quarantine"]
     for h in q["hosts"]:
-        fails = "; ".join(f"{f['node']}: {f['reason'][:100]}" + (f" [injected: {f['injected']}]" if f.get("injected")
-                                                                  else "") for f in h["failures"]) or h["reason"]
+        fails = "; ".join(f"{clean(str(f['node']), 64)}: {clean(str(f['reason']), 100)}"
+                          + (f" [injected: {clean(str(f['injected']), 40)}]" if f.get("injected") else "")
+                          for f in h["failures"]) or clean(str(h["reason"]), 200)
         state = "QUARANTINED" if h["quarantined"] else "not quarantined"
         injected = sum(1 for f in h["failures"] if f.get("injected"))
         counted = f", {injected} of them injected (not counted)" if injected else ""
-        out.append(f"host {h['host']}: {state}, {len(h['failures'])} failure(s){counted} ({fails})")
+        out.append(f"host {clean(str(h['host']), 80)}: {state}, {len(h['failures'])} failure(s){counted} ({fails})")
     if q["quarantined"]:
-        out.append(f"quarantined hosts: {', '.join(q['quarantined'])} (never admitted again; rule: "
+        shown = ", ".join(clean(str(h), 80) for h in q["quarantined"])
+        out.append(f"quarantined hosts: {shown} (never admitted again; rule: "
                    f"{q['after']} failures within {q['window_s']:g}s)")
     return out

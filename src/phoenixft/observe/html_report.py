@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phoenixft.config.training import model_label
 from phoenixft.errors import UserError
 from phoenixft.observe.goodput import account
 from phoenixft.recovery.invariants import failed_invariants, invariants_hold
@@ -395,7 +396,7 @@ def _summary(run: RunData, ref: RunData | None, tokens: int | None) -> str:
             "job",
             f"{cfg.get('nodes', '?')} node(s) x {cfg.get('workers_per_node', '?')} worker(s), "
             f"{cfg.get('spares', '?')} spare(s), protect={cfg.get('protect', '?')}, "
-            f"model={cfg.get('model', '?')}, replicas={cfg.get('replicas', '?')}",
+            f"{model_label(cfg)}, replicas={cfg.get('replicas', '?')}",
             None,
         ),
         ("faults injected", ", ".join(cfg.get("inject") or []) or "none", None),

@@ -18,7 +18,8 @@ from typing import IO, Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, keys, sealed
-from phoenixft.controlplane.values import parse_json, read_json
+from phoenixft.controlplane.auth import read_topology
+from phoenixft.controlplane.values import parse_json
 from phoenixft.observe.goodput import account
 from phoenixft.observe.report import STEP_BATCH, read_recoveries
 from phoenixft.observe.sinks import PrometheusSink, TensorBoardSink
@@ -34,8 +35,9 @@ class LiveMetrics:
     the head's --host)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, host: str, t_launch: float,
-                 info: Callable[[str], None] = print) -> None:
+                 info: Callable[[str], None] = print, token: str | None = None) -> None:
         self.cfg, self.run_dir, self.t_launch, self.info = cfg, run_dir, t_launch, info
+        self.token = token  # the job token the topologies read are checked with
         self.steps: dict[int, tuple[float, float, int]] = {}  # each step's latest execution seen: t_end, dt, epoch
         self.events: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -49,7 +51,8 @@ class LiveMetrics:
         self.goodput: dict[str, Any] | None = None
         self._goodput_next = 0.0  # when the live goodput may be recomputed
         # the endpoint first: a port that is taken fails the start before any file is open
-        self.prom: PrometheusSink | None = PrometheusSink(host, cfg.metrics_port) if cfg.metrics_port >= 0 else None
+        self.prom: PrometheusSink | None = PrometheusSink(cfg.metrics_host, cfg.metrics_port) \
+            if cfg.metrics_port >= 0 else None
         self.tb: TensorBoardSink | None = TensorBoardSink(cfg.tensorboard) if cfg.tensorboard else None
         self._file: IO[str] | None = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         if self.prom is not None:
@@ -92,8 +95,8 @@ class LiveMetrics:
     def advance(self, store: Store, progress: int) -> None:
         """Read the step records up to `progress` that are there (in order), record each."""
         if self.next is None:
-            topo = read_json(store, keys.topo(0))
-            self.next = int(topo.get("resume_step", 0)) + 1 if isinstance(topo, dict) else 1
+            topo = read_topology(store, 0, self.token)
+            self.next = topo.resume_step + 1 if topo is not None else 1
         while self.next <= progress:
             last = min(progress, self.next + STEP_BATCH - 1)
             names = [keys.step(s) for s in range(self.next, last + 1)]
@@ -113,7 +116,7 @@ class LiveMetrics:
                 self.next = s + 1
         if self.pending and self.steps and self.floor and self.steps[max(self.steps)][2] >= self.floor[-1][1]:
             self.pending = False  # the recovery's first step is in: its entry is complete
-            self.recoveries = read_recoveries(store, self.cfg)
+            self.recoveries = read_recoveries(store, self.cfg, self.token)
             self.ongoing = None
             if self.recoveries:
                 self._tb("recovery", self.n_recoveries, max(self.steps), self.recoveries[-1])

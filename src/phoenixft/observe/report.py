@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.controlplane.auth import read_topology
 from phoenixft.controlplane.values import clean, note_bad, parse_int, parse_json, read_json, read_raw
 from phoenixft.errors import UserError
 from phoenixft.faults.spec import FaultSpec, parse_fault
@@ -56,11 +58,11 @@ def _get(store: Store, key: str) -> Any:
     return sealed.get_json(store, key)
 
 
-def _topo(store: Store, e: int) -> dict[str, Any]:
-    """The topology of epoch `e` as far as the report needs it ({"nodes": []} if it is not a readable one)."""
-    topo = read_json(store, keys.topo(e), {})
-    nodes = topo.get("nodes")
-    return topo if isinstance(nodes, list) and all(isinstance(n, str) for n in nodes) else {**topo, "nodes": []}
+def _topo(store: Store, e: int, token: str | None) -> dict[str, Any]:
+    """The topology of epoch `e` as far as the report needs it, once its signature verifies with `token`
+    ({"nodes": []} if it is not a readable, signed one)."""
+    topo = read_topology(store, e, token)
+    return asdict(topo) if topo is not None else {"nodes": []}
 
 
 def _step_record(raw: bytes | None, key: str) -> dict[str, Any] | None:
@@ -165,14 +167,14 @@ def _completion(store: Store, e: int) -> tuple[dict[str, Any] | None, int, bool]
 
 
 def _recovery(store: Store, cfg: RunConfig, e: int, rec: dict[str, Any], faults: list[dict[str, Any]],
-              used: set[int]) -> dict[str, Any]:
+              used: set[int], token: str | None) -> dict[str, Any]:
     """The report entry of the recovery of epoch `e` (its record `rec`)."""
-    topo = _topo(store, e)
+    topo = _topo(store, e, token)
     joins = _joins(store, cfg, e, topo["nodes"])
     own_joins = joins  # this epoch's own join records: its invariants, even if a later epoch finished it
     first, done_epoch, never = _completion(store, e)
     if done_epoch != e:
-        joins = _joins(store, cfg, done_epoch, _topo(store, done_epoch)["nodes"])
+        joins = _joins(store, cfg, done_epoch, _topo(store, done_epoch, token)["nodes"])
     answered = _answered(faults, rec, used)
     fault = answered[-1] if answered else None
     t0 = answered[0]["t"] if answered else rec["t_first_report"]  # from the first of them
@@ -244,13 +246,13 @@ def _drain(rec: dict[str, Any], first: dict[str, Any] | None) -> dict[str, Any] 
             else None}
 
 
-def _recoveries(store: Store, cfg: RunConfig, faults: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _recoveries(store: Store, cfg: RunConfig, faults: list[dict[str, Any]], token: str | None) -> list[dict[str, Any]]:
     """One entry per recovery epoch, then the recovery that ended the run, if one did."""
     recoveries = []
     e = 1
     used: set[int] = set()
     while (rec := _get(store, keys.recovery(e))) is not None:
-        recoveries.append(_recovery(store, cfg, e, rec, faults, used))
+        recoveries.append(_recovery(store, cfg, e, rec, faults, used, token))
         e += 1
     failed = _get(store, keys.recovery_failed(e))
     if failed is not None:  # the recovery that ended the run: what it found and why it could not recover
@@ -258,10 +260,11 @@ def _recoveries(store: Store, cfg: RunConfig, faults: list[dict[str, Any]]) -> l
     return recoveries
 
 
-def read_recoveries(store: Store, cfg: RunConfig) -> list[dict[str, Any]]:
-    """The report's `recoveries` as the store holds them now (read while the run goes, for its goodput)."""
+def read_recoveries(store: Store, cfg: RunConfig, token: str | None) -> list[dict[str, Any]]:
+    """The report's `recoveries` as the store holds them now (read while the run goes, for its goodput);
+    topologies checked with `token`."""
     faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
-    return _recoveries(store, cfg, faults)
+    return _recoveries(store, cfg, faults, token)
 
 
 def _control_plane(faults: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -314,23 +317,33 @@ def write_metrics(run_dir: Path, steps: list[dict[str, Any]]) -> None:
 
 
 def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id: str,
-                 final: dict[str, Any] | None | str = "store", t_launch: float | None = None) -> dict[str, Any]:
+                 final: dict[str, Any] | None | str = "store", t_launch: float | None = None,
+                 token: str | None = None, events: list[dict[str, Any]] | None = None,
+                 seen: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's JSON report (fields in the module docstring); writes metrics.jsonl and events.jsonl.
     `final`: the run's final-state record as the caller verified it (the launcher: signed with the run
     key), or "store" to read it unverified. `t_launch`: when the job was launched (the start of the
-    goodput window; None: its first event)."""
-    first_topo = read_json(store, keys.topo(0))
-    start = int(first_topo.get("resume_step", 0)) if isinstance(first_topo, dict) else 0
-    progress = parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0)
+    goodput window; None: its first event). `token`: the job token the topologies are checked with.
+    `events`: the run's events as the caller read them (None: read from the store). `seen`: what the caller
+    read as the run went ("progress", "recoveries"), kept where the store no longer holds it (something other
+    than the job overwrote a key since)."""
+    seen = seen or {}
+    first_topo = read_topology(store, 0, token)
+    start = first_topo.resume_step if first_topo is not None else 0
+    progress = max(parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0), int(seen.get("progress") or 0))
     steps = _step_records(store, start + 1, min(cfg.steps, progress))
     dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
     if final == "store":
         final = read_json(store, keys.FINAL)
     if not isinstance(final, dict) or not isinstance(final.get("sha256"), str):
         final = None
-    faults = [f for f in (_get(store, keys.fault(i)) for i in range(len(cfg.inject or []))) if f]
-    recoveries = _recoveries(store, cfg, faults)
-    events = sealed.records(keys.EVENTS, read_raw(store, keys.EVENTS))
+    if events is None:
+        events = sealed.records(keys.EVENTS, read_raw(store, keys.EVENTS))
+    told = {ev.get("index"): ev for ev in events if ev.get("kind") == "fault"}  # (each fault's event: its record)
+    faults = [f for f in (_get(store, keys.fault(i)) or told.get(i) for i in range(len(cfg.inject or []))) if f]
+    recoveries = _recoveries(store, cfg, faults, token)
+    if len(seen.get("recoveries") or []) > len(recoveries):
+        recoveries = list(seen["recoveries"])
     report: dict[str, Any] = {
         "run_id": run_id,
         "state": state,
@@ -350,8 +363,8 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
         "faults": faults,
         # --inject specs that never acted (their node, rank or phase was not in the job when their step came)
         "faults_not_fired": [spec for i, spec in enumerate(cfg.inject or [])
-                             if not sealed.has(store, keys.fault(i) + "/fired")
-                             and not sealed.has(store, keys.fault(i))],
+                             if not sealed.has(store, keys.fault_fired(i))
+                             and not sealed.has(store, keys.fault(i)) and i not in told],
         "recoveries": recoveries,
         # nodes slower than --straggler-factor x their peers' median for --straggler-window steps
         "stragglers": _stragglers(events, recoveries),

@@ -28,12 +28,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any, TypeVar
 
+from phoenixft.config.training import model_label
 from phoenixft.controlplane import Store, keys, sealed
+from phoenixft.controlplane.auth import read_topology
 from phoenixft.controlplane.signed import env_token, verified
 from phoenixft.controlplane.tls import Relay, TlsFiles
-from phoenixft.controlplane.values import clean, parse_int, parse_json
+from phoenixft.controlplane.values import clean, note_bad, parse_int, parse_json
 from phoenixft.errors import UserError
 
 __all__ = [
@@ -217,24 +220,89 @@ def _wall(beat: bytes) -> float:
         return 0.0
 
 
+def _run_id(store: Store) -> str:
+    return clean(_get(store, keys.RUN_ID) or b"", 64)
+
+
 def _bind(store: Store) -> None:
     """Check what is shown with the run key if the token in the environment is the job's, else show it
     unchecked (status only reads)."""
     if sealed.bound():
         return
     token = env_token()
-    run_id = (_get(store, keys.RUN_ID) or b"").decode(errors="replace")
+    run_id = _run_id(store)
     if token and verified(store, token, run_id, keys.CONFIG, note=False) is not None:
         sealed.bind(token, run_id)
     else:
         sealed.read_unchecked()
 
 
+_SHOWN_ERRORS = (AttributeError, IndexError, KeyError, LookupError, OverflowError, TypeError, ValueError)
+
+
+def _guarded(what: str, fn: Callable[[], T], default: T) -> T:
+    """`fn()`, or `default` where what the store holds there is not of the shape the job writes (logged once:
+    without the job's token status shows values unchecked, and anyone reaching the store can write them)."""
+    try:
+        return fn()
+    except _SHOWN_ERRORS as e:
+        note_bad(what, f"not shown ({type(e).__name__}: {clean(str(e), 80)})")
+        return default
+
+
+def _cfg_int(cfg: dict[str, Any] | None, name: str, default: int) -> int:
+    v = (cfg or {}).get(name, default)
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 else default
+
+
+def _topologies(store: Store, e: int, st: dict[str, Any]) -> None:
+    """The epochs' topologies (signed with the job token where this process holds it) and the membership."""
+    now = st["_now"]
+    topos = [t for t in (read_topology(store, i, sealed.bound_token()) for i in range(max(0, e - 999), e + 1))
+             if t is not None]
+    st["history"] = [{"epoch": t.epoch, "nodes": list(t.nodes), "resume_step": t.resume_step,
+                      "meta": t.meta} for t in topos]
+    topo = topos[-1] if topos and topos[-1].epoch == e else None
+    st["topology"] = asdict(topo) if topo is not None else None
+    if topo is None:
+        return
+    g, racks = topo.workers_per_node, max(1, topo.racks)
+    for slot, node in enumerate(topo.nodes):
+        hb = _sealed(store, keys.heartbeat(node))
+        st["members"].append({
+            "slot": slot,
+            "node": node,
+            "ranks": list(range(slot * g, (slot + 1) * g)),
+            "rack": slot * racks // len(topo.nodes),
+            "heartbeat_age_s": None if hb is None else max(0.0, now - _wall(hb)),
+            "exited": sealed.has(store, keys.node_exit(node)),
+            "fenced": sealed.has(store, keys.fence(node)),
+        })
+
+
+def _spares(store: Store, cfg: dict[str, Any] | None, st: dict[str, Any]) -> None:
+    topo = st["topology"]
+    g = topo["workers_per_node"] if topo else _cfg_int(cfg, "workers_per_node", 1)
+    used = {n: h["epoch"] for h in reversed(st["history"]) for n in h["nodes"]}  # first epoch it appeared in
+    current = list(topo["nodes"]) if topo else []
+    for i in range(min(_cfg_int(cfg, "spares", 0), 4096)):
+        sid = f"s{i}"
+        ready = sealed.all_present(store, [keys.ready(f"{sid}.{j}") for j in range(g)])
+        if sid in current:
+            state = f"in use (slot {current.index(sid)}, since epoch {used[sid]})"
+        elif sid in used:
+            state = f"used in epoch {used[sid]}, since lost"
+        else:
+            state = "ready" if ready else "starting (not ready yet)"
+        st["spares"].append({"id": sid, "used": sid in used, "ready": ready, "state": state})
+
+
 def collect_status(store: Store, events: int = 10, now: float | None = None) -> dict[str, Any]:
-    """Read the job's state from the store (read-only) into a plain dict."""
+    """Read the job's state from the store (read-only) into a plain dict. Total: a value of the wrong shape
+    is left out (logged once), never a raise."""
     now = time.time() if now is None else now
     _bind(store)
-    cfg = _json(store, keys.CONFIG)
+    cfg = _config(store)
     st: dict[str, Any] = {
         "config": cfg,
         "epoch": None,
@@ -247,86 +315,72 @@ def collect_status(store: Store, events: int = 10, now: float | None = None) -> 
         "run_error": None,
         "events": [],
         "events_total": 0,
+        "_now": now,
     }
-    raw = _get(store, keys.RUN_STATE)
+    raw = _signed(store, keys.RUN_STATE)
     st["run_state"] = clean(raw, 200) if raw is not None else None
     raw = _sealed(store, keys.RUN_ERROR)
     st["run_error"] = clean(raw, 2000) if raw is not None else None
-    raw = _sealed(store, keys.EPOCH)
-    g = int((cfg or {}).get("workers_per_node", 1))
-    if raw is not None and parse_int(raw, keys.EPOCH, -1) >= 0:
-        e = int(raw)
+    e = parse_int(_sealed(store, keys.EPOCH), keys.EPOCH, -1)
+    if e >= 0:
         st["epoch"] = e
-        topos = [t for t in (_json(store, keys.topo(i)) for i in range(e + 1)) if t is not None]
-        st["history"] = [
-            {
-                "epoch": t["epoch"],
-                "nodes": t["nodes"],
-                "resume_step": t.get("resume_step"),
-                "meta": t.get("meta", {}),
-            }
-            for t in topos
-        ]
-        topo = topos[-1] if topos and topos[-1]["epoch"] == e else None
-        st["topology"] = topo
-        if topo is not None:
-            g = int(topo.get("workers_per_node", g))
-            racks = max(1, int(topo.get("racks", 1)))
-            for slot, node in enumerate(topo["nodes"]):
-                hb = _sealed(store, keys.heartbeat(node))
-                st["members"].append(
-                    {
-                        "slot": slot,
-                        "node": node,
-                        "ranks": list(range(slot * g, (slot + 1) * g)),
-                        "rack": slot * racks // len(topo["nodes"]),
-                        "heartbeat_age_s": None if hb is None else max(0.0, now - _wall(hb)),
-                        "exited": sealed.has(store, keys.node_exit(node)),
-                        "fenced": sealed.has(store, keys.fence(node)),
-                    }
-                )
-    used = {n: h["epoch"] for h in reversed(st["history"]) for n in h["nodes"]}  # first epoch it appeared in
-    current = set(st["topology"]["nodes"]) if st["topology"] else set()
-    for i in range(int((cfg or {}).get("spares", 0))):
-        sid = f"s{i}"
-        ready = sealed.all_present(store, [keys.ready(f"{sid}.{j}") for j in range(g)])
-        if sid in current:
-            state = f"in use (slot {st['topology']['nodes'].index(sid)}, since epoch {used[sid]})"
-        elif sid in used:
-            state = f"used in epoch {used[sid]}, since lost"
-        else:
-            state = "ready" if ready else "starting (not ready yet)"
-        st["spares"].append({"id": sid, "used": sid in used, "ready": ready, "state": state})
-    raw = _sealed(store, keys.PROGRESS)
-    if raw is not None and parse_int(raw, keys.PROGRESS, -1) >= 0:
-        n = int(raw)
-        rec = parse_json(_sealed(store, keys.step(n)), keys.step(n), None, object)
-        st["progress"] = {"step": n, "steps": (cfg or {}).get("steps"), "record": rec}
+        _guarded(keys.topo(e), lambda: _topologies(store, e, st), None)
+    _guarded(keys.CONFIG, lambda: _spares(store, cfg, st), None)
+    n = parse_int(_sealed(store, keys.PROGRESS), keys.PROGRESS, -1)
+    if n >= 0:
+        rec = parse_json(_sealed(store, keys.step(n)), keys.step(n), None)
+        st["progress"] = {"step": n, "steps": _cfg_int(cfg, "steps", 0) or None, "record": rec}
     from phoenixft.health.summary import summarize
 
-    st.update(summarize(store, cfg))  # the spares' health checks, each host's failures, the quarantined hosts
+    # the spares' health checks, each host's failures, the quarantined hosts
+    empty: dict[str, Any] = {}
+    st.update(_guarded(keys.HOST_HISTORY, lambda: summarize(store, cfg), empty))
     raw = _get(store, keys.EVENTS)
     if raw is not None:
         recs = sealed.records(keys.EVENTS, raw)
         st["events_total"] = len(recs)
         st["events"] = recs[-events:] if events > 0 else []
+    del st["_now"]
     return st
 
 
+def _config(store: Store) -> dict[str, Any] | None:
+    """The job's config: signed with the run key where this process holds the job's token, else unchecked."""
+    raw = _signed(store, keys.CONFIG)
+    return parse_json(raw, keys.CONFIG, None) if raw is not None else None
+
+
+def _signed(store: Store, key: str) -> bytes | None:
+    """A value signed beside it (controlplane.signed): checked where this process holds the job's token."""
+    token = sealed.bound_token()
+    if not token:
+        return _get(store, key)
+    return verified(store, token, _run_id(store), key)
+
+
 def describe_event(ev: dict[str, Any], width: int = 160) -> str:
-    """One line for an event: local time, kind, source, the other fields as key=value."""
-    t = ev.get("t")
-    stamp = (
-        (time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}") if t else "--:--:--"
-    )
-    src = ev.get("by") or ev.get("wid") or ev.get("node") or "-"
+    """One line for an event: local time, kind, source, the other fields as key=value (whatever their types:
+    an event shown unchecked may hold anything)."""
+    t: Any = ev.get("t")
+    try:
+        stamp = time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}"
+    except (TypeError, ValueError, OverflowError, OSError):
+        stamp = "--:--:--"
+    src = clean(str(ev.get("by") or ev.get("wid") or ev.get("node") or "-"), 40)
     rest = ", ".join(
-        f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+        f"{clean(str(k), 40)}={clean(v, 200) if isinstance(v, str) else clean(json.dumps(v), 200)}"
         for k, v in ev.items()
         if k not in ("t", "kind", "by", "wid")
     )
-    line = f"{stamp}  {ev.get('kind', '?'):<17} {src:<12} {rest}"
+    line = f"{stamp}  {clean(str(ev.get('kind', '?')), 40):<17} {src:<12} {rest}"
     return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _meta_line(meta: dict[str, Any]) -> str:
+    dead = ", ".join(clean(str(n), 64) for n in meta.get("dead") or []) or "-"
+    promoted = ", ".join(clean(str(n), 64) for n in meta.get("promoted") or []) or "-"
+    return (f"; after a {clean(str(meta.get('class', '?')), 40)} failure -> {clean(str(meta.get('action', '?')), 40)}, "
+            f"dead {dead}, promoted {promoted}")
 
 
 def _age(x: float | None) -> str:
@@ -334,8 +388,14 @@ def _age(x: float | None) -> str:
 
 
 def format_status(st: dict[str, Any], addr: str = "") -> str:
-    """The human-readable status, several lines."""
+    """The human-readable status, several lines (a part that does not format, from a value shown unchecked,
+    is left out and logged once)."""
     out: list[str] = []
+    _guarded("status", lambda: _format(st, addr, out), None)
+    return "\n".join(out)
+
+
+def _format(st: dict[str, Any], addr: str, out: list[str]) -> None:
     cfg = st.get("config")
     state = st.get("run_state") or ("running" if st.get("epoch") is not None else "starting")
     out.append(
@@ -343,10 +403,11 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
     )
     if cfg is None:
         out.append("no phoenixft run has published its config on this store yet")
-        return "\n".join(out)
+        return
+    c = {k: clean(str(cfg.get(k)), 60) for k in ("nodes", "workers_per_node", "spares", "steps", "protect", "model")}
     out.append(
-        f"job: {cfg.get('nodes')} node(s) x {cfg.get('workers_per_node')} worker(s), {cfg.get('spares')} "
-        f"spare(s), {cfg.get('steps')} steps, protect={cfg.get('protect')}, model={cfg.get('model')}"
+        f"job: {c['nodes']} node(s) x {c['workers_per_node']} worker(s), {c['spares']} "
+        f"spare(s), {c['steps']} steps, protect={c['protect']}, {clean(model_label(cfg), 120)}"
     )
     topo = st.get("topology")
     if st.get("epoch") is None or topo is None:
@@ -358,10 +419,7 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
         line = f"epoch {st['epoch']}: world {n * g} ({n} node(s) x {g} worker(s)), "
         line += f"resume step {topo.get('resume_step')}"
         if meta:
-            dead = ", ".join(meta.get("dead") or []) or "-"
-            promoted = ", ".join(meta.get("promoted") or []) or "-"
-            line += f"; after a {meta.get('class', '?')} failure -> {meta.get('action', '?')}, "
-            line += f"dead {dead}, promoted {promoted}"
+            line += _guarded(keys.topo(st["epoch"]), lambda: _meta_line(meta), "")
         out.append(line)
         out.append("membership:")
         for m in st["members"]:
@@ -390,12 +448,10 @@ def format_status(st: dict[str, Any], addr: str = "") -> str:
         pct = f" ({100 * prog['step'] / total:.0f}%)" if total else ""
         line = f"progress: step {prog['step']}/{total or '?'}{pct}"
         if rec:
-            line += (
-                f", loss {rec.get('loss', float('nan')):.4f}, {rec.get('dt', 0) * 1e3:.0f} ms/step, "
-                f"epoch {rec.get('epoch')}, world {rec.get('world')}"
-            )
+            line += _guarded(keys.step(prog["step"]), lambda: (
+                f", loss {float(rec.get('loss', float('nan'))):.4f}, {float(rec.get('dt', 0)) * 1e3:.0f} ms/step, "
+                f"epoch {clean(str(rec.get('epoch')), 20)}, world {clean(str(rec.get('world')), 20)}"), "")
         out.append(line)
     evs = st.get("events") or []
     out.append(f"last events ({len(evs)} of {st.get('events_total', 0)}):" if evs else "events: none yet")
     out += ["  " + describe_event(ev) for ev in evs]
-    return "\n".join(out)

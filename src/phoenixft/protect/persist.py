@@ -365,14 +365,13 @@ class Persister:
         # the CRC-32 of every file written (read back from the page cache, off the critical path): a
         # checkpoint whose bytes change on disk is never loaded (`check`)
         files = _file_crcs(rank_dir) if rank_dir.is_dir() else {}
-        key = f"persist/{meta['epoch']}/{step}"
         nsegs = int(meta["segments"].numel() // 3) if "segments" in meta else 0
-        sealed.put(self.store, f"{key}/rank/{meta['rank']}", json.dumps(
+        sealed.put(self.store, keys.persist_rank(meta["epoch"], step, meta["rank"]), json.dumps(
             {"crc": checksum(data), "files": files, "info": [meta["numel"], meta["shard_numel"], nsegs]}))
-        names = [f"{key}/rank/{r}" for r in range(meta["shards"])]
+        names = [keys.persist_rank(meta["epoch"], step, r) for r in range(meta["shards"])]
         # the one that finds every rank's record there writes the manifest (a claim: no counter to poison)
-        if sealed.all_present(self.store, names) and sealed.claim(self.store, f"{key}/manifest") \
-                and not self._fenced():
+        manifest = keys.persist_manifest(meta["epoch"], step)
+        if sealed.all_present(self.store, names) and sealed.claim(self.store, manifest) and not self._fenced():
             recs = [json.loads(v or b"{}") for v in sealed.get_many(self.store, names)]
             crcs = {str(r): int(recs[r]["crc"]) for r in range(meta["shards"])}
             man = {"step": step, "shards": meta["shards"], "numel": meta.get("full_numel", meta["numel"]),

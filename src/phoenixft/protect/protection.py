@@ -67,6 +67,7 @@ class Protection:
         on = cfg.protect == "phoenix"
         # the replication and persist threads' client: short non-blocking calls only, so one serves both
         store = ctx.store.independent() if on else None
+        self.bg_store = store
         self.repl: Replicator | None = None
         self.scheme: RedundancyScheme | None = None
         # --scrub-every N: the held copies re-verified at the start of each protection job (scrub.py)

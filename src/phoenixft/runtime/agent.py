@@ -59,6 +59,7 @@ __all__ = ["main", "run_agent", "probe_store", "CALL_TIMEOUT_S"]
 
 
 MAX_RESTARTS = 3
+RUN_ID_SETTLE_S = 3.0  # a run id in the store that is not --run-id: looked at again this long (put back?) first
 MAX_AGENT_WAIT_S = MAX_FAILURE_TIMEOUT_S  # --connect-timeout, --join-timeout, --control-plane-timeout: a day
 CALL_TIMEOUT_S = 5.0  # the agent's own store calls: a partitioned host notices within this, then reconnects
 _ID = re.compile(r"^[ns]\d+$")
@@ -191,7 +192,9 @@ def run_agent(a: argparse.Namespace, flag: str) -> int:
         auth.check_token(token, auth.token_source(a.token, path))
     if a.parent_pid:
         die_with_parent(signal.SIGTERM, a.parent_pid)  # the launcher died: clean up (the node's signal handler)
+    a.given_store = a.store  # (what errors name: `_through_tls` may put this host's forwarder in its place)
     _, _, local_addr = probe_store(a.store, a.connect_timeout, flag)
+    _check_tls_mismatch(a, flag)
     _through_tls(a, flag)
     bind = a.host.strip("[]") or local_addr
     _check_bind(bind)
@@ -217,9 +220,31 @@ def _verified_config(a: argparse.Namespace, flag: str, store: Store, token: str,
 
     raw = wait_verified(store, token, run_id, keys.CONFIG, a.connect_timeout)
     if raw is None:
-        raise UserError(f"{flag}={a.store}: the job's config there is not signed with the key of run {run_id} "
+        raise UserError(f"{flag}={_given(a)}: the job's config there is not signed with the key of run {run_id} "
                         "(something other than the job wrote it)")
     return RunConfig.from_json(raw.decode())
+
+
+def _given(a: argparse.Namespace) -> str:
+    """The store's address as the user gave it (errors name it; `a.store` may be this host's TLS forwarder)."""
+    return str(getattr(a, "given_store", "") or a.store)
+
+
+TLS_PROBE_S = 0.5  # how long a plain agent waits for the TLS answer of a head started with TLS (loopback: ~1 ms)
+
+
+def _check_tls_mismatch(a: argparse.Namespace, flag: str) -> None:
+    """An agent without --tls-* at a head started with them: one line naming the flags, at once (its store client
+    got the gateway's refusal only after seconds of retries, and said 'not a reachable phoenixft store')."""
+    from phoenixft.controlplane import describe, tls
+
+    if a.tls_cert or a.tls_key or a.tls_ca or a.parent_pid or describe(a.store).replicated:
+        return  # (an agent of `phoenixft run` is given the flags its launcher's store needs)
+    host, _, port = a.store.rpartition(":")
+    if tls.speaks_tls(host.strip("[]"), int(port), TLS_PROBE_S):
+        raise UserError(f"{flag}={a.store}: the coordinator there speaks TLS (it was started with --tls-cert, "
+                        "--tls-key and --tls-ca): give this agent --tls-cert, --tls-key and --tls-ca too (a "
+                        "certificate of this host signed by the job's CA, and that CA; `phoenixft certs` makes them)")
 
 
 def _through_tls(a: argparse.Namespace, flag: str) -> None:
@@ -235,10 +260,14 @@ def _through_tls(a: argparse.Namespace, flag: str) -> None:
     if describe(a.store).replicated:
         return
     host, _, port = a.store.rpartition(":")
+    if not tls.speaks_tls(host.strip("[]"), int(port), TLS_PROBE_S):  # (before a handshake that would wait for it)
+        raise UserError(f"{flag}={a.store}: the coordinator there does not speak TLS (it was started without "
+                        "--tls-cert, --tls-key and --tls-ca): leave those flags out here, or start the coordinator "
+                        "with them")
     why = tls.probe(host.strip("[]"), int(port), files)
     if why:
-        raise UserError(f"{flag}={a.store}: no TLS channel to the coordinator ({why}): is it started with TLS, and "
-                        "are --tls-cert and the coordinator's certificate both signed by --tls-ca?")
+        raise UserError(f"{flag}={a.store}: no TLS channel to the coordinator ({why}): are this agent's --tls-cert "
+                        "and the coordinator's certificate both signed by --tls-ca?")
     relay = tls.start_forwarder(a.store, files)
     print(f"phoenixft agent {a.node}: reaching the store at {a.store} through TLS (this host's forwarder at "
           f"{relay.addr})", flush=True)
@@ -296,6 +325,7 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
     from phoenixft.distributed.comm import connect_store
 
     connect_deadline = time.monotonic() + a.connect_timeout
+    mismatch_since = 0.0  # when the store first named another run
     store: Store | None
     while True:  # something listens there (probed): a client that times out on a loaded host tries again
         try:
@@ -304,12 +334,16 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
             raw = store.get(keys.CONFIG)
             served = clean(store.get(keys.RUN_ID), 64) if store.check([keys.RUN_ID]) else ""
             if a.run_id and served and a.run_id != served:  # before asking to join: a refused agent holds no slot
-                raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({served})")
+                mismatch_since = mismatch_since or time.monotonic()  # (one something else wrote is put back within
+                if time.monotonic() - mismatch_since > RUN_ID_SETTLE_S:  # a second: looked at again until then)
+                    raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {_given(a)} ({served})")
+                time.sleep(0.2)
+                continue
             try:
                 return store, RunConfig.from_json(bytes(raw).decode(errors="replace")), served
             except Exception:  # noqa: BLE001 - not a config (overwritten by a stranger): its writer puts it back
                 if time.monotonic() > connect_deadline:
-                    raise UserError(f"{flag}={a.store}: the job's config there is unreadable") from None
+                    raise UserError(f"{flag}={_given(a)}: the job's config there is unreadable") from None
                 time.sleep(0.2)
                 continue
         except UserError:
@@ -317,7 +351,7 @@ def _connect(a: argparse.Namespace, flag: str) -> tuple[Store, RunConfig, str]:
         except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
             timed_out = "timed out" in str(e) or "timeout" in str(e).lower()
             if not timed_out or time.monotonic() > connect_deadline:
-                raise UserError(f"{flag}={a.store}: not a reachable phoenixft store "
+                raise UserError(f"{flag}={_given(a)}: not a reachable phoenixft store "
                                 f"({str(e).splitlines()[0][:120]})") from None
 
 
@@ -330,13 +364,14 @@ def _admit(a: argparse.Namespace, store: Store, token: str | None, bind: str) ->
     request = {"name": a.node, "spare": a.spare or (a.node.startswith("s") and bool(_ID.match(a.node))),
                "workers": a.workers, "host": bind, "hostname": socket.gethostname(), "pid": os.getpid(),
                "hostid": os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"}
-    verdict = auth.request_admission(store, request, token, a.join_timeout, a.store)
+    given = _given(a)
+    verdict = auth.request_admission(store, request, token, a.join_timeout, given)
     node, run_id = str(verdict["node"]), str(verdict["run_id"])
     shm.check_run_id(run_id)
     if a.run_id and a.run_id != run_id:
-        raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {a.store} ({run_id})")
+        raise UserError(f"--run-id={a.run_id} is not the run of the coordinator at {given} ({run_id})")
     note = f" ({verdict['note']})" if verdict.get("note") else ""
-    print(f"phoenixft agent {a.node}: admitted by {a.store} as {node}, run {run_id}, address {bind}{note}",
+    print(f"phoenixft agent {a.node}: admitted by {given} as {node}, run {run_id}, address {bind}{note}",
           flush=True)
     assert token is not None  # admitted: the verdict verified with it
     os.environ[auth.TOKEN_ENV] = token  # the workers verify the coordinator's plans with it
@@ -507,7 +542,7 @@ class _Node:
             self.fenced = True
             self.stop(signal.SIGTERM, None)
         if not there:  # (its workers would wait for keys that never come)
-            print(f"phoenixft agent {node}: the job's keys are gone from {self.a.store} (the run ended and its "
+            print(f"phoenixft agent {node}: the job's keys are gone from {_given(self.a)} (the run ended and its "
                   "keys were removed); stopping the node", file=sys.stderr, flush=True)
             return False
         if self.beat is None or self.beat.store is not store:

@@ -37,7 +37,7 @@ class LauncherFaults:
             i, name = cluster.member(member)
             rec = {"t": time.time(), "kind": "fault", "spec": f.text, "index": f.index, "fault": "kill",
                    "node": name, "step": f.step, "phase": "control plane", "by": "launcher"}
-            sealed.put(store, keys.fault(f.index) + "/fired", "1")
+            sealed.put(store, keys.fault_fired(f.index), "1")
             sealed.put(store, keys.fault(f.index), json.dumps(rec))
             sealed.append(store, keys.EVENTS, rec)
             cluster.kill_member(i)

@@ -53,7 +53,8 @@ def final_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
         return lost_report(job, cfg, state)
     job._poll_events()
     job._last_steps()
-    report = build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final, t_launch=job.t_launch)
+    report = build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final, t_launch=job.t_launch,
+                          token=job.token, events=job.events(), seen=job.seen())
     if report.get("error_node"):
         report["error_log"] = job.node_log(str(report["error_node"]))
     if job.store.check([keys.MEMBERS]):
@@ -72,7 +73,8 @@ def interrupted_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, A
         with signals_held():  # a second signal must not cut this short either
             job._poll_events()
             job._last_steps()
-            return build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final, t_launch=job.t_launch)
+            return build_report(job.store, cfg, state, job.run_dir, job.run_id, final=job.final, t_launch=job.t_launch,
+                                token=job.token, events=job.events(), seen=job.seen())
     except Exception as e:  # noqa: BLE001 - the teardown must still run; the report says why it is short
         base["report_error"] = f"{type(e).__name__}: {e}"
         return base

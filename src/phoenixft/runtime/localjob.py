@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from phoenixft.config import RunConfig
+from phoenixft.config.training import model_label
 from phoenixft.controlplane import (
     LogReader,
     ProvisionedCluster,
@@ -52,6 +53,7 @@ from phoenixft.controlplane import (
     provision_cluster,
     sealed,
 )
+from phoenixft.controlplane.keeper import Keeper
 from phoenixft.controlplane.signed import run_ended, sign, verified
 from phoenixft.controlplane.values import note_bad, parse_int, parse_json
 from phoenixft.distributed.cuda_env import PLACEMENT_ENV
@@ -72,7 +74,6 @@ Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
 AGENT_MODULE = "phoenixft.runtime.agent"  # what a local job's node runs (`python -m`)
 CONTROL_PLANE_TIMEOUT_S = 15.0  # a cluster: no answer for this long and the run is failed (agents' default too)
 ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coordinator gets to decide (and record why)
-KEEP_EVERY_S = 1.0  # how often the launcher checks the keys it wrote once (`_keep`)
 
 
 def timeout_state(limit: float) -> str:
@@ -103,12 +104,12 @@ class LocalJob(JobTeardown):
 
         self.tls = TlsFiles.given(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)  # (checked again: files may have changed)
         self._gateway: Any = None  # with TLS: the relay agents reach the loopback-only store through
+        self._front: Any = None  # the store's front (controlplane.front), while the store is served
         self.public_addr = ""  # where agents join: the store, or with TLS its gateway
         self.token_generated = token is None
         self.run_id = uuid.uuid4().hex[:10]
         sealed.bind(self.token, self.run_id)  # what this process writes to the store and acts on is sealed
-        self._kept: dict[str, bytes] = {}  # keys this launcher alone writes, once: put back if overwritten
-        self._kept_at = 0.0
+        self.keeper: Keeper = None  # type: ignore[assignment]  # what this launcher wrote once and keeps (start())
         self.t_launch = time.time()  # the start of the run's goodput window
         self.run_dir = Path(cfg.run_dir or Path("runs") / time.strftime(f"%Y%m%d-%H%M%S-{self.run_id}"))
         self.dir_lock = rundir.claim(self.run_dir)  # held until the report is written (another launcher: refused)
@@ -222,15 +223,18 @@ class LocalJob(JobTeardown):
         self.store = connect(self.addr, CONTROL_PLANE_TIMEOUT_S if describe(self.addr).replicated else 30.0, self.tls,
                              self.token)
         self._log = LogReader(self.store, keys.EVENTS)
-        self.live = LiveMetrics(self.cfg, self.run_dir, self.host, self.t_launch, self.display.info)
+        self.live = LiveMetrics(self.cfg, self.run_dir, self.host, self.t_launch, self.display.info, token=self.token)
         if self.live.prom is not None:
-            self.display.info(f"Prometheus metrics at http://{self.host}:{self.live.prom.port}/metrics")
+            self.display.info(f"Prometheus metrics at http://{self.cfg.metrics_host}:{self.live.prom.port}/metrics")
         raw_cfg = self.cfg.to_json()  # its signature first: whoever sees the config can check a token on it
-        self._kept = {keys.CONFIG_SIG: sign(self.token, self.run_id, keys.CONFIG, raw_cfg).encode(),
-                      keys.CONFIG: raw_cfg.encode(), keys.RUN_ID: self.run_id.encode()}
+        kept = {keys.CONFIG_SIG: sign(self.token, self.run_id, keys.CONFIG, raw_cfg).encode(),
+                keys.CONFIG: raw_cfg.encode(), keys.RUN_ID: self.run_id.encode()}
         if self.local:  # rank 0 writes the final model there: only where it shares this filesystem
-            self._kept[keys.RUN_DIR] = sealed.seal(keys.RUN_DIR, str(self.run_dir.resolve()))
-        self.store.multi_set(list(self._kept), list(self._kept.values()))
+            kept[keys.RUN_DIR] = sealed.seal(keys.RUN_DIR, str(self.run_dir.resolve()))
+        # what this launcher wrote once and others read when they start (a restarted coordinator or worker, a
+        # spare): put back, at most once a second, where something else overwrote or deleted it
+        self.keeper = Keeper(self.store)
+        self.keeper.put_many_raw(list(kept), list(kept.values()))
         for i in range(self.cfg.coordinators):
             self._start_coordinator(i)
         (self.run_dir / "config.json").write_text(json.dumps(json.loads(self.cfg.to_json()), indent=2))
@@ -241,7 +245,8 @@ class LocalJob(JobTeardown):
             for n in nodes:
                 self._start_agent(n)
             self.display.info(f"run {self.run_id}: {self.cfg.nodes} node(s) x {self.cfg.workers_per_node} worker(s), "
-                              f"{self.cfg.spares} spare(s), protect={self.cfg.protect}, store {self.addr}"
+                              f"{self.cfg.spares} spare(s), {model_label(self.cfg.to_dict())}, "
+                              f"protect={self.cfg.protect}, store {self.addr}"
                               f"{' (agents through TLS at ' + self.public_addr + ')' if self._gateway else ''}, "
                               f"dir {self.run_dir}")
             return
@@ -258,22 +263,25 @@ class LocalJob(JobTeardown):
 
     def _serve(self) -> None:
         """Serve the store from this process (its server thread needs no GIL), so that the coordinator's
-        logic can crash and be restarted without taking the store with it. It listens on the address
-        given only (see controlplane.server); with TLS on loopback only, agents reaching it through a
-        TLS gateway on the address given (controlplane.tls)."""
-        from phoenixft.controlplane.server import serve_store
+        logic can crash and be restarted without taking the store with it, behind its front (controlplane.front):
+        the store's own socket in a network namespace of its own, this host's processes of this user at the
+        front's loopback port, other hosts' agents at the address given (with TLS: certificates of the job CA
+        only; without, a plain TCP port, said in one line)."""
+        from phoenixft.controlplane.front import is_loopback, serve_job_store
+        from phoenixft.controlplane.storewire import Limits
 
-        if self.tls is None:
-            self._server = serve_store(self.host, self.port)
-            self.addr = self.public_addr = self._server.addr
-        else:
-            from phoenixft.controlplane.tls import start_gateway
-
-            self._server = serve_store("127.0.0.1", 0)
-            self.addr = self._server.addr  # this host's own processes (coordinator, launcher) connect directly
-            self._gateway = start_gateway(self.host, self.port, self._server.port, self.tls)
-            self.public_addr = self._gateway.addr
-        _publish(self.run_dir / "coordinator.port", str(self._server.port))
+        limits = Limits(max_bytes=self.cfg.store_max_mb << 20, max_keys=self.cfg.store_max_keys)
+        self._front = serve_job_store(self.host, self.port, self.tls.env() if self.tls else None, limits)
+        self._server = self._front.server
+        self.addr, self.public_addr = self._front.local_addr, self._front.public_addr
+        self._gateway = self._front.relay if self.tls is not None else None
+        if self._front.shared:
+            self.display.info(f"!! the store is reachable by every user of this host: {self._front.shared}")
+        if not self.local and self.tls is None and not is_loopback(self.host):
+            self.display.info(f"!! --host={self.host} serves the store without TLS: anyone who reaches "
+                              f"{self.public_addr} can read and write it (give --tls-cert, --tls-key and --tls-ca; "
+                              "`phoenixft certs DIR` makes them)")
+        _publish(self.run_dir / "coordinator.port", self.addr.rsplit(":", 1)[1])
 
     def _start_agent(self, node: str, host: str = "") -> None:
         """Start node's agent; `host`: the simulated host it runs on (a repaired node's: the host it was lost
@@ -300,19 +308,6 @@ class LocalJob(JobTeardown):
         self._coord_pids.append(p.pid)
 
     # ------------------------------------------------------------------ monitoring
-    def _keep(self) -> None:
-        """Put back, at most once a second, what this launcher wrote once and others read when they start (the
-        config, its signature, the run id, the run directory) where something else overwrote or deleted it:
-        a process that starts later (a restarted coordinator or worker, a spare) finds it intact."""
-        if time.monotonic() - self._kept_at < KEEP_EVERY_S or not self._kept:
-            return
-        self._kept_at = time.monotonic()
-        for name, value in self._kept.items():
-            now = get_nowait(self.store, name)
-            if now != value:
-                note_bad(name, "overwritten or deleted by something other than this job; put back", now or b"")
-                self.store.set(name, value)
-
     def node_log(self, node: str) -> str:
         """Where node's agent and workers write: this run directory's logs/ for a local run, else their host."""
         if self.local:
@@ -320,8 +315,12 @@ class LocalJob(JobTeardown):
         return f"the log of node {node}'s agent on its host"
 
     def _poll_events(self) -> None:
-        for ev in sealed.records(keys.EVENTS, self._log.read(), self._events_macs):
+        got = sealed.lines(keys.EVENTS, self._log.read_bytes(), self._events_macs)
+        if got and self.store.consumes_logs:  # (taken from the queue: kept under `events`, for status and drain)
+            self.store.append(keys.EVENTS, b"".join(line + b"\n" for line, _ in got))
+        for _, ev in got:
             self.events_seen.append(json.dumps(ev))
+            self._keep_fault(ev)
             if ev.get("kind") == "run_failed" and ev.get("traceback") and ev.get("node"):
                 ev["log"] = self.node_log(str(ev["node"]))  # (where the traceback is: said with the error)
             if self.live is not None:
@@ -333,10 +332,29 @@ class LocalJob(JobTeardown):
         if self.live is not None:  # (the exported goodput moves on while no step completes: a recovery)
             self.live.live_goodput()
 
+    def _keep_fault(self, ev: dict[str, Any]) -> None:
+        """A fault fires once a run, on the nodes of its first firing (faults/inject.py keeps both in the store):
+        once its event is in, this launcher keeps them there too, so that a step replayed after the recovery it
+        caused finds them whatever overwrote them since (its firing worker is gone, by design)."""
+        i = ev.get("index")
+        if ev.get("kind") != "fault" or type(i) is not int or not 0 <= i < len(self.cfg.faults):
+            return
+        self.keeper.put(keys.fault_fired(i), "1")
+        if isinstance(ev.get("nodes"), list):
+            self.keeper.put(keys.fault_targets(i), json.dumps(ev["nodes"]))
+
+    def events(self) -> list[dict[str, Any]]:
+        """The run's events as this launcher read them as the run went (each once, in order)."""
+        return [json.loads(x) for x in self.events_seen]
+
+    def seen(self) -> dict[str, Any]:
+        """What this launcher read as the run went that the report needs: the progress, the recoveries."""
+        return {"progress": self.last_step_shown, "recoveries": self.live.recoveries if self.live else []}
+
     def _tell_exits(self) -> None:
         """Tell the coordinator of the nodes that exited: `exit/<node>`, then the `exits` counter."""
         while self._unreported:  # (told once the store answers, if it did not at first)
-            sealed.put(self.store, keys.node_exit(self._unreported[0]), str(time.time()))
+            self.keeper.put(keys.node_exit(self._unreported[0]), str(time.time()))
             self._exits_told += 1
             sealed.hint(self.store, keys.EXITS)  # (a hint, never an `add`: see controlplane.sealed)
             self._unreported.pop(0)
@@ -448,7 +466,7 @@ class LocalJob(JobTeardown):
                 if look:
                     self._poll_events()
                     self._look_final()
-                    self._keep()
+                    self.keeper.tick()
                 if over and ended is not None:
                     return ended
                 if time.monotonic() > deadline:

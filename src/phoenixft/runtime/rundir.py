@@ -26,7 +26,8 @@ from pathlib import Path
 from phoenixft.errors import UserError
 from phoenixft.runtime.procs import cmdlines
 
-__all__ = ["RUN_FILES", "JOURNAL", "TOKEN_FILE", "LOCK", "journal_path", "claim", "release", "prepare"]
+__all__ = ["RUN_FILES", "JOURNAL", "TOKEN_FILE", "LOCK", "journal_path", "claim", "release", "prepare",
+           "store_address", "token_file"]
 
 JOURNAL = "coordinator.journal"
 TOKEN_FILE = "token"  # a generated job token (mode 0600)
@@ -34,6 +35,24 @@ LOCK = ".phoenixft.lock"  # held (flock) by the launcher that uses the directory
 # what a run writes at the top of its directory (report.html: `phoenixft report`); logs/ and final/ too
 RUN_FILES = ("config.json", JOURNAL, "coordinator.port", "control_plane", "events.jsonl", "metrics.jsonl",
              "report.json", "report.html", TOKEN_FILE)
+
+
+def store_address(run_dir: str, flag: str = "--run-dir") -> str:
+    """The control-plane address of the live run whose run directory is `run_dir` (what `phoenixft status` and
+    `phoenixft drain` reach it at from this host): its cluster's URL, or its store's loopback port."""
+    d = Path(run_dir)
+    for name, fmt in (("control_plane", "{}"), ("coordinator.port", "127.0.0.1:{}")):
+        if (d / name).is_file():
+            return fmt.format((d / name).read_text().strip())
+    why = "no such directory" if not d.is_dir() else "no coordinator.port in it"
+    raise UserError(f"{flag}={run_dir}: not the directory of a running `phoenixft run` or `phoenixft coordinator` "
+                    f"({why})")
+
+
+def token_file(run_dir: str) -> str:
+    """The run directory's generated job token file, if the run generated one ('' otherwise)."""
+    path = Path(run_dir) / TOKEN_FILE
+    return str(path) if path.is_file() else ""
 
 
 def journal_path(run_dir: Path) -> str:

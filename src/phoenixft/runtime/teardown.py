@@ -59,6 +59,7 @@ class JobTeardown:
     _lock: threading.Lock
     _owner: bool
     _gateway: Any
+    _front: Any
 
     def _kill_group(self, node: str, sig: int = signal.SIGKILL) -> None:
         p = self.agents.get(node)
@@ -180,8 +181,8 @@ class JobTeardown:
             self.cluster.stop()
         if self.live is not None:
             self.live.close()
-        if self._gateway is not None:
-            self._gateway.stop()
+        if self._front is not None:
+            self._front.stop()
 
     def _may_end_job(self) -> bool:
         """Whether this launcher may end the job (announce its end, remove its keys). Not once it was cut

@@ -203,7 +203,7 @@ class Worker(Member):
         tr.resume(r)  # the restored host snapshot into the shard's working copy (H2D on CUDA)
 
     def _joined(self, topo: Topology, r: int) -> None:
-        self.sdc.joined()
+        self.sdc.joined(r)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:

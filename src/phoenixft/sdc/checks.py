@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phoenixft.controlplane import keys, sealed
+from phoenixft.controlplane.values import parse_json
 from phoenixft.errors import PeerFailure, Unhealable
 from phoenixft.sdc import record
 from phoenixft.sdc.logic import (
@@ -70,9 +72,20 @@ class SdcChecks:
         self._pending: tuple[int, Any, torch.Tensor] | None = None  # the parameter fingerprints' exchange
 
     # ------------------------------------------------------------------ lifecycle
-    def joined(self) -> None:
-        """Every member starts the spike window afresh at a join (a promoted spare has no history)."""
+    def joined(self, resume_step: int) -> None:
+        """At a join, every member (a promoted spare too) takes the spike window of the steps up to the resume
+        step from the run's step records (sealed by rank 0: the loss and the gradient norm are the same on
+        every rank), not a window of its own: a survivor's would hold steps that are rolled back, a spare has
+        none, and an empty window guards nothing for its first `min_history` steps."""
         self.guard.reset()
+        if not self.guarded or resume_step < 1:
+            return
+        names = [keys.step(s) for s in range(max(1, resume_step - self.guard.window + 1), resume_step + 1)]
+        for name, raw in zip(names, sealed.get_many(self.ctx.store, names), strict=True):
+            rec = parse_json(raw, name) if raw is not None else None
+            if rec is not None:
+                self.guard.observe({k: v for k, v in rec.items() if k in ("loss", "grad_norm")
+                                    and isinstance(v, (int, float)) and not isinstance(v, bool)})
 
     def committed(self) -> None:
         """The step committed: its values join the spike window."""

@@ -12,15 +12,9 @@ from phoenixft.controlplane import Store, keys, sealed
 
 __all__ = ["SDC_LOG", "accuse", "accused", "sdc_quarantine", "quarantined", "log", "log_once"]
 
-SDC_LOG = "sdc/log"  # newline-separated JSON records: detections, verdicts, audits (the report's `sdc`)
-
-
-def _accused_key(epoch: int) -> str:
-    return f"sdc/accused/{epoch}"
-
-
-def _quarantine_key(node: str) -> str:
-    return f"sdc/quarantine/{node}"
+SDC_LOG = keys.SDC_LOG  # newline-separated JSON records: detections, verdicts, audits (the report's `sdc`)
+_accused_key = keys.sdc_accused
+_quarantine_key = keys.sdc_quarantine
 
 
 def accuse(store: Store, epoch: int, node: str, rec: dict[str, Any]) -> None:
@@ -64,5 +58,5 @@ def log(store: Store, kind: str, event: bool = True, **fields: Any) -> None:
 def log_once(store: Store, what: str, kind: str, **fields: Any) -> None:
     """`log`, by the first rank that gets here for `what` (every rank of a group reaches the same
     decision, and any of them may be interrupted right after it by another's recovery request)."""
-    if sealed.claim(store, f"sdc/logged/{what}"):
+    if sealed.claim(store, keys.sdc_logged(what)):
         log(store, kind, **fields)
