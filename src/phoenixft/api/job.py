@@ -119,7 +119,7 @@ class Job:
         self._hook_phases(module)
         if any(is_sharded(p) for p in module.parameters()):  # (its ranks cannot change: no shrink, no grow)
             if self.rank == 0:
-                sealed.put(self.m.ctx.store, keys.SCRIPT_FIXED_SIZE, "1")
+                self.m.keeper.put(keys.SCRIPT_FIXED_SIZE, "1")  # (kept: the coordinator reads it at every plan)
             self.sharded.append(module)
             return module
         wrapped = ResilientDDP(module, self.m.group, self._share, self._protected_before, self.m.ctx.wait,
@@ -200,7 +200,7 @@ class Job:
             raise ValueError(f"phoenixft: job.steps({n!r}): the number of steps must be an int >= 1")
         self.total = n
         if self.rank == 0:
-            sealed.put(self.m.ctx.store, TOTAL_STEPS_KEY, str(n))
+            self.m.keeper.put(TOTAL_STEPS_KEY, str(n))
         try:
             s = self._first_join() + 1
             while s <= n:

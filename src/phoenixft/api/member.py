@@ -93,6 +93,7 @@ class ScriptMember(Member):
         self._closing.set()
         self.watcher.close()
         self.protection.close()
+        self.keeper.stop()
 
     def report(self, err: str) -> Topology:
         self.script.settle()  # (a snapshot's copy in flight completes: the descriptor says what the halves hold)
