@@ -31,6 +31,7 @@ import os
 import socket
 import ssl
 import stat
+import time
 from dataclasses import dataclass
 
 from phoenixft.controlplane.front import Relay, listening, start_relay
