@@ -181,31 +181,38 @@ def _other_user_at_forwarder(H: Hosts, host: str, port: int) -> str:
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 def test_a_job_across_hosts_over_tls_recovers_and_keeps_strangers_out(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """Head + 2 nodes + 1 spare on their own hosts, all with --tls-*: node 1 SIGKILLed at step 6 is
-    hot-swapped, final hash equal to a failure-free run; strangers on a 5th host get nothing."""
+    hot-swapped, final hash equal to a failure-free run; strangers on a 5th host get nothing.
+
+    The strangers try before any node joins (the run cannot end while they do), and the run trains the paced
+    workload (each step at least half a second): the check at a node's forwarder, made once the nodes joined,
+    finds the run still on."""
     steps = 12
-    ref = reference(nodes=2, steps=steps)
+    ref = reference(nodes=2, steps=steps, workload="user_workload:workload")
     d, other = tmp_path / "pki", tmp_path / "other"
     make_certs(d, ["job"], [])
     make_certs(other, ["job"], [])
     token = os.urandom(16).hex()
+    env = dict(_env(token), PHOENIXFT_TEST_PACE_S="0.5")  # each microbatch half a second longer
     with Hosts(["head", "h1", "h2", "h3", "x1"]) as H:
         head_addr = H.addr["head"]
         log = tmp_path / "head.log"
         H.run("head", [PY, "-m", "phoenixft", "coordinator", "--host", head_addr, "--port", str(PORT),
                        "--nodes", "2", "--spares", "1", "--steps", str(steps), "--failure-timeout", "2", "--quiet",
-                       *SUITE_FLAGS, "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "report.json"),
-                       "--inject", "kill:node=1@step=6,wait=60", *_tls_args(d)], log=log, env=_env(token))
-        agents = {h: H.run(h, [PY, "-m", "phoenixft", "agent", "--coordinator", f"{head_addr}:{PORT}", "--node", h,
-                               *(["--spare"] if h == "h3" else []), *_tls_args(d)], log=tmp_path / f"{h}.log",
-                           env=_env(token)) for h in ("h1", "h2", "h3")}
+                       *SUITE_FLAGS, "--workload", "user_workload:paced_workload", "--run-dir", str(tmp_path / "run"),
+                       "--report", str(tmp_path / "report.json"), "--inject", "kill:node=1@step=6,wait=60",
+                       *_tls_args(d)], log=log, env=env)
         intruder = H.run("x1", [PY, "-m", "phoenixft", "agent", "--coordinator", f"{head_addr}:{PORT}", "--node",
                                 "intruder", "--spare", "--tls-cert", str(other / "job.crt"), "--tls-key",
                                 str(other / "job.key"), "--tls-ca", str(other / "ca.crt")],
-                         log=tmp_path / "intruder.log", env=_env(token))  # the job's token, another job's CA
+                         log=tmp_path / "intruder.log", env=env)  # the job's token, another job's CA
         port_file = tmp_path / "run" / "coordinator.port"
         store_port = int(_wait("the store", lambda: port_file.exists() and port_file.read_text().strip(), 60, log))
         mine = H.connect("head", f"127.0.0.1:{store_port}", 10)  # the head's own loopback: the store itself
         got = _stranger_attempts(H, head_addr, store_port, other, d)
+        wrote = [k for k in ("stranger/plain", "stranger") if mine.check([k])]
+        agents = {h: H.run(h, [PY, "-m", "phoenixft", "agent", "--coordinator", f"{head_addr}:{PORT}", "--node", h,
+                               *(["--spare"] if h == "h3" else []), *_tls_args(d)], log=tmp_path / f"{h}.log",
+                           env=env) for h in ("h1", "h2", "h3")}
         # the forwarder of the node in slot 0, which the kill of slot 1 spares: it lives until the run's end
         n0 = _wait("the node in slot 0", lambda: [h for h in ("h1", "h2") if " as n0," in
                                                   (tmp_path / f"{h}.log").read_text()], 60, log)[0]
@@ -213,7 +220,7 @@ def test_a_job_across_hosts_over_tls_recovers_and_keeps_strangers_out(tmp_path: 
                                                    (tmp_path / f"{n0}.log").read_text().splitlines()
                                                    if "forwarder at" in ln], 60, log)
         other_user = _other_user_at_forwarder(H, n0, int(fwd[0]))
-        assert not mine.check(["stranger/plain"]) and not mine.check(["stranger"])
+        assert not wrote, wrote
         assert all(v.startswith("refused") or v == "closed" for v in got.values()), got
         assert got["store-port"].startswith("refused"), got
         assert other_user == "refused", other_user

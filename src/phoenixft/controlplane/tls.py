@@ -172,8 +172,9 @@ def start_forwarder(remote: str, files: TlsFiles) -> Relay:
 
 def speaks_tls(host: str, port: int, timeout_s: float) -> bool:
     """Whether the server at host:port answers a TLS handshake (a head's TLS gateway does, within a round trip; a
-    plain TCPStore waits for its client to speak and says nothing: no answer within `timeout_s`, or ten times
-    the connection's own set-up time where that is longer, is no TLS). It is asked without a certificate and
+    plain TCPStore waits for its client to speak and says nothing, a plain store's front closes the connection
+    on bytes that are not a store request: either, or no answer within `timeout_s` (or ten times the
+    connection's own set-up time where that is longer), is no TLS). It is asked without a certificate and
     without checking the server's: the answer says only that it speaks TLS."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
@@ -183,8 +184,10 @@ def speaks_tls(host: str, port: int, timeout_s: float) -> bool:
             raw.settimeout(max(timeout_s, 10 * (time.monotonic() - t0)))
             with ctx.wrap_socket(raw, server_hostname=host):
                 return True
-    except ssl.SSLError:
-        return True  # (it answered in TLS, refusing this client)
+    except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+        return False  # (it closed the connection without a TLS answer: a plain store's front refusing the bytes)
+    except ssl.SSLError as e:  # (it answered in TLS, refusing this client; or it answered in something else)
+        return e.reason not in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "UNKNOWN_PROTOCOL")
     except OSError:
         return False
 

