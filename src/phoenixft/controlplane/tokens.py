@@ -157,8 +157,8 @@ def check_token(token: str, source: str) -> str:
     if weak:
         raise UserError(f"{source} is too weak ({weak}): a job token needs {MIN_TOKEN_BITS} bits of entropy, "
                         f"estimated from the alphabet its character classes span, with each repeated part counted "
-                        f"once and each run of {_WORD_RUN} or more letters as dictionary words ({_WORD_LETTER_BITS:g} bits a letter); at least "
-                        f"{MIN_DISTINCT} distinct characters; {how}")
+                        f"once and each run of {_WORD_RUN} or more letters as dictionary words "
+                        f"({_WORD_LETTER_BITS:g} bits a letter); at least {MIN_DISTINCT} distinct characters; {how}")
     return token
 
 
