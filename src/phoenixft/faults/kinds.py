@@ -182,6 +182,11 @@ class Kill(FaultKind):
             return Point.RECOVERY
         return Point.STEP
 
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        if f.coordinator:  # (the step after the kill waits for the coordinator's restart)
+            return f.step is not None and step == f.step + 1
+        return super().held_at(f, step)
+
     def strikes(self, f: FaultSpec, rank: int, slot: int, topo: Topology) -> bool:
         if f.coordinator:
             return rank == 0
