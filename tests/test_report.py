@@ -21,6 +21,8 @@ class DictStore:
         sealed.bind("t" * 32, "rid")
 
     def set(self, key: str, value: Any) -> None:
+        if key.startswith("topo/") and isinstance(value, dict):  # a whole topology: the fields a test leaves out
+            value = {"epoch": int(key.split("/")[1]), "workers_per_node": 1, "replicas": 1, "resume_step": 0, **value}
         raw = value if isinstance(value, str) else json.dumps(value)
         self.kv[key] = raw.encode() if key.startswith(("topo/", keys.FINAL)) else sealed.seal(key, raw)
 
