@@ -84,7 +84,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "if False:",
              ("tests/test_integrity.py::test_fenced_node_resumed_after_its_fence_writes_nothing",)),
     Mutation("worker_ignores_fence", "a fenced worker goes on writing to the store",
-             "runtime/worker.py",
+             "core/member.py",
              "if sealed.has(self.ctx.store, keys.fence(self.node_id)):",
              "if False:",
              ("tests/test_integrity.py::test_a_fenced_worker_that_fails_writes_nothing",)),

@@ -35,7 +35,8 @@ DEFAULT_JSON = (
     '"persist_every": 0, "pp": 1, "precision": "fp32", "protect": "phoenix", "quarantine_after": 2, '
     '"quarantine_injected": false, "quarantine_window": 86400.0, "quiet": false, "racks": 1, '
     '"redundancy": "replicas:1", "repair_after": 0.0, '
-    '"replica_transport": "auto", "replicas": 1, "report": "", "resume": "", "run_dir": "", "scrub_every": 1, '
+    '"replica_transport": "auto", "replicas": 1, "report": "", "resume": "", "run_dir": "", "script": "", '
+    '"script_args": [], "scrub_every": 1, '
     '"sdc_audit": "off", "sdc_audit_every": 0, "sdc_check_every": 1, "seed": 1234, "spare_arrives_at_step": 0, '
     '"spares": 1, "spike_threshold": 20.0, "spike_window": 32, "start_grace": 15.0, "steps": 20, '
     '"store_max_keys": 1000000, "store_max_mb": 1024, '
@@ -56,7 +57,7 @@ def test_the_json_form_is_the_flat_object_of_every_field() -> None:
     cfg = RunConfig(device="cpu")
     assert cfg.to_json() == DEFAULT_JSON
     assert {f.name for f in run_fields()} == set(json.loads(DEFAULT_JSON))
-    assert len(run_fields()) == 80
+    assert len(run_fields()) == 82
 
 
 def test_the_torch_free_name_lists_match_their_sources() -> None:
@@ -168,7 +169,8 @@ def test_the_run_flags_are_grouped_by_section_and_parse_into_the_config() -> Non
     assert (cfg.steps, cfg.nodes, cfg.replicas, cfg.fence_kill) == (5, 3, 2, False)
     assert [f.kind for f in cfg.faults] == ["kill", "nan"] and cfg.scheme.k == 2
     dests = [a.dest for a in ap._actions if a.dest != "help"]
-    assert sorted(dests) == sorted(f.name for f in run_fields())  # one flag per field, each once
+    # one flag per field, each once (but the script's path and arguments, which `phoenixft launch` fills in)
+    assert sorted(dests) == sorted(f.name for f in run_fields() if f.metadata.get("cli", True))
 
 
 def test_a_config_pickles_and_copies_whole() -> None:

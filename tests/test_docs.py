@@ -161,6 +161,8 @@ def _flag_problems(argv: list[str]) -> list[str]:
         parser, rest = nested[rest[0]], rest[1:]
     known = set(parser._option_string_actions)
     for tok in rest:
+        if argv[0] == "launch" and tok.endswith(".py"):  # the script's path: the flags after it are the script's
+            break
         if tok.startswith("--") and len(tok) > 2:
             flag = tok.split("=", 1)[0]
             flag = re.sub(r"[^\w-].*$", "", flag)  # `--persist-every/--persist-dir` -> --persist-every
@@ -183,6 +185,8 @@ def test_the_flag_check_can_fail() -> None:
     assert _flag_problems(["run", "--nodes", "2", "--no-such-flag"]) == ["run: unknown flag --no-such-flag"]
     assert _flag_problems(["agent", "--steps", "3"])  # a flag of `run`, not of `agent`
     assert not _flag_problems(["run", "--inject", "kill:node=1@step=3"])
+    assert not _flag_problems(["launch", "--nodes", "2", "train.py", "--steps", "3"])  # (the script's own flag)
+    assert _flag_problems(["launch", "--steps", "3", "train.py"])  # (before the script: phoenixft's, and unknown)
 
 
 def _modules() -> list[tuple[Path, str]]:

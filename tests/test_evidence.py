@@ -192,6 +192,7 @@ def _job(tmp: Path, r: int) -> tuple[Topology, list[PingPong], list[Any]]:
         st = _state(tmp, f"rank{i}", n, {s: torch.randn(2, n, generator=gen) for s in (r - 1, r)}, (i, 2))
         flat = SimpleNamespace(bufs=[params[r - 1].clone(), params[r].clone()], live=1, numel=n,
                                device=torch.device("cpu"), buf_step=[r - 1, r])
+        flat.params_view = (lambda f: lambda which=None: f.bufs[f.live if which is None else which][: f.numel])(flat)
         d = Descriptor(wid=f"n{i}.0", params=[r - 1, r], params_crc=params_checksums(flat))
         for h in (0, 1):
             d.own.setdefault(old.shard_name(i), {})[st.step_of(h)] = st.known_crc(h)

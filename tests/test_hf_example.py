@@ -94,3 +94,18 @@ def test_hf_gpt2_survives_a_node_kill_and_round_trips_through_save_pretrained(
             torch.manual_seed(_mix(1234, -1, i))
             total += float(wl.loss(again, wl.eval_batch(i)))
     assert math.isclose(total / 2, val[-1], rel_tol=1e-5), (total / 2, val[-1])
+
+
+def test_an_hf_model_in_a_plain_loop_is_hot_swapped_bitwise(tmp_path: Path) -> None:
+    """examples/hf_loop.py (the model in the user's own loop, with transformers' scheduler and gradient
+    accumulation) under `phoenixft launch`: a node killed mid-backward, the final state the failure-free run's."""
+    from phoenixft.cli.cmd_launch import SCRIPT_STEPS
+
+    def launch(d: Path, **kw: Any) -> dict[str, Any]:
+        return run(d, script=str(EXAMPLES / "hf_loop.py"), script_args=["--steps", str(STEPS)], steps=SCRIPT_STEPS,
+                   nodes=2, spares=1, **kw)
+
+    clean = launch(tmp_path / "clean")
+    rep = launch(tmp_path / "kill", inject=["kill:node=1@step=5,phase=backward"])
+    assert [r["action"] for r in rep["recoveries"]] == ["hotswap"], rep["recoveries"]
+    assert rep["final_state_sha256"] == clean["final_state_sha256"]

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Workload", "WorkloadContext", "__version__"]
+__all__ = ["Workload", "WorkloadContext", "init", "__version__"]
 __version__ = "0.1.0"
+
+
+def init(seed: int | None = None) -> Any:
+    """Join the job this training script runs in and return its `Job` (docs/script.md): under
+    `phoenixft launch` every step is protected and every failure recovered in the running processes;
+    under `python` or `torchrun` the same script runs unprotected."""
+    from phoenixft.api import init as _init
+
+    return _init(seed)
 
 
 def __getattr__(name: str) -> Any:

@@ -38,12 +38,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--report", default="", metavar="PATH",
                    help="write the campaign (schedule, verdict, both runs' reports) as JSON here")
     add_run_arguments(p, defaults=CHAOS_DEFAULTS, exclude=("inject", "report", "seed"))
+    p.add_argument("script", nargs="?", default="", metavar="SCRIPT",
+                   help="a training script to run instead of the built-in trainer (as `phoenixft launch`): its "
+                        "loop must run --steps steps (pass it the same number)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
     p.set_defaults(func=chaos)
 
 
 def chaos(args: argparse.Namespace) -> int:
     from phoenixft.faults.chaos import EXIT_CODES, check_campaign, run_campaign
 
+    if args.script:
+        import os
+
+        from phoenixft.errors import UserError
+
+        path = os.path.abspath(args.script)
+        if not os.path.isfile(path):
+            raise UserError(f"SCRIPT={args.script!r} is invalid: no such file (the training script to run)")
+        args.script, args.script_args = path, list(args.script_args)
     cfg = config_from_args(args, validate=False)
     check_campaign(cfg, args.faults)  # the campaign's own needs first: clearer than what a run would say
     check_output_file("--report", args.report)  # (written at the very end: checked before anything starts)

@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_demo,
         cmd_drain,
         cmd_gc,
+        cmd_launch,
         cmd_prepare_data,
         cmd_report,
         cmd_run,
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
                ap.add_subparsers(dest="command", metavar="COMMAND", required=True))
     cmd_run.add_parser(sub)
+    cmd_launch.add_parser(sub)
     cmd_chaos.add_parser(sub)
     cmd_demo.add_parser(sub)
     cmd_report.add_parser(sub)

@@ -2,7 +2,8 @@
 
 A section is a dataclass whose fields are made with `option(default, help, ...)`: the help text is the
 flag's `--help` line, `flag=` overrides the flag's name (default: `--` + the field name with dashes),
-`action=` is argparse's (`store_true`, `store_false`, `append`; `both`: `--FLAG` and `--no-FLAG`).
+`action=` is argparse's (`store_true`, `store_false`, `append`; `both`: `--FLAG` and `--no-FLAG`);
+`cli=False`: a field no command line sets directly (another command fills it in).
 `add_section_arguments` turns one section into one argparse argument group; nothing else declares a
 run flag.
 """
@@ -32,7 +33,7 @@ def add_section_arguments(group: argparse._ActionsContainer, section: type, defa
     """One flag per field of the dataclass `section` (except `exclude`) on `group`, with `defaults`
     overriding the fields' own defaults; each field's help text becomes its --help line."""
     for f in dataclasses.fields(section):
-        if f.name in exclude:
+        if f.name in exclude or f.metadata.get("cli", True) is False:
             continue
         text = f.metadata["help"].replace("%", "%%")  # argparse formats help with %
         flag = flag_of(f)

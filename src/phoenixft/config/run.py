@@ -136,6 +136,8 @@ class RunConfig:
     eval_batches = _Flat[int]("training")
     seed = _Flat[int]("training")
     resume = _Flat[str]("training")
+    script = _Flat[str]("training")
+    script_args = _Flat[list[str]]("training")
     nodes = _Flat[int]("parallelism")
     device = _Flat[str]("parallelism")
     workers_per_node = _Flat[int]("parallelism")
@@ -236,14 +238,20 @@ class RunConfig:
         none of which imports torch (so a bad value of a data-parallel job is refused at once), then those that
         need the workload's model (its data, its checkpoint)."""
         validate_parallelism(self)
-        validate_split(self)
+        if self.script:
+            from phoenixft.config.script import validate_script
+
+            validate_script(self)
+        else:
+            validate_split(self)
         validate_training(self)
         validate_protection(self)
         validate_control_plane(self)
         validate_health(self)
         validate_injection(self)
         validate_output(self)
-        validate_model(self)
+        if not self.script:
+            validate_model(self)
 
     def model_numel(self) -> int | None:
         """Trainable parameters of the configured model (None if it cannot be built on the meta device)."""

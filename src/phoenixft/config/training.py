@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from phoenixft.config.checks import need, real
@@ -71,6 +71,10 @@ class TrainingConfig:
                                flag="--eval-batches")
     seed: int = option(1234, "Seed of the model init and of the (pure) batch function.")
     resume: str = option("", "Start from the newest complete checkpoint in this directory (any node count).")
+    # a user's own training script instead of the built-in trainer (set by `phoenixft launch`, not a run flag)
+    script: str = option("", "The training script every worker runs (its absolute path).", cli=False)
+    script_args: list[str] = field(default_factory=list,
+                                   metadata={"help": "The script's own arguments.", "cli": False})
 
 
 def is_file_spec(target: str) -> bool:
@@ -102,6 +106,8 @@ def validate_training(cfg: RunConfig) -> None:
     itself (its model, its data, a checkpoint to resume) is checked by `phoenixft.config.workload`."""
     t = cfg.training
     need(t.steps >= 1, "--steps", t.steps, "must be >= 1")
+    if t.script:  # a script trains its own model, on its own data, for its own steps
+        return
     if t.workload == DEFAULT_WORKLOAD:  # (a workload of the user's own receives --model as it is: free-form)
         need(t.model in GPT_PRESETS, "--model", t.model,
              f"valid presets of the built-in GPT: {', '.join(GPT_PRESETS)} (a --workload of your own takes any name)")

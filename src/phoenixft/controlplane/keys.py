@@ -36,6 +36,11 @@ LEADER = "coordinator/leader"  # the leading coordinator's identity (etcd: bound
 STOP_CLAIM = "run/stop_claim"  # claimed (sealed.claim) by the one worker that stops the run
 SDC_LOG = "sdc/log"  # sealed JSON lines: detections, verdicts, audits (the report's `sdc`)
 HEALTH_REF = "health/ref"  # the reference checksum of the health check's matrix product, published by the coordinator
+# a user's training script (phoenixft.api), sealed: the steps its loop asked for (rank 0), the capacity every rank's
+# own snapshot side has (raised by any rank whose state outgrew it), and whether its model is sharded over the ranks
+SCRIPT_TOTAL_STEPS = "script/total_steps"
+SCRIPT_PRIVATE_BYTES = "script/private_bytes"
+SCRIPT_FIXED_SIZE = "script/fixed_size"
 
 
 def ready(wid: str) -> str:

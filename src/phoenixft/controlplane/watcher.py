@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from phoenixft.controlplane import keys, sealed
@@ -37,6 +38,7 @@ class FailureWatcher:
         self._raised = threading.Event()
         self._drain: tuple[int, int] | None = None  # (epoch, step) of a planned drain: stop after that step
         self._stop = threading.Event()
+        self.on_raise: Callable[[int], None] | None = None  # called on this thread when a watched flag is raised
         self._t = threading.Thread(target=self._run, name="phoenixft-failure-watcher", daemon=True)
         self._t.start()
 
@@ -86,6 +88,11 @@ class FailureWatcher:
                 continue
             if e == self._epoch:
                 self._raised.set()
+                if self.on_raise is not None:
+                    try:
+                        self.on_raise(e)
+                    except Exception:  # noqa: BLE001 - a callback must not end the watch
+                        pass
 
     def _await(self, name: str, e: int) -> bool:
         """Block until `name` holds a value sealed with the run key; False when the watch should look again

@@ -100,6 +100,8 @@ class _Planner:
                  descs: dict[str, Descriptor], grow_only: bool, tiers: list[str], exclude: dict[str, str]) -> None:
         self.job, self.cfg, self.old, self.dead, self.restarted, self.descs = job, cfg, old, dead, restarted, descs
         self.grow_only, self.tiers, self.exclude = grow_only, tiers, exclude
+        # a script whose model is sharded over its ranks (FSDP2) said so: its node count is fixed, as a mesh's
+        self.fixed_size = bool(cfg.script) and sealed.has(job.store, keys.SCRIPT_FIXED_SIZE)
         self.man: dict[str, Any] | None = None
         if tiers:
             from phoenixft.protect.persist import latest_manifest
@@ -124,7 +126,8 @@ class _Planner:
         try:
             return plan_recovery(PlanInput(old=self.old, dead=self.dead, restarted=self.restarted, descs=self.descs,
                                            pool=pool, target_nodes=cfg.nodes, replicas=cfg.replicas,
-                                           racks=cfg.racks, manifest=m, grow_only=self.grow_only))
+                                           racks=cfg.racks, manifest=m, grow_only=self.grow_only,
+                                           fixed_size=self.fixed_size))
         except Exception as ex:  # noqa: BLE001 - the planner is pure: a restarted coordinator would raise
             # again, each time, until the launcher gave up on it; so the run fails in one line instead
             traceback.print_exc(file=sys.stderr)  # (the coordinator's log: for the bug report)
@@ -247,7 +250,8 @@ class Decider:
                            dict(self._refused))
         plan = planner.plan(pool)
         coming = self.admission.spare_coming(pool)
-        mesh_stuck = not plan.ok and old.tp * old.pp > 1  # (only then: a forced read of the quarantined hosts)
+        # (only then: a forced read of the quarantined hosts)
+        mesh_stuck = not plan.ok and (old.tp * old.pp > 1 or planner.fixed_size)
         unrepairable = self._unrepairable(dead) if mesh_stuck else {}
         repairs = len(dead) - len(unrepairable) if self.cfg.repair_after > 0 else 0
         if mesh_stuck and (repairs + len(pool) >= len(dead) or coming) and len(dead) > len(pool):

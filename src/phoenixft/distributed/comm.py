@@ -136,7 +136,8 @@ class EpochComm:
     - `edges`: pipeline edges, one 2-rank group per direction and stage boundary this rank touches,
       keyed ("fwd" | "bwd", boundary p between stage p and p+1): gloo's send/recv works never report
       completion to a poll, so point-to-point transfers are broadcasts in these groups;
-    - `emb`: first and last stage at this (dp, tp), for the tied embedding (None unless pp > 1).
+    - `emb`: first and last stage at this (dp, tp), for the tied embedding (None unless pp > 1);
+    - `user`: with `user_group`, every rank: a script's own collectives (None otherwise).
 
     Every rank creates its groups in one global order (type, then stage boundary), so the blocking
     rendezvous of one group never waits on a member that is busy in another.
@@ -144,9 +145,10 @@ class EpochComm:
 
     def __init__(self, store: dist.Store, epoch: int, rank: int, world: int, timeout_s: float,
                  backend: str = "gloo", layout: Layout | None = None, device: Device | None = None,
-                 transfer_members: list[int] | None = None) -> None:
-        """`backend` is that of the training groups (dp, tp, edges, emb): gloo, or nccl with a CUDA
-        `device`; `train` and `repl` are gloo either way."""
+                 transfer_members: list[int] | None = None, user_group: bool = False) -> None:
+        """`backend` is that of the training groups (dp, tp, edges, emb, user): gloo, or nccl with a CUDA
+        `device`; `train` and `repl` are gloo either way. `user_group`: also `user`, every rank, for a
+        script's own collectives (its DDP, FSDP, `dist.*` calls through the job's `ResilientGroup`)."""
         self.epoch, self.rank, self.world = epoch, rank, world
         self.layout = layout or Layout(world)
         self.backend = backend
@@ -163,7 +165,7 @@ class EpochComm:
         self._retire_lock = threading.Lock()
         before = set(_socket_fds())
         try:
-            self._build(store, epoch, rank, world, to, nccl_to, transfer_members)
+            self._build(store, epoch, rank, world, to, nccl_to, transfer_members, user_group)
         except BaseException:
             # a build that failed half-way (a member did not arrive, a bad device): the groups already
             # built are aborted and released, not left connected with their threads running
@@ -186,7 +188,7 @@ class EpochComm:
         return pg
 
     def _build(self, store: dist.Store, epoch: int, rank: int, world: int, to: timedelta, nccl_to: timedelta,
-               transfer_members: list[int] | None) -> None:
+               transfer_members: list[int] | None, user_group: bool = False) -> None:
         """Every group of this rank, in the one global order (see the class docstring)."""
         backend = self.backend
 
@@ -203,6 +205,7 @@ class EpochComm:
                                    len(self.xfer_members), to, lanes=XFER_LANES, threads=2 * XFER_LANES)
             self._groups.append(("gloo", self.xfer))
         self._gloo_sockets = set(_socket_fds()) - before
+        self.user: Any = group("user", list(range(world)), backend) if user_group else None
         lay, c = self.layout, self.layout.coord(rank)
         if lay.trivial and backend == "gloo":
             self.dp: Any = self.train

@@ -301,9 +301,11 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
 def _gated(spec: str) -> str:
     """Node faults at a step hold that step until the job is whole again (full size, and a warm spare
     ready if the job has spares), at most FAULT_WAIT_S: a cluster with --repair-after repairs between
-    faults, as a real one mostly is, rather than a burst that outruns the repairs by construction."""
+    faults, as a real one mostly is, rather than a burst that outruns the repairs by construction. A
+    coordinator kill holds the step after it until a coordinator restarted from its journal: however few
+    steps are left, the run cannot end before the restart that proves the kill recovered."""
     f = parse_fault(spec)
-    if f.kind_of.waits and f.point in (Point.STEP, Point.REPLICAS) and not f.coordinator:
+    if f.kind_of.waits and f.point in (Point.STEP, Point.REPLICAS):
         return f"{spec},wait={FAULT_WAIT_S:g}"
     return spec
 

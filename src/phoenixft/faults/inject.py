@@ -61,6 +61,9 @@ class FaultInjector:
             if f.point in (Point.HEARTBEAT, Point.NOTICE):  # a partition, a preemption: fired by an agent
                 if any(s < len(self.w.topo.nodes) for s in f.nodes):
                     self._wait_agent(f)
+            elif f.coordinator:
+                if f.wait:
+                    self._wait_coordinator(f)
             elif f.wait and not sealed.has(self.w.store, keys.fault_fired(f.index)):
                 self._wait_whole(f)
 
@@ -175,6 +178,25 @@ class FaultInjector:
         deadline = time.monotonic() + f.wait
         while not sealed.has(self.w.store, keys.JOB_WHOLE) and time.monotonic() < deadline:
             self.w.watcher.check()  # a recovery (the grow this waits for) takes the step over
+            time.sleep(0.05)
+
+    def _wait_coordinator(self, f: FaultSpec) -> None:
+        """The step after a coordinator kill with `,wait=S`: hold (at most S) until a coordinator has (re)started
+        its loop since the kill, so the run cannot end before the restart that proves the kill was recovered."""
+        rec = parse_json(sealed.get(self.w.store, keys.fault(f.index)), keys.fault(f.index), None, dict) \
+            if sealed.has(self.w.store, keys.fault_fired(f.index)) else None
+        if rec is None:  # (not fired: nothing to wait for)
+            return
+        t_kill = float(rec.get("t", 0.0))
+        deadline = time.monotonic() + f.wait
+        while time.monotonic() < deadline:
+            ready = self.w.store.get(keys.COORDINATOR_READY) if self.w.store.check([keys.COORDINATOR_READY]) else b""
+            try:
+                if float(ready or 0.0) >= t_kill:
+                    return
+            except ValueError:
+                return  # (not a time: the wait proves nothing, train on)
+            self.w.watcher.check()
             time.sleep(0.05)
 
     def kill_coordinator(self, timeout_s: float = 60.0) -> None:

@@ -72,6 +72,9 @@ class FaultKind:
     notices: ClassVar[bool] = False  # it takes ,notice=SECONDS
     needs_when: ClassVar[bool] = True  # its spec has an @when part (sick:spare=J may have none)
     flags: ClassVar[frozenset[str]] = frozenset()  # those of its options written bare (no =VALUE)
+    # what it acts on exists only in the built-in trainer's step (its loss, its compute's timing, its tensors):
+    # a user's script under `phoenixft launch` cannot have it (the kind says why)
+    built_in_only: ClassVar[str] = ""
 
     # ---------------------------------------------------------------- parsing
     def check_form(self, text: str, when: dict[str, str]) -> None:
@@ -178,6 +181,11 @@ class Kill(FaultKind):
         if f.recovery is not None or f.phase == "recovery":
             return Point.RECOVERY
         return Point.STEP
+
+    def held_at(self, f: FaultSpec, step: int) -> bool:
+        if f.coordinator:  # (the step after the kill waits for the coordinator's restart)
+            return f.step is not None and step == f.step + 1
+        return super().held_at(f, step)
 
     def strikes(self, f: FaultSpec, rank: int, slot: int, topo: Topology) -> bool:
         if f.coordinator:
@@ -300,6 +308,7 @@ class Corrupt(FaultKind):
 class Nan(FaultKind):
     name = "nan"
     forms = ("nan:step=S",)
+    built_in_only = "it poisons the built-in trainer's loss; a script's loss is its own"
     waits = False
     needs_protection = False
 
@@ -356,6 +365,7 @@ class Slow(FaultKind):
 
     name = "slow"
     forms = ("slow:node=I@step=S,factor=F",)
+    built_in_only = "it stretches the built-in trainer's compute, which a script's loop replaces"
     waits = False
     scales = True
     needs_protection = False  # (detection needs none; evicting the straggler is a hot-swap)
@@ -422,6 +432,7 @@ class Sdc(FaultKind):
 
     name = "sdc"
     forms = ("sdc:node=I@step=S,target=param|grad|shard[,bit=B][,persist]",)
+    built_in_only = "it flips a bit where the built-in trainer's checks look (they are off for a script)"
     options = frozenset({"target", "bit", "persist"})
     flags = frozenset({"persist"})
     waits = False

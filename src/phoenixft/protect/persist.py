@@ -44,7 +44,7 @@ from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import to_full
 from phoenixft.protect.snapshot import checksum
 
-__all__ = ["NOT_INSTALLED", "Persister", "latest_manifest", "verified_manifest", "check", "load_full"]
+__all__ = ["NOT_INSTALLED", "Persister", "latest_manifest", "verified_manifest", "check", "load_full", "load_into"]
 
 KEEP = 2  # complete checkpoints kept on disk
 
@@ -103,6 +103,12 @@ def _load(sd: dict[str, torch.Tensor], path: str) -> None:
         raise
     except BaseException as e:  # noqa: BLE001 - see above
         raise OSError(f"checkpoint shard {path} could not be read: {_reason(e)}") from None
+
+
+def load_into(sd: dict[str, torch.Tensor], path: str) -> None:
+    """The tensors of `sd` (by name, with their shapes) read from one rank's checkpoint directory `path`; an
+    OSError naming it when it cannot be read."""
+    _load(sd, path)
 
 
 def latest_manifest(root: str | os.PathLike[str], max_step: int | None = None) -> dict[str, Any] | None:

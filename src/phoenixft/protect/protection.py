@@ -207,7 +207,11 @@ class Protection:
         if ctx.topo is None:
             return
         tr = ctx.trainer
-        if self.persister is not None and self.persister.due(step):
+        if self.persister is not None and self.persister.due(step) and hasattr(tr, "persist_item"):
+            item = tr.persist_item(step, ctx)  # (a script's snapshot halves: api/state.py)
+            if item is not None:
+                self.persister.stage(step, *item)
+        elif self.persister is not None and self.persister.due(step):
             half = tr.state.half_with(step)
             if half is not None:
                 lay = ctx.topo.layout

@@ -123,7 +123,11 @@ class Replicator:
         return self.holdings[shard]
 
     def start(self, step: int) -> None:
+        """Protect committed step `step` in the background, once the job in flight (if any) has ended: a job is
+        never replaced by the next one (its peers run it: a replaced job left them waiting for this rank)."""
         with self._cv:
+            if self._job is not None:
+                self._cv.wait_for(lambda: self._job is None or self._stop, timeout=self.timeout_s)
             self._job = step
             self._cv.notify_all()
 

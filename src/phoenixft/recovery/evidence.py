@@ -59,7 +59,7 @@ def params_checksum(flat: Any, which: int | None = None) -> int:
     default), hashed in host memory (a copy from the device first, where they are not on the host)."""
     from phoenixft.protect.snapshot import checksum
 
-    buf = flat.bufs[flat.live if which is None else which][: flat.numel]
+    buf = flat.params_view(which)
     return checksum(buf if buf.device.type == "cpu" else buf.cpu())
 
 

@@ -8,7 +8,7 @@ thousands of generated fault schedules (tests/test_planner.py):
 
 - membership: each dead node's slot gets a ready spare; without one the job shrinks (the slot is
   dropped) and later grows back when spares are ready again (under 3D parallelism a slot is part of
-  a mesh: shrinking is refused with a clear error, see `_mesh_resize`);
+  a mesh, or a script's model sharded over its ranks: shrinking is refused with a clear error);
 - the recovery step r: the newest step for which every logical shard has a verified copy
   *somewhere* (its owner, a spare that completed its transfer in an earlier epoch, any replica
   holder - whatever happened in earlier epochs) and some member still holds the parameters;
@@ -90,6 +90,7 @@ class PlanInput:
     racks: int
     manifest: dict[str, Any] | None = None  # newest complete persistent checkpoint, if any
     grow_only: bool = False  # nothing failed: a spare arrived after a shrink
+    fixed_size: bool = False  # the job cannot change its node count (a script's model sharded over its ranks)
 
 
 @dataclass(kw_only=True)
@@ -171,8 +172,12 @@ def plan_recovery(pi: PlanInput) -> Plan:
     if old.tp * old.pp > 1 and dropped:
         return Plan(ok=False, error=f"{', '.join(dropped)} lost and no spare ready: a {old.tp}x{old.pp} (tp x pp) mesh "
                                     "cannot drop a node (run with more --spares, or --repair-after)")
+    if pi.fixed_size and dropped:
+        return Plan(ok=False, error=f"{', '.join(dropped)} lost and no spare ready: the script's model is sharded over "
+                                    "its ranks (FSDP), which cannot drop one (run with more --spares, or "
+                                    "--repair-after)")
     grew = False
-    if not dropped and old.tp * old.pp == 1:  # a mesh never changes size (it never shrank)
+    if not dropped and old.tp * old.pp == 1 and not pi.fixed_size:  # a mesh never changes size (it never shrank)
         while len(nodes) < pi.target_nodes and pool:
             nodes.append(pool.pop(0))
             promoted.append(nodes[-1])

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from phoenixft.core.context import RankContext
 from phoenixft.distributed.comm import alltoallv
@@ -119,19 +120,20 @@ def own_half_problem(st: PingPong, half: int) -> str | None:
     return None
 
 
-def _post_params(m: RankContext, topo: Topology, g: _XferGroup, need_params: bool) -> tuple[list[Any], Any]:
-    """Post the parameter transfer, striped over every peer that holds them at r (bitwise identical
-    there); returns (its works, the buffer it receives into or None)."""
+def _post_params(m: RankContext, topo: Topology, g: _XferGroup, need_params: bool, total: int
+                 ) -> tuple[list[Any], Any]:
+    """Post the parameter transfer of `total` elements, striped over every peer that holds them at r (bitwise
+    identical there); returns (its works, the buffer it receives into or None)."""
     flat = m.trainer.flat
     elem = torch.empty((), dtype=flat.dtype).element_size()
     need = g.ranks(topo.param_need())
-    rounds = transfer.schedule(need, flat.total, transfer.chunk_numel(elem))
+    rounds = transfer.schedule(need, total, transfer.chunk_numel(elem))
     on_host = flat.device.type == "cpu"
     sends: dict[int, torch.Tensor] = {}
     if any(p.src == g.me for rd in rounds for p in rd):
         src_buf = flat.whole if on_host else flat.whole.cpu()
         sends = {d: src_buf for d in need}
-    into = (flat.receive_buffer() if on_host else torch.empty(flat.total, dtype=flat.dtype)) if need_params else None
+    into = (flat.receive_buffer(total) if on_host else torch.empty(total, dtype=flat.dtype)) if need_params else None
     return g.post(rounds, sends, into, dtype=flat.dtype), into
 
 
@@ -194,7 +196,7 @@ def _commit_copies(m: RankContext, topo: Topology, r: int, rx: _OptReceive, timi
             st.header[1 - rx.half, H_VALID] = 0
         else:
             _commit_received(m, rx.buf, r, t["crc"], t["shard"], w, topo.layout.dp_rank(t["shard"]))
-        timings.update(bytes_params=flat.total * elem if t["param_src"] >= 0 else 0, bytes_opt=rx.buf.numel() * 4)
+        timings.update(bytes_params=flat.size_at(r) * elem if t["param_src"] >= 0 else 0, bytes_opt=rx.buf.numel() * 4)
 
 
 def restore_in_place(m: RankContext, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
@@ -215,17 +217,24 @@ def restore_in_place(m: RankContext, topo: Topology, r: int, timings: dict[str, 
     # who holds what is settled: wait until every member is here (so the transfer times below are the
     # bytes moving, not a peer still rolling back), then move the parameters, then the optimizer shards
     t0 = time.time()
-    m.wait(m.comm.train.allreduce([torch.zeros(1)]), "recovery transfer start")
+    # (where the parameters' side has no fixed size, a script's packed state, its size rides on it: every
+    # member that holds step r has the same bytes and says how many, the others 0; a stage's flat buffers
+    # have their size, each stage its own)
+    variable = getattr(flat, "variable_size", False)
+    size = torch.tensor([0 if need_params or not variable else flat.size_at(r)], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+    m.wait(m.comm.train.allreduce([size], opts), "recovery transfer start")
     g = _XferGroup.of(m)
     t1 = time.time()
-    p_works, into = _post_params(m, topo, g, need_params)
+    p_works, into = _post_params(m, topo, g, need_params, int(size) if variable else flat.size_at(r))
     rx = _post_optimizer(m, topo, r, g, mine)
     t_posted = time.time()
     transfer.wait_all(p_works, m.wait, "parameter transfer")
     t_moved = time.time()
     if into is not None:
         if flat.device.type == "cpu":
-            flat.adopt_received(r)
+            flat.adopt_received(r, into.numel())
         else:
             flat.install(into, r)
     t2 = time.time()
@@ -241,7 +250,7 @@ def restore_in_place(m: RankContext, topo: Topology, r: int, timings: dict[str, 
     for shard, (payload, crc) in rebuilt.items():
         _commit_received(m, payload, r, crc, shard, topo.world, topo.layout.dp_rank(shard))
     if topo.meta.get("decode") and any(t["param_src"] >= 0 for t in mine if t["opt_src"] < 0):
-        timings["bytes_params"] = flat.total * torch.empty((), dtype=flat.dtype).element_size()
+        timings["bytes_params"] = flat.size_at(r) * torch.empty((), dtype=flat.dtype).element_size()
     timings.update(transfer_sync_s=t1 - t0, restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
 
 

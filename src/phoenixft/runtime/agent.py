@@ -92,7 +92,9 @@ class StoppedWorkers:
 
 
 def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0,
-                 drain_signal: int = 0) -> int:
+                 drain_signal: int = 0, script: tuple[str, list[str]] | None = None) -> int:
+    """A worker forked from this agent's image: the built-in trainer's, or (`script`: its path and arguments) a
+    user's training script run as `__main__` (runtime/script.py)."""
     from phoenixft.runtime.procs import fork
 
     parent = os.getpid()
@@ -105,9 +107,14 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
             if drain_signal not in (0, signal.SIGTERM):  # a notice sent to the node's whole process group (Slurm
                 signal.signal(drain_signal, signal.SIG_IGN)  # signals every process of a step) is the agent's
             die_with_parent(signal.SIGKILL, parent)  # never outlive the agent that owns the node's memory
-            from phoenixft.runtime.worker import worker_main
+            if script is not None:
+                from phoenixft.runtime.script import script_main
 
-            code = worker_main(store, node, local_rank, run_id, threads, incarnation)
+                code = script_main(script, store, node, local_rank, run_id, threads, incarnation)
+            else:
+                from phoenixft.runtime.worker import worker_main
+
+                code = worker_main(store, node, local_rank, run_id, threads, incarnation)
         except BaseException:  # noqa: BLE001 - report and exit non-zero
             traceback.print_exc()
             code = 1
@@ -403,6 +410,8 @@ class _Node:
         from phoenixft.health.spare import SpareHealth
 
         self.a, self.cfg, self.node, self.run_id = a, cfg, node, run_id
+        # a user's training script (its path and arguments, from the signed config) instead of the built-in trainer
+        self.script: tuple[str, list[str]] | None = (cfg.script, list(cfg.script_args)) if cfg.script else None
         self.store: Store | None = store  # None while reconnecting
         self.children: dict[int, int] = {}  # pid -> local rank
         self.restarts = {i: 0 for i in range(a.workers)}
@@ -442,7 +451,15 @@ class _Node:
 
         import torch  # noqa: F401 - warm the image the workers are forked from
 
-        import phoenixft.runtime.worker  # noqa: F401
+        if self.script is None:
+            import phoenixft.runtime.worker  # noqa: F401
+        else:  # what a script's workers import: torch's compiler stack (its first optimizer), the job (a no-op where
+            import importlib  # the zygote this agent was forked from has them)
+
+            from phoenixft.runtime.zygote import SCRIPT_PRELOAD
+
+            for m in SCRIPT_PRELOAD:
+                importlib.import_module(m)
 
         if self.store is not None:  # (it runs once they are ready; a promotion meanwhile waits for its verdict)
             try:
@@ -451,7 +468,7 @@ class _Node:
                 print(f"phoenixft agent {self.node}: health check not started ({type(e).__name__}: {e})",
                       file=sys.stderr, flush=True)
         for i in range(self.a.workers):
-            self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads,
+            self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads, script=self.script,
                                        drain_signal=self.notice.drain_signal)] = i
         stopped_early = self.supervise()
         if stopped_early is not None:
@@ -619,7 +636,7 @@ class _Node:
         self.restarts[lr] = n
         try:
             self.children[_fork_worker(self.a.store, self.node, lr, self.run_id, self.a.threads, n,
-                                       self.notice.drain_signal)] = lr
+                                       self.notice.drain_signal, script=self.script)] = lr
         except OSError as e:  # (no memory or process left on the host: this node cannot go on whole)
             print(f"phoenixft agent {self.node}: worker {wid} exited ({code}) and could not be restarted: {e}",
                   flush=True)

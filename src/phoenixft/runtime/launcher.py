@@ -34,6 +34,7 @@ from phoenixft.runtime.teardown import STOP_GRACE_S
 __all__ = ["LocalJob", "run_job", "check_mode", "check_local_size", "STOP_GRACE_S", "INTERRUPTED"]
 
 AGENT_FLOOR_MIB = 25  # what an agent process costs at least (its own pages; forked from the zygote: measured 27)
+SCRIPT_EXIT_S = 120.0  # how long a script's workers may run its lines after the loop before the teardown
 WORKER_FLOOR_MIB = 100  # what a worker process costs at least before its model's state (`tiny`: measured 120)
 
 
@@ -90,6 +91,8 @@ def _run(job: LocalJob, cfg: RunConfig) -> str:
     state = job.monitor()
     if state == "done":
         job.await_final(FINAL_WAIT_S)
+        if cfg.script and job.local:
+            job.await_scripts(SCRIPT_EXIT_S)
         if job.final is None:  # "done" signed, its record not: overwritten since by a party without the key
             state = ("failed: the run's final state in the store is not signed with this run's key "
                      "(something other than this job overwrote it)")

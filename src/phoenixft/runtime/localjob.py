@@ -170,8 +170,9 @@ class LocalJob(JobTeardown):
 
         argv = [str(os.getpid()) if a == PARENT else a for a in args]
         if zygote.enabled() and self._zygote_error is None:
+            preload = zygote.SCRIPT_PRELOAD if self.cfg.script and "phoenixft.runtime.agent" in argv else ()
             try:
-                return zygote.Zygote.shared().spawn(argv, path, extra)
+                return zygote.Zygote.shared().spawn(argv, path, extra, preload)
             except zygote.ZygoteError as e:
                 self._zygote_error = str(e)
                 self.display.info(f"starting processes fresh: the warm zygote failed ({e})")
@@ -382,6 +383,10 @@ class LocalJob(JobTeardown):
                 self.live.advance(self.store, parse_int(sealed.get(self.store, keys.PROGRESS), keys.PROGRESS, 0))
 
     def _show_progress(self, rec: dict[str, Any]) -> None:
+        if self.cfg.script and self.display.steps == self.cfg.steps:  # (a script's loop says how many it runs)
+            total = parse_int(sealed.get(self.store, keys.SCRIPT_TOTAL_STEPS), keys.SCRIPT_TOTAL_STEPS, 0)
+            if total > 0:
+                self.display.steps = total
         try:
             if self.live is not None:  # (every step record up to this one, in order: metrics.jsonl, the exports)
                 self.live.advance(self.store, int(rec["step"]))
@@ -502,6 +507,14 @@ class LocalJob(JobTeardown):
             self._start_agent(spare, host)
             sealed.append(self.store, keys.EVENTS, {"t": time.time(), "kind": "spare_repaired", "by": "launcher",
                                                     "node": spare, "replaces": lost})
+
+    def await_scripts(self, timeout_s: float) -> None:
+        """A script's run ended: its workers run the script's lines after the loop (a save, an evaluation) and
+        exit on their own; the local agents leave with them. Waits for that, at most `timeout_s` (the teardown
+        then ends whatever is left)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.agents.values()):
+            time.sleep(0.05)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.agents.values()] + [p.pid for p in self.coords.values()]

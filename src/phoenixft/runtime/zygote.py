@@ -52,7 +52,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Zygote", "Child", "ZygoteError", "enabled", "set_title"]
+__all__ = ["Zygote", "Child", "ZygoteError", "enabled", "set_title", "SCRIPT_PRELOAD"]
 
 ROOM = 2048  # bytes of command line the zygote reserves for its children's titles (longer ones: exec'd)
 PRELOAD = ("torch", "torch.distributed", "phoenixft.runtime.worker", "phoenixft.runtime.agent", "phoenixft.coordinator",
@@ -60,6 +60,8 @@ PRELOAD = ("torch", "torch.distributed", "phoenixft.runtime.worker", "phoenixft.
 READY_TIMEOUT_S = 180.0  # the zygote's own start (one `import torch`) on a loaded machine
 SPAWN_TIMEOUT_S = 30.0  # one fork, once it is ready
 SETUP_TIMEOUT_S = 10.0  # a forked child setting up its session, log and title
+PRELOAD_TIMEOUT_S = 120.0  # a spawn's preloaded modules imported first (torch's compiler stack: seconds)
+SCRIPT_PRELOAD = ("torch._dynamo", "torch.utils.data", "phoenixft.api.launched")  # what a script's workers import
 
 
 class ZygoteError(RuntimeError):
@@ -170,6 +172,17 @@ def _read_until_eof(fd: int, timeout_s: float) -> bytes:
     return out
 
 
+def _preload(modules: list[str]) -> None:
+    """Import `modules` into this image before the fork (its later children have them too); one that fails
+    is left to the child, which imports what it needs itself."""
+    import importlib
+
+    for m in modules:
+        if isinstance(m, str) and m not in sys.modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(m)
+
+
 def _serve(parent: int, reply_fd: int) -> int:
     from phoenixft.runtime.procs import die_with_parent
 
@@ -221,6 +234,7 @@ def _serve(parent: int, reply_fd: int) -> int:
             try:
                 req = json.loads(line)
                 rid = req.get("id")
+                _preload(req.get("preload") or [])
                 rd, wr = os.pipe()
                 pid = os.fork()
             except (ValueError, AttributeError, OSError) as e:
@@ -407,8 +421,11 @@ class Zygote:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
 
-    def spawn(self, argv: list[str], log: str | os.PathLike[str], env: dict[str, str]) -> Child:
-        """Fork `python -m argv[0] argv[1:]` (see the module docstring); ZygoteError if it cannot."""
+    def spawn(self, argv: list[str], log: str | os.PathLike[str], env: dict[str, str],
+              preload: tuple[str, ...] = ()) -> Child:
+        """Fork `python -m argv[0] argv[1:]` (see the module docstring); ZygoteError if it cannot. `preload`:
+        modules the zygote imports first, into its own image (a user script's workers need torch's compiler
+        stack, which `torch.optim`'s first optimizer imports: seconds of CPU, paid once here)."""
         if not self._ready.wait(timeout=READY_TIMEOUT_S):
             raise ZygoteError(f"not ready after {READY_TIMEOUT_S:g}s")
         if not self.alive():
@@ -418,13 +435,14 @@ class Zygote:
         with self._cv:
             self._seq += 1
             rid = self._seq
-        req = {"id": rid, "argv": argv, "log": str(log), "env": dict(os.environ, **env), "cwd": os.getcwd()}
+        req = {"id": rid, "argv": argv, "log": str(log), "env": dict(os.environ, **env), "cwd": os.getcwd(),
+               "preload": list(preload)}
         msg: dict[str, Any] | None = None
         try:
             with self._wlock:
                 proc.stdin.write((json.dumps(req) + "\n").encode())
                 proc.stdin.flush()
-            deadline = time.monotonic() + SPAWN_TIMEOUT_S
+            deadline = time.monotonic() + SPAWN_TIMEOUT_S + (PRELOAD_TIMEOUT_S if preload else 0.0)
             with self._cv:
                 while rid not in self._replies and not self._eof and time.monotonic() < deadline:
                     self._cv.wait(timeout=0.05)

@@ -242,13 +242,21 @@ class FlatModel:
         self._load_buffers(self.live)
         self._tag(1 - self.live, INVALID)
 
-    def receive_buffer(self) -> torch.Tensor:
+    def size_at(self, step: int) -> int:  # noqa: ARG002 - every step's buffer has this size
+        """Elements a peer sends of the buffer of a step (parameters and buffer tail)."""
+        return self.total
+
+    def params_view(self, which: int | None = None) -> torch.Tensor:
+        """The parameters (without padding and buffer tail) of flat buffer `which` (the live one by default)."""
+        return self.bufs[self.live if which is None else which][: self.numel]
+
+    def receive_buffer(self, numel: int | None = None) -> torch.Tensor:  # noqa: ARG002 - always `total`
         """The non-live flat buffer, untagged, for a peer's copy to be received into in place (what
         `install` would copy it into); `adopt_received` makes it live."""
         self._tag(1 - self.live, INVALID)
         return self.bufs[1 - self.live]
 
-    def adopt_received(self, step: int) -> None:
+    def adopt_received(self, step: int, numel: int | None = None) -> None:  # noqa: ARG002 - always `total`
         """The buffer of `receive_buffer` holds a peer's whole buffer (parameters and buffer tail) of
         `step`: make it live, as `install` does after its copy."""
         self._tag(1 - self.live, step)
