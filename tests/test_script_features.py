@@ -71,7 +71,9 @@ def test_a_shrink_keeps_the_global_batch(tmp_path: Path) -> None:
 
 
 def test_a_shrink_then_a_grow_back_when_the_node_is_repaired(tmp_path: Path) -> None:
-    rep = launch(tmp_path, ["--pace", "0.1"], nodes=3, spares=0, repair_after=0.5, inject=["kill:node=1@step=3"])
+    # paced: the 11 steps after the kill (5.5 s or more) outlast the repaired node's start (a new agent, a worker
+    # that imports torch and runs the script up to phoenixft.init()), however loaded the machine
+    rep = launch(tmp_path, ["--pace", "0.5"], nodes=3, spares=0, repair_after=0.5, inject=["kill:node=1@step=3"])
     assert rep["state"] == "done", rep["state"]
     assert [r["action"] for r in rep["recoveries"]] == ["shrink", "grow"], rep["recoveries"]
     assert all(all(r["invariants"][k] for k in ("I1", "I2", "I3", "I4")) for r in rep["recoveries"])
