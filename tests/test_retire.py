@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import phoenixft.distributed.comm as comm_mod
 from phoenixft.controlplane import keys, sealed
+from phoenixft.controlplane.keeper import Keeper
 from phoenixft.distributed import retire
 from phoenixft.distributed.comm import EpochComm
 from phoenixft.errors import RunAborted
@@ -80,6 +81,7 @@ def _survivor(comm: EpochComm, log: list[tuple[str, float]]) -> Worker:
     desc = types.SimpleNamespace(to_json=lambda: {"wid": "n0.0"})
     w.protection = types.SimpleNamespace(repl=None, descriptor=lambda err, t: desc)
     w.ctx = types.SimpleNamespace(epoch=0, store=_Store(log), comm=comm)
+    w.keeper = Keeper(w.ctx.store)  # (not started: what it puts is written at once, nothing is put back)
 
     def no_next_epoch(key: str, timeout_s: float) -> bytes:
         log.append(("waits for the next epoch", time.monotonic()))
