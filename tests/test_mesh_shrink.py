@@ -69,17 +69,21 @@ def test_mesh_shrinks_for_a_kill_in_every_phase(tmp_path: Path, reference, phase
     deviation(rep, ref)
 
 
-def test_a_second_loss_while_shrunk_drops_another_replica(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
-    """PP=2 x DP=3: a node lost, then another while the mesh is shrunk (slot 1 holds n2 by then): DP 3 -> 2 -> 1,
-    each time with the state of the dropped replica from the copies the survivors hold."""
-    kw = {**PIPE3, "steps": 14}
+def test_losses_while_shrunk_use_the_released_node_then_drop_another_replica(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """PP=2 x DP=3 (tp=1), no spare: n1 lost, its replica leaves (n4, stage 1, released); n2 lost while shrunk: the
+    released n4 is the spare that takes its slot (rebuilt for stage 0, its state from peers); n4 lost: no spare is
+    left, so its replica leaves too (n5 released) and the last one trains on: DP 3 -> 2 -> 2 -> 1."""
+    kw = {**PIPE3, "steps": 18}
     ref = reference(**kw)
     rep = run(tmp_path, **kw, spares=0, inject=["kill:node=1@step=4,phase=backward",
-                                                "kill:node=1@step=9,phase=optimizer"])
+                                                "kill:node=1@step=9,phase=optimizer",
+                                                "kill:node=1@step=14,phase=forward"])
     assert rep["state"] == "done", rep.get("error")
-    first, second = rep["recoveries"]
+    first, swap, last = rep["recoveries"]
     shrink_record(first, "n1", ["n4"], 4)
-    shrink_record(second, "n2", ["n5"], 2)
+    assert swap["action"] == "hotswap" and swap["dead"] == ["n2"] and swap["promoted"] == ["n4"], swap
+    assert swap["lost_steps"] <= 1 and all(swap["invariants"].values()), swap
+    shrink_record(last, "n4", ["n5"], 2)
     deviation(rep, ref)
 
 
