@@ -429,6 +429,22 @@ def test_campaign_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "recovery" in fired["kill:node=0@step=11,phase=recovery"]  # fired mid state transfer
 
 
+@pytest.mark.slow  # (a minute: two runs of a 6-node pipeline)
+def test_a_mesh_campaign_without_spares_or_repairs_drops_replicas_and_passes(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """PP=2 x DP=3, no spares, no repairs (seed 1 on this setup: nodes 2 and 5 at once at step 7, then a crash):
+    the two lost nodes are one data-parallel replica's, the mesh drops it and trains on; the verdict passes
+    within the shrink's tolerance."""
+    p, rep = _chaos(tmp_path, capsys, "--nodes", "6", "--pp", "2", "--spares", "0", "--repair-after", "0",
+                    "--steps", "20", "--faults", "2", "--seed", "1")
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert [f["kind"] for f in rep["schedule"]] == ["two_nodes", "crash"], rep["schedule"]
+    assert rep["verdict"] == "pass", rep["reason"]
+    assert rep["faults"] == rep["recovered"] == 2 and rep["shrank"] is True
+    shrink = [r for r in rep["run"]["recoveries"] if r["action"] == "shrink"]
+    assert len(shrink) == 1 and shrink[0]["dead"] == ["n2", "n5"] and shrink[0]["released"] == [], shrink
+
+
 def test_a_campaign_that_strikes_one_host_again_and_again_passes_with_every_fault_fired(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Seed 7 on 2 nodes + 1 spare, repairs after 1 s: a hang of slot 1 (n1), a kill of slot 1 (s0, in it since),

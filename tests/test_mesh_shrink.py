@@ -87,6 +87,22 @@ def test_losses_while_shrunk_use_the_released_node_then_drop_another_replica(tmp
     deviation(rep, ref)
 
 
+def test_a_kill_during_the_repartition_of_a_shrink(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """PP=2 x DP=3 with two replicas per shard: n1 lost (its replica leaves, n4 released), and n2 killed while the
+    survivors repartition the state. The repartition did not complete, so the next epoch plans from the layout the
+    state is still in (DP=3), the released n4 takes n2's slot, and the state comes from the copies n0, n3, n5
+    hold."""
+    kw = {**PIPE3, "steps": 10, "replicas": 2}
+    ref = reference(**kw)
+    rep = run(tmp_path, **kw, spares=0, inject=["kill:node=1@step=4,phase=backward", "kill:node=1@recovery=1"])
+    assert rep["state"] == "done", rep.get("error")
+    first, second = rep["recoveries"]
+    assert first["action"] == "shrink" and first["released"] == ["n4"] and first["completed_in_epoch"] == 2, first
+    assert second["action"] == "hotswap" and second["dead"] == ["n2"] and second["promoted"] == ["n4"], second
+    assert all(second["invariants"].values()) and second["resumed_step"] == first["resumed_step"], second
+    deviation(rep, ref)
+
+
 def test_a_shrunk_run_is_bitwise_reproducible(tmp_path: Path) -> None:
     """The same fault schedule twice: the same recovery step (a kill in the optimizer phase: every shard's
     previous step is replicated before the reduction), the same losses and the same final state, bit for bit."""
