@@ -5,7 +5,8 @@ that every member stops at its next wait, has the `FailureDetector` gather the s
 descriptors (and name the dead), then `decide`s: fences the dead, picks the recovery step r (the
 newest step for which every logical shard still has a committed copy somewhere: its owner, or a
 verified replica; else a persistent checkpoint whose files verify), acquires one ready spare per
-dead node (waiting, bounded, for one on its way when a mesh cannot drop a node), and publishes
+dead node (waiting, bounded, for the ones on their way when the planner says so; a mesh short of spares
+otherwise drops whole data-parallel replicas and releases their healthy nodes as spares), and publishes
 topology e+1 with the transfers through the `Publisher`. The planner itself is pure
 (`phoenixft.recovery.planner`); a run that recovers again and again without completing a step, a
 plan that fails, or a planner that raises fails the run in one line.
@@ -339,8 +340,9 @@ class Decider:
         return out
 
     def _wait_for_spares(self, e: int, dead: set[str], pool: list[str]) -> list[str]:
-        """A mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or for
-        the spare that is starting (--spare-arrives-at-step) to be ready; the ready spares then."""
+        """The planner waits for expected spares (a mesh, or a model sharded over its ranks, short of spares):
+        wait (bounded) for the repaired nodes to come back as spares, or for the spare that is starting
+        (--spare-arrives-at-step) to be ready; the ready spares then."""
         self.job.event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
         deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
         while len(pool) < len(dead) and time.monotonic() < deadline:
