@@ -56,7 +56,8 @@ def test_mesh_drops_a_replica_keeps_the_global_batch_and_grows_back(tmp_path: Pa
     deviation(rep, ref)
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer", "replicate"])
+@pytest.mark.parametrize("phase", [pytest.param("forward", marks=pytest.mark.slow), "backward", "optimizer",
+                                   pytest.param("replicate", marks=pytest.mark.slow)])
 def test_mesh_shrinks_for_a_kill_in_every_phase(tmp_path: Path, reference, phase: str) -> None:  # type: ignore[no-untyped-def]
     """PP=2 x DP=3 (tp=1), no spare: a node killed in each phase of a step; its replica leaves, the others train
     on with the same global batch, within the tolerance of the failure-free run."""
@@ -87,6 +88,7 @@ def test_losses_while_shrunk_use_the_released_node_then_drop_another_replica(tmp
     deviation(rep, ref)
 
 
+@pytest.mark.slow  # (three runs' worth: the reference, a shrink, a recovery of the recovery)
 def test_a_kill_during_the_repartition_of_a_shrink(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """PP=2 x DP=3 with two replicas per shard: n1 lost (its replica leaves, n4 released), and n2 killed while the
     survivors repartition the state. The repartition did not complete, so the next epoch plans from the layout the
