@@ -46,10 +46,14 @@ def test_mesh_drops_a_replica_keeps_the_global_batch_and_grows_back(tmp_path: Pa
     column again, and the job grows back to DP=2 at a step boundary."""
     kw = {**MESH, "steps": 24}
     ref = reference(**kw)
-    rep = run(tmp_path, **kw, spares=0, spare_arrives_at_step=8, inject=["kill:node=1@step=5,phase=backward"])
+    # the crash at step 18 holds its step until the job is whole again (wait=60): the late spare's start and the
+    # grow happen before the run ends, however fast the steps are; then it is restarted in place in the full mesh
+    rep = run(tmp_path, **kw, spares=0, spare_arrives_at_step=8,
+              inject=["kill:node=1@step=5,phase=backward", "crash:rank=0@step=18,wait=60"])
     assert rep["state"] == "done", rep.get("error")
     assert rep["steps_completed"] == 24
-    shrink, grow = rep["recoveries"]
+    shrink, grow, crash = rep["recoveries"]
+    assert crash["action"] == "inplace" and all(crash["invariants"].values()), crash
     shrink_record(shrink, "n1", ["n3"], 4)
     assert grow["action"] == "grow" and sorted(grow["promoted"]) == ["n3", "s0"] and grow["world"] == 8, grow
     assert all(grow["invariants"].values()) and grow["lost_steps"] == 0, grow
