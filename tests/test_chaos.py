@@ -176,10 +176,50 @@ def test_without_repairs_faults_are_drawn_against_the_job_the_earlier_ones_leave
 def test_a_mesh_with_repairs_survives_losses_without_spares() -> None:
     cfg = _cfg(nodes=4, pp=2, spares=0, steps=40)  # the coordinator waits for the repaired node (--repair-after 5)
     assert unsurvivable_reason(cfg, (1,), 10) is None
-    assert "repairs (--repair-after 0)" in (unsurvivable_reason(_cfg(nodes=4, pp=2, spares=0, steps=40,
-                                                                     repair_after=0.0), (1,), 10) or "")
+    no_repairs = _cfg(nodes=4, pp=2, spares=0, steps=40, repair_after=0.0)
+    assert unsurvivable_reason(no_repairs, (1,), 10) is None  # it drops node 1's data-parallel replica
+    assert "no replica is left whole" in (unsurvivable_reason(no_repairs, (0, 1), 10) or "")  # both replicas hit
     for seed in range(100):
         assert not make_schedule(cfg, 4, seed).unsurvivable
+
+
+def test_chaos_on_a_mesh_draws_spare_less_losses_and_its_oracle_is_the_planners() -> None:
+    """Without spares or repairs a mesh's campaign draws node losses (each drops a data-parallel replica) while a
+    whole replica would be left, and its survivability oracle drops the same slots as the planner does."""
+    import random
+
+    from phoenixft.distributed.topology import Topology
+    from phoenixft.faults.chaos import mesh_gone
+    from phoenixft.recovery.planner import Plan, PlanInput, mesh_membership
+
+    cfg = _cfg(nodes=6, pp=2, spares=0, steps=60, repair_after=0.0)
+    drawn = 0
+    for seed in range(60):
+        sched = make_schedule(cfg, 4, seed)
+        assert not [f for f in sched.faults if f.unsurvivable], seed
+        drawn += sum(1 for f in sched.faults if f.kind in ("kill", "hang", "two_nodes"))
+    assert drawn >= 60, drawn
+    rng = random.Random(4)
+    for _ in range(2000):
+        tp, pp, ring = rng.choice([1, 2]), rng.choice([1, 2, 3]), rng.randint(1, 4)
+        if tp * pp == 1:
+            continue
+        c = _cfg(nodes=pp * ring, tp=tp, pp=pp, spares=rng.randint(0, 2), steps=40, repair_after=0.0)
+        lost = {x for x in range(c.nodes) if rng.random() < 0.3} or {0}
+        if len(lost) <= c.spares:
+            continue
+        nodes = [f"n{i}" for i in range(c.nodes)]
+        topo = Topology(epoch=0, nodes=nodes, workers_per_node=tp, replicas=1, resume_step=0, tp=tp, pp=pp)
+        cut = mesh_membership(PlanInput(old=topo, dead={nodes[x] for x in lost}, restarted=set(), descs={},
+                                        pool=[f"s{i}" for i in range(c.spares)], target_nodes=c.nodes, replicas=1,
+                                        racks=1))
+        gone = mesh_gone(c, lost)
+        if gone is None:
+            assert isinstance(cut, Plan) and "every data-parallel replica" in cut.error, cut
+        else:  # the slots whose copies leave: the dead ones, and those of the columns it drops
+            assert not isinstance(cut, Plan), cut
+            _members, _promoted, dropped, released = cut
+            assert gone == lost | {nodes.index(n) for n in dropped + released}, (lost, gone, cut)
 
 
 def test_every_kind_is_drawn_and_counts_are_exact() -> None:
@@ -244,11 +284,11 @@ def test_bad_campaigns_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize(
     "kw,needles,wrong",
     [
-        # a tensor-parallel job cannot shrink: without repairs it needs a warm spare per lost node, more nodes
-        # would not help
-        (dict(nodes=4, tp=2, spares=1, repair_after=0.0), ["2x1 (tp x pp) mesh cannot shrink",
-                                                            "(use --spares >= 2 or --repair-after S, or"],
-         ["--nodes >= 4", "persistent"]),
+        # a tensor-parallel job drops whole data-parallel replicas; losing both of its two, with no spare and no
+        # repairs, leaves none whole
+        (dict(nodes=2, tp=2, spares=0, repair_after=0.0),
+         ["every data-parallel replica of the 2x1 (tp x pp) mesh loses a node",
+          "(use more --nodes, --spares >= 2 or --repair-after S, or"], ["--nodes >= 4", "persistent"]),
         # a persistent tier is configured: the fallback lacks the spares to refill the job after losing two
         (dict(nodes=3, spares=1, persist_every=4, persist_dir="ckpt"),
          ["--persist-every 4) needs a spare per lost node to refill the job (2), but --spares is 1",
@@ -271,7 +311,7 @@ def test_note_on_two_nodes_says_the_real_condition(kw: dict[str, object], needle
     assert all(x in note for x in needles), note
     assert not any(x in note for x in wrong), note
     why = unsurvivable_reason(_cfg(steps=60, **kw), (0, 1), 58)
-    assert why and ("mesh cannot drop a node, so it needs a warm spare per lost node (2)" in why) == ("tp" in kw)
+    assert why and ("every data-parallel replica of the 2x1 (tp x pp) mesh loses a node" in why) == ("tp" in kw)
 
 
 def test_recovery_phase_fault_spec() -> None:
@@ -387,6 +427,22 @@ def test_campaign_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "chaos verdict: PASS" in p.stdout and "#" in p.stdout.splitlines()[1]
     fired = {f["spec"]: f for f in rep["run"]["faults"]}
     assert "recovery" in fired["kill:node=0@step=11,phase=recovery"]  # fired mid state transfer
+
+
+@pytest.mark.slow  # (a minute: two runs of a 6-node pipeline)
+def test_a_mesh_campaign_without_spares_or_repairs_drops_replicas_and_passes(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """PP=2 x DP=3, no spares, no repairs (seed 1 on this setup: nodes 2 and 5 at once at step 7, then a crash):
+    the two lost nodes are one data-parallel replica's, the mesh drops it and trains on; the verdict passes
+    within the shrink's tolerance."""
+    p, rep = _chaos(tmp_path, capsys, "--nodes", "6", "--pp", "2", "--spares", "0", "--repair-after", "0",
+                    "--steps", "20", "--faults", "2", "--seed", "1")
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert [f["kind"] for f in rep["schedule"]] == ["two_nodes", "crash"], rep["schedule"]
+    assert rep["verdict"] == "pass", rep["reason"]
+    assert rep["faults"] == rep["recovered"] == 2 and rep["shrank"] is True
+    shrink = [r for r in rep["run"]["recoveries"] if r["action"] == "shrink"]
+    assert len(shrink) == 1 and shrink[0]["dead"] == ["n2", "n5"] and shrink[0]["released"] == [], shrink
 
 
 def test_a_campaign_that_strikes_one_host_again_and_again_passes_with_every_fault_fired(

@@ -20,15 +20,17 @@ mesh that would have to drop a node is refused with a clear error.
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
+from dataclasses import replace
 
 import pytest
 
 from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.protect.redundancy.parity import parity_name
 from phoenixft.protect.redundancy.placement import RingRank, place_groups
-from phoenixft.recovery.planner import STRIPES, Descriptor, PlanInput, feasible_steps, plan_recovery
+from phoenixft.recovery.planner import STRIPES, Descriptor, Plan, PlanInput, feasible_steps, plan_recovery
 
 CASES = 4000
 
@@ -39,7 +41,7 @@ def crc_of(shard: str, step: int) -> int:
 
 def make_case(rng: random.Random, mesh: bool = False) -> PlanInput:
     tp, pp = (rng.choice([1, 2]), rng.choice([1, 2, 3])) if mesh else (1, 1)
-    n = pp * rng.randint(2, 3) if mesh else rng.randint(2, 7)
+    n = pp * rng.randint(2, 4) if mesh else rng.randint(2, 7)
     g = tp if mesh else rng.choice([1, 1, 2])
     racks = 1 if mesh else rng.choice([d for d in (1, 2, 3) if n % d == 0])
     k = rng.randint(1, min(3, n // pp - 1))
@@ -94,8 +96,9 @@ def make_case(rng: random.Random, mesh: bool = False) -> PlanInput:
     man = {"step": max(0, s - rng.randint(2, 8)), "shards": old.world, "numel": 100, "shard_numel": 10,
            "path": "/x"} if rng.random() < 0.4 else None
     return PlanInput(old=old, dead=dead, restarted=restarted, descs=descs, pool=pool,
-                     target_nodes=n + rng.randint(0, 1), replicas=k, racks=racks, manifest=man,
-                     grow_only=not dead and rng.random() < 0.5)
+                     target_nodes=n + (rng.choice([0, 1, pp, pp]) if mesh else rng.randint(0, 1)), replicas=k,
+                     racks=racks, manifest=man, grow_only=not dead and rng.random() < 0.5,
+                     expected=rng.choice([0, 0, 0, 1, 2]) if mesh else 0)
 
 
 def oracle(pi: PlanInput) -> tuple[set[int], dict[str, dict[int, dict[str, int]]]]:
@@ -128,9 +131,9 @@ def expected_membership(pi: PlanInput) -> tuple[list[str], list[str], str, str]:
     dead = [x for x in pi.old.nodes if x in pi.dead]
     swapped = min(len(dead), len(pi.pool))
     dropped = dead[swapped:]
-    grow = 0
-    if not dropped and pi.old.tp * pi.old.pp == 1:
-        grow = max(0, min(pi.target_nodes - len(pi.old.nodes), len(pi.pool) - swapped))
+    grow, per = 0, pi.old.pp  # (a mesh grows by whole columns: one node per pipeline stage)
+    if not dropped:
+        grow = per * max(0, min((pi.target_nodes - len(pi.old.nodes)) // per, (len(pi.pool) - swapped) // per))
     klass = ("permanent" if pi.dead else "transient" if pi.restarted else
              "planned" if pi.grow_only or grow else "transient")
     action = ("shrink" if dropped else "grow" if grow and not pi.dead else "hotswap" if pi.dead else
@@ -159,15 +162,16 @@ def check(pi: PlanInput) -> str:
     ok_steps, copies = oracle(pi)
     alive = [x for x in pi.old.nodes if x not in pi.dead]
     promoted, dropped, klass, action = expected_membership(pi)
+    if pi.old.tp * pi.old.pp > 1 and len(pi.pool) < len(pi.dead) <= len(pi.pool) + pi.expected:
+        assert plan.ok is False and plan.wait and plan.topo is None, plan  # (the coordinator waits, then plans again)
+        return "mesh-wait"
+    assert not plan.wait
     if not alive and not pi.pool:
         assert plan.ok is False and plan.error == (
             f"every node is lost ({', '.join(sorted(pi.dead))}) and no spare is ready"), plan
         return "all-lost"
     if pi.old.tp * pi.old.pp > 1 and len(pi.dead) > len(pi.pool):
-        assert plan.ok is False and plan.error == (
-            f"{', '.join(dropped)} lost and no spare ready: a {pi.old.tp}x{pi.old.pp} (tp x pp) mesh cannot drop a "
-            "node (run with more --spares, or --repair-after)"), plan
-        return "mesh-short"
+        return check_mesh_short(pi, plan)
     assert plan.rejected == sorted({x for d in pi.descs.values() for x in d.rejected})
     if ok_steps:
         assert plan.ok, f"declared lost although steps {sorted(ok_steps)} are recoverable: {plan.error}"
@@ -219,10 +223,11 @@ def check(pi: PlanInput) -> str:
             assert owner not in copies[name][r] or w == owner, f"{name}: its owner {owner} holds it, {w} provides it"
         for rk in range(topo.world):
             d = pi.descs.get(wid_of(topo, rk))
-            if d is None or r not in d.params:
+            if d is None or r not in d.params or d.stage != topo.layout.coord(rk).name():
                 src = pi.descs[wid_of(topo, meta["params_to"][str(rk)])]
-                assert r in src.params
-        return "reshard"
+                assert r in src.params and src.stage == topo.layout.coord(rk).name()
+        keeps_stages(pi.old, topo)
+        return "grow" if plan.action == "grow" and pi.old.tp * pi.old.pp > 1 else "reshard"
     by_dst = {t["dst"]: t for t in topo.transfers}
     assert len(by_dst) == len(topo.transfers)
     for rk in range(topo.world):
@@ -253,6 +258,67 @@ def check(pi: PlanInput) -> str:
     return "in-memory"
 
 
+def keeps_stages(old: Topology, topo: Topology) -> None:
+    """Every node of `old` that is a member of `topo` holds the same (pp, tp) stage there: a shrink or a grow of
+    a mesh moves no survivor to another piece of the model (its parameters stay valid)."""
+    g = old.workers_per_node
+    for n in set(old.nodes) & set(topo.nodes):
+        for lr in range(g):
+            a, b = old.layout.coord(old.rank_of(n, lr)), topo.layout.coord(topo.rank_of(n, lr))
+            assert (a.pp, a.tp) == (b.pp, b.tp), (n, lr, a, b)
+
+
+def check_mesh_short(pi: PlanInput, plan: Plan) -> str:
+    """A mesh that lost more nodes than spares are ready and expects no spares to cover the loss, against a brute
+    force over the columns: it keeps as many whole data-parallel columns as the ready spares
+    can complete (no other choice keeps more), drops the rest whole (their healthy nodes released), keeps every
+    survivor on its stage, and repartitions the state of the newest step every shard still has on a member."""
+    old = pi.old
+    ring = len(old.nodes) // old.pp
+    cols = [[old.nodes[p * ring + k] for p in range(old.pp)] for k in range(ring)]
+    lost = [sum(x in pi.dead for x in c) for c in cols]
+    best = max(len(ks) for m in range(ring + 1) for ks in itertools.combinations(range(ring), m)
+               if sum(lost[k] for k in ks) <= len(pi.pool))
+    if best == 0:
+        assert plan.ok is False and "every data-parallel replica" in plan.error, plan
+        return "mesh-none-whole"
+    topo = plan.topo
+    if topo is None:  # nothing recoverable from the members: stated, with the lost shards
+        assert plan.ok is False and "in-memory state lost" in plan.error and pi.manifest is None, plan
+        return "mesh-shrink-lost"
+    kept = {k for k, c in enumerate(cols) if not set(c) & (set(plan.released) | set(plan.dropped))}
+    assert len(kept) == best and sum(lost[k] for k in kept) <= len(pi.pool), (kept, lost, pi.pool)
+    gone = [x for k, c in enumerate(cols) if k not in kept for x in c]
+    assert plan.dropped == [x for x in old.nodes if x in gone and x in pi.dead]
+    assert plan.released == [x for x in old.nodes if x in gone and x not in pi.dead]
+    assert topo.meta.get("released", []) == plan.released and plan.action in ("shrink", "persistent")
+    assert plan.promoted == pi.pool[: sum(lost[k] for k in kept)]
+    assert len(topo.nodes) == best * old.pp and not set(topo.nodes) & (pi.dead | set(plan.released))
+    assert topo.layout.dp == old.layout.dp * best // ring and topo.layout.dp >= 1
+    keeps_stages(old, topo)
+    members = {w: d for w, d in pi.descs.items() if w.rsplit(".", 1)[0] in topo.nodes}
+    ok_steps, copies = oracle(replace(pi, descs=members))
+    if not ok_steps:
+        assert plan.action == "persistent" and pi.manifest is not None and plan.resume_step == pi.manifest["step"]
+        return "mesh-shrink-persistent"
+    r = plan.resume_step
+    assert plan.ok and r == max(ok_steps) and topo.meta["generation"] == int(old.meta.get("generation", 0)) + 1
+    meta = topo.meta["reshard"]
+    assert meta["old_world"] == old.world and sorted(int(x) for x in meta["providers"]) == list(range(old.world))
+    for i, (prov, _kind, crc) in meta["providers"].items():
+        name, w = old.shard_name(int(i)), wid_of(topo, prov)
+        assert copies[name][r].get(w) == crc, f"provider {w} of {name} holds no such copy at {r}"
+        assert topo.layout.coord(prov).stage == old.layout.coord(int(i)).stage, "a shard provided by another stage"
+    for rk in range(topo.world):
+        d, stage = pi.descs.get(wid_of(topo, rk)), topo.layout.coord(rk).name()
+        if d is None or r not in d.params or d.stage != stage:
+            src = pi.descs[wid_of(topo, meta["params_to"][str(rk)])]
+            assert r in src.params and src.stage == stage
+        else:
+            assert str(rk) not in meta["params_to"]
+    return "mesh-shrink"
+
+
 def test_planner_against_generated_schedules() -> None:
     rng = random.Random(20261129)
     seen: dict[str, int] = {}
@@ -271,8 +337,59 @@ def test_planner_mesh_layouts() -> None:
     for _ in range(CASES):
         outcome = check(make_case(rng, mesh=True))
         seen[outcome] = seen.get(outcome, 0) + 1
-    for outcome in ("in-memory", "persistent", "lost", "mesh-short"):
+    for outcome in ("in-memory", "persistent", "lost", "mesh-wait", "mesh-shrink", "mesh-shrink-persistent",
+                    "mesh-shrink-lost", "mesh-none-whole"):
         assert seen.get(outcome, 0) >= 50, seen
+    assert seen.get("grow", 0) >= 20, seen  # (and test_mesh_grows_back_by_whole_columns)
+
+
+def test_mesh_grows_back_by_whole_columns() -> None:
+    """A shrunk mesh and ready spares, nothing lost: it grows back a whole column (a node per pipeline stage) at
+    a time, never past its configured size, never with fewer spares than a column needs; every survivor keeps
+    its stage, the new nodes get their own stage's parameters, and every shard comes from its owner."""
+    rng = random.Random(54)
+    grew = 0
+    for _ in range(2000):
+        tp, pp = rng.choice([1, 2]), rng.choice([1, 2, 3])
+        if tp * pp == 1:
+            continue
+        cols, target_cols = rng.randint(1, 3), rng.randint(1, 5)
+        nodes = [f"n{i}" for i in range(cols * pp)]
+        old = Topology(epoch=3, nodes=nodes, workers_per_node=tp, replicas=min(1, cols - 1), resume_step=0,
+                       tp=tp, pp=pp, meta={"generation": 1})
+        s = rng.randint(2, 9)
+        descs = {}
+        for rank in range(old.world):
+            wid = wid_of(old, rank)
+            name = old.shard_name(rank)
+            descs[wid] = Descriptor(wid=wid, stage=old.layout.coord(rank).name(), params=[s - 1, s],
+                                    own={name: {s: crc_of(name, s)}})
+        pool = [f"s{i}" for i in range(rng.randint(0, 7))]
+        pi = PlanInput(old=old, dead=set(), restarted=set(), descs=descs, pool=pool, target_nodes=target_cols * pp,
+                       replicas=1, racks=1, grow_only=True)
+        plan = plan_recovery(pi)
+        add = max(0, min(target_cols - cols, len(pool) // pp))
+        assert plan.ok and plan.topo is not None, plan.error
+        assert plan.promoted == pool[: add * pp] and plan.dropped == plan.released == []
+        assert len(plan.topo.nodes) == (cols + add) * pp
+        keeps_stages(old, plan.topo)
+        if not add:
+            assert "reshard" not in plan.topo.meta and plan.topo.nodes == nodes
+            continue
+        grew += 1
+        assert plan.action == "grow" and plan.resume_step == s
+        topo, meta = plan.topo, plan.topo.meta["reshard"]
+        for i, (prov, kind, crc) in meta["providers"].items():
+            assert wid_of(topo, prov) == wid_of(old, int(i)) and kind == "own"
+            assert crc == crc_of(old.shard_name(int(i)), s)
+        for rk in range(topo.world):
+            node, stage = topo.node_of_rank(rk), topo.layout.coord(rk).name()
+            if node in pool:
+                assert descs[wid_of(topo, meta["params_to"][str(rk)])].stage == stage
+            else:
+                assert str(rk) not in meta["params_to"]
+        assert [topo.nodes[p * (cols + add) + c] for p in range(pp) for c in range(cols)] == nodes
+    assert grew >= 300, grew
 
 
 def test_cascade_spare_that_never_got_its_shard() -> None:

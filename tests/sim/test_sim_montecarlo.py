@@ -284,6 +284,23 @@ def test_shrink_slows_steps_and_nodes_rejoin() -> None:
     assert _closure(r) < 1e-6 * float(r.wall_s.max())
 
 
+def test_a_mesh_shrink_drops_whole_replicas_and_runs_slower_while_shrunk() -> None:
+    """A TP x PP mesh drops the lost node's whole data-parallel replica (replica_nodes = PP nodes): the same
+    failures cost more degraded time than a data-parallel shrink of one node, the wall time still decomposes
+    exactly, and a mesh of one replica never drops it (it waits for the repair)."""
+    sc = Scenario(gpus=16, gpus_per_node=1, steps=3000, step_s=10.0, gpu_mttf_s=16 * 20_000.0, provision_s=5000.0,
+                  shrink_s=5.0, inplace_s=5.0, persist_every=0, replicas=3, spares=0)
+    dp = simulate(sc, "phoenix", trajectories=200, seed=4)
+    mesh = simulate(sc.with_(replica_nodes=4), "phoenix", trajectories=200, seed=4)
+    for r in (dp, mesh):
+        assert r.unfinished == 0 and _closure(r) < 1e-6 * float(r.wall_s.max())
+    assert mesh.lost["degraded"].mean() > 2.0 * dp.lost["degraded"].mean() > 0
+    one = simulate(sc.with_(replica_nodes=16), "phoenix", trajectories=50, seed=4)
+    assert one.lost["degraded"].sum() == 0.0 and one.lost["spare_wait"].sum() > 0.0
+    with pytest.raises(ValueError, match="replica_nodes"):
+        sc.with_(replica_nodes=3)
+
+
 def test_unaware_placement_loses_shards_on_domain_events() -> None:
     base = Scenario(
         gpus=128,

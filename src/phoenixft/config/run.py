@@ -220,8 +220,9 @@ class RunConfig:
 
     @property
     def mesh_spare_wait_s(self) -> float:
-        """At most how long the coordinator waits for a spare when a --tp/--pp mesh (which cannot drop a
-        node) lost one and none is ready: the repair (--repair-after) and the spare's start-up."""
+        """At most how long the coordinator waits for an expected spare when a --tp/--pp mesh lost a node and
+        none is ready (rather than drop the node's whole data-parallel replica): the repair (--repair-after) and
+        the spare's start-up."""
         return self.repair_after + 2 * self.failure_timeout + 30.0
 
     @property

@@ -5,7 +5,8 @@ that every member stops at its next wait, has the `FailureDetector` gather the s
 descriptors (and name the dead), then `decide`s: fences the dead, picks the recovery step r (the
 newest step for which every logical shard still has a committed copy somewhere: its owner, or a
 verified replica; else a persistent checkpoint whose files verify), acquires one ready spare per
-dead node (waiting, bounded, for one on its way when a mesh cannot drop a node), and publishes
+dead node (waiting, bounded, for the ones on their way when the planner says so; a mesh short of spares
+otherwise drops whole data-parallel replicas and releases their healthy nodes as spares), and publishes
 topology e+1 with the transfers through the `Publisher`. The planner itself is pure
 (`phoenixft.recovery.planner`); a run that recovers again and again without completing a step, a
 plan that fails, or a planner that raises fails the run in one line.
@@ -100,6 +101,7 @@ class _Planner:
                  descs: dict[str, Descriptor], grow_only: bool, tiers: list[str], exclude: dict[str, str]) -> None:
         self.job, self.cfg, self.old, self.dead, self.restarted, self.descs = job, cfg, old, dead, restarted, descs
         self.grow_only, self.tiers, self.exclude = grow_only, tiers, exclude
+        self.expected = 0  # spares expected within the bounded wait for them (a mesh short of spares)
         # a script whose model is sharded over its ranks (FSDP2) said so: its node count is fixed, as a mesh's
         self.fixed_size = bool(cfg.script) and sealed.has(job.store, keys.SCRIPT_FIXED_SIZE)
         self.man: dict[str, Any] | None = None
@@ -127,7 +129,7 @@ class _Planner:
             return plan_recovery(PlanInput(old=self.old, dead=self.dead, restarted=self.restarted, descs=self.descs,
                                            pool=pool, target_nodes=cfg.nodes, replicas=cfg.replicas,
                                            racks=cfg.racks, manifest=m, grow_only=self.grow_only,
-                                           fixed_size=self.fixed_size))
+                                           fixed_size=self.fixed_size, expected=self.expected))
         except Exception as ex:  # noqa: BLE001 - the planner is pure: a restarted coordinator would raise
             # again, each time, until the launcher gave up on it; so the run fails in one line instead
             traceback.print_exc(file=sys.stderr)  # (the coordinator's log: for the bug report)
@@ -248,14 +250,17 @@ class Decider:
         tiers, refused = self._persistent_tiers(old, descs)
         planner = _Planner(self.job, self.cfg, old, dead | leaving, restarted, descs, grow_only, tiers,
                            dict(self._refused))
+        unrepairable: dict[str, str] = {}
+        if (old.tp * old.pp > 1 or planner.fixed_size) and len(dead) > len(pool):
+            # spares it may wait for (bounded): the lost nodes' repairs, a spare that is starting (only now: a
+            # forced read of the quarantined hosts); the planner decides whether to wait or shrink
+            unrepairable = self._unrepairable(dead)
+            repairs = len(dead) - len(unrepairable) if self.cfg.repair_after > 0 else 0
+            planner.expected = repairs + (len(dead) if self.admission.spare_coming(pool) else 0)
         plan = planner.plan(pool)
-        coming = self.admission.spare_coming(pool)
-        # (only then: a forced read of the quarantined hosts)
-        mesh_stuck = not plan.ok and (old.tp * old.pp > 1 or planner.fixed_size)
-        unrepairable = self._unrepairable(dead) if mesh_stuck else {}
-        repairs = len(dead) - len(unrepairable) if self.cfg.repair_after > 0 else 0
-        if mesh_stuck and (repairs + len(pool) >= len(dead) or coming) and len(dead) > len(pool):
+        if plan.wait:  # the expected spares cover the loss: wait for them (bounded), then plan with what came
             pool = self.admission.health.vet(self._wait_for_spares(e, dead, pool), need)
+            planner.expected = 0
             plan = planner.plan(pool)
         if not plan.ok:
             plan = self.fresh_start(old, dead | leaving, descs, pool, progress=self.job.progress()) or plan
@@ -335,8 +340,9 @@ class Decider:
         return out
 
     def _wait_for_spares(self, e: int, dead: set[str], pool: list[str]) -> list[str]:
-        """A mesh cannot drop a node: wait (bounded) for the repaired nodes to come back as spares, or for
-        the spare that is starting (--spare-arrives-at-step) to be ready; the ready spares then."""
+        """The planner waits for expected spares (a mesh, or a model sharded over its ranks, short of spares):
+        wait (bounded) for the repaired nodes to come back as spares, or for the spare that is starting
+        (--spare-arrives-at-step) to be ready; the ready spares then."""
         self.job.event("waiting_for_spares", epoch=e, need=len(dead), ready=len(pool))
         deadline = time.monotonic() + self.cfg.mesh_spare_wait_s
         while len(pool) < len(dead) and time.monotonic() < deadline:
@@ -352,8 +358,13 @@ class Decider:
         e = old.epoch
         for s in plan.promoted:
             self.state.spare_pool.remove(s)
-        if plan.dropped:
-            self.job.event("shrink", epoch=e, dropped=plan.dropped, world=topo.world)
+        for n in plan.released:  # the healthy nodes of a dropped data-parallel replica: spares from now on
+            if n not in self.state.spare_pool:
+                self.state.spare_pool.append(n)
+        if plan.released:
+            self.admission.health.ask(plan.released)  # (checked before a promotion, as any spare)
+        if plan.dropped or plan.released:
+            self.job.event("shrink", epoch=e, dropped=plan.dropped, released=plan.released, world=topo.world)
         elif plan.action == "grow":
             self.job.event("grow", epoch=e, added=plan.promoted, world=topo.world)
         if plan.persistent_step is not None:
@@ -371,6 +382,7 @@ class Decider:
                "resume_step": plan.resume_step, "max_committed": max(max_committed, progress, old.resume_step),
                "class": klass, "sdc": self._sdc,
                "action": plan.action, "restarted": sorted(restarted), "dropped": plan.dropped, "world": topo.world,
+               "released": plan.released,
                "errors": sorted({d.error for d in descs.values()})[:5],
                "replicas_rejected": [list(x) for x in plan.rejected],
                "bad_sources": sorted({x for d in descs.values() for x in d.bad_sources}),

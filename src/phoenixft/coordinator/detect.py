@@ -130,7 +130,8 @@ class FailureDetector:
         if len(self.state.topo.nodes) < self.cfg.nodes and now - self._last_grow_check > 0.25:
             self._last_grow_check = now
             self.admission.refresh_pool()
-            if self.admission.ready_spares():
+            # (a mesh grows by a whole data-parallel column: one node per pipeline stage)
+            if len(self.admission.ready_spares()) >= self.state.topo.pp:
                 self.job.event("grow_requested", epoch=self.state.topo.epoch)
                 return True  # recover() repartitions over the grown world at this step boundary
         if self.exited(self.state.topo.nodes):

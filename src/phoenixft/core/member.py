@@ -249,9 +249,29 @@ class Member:
             raise Drained(f"{self.node_id} was drained: {topo.meta.get('drain', {}).get('reason', 'requested')}; "
                           f"its role moved to {', '.join(topo.meta.get('promoted', [])) or 'the other nodes'} "
                           f"at step {topo.resume_step}")
+        if self.node_id not in topo.nodes and self.node_id in topo.meta.get("released", []):
+            return self._await_promotion(topo)
         if self.node_id not in topo.nodes:
             raise RunAborted(f"{self.node_id} is not a member of epoch {topo.epoch}: fenced")
         return topo
+
+    def _await_promotion(self, topo: Topology) -> Topology:
+        """This node was released: another node of its data-parallel replica was lost with no spare ready, and the
+        mesh dropped the whole replica. It waits, warm, as a spare until the coordinator promotes it again (an
+        assignment to an epoch after `topo`'s: one from an earlier promotion is stale), and returns that epoch."""
+        print(f"phoenixft worker {self.wid}: released at step {topo.resume_step} (the data-parallel replica of "
+              f"{self.node_id} left the mesh); waiting as a spare", flush=True)
+        self.ctx.event("released", epoch=topo.epoch, step=topo.resume_step)
+        while True:
+            raw = self._wait_key(keys.assign(self.node_id), SPARE_WAIT_S, is_sealed=True)
+            e = parse_int(raw, keys.assign(self.node_id), -1)
+            if e > topo.epoch:
+                return auth.verified_topology(self.ctx.store, e, self._wait_key(keys.topo(e), FIRST_EPOCH_WAIT_S),
+                                              FIRST_EPOCH_WAIT_S)
+            ended = self._run_end()
+            if ended is not None:
+                raise RunAborted(f"run ended ({ended})")
+            time.sleep(WAIT_KEY_NAP_S)
 
     def _post_join(self, topo: Topology, t0: float, inv: dict[str, bool], bad: list[str],
                    timings: dict[str, Any]) -> None:

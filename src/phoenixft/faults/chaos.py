@@ -51,7 +51,7 @@ from phoenixft.recovery.invariants import invariants_hold
 
 __all__ = [
     "KINDS", "MIN_GAP", "FIRST_STEP", "SHRINK_REL_TOL", "MAX_COORDINATOR_KILLS", "ChaosFault", "Schedule",
-    "make_schedule", "format_schedule", "unsurvivable_reason", "check_campaign", "judge", "format_verdict",
+    "make_schedule", "format_schedule", "unsurvivable_reason", "mesh_gone", "check_campaign", "judge", "format_verdict",
     "run_campaign", "EXIT_CODES",
 ]
 
@@ -105,17 +105,38 @@ def _persistent_ok(cfg: RunConfig, step: int, lost: int) -> bool:
     return written and cfg.spares >= lost
 
 
-# why a loss is unsurvivable by design: the mesh cannot shrink and lacks spares, or a shard lost every copy and
-# the persistent tier cannot stand in, because there is none, too few spares to refill the job, or no complete
-# checkpoint yet
+# why a loss is unsurvivable by design: every data-parallel replica of a mesh lost a node it lacks spares for, or a
+# shard lost every copy and the persistent tier cannot stand in, because there is none, too few spares to refill
+# the job, or no complete checkpoint yet
 MESH, NO_TIER, FEW_SPARES, NOT_YET = "mesh", "no persistent tier", "too few spares", "no checkpoint yet"
+
+
+def mesh_gone(cfg: RunConfig, lost: set[int] | tuple[int, ...]) -> set[int] | None:
+    """The slots a mesh without repairs loses with `lost` (its dead slots, and the healthy slots of the
+    data-parallel columns it drops for want of spares, as the planner keeps the columns the spares can
+    complete); None when every column lost a node the spares cannot replace (nothing whole is left)."""
+    ring = cfg.nodes // cfg.pp
+    dead = [sum(1 for x in lost if x % ring == k) for k in range(ring)]
+    keep, budget = set(), cfg.spares
+    for k in sorted(range(ring), key=lambda k: (dead[k], k)):
+        if dead[k] <= budget:
+            keep.add(k)
+            budget -= dead[k]
+    if not keep:
+        return None
+    return set(lost) | {x for x in range(cfg.nodes) if x % ring not in keep}
 
 
 def _cause(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: int) -> str | None:
     """The condition that makes losing node slots `lost` at `step` unsurvivable by design (None: survivable)."""
+    gone = set(lost)
     if cfg.tp * cfg.pp > 1 and len(lost) > cfg.spares and not cfg.repair_after:  # (with repairs it waits for them)
-        return MESH
-    if not _lost_shards(_ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp), set(lost)):
+        # it drops whole data-parallel replicas; what the released nodes hold leaves with them
+        cut = mesh_gone(cfg, lost)
+        if cut is None:
+            return MESH
+        gone = cut
+    if not _lost_shards(_ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp), gone):
         return None
     if _persistent_ok(cfg, step, len(lost)):
         return None
@@ -131,11 +152,15 @@ def unsurvivable_reason(cfg: RunConfig, lost: set[int] | tuple[int, ...], step: 
         return None
     who = ", ".join(str(x) for x in sorted(lost))
     if cause == MESH:
-        return (f"nodes {who} die together: a {cfg.tp}x{cfg.pp} (tp x pp) mesh cannot drop a node, so it needs a "
-                f"warm spare per lost node ({len(lost)}) and has --spares {cfg.spares}, or repairs (--repair-after 0)")
+        return (f"nodes {who} die together: every data-parallel replica of the {cfg.tp}x{cfg.pp} (tp x pp) mesh "
+                f"loses a node, and it has --spares {cfg.spares} and no repairs (--repair-after 0), so no replica is "
+                "left whole to train on")
     ring = _ring(cfg.nodes, cfg.replicas, cfg.racks, cfg.pp)
+    gone = set(lost)
+    if cfg.tp * cfg.pp > 1 and len(lost) > cfg.spares and not cfg.repair_after:
+        gone = mesh_gone(cfg, lost) or gone
     held = "; ".join(f"node {d}'s shard {shard_name(d, cfg.nodes)} lives only on node {d} and its replica "
-                     f"holder(s) {', '.join(str(h) for h in ring.holders(d))}" for d in _lost_shards(ring, set(lost)))
+                     f"holder(s) {', '.join(str(h) for h in ring.holders(d))}" for d in _lost_shards(ring, gone))
     if cause == NO_TIER:
         tier = "no persistent tier (--persist-every)"
     elif cause == FEW_SPARES:
@@ -152,9 +177,9 @@ def _pairs_note(cfg: RunConfig, pairs: list[tuple[int, int]], step: int) -> str:
     causes = {_cause(cfg, p, step) for p in pairs} - {None}
     why, fixes = [], []
     if MESH in causes:
-        why.append(f"a {cfg.tp}x{cfg.pp} (tp x pp) mesh cannot shrink, so it needs a warm spare per lost node and has "
-                   f"--spares {cfg.spares}, or repairs (--repair-after 0)")
-        fixes.append("--spares >= 2 or --repair-after S")
+        why.append(f"every data-parallel replica of the {cfg.tp}x{cfg.pp} (tp x pp) mesh loses a node, with --spares "
+                   f"{cfg.spares} and no repairs (--repair-after 0)")
+        fixes.append("more --nodes, --spares >= 2 or --repair-after S")
     if causes - {MESH}:
         where = "two nodes" if cfg.pp == 1 else "two nodes of a pipeline stage"
         why.append(f"losing any {where} loses every copy of a shard with --replicas {cfg.replicas}")
@@ -233,9 +258,13 @@ def _kinds(rng: random.Random, n: int, available: list[str]) -> list[str]:
 
 def _after_losses(cur: RunConfig, lost: int) -> RunConfig:
     """The job after losing `lost` nodes without repairs: spares replace them while there are any, then it
-    shrinks (replicas and racks as the planner re-derives them for the smaller ring)."""
-    nodes = cur.nodes - max(0, lost - cur.spares)
-    return cur.replace(nodes=nodes, spares=max(0, cur.spares - lost),
+    shrinks (replicas and racks as the planner re-derives them for the smaller ring). A mesh drops a whole
+    data-parallel column (a node per stage) per node it cannot replace, counted as if each were in a column of its
+    own (the fewest nodes it can be left with), and the column's healthy nodes become its spares."""
+    short = max(0, lost - cur.spares)
+    nodes = cur.nodes - short * cur.pp
+    spares = max(0, cur.spares - lost) + short * (cur.pp - 1)
+    return cur.replace(nodes=nodes, spares=spares,
                        replicas=min(cur.replicas, nodes // cur.pp - 1),
                        racks=cur.racks if nodes % cur.racks == 0 else 1)
 
@@ -281,8 +310,9 @@ def make_schedule(cfg: RunConfig, faults: int, seed: int, allow_unsurvivable: bo
         phase = rng.choice(KILL_PHASES)
         if no_repair and LOSSES[kind]:
             after = _after_losses(cur, LOSSES[kind])
-            if after.nodes < 2 or cur.tp * cur.pp > 1 and after.nodes < cur.nodes:
-                kind = "crash"  # no repairs: a loss now would leave one node (or shrink a mesh); lose nothing instead
+            mesh = cur.tp * cur.pp > 1  # (a mesh of one data-parallel column keeps no replica on another node)
+            if after.nodes < 2 if not mesh else after.nodes < cur.pp or cur.nodes < 2 * cur.pp:
+                kind = "crash"  # no repairs: a loss now would leave one node (a mesh: no whole replica); lose nothing
         d = Draw(i=i, s=s, n=n, world=world, ring=ring, phase=phase, rng=rng, cfg=cfg, spares=cur.spares,
                  ok_pairs=ok_pairs, pair_ok=pair_ok)
         kind = SCENARIOS[kind].fallback(d) or kind

@@ -179,7 +179,9 @@ class SpareHealth:
                  workers: int = 0) -> None:
         self.cfg, self.node, self.run_id, self.host = cfg, node, run_id, host
         self.ignore_signal = ignore_signal
-        self.on = cfg.health_gate and node.startswith("s")
+        # a spare checks itself when it joins; any node answers the coordinator's asks (a mesh's node released from
+        # a dropped data-parallel replica is a spare from then on, checked before it is promoted again)
+        self.on = cfg.health_gate
         self.workers = [keys.ready(f"{node}.{i}") for i in range(workers)]  # (the keys its workers set when ready)
         self.answered = 0  # the last ask seen
         self.n = 0  # checks started
@@ -265,7 +267,7 @@ class SpareHealth:
         return rec
 
     def start_join(self, store: Store) -> None:
-        if self.on:
+        if self.on and self.node.startswith("s"):
             self.start(store, "join", 0, defer_s=JOIN_DEFER_S)
 
     def answer(self, store: Store) -> None:

@@ -142,7 +142,7 @@ def _failed_recovery(rec: dict[str, Any], answered: list[dict[str, Any]], cfg: R
         "bytes_moved": 0, "per_rank": {}, "redundancy": cfg.redundancy, "decoded": [], "bytes_decoded_from": 0,
         "decode_s": 0.0, "invariants": {k: False for k in ("I1", "I2", "I3", "I4")}, "errors": rec.get("errors", []),
         "replicas_rejected": [], "fenced": rec.get("fenced", []), "unresponsive": rec.get("unresponsive", []),
-        "bad_sources": [], "i3_failures": [], "persistent_step": None, "dropped": [],
+        "bad_sources": [], "i3_failures": [], "persistent_step": None, "dropped": [], "released": [],
         "times": {"fault": t0, "first_report": rec["t_first_report"], "decided": rec["t_decided"], "joined": None,
                   "first_step": None},
     }
@@ -223,6 +223,8 @@ def _recovery(store: Store, cfg: RunConfig, e: int, rec: dict[str, Any], faults:
         "i3_failures": [x for j in own_joins for x in j.get("i3_failures", [])],
         "persistent_step": rec.get("persistent_step"),
         "dropped": rec.get("dropped", []),
+        "world": rec.get("world"),  # ranks of the epoch it recovered into
+        "released": rec.get("released", []),  # healthy nodes of a data-parallel replica a mesh dropped: spares since
         # absolute times (epoch seconds) of the fault and of the ends of detection, decision, join and first step
         "times": {"fault": t0, "first_report": rec["t_first_report"], "decided": rec["t_decided"],
                   "joined": joined_at if joins else None, "first_step": first["t"] if first else None},

@@ -7,8 +7,12 @@ then decides everything else, without any I/O, so that it can be property-tested
 thousands of generated fault schedules (tests/test_planner.py):
 
 - membership: each dead node's slot gets a ready spare; without one the job shrinks (the slot is
-  dropped) and later grows back when spares are ready again (under 3D parallelism a slot is part of
-  a mesh, or a script's model sharded over its ranks: shrinking is refused with a clear error);
+  dropped) and later grows back when spares are ready again. Under 3D parallelism a node is a piece of
+  one pipeline, so a mesh short of spares waits (a `wait` plan) when the spares it expects cover the
+  loss, and otherwise shrinks by whole data-parallel replicas: every column of the mesh (the k-th node
+  of each stage) that lost a node and gets no spare leaves, its healthy nodes are released as spares,
+  and the state is repartitioned over the survivors from the copies they hold; it grows back a whole
+  column at a time. A script's model sharded over its ranks cannot shrink (a clear error);
 - the recovery step r: the newest step for which every logical shard has a verified copy
   *somewhere* (its owner, a spare that completed its transfer in an earlier epoch, any replica
   holder - whatever happened in earlier epochs) and some member still holds the parameters;
@@ -28,14 +32,15 @@ lacks them gets them from a member of the same stage (its data-parallel peer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.protect.redundancy.decodable import DecodeJob, decode_options
 from phoenixft.recovery.evidence import plan_evidence
 
-__all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps", "STRIPES"]
+__all__ = ["Descriptor", "PlanInput", "Plan", "plan_recovery", "feasible_steps", "columns", "mesh_membership",
+           "grown", "STRIPES"]
 
 STRIPES = 4  # at most this many peers send a member its parameters, a stripe each (recovery/transfer.py)
 
@@ -91,6 +96,7 @@ class PlanInput:
     manifest: dict[str, Any] | None = None  # newest complete persistent checkpoint, if any
     grow_only: bool = False  # nothing failed: a spare arrived after a shrink
     fixed_size: bool = False  # the job cannot change its node count (a script's model sharded over its ranks)
+    expected: int = 0  # spares expected to be ready within the coordinator's bounded wait (repairs, starting spares)
 
 
 @dataclass(kw_only=True)
@@ -106,6 +112,8 @@ class Plan:
     lost: list[str] = field(default_factory=list)
     rejected: list[tuple[str, int]] = field(default_factory=list)
     persistent_step: int | None = None
+    released: list[str] = field(default_factory=list)  # healthy nodes of dropped replicas: spares from now on
+    wait: bool = False  # not ok yet: wait (bounded) for the expected spares, then plan again
 
 
 def _copies(pi: PlanInput) -> dict[str, dict[int, dict[str, int]]]:
@@ -156,32 +164,32 @@ def plan_recovery(pi: PlanInput) -> Plan:
     old, g = pi.old, pi.old.workers_per_node
     shards = [old.shard_name(i) for i in range(old.world)]
     rejected = sorted({x for d in pi.descs.values() for x in d.rejected})
-    # --- membership: a spare per dead slot, else drop the slot; grow back while spares last
-    pool = list(pi.pool)
-    nodes, promoted, dropped = [], [], []
-    for n in old.nodes:
-        if n not in pi.dead:
-            nodes.append(n)
-        elif pool:
-            nodes.append(pool.pop(0))
-            promoted.append(nodes[-1])
-        else:
-            dropped.append(n)
+    # --- membership: a spare per dead slot, else drop the slot (a mesh: its data-parallel replicas); grow back
+    mesh, lost_nodes = old.tp * old.pp > 1, len(pi.dead & set(old.nodes))
+    if (mesh or pi.fixed_size) and len(pi.pool) < lost_nodes <= len(pi.pool) + pi.expected:
+        # a node of a mesh (or of a model sharded over the ranks) is a piece of the model: the spares it expects
+        # cover the loss, so it waits for them (bounded) rather than drop whole replicas
+        return Plan(ok=False, wait=True, error=f"{', '.join(sorted(pi.dead))} lost with {len(pi.pool)} spare(s) "
+                                               f"ready: waiting for {lost_nodes - len(pi.pool)} more")
+    if mesh and not pi.fixed_size and lost_nodes > len(pi.pool) and (set(old.nodes) - pi.dead or pi.pool):
+        cut = mesh_membership(pi)
+        if isinstance(cut, Plan):
+            return cut
+        nodes, promoted, dropped, released = cut
+        pi = _members_only(pi, nodes)
+    else:
+        nodes, promoted, dropped, released = _slot_membership(pi)
     if not nodes:
         return Plan(ok=False, error=f"every node is lost ({', '.join(sorted(pi.dead))}) and no spare is ready")
-    if old.tp * old.pp > 1 and dropped:
-        return Plan(ok=False, error=f"{', '.join(dropped)} lost and no spare ready: a {old.tp}x{old.pp} (tp x pp) mesh "
-                                    "cannot drop a node (run with more --spares, or --repair-after)")
     if pi.fixed_size and dropped:
         return Plan(ok=False, error=f"{', '.join(dropped)} lost and no spare ready: the script's model is sharded over "
                                     "its ranks (FSDP), which cannot drop one (run with more --spares, or "
                                     "--repair-after)")
     grew = False
-    if not dropped and old.tp * old.pp == 1 and not pi.fixed_size:  # a mesh never changes size (it never shrank)
-        while len(nodes) < pi.target_nodes and pool:
-            nodes.append(pool.pop(0))
-            promoted.append(nodes[-1])
-            grew = True
+    if not dropped and not pi.fixed_size:  # back to the configured size while spares last (a mesh: whole columns)
+        nodes, added = grown(old, nodes, pi.pool[len(promoted):], pi.target_nodes)
+        promoted += added
+        grew = bool(added)
     if pi.dead:
         klass, action = "permanent", "hotswap"
     elif pi.restarted:
@@ -222,9 +230,101 @@ def plan_recovery(pi: PlanInput) -> Plan:
         if pi.manifest is None:
             return Plan(ok=False, error=f"in-memory state lost ({what}) and no complete persistent checkpoint",
                         lost=lost, rejected=rejected)
-        return _persistent(pi, nodes, promoted, dropped, klass, what, rejected, lost)
+        return _released(_persistent(pi, nodes, promoted, dropped, klass, what, rejected, lost), released)
     r = max(steps)
-    return _in_memory(pi, r, copies, nodes, promoted, dropped, klass, action, rejected, g, src_world)
+    return _released(_in_memory(pi, r, copies, nodes, promoted, dropped, klass, action, rejected, g, src_world),
+                     released)
+
+
+def _released(plan: Plan, released: list[str]) -> Plan:
+    """The plan, naming the healthy nodes of the dropped replicas (their workers wait to be promoted again)."""
+    plan.released = list(released)
+    if plan.topo is not None and released:
+        plan.topo.meta["released"] = list(released)
+    return plan
+
+
+def _slot_membership(pi: PlanInput) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(nodes, promoted, dropped, released): a ready spare per dead slot in slot order, the slots left over
+    dropped (a data-parallel job, where a node is a whole replica)."""
+    pool = list(pi.pool)
+    nodes, promoted, dropped = [], [], []
+    for n in pi.old.nodes:
+        if n not in pi.dead:
+            nodes.append(n)
+        elif pool:
+            nodes.append(pool.pop(0))
+            promoted.append(nodes[-1])
+        else:
+            dropped.append(n)
+    return nodes, promoted, dropped, []
+
+
+def columns(topo: Topology) -> list[list[str]]:
+    """The mesh's columns: column k is the k-th node of every pipeline stage's block of slots. A column holds
+    whole data-parallel replicas (workers_per_node / tp of them, every tp x pp rank of each) and nothing else,
+    so dropping one leaves a mesh of the same tp x pp with fewer data-parallel ranks, in which every other
+    node keeps its stage."""
+    n = topo.ring_nodes
+    return [[topo.nodes[p * n + k] for p in range(topo.pp)] for k in range(n)]
+
+
+def mesh_membership(pi: PlanInput) -> tuple[list[str], list[str], list[str], list[str]] | Plan:
+    """A mesh lost more nodes than spares are ready, and expects no spares that would cover the loss: shrink by
+    whole data-parallel replicas. The columns with the fewest lost nodes are
+    kept (their lost nodes get the ready spares, so that as many replicas as possible survive), the others
+    dropped: their lost nodes leave, their healthy nodes are released as spares. (nodes, promoted, dropped,
+    released) in the layout's slot order, or a failed plan when no replica is left whole."""
+    old, dead = pi.old, pi.dead & set(pi.old.nodes)
+    cols = columns(old)
+    lost = [sum(n in dead for n in c) for c in cols]
+    keep, budget = set(), len(pi.pool)
+    for k in sorted(range(len(cols)), key=lambda k: (lost[k], k)):
+        if lost[k] <= budget:
+            keep.add(k)
+            budget -= lost[k]
+    if not keep:
+        return Plan(ok=False, error=f"{', '.join(sorted(dead))} lost and no spare ready: every data-parallel replica "
+                                    f"of the {old.tp}x{old.pp} (tp x pp) mesh lost a node, none is left to train on "
+                                    "(run with more --spares, or --repair-after)")
+    pool = list(pi.pool)
+    nodes, promoted = [], []
+    for p in range(old.pp):
+        for k in sorted(keep):
+            n = cols[k][p]
+            if n in dead:
+                n = pool.pop(0)
+                promoted.append(n)
+            nodes.append(n)
+    gone = [n for k, c in enumerate(cols) if k not in keep for n in c]
+    dropped = [n for n in old.nodes if n in gone and n in dead]
+    released = [n for n in old.nodes if n in gone and n not in dead]
+    return nodes, promoted, dropped, released
+
+
+def _members_only(pi: PlanInput, nodes: list[str]) -> PlanInput:
+    """`pi` with the descriptors of the new epoch's members only: what the released nodes hold leaves with them
+    (a provider must be a member of the epoch that repartitions the state)."""
+    keep = set(nodes)
+    return replace(pi, descs={w: d for w, d in pi.descs.items() if w.rsplit(".", 1)[0] in keep})
+
+
+def grown(old: Topology, nodes: list[str], pool: list[str], target: int) -> tuple[list[str], list[str]]:
+    """`nodes` grown back towards `target` with spares of `pool` while they last: one node at a time when
+    data-parallel only, a whole column (one node at the end of every stage's block) at a time in a mesh.
+    (nodes, the spares added)."""
+    per, free = old.pp, list(pool)
+    add = min((target - len(nodes)) // per, len(free) // per) if target > len(nodes) else 0
+    if add <= 0:
+        return nodes, []
+    n = len(nodes) // per
+    out, added = [], []
+    for p in range(per):
+        out += nodes[p * n : (p + 1) * n]
+        for _ in range(add):
+            added.append(free.pop(0))
+            out.append(added[-1])
+    return out, added
 
 
 def _new_topo(pi: PlanInput, nodes: list[str], r: int, meta: dict[str, Any],
@@ -273,7 +373,6 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
     for w, dd in sorted(pi.descs.items()):
         if r in dd.params:
             by_stage.setdefault(_stage(dd), []).append(w)
-    with_params = sorted(w for ws in by_stage.values() for w in ws)
     dec = _decodable(pi, copies)
     jobs: list[dict[str, Any]] = []  # meta["decode"]: the decode jobs this plan runs
 
@@ -344,10 +443,11 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
         w, crc = _pick(copies[shard][r], i, {owner})
         providers[str(i)] = [new.rank_of(*_split(w)), "own" if shard in pi.descs[w].own else "replica", crc]
     params_to = {}
-    for rk in range(new.world):
-        d = pi.descs.get(_wid(new, rk))
-        if d is None or r not in d.params:
-            params_to[str(rk)] = new.rank_of(*_split(with_params[rk % len(with_params)]))
+    for rk in range(new.world):  # a member without its stage's parameters at r gets them from one that has them
+        d, stage = pi.descs.get(_wid(new, rk)), new.layout.coord(rk).name()
+        if d is None or r not in d.params or _stage(d) != stage:
+            peers = by_stage[stage]
+            params_to[str(rk)] = new.rank_of(*_split(peers[rk % len(peers)]))
     new.meta["reshard"] = {"old_world": src_world, "providers": providers, "params_to": params_to}
     if jobs:
         new.meta["decode"] = jobs

@@ -1,5 +1,9 @@
 """Repartition the optimizer state when the data-parallel world changes size (shrink or grow).
 
+Under 3D parallelism each (pp, tp) stage is repartitioned among its own data-parallel ranks (a shrink
+drops whole data-parallel replicas, so every survivor keeps its stage): a rank gathers the old shards of
+its stage only, from the providers of its stage.
+
 Used when a permanent failure finds too few spares (the survivors continue with fewer ranks)
 and when a spare arrives later (the job grows back). Every logical shard of the old partition
 has one *provider* in the new epoch: its owner if it survived (its own committed half), else a
@@ -36,18 +40,21 @@ def gather_full_optimizer(
     n_old: int,
     wait: Callable[[Any, str], None],
     rows: int = 2,
+    peers: list[int] | None = None,
 ) -> torch.Tensor:
     """Return (rows, n_old * old_shards): the payload rows (e.g. exp_avg, exp_avg_sq) of every old
-    shard, in logical order.
+    shard of this rank's stage, in logical order.
 
-    `providers[shard]` is the new rank providing old `shard`; `mine[shard]` holds a (rows, n_old)
-    payload for each shard this rank provides.
+    `providers[shard]` is the new rank providing old `shard` (numbered by its data-parallel index within the
+    stage); `mine[shard]` holds a (rows, n_old) payload for each shard this rank provides. `peers`: the ranks
+    of this rank's stage, which need what it provides (every rank when data-parallel only: the default); a
+    mesh repartitions each stage among its own data-parallel ranks in the same all-to-all.
     """
     shards = sorted(providers)
     my_shards = [s for s in shards if providers[s] == rank]
     payload = torch.cat([mine[s].reshape(rows, n_old) for s in my_shards], dim=1).reshape(-1) if my_shards \
         else torch.empty(0)
-    sends = {dst: payload for dst in range(world)} if my_shards else {}
+    sends = {dst: payload for dst in (range(world) if peers is None else peers)} if my_shards else {}
     count: dict[int, int] = {}
     for s in shards:
         count[providers[s]] = count.get(providers[s], 0) + 1

@@ -7,8 +7,8 @@ failed verification against the checksum its source committed (invariant I3):
 - `restore_in_place`: the same node count (hot-swap, in-place restart, cascade): survivors roll
   back to r from their own ping-pong halves; members that lack their shard or the parameters get
   them from the members the plan names (targeted all-to-all transfers);
-- `reshard`: the world changes size (shrink, grow): every old shard's provider sends it to all,
-  each member cuts its new slice;
+- `reshard`: the world changes size (shrink, grow): every old shard's provider sends it to every
+  member of its stage (all of them when data-parallel only), each member cuts its new slice;
 - `restore_persistent`: every member reloads r from the persistent tier, cut for this world (a
   checkpoint that cannot be read or does not match its checksums is never installed).
 
@@ -30,6 +30,7 @@ from phoenixft.core.context import RankContext
 from phoenixft.distributed.comm import alltoallv
 from phoenixft.distributed.topology import Topology, shard_name
 from phoenixft.errors import PeerFailure, RunAborted
+from phoenixft.parallel.layout import Layout
 from phoenixft.parallel.logical import from_full
 from phoenixft.protect.persist import NOT_INSTALLED, load_full
 from phoenixft.protect.snapshot import H_CRC, H_VALID, PingPong, StreamChecksum, checksum
@@ -275,22 +276,27 @@ def reshard(m: RankContext, topo: Topology, r: int, old_rank: int, timings: dict
     t2 = time.time()
     m.inject.in_recovery(topo)  # kill:...@recovery=N: between the parameters and the optimizer state
     old_world = meta["old_world"]
-    providers = {int(k): v[0] for k, v in meta["providers"].items()}
-    n_old = old_shard_numel(tr.flat.numel, old_world)
+    # this rank's stage: its old shards (by data-parallel index) and who provides them, and its new peers
+    old_lay, lay = Layout(old_world, topo.tp, topo.pp), topo.layout
+    stage = lay.coord(me).stage
+    ids = {old_lay.dp_rank(i): i for i in range(old_world) if old_lay.coord(i).stage == stage}
+    providers = {j: int(meta["providers"][str(i)][0]) for j, i in ids.items()}
+    n_old = old_shard_numel(tr.flat.numel, old_lay.dp)
     decoded = _rebuild_lost(m, topo, r, tr.payload_rows * n_old, timings, bad)  # no copy left: rebuilt by its provider
-    mine = {int(k): (decoded[int(k)][0] if int(k) in decoded else torch.zeros(tr.payload_rows * n_old))
-            if kind == "decode" else m.copy_of(int(k), old_world, r)
-            for k, (prov, kind, _crc) in meta["providers"].items() if prov == me}
-    full = gather_full_optimizer(pg, w, me, providers, mine, n_old, m.wait, rows=tr.payload_rows)
-    for k, (prov, _kind, crc) in meta["providers"].items():  # I3: every old shard as its owner committed it
-        i = int(k)
-        if checksum(full[:, i * n_old : (i + 1) * n_old].contiguous()) != crc:
-            bad.append(f"{shard_name(i, old_world)} from rank {prov} does not match the checksum committed for "
-                       f"step {r}")
+    mine = {j: (decoded[i][0] if i in decoded else torch.zeros(tr.payload_rows * n_old))
+            if meta["providers"][str(i)][1] == "decode" else m.copy_of(i, old_world, r)
+            for j, i in ids.items() if providers[j] == me}
+    full = gather_full_optimizer(pg, w, me, providers, mine, n_old, m.wait, rows=tr.payload_rows,
+                                 peers=None if lay.trivial else lay.dp_group(me))
+    for j, i in ids.items():  # I3: every old shard of the stage as its owner committed it
+        prov, _kind, crc = meta["providers"][str(i)]
+        if checksum(full[:, j * n_old : (j + 1) * n_old].contiguous()) != crc:
+            bad.append(f"{shard_name(i, old_world, topo.tp, topo.pp)} from rank {prov} does not match the checksum "
+                       f"committed for step {r}")
     m.repartition(w, int(topo.meta["generation"]), r)  # the new flat buffers start from the model as it is (r)
     flat, st = tr.flat, tr.state
     numel = flat.numel
-    sl = flat.shard_slice(me)
+    sl = flat.shard_slice(lay.dp_rank(me))
     rows = torch.zeros(tr.payload_rows, flat.padded)
     rows[:, :numel] = full[:, :numel]
     st.begin_write(0)

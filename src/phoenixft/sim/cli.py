@@ -211,6 +211,13 @@ def _add_scenario(p: argparse.ArgumentParser) -> None:
         help="phoenix with an empty spare pool: shrink (default) or wait",
     )
     g.add_argument(
+        "--replica-nodes",
+        type=_int_at_least(1),
+        default=1,
+        help="nodes a shrink drops per lost node, its whole data-parallel replica: 1 when data-parallel only, "
+        "the pipeline depth PP of a TP x PP mesh with a tensor-parallel group per node (default 1)",
+    )
+    g.add_argument(
         "--calibrate", metavar="BENCH_JSON", help="measured recovery/overhead figures (bench JSON)"
     )
 
@@ -447,6 +454,7 @@ def _base_scenario(args: argparse.Namespace, gpus: int) -> Any:
         persist_every=args.persist_every,
         persist_s=args.persist_s,
         no_spare=args.no_spare,
+        replica_nodes=args.replica_nodes,
     )
 
 

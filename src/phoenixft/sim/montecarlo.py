@@ -36,6 +36,8 @@ faults, hot-swap of a spare for permanent ones, shrink (or wait, ``no_spare``) w
 empty, persistent fallback), ``inplace`` (in-place restart for transient faults,
 checkpoint-restart for permanent ones) and ``shrink`` (in-place for transient, continue on the
 survivors for permanent; step time grows as ``nodes / active_nodes`` at a constant global batch).
+A shrink drops the lost node's whole data-parallel replica, ``replica_nodes`` nodes (1 when data-parallel
+only; PP for a TP x PP mesh whose nodes each hold a tensor-parallel group): its healthy nodes leave too.
 Nodes removed by a shrink are repaired in ``provision_s`` and rejoin at the next recovery.
 """
 
@@ -363,11 +365,15 @@ class _Runs:
         self.prog[:] = np.where(mask, self.persist, self.prog)
 
     def shrink_by(self, count: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Drop ``count`` nodes but keep at least one; the rest are waited for (repaired)."""
-        removed = np.minimum(count, np.maximum(self.n_active - 1, 0))
+        """Drop the data-parallel replicas of ``count`` lost nodes (``replica_nodes`` nodes each: a mesh drops its
+        whole column, one node per pipeline stage) but keep at least one replica; the rest are waited for
+        (repaired). A dropped replica's healthy nodes wait for its repaired one and rejoin with it."""
+        r = self.sc.replica_nodes
+        replicas = np.minimum(count, np.maximum(self.n_active // r - 1, 0))
+        removed = replicas * r
         self.n_active[:] -= removed
         self.repair.push(removed, t + self.sc.provision_s)
-        return removed, np.where(count > removed, t + self.sc.provision_s, -np.inf)
+        return removed, np.where(count > replicas, t + self.sc.provision_s, -np.inf)
 
     # ------------------------------------------------------------------ one event
     def advance(self, horizon: float) -> None:

@@ -81,6 +81,7 @@ class Scenario:
     persist_every: int = 5000
     persist_s: float = 8.9
     no_spare: str = "shrink"
+    replica_nodes: int = 1  # nodes a shrink drops per lost node: its data-parallel replica (PP in a TP x PP mesh)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1 or self.steps < 1:
@@ -100,6 +101,8 @@ class Scenario:
                 raise ValueError(f"{name} must be >= 0")
         if self.overhead_ratio < 1.0:
             raise ValueError("overhead_ratio must be >= 1")
+        if self.replica_nodes < 1 or self.nodes % self.replica_nodes:
+            raise ValueError(f"replica_nodes must be >= 1 and divide the {self.nodes} nodes")
         if self.replicas < 1 or self.domain_size < 1 or self.spares < 0 or self.persist_every < 0:
             raise ValueError("replicas and domain_size must be >= 1, spares and persist_every >= 0")
 
