@@ -211,6 +211,20 @@ def test_a_signal_to_the_launcher_leaves_nothing(tagged_run: Any, sig: signal.Si
     assert (r.run_dir / "events.jsonl").read_text().strip()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_ctrl_c_at_a_terminal_keeps_the_report(tagged_run: Any, sig: signal.Signals) -> None:
+    """Ctrl-C (or the terminal closed) reaches every process of the launcher's foreground group, the store's front
+    among them: the launcher still reads the store through it for its report and teardown."""
+    r = tagged_run("--nodes", "2", "--spares", "0", "--steps", "2000")
+    r.wait_training()
+    os.killpg(r.p.pid, sig)
+    r.p.wait(timeout=60)
+    _assert_nothing_left(r)
+    rep = r.report()
+    assert rep["state"] == "failed: interrupted" and "report_error" not in rep, rep
+    assert rep["steps_completed"] >= 2 and len(rep["loss"]) >= 2, rep["steps_completed"]
+
+
 def test_a_clean_end_leaves_nothing(tagged_run: Any) -> None:
     r = tagged_run("--nodes", "2", "--spares", "1", "--steps", "8")
     r.wait_training()

@@ -369,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != a.parent:  # it died before the line above
         return 1
+    # Ctrl-C and a terminal's hangup reach every process of the foreground group: the parent stops on them, and it
+    # still reads the store through this relay for its report and teardown; it ends the relay itself (SIGTERM), or
+    # the kernel does when it dies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     files = [os.environ.get(k, "") for k in TLS_ENV]
     if (a.mode == "forwarder" or a.public_tls) and not all(files):
         print("phoenixft tls: no TLS files in the environment", file=sys.stderr)
