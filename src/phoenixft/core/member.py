@@ -127,7 +127,7 @@ class Member:
     def finish_hash(self, final: str) -> None:
         """Rank 0: the run's final state (JSON) and its end, published (see `_publish_final`)."""
         self._check_fence()
-        self._publish_final(final)
+        self._publish_final(json.dumps({**json.loads(final), "node": self.node_id}))  # (its writer: signed.end_problem)
 
     def await_end(self) -> None:
         """Every rank but 0, after the final gather: until rank 0 published the run's end."""
