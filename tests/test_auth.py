@@ -388,6 +388,50 @@ def test_a_done_is_believed_only_from_the_node_at_rank_0_of_the_signed_topology(
     values._noted.clear()
 
 
+def test_rank_0s_end_record_carries_its_signed_topology(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """Rank 0's record (`end_record`) carries the signed topology of its epoch as the store held it: its writer
+    is checked against that copy, so an overwrite of `topo/<e>` after the coordinator stopped putting it back
+    ends no "done"; a carried topology that is not signed for that epoch with the job token, or that puts
+    another node at rank 0, is refused."""
+    from phoenixft.distributed.topology import Topology
+
+    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    raws = {e: Topology(epoch=e, nodes=nodes, workers_per_node=1, replicas=1, resume_step=0).to_json()
+            for e, nodes in ((0, ["n0", "n1"]), (1, ["n1", "s0"]))}
+    for e, raw in raws.items():
+        store.set(keys.topo_sig(e), auth.sign_topology(TOKEN, e, raw))
+        store.set(keys.topo(e), raw)
+    final = json.dumps({"sha256": "cd" * 32, "step": 9, "epoch": 1, "path": ""})
+    rec = json.loads(signed.end_record(final, "n1", store))
+    assert rec["node"] == "n1" and rec["topology"] == {"raw": raws[1], "sig": auth.sign_topology(TOKEN, 1, raws[1])}
+
+    def publish(r: dict[str, Any]) -> None:
+        signed.set_signed(store, TOKEN, "run1", keys.FINAL, json.dumps(r))
+        signed.set_signed(store, TOKEN, "run1", keys.RUN_STATE, "done")
+
+    publish(rec)
+    for k in (keys.topo(1), keys.topo_sig(1)):  # (a stranger's overwrite, never put back)
+        store.set(k, "garbage")
+    assert signed.run_ended(store, "run1", TOKEN) == "done" and signed.final_record(store, TOKEN, "run1") == rec
+    refused = {"s0": (rec["topology"], "its writer 's0' does not hold rank 0 in epoch 1 (n1 does)"),
+               "n0": ({"raw": raws[0], "sig": auth.sign_topology(TOKEN, 0, raws[0])},  # epoch 0's, as epoch 1's
+                      "the topology it carries is not one of epoch 1 signed with the job token"),
+               "n1": ({"raw": raws[1].replace('"s0"', '"x9"'), "sig": rec["topology"]["sig"]},
+                      "the topology it carries is not one of epoch 1 signed with the job token")}
+    for node, (topo, why) in refused.items():
+        values._noted.clear()
+        publish({**rec, "node": node, "topology": topo})
+        assert signed.run_ended(store, "run1", TOKEN) is None, node
+        assert f"not the run's end: {why}" in capsys.readouterr().err, node
+    values._noted.clear()
+    # without a copy that verifies in time, the record carries none (readers then look at the store's)
+    t0 = time.monotonic()
+    assert "topology" not in json.loads(signed.end_record(final, "n1", store, timeout_s=0.3))
+    assert 0.3 <= time.monotonic() - t0 < 5
+
+
 def test_the_store_listens_on_the_given_address_only() -> None:
     server = serve_store("127.0.0.2", 0)
     want = f"0200007F:{server.port:04X}"  # /proc/net/tcp: little-endian IPv4, state 0A = LISTEN

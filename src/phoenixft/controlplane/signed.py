@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import time
+from typing import Any
 
 from phoenixft.controlplane import keys
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import clean, note_bad, parse_json
 
 __all__ = ["CONFIG_WAIT_S", "DONE", "run_key", "sig_key", "sign", "set_signed", "verified", "wait_verified",
-           "run_ended", "end_problem", "final_record", "env_token"]
+           "run_ended", "end_record", "end_problem", "final_record", "env_token", "TOPOLOGY_WAIT_S"]
 
 DONE = "done"  # the run state of a run that completed (written by rank 0 only, after its final-state record)
 
@@ -96,10 +98,56 @@ def wait_verified(store: Store, token: str, run_id: str, name: str, timeout_s: f
         time.sleep(0.1)
 
 
+TOPOLOGY_WAIT_S = 10.0  # rank 0 at the end: how long to wait for a copy of its epoch's topology that verifies
+
+
+def end_record(final: str, node: str, store: Store, timeout_s: float = TOPOLOGY_WAIT_S) -> str:
+    """Rank 0's final-state record: `final` (JSON, with the epoch it finished in) with its writer's node id and
+    the signed topology of that epoch as the store holds it (its bytes and their signature), so that a reader
+    checks the writer against the record alone, whatever the topology keys hold by then (`end_problem`).
+    Without a copy that verifies within `timeout_s`, the record carries none (readers then read the store's)."""
+    from phoenixft.controlplane.auth import sign_topology  # (auth imports this module)
+
+    rec = json.loads(final)
+    rec["node"] = node
+    e, token = rec.get("epoch"), env_token()
+    deadline = time.monotonic() + timeout_s
+    while token and isinstance(e, int):
+        raw, sig = store.get_nowait(keys.topo(e)), store.get_nowait(keys.topo_sig(e))
+        if raw is not None and sig is not None and \
+                hmac.compare_digest(bytes(sig), sign_topology(token, e, bytes(raw)).encode()):
+            try:
+                rec["topology"] = {"raw": bytes(raw).decode(), "sig": bytes(sig).decode()}
+                break
+            except UnicodeDecodeError:
+                pass
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return json.dumps(rec)
+
+
+def _carried(token: str, e: int, rec: dict[str, Any]) -> tuple[str, Any]:
+    """The signed topology a final-state record carries: ("", the Topology) when it verifies for epoch `e` with
+    the job token, (why not, None) when it does not, ("", None) when the record carries none."""
+    from phoenixft.controlplane.auth import sign_topology
+    from phoenixft.distributed.topology import Topology
+
+    t = rec.get("topology")
+    if t is None:
+        return "", None
+    raw, sig = (t.get("raw"), t.get("sig")) if isinstance(t, dict) else (None, None)
+    if not isinstance(raw, str) or not isinstance(sig, str) or not token or \
+            not hmac.compare_digest(sig.encode(), sign_topology(token, e, raw.encode()).encode()):
+        return f"the topology it carries is not one of epoch {e} signed with the job token", None
+    topo = Topology.parse(raw.encode(), keys.topo(e))
+    return ("", topo) if topo is not None else ("the topology it carries does not parse", None)
+
+
 def end_problem(store: Store, token: str, rec: object) -> str:
     """Why the final-state record `rec` is not the one rank 0 writes ("" when it is): it must name its writer
     (`node`) and the epoch it finished in (`epoch`), and that node must hold rank 0 in the topology of that
-    epoch signed with the job token."""
+    epoch signed with the job token: the one the record carries (`end_record`), else the store's."""
     from phoenixft.controlplane.auth import read_topology  # (auth imports this module)
 
     if not isinstance(rec, dict):
@@ -107,7 +155,11 @@ def end_problem(store: Store, token: str, rec: object) -> str:
     e, node = rec.get("epoch"), rec.get("node")
     if not isinstance(e, int) or isinstance(e, bool) or e < 0 or not isinstance(node, str):
         return "it names no writer node and epoch"
-    topo = read_topology(store, e, token) if token else None
+    why, topo = _carried(token, e, rec)
+    if why:
+        return why
+    if topo is None:
+        topo = read_topology(store, e, token) if token else None
     if topo is None:
         return f"the store holds no topology of epoch {e} signed with the job token"
     rank0 = topo.node_of_rank(0)
