@@ -36,7 +36,8 @@ from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import clean, note_bad, parse_json
 
 __all__ = ["CONFIG_WAIT_S", "DONE", "run_key", "sig_key", "sign", "set_signed", "verified", "wait_verified",
-           "run_ended", "end_record", "end_problem", "final_record", "env_token", "TOPOLOGY_WAIT_S"]
+           "run_ended", "end_record", "end_problem", "final_record", "env_token", "TOPOLOGY_WAIT_S", "mac", "same",
+           "sign_topology", "read_topology"]
 
 DONE = "done"  # the run state of a run that completed (written by rank 0 only, after its final-state record)
 
@@ -98,6 +99,48 @@ def wait_verified(store: Store, token: str, run_id: str, name: str, timeout_s: f
         time.sleep(0.1)
 
 
+_VERSION = b"phoenixft-auth-v1"
+
+
+def mac(token: str, purpose: str, *parts: str | bytes | int) -> str:
+    """HMAC-SHA256 (hex) of the parts, with the protocol version and a purpose for domain separation (the
+    admission's MACs and the topologies'; re-exported by `controlplane.auth`)."""
+    from phoenixft.controlplane.tokens import stretched
+
+    msg = [_VERSION, purpose.encode()]
+    for p in parts:
+        msg.append(p if isinstance(p, bytes) else str(p).encode("utf-8", errors="surrogatepass"))
+    return hmac.new(stretched(token), b"\0".join(msg), hashlib.sha256).hexdigest()  # (scrypt: tokens.stretched)
+
+
+def same(a: str | bytes, b: str) -> bool:
+    """`a` equals the MAC `b` (constant-time comparison)."""
+    a_b = bytes(a) if isinstance(a, (bytes, bytearray)) else a.encode("utf-8", errors="replace")
+    return hmac.compare_digest(a_b, b.encode())
+
+
+def sign_topology(token: str, epoch: int, raw: str | bytes) -> str:
+    return mac(token, "topology", epoch, raw if isinstance(raw, bytes) else raw.encode())
+
+
+def read_topology(store: Store, epoch: int, token: str | None) -> Any:
+    """The `Topology` of epoch `epoch` if it is in the store and its signature verifies with `token` (with no
+    token: unchecked, for a process that only shows it); None otherwise (logged). Never blocks, never raises
+    on what the store holds."""
+    from phoenixft.distributed.topology import Topology
+
+    name = keys.topo(epoch)
+    raw = store.get_nowait(name)
+    if raw is None:
+        return None
+    if token:
+        sig = store.get_nowait(keys.topo_sig(epoch))
+        if sig is None or not same(bytes(sig), sign_topology(token, epoch, bytes(raw))):
+            note_bad(name, "not signed with this job's token", bytes(raw))
+            return None
+    return Topology.parse(bytes(raw), name)
+
+
 TOPOLOGY_WAIT_S = 10.0  # rank 0 at the end: how long to wait for a copy of its epoch's topology that verifies
 
 
@@ -106,8 +149,6 @@ def end_record(final: str, node: str, store: Store, timeout_s: float = TOPOLOGY_
     the signed topology of that epoch as the store holds it (its bytes and their signature), so that a reader
     checks the writer against the record alone, whatever the topology keys hold by then (`end_problem`).
     Without a copy that verifies within `timeout_s`, the record carries none (readers then read the store's)."""
-    from phoenixft.controlplane.auth import sign_topology  # (auth imports this module)
-
     rec = json.loads(final)
     rec["node"] = node
     e, token = rec.get("epoch"), env_token()
@@ -115,7 +156,7 @@ def end_record(final: str, node: str, store: Store, timeout_s: float = TOPOLOGY_
     while token and isinstance(e, int):
         raw, sig = store.get_nowait(keys.topo(e)), store.get_nowait(keys.topo_sig(e))
         if raw is not None and sig is not None and \
-                hmac.compare_digest(bytes(sig), sign_topology(token, e, bytes(raw)).encode()):
+                same(bytes(sig), sign_topology(token, e, bytes(raw))):
             try:
                 rec["topology"] = {"raw": bytes(raw).decode(), "sig": bytes(sig).decode()}
                 break
@@ -130,7 +171,6 @@ def end_record(final: str, node: str, store: Store, timeout_s: float = TOPOLOGY_
 def _carried(token: str, e: int, rec: dict[str, Any]) -> tuple[str, Any]:
     """The signed topology a final-state record carries: ("", the Topology) when it verifies for epoch `e` with
     the job token, (why not, None) when it does not, ("", None) when the record carries none."""
-    from phoenixft.controlplane.auth import sign_topology
     from phoenixft.distributed.topology import Topology
 
     t = rec.get("topology")
@@ -138,7 +178,7 @@ def _carried(token: str, e: int, rec: dict[str, Any]) -> tuple[str, Any]:
         return "", None
     raw, sig = (t.get("raw"), t.get("sig")) if isinstance(t, dict) else (None, None)
     if not isinstance(raw, str) or not isinstance(sig, str) or not token or \
-            not hmac.compare_digest(sig.encode(), sign_topology(token, e, raw.encode()).encode()):
+            not same(sig, sign_topology(token, e, raw.encode())):
         return f"the topology it carries is not one of epoch {e} signed with the job token", None
     topo = Topology.parse(raw.encode(), keys.topo(e))
     return ("", topo) if topo is not None else ("the topology it carries does not parse", None)
@@ -148,8 +188,6 @@ def end_problem(store: Store, token: str, rec: object) -> str:
     """Why the final-state record `rec` is not the one rank 0 writes ("" when it is): it must name its writer
     (`node`) and the epoch it finished in (`epoch`), and that node must hold rank 0 in the topology of that
     epoch signed with the job token: the one the record carries (`end_record`), else the store's."""
-    from phoenixft.controlplane.auth import read_topology  # (auth imports this module)
-
     if not isinstance(rec, dict):
         return "not a final-state record"
     e, node = rec.get("epoch"), rec.get("node")
