@@ -222,6 +222,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              "        if not self.guarded or resume_step < 1:\n            return\n        names",
              "        if True:\n            return\n        names",
              ("tests/test_sdc.py::test_the_spike_guard_guards_the_steps_right_after_a_hot_swap",)),
+    Mutation("spike_window_kept_at_join", "a survivor keeps its own spike window at a join (rolled-back steps in it)",
+             "sdc/checks.py",
+             "        self.guard.reset()\n        if not self.guarded or resume_step < 1:",
+             "        if not self.guarded or resume_step < 1:",
+             ("tests/test_sdc.py::test_after_a_join_the_spike_window_is_the_runs_committed_steps_up_to_the_resume_step",)),
     Mutation("evidence_from_header", "the invariants' evidence identifies an install by its header's checksum, not "
              "by its bytes", "recovery/evidence.py",
              "opt_crc = checksum(trainer.state.payload(half)) if half is not None else None",
