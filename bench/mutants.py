@@ -44,6 +44,9 @@ class Mutation:
 
 _HOT = "tests/test_hotswap.py::test_kill_in_every_phase_is_bitwise_invisible[optimizer-0-auto]"
 _INV = "tests/test_invariants.py::test_each_invariant_is_false_exactly_when_its_condition_is_violated"
+_SCRUB_INSTALL = "tests/test_scrub.py::test_a_repair_installs_only_a_copy_that_verifies_against_the_committed_checksum"
+_SCRUB_SERVE = "tests/test_scrub.py::test_a_peer_serves_only_bytes_that_match_the_checksum_asked_for_hashed_when_asked"
+_DONE_UNIT = "tests/test_auth.py::test_a_done_is_believed_only_from_the_node_at_rank_0_of_the_signed_topology"
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("restore_previous_step", "a survivor restores the parameters of the step before the resume step",
@@ -219,6 +222,74 @@ MUTATIONS: tuple[Mutation, ...] = (
              "        if not self.guarded or resume_step < 1:\n            return\n        names",
              "        if True:\n            return\n        names",
              ("tests/test_sdc.py::test_the_spike_guard_guards_the_steps_right_after_a_hot_swap",)),
+    Mutation("spike_window_kept_at_join", "a survivor keeps its own spike window at a join (rolled-back steps in it)",
+             "sdc/checks.py",
+             "        self.guard.reset()\n        if not self.guarded or resume_step < 1:",
+             "        if not self.guarded or resume_step < 1:",
+             ("tests/test_sdc.py::test_after_a_join_the_spike_window_is_the_runs_committed_steps_up_to_the_resume_step",)),
+    Mutation("evidence_from_header", "the invariants' evidence identifies an install by its header's checksum, not "
+             "by its bytes", "recovery/evidence.py",
+             "opt_crc = checksum(trainer.state.payload(half)) if half is not None else None",
+             "opt_crc = trainer.state.crc_of(half) if half is not None else None",
+             ("tests/test_evidence.py::test_a_header_that_claims_the_right_checksum_over_other_bytes_is_refused_by_"
+              "the_evidence",)),
+    Mutation("scrub_repair_installs_unverified", "a scrub repair installs a copy that does not match the committed "
+             "checksum", "protect/scrub_repair.py",
+             "    if checksum(good) != crc:\n        raise LookupError(f\"the copy {src} sent",
+             "    if False:\n        raise LookupError(f\"the copy {src} sent",
+             (_SCRUB_INSTALL,)),
+    Mutation("scrub_serves_own_unverified", "a peer serves its own committed half for a repair without hashing it",
+             "protect/scrub_repair.py",
+             "return t if checksum(t) == a.crc else None",
+             "return t",
+             (_SCRUB_SERVE,)),
+    Mutation("scrub_serves_held_unverified", "a peer serves its replica for a repair on its header's word, unhashed",
+             "protect/scrub_repair.py",
+             "\n                     and checksum(h.payload(x)) == a.crc), None)",
+             "), None)",
+             (_SCRUB_SERVE,)),
+    Mutation("failed_verify_stays_verified", "a half whose verification failed still counts as verified",
+             "protect/snapshot.py",
+             "        else:  # (bytes that changed at rest since an earlier verification are not "
+             "\"verified\" any more)\n            self._verified.pop(half, None)\n",
+             "",
+             (_SCRUB_SERVE,)),
+    Mutation("json_non_finite_accepted", "a value holding 1e999 (infinity once parsed) reaches its reader",
+             "controlplane/values.py",
+             "    if not math.isfinite(f):\n",
+             "    if False:\n",
+             ("tests/test_hostile_store.py::test_numbers_a_value_of_the_job_cannot_hold_are_refused",)),
+    Mutation("token_file_of_another_user", "a token file another user owns (and can rewrite) is accepted",
+             "controlplane/tokens.py",
+             "        if st.st_uid != os.getuid():",
+             "        if False:",
+             ("tests/test_hostile_store.py::test_token_files_must_be_private_and_tokens_strong",)),
+    Mutation("signed_empty_token_believed", "a reader without a token believes a value signed with the empty token",
+             "controlplane/signed.py",
+             "if token and hmac.compare_digest(sig, sign(token, run_id, name, value).encode()):",
+             "if hmac.compare_digest(sig, sign(token, run_id, name, value).encode()):",
+             ("tests/test_hostile_store.py::test_signed_values_verify_only_with_the_run_key",)),
+    Mutation("read_topology_unverified",
+             "a topology read for a display, a drain or a run end's writer is not checked against its signature",
+             "controlplane/signed.py",
+             "if sig is None or not same(bytes(sig), sign_topology(token, epoch, bytes(raw))):",
+             "if sig is None:",
+             ("tests/test_auth.py::test_workers_act_only_on_signed_topologies",)),
+    Mutation("run_end_any_writer", "a run end is believed whichever node its final-state record names",
+             "controlplane/signed.py",
+             "    if node != rank0:\n",
+             "    if False:\n",
+             (_DONE_UNIT, "tests/test_hostile_store.py::test_a_run_ends_done_only_by_the_node_at_rank_0")),
+    Mutation("run_end_carried_topology_unverified", "the topology a run end's record carries is believed unsigned",
+             "controlplane/signed.py",
+             "            not same(sig, sign_topology(token, e, raw.encode())):",
+             "            False:",
+             ("tests/test_auth.py::test_rank_0s_end_record_carries_its_signed_topology",)),
+    Mutation("run_done_without_final", "a signed \"done\" ends the run without rank 0's final-state record beside it",
+             "controlplane/signed.py",
+             "    if state == DONE and final_record(store, tok, run_id) is None:",
+             "    if False:",
+             (_DONE_UNIT,)),
 )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from phoenixft.config import RunConfig
-from phoenixft.controlplane import auth, keys, sealed, signed
+from phoenixft.controlplane import auth, keys, sealed, signed, values
 from phoenixft.controlplane.server import serve_store
 from phoenixft.errors import RunAborted, UserError
 from phoenixft.faults.spec import parse_fault
@@ -324,6 +324,112 @@ def test_workers_act_only_on_signed_topologies(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv(auth.TOKEN_ENV)
     with pytest.raises(RunAborted, match="no job token"):
         auth.verified_topology(store, 3, raw.encode(), timeout_s=0.3)
+    # the readers that only look (drain, the reports, the end's writer check): a forged topology is no topology
+    store.set(keys.topo(3), raw)
+    assert auth.read_topology(store, 3, TOKEN).nodes == ["n0", "s0"]
+    assert auth.read_topology(store, 3, TOKEN[::-1]) is None
+    store.set(keys.topo(3), forged)
+    assert auth.read_topology(store, 3, TOKEN) is None and auth.read_topology(store, 4, TOKEN) is None
+    assert auth.read_topology(store, 3, None).nodes == ["n0", "x9"]  # (no token: shown unchecked, never acted on)
+    store.delete_key(keys.topo_sig(3))
+    store.set(keys.topo(3), raw)
+    assert auth.read_topology(store, 3, TOKEN) is None
+
+
+def _end(store: Any, run_id: str, epoch: Any, node: Any, state: str = "done", token: str = TOKEN) -> None:
+    """A signed run end as rank 0 writes it (its final-state record first), naming `node` as its writer."""
+    rec = {"sha256": "ab" * 32, "step": 9, "epoch": epoch, "path": ""} | ({} if node is None else {"node": node})
+    signed.set_signed(store, token, run_id, keys.FINAL, json.dumps(rec))
+    signed.set_signed(store, token, run_id, keys.RUN_STATE, state)
+
+
+def test_a_done_is_believed_only_from_the_node_at_rank_0_of_the_signed_topology(capsys: Any) -> None:
+    """Epoch 0 puts n0 at rank 0; n0 died and epoch 1 puts n1 there (s0 joined). A "done" with a final-state
+    record signed with the run key, as any holder of the token can write one, ends the run only when the
+    record names the node at rank 0 of the signed topology of its epoch: not a member at another rank, not
+    the rank 0 of another epoch, not a node of an epoch with no signed topology (or a forged one), not a
+    record naming no writer. A failure ends the run whoever of the job writes it."""
+    from phoenixft.distributed.topology import Topology
+
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    for e, nodes in ((0, ["n0", "n1"]), (1, ["n1", "s0"])):
+        raw = Topology(epoch=e, nodes=nodes, workers_per_node=2, replicas=1, resume_step=0).to_json()
+        store.set(keys.topo_sig(e), auth.sign_topology(TOKEN, e, raw))
+        store.set(keys.topo(e), raw)
+    forged = Topology(epoch=2, nodes=["s0", "n1"], workers_per_node=2, replicas=1, resume_step=0).to_json()
+    store.set(keys.topo(2), forged)  # (unsigned: what a party without the token can publish)
+    store.set(keys.topo_sig(2), auth.sign_topology(TOKEN, 1, forged))
+    refused = {(1, "s0"): "its writer 's0' does not hold rank 0 in epoch 1 (n1 does)",
+               (0, "n1"): "its writer 'n1' does not hold rank 0 in epoch 0 (n0 does)",
+               (1, "n0"): "its writer 'n0' does not hold rank 0 in epoch 1 (n1 does)",
+               (2, "s0"): "the store holds no topology of epoch 2 signed with the job token",
+               (7, "n1"): "the store holds no topology of epoch 7 signed with the job token",
+               (1, None): "it names no writer node and epoch", ("1", "n1"): "it names no writer node and epoch",
+               (True, "n1"): "it names no writer node and epoch"}
+    for (e, node), why in refused.items():
+        values._noted.clear()
+        _end(store, "run1", e, node)
+        assert signed.run_ended(store, "run1", TOKEN) is None, (e, node)
+        assert signed.final_record(store, TOKEN, "run1") is None, (e, node)
+        err = capsys.readouterr().err
+        assert f"ignored the store value of 'final': not the run's end: {why}" in err, (e, node, err)
+        assert "ignored the store value of 'run/state': a 'done' without a final-state record" in err, err
+    _end(store, "run1", 1, "n1")
+    assert signed.run_ended(store, "run1", TOKEN) == "done"
+    assert signed.final_record(store, TOKEN, "run1") == {"sha256": "ab" * 32, "step": 9, "epoch": 1, "path": "",
+                                                         "node": "n1"}
+    _end(store, "run1", 0, "n0")  # the rank 0 of epoch 0 (n0, before it died): its epoch's rank 0 all the same
+    assert signed.run_ended(store, "run1", TOKEN) == "done"
+    assert signed.run_ended(store, "run2", TOKEN) is None  # (another run's key)
+    assert signed.run_ended(store, "run1", "") is None  # (no token: nothing verifies)
+    _end(store, "run1", 1, "s0", state="failed")  # a failure is any process's of the job to report
+    assert signed.run_ended(store, "run1", TOKEN) == "failed" and signed.final_record(store, TOKEN, "run1") is None
+    values._noted.clear()
+
+
+def test_rank_0s_end_record_carries_its_signed_topology(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """Rank 0's record (`end_record`) carries the signed topology of its epoch as the store held it: its writer
+    is checked against that copy, so an overwrite of `topo/<e>` after the coordinator stopped putting it back
+    ends no "done"; a carried topology that is not signed for that epoch with the job token, or that puts
+    another node at rank 0, is refused."""
+    from phoenixft.distributed.topology import Topology
+
+    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    server = serve_store("127.0.0.1", 0)
+    store = _client(server)
+    raws = {e: Topology(epoch=e, nodes=nodes, workers_per_node=1, replicas=1, resume_step=0).to_json()
+            for e, nodes in ((0, ["n0", "n1"]), (1, ["n1", "s0"]))}
+    for e, raw in raws.items():
+        store.set(keys.topo_sig(e), auth.sign_topology(TOKEN, e, raw))
+        store.set(keys.topo(e), raw)
+    final = json.dumps({"sha256": "cd" * 32, "step": 9, "epoch": 1, "path": ""})
+    rec = json.loads(signed.end_record(final, "n1", store))
+    assert rec["node"] == "n1" and rec["topology"] == {"raw": raws[1], "sig": auth.sign_topology(TOKEN, 1, raws[1])}
+
+    def publish(r: dict[str, Any]) -> None:
+        signed.set_signed(store, TOKEN, "run1", keys.FINAL, json.dumps(r))
+        signed.set_signed(store, TOKEN, "run1", keys.RUN_STATE, "done")
+
+    publish(rec)
+    for k in (keys.topo(1), keys.topo_sig(1)):  # (a stranger's overwrite, never put back)
+        store.set(k, "garbage")
+    assert signed.run_ended(store, "run1", TOKEN) == "done" and signed.final_record(store, TOKEN, "run1") == rec
+    refused = {"s0": (rec["topology"], "its writer 's0' does not hold rank 0 in epoch 1 (n1 does)"),
+               "n0": ({"raw": raws[0], "sig": auth.sign_topology(TOKEN, 0, raws[0])},  # epoch 0's, as epoch 1's
+                      "the topology it carries is not one of epoch 1 signed with the job token"),
+               "n1": ({"raw": raws[1].replace('"s0"', '"x9"'), "sig": rec["topology"]["sig"]},
+                      "the topology it carries is not one of epoch 1 signed with the job token")}
+    for node, (topo, why) in refused.items():
+        values._noted.clear()
+        publish({**rec, "node": node, "topology": topo})
+        assert signed.run_ended(store, "run1", TOKEN) is None, node
+        assert f"not the run's end: {why}" in capsys.readouterr().err, node
+    values._noted.clear()
+    # without a copy that verifies in time, the record carries none (readers then look at the store's)
+    t0 = time.monotonic()
+    assert "topology" not in json.loads(signed.end_record(final, "n1", store, timeout_s=0.3))
+    assert 0.3 <= time.monotonic() - t0 < 5
 
 
 def test_the_store_listens_on_the_given_address_only() -> None:

@@ -275,6 +275,35 @@ def test_a_restore_that_installs_another_ranks_shard_stops_with_i2(tmp_path: Pat
             f"rank 1 (pp0.tp0.dp1of2, step {r}) installed the optimizer state of pp0.tp0.dp0of2 at step {r}" in msg
 
 
+def test_a_header_that_claims_the_right_checksum_over_other_bytes_is_refused_by_the_evidence(tmp_path: Path) -> None:
+    """A restore that installs bytes other than the resume step's (the previous step's, or one bit off) under a
+    header that claims exactly the checksum the evidence recorded for (shard, r): the evidence hashes the
+    installed bytes, so the header's claim cannot make them pass."""
+    r = 12
+    for damage in ("previous", "one_bit"):
+        (tmp_path / damage).mkdir()
+        topo, states, flats = _job(tmp_path / damage, r)
+        st = states[1]
+        right = st.known_crc(st.half_with(r))
+        assert topo.meta["evidence"]["opt"]["1"][str(r)] == right
+        rows = st.data[st.half_with(r - 1 if damage == "previous" else r)].clone()
+        if damage == "one_bit":
+            rows.view(torch.int32)[1, 5] ^= 1 << 20
+        half = st.staging()
+        st.begin_write(half)
+        st.data[half].copy_(rows)
+        st.commit(half, r, right, (1, 2))  # the header: step r, shard 1, the recorded checksum of step r
+        st.header[1 - half, 2] = 0
+        assert st.crc_of(half) == right and checksum(st.payload(half)) != right
+        for inv, detail in _verdict(topo, states, flats, r):
+            # bytes of another step break I4; bytes that match no recorded checksum are no shard's: I2
+            want = {"I1": True, "I2": damage == "previous", "I3": True, "I4": damage == "one_bit"}
+            assert inv == want, (damage, detail)
+            said = (f"installed the optimizer state of pp0.tp0.dp1of2 at step {r - 1}" if damage == "previous"
+                    else "its optimizer state matches no checksum committed before the failure")
+            assert f"rank 1 (pp0.tp0.dp1of2, step {r})" in detail and said in detail, (damage, detail)
+
+
 def test_previous_step_parameters_break_i4_even_when_every_peer_agrees(tmp_path: Path) -> None:
     r = 12
     topo, states, flats = _job(tmp_path, r)

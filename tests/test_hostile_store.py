@@ -68,21 +68,38 @@ def test_json_readers_are_total_over_generated_junk(capsys: Any) -> None:
     values._noted.clear()
 
 
+def test_numbers_a_value_of_the_job_cannot_hold_are_refused() -> None:
+    """A number that is not finite once parsed (1e999 overflows to infinity; NaN and Infinity are not JSON)
+    makes the whole value refused: a drain deadline, a timestamp or a step of infinity reaches no reader."""
+    for raw in (b"1e999", b'{"deadline": 1e999}', b'{"t": -1e999}', b'{"a": [1, 2e400]}', b"NaN",
+                b'{"a": Infinity}', b'{"a": -Infinity}'):
+        assert values.json_problem(raw)[0] != "", raw
+        assert values.parse_json(raw, "finite", "default", object) == "default", raw
+    assert values.parse_drain_request(b'{"reason": "x", "source": "y", "deadline": 1e999}', "drain/0") is None
+    assert values.parse_json(b'{"deadline": 1e300, "t": -2.5}', "finite") == {"deadline": 1e300, "t": -2.5}
+    values._noted.clear()
+
+
 def test_signed_values_verify_only_with_the_run_key() -> None:
     server = serve_store("127.0.0.1", 0)
     st = connect_store(server.addr)
     tok = "x" * 8 + "Aq3-Zt9_pL0wYv2s"
-    signed.set_signed(st, tok, "run1", keys.RUN_STATE, "done")
-    assert signed.run_ended(st, "run1", tok) == "done"
+    signed.set_signed(st, tok, "run1", keys.RUN_STATE, "failed")
+    assert signed.run_ended(st, "run1", tok) == "failed"
     assert signed.run_ended(st, "run2", tok) is None  # another run's signature is not this run's
     assert signed.run_ended(st, "run1", tok[::-1]) is None
-    st.set(keys.RUN_STATE, "failed")  # overwritten by someone without the key
+    st.set(keys.RUN_STATE, "aborted")  # overwritten by someone without the key
     assert signed.run_ended(st, "run1", tok) is None
-    # a signature binds its key's name: `done` signed for `final` (copied, with its signature, under run/state)
+    # a signature binds its key's name: `failed` signed for `final` (copied, with its signature, under run/state)
     # is no run end
-    signed.set_signed(st, tok, "run1", keys.FINAL, "done")
-    st.multi_set([signed.sig_key(keys.RUN_STATE), keys.RUN_STATE], [st.get(signed.sig_key(keys.FINAL)), b"done"])
-    assert signed.run_ended(st, "run1", tok) is None and signed.verified(st, tok, "run1", keys.FINAL) == b"done"
+    signed.set_signed(st, tok, "run1", keys.FINAL, "failed")
+    st.multi_set([signed.sig_key(keys.RUN_STATE), keys.RUN_STATE], [st.get(signed.sig_key(keys.FINAL)), b"failed"])
+    assert signed.run_ended(st, "run1", tok) is None and signed.verified(st, tok, "run1", keys.FINAL) == b"failed"
+    # a reader without a token believes nothing: not even a value signed with the run key of the empty token,
+    # which anyone can compute
+    signed.set_signed(st, "", "run1", keys.RUN_STATE, "failed")
+    assert signed.verified(st, "", "run1", keys.RUN_STATE, note=False) is None and signed.run_ended(st, "run1", "") \
+        is None
 
 
 def test_sealed_values_verify_only_under_their_run_key_and_name(capsys: Any) -> None:
@@ -355,6 +372,76 @@ def test_a_stranger_cannot_crash_fake_or_steer_a_run(tmp_path: Path, reference: 
             assert token.encode() not in f.read_bytes(), f
 
 
+INSIDER_STEPS = 30
+
+
+def _insider(st: Any, run_dir: Path, launcher: subprocess.Popen[str], did: dict[str, Any]) -> None:
+    """A process that holds the job token (read from the run's token file) but not rank 0: from step 2 until
+    the run is over it writes run ends signed with the run key, each with a final-state record of a made-up
+    hash that names a writer other than the node at rank 0 of the signed topology: the member at rank 1
+    (n1), the rank 0 of an epoch that was never published, and no writer at all."""
+    deadline = time.monotonic() + 150
+    while not (run_dir / "token").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    token = (run_dir / "token").read_text().strip()
+    while int(_peeled(st, keys.PROGRESS) or 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run_id, e = st.get(keys.RUN_ID).decode(), int(_peeled(st, keys.EPOCH) or 0)
+    forged = [{"epoch": e, "node": "n1"}, {"epoch": e + 7, "node": "n0"}, {"epoch": e}]
+    while launcher.poll() is None and time.monotonic() < deadline:
+        try:
+            for who in forged:
+                rec = {"sha256": "deadbeef" * 8, "step": INSIDER_STEPS, "path": "", **who}
+                signed.set_signed(st, token, run_id, keys.FINAL, json.dumps(rec))
+                signed.set_signed(st, token, run_id, keys.RUN_STATE, "done")
+                did["ends"] = did.get("ends", 0) + 1
+                did.setdefault("first_at", int(_peeled(st, keys.PROGRESS) or 0))
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store is gone: the run ended
+            break
+
+
+def test_a_run_ends_done_only_by_the_node_at_rank_0(tmp_path: Path, reference: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live `phoenixft run` and a party that holds the job token but is not rank 0's node: the run ends it
+    signs ("done", with a final-state record of a made-up hash naming another writer) end nothing. The run
+    trains every step, ends rc 0 with the hash of a failure-free run, its report and final line say so, and
+    every forged end is refused in one logged line."""
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    on_pythonpath(str(REPO / "tests"), monkeypatch)
+    ref_hash = reference(nodes=2, steps=INSIDER_STEPS, workload="user_workload:workload")["final_state_sha256"]
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests")]),
+           "PHOENIXFT_TEST_PACE_S": "0.1"}
+    env.pop("PHOENIXFT_TOKEN", None)
+    p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--nodes", "2", "--spares", "0",
+                          "--steps", str(INSIDER_STEPS), *SUITE_FLAGS, "--workload", "user_workload:paced_workload",
+                          "--run-dir", str(run_dir), "--timeout", "200"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    did: dict[str, Any] = {}
+    try:
+        st = _connect(run_dir, "tcpstore", time.monotonic() + 120)
+        t = threading.Thread(target=_insider, args=(st, run_dir, p, did), daemon=True)
+        t.start()
+        out, err = _finish(p)
+        t.join(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    logs = "".join(f.read_text(errors="replace") for f in (run_dir / "logs").glob("*.log"))
+    # (it wrote forged ends while the run trained: at least one of each kind, mid-run)
+    assert did.get("ends", 0) >= 6 and 2 <= did.get("first_at", 0) < INSIDER_STEPS - 10, did
+    assert p.returncode == 0, err[-3000:]
+    rep = json.loads((run_dir / "report.json").read_text())
+    assert rep["state"] == "done" and rep["steps_completed"] == INSIDER_STEPS and rep["recoveries"] == []
+    assert rep["final_state_sha256"] == ref_hash and ref_hash[:12] in out + err and "sha256 deadbeef" not in out + err
+    assert "Traceback" not in err + logs, (err + logs)[-3000:]
+    said = err + logs
+    assert "not the run's end: its writer 'n1' does not hold rank 0 in epoch 0 (n0 does)" in said, said[-3000:]
+    assert "a 'done' without a final-state record of rank 0's node beside it" in said, said[-3000:]
+
+
 def test_token_files_must_be_private_and_tokens_strong(tmp_path: Path) -> None:
     import secrets
 
@@ -369,6 +456,12 @@ def test_token_files_must_be_private_and_tokens_strong(tmp_path: Path) -> None:
         auth.read_token_file(str(f))
     f.chmod(0o600)
     assert auth.resolve_token("", str(f)) == f.read_text().strip()
+    if os.geteuid() == 0:  # a private file of another user (root can make one): that user controls the token
+        os.chown(f, 65534, 65534)
+        with pytest.raises(UserError, match=r"^--token-file=.*/tok: the file belongs to uid 65534, not to this "
+                                            r"user \(uid 0\)"):
+            auth.read_token_file(str(f))
+        os.chown(f, 0, 0)
     for weak in ("a" * 16, "a" * 40, "abcdefgh" * 4, "Password12345678", "Password123!Password123?",
                  "correcthorsebatterystaple1", "CorrectHorseBatteryStaple1!", "Summer2024!Summer2024!xyz"):
         with pytest.raises(UserError, match=r"--token is too weak \(.*\): a job token needs 128 bits"):

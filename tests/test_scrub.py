@@ -17,12 +17,15 @@ import torch
 from conftest import run
 
 from phoenixft.config import RunConfig
+from phoenixft.distributed.topology import Topology
 from phoenixft.errors import UserError
 from phoenixft.faults.at_rest import flip_bit
 from phoenixft.faults.kinds import Point
 from phoenixft.faults.spec import parse_fault
+from phoenixft.protect import scrub_repair
 from phoenixft.protect.scrub import Finding, HeldCopy, Scrubber, ScrubSchedule
-from phoenixft.protect.snapshot import Holding, checksum
+from phoenixft.protect.scrub_round import HELD, OWN, Ask
+from phoenixft.protect.snapshot import Holding, PingPong, checksum
 
 
 # ------------------------------------------------------------------ the rate limiter
@@ -152,6 +155,67 @@ def test_the_repair_round_is_made_even_when_verification_fails() -> None:
     with pytest.raises(RuntimeError, match="went away"):
         sc.tick()
     assert calls == [0]  # every rank makes the round, or the group's collectives would no longer match
+
+
+def _flipped(t: torch.Tensor) -> torch.Tensor:
+    bad = t.clone()
+    flip_bit(bad, 17, 11)
+    return bad
+
+
+def test_a_repair_installs_only_a_copy_that_verifies_against_the_committed_checksum() -> None:
+    """Rank 0 of a 3-node ring holds a replica whose newest half went bad. What a peer sends is installed
+    only when its bytes match the checksum the half was committed with: a copy one bit off (a lying or
+    damaged peer, a flip in transit) is refused and nothing is written: the half keeps its bad bytes, which do not
+    verify, so nothing serves or restores it as a good copy; the right bytes repair it."""
+    topo = Topology(epoch=1, nodes=["n0", "n1", "n2"], workers_per_node=1, replicas=1, resume_step=0)
+    (x,) = topo.sources(0)
+    h = Holding(1000, rows=2)
+    g = torch.Generator().manual_seed(5)
+    for half, s in ((0, 4), (1, 5)):
+        h.begin_write(half)
+        h.payload(half).copy_(torch.randn(h.payload(half).shape, generator=g))
+        h.commit(half, s, checksum(h.payload(half)), (x, 3))
+    good, crc = h.payload(1).clone(), h.crc_of(1)
+    flip_bit(h.payload(1), 3, 7)
+    corrupt = h.payload(1).clone()
+    f = Finding(kind="replica", ident=x, half=1, step=5, crc=crc)
+    (req,) = scrub_repair.requests([(HeldCopy("replica", x, h), f)], 0, topo, True, lambda d, k: None, 1000)
+    assert [p for p, _ in req.asks] == [x] and req.asks[0][1] == Ask(OWN, x, 5, crc, 2000)
+    with pytest.raises(LookupError, match="does not match the committed checksum"):
+        req.install({x: _flipped(good)})
+    assert torch.equal(h.payload(1).view(torch.int32), corrupt.view(torch.int32)) and h.crc_of(1) == crc
+    assert h.verified_half(5) is None
+    assert req.install({x: good.clone()}) == f"owner n{x}.0"
+    assert torch.equal(h.payload(1).view(torch.int32), good.view(torch.int32)) and h.verified_half(5) == 1
+
+
+def test_a_peer_serves_only_bytes_that_match_the_checksum_asked_for_hashed_when_asked() -> None:
+    """The serving side of a repair: its own committed half, or its replica, only when the bytes hash to the
+    checksum asked for at the time of the ask; a bit flipped at rest after an earlier verification (the
+    header unchanged) makes it refuse, and so does a checksum or step it does not hold."""
+    own = PingPong(2, 500)
+    h = Holding(300, rows=2)
+    g = torch.Generator().manual_seed(9)
+    for pp in (own, h):
+        for half, s in ((0, 6), (1, 7)):
+            pp.begin_write(half)
+            pp.payload(half).copy_(torch.randn(pp.payload(half).shape, generator=g))
+            pp.commit(half, s, checksum(pp.payload(half)), (2, 4))
+    serve = scrub_repair.server(lambda: own, lambda: {2: h})
+    own_ask, held_ask = Ask(OWN, 1, 7, own.crc_of(1), 1000), Ask(HELD, 2, 7, h.crc_of(1), 600)
+    for pp, ask in ((own, own_ask), (h, held_ask)):
+        t = serve(ask)
+        assert t is not None and torch.equal(t, pp.payload(1))
+        assert serve(Ask(ask.what, ask.ident, 7, ask.crc ^ 1, ask.numel)) is None  # another checksum
+        assert serve(Ask(ask.what, ask.ident, 8, ask.crc, ask.numel)) is None  # a step it does not hold
+        assert pp.verify(1) and pp.verified_half(7) == 1  # (verified once: a later flip must not ride on it)
+        flip_bit(pp.payload(1), 40, 2)
+        assert serve(ask) is None, ask
+        assert not pp.verify(1) and pp.verified_half(7) is None  # a failed verification ends "verified"
+        flip_bit(pp.payload(1), 40, 2)
+        assert serve(ask) is not None
+    assert serve(Ask(HELD, 3, 7, h.crc_of(1), 600)) is None  # a shard it holds no replica of
 
 
 def test_scrubber_spreads_a_pass_over_n_steps() -> None:

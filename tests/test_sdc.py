@@ -232,3 +232,36 @@ def test_the_spike_guard_guards_the_steps_right_after_a_hot_swap(tmp_path: Path,
     (v,) = rep["sdc"]["verdicts"]
     assert v["verdict"] == "genuine" and v["node"] is None and rep["sdc"]["nodes_named"] == []
     assert rep["final_state_sha256"] == ref["final_state_sha256"]
+
+
+def test_after_a_join_the_spike_window_is_the_runs_committed_steps_up_to_the_resume_step() -> None:
+    """What `joined` leaves in the spike window, on a real store: exactly the loss and gradient norm of the steps
+    up to the resume step, as rank 0 sealed them, on a survivor (whose own window also held a step committed
+    here and rolled back by the recovery, with a value far off) and on a spare that just joined alike; a step
+    record that is not sealed with the run key (a stranger's) is not taken into it."""
+    from types import SimpleNamespace
+
+    from phoenixft.config import RunConfig
+    from phoenixft.controlplane import keys, sealed
+    from phoenixft.controlplane.server import serve_store
+    from phoenixft.distributed.comm import connect_store
+    from phoenixft.sdc.checks import SdcChecks
+
+    server = serve_store("127.0.0.1", 0)
+    store = connect_store(server.addr, 10.0)
+    sealed.bind("Aq3-Zt9_pL0wYv2s" * 2, "run1")
+    try:
+        vals = {s: {"loss": 5.0 - 0.25 * s, "grad_norm": 1.0 + 0.01 * s} for s in range(1, 11)}
+        for s in range(1, 10):  # (step 10: committed on the survivor only, then rolled back)
+            sealed.put(store, keys.step(s), json.dumps({"step": s, **vals[s], "epoch": 0}))
+        store.set(keys.step(4), json.dumps({"step": 4, "loss": 1e6, "grad_norm": 1e6}))  # a stranger's record
+        ctx = SimpleNamespace(cfg=RunConfig(spike_window=6), store=store)
+        survivor, spare = SdcChecks(ctx, None), SdcChecks(ctx, None)  # type: ignore[arg-type]
+        for s in range(1, 11):
+            survivor.guard.observe({**vals[s], "loss": 1e3} if s == 10 else vals[s])
+        for sc in (survivor, spare):
+            sc.joined(9)
+            want = [s for s in range(4, 10) if s != 4]  # the window's 6 steps up to 9, less the forged one
+            assert sc.guard.history == {k: [vals[s][k] for s in want] for k in ("loss", "grad_norm")}, sc.guard.history
+    finally:
+        sealed.unbind()

@@ -46,7 +46,6 @@ delete keys, forge heartbeats): serve it through TLS (`controlplane/tls.py`) or 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import os
 import re
@@ -57,6 +56,8 @@ from typing import Any
 
 from phoenixft.controlplane import keys, signed
 from phoenixft.controlplane.keeper import Keeper
+from phoenixft.controlplane.signed import mac, read_topology, sign_topology
+from phoenixft.controlplane.signed import same as _same
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.tokens import (
     MIN_TOKEN_BITS,
@@ -66,7 +67,6 @@ from phoenixft.controlplane.tokens import (
     generate_token,
     read_token_file,
     resolve_token,
-    stretched,
     token_bits,
     token_source,
     write_token_file,
@@ -89,28 +89,10 @@ __all__ = ["TOKEN_ENV", "MIN_TOKEN_CHARS", "MIN_TOKEN_BITS", "resolve_token", "t
            "Application", "AdmissionDesk", "NAME_RE"]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-_VERSION = b"phoenixft-auth-v1"
 _PENDING_TTL_S = 300.0  # a request whose agent went away is forgotten after this long
 
 
-def mac(token: str, purpose: str, *parts: str | bytes | int) -> str:
-    """HMAC-SHA256 (hex) of the parts, with the protocol version and a purpose for domain separation."""
-    msg = [_VERSION, purpose.encode()]
-    for p in parts:
-        msg.append(p if isinstance(p, bytes) else str(p).encode("utf-8", errors="surrogatepass"))
-    return hmac.new(stretched(token), b"\0".join(msg), hashlib.sha256).hexdigest()  # (scrypt: tokens.stretched)
-
-
-def _same(a: str | bytes, b: str) -> bool:
-    a_b = bytes(a) if isinstance(a, (bytes, bytearray)) else a.encode("utf-8", errors="replace")
-    return hmac.compare_digest(a_b, b.encode())
-
-
 # ---------------------------------------------------------------------------------------- topologies
-def sign_topology(token: str, epoch: int, raw: str | bytes) -> str:
-    return mac(token, "topology", epoch, raw if isinstance(raw, bytes) else raw.encode())
-
-
 def verified_topology(store: Store, epoch: int, raw: bytes, timeout_s: float = 30.0) -> Any:
     """The `Topology` of `raw` (just read from `topo/<epoch>`) once its signature verifies with the
     job token; a wrong one (or none: deleted) is re-read every 50 ms (the coordinator puts back what it
@@ -134,24 +116,6 @@ def verified_topology(store: Store, epoch: int, raw: bytes, timeout_s: float = 3
                              "refusing to act on it (something other than the coordinator wrote it)")
         time.sleep(0.05)
         raw = store.get_nowait(keys.topo(epoch)) or b""
-
-
-def read_topology(store: Store, epoch: int, token: str | None) -> Any:
-    """The `Topology` of epoch `epoch` if it is in the store and its signature verifies with `token` (with no
-    token: unchecked, for a process that only shows it); None otherwise (logged). Never blocks, never raises
-    on what the store holds."""
-    from phoenixft.distributed.topology import Topology
-
-    name = keys.topo(epoch)
-    raw = store.get_nowait(name)
-    if raw is None:
-        return None
-    if token:
-        sig = store.get_nowait(keys.topo_sig(epoch))
-        if sig is None or not _same(bytes(sig), sign_topology(token, epoch, bytes(raw))):
-            note_bad(name, "not signed with this job's token", bytes(raw))
-            return None
-    return Topology.parse(bytes(raw), name)
 
 
 def token_matches_job(store: Store, token: str, run_id: str | None = None) -> bool | None:

@@ -25,7 +25,7 @@ import torch
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, auth, exists_many, keys, poll_interval, sealed
 from phoenixft.controlplane.keeper import Keeper
-from phoenixft.controlplane.signed import CONFIG_WAIT_S, env_token, run_ended, set_signed, wait_verified
+from phoenixft.controlplane.signed import CONFIG_WAIT_S, end_record, env_token, run_ended, set_signed, wait_verified
 from phoenixft.controlplane.values import parse_int
 from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.core.context import RankContext
@@ -127,7 +127,7 @@ class Member:
     def finish_hash(self, final: str) -> None:
         """Rank 0: the run's final state (JSON) and its end, published (see `_publish_final`)."""
         self._check_fence()
-        self._publish_final(final)
+        self._publish_final(end_record(final, self.node_id, self.ctx.store))  # (its writer: signed.end_problem)
 
     def await_end(self) -> None:
         """Every rank but 0, after the final gather: until rank 0 published the run's end."""

@@ -155,6 +155,8 @@ class PingPong:
         ok = bool(int(self.header[half, 2])) and checksum(self.payload(half)) == int(self.header[half, 1])
         if ok:
             self._verified[half] = (int(self.header[half, H_STEP]), int(self.header[half, H_CRC]))
+        else:  # (bytes that changed at rest since an earlier verification are not "verified" any more)
+            self._verified.pop(half, None)
         return ok
 
     def verified(self, half: int) -> bool:

@@ -54,8 +54,8 @@ from phoenixft.controlplane import (
     sealed,
 )
 from phoenixft.controlplane.keeper import Keeper
-from phoenixft.controlplane.signed import run_ended, sign, verified
-from phoenixft.controlplane.values import note_bad, parse_int, parse_json
+from phoenixft.controlplane.signed import final_record, run_ended, sign
+from phoenixft.controlplane.values import note_bad, parse_int
 from phoenixft.distributed.cuda_env import PLACEMENT_ENV
 from phoenixft.errors import UserError, user_traceback
 from phoenixft.health.history import HOST_ID_ENV, quarantined_hosts
@@ -363,7 +363,7 @@ class LocalJob(JobTeardown):
         """Keep the first final-state record signed with the run key (kept: a stranger that overwrites
         the key afterwards cannot take the run's true final state away)."""
         if self.final is None and self.store.check([keys.FINAL]):
-            self.final = parse_json(verified(self.store, self.token, self.run_id, keys.FINAL), keys.FINAL)
+            self.final = final_record(self.store, self.token, self.run_id)  # (signed, and by rank 0's node)
             if self.final is not None:  # (rank 0 writes it again until it is seen: a stranger's overwrite is raced)
                 sealed.put(self.store, keys.FINAL_SEEN, "1")
 
