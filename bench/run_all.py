@@ -1,7 +1,7 @@
 """Run every benchmark, one after the other, and merge the results into bench/results/latest.json.
 
     make bench            # = python bench/run_all.py          (full, about 15-20 min on 2 cores)
-    make bench QUICK=1    # = python bench/run_all.py --quick  (within 3 minutes)
+    make bench QUICK=1    # = python bench/run_all.py --quick  (about 6 minutes)
     python bench/run_all.py --only overhead,recovery
 
 Parts (each also runnable alone, each printing a table and writing its JSON and PNG into
@@ -12,7 +12,9 @@ recipe.py (failure-free step-time cost of bf16, clipping, sgd, lion, a cosine sc
 last, after the quick budget of the others, and adds about 1.5 min to `--quick`).
 control_plane.py (the coordinator's detect / decide / publish with up to 4,096 simulated workers),
 etcd.py (the etcd control plane against the TCPStore: step time, rendezvous, takeover, member loss),
-transfer.py (bytes / seconds of a hot-swap's state transfer on `medium`; `small` with --quick).
+transfer.py (bytes / seconds of a hot-swap's state transfer on `medium`; `small` with --quick),
+script_overhead.py (a user's own script under `phoenixft launch` against torchrun; a hot-swap's resume),
+mesh_shrink.py (a TP x PP x DP mesh with no spare drops a data-parallel replica and grows back).
 
 latest.json holds the machine, every part's full result under `parts`, and the figures the
 docs and the simulator read at the top level: overhead_ratio_dp2, baseline_vs_ddp_dp2,
@@ -35,7 +37,8 @@ from typing import Any
 
 from benchlib import RESULTS, log, machine_info, write_json
 
-PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane", "mesh", "transfer", "etcd")
+PARTS = ("overhead", "recovery", "torchft", "scaling", "recipe", "control_plane", "mesh", "transfer", "etcd",
+         "script", "mesh_shrink")
 QUICK_BUDGET_S = 180.0
 
 
@@ -52,7 +55,7 @@ def _g(d: dict[str, Any] | None, *path: Any) -> Any:
 
 
 def merge(parts: dict[str, Any], quick: bool, started: float, machine: dict[str, Any]) -> dict[str, Any]:
-    ov, rc, tf, sc, rp, cp, ms, tr, et = (parts.get(k) or {} for k in PARTS)
+    ov, rc, tf, sc, rp, cp, ms, tr, et = (parts.get(k) or {} for k in PARTS[:9])
     c2 = next((c for c in ov.get("configs", []) if c["dp"] == 2), None)
     c4 = next((c for c in ov.get("configs", []) if c["dp"] == 4), None)
     calib_model = "tiny"
@@ -441,6 +444,14 @@ def main() -> int:
                 import etcd
 
                 parts[name] = etcd.run(a.quick, out=out)
+            elif name == "script":
+                import script_overhead
+
+                parts[name] = script_overhead.run(a.quick, out=out)
+            elif name == "mesh_shrink":
+                import mesh_shrink
+
+                parts[name] = mesh_shrink.run(a.quick, out=out)
         except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
             traceback.print_exc()
             parts[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}

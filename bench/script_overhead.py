@@ -95,6 +95,41 @@ def resume(dp: int, steps: int, work: Path, args: list[str]) -> dict[str, Any]:
             "lost_steps": r.get("lost_steps"), "stages": r.get("stages"), "fault_step": kill_at}
 
 
+def run(quick: bool = False, out: Path = RESULTS, dp: int = 2, rounds: int = 0, steps: int = 0,
+        hidden: int = 1024) -> dict[str, Any]:
+    """The interleaved rounds and the resume run; prints a table, writes `out`/script.json, returns the result."""
+    rounds = rounds or (1 if quick else 3)
+    steps = steps or (30 if quick else 60)
+    args = ["--hidden", str(hidden)]
+    modes = ["torchrun", "launch-none", "launch"]
+    pooled: dict[str, list[float]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="phoenixft-script-bench-") as tmp:
+        work = Path(tmp)
+        for r in range(rounds):
+            for m in (modes if r % 2 == 0 else list(reversed(modes))):
+                log(f"round {r + 1}/{rounds}: {m}")
+                pooled[m] += run_mode(m, dp, steps, work, args)
+        res = resume(dp, steps, work, args)
+    med = {m: median(xs) for m, xs in pooled.items()}
+    result: dict[str, Any] = {
+        "machine": machine_info(), "dp": dp, "rounds": rounds, "steps": steps, "hidden": hidden,
+        "step_s": med, "samples": {m: len(xs) for m, xs in pooled.items()},
+        "overhead_vs_torchrun": ratio(med["launch"], med["torchrun"]),
+        "overhead_vs_torchrun_ci95": bootstrap_ratio_ci(pooled["launch"], pooled["torchrun"]),
+        "protection_vs_none": ratio(med["launch"], med["launch-none"]),
+        "protection_vs_none_ci95": bootstrap_ratio_ci(pooled["launch"], pooled["launch-none"]),
+        "none_vs_torchrun": ratio(med["launch-none"], med["torchrun"]),
+        "resume": res,
+        "command": "python bench/script_overhead.py" + (" --quick" if quick else ""),
+    }
+    table(f"a script's step, DP={dp} ({steps} steps x {rounds} rounds, median)", ["mode", "step s", "ratio"],
+          [[m, med[m], ratio(med[m], med["torchrun"])] for m in modes])
+    print(f"resume after a kill: {res.get('recovery_s')} s, lost {res.get('lost_steps')} step(s) "
+          f"({res.get('action')}); stages {res.get('stages')}")
+    write_json(out / "script.json", result)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -103,35 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default 60, 30 with --quick)")
     ap.add_argument("--hidden", type=int, default=1024)
     a = ap.parse_args(argv)
-    rounds = a.rounds or (1 if a.quick else 3)
-    steps = a.steps or (30 if a.quick else 60)
-    args = ["--hidden", str(a.hidden)]
-    modes = ["torchrun", "launch-none", "launch"]
-    pooled: dict[str, list[float]] = {m: [] for m in modes}
-    with tempfile.TemporaryDirectory(prefix="phoenixft-script-bench-") as tmp:
-        work = Path(tmp)
-        for r in range(rounds):
-            for m in (modes if r % 2 == 0 else list(reversed(modes))):
-                log(f"round {r + 1}/{rounds}: {m}")
-                pooled[m] += run_mode(m, a.dp, steps, work, args)
-        res = resume(a.dp, steps, work, args)
-    med = {m: median(xs) for m, xs in pooled.items()}
-    out: dict[str, Any] = {
-        "machine": machine_info(), "dp": a.dp, "rounds": rounds, "steps": steps, "hidden": a.hidden,
-        "step_s": med, "samples": {m: len(xs) for m, xs in pooled.items()},
-        "overhead_vs_torchrun": ratio(med["launch"], med["torchrun"]),
-        "overhead_vs_torchrun_ci95": bootstrap_ratio_ci(pooled["launch"], pooled["torchrun"]),
-        "protection_vs_none": ratio(med["launch"], med["launch-none"]),
-        "protection_vs_none_ci95": bootstrap_ratio_ci(pooled["launch"], pooled["launch-none"]),
-        "none_vs_torchrun": ratio(med["launch-none"], med["torchrun"]),
-        "resume": res,
-        "command": "python bench/script_overhead.py" + (" --quick" if a.quick else ""),
-    }
-    table(f"a script's step, DP={a.dp} ({steps} steps x {rounds} rounds, median)", ["mode", "step s", "ratio"],
-          [[m, med[m], ratio(med[m], med["torchrun"])] for m in modes])
-    print(f"resume after a kill: {res.get('recovery_s')} s, lost {res.get('lost_steps')} step(s) "
-          f"({res.get('action')}); stages {res.get('stages')}")
-    write_json(RESULTS / "script.json", out)
+    run(a.quick, RESULTS, a.dp, a.rounds, a.steps, a.hidden)
     return 0
 
 
