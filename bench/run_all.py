@@ -1,7 +1,7 @@
 """Run every benchmark, one after the other, and merge the results into bench/results/latest.json.
 
     make bench            # = python bench/run_all.py          (full, about 15-20 min on 2 cores)
-    make bench QUICK=1    # = python bench/run_all.py --quick  (about 6 minutes)
+    make bench QUICK=1    # = python bench/run_all.py --quick  (each part at its quick settings)
     python bench/run_all.py --only overhead,recovery
 
 Parts (each also runnable alone, each printing a table and writing its JSON and PNG into
