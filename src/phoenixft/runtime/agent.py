@@ -457,8 +457,22 @@ class _Node:
         if stopped_early is not None:
             return stopped_early
         self.cleanup()
+        if self.worst and self.job_stopped():  # (its workers left a job stopped with its state saved: no failure)
+            self.worst = 0
         self.leave()
         return self.worst
+
+    def job_stopped(self) -> bool:
+        """The run ended `stopped` (signed with the run key): the job stopped with its state saved."""
+        from phoenixft.controlplane import keys
+        from phoenixft.controlplane.signed import run_ended
+        from phoenixft.coordinator.stop import STOPPED
+
+        try:
+            store = self.store
+            return store is not None and store.check([keys.RUN_STATE]) and run_ended(store, self.run_id) == STOPPED
+        except Exception:  # noqa: BLE001 - the store is gone: the exit codes say what they say
+            return False
 
     def supervise(self) -> int | None:
         """Look at the control plane and reap worker exits until no worker is left; an exit code if the node

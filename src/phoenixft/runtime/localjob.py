@@ -146,6 +146,7 @@ class LocalJob(JobTeardown):
         self._lock = threading.Lock()
         self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
         self.stopped_starting: list[str] = []  # agents stopped before they reached the control plane
+        self.stop_notice: Any = None  # the head's stop signals (runtime/stopsignal.py), if it was given any
         self._owner = False
         self.events_seen: list[str] = []  # the events read so far (what is written if the store is lost)
         self.control_plane_lost: str | None = None  # why the store no longer answers, once it has not for too long
@@ -462,6 +463,8 @@ class LocalJob(JobTeardown):
                     self._poll_events()
                     self._look_final()
                     self.keeper.tick()
+                    if self.stop_notice is not None:  # a stop signal received: ask the coordinator to stop the job
+                        self.stop_notice.tick(self.store, self.display.info)
                 if over and ended is not None:
                     return ended
                 if time.monotonic() > deadline:
