@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != a.parent:  # it died before the line above
         return 1
+    for s in (signal.SIGUSR1, signal.SIGUSR2):  # a drain or stop notice sent to every process of a node (as Slurm
+        signal.signal(s, signal.SIG_IGN)         # signals a step's) is its agent's or head's, never the relay's end
     files = [os.environ.get(k, "") for k in TLS_ENV]
     if (a.mode == "forwarder" or a.public_tls) and not all(files):
         print("phoenixft tls: no TLS files in the environment", file=sys.stderr)

@@ -224,6 +224,9 @@ def _given(a: argparse.Namespace) -> str:
 
 
 TLS_PROBE_S = 0.5  # how long a plain agent waits for the TLS answer of a head started with TLS (loopback: ~1 ms)
+# how long an agent with --tls-* waits for it: a head started at the same moment (a batch script starting the head
+# and the agents together) accepts connections before its TLS front answers them, by up to seconds on a busy host
+TLS_START_S = 10.0
 
 
 def _check_tls_mismatch(a: argparse.Namespace, flag: str) -> None:
@@ -253,7 +256,7 @@ def _through_tls(a: argparse.Namespace, flag: str) -> None:
     if describe(a.store).replicated:
         return
     host, _, port = a.store.rpartition(":")
-    if not tls.speaks_tls(host.strip("[]"), int(port), TLS_PROBE_S):  # (before a handshake that would wait for it)
+    if not tls.speaks_tls(host.strip("[]"), int(port), TLS_START_S):  # (before a handshake that would wait for it)
         raise UserError(f"{flag}={a.store}: the coordinator there does not speak TLS (it was started without "
                         "--tls-cert, --tls-key and --tls-ca): leave those flags out here, or start the coordinator "
                         "with them")
