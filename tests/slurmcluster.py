@@ -17,13 +17,16 @@ machine's filesystem is shared by every node, as a cluster's shared home directo
 
 `sbatch`, `scontrol`, `squeue`, `scancel` run on `ctl` (`cmd`, `sbatch`); `close()` (also on every exit of the
 `with` block and at interpreter exit) stops the daemons, then kills every process still inside the test hosts
-(the steps' processes, whatever Slurm left) and deletes the namespaces. Needs root, `ip` and the Debian packages
-slurmctld, slurmd, slurm-client and munge; `unavailable()` says why not, for a skip.
+(the steps' processes, whatever Slurm left) and deletes the namespaces; a test process SIGKILLed leaves its
+namespaces to the next harness's sweep (tests/netns.py) and takes munged with it (its parent-death signal).
+Needs root, `ip`, `unshare` and the Debian packages slurmctld, slurmd, slurm-client and munge; `unavailable()`
+says why not, for a skip.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import shutil
 import signal
@@ -49,8 +52,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket},cred_expire=10
-SchedulerParameters=sched_interval=5
+AuthInfo=socket={munge_socket},cred_expire=5
+SchedulerParameters=sched_interval=1
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation={dir}/ctld
@@ -100,6 +103,11 @@ def unavailable() -> str | None:
                    "munge")
     _reason.append(why)
     return why
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test process dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _which(p: str) -> str:
@@ -176,7 +184,8 @@ class SlurmCluster:
         self.munged = subprocess.Popen(
             [_which("munged"), "-F", "--force", f"--socket={self.munge_socket}", f"--key-file={m / 'munge.key'}",
              f"--pid-file={m / 'munged.pid'}", f"--seed-file={m / 'munged.seed'}", f"--log-file={m / 'munged.log'}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent)  # (outside the test hosts: nothing else would end it if this process died)
         self._wait("munged's socket", lambda: os.path.exists(self.munge_socket))
         self._in_host("ctl", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
         self._wait("slurmctld to answer", lambda: self.cmd("scontrol", "ping", check=False).returncode == 0)
