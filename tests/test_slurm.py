@@ -7,9 +7,9 @@ drain onto the spare, 0 steps lost); the job's notice (`--signal=B:USR1@T`, deli
 batch script: the job stops at a step boundary with that step saved, exits 75, the script requeues it and the
 requeued job resumes from the persistent tier, bitwise equal to the failure-free run); a requeue by the
 scheduler (SIGTERM to everything: the requeued job resumes from the last periodic checkpoint); a job refused at
-start (exit 2: failed, never requeued). Every test also checks that no process is left in the node hosts but
-slurmd once the job ended, and no phoenixft memory in their /dev/shm (each host has its own), but the SIGKILLed
-node's. The `slurm` marker: `make test` runs the ones not also marked `slow`.
+start (exit 2) and one that cannot continue (exit 1): failed, never requeued. The tests whose job ends by itself
+also check that no process is left in the node hosts but slurmd, and no memory of the run in their /dev/shm (each
+host has its own) but a SIGKILLed node's. The `slurm` marker: `make test` runs the ones not also marked `slow`.
 """
 
 from __future__ import annotations
@@ -358,3 +358,16 @@ def test_refused_job_exits_2_and_is_not_requeued(slurm: SlurmCluster, tmp_path: 
     j = slurm.wait_job(job, 60)
     assert j["JobState"] == "FAILED" and j["ExitCode"] == "2:0" and j["Restarts"] == "0", (j, _out(tmp_path))
     assert "--protect" in _out(tmp_path) and "Traceback" not in _out(tmp_path), _out(tmp_path)
+
+
+@pytest.mark.slow
+def test_failed_job_exits_1_and_is_not_requeued(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """A job that cannot continue (the loss of step 3 NaN: not a node's failure, no spare helps): the run stops
+    at its last committed step with one line saying why, the head exits 1, Slurm records FAILED with exit code 1
+    and does not requeue it."""
+    job, _ = _submit(slurm, tmp_path, STEPS, "--inject", "nan:step=3")
+    j = slurm.wait_job(job, JOB_S)
+    assert j["JobState"] == "FAILED" and j["ExitCode"] == "1:0" and j["Restarts"] == "0", (j, _out(tmp_path))
+    rep = _report(tmp_path, job)
+    assert rep["state"].startswith("failed") and "the head exited 1 (attempt 0)" in _out(tmp_path), rep["state"]
+    assert _left_behind(slurm, rep["run_id"]) == {"processes": {}, "segments": {}}
