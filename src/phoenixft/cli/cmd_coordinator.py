@@ -44,6 +44,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--token-file", dest="token_file", default="", metavar="PATH",
                    help="read the job token from the first line of PATH (mode 0600, yours): unlike --token it "
                         "does not show in `ps`")
+    p.add_argument("--stop-signal", dest="stop_signal", default="", metavar="SIG[,SIG]",
+                   help="signals that mean every node of the job goes (a scheduler's time limit or preemption, e.g. "
+                        "SIGUSR1 from Slurm's --signal=B:USR1@120): the job stops at the next step boundary with that "
+                        "step saved to --persist-dir, and this command exits 75 (resume with --resume); needs "
+                        "--persist-every (default: none; SIGTERM then stops the job at once)")
     add_run_arguments(p, exclude=_LOCAL_ONLY)
     p.set_defaults(func=coordinator)
 
@@ -69,16 +74,17 @@ def coordinator(args: argparse.Namespace) -> int:
     # from the command line as it is checked)
     cfg = None if args.token else config_from_args(args)
     from phoenixft.controlplane import auth
-    from phoenixft.runtime.launcher import INTERRUPTED, run_job
+    from phoenixft.runtime.exitcode import exit_code
+    from phoenixft.runtime.launcher import run_job
+    from phoenixft.runtime.stopsignal import parse_stop_signals
 
     token = auth.resolve_token(args.token, args.token_file)
     if token:
         auth.check_token(token, auth.token_source(args.token, args.token_file))
     cfg = cfg or config_from_args(args)
-    report = run_job(cfg, host=args.host, port=args.port, token=token, local=False)
-    if report.get("state") == INTERRUPTED:  # stopped by Ctrl-C, SIGTERM or SIGHUP, as `phoenixft run`
-        return 130
-    return 0 if report.get("state") == "done" else 1
+    stop_signals = parse_stop_signals(args.stop_signal)
+    report = run_job(cfg, host=args.host, port=args.port, token=token, local=False, stop_signals=stop_signals)
+    return exit_code(report)  # (0 done, 75 stopped with its state saved, 130 interrupted, else 1: runtime/exitcode.py)
 
 
 def standby(url: str, token_flag: str, token_file: str = "") -> int:

@@ -39,9 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_estimate(estimate_config(cfg), cfg))
         return 0
-    from phoenixft.runtime.launcher import INTERRUPTED, run_job
+    from phoenixft.runtime.exitcode import exit_code
+    from phoenixft.runtime.launcher import run_job
 
     report = run_job(cfg, token=token)
-    if report.get("state") == INTERRUPTED:  # stopped by Ctrl-C, SIGTERM or SIGHUP: as the shell says it
-        return 130
-    return 0 if report.get("state") == "done" else 1
+    return exit_code(report)  # (130: stopped by Ctrl-C, SIGTERM or SIGHUP, as the shell says it; runtime/exitcode.py)

@@ -1,5 +1,6 @@
 """Writing a drain request (`keys.drain_key`): the one helper every producer uses (`phoenixft drain`, a
-node's agent on its drain signal, the `preempt:` fault), so that the coordinator reads one format.
+node's agent on its drain signal, the `preempt:` fault), so that the coordinator reads one format; and a stop
+request (`keys.STOP_REQUEST`: every node goes, the job stops with its state saved), in the same format.
 
 The request names the node by its slot in the current epoch and carries the node id it means, so a
 request that arrives after that slot changed hands is recognised as stale by the coordinator.
@@ -14,7 +15,7 @@ from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import parse_int
 
-__all__ = ["current_nodes", "request_drain"]
+__all__ = ["current_nodes", "request_drain", "request_stop"]
 
 
 def current_nodes(store: Store) -> list[str]:
@@ -41,3 +42,12 @@ def request_drain(store: Store, node: str, reason: str, source: str, deadline: f
     sealed.put(store, keys.drain_key(slot), json.dumps({"reason": reason, "source": source, "deadline": deadline,
                                                        "t": time.time(), "node_id": node}))
     return slot
+
+
+def request_stop(store: Store, reason: str, source: str, deadline: float | None = None,
+                 t: float | None = None) -> None:
+    """Ask the coordinator to stop the whole job at the next step boundary, its state saved in the persistent
+    tier (coordinator/stop.py): the notice that every node goes (a scheduler's time limit or preemption).
+    `t`: when the notice came (default: now). Sealed with the run key (bound in the caller), like a drain request."""
+    sealed.put(store, keys.STOP_REQUEST, json.dumps({"reason": reason, "source": source, "deadline": deadline,
+                                                     "t": time.time() if t is None else t}))

@@ -34,6 +34,9 @@ ADMIT_DONE = "admit/done"  # the join requests the coordinator answered (signed:
 COORDINATOR_READY = "coordinator/ready"  # the time the coordinator (re)started its loop (informational)
 LEADER = "coordinator/leader"  # the leading coordinator's identity (etcd: bound to its lease)
 STOP_CLAIM = "run/stop_claim"  # claimed (sealed.claim) by the one worker that stops the run
+# a request to stop the whole job at the next step boundary with its state saved in the persistent tier (JSON as a
+# drain request's, without node_id; controlplane/drain.py `request_stop`, coordinator/stop.py its one consumer)
+STOP_REQUEST = "stop/request"
 SDC_LOG = "sdc/log"  # sealed JSON lines: detections, verdicts, audits (the report's `sdc`)
 HEALTH_REF = "health/ref"  # the reference checksum of the health check's matrix product, published by the coordinator
 # a user's training script (phoenixft.api), sealed: the steps its loop asked for (rank 0), the capacity every rank's
@@ -204,7 +207,9 @@ def drain_notice(epoch: int) -> str:
     """Set by the coordinator before the failure flag of `epoch` when the epoch ends for a planned drain
     (JSON: node, slot, reason, source, t_notice, after_step): every worker completes step `after_step`, stops
     at that step boundary, lets the replication of that step finish and posts its descriptor, so that the
-    drained node's shard has a committed replica of that step elsewhere and nothing is lost."""
+    drained node's shard has a committed replica of that step elsewhere and nothing is lost. A stop of the
+    whole job (`STOP_REQUEST`) writes one with `stop` and `persist` true and no node: every rank also writes
+    the persistent checkpoint of `after_step`."""
     return f"drain_notice/{epoch}"
 
 

@@ -371,9 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # Ctrl-C and a terminal's hangup reach every process of the foreground group: the parent stops on them, and it
     # still reads the store through this relay for its report and teardown; it ends the relay itself (SIGTERM), or
-    # the kernel does when it dies
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # the kernel does when it dies. A drain or stop notice sent to every process of a node (as Slurm signals a
+    # step's) is its agent's or head's, never the relay's end.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     files = [os.environ.get(k, "") for k in TLS_ENV]
     if (a.mode == "forwarder" or a.public_tls) and not all(files):
         print("phoenixft tls: no TLS files in the environment", file=sys.stderr)

@@ -23,7 +23,7 @@ from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import parse_json
 from phoenixft.errors import PeerFailure
 
-__all__ = ["FailureWatcher", "drain_step"]
+__all__ = ["FailureWatcher", "drain_step", "drain_persists"]
 
 WAKE_S = 600.0  # a timed-out wait logs a c10d warning: wake rarely (the epoch always changes by its flag)
 FORGED_POLL_S = 0.02  # a flag that is there and does not verify (a wait would return at once): polled this often
@@ -37,6 +37,7 @@ class FailureWatcher:
         self._epoch = -1
         self._raised = threading.Event()
         self._drain: tuple[int, int] | None = None  # (epoch, step) of a planned drain: stop after that step
+        self._persist: tuple[int, int] | None = None  # (epoch, step) of a stop of the whole job: persist that step
         self._stop = threading.Event()
         self.on_raise: Callable[[int], None] | None = None  # called on this thread when a watched flag is raised
         self._t = threading.Thread(target=self._run, name="phoenixft-failure-watcher", daemon=True)
@@ -61,6 +62,12 @@ class FailureWatcher:
         d = self._drain
         return d[1] if d is not None and d[0] == epoch == self._epoch else None
 
+    def persist_step(self, epoch: int) -> int | None:
+        """The step whose state every rank writes to the persistent tier before `epoch` ends (a stop of the whole
+        job, coordinator/stop.py), or None."""
+        p = self._persist  # (read once; not tied to the armed epoch: a worker leaving the epoch disarms first)
+        return p[1] if p is not None and p[0] == epoch else None
+
     def check(self) -> None:
         if self._raised.is_set():
             raise PeerFailure("recovery requested by the control plane (noticed mid-step)")
@@ -82,6 +89,8 @@ class FailureWatcher:
                     # a planned drain: not a failure to leave the step for; the worker stops at the drain's step
                     # boundary, and only the drain's end (which the coordinator always sets) ends the step
                     self._drain = (e, drain_step(notice))
+                    if drain_persists(notice):
+                        self._persist = self._drain
                     if not self._await(keys.drain_abort(e), e):
                         continue
             except Exception:  # noqa: BLE001 - a timeout (the flag is not set), or the store is gone
@@ -111,3 +120,8 @@ def drain_step(raw: bytes) -> int:
     rec = parse_json(raw, "drain_notice", {})
     after = rec.get("after_step")
     return after if isinstance(after, int) and not isinstance(after, bool) else -1
+
+
+def drain_persists(raw: bytes) -> bool:
+    """The drain notice stops the whole job: its step is written to the persistent tier as well."""
+    return parse_json(raw, "drain_notice", {}).get("persist") is True

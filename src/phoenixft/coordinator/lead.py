@@ -6,8 +6,8 @@
 and `Decider` (decide.py). On a store with leases it stands by until it leads (`controlplane.Election`); then it
 reloads the journal or starts the job once the `--nodes` active nodes have joined and are ready
 (a node lost while starting gets a ready spare in its slot), and loops: answer join requests, wake
-on a failure flag (a watch thread), recover, keep `job/whole` up to date, until the run has a final
-state.
+on a failure flag (a watch thread), recover, stop the job with its state saved when asked (stop.py), drain,
+keep `job/whole` up to date, until the run has a final state.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from phoenixft.coordinator.detect import FailureDetector
 from phoenixft.coordinator.drain import DrainDesk
 from phoenixft.coordinator.publish import Publisher, deposed
 from phoenixft.coordinator.shared import Job, Membership, index, wait_key
+from phoenixft.coordinator.stop import STOPPED, StopDesk
 from phoenixft.coordinator.stragglers import StragglerMonitor
 from phoenixft.distributed.topology import Topology
 
@@ -90,6 +91,7 @@ class Coordinator:
         self.decider = Decider(self.job, self.cfg, self.state, self.admission, self.detector, self.publisher)
         self.stragglers = StragglerMonitor(self.job, self.cfg, self.state, self.admission, self.detector)
         self.drains = DrainDesk(self.job, self.cfg, self.state, self.admission)
+        self.stops = StopDesk(self.job, self.cfg, self.state)
         self.admission.load_members()  # (again once this process leads: a standby's view is old by then)
 
     def _verified_config(self, token: str) -> bytes:
@@ -181,6 +183,9 @@ class Coordinator:
                 self._replace_dead_before_start(active, swapped)
             if self.job.over():
                 return
+            if (stop := self.stops.requested()) is not None:  # every node goes before the job started
+                self.stops.before_start(stop)
+                return
             if time.monotonic() > deadline:
                 waiting = [n for n in active if not self.job.node_ready(n)]
                 joined = ", ".join(self.state.label(n) for n in active) or "none"
@@ -237,6 +242,8 @@ class Coordinator:
                     self.job.fail_run(why)
                     continue
                 self.decider.recover()
+            elif (stop := self.stops.requested()) is not None:  # (before drains: every node goes)
+                self.stops.stop(stop, self.drains.boundary())
             elif (drain := self.drains.pending()) is not None:
                 self.decider.drain(drain, self.drains)
             else:
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.store:  # keep serving the store until the launcher has read the results and stops us
         while True:
             time.sleep(3600)
-    if coord is not None and coord.led and coord.job.final_state not in (None, "done"):
+    if coord is not None and coord.led and coord.job.final_state not in (None, "done", STOPPED):
         # the run this process led (or ended up leading) failed: say so to whoever started it
         print(f"phoenixft coordinator: the run ended {coord.job.final_state}", file=sys.stderr, flush=True)
         rc = 1

@@ -306,13 +306,17 @@ class Persister:
         return step > 0 and step % self.every == 0
 
     def stage(self, step: int, committed_half: torch.Tensor, meta: dict[str, Any],
-              buffers: torch.Tensor | None = None) -> None:
+              buffers: torch.Tensor | None = None, wait_s: float = 0.0) -> None:
         """Copy the committed snapshot now (caller guarantees it is stable), write it later. Rank 0
-        also passes the model's buffers of that step (every rank holds the same)."""
+        also passes the model's buffers of that step (every rank holds the same). `wait_s`: how long to wait
+        for a place in the queue behind the checkpoints still being written (0: skip this one instead)."""
         if buffers is not None and buffers.numel():
             meta = {**meta, "buffers": buffers.clone()}
         try:
-            self._q.put_nowait((step, committed_half.clone(), meta))
+            if wait_s > 0:
+                self._q.put((step, committed_half.clone(), meta), timeout=wait_s)
+            else:
+                self._q.put_nowait((step, committed_half.clone(), meta))
         except queue.Full:  # the disk is slower than K steps: skip this one rather than stall training
             self._problem("persist_skipped", step, meta.get("rank"),
                           "the previous checkpoints are still being written (the disk is slower than "

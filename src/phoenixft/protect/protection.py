@@ -5,7 +5,8 @@
   replica holders (`replicas:K`, topology.py: data-parallel peers of the same stage on other nodes)
   or into its group's parity blocks (`ec:D+H`);
 - the persistent tier (persist.py): every `--persist-every` steps the committed half (with the
-  stage's map onto the full model under 3D parallelism) is staged for a background DCP write;
+  stage's map onto the full model under 3D parallelism) is staged for a background DCP write, and so is
+  the step a stop of the whole job ends at (coordinator/stop.py);
 - the descriptor: at a failure, what this worker holds (parameter steps, its own shard and what
   its scheme keeps for others, with their checksums) for the recovery planner (recovery/planner.py).
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from phoenixft.config.protection import PERSIST_CLOSE_S
 from phoenixft.controlplane import Store, exists_many, keys, sealed
 from phoenixft.controlplane.signed import run_ended
 from phoenixft.core.context import RankContext
@@ -207,11 +209,15 @@ class Protection:
         if ctx.topo is None:
             return
         tr = ctx.trainer
-        if self.persister is not None and self.persister.due(step) and hasattr(tr, "persist_item"):
+        # the step a stop of the whole job ends at is written too, whatever --persist-every says (waited for:
+        # it is the checkpoint the job resumes from)
+        stopping = self.persister is not None and ctx.watcher.persist_step(ctx.epoch) == step
+        if self.persister is not None and (self.persister.due(step) or stopping) and hasattr(tr, "persist_item"):
             item = tr.persist_item(step, ctx)  # (a script's snapshot halves: api/state.py)
             if item is not None:
-                self.persister.stage(step, *item)
-        elif self.persister is not None and self.persister.due(step):
+                data, meta_, buffers = item
+                self.persister.stage(step, data, meta_, buffers=buffers, wait_s=PERSIST_CLOSE_S if stopping else 0.0)
+        elif self.persister is not None and (self.persister.due(step) or stopping):
             half = tr.state.half_with(step)
             if half is not None:
                 lay = ctx.topo.layout
@@ -223,7 +229,8 @@ class Protection:
                 if not lay.trivial and lay.dp_rank(ctx.rank) == 0:  # the stage's map onto the full model
                     meta["segments"] = torch.tensor(tr.segs, dtype=torch.int64).reshape(-1)
                 self.persister.stage(step, tr.state.data[half], meta,
-                                     buffers=tr.flat.buffers_at(step) if ctx.rank == 0 and lay.trivial else None)
+                                     buffers=tr.flat.buffers_at(step) if ctx.rank == 0 and lay.trivial else None,
+                                     wait_s=PERSIST_CLOSE_S if stopping else 0.0)
         ctx.inject.corrupt_replicas(step, received)
         ctx.inject.at_rest(step)
 

@@ -231,6 +231,9 @@ def _given(a: argparse.Namespace) -> str:
 
 
 TLS_PROBE_S = 0.5  # how long a plain agent waits for the TLS answer of a head started with TLS (loopback: ~1 ms)
+# how long an agent with --tls-* waits for it: a head started at the same moment (a batch script starting the head
+# and the agents together) accepts connections before its TLS front answers them, by up to seconds on a busy host
+TLS_START_S = 10.0
 
 
 def _check_tls_mismatch(a: argparse.Namespace, flag: str) -> None:
@@ -260,7 +263,7 @@ def _through_tls(a: argparse.Namespace, flag: str) -> None:
     if describe(a.store).replicated:
         return
     host, _, port = a.store.rpartition(":")
-    if not tls.speaks_tls(host.strip("[]"), int(port), TLS_PROBE_S):  # (before a handshake that would wait for it)
+    if not tls.speaks_tls(host.strip("[]"), int(port), TLS_START_S):  # (before a handshake that would wait for it)
         raise UserError(f"{flag}={a.store}: the coordinator there does not speak TLS (it was started without "
                         "--tls-cert, --tls-key and --tls-ca): leave those flags out here, or start the coordinator "
                         "with them")
@@ -474,8 +477,22 @@ class _Node:
         if stopped_early is not None:
             return stopped_early
         self.cleanup()
+        if self.worst and self.job_stopped():  # (its workers left a job stopped with its state saved: no failure)
+            self.worst = 0
         self.leave()
         return self.worst
+
+    def job_stopped(self) -> bool:
+        """The run ended `stopped` (signed with the run key): the job stopped with its state saved."""
+        from phoenixft.controlplane import keys
+        from phoenixft.controlplane.signed import run_ended
+        from phoenixft.coordinator.stop import STOPPED
+
+        try:
+            store = self.store
+            return store is not None and store.check([keys.RUN_STATE]) and run_ended(store, self.run_id) == STOPPED
+        except Exception:  # noqa: BLE001 - the store is gone: the exit codes say what they say
+            return False
 
     def supervise(self) -> int | None:
         """Look at the control plane and reap worker exits until no worker is left; an exit code if the node

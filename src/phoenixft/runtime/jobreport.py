@@ -59,6 +59,10 @@ def final_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
         report["error_log"] = job.node_log(str(report["error_node"]))
     if job.store.check([keys.MEMBERS]):
         report["members"] = sealed.get_json(job.store, keys.MEMBERS, {})
+    stop = next((ev for ev in reversed(job.events()) if ev.get("kind") == "run_stopped"), None)
+    if stop is not None:  # a stop of the whole job (coordinator/stop.py): the step it stopped after, saved or not
+        report["stopped"] = {k: stop.get(k) for k in ("step", "saved", "reason", "source", "notice_to_stopped_s",
+                                                      "why") if k in stop}
     return report
 
 

@@ -5,7 +5,8 @@ It checks what the mode can do (`check_mode`), then puts three parts together: t
 this host (`phoenixft.runtime.localjob.LocalJob`: the store, the coordinators, the agents, supervising
 them, the run directory), their teardown (`phoenixft.runtime.teardown`, on every exit path) and the
 report (`phoenixft.runtime.jobreport`). Ctrl-C, SIGTERM and SIGHUP stop the run (`failed: interrupted`)
-with a report and a full teardown, never an orphaned job.
+with a report and a full teardown, never an orphaned job; the head's `--stop-signal`s stop it at a step boundary
+with its state saved instead (`phoenixft.runtime.stopsignal`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from phoenixft.runtime.jobreport import (
     write_report,
 )
 from phoenixft.runtime.localjob import LocalJob
+from phoenixft.runtime.stopsignal import StopOnSignal
 from phoenixft.runtime.teardown import STOP_GRACE_S
 
 __all__ = ["LocalJob", "run_job", "check_mode", "check_local_size", "STOP_GRACE_S", "INTERRUPTED"]
@@ -100,12 +102,16 @@ def _run(job: LocalJob, cfg: RunConfig) -> str:
 
 
 def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.0.0.1", port: int = 0,
-            token: str | None = None, local: bool = True) -> dict[str, Any]:
+            token: str | None = None, local: bool = True, stop_signals: list[int] | None = None) -> dict[str, Any]:
     """Run a job end to end; returns the report (also written to the run dir and --report).
 
     `local`: start every agent here (`phoenixft run`); else be the head that agents on other hosts
-    join at host:port (`phoenixft coordinator`). `token`: the job token (None: generate one)."""
+    join at host:port (`phoenixft coordinator`). `token`: the job token (None: generate one). `stop_signals`:
+    signals that stop the job with its state saved (runtime/stopsignal.py; needs a persistent tier)."""
     check_mode(cfg, local)
+    if stop_signals and not cfg.persist_every:
+        raise UserError("--stop-signal saves the job's state to the persistent tier when it stops: give "
+                        "--persist-every K and --persist-dir DIR (storage every host mounts)")
     job = LocalJob(cfg, display, host=host, port=port, token=token, local=local)
     try:
         state = "failed: did not start"
@@ -115,6 +121,9 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
             # and so must SIGHUP (the terminal closed)
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+            if stop_signals:  # (after SIGTERM's: a stop signal's handler replaces it)
+                job.stop_notice = StopOnSignal(stop_signals)
+                job.stop_notice.install()
         try:
             state = _run(job, cfg)
             report = final_report(job, cfg, state)

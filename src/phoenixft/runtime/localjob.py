@@ -146,6 +146,7 @@ class LocalJob(JobTeardown):
         self._lock = threading.Lock()
         self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
         self.stopped_starting: list[str] = []  # agents stopped before they reached the control plane
+        self.stop_notice: Any = None  # the head's stop signals (runtime/stopsignal.py), if it was given any
         self._owner = False
         self.events_seen: list[str] = []  # the events read so far (what is written if the store is lost)
         self.control_plane_lost: str | None = None  # why the store no longer answers, once it has not for too long
@@ -395,6 +396,14 @@ class LocalJob(JobTeardown):
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             note_bad("step/<n>", "a step record this launcher cannot show", json.dumps(rec))
 
+    def _look(self) -> None:
+        """The launcher's look at the store: new events, the run's end, the keeper's puts, a stop signal's request."""
+        self._poll_events()
+        self._look_final()
+        self.keeper.tick()
+        if self.stop_notice is not None:  # a stop signal received: ask the coordinator to stop the job
+            self.stop_notice.tick(self.store, self.display.info)
+
     def monitor(self) -> str:
         deadline = time.monotonic() + self.cfg.timeout if self.cfg.timeout > 0 else float("inf")
         last_progress = -1
@@ -464,9 +473,7 @@ class LocalJob(JobTeardown):
                         if rec is not None:
                             self._show_progress(rec)
                 if look:
-                    self._poll_events()
-                    self._look_final()
-                    self.keeper.tick()
+                    self._look()
                 if over and ended is not None:
                     return ended
                 if time.monotonic() > deadline:
