@@ -32,7 +32,7 @@ from phoenixft.api.state import DEFAULT_PRIVATE_BYTES, ScriptState, capacity_for
 from phoenixft.api.tracked import is_sharded
 from phoenixft.controlplane import keys, sealed
 from phoenixft.controlplane.values import parse_int
-from phoenixft.core.member import Joined, Member
+from phoenixft.core.member import Member
 from phoenixft.distributed.comm import alltoallv
 from phoenixft.distributed.topology import Topology
 from phoenixft.errors import NOT_INSTALLED, PeerFailure, RunAborted
@@ -54,10 +54,8 @@ class ScriptMember(Member):
 
     def __init__(self, store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
                  incarnation: int = 0) -> None:
-        start = Joined(store_addr, node_id, local_rank, run_id, incarnation)
-        super().__init__(start, node_id, local_rank, run_id)
-        cfg, cur = self.cfg, start.cur
-        self._place(threads)
+        super().__init__(store_addr, node_id, local_rank, run_id, threads, incarnation)
+        cfg, cur = self.cfg, self.start_topo
         self.script = ScriptState(self.device, self.agreed_private() or DEFAULT_PRIVATE_BYTES)
         self.ctx.trainer = self.script  # type: ignore[assignment]  # (the role the built-in Trainer plays)
         self.ctx.stage_of = (0, 0)

@@ -86,7 +86,10 @@ class Member:
     protection: Protection
     user_group = False  # the epoch's groups include `user` (a script's own collectives)
 
-    def __init__(self, start: Joined, node_id: str, local_rank: int, run_id: str) -> None:
+    def __init__(self, store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
+                 incarnation: int = 0) -> None:
+        start = Joined(store_addr, node_id, local_rank, run_id, incarnation)
+        self.start_topo = start.cur  # the current epoch's topology when restarted in place, else None
         self.node_id, self.local_rank, self.run_id = node_id, local_rank, run_id
         self.wid = f"{node_id}.{local_rank}"
         self.cfg: RunConfig = start.cfg
@@ -98,6 +101,7 @@ class Member:
         self._side_store: Store | None = None  # for polls while the rendezvous blocks ctx.store (_build_comm)
         self._end_checked = 0.0  # when a step boundary last looked whether the run has ended
         self._first_after_join: int | None = None
+        self._place(threads)
 
     def _place(self, threads: int) -> None:
         """This rank's CPU threads and device (CUDA: the GPU of its LOCAL_RANK, NCCL set up to report, not punish,

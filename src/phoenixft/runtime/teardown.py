@@ -37,6 +37,15 @@ __all__ = ["JobTeardown", "STOP_GRACE_S"]
 STOP_GRACE_S = 10.0  # how long the run's processes get to exit by themselves once the run state is final
 
 
+def _reap(procs: Any, timeout_s: float) -> None:
+    """Wait for each of `procs` (Popen) to exit, at most `timeout_s` each; one still running is left to the caller."""
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 class JobTeardown:
     """The cleanup of a job's nodes and its teardown (a base of LocalJob, which sets these attributes)."""
 
@@ -144,11 +153,7 @@ class JobTeardown:
                     self.stopped_starting.append(n)
                     continue
                 self.leaks["killed"].append({"node": n, "pids": members, "why": "still running after the run ended"})
-        for p in self.agents.values():
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        _reap(self.agents.values(), 5.0)
         for pid in self._coord_pids:
             left = group_members(pid)
             if left:
@@ -158,11 +163,7 @@ class JobTeardown:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        for cp in self.coords.values():
-            try:
-                cp.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        _reap(self.coords.values(), 5.0)
         for n in self.agents:
             self._reap_async(n)
         for t in list(self._reapers.values()):

@@ -22,7 +22,7 @@ import torch
 from phoenixft.controlplane import auth, keys, sealed
 from phoenixft.controlplane.values import parse_int
 from phoenixft.coordinator.stragglers import nodes_compute
-from phoenixft.core.member import Joined, Member
+from phoenixft.core.member import Member
 from phoenixft.distributed.comm import connect_store
 from phoenixft.distributed.topology import Topology
 from phoenixft.errors import Drained, PeerFailure, RunAborted, Unhealable, UserError
@@ -43,10 +43,8 @@ class Worker(Member):
 
     def __init__(self, store_addr: str, node_id: str, local_rank: int, run_id: str, threads: int,
                  incarnation: int = 0) -> None:
-        start = Joined(store_addr, node_id, local_rank, run_id, incarnation)
-        super().__init__(start, node_id, local_rank, run_id)
-        cfg, cur = self.cfg, start.cur
-        self._place(threads)
+        super().__init__(store_addr, node_id, local_rank, run_id, threads, incarnation)
+        cfg, cur = self.cfg, self.start_topo
         if not self.device.is_cuda and cfg.optimizer in ("adamw", "adam"):  # built or loaded now, not in step 1
             line = native.status()
             if local_rank == 0 and self.incarnation == 0:
