@@ -67,6 +67,7 @@ LOG_PER_PEER = 3
 _logged: Counter[str] = Counter()
 refused: Counter[str] = Counter()  # why connections were refused or closed (counted, logged a few times each)
 relayed: Counter[str] = Counter()  # requests and bytes relayed to the store, connections accepted
+GONE = "gone"  # a local connection whose socket was closed before its owner could be looked up
 STATS_ENV = "PHOENIXFT_FRONT_STATS"  # a file the front writes its counts to (JSON) when it ends: for the bench
 
 
@@ -211,15 +212,20 @@ class Front:
         sock = w.get_extra_info("socket")
         addr = str((w.get_extra_info("peername") or ("?",))[0])
         peer = self.identity.peer(sock)
+        if peer.local and peer.uid is None:
+            return addr, GONE
         if peer.local and peer.uid != self.me:
-            who = f"uid {peer.uid}" if peer.uid is not None else "a local socket that is no longer there"
-            return addr, f"a local connection of {who} (only uid {self.me}'s processes may use the store)"
+            return addr, f"a local connection of uid {peer.uid} (only uid {self.me}'s processes may use the store)"
         if not peer.local and not remote_ok:
             return addr, "a connection from another host on a local-only port"
         return addr, self.caps.take(addr, not peer.local)
 
     async def plain(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, remote_ok: bool) -> None:
         addr, why = self._who(w, remote_ok)
+        if why == GONE:  # (closed before it was looked up: a process that ended, as at a run's end; counted)
+            refused[GONE] += 1
+            w.close()
+            return
         if why:
             _log(addr, "peer", f"refused {why}" if why.startswith("a ") else f"refused a connection from {addr}: {why}")
             w.close()
@@ -321,9 +327,11 @@ async def _forwarder(target: tuple[str, int], ctx: ssl.SSLContext) -> None:
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         peer = identity.peer(w.get_extra_info("socket"))
         if not peer.local or peer.uid != me:
-            who = f"uid {peer.uid}" if peer.uid is not None else "a socket that is no longer there"
-            _log(f"uid{peer.uid}", "peer", f"refused a local connection of {who} (only uid {me}'s processes may "
-                                           "use this host's channel to the store)")
+            if peer.local and peer.uid is None:  # (closed before it was looked up: counted, not logged)
+                refused[GONE] += 1
+            else:
+                _log(f"uid{peer.uid}", "peer", f"refused a local connection of uid {peer.uid} (only uid {me}'s "
+                                               "processes may use this host's channel to the store)")
             w.close()
             return
         try:
