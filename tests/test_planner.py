@@ -241,9 +241,16 @@ def check(pi: PlanInput) -> str:
         if t is None:
             assert has_opt and has_params, f"{w} lacks its state at {r} and gets no transfer"
             continue
-        src = wid_of(topo, t["opt_src"])
-        assert copies[name][r].get(src) == t["crc"], f"{src} holds no verified {name}@{r}"
-        assert w not in copies[name][r] or src == w, f"{w} holds {name}@{r} itself, yet it is sent from {src}"
+        assert t["opt_src"] != rk and rk not in t["param_srcs"] and t["param_src"] != rk, f"{w} is its own source"
+        if has_opt:  # its own committed shard stays; only the parameters come
+            assert t["opt_src"] == -1 and not t.get("local") and t["crc"] == d.own[name][r], t  # type: ignore[union-attr]
+            assert t["param_src"] >= 0, f"{w} holds its state at {r}, yet gets a transfer"
+        elif t.get("local"):  # the only copy is a replica it keeps itself
+            assert t["opt_src"] == -1 and list(copies[name][r]) == [w] and copies[name][r][w] == t["crc"], t
+        else:
+            src = wid_of(topo, t["opt_src"])
+            assert copies[name][r].get(src) == t["crc"], f"{src} holds no verified {name}@{r}"
+            assert src != w, f"{w} is sent {name}@{r} from itself"
         if t["param_src"] < 0:
             assert has_params and t["param_srcs"] == [], t
         else:

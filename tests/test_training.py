@@ -81,6 +81,8 @@ def test_user_workload_trains(tmp_path: Path) -> None:
         (["--inject", "kill:node=0@step=2,phase=lunch"],
          "valid phases: forward, backward, replicate, optimizer, recovery"),
         (["--protect", "magic"], "--protect='magic' is invalid: one of phoenix, none"),
+        (["--inject", "crash:rank=0@step=2,phase=copy"], "--inject='crash:rank=0@step=2,phase=copy' is invalid: "
+         "phase=copy is the moment a protected script's snapshot has committed its own side"),
         # asked for, silently never done (no val_loss anywhere): a workload without held-out batches
         (["--workload", "user_workload:workload", "--eval-every", "2"],
          "--eval-every=2 is invalid: --workload user_workload:workload has no held-out batches "

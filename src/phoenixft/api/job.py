@@ -44,6 +44,7 @@ from phoenixft.api.state import Outgrown
 from phoenixft.api.tracked import is_sharded
 from phoenixft.controlplane import keys, sealed
 from phoenixft.errors import Drained, PeerFailure, RunAborted, user_traceback
+from phoenixft.faults.kinds import COPY_PHASE
 
 __all__ = ["Job", "TOTAL_STEPS_KEY"]
 
@@ -328,7 +329,7 @@ class Job:
                 self._record(s)
             return
         try:
-            self.state.snapshot(s, ctx.rank, ctx.topo.world)
+            self.state.snapshot(s, ctx.rank, ctx.topo.world, before_copy=lambda: self.m.inject.at(s, COPY_PHASE))
         except Outgrown as e:  # every rank's own side must fit one capacity: a larger one, in a recovery
             self.m.raise_private(e.needed)
             self._resume = self._recover(f"{e}: the ranks agree on a larger capacity") + 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,12 +143,13 @@ class ScriptState:
         return used_bytes(self.state.data[half, 0].view(torch.uint8))
 
     # ---------------------------------------------------------------- snapshots
-    def snapshot(self, step: int, rank: int, world: int) -> None:
+    def snapshot(self, step: int, rank: int, world: int, before_copy: Callable[[], None] | None = None) -> None:
         """Pack the live objects as `step` into the halves that are not current. The own side and the small
         tensors of the replicated side are copied now; the models' parameters and the optimizers' state, which
         only an optimizer's `step()` changes, are copied on the copy thread while the next step computes, and
         the replicated half commits once they are in (`settle()` waits for it: before the next update, the next
-        snapshot and any recovery). Outgrown if the own side does not fit this epoch's shard."""
+        snapshot and any recovery). Outgrown if the own side does not fit this epoch's shard. `before_copy` is
+        called between the own side's commit and the start of the copy (fault injection's `phase=copy`)."""
         self.settle()
         priv = self._priv_packer.prepare(self.tracked.private())
         if priv.end > self.private_bytes:
@@ -170,6 +172,8 @@ class ScriptState:
         self._priv_packer.write(priv, s.data[ph, 0].view(torch.uint8))
         s.commit(ph, step, checksum(s.payload(ph)), (rank, world))
         self.loaded = step
+        if before_copy is not None:
+            before_copy()
         if not late or not late[0][0]:
             self.flat.commit(h, step, used)
             return

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from phoenixft.config.checks import need
 from phoenixft.config.options import option
+from phoenixft.faults.kinds import COPY_PHASE
 
 if TYPE_CHECKING:
     from phoenixft.config.run import RunConfig
@@ -24,7 +25,8 @@ class InjectionConfig:
         None,
         "Fault to inject, repeatable: kill:node=I[,J]@step=S[,phase=forward|backward|replicate|optimizer], "
         "kill:rack=A@step=S, kill:node=I@recovery=N, kill:node=I@step=S,phase=recovery (in the first recovery "
-        "resuming from step S-1 or later), hang:node=I@step=S, crash:rank=R@step=S, "
+        "resuming from step S-1 or later), hang:node=I@step=S, crash:rank=R@step=S[,phase=P] (phase=copy, "
+        "under `launch`: the step's own side committed, its parameters' copy not yet), "
         "corrupt:node=I@step=S, nan:step=S, partition:node=I@step=S[,for=SECONDS] (hosts with their own "
         "addresses only: `phoenixft coordinator` + agents).",
         action="append",
@@ -63,5 +65,9 @@ def validate_injection(cfg: RunConfig) -> None:
             need(cfg.control_plane == "etcd", "--inject", f.text,
                  "an etcd member can be killed only in the cluster the run starts itself: --control-plane etcd")
             need(f.member < 3, "--inject", f.text, "the run's etcd cluster has members 0, 1, 2")
+        if f.phase == COPY_PHASE:
+            need(bool(cfg.script) and cfg.protect == "phoenix", "--inject", f.text,
+                 "phase=copy is the moment a protected script's snapshot has committed its own side and not yet its "
+                 "parameters' copy: only under `phoenixft launch` with --protect phoenix")
         if f.kind_of.needs_protection:
             need(cfg.protect == "phoenix", "--inject", f.text, f"a {f.kind} fault needs --protect phoenix")

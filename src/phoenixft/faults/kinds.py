@@ -24,9 +24,12 @@ if TYPE_CHECKING:
     from phoenixft.faults.inject import FaultInjector
     from phoenixft.faults.spec import FaultSpec
 
-__all__ = ["KILL_PHASES", "MEMBER_TARGET", "SDC_TARGETS", "Point", "FaultKind", "KINDS", "bad_spec", "join_or"]
+__all__ = ["COPY_PHASE", "KILL_PHASES", "MEMBER_TARGET", "SDC_TARGETS", "Point", "FaultKind", "KINDS", "bad_spec",
+           "join_or"]
 
 KILL_PHASES = ("forward", "backward", "replicate", "optimizer")
+# a script's snapshot (`phoenixft launch`): its own side committed, its parameters' and optimizer state's copy not yet
+COPY_PHASE = "copy"
 # the --inject target naming a member of the control-plane cluster the run started, by that cluster's software
 MEMBER_TARGET = "etcd"
 
@@ -159,7 +162,7 @@ class Kill(FaultKind):
     forms = ("kill:node=I[,J]@step=S[,phase=P]", "kill:rack=A@step=S", "kill:node=I@recovery=N",
              "kill:node=I@step=S,phase=recovery", "kill:coordinator@step=S", "kill:etcd=I|leader@step=S")
     targets = frozenset({"rack", "coordinator", MEMBER_TARGET})
-    phases = KILL_PHASES + ("recovery",)
+    phases = KILL_PHASES + ("recovery", COPY_PHASE)
     during_recovery = True
 
     def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
@@ -251,6 +254,7 @@ class Crash(FaultKind):
     name = "crash"
     forms = ("crash:rank=R@step=S",)
     targets = frozenset({"rank"})
+    phases = KILL_PHASES + (COPY_PHASE,)
 
     def has_target(self, nodes: tuple[int, ...], rack: int | None, rank: int | None, coordinator: bool,
                    member: int | None, target: str | None) -> bool:

@@ -15,6 +15,8 @@
                                           Fired by the launcher once the job has completed step S-1
     hang:node=I@step=S[,phase=P]          SIGSTOP every process of node I (only a timeout finds it)
     crash:rank=R@step=S[,phase=P]         worker R exits with an error; its node stays healthy
+                                          (phase=copy, under `launch`: between its snapshot's own-side commit
+                                          and the copy of its parameters; kill takes it too)
     corrupt:node=I@step=S                 flip bytes in the replicas node I received during step S
     corrupt:node=I@step=S,phase=transfer  flip bytes in every optimizer-state transfer node I sends in
                                           recoveries whose resume step is >= S-1 (corruption in flight)

@@ -358,6 +358,20 @@ def _pick(candidates: dict[str, int], k: int, prefer: set[str]) -> tuple[str, in
     return w, candidates[w]
 
 
+def _opt_source(new: Topology, rk: int, wid: str, held: dict[str, int], own_crc: int | None) -> dict[str, Any]:
+    """Where rank rk (member wid) gets its optimizer shard from, among the verified copies `held` ({holder: crc}):
+    nowhere when it holds it committed itself (`own_crc`: a worker restarted in place whose copy of the
+    parameters had not committed when it died gets only those), from the copy its own scheme keeps when no
+    other member holds one (`local`), else from another holder; never from itself over the wire."""
+    if own_crc is not None:
+        return {"opt_src": -1, "crc": own_crc}
+    others = {w: c for w, c in held.items() if w != wid}
+    if not others:
+        return {"opt_src": -1, "crc": held[wid], "local": True}
+    w, crc = _pick(others, rk, set())
+    return {"opt_src": new.rank_of(*_split(w)), "crc": crc}
+
+
 def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]]], nodes: list[str],
                promoted: list[str], dropped: list[str], klass: str, action: str,
                rejected: list[tuple[str, int]], g: int, src_world: int | None = None) -> Plan:
@@ -419,9 +433,9 @@ def _in_memory(pi: PlanInput, r: int, copies: dict[str, dict[int, dict[str, int]
                                   "opt_src": -1, "crc": dec[shard][r].mcrc[dec[shard][r].members.index(shard)],
                                   "decode": x})
                 continue
-            opt_w, crc = _pick(copies[shard][r], rk, {wid})
+            own_crc = d.own[shard][r] if d is not None and has_opt else None
             transfers.append({"dst": rk, "shard": rk, "param_src": par_src, "param_srcs": par_srcs,
-                              "opt_src": new.rank_of(*_split(opt_w)), "crc": crc})
+                              **_opt_source(new, rk, wid, copies[shard][r], own_crc)})
         new.transfers = transfers
         new.meta["evidence"] = plan_evidence(pi, r, {t["shard"]: t["crc"] for t in transfers if "decode" in t})
         if jobs:

@@ -99,7 +99,8 @@ def _roll_back(m: RankContext, topo: Topology, r: int, mine: list[dict[str, Any]
     need_params = any(t["param_src"] >= 0 for t in mine)
     if not need_params and not tr.flat.select(r):
         raise RunAborted(f"rank {me} has no parameters for step {r}")
-    if not mine:  # a survivor: its own committed half must hold r, as its checksum says
+    if not any(t["opt_src"] >= 0 or "decode" in t or t.get("local") for t in mine):  # it keeps its own shard:
+        # its committed half must hold r, as its checksum says
         tr.state.invalidate_after(r)
         half = tr.state.half_with(r)
         if half is None:
@@ -182,8 +183,7 @@ def _post_optimizer(m: RankContext, topo: Topology, r: int, g: _XferGroup, mine:
 def _commit_copies(m: RankContext, topo: Topology, r: int, rx: _OptReceive, timings: dict[str, Any],
                    bad: list[str]) -> None:
     """Verify the received copy against the checksum its owner committed (I3) and commit it as step r."""
-    st, flat, w = m.trainer.state, m.trainer.flat, topo.world
-    elem = torch.empty((), dtype=flat.dtype).element_size()
+    st, w = m.trainer.state, topo.world
     for t in rx.copied:
         assert rx.buf is not None and rx.hasher is not None
         name = topo.shard_name(t["shard"])
@@ -197,7 +197,21 @@ def _commit_copies(m: RankContext, topo: Topology, r: int, rx: _OptReceive, timi
             st.header[1 - rx.half, H_VALID] = 0
         else:
             _commit_received(m, rx.buf, r, t["crc"], t["shard"], w, topo.layout.dp_rank(t["shard"]))
-        timings.update(bytes_params=flat.size_at(r) * elem if t["param_src"] >= 0 else 0, bytes_opt=rx.buf.numel() * 4)
+        timings.update(bytes_opt=rx.buf.numel() * 4)
+
+
+def _install_local(m: RankContext, topo: Topology, r: int, mine: list[dict[str, Any]], bad: list[str]) -> None:
+    """Install the copy of its own shard that this rank's scheme keeps, verified against the checksum its owner
+    committed (I3), where the plan names no other holder."""
+    for t in mine:
+        if not t.get("local"):
+            continue
+        payload = m.copy_of(t["shard"], topo.world, r).reshape(-1)
+        if checksum(payload) != t["crc"]:
+            bad.append(f"{topo.shard_name(t['shard'])} kept on rank {m.rank} does not match the checksum committed "
+                       f"for step {r}")
+            continue
+        _commit_received(m, payload, r, t["crc"], t["shard"], topo.world, topo.layout.dp_rank(t["shard"]))
 
 
 def restore_in_place(m: RankContext, topo: Topology, r: int, timings: dict[str, Any], bad: list[str]) -> None:
@@ -234,6 +248,7 @@ def restore_in_place(m: RankContext, topo: Topology, r: int, timings: dict[str, 
     transfer.wait_all(p_works, m.wait, "parameter transfer")
     t_moved = time.time()
     if into is not None:
+        timings["bytes_params"] = into.numel() * into.element_size()
         if flat.device.type == "cpu":
             flat.adopt_received(r, into.numel())
         else:
@@ -247,11 +262,10 @@ def restore_in_place(m: RankContext, topo: Topology, r: int, timings: dict[str, 
     timings.update(transfer_post_s=t_posted - t1, params_moved_s=t_moved - t1, params_adopt_s=t2 - t_moved,
                    opt_moved_s=time.time() - t2)
     _commit_copies(m, topo, r, rx, timings, bad)
+    _install_local(m, topo, r, mine, bad)
     rebuilt = _rebuild_lost(m, topo, r, tr.payload_rows * flat.shard_numel, timings, bad)
     for shard, (payload, crc) in rebuilt.items():
         _commit_received(m, payload, r, crc, shard, topo.world, topo.layout.dp_rank(shard))
-    if topo.meta.get("decode") and any(t["param_src"] >= 0 for t in mine if t["opt_src"] < 0):
-        timings["bytes_params"] = flat.size_at(r) * torch.empty((), dtype=flat.dtype).element_size()
     timings.update(transfer_sync_s=t1 - t0, restore_params_s=t2 - t1, restore_opt_s=time.time() - t2)
 
 
