@@ -1,7 +1,7 @@
-"""`--config job.toml` for `phoenixft run`, `coordinator`, `chaos` and `agent`: every flag a key of its section, the
-command line over the file, unknown keys refused naming the valid ones, `--print-config` writing the effective
-file (read back to the same configuration), the TOML writer over thousands of generated values, and a run
-driven by a file."""
+"""`--config job.toml` for `phoenixft run`, `launch`, `coordinator`, `chaos` and `agent`: every flag a key of its
+section, the command line over the file, unknown keys refused naming the valid ones, `--print-config` writing the
+effective file (read back to the same configuration), the TOML writer over thousands of generated values, and a
+run driven by a file."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from phoenixft.cli.main import CONFIG_COMMANDS, _subparser, build_parser, main
+from phoenixft.cli.main import CONFIG_COMMANDS, _config_given, _subparser, build_parser, main
 from phoenixft.config.tomlfile import dump, flag_table
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _printed(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -32,13 +34,31 @@ def test_every_flag_is_a_key_and_the_printed_file_reads_back_the_same(
     flags = {a.dest for a in sub._actions if a.option_strings and a.dest not in ("help", "config", "print_config")}
     assert {fk.action.dest for fk in table.values()} == flags  # every flag of the command has its key
     required = ["--coordinator", "h:1", "--node", "a"] if command == "agent" else []
-    text = _printed(capsys, command, *required, "--print-config")
+    script = [str(ROOT / "examples" / "ddp_script_phoenixft.py")] if command == "launch" else []  # (after the flags)
+    text = _printed(capsys, command, *required, "--print-config", *script)
     data = tomllib.loads(text)
     keys = {(s, k) for s, body in data.items() for k in body}
     assert keys == {k for k in table if k[1] != "token"}, keys ^ set(table)  # (a token is never written)
     path = tmp_path / "job.toml"
     path.write_text(text)
-    assert _printed(capsys, command, "--config", str(path), "--print-config") == text  # (required flags: the file's)
+    assert _printed(capsys, command, "--config", str(path), "--print-config", *script) == text  # (required: the file's)
+
+
+def test_launch_reads_its_own_config_and_leaves_the_scripts_to_the_script(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`phoenixft launch --config job.toml train.py --config theirs.yaml`: the first is phoenixft's, the second the
+    script's (everything after the script's path is its own), also past a flag's value that looks like a path."""
+    ap = build_parser()
+    assert _config_given(ap, ["launch", "--config", "job.toml", "t.py", "--config", "x"]) == ("launch", "job.toml")
+    assert _config_given(ap, ["launch", "--nodes", "3", "t.py", "--config", "x"]) is None
+    assert _config_given(ap, ["launch", "--persist-dir", "d", "--config=j.toml", "t.py"]) == ("launch", "j.toml")
+    path = tmp_path / "job.toml"
+    path.write_text("[parallelism]\nnodes = 3\nspares = 2\n[launch]\nport = 29611\n")
+    script = str(ROOT / "examples" / "ddp_script_phoenixft.py")
+    got = tomllib.loads(_printed(capsys, "launch", "--config", str(path), "--spares", "1", "--print-config", script,
+                                 "--config", "theirs.yaml"))
+    assert (got["parallelism"]["nodes"], got["parallelism"]["spares"], got["launch"]["port"]) == (3, 1, 29611)
+    assert "nnodes" not in json.dumps(got)  # (torchrun's aliases are flags, not keys)
 
 
 def test_the_command_line_overrides_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ from phoenixft.errors import UserError
 
 __all__ = ["main", "build_parser", "CONFIG_COMMANDS"]
 
-CONFIG_COMMANDS = ("run", "coordinator", "chaos", "agent")  # the commands that read --config FILE
+CONFIG_COMMANDS = ("run", "launch", "coordinator", "chaos", "agent")  # the commands that read --config FILE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,18 +76,24 @@ def _subparser(ap: argparse.ArgumentParser, command: str) -> argparse.ArgumentPa
     return cast("argparse.ArgumentParser", sub.choices[command])
 
 
-def _config_given(argv: list[str]) -> tuple[str, str] | None:
+def _config_given(ap: argparse.ArgumentParser, argv: list[str]) -> tuple[str, str] | None:
     """(command, path) when `argv` runs a command that reads --config and gives one (found before parsing: the
-    file may hold the flags the command requires)."""
+    file may hold the flags the command requires). `launch`'s flags end at the script: what follows is the
+    script's own (its --config is not ours)."""
     if not argv or argv[0] not in CONFIG_COMMANDS:
         return None
-    for i, a in enumerate(argv[1:], 1):
-        if a == "--":
+    flags = _subparser(ap, argv[0])._option_string_actions
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "--" or argv[0] == "launch" and not a.startswith("-"):
             break
         if a == "--config" and i + 1 < len(argv):
             return argv[0], argv[i + 1]
         if a.startswith("--config="):
             return argv[0], a.split("=", 1)[1]
+        act = flags.get(a)
+        i += 2 if act is not None and act.nargs != 0 else 1  # (a flag's value is never the script)
     return None
 
 
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:  # (Ctrl-C while the subcommand's modules load, e.g. torch: exit 130 like later, not a traceback)
         ap = build_parser()
-        given = _config_given(argv)
+        given = _config_given(ap, argv)
         if given is not None:  # the file's values become the command's defaults; the command line overrides them
             from phoenixft.config.tomlfile import use_config_file
 

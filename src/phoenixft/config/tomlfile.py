@@ -1,10 +1,11 @@
-"""`--config job.toml`: every flag of `phoenixft run`, `coordinator`, `chaos` and `agent` as a TOML key, by section.
+"""`--config job.toml`: every flag of `phoenixft run`, `launch`, `coordinator`, `chaos` and `agent` as a TOML key.
 
 A run flag is a key of its config section, named as its field (`[training] steps = 100`, `[control]
 fence_kill = false` for `--no-fence-kill`); the flags a command has of its own are keys of the command's
-section (`[run] dry_run`, `[coordinator] host`, `[chaos] faults`, every flag of `[agent]`), named as the flag
-without its dashes (`--token-file`: `token_file`). The command line overrides the file (a repeatable flag
-given on it, `--inject`, replaces the file's list); the file overrides the defaults. A key the command does
+section (`[run] dry_run`, `[launch] head`, `[coordinator] host`, `[chaos] faults`, every flag of `[agent]`),
+named as the flag without its dashes (`--token-file`: `token_file`); `launch`'s script and its arguments stay
+on the command line. The command line overrides the file (a repeatable flag given on it, `--inject`, replaces
+the file's list); the file overrides the defaults. A key the command does
 not have, a value of the wrong type, a key outside any section are refused in one line that names the
 file, the key and what is valid; a job token is never read from or written to a config file (`token_file`,
 or $PHOENIXFT_TOKEN). `--print-config` writes the effective configuration as such a file, every key with its
@@ -67,7 +68,7 @@ def flag_table(parser: argparse.ArgumentParser, command: str) -> dict[tuple[str,
     """(section, key) -> FlagKey for every flag of `parser` (the parser of `command`), in --help order."""
     out: dict[tuple[str, str], FlagKey] = {}
     for a in parser._actions:
-        if a.dest in _OWN or not a.option_strings:
+        if a.dest in _OWN or not a.option_strings or a.help == argparse.SUPPRESS:  # (torchrun's aliases: no keys)
             continue
         if a.dest in _SECTION_OF and command != "agent":
             section, key = _SECTION_OF[a.dest], a.dest
