@@ -349,8 +349,12 @@ class LocalJob(JobTeardown):
         return [json.loads(x) for x in self.events_seen]
 
     def seen(self) -> dict[str, Any]:
-        """What this launcher read as the run went that the report needs: the progress, the recoveries."""
-        return {"progress": self.last_step_shown, "recoveries": self.live.recoveries if self.live else []}
+        """What this launcher read as the run went that the report needs: the progress, the recoveries, the step
+        records (those deleted from the store are only in its metrics.jsonl)."""
+        if self.live is None:
+            return {"progress": self.last_step_shown, "recoveries": []}
+        return {"progress": self.last_step_shown, "recoveries": self.live.recoveries, "steps": self.live.history(),
+                "steps_from": self.live.pruned + 1}
 
     def _tell_exits(self) -> None:
         """Tell the coordinator of the nodes that exited: `exit/<node>`, then the `exits` counter."""
@@ -391,6 +395,7 @@ class LocalJob(JobTeardown):
         try:
             if self.live is not None:  # (every step record up to this one, in order: metrics.jsonl, the exports)
                 self.live.advance(self.store, int(rec["step"]))
+                self.live.prune(self.store)  # (records in metrics.jsonl past the store's window: deleted)
                 self.display.goodput = self.live.live_goodput()
             self.display.progress(rec)
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
