@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import assert_one_hotswap, run
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import keys, sealed
@@ -185,3 +186,25 @@ def test_the_window_must_hold_the_spike_guard_window() -> None:
     RunConfig(spike_window=4, store_step_records=6).validate()
     with pytest.raises(UserError, match=r"--store-step-records.*at least --spike-window \+ 2"):
         RunConfig(store_step_records=10).validate()  # (--spike-window 32 by default)
+
+
+STEPS, KILL, KEPT = 60, 30, 6
+
+
+def test_a_run_many_times_the_window_long_keeps_every_step_and_its_hash(tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
+    """A run ten times as long as the store's window of step records (--store-step-records 6) with a node
+    killed halfway: the hot-swap reads what it needs from the window (the spike guard's steps before its resume
+    step), the run ends bitwise identical to a failure-free one, the store held only the window at the end,
+    and the report and metrics.jsonl have every step (the deleted ones from the launcher's copy)."""
+    ref = reference(nodes=2, steps=STEPS, spike_window=4)
+    rep = run(tmp_path, nodes=2, spares=1, steps=STEPS, spike_window=4, store_step_records=KEPT,
+              inject=[f"kill:node=1@step={KILL},phase=backward"])
+    assert rep["state"] == "done", rep.get("error")
+    assert_one_hotswap(rep, ["n1"], KILL)
+    assert rep["final_state_sha256"] == ref["final_state_sha256"]
+    assert rep["first_step"] == 1 and rep["loss"] == ref["loss"] and len(rep["loss"]) == STEPS
+    # the store kept the newest steps only (a deletion at most every PRUNE_EVERY_S: a few steps more)
+    assert STEPS - 4 * KEPT < rep["store"]["step_records_from"] <= STEPS - KEPT + 1, rep["store"]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in lines] == ref["loss"]

@@ -113,7 +113,15 @@ def recovery_failed(epoch: int) -> str:
 
 
 def step(s: int) -> str:
+    """Rank 0's record of step s. The launcher deletes a record once it is in metrics.jsonl and the newest
+    --store-step-records steps are past it (observe/live.py): a reader looks up only steps the store keeps."""
     return f"step/{s}"
+
+
+def step_kept_from(progress: int, kept: int) -> int:
+    """The oldest step whose record a reader that saw `progress` looks up without racing its deletion (`kept`:
+    --store-step-records; half of it is the margin for a progress read a moment before the look-up)."""
+    return max(1, progress - kept // 2 + 1)
 
 
 def fault(index: int) -> str:

@@ -71,6 +71,8 @@ class LiveMetrics:
         self.keep = cfg.store_step_records  # the newest step records left in the store
         self.pruned = 0  # the step records up to this one were deleted from the store (each one is in the file)
         self.pruned_epoch = -1  # the newest epoch under which records were deleted
+        self.newest_epoch = -1  # the newest epoch a step record recorded so far came from
+        self.spike_window = cfg.spike_window
         self.raced: dict[int, int] = {}  # a step deleted while epoch E began (E's resume step before it): E
         self._prune_at = 0.0
         if self.prom is not None:
@@ -214,6 +216,8 @@ class LiveMetrics:
             return not isinstance(rec, dict) or not isinstance(rec.get("t_end"), (int, float))
         if not isinstance(rec, dict) or (rec.get("t_end"), rec.get("epoch", 0)) != (mine[0], mine[2]):
             return False  # (another execution replaced it: read again once this launcher hears of its recovery)
+        if r0 - self.spike_window < s <= r0 and self.newest_epoch < e0:
+            return False  # (e0's members read the spike guard's window before its resume step as they join)
         return s <= r0 or mine[2] == e0
 
     def _current_epoch(self, store: Store) -> tuple[int, int]:
@@ -246,6 +250,7 @@ class LiveMetrics:
     def _record(self, rec: dict[str, Any]) -> None:
         try:  # (a record without its times is written out, not accounted: anyone reaching the store can write one)
             self.steps[int(rec["step"])] = (float(rec["t_end"]), float(rec["dt"]), int(rec.get("epoch", 0)))
+            self.newest_epoch = max(self.newest_epoch, int(rec.get("epoch", 0)))
         except (KeyError, TypeError, ValueError):
             pass
         if self._file is not None:
