@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import queue
 import os
+import queue
 import shutil
 import subprocess
 import sys

@@ -154,7 +154,8 @@ class StragglerMonitor:
         if self.seen is None or progress < self.seen:  # (the first look, also of a restarted coordinator: every
             self.seen = 0 if self.seen is None else progress  # record so far, MAX_RECORDS at most; a replay)
         # (never older than the store keeps: the launcher deletes records past --store-step-records)
-        first = max(self.seen + 1, progress - MAX_RECORDS + 1, keys.step_kept_from(progress, self.cfg.store_step_records))
+        first = max(self.seen + 1, progress - MAX_RECORDS + 1,
+                    keys.step_kept_from(progress, self.cfg.store_step_records))
         self.seen = progress
         for rec in self._records(first, progress):
             times, step = rec.get("nodes_compute_s"), rec.get("nodes_compute_step")

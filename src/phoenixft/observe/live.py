@@ -73,6 +73,7 @@ class LiveMetrics:
         self.pruned_epoch = -1  # the newest epoch under which records were deleted
         self.newest_epoch = -1  # the newest epoch a step record recorded so far came from
         self.spike_window = cfg.spike_window
+        self.claims: list[tuple[int, str]] = []  # (step, what): SDC records' once-a-run claims, deleted with the step
         self.raced: dict[int, int] = {}  # a step deleted while epoch E began (E's resume step before it): E
         self._prune_at = 0.0
         if self.prom is not None:
@@ -104,6 +105,8 @@ class LiveMetrics:
             if self.prom is not None:
                 self.prom.recovery(str(ev.get("class")), str(ev.get("action")))
             self._tb("recovery", self.n_recoveries, max(self.steps, default=0))
+        elif isinstance(ev.get("once"), str) and isinstance(ev.get("step"), int):  # (an SDC record logged once)
+            self.claims.append((int(ev["step"]), ev["once"]))
         elif kind in ("quarantined", "host_quarantined") and ev.get("host"):
             self.quarantined.add(str(ev["host"]))
             if self.prom is not None:
@@ -201,6 +204,9 @@ class LiveMetrics:
             return 0
         for s in range(first, upto + 1):
             store.delete_key(keys.step(s))
+        for _, what in [c for c in self.claims if c[0] <= upto]:  # (each names its epoch: never claimed again)
+            store.delete_key(keys.sdc_logged(what))
+        self.claims = [c for c in self.claims if c[0] > upto]
         e1, r1 = self._current_epoch(store)
         if e1 != e0:  # a recovery began meanwhile: a step past its resume step may have been replayed, then deleted
             self.raced.update({s: e1 for s in range(max(first, r1 + 1), upto + 1)})
