@@ -118,12 +118,6 @@ def step(s: int) -> str:
     return f"step/{s}"
 
 
-def step_kept_from(progress: int, kept: int) -> int:
-    """The oldest step whose record a reader that saw `progress` looks up without racing its deletion (`kept`:
-    --store-step-records; half of it is the margin for a progress read a moment before the look-up)."""
-    return max(1, progress - kept // 2 + 1)
-
-
 def fault(index: int) -> str:
     return f"fault/{index}"
 
