@@ -32,7 +32,8 @@ def one(steps: int, kept: int) -> dict[str, Any]:
     store = rep.get("store") or {}
     held = steps - int(store.get("step_records_from") or 1) + 1
     return {"steps": steps, "store_step_records": kept if kept != ALL else "all", "state": rep.get("state"),
-            "keys": store.get("keys"), "step_records": held, "report_steps": len(rep.get("loss") or [])}
+            "keys": store.get("keys"), "step_records": held, "report_steps": len(rep.get("loss") or []),
+            "recoveries": len(rep.get("recoveries") or [])}
 
 
 def main() -> None:
@@ -45,8 +46,9 @@ def main() -> None:
             log(f"{steps} steps, --store-step-records {kept if kept != ALL else 'all'}")
             rows.append(one(steps, kept))
     print(table("keys in the control-plane store at the end of a run",
-                ["steps", "--store-step-records", "keys", "step records", "steps in the report"],
-                [[r["steps"], r["store_step_records"], r["keys"], r["step_records"], r["report_steps"]] for r in rows]))
+                ["steps", "--store-step-records", "keys", "step records", "steps in the report", "recoveries"],
+                [[r["steps"], r["store_step_records"], r["keys"], r["step_records"], r["report_steps"], r["recoveries"]]
+                 for r in rows]))
     write_json(RESULTS / "store_keys.json", {"machine": machine_info(), "runs": rows,
                                              "date": datetime.date.today().isoformat()})
 
