@@ -39,7 +39,7 @@ DEFAULT_JSON = (
     '"script_args": [], "scrub_every": 1, '
     '"sdc_audit": "off", "sdc_audit_every": 0, "sdc_check_every": 1, "seed": 1234, "spare_arrives_at_step": 0, '
     '"spares": 1, "spike_threshold": 20.0, "spike_window": 32, "start_grace": 15.0, "steps": 20, '
-    '"store_max_keys": 1000000, "store_max_mb": 1024, '
+    '"store_max_keys": 1000000, "store_max_mb": 1024, "store_step_records": 256, '
     '"straggler_factor": 1.3, "straggler_window": 20, "tensorboard": "", "threads": 0, "timeout": 0.0, '
     '"tls_ca": "", "tls_cert": "", "tls_key": "", "tp": 1, "warmup_steps": 0, "weight_decay": 0.1, '
     '"workers_per_node": 1, "workload": "phoenixft.gpt:workload"}'
@@ -57,7 +57,7 @@ def test_the_json_form_is_the_flat_object_of_every_field() -> None:
     cfg = RunConfig(device="cpu")
     assert cfg.to_json() == DEFAULT_JSON
     assert {f.name for f in run_fields()} == set(json.loads(DEFAULT_JSON))
-    assert len(run_fields()) == 82
+    assert len(run_fields()) == 83
 
 
 def test_the_torch_free_name_lists_match_their_sources() -> None:

@@ -236,6 +236,15 @@ def _forgeries(e: int, evil: Path, cfg: bytes) -> dict[str, str]:
             keys.RUN_ID: "evil", keys.PROGRESS: "999", keys.step(999): "{}", keys.MEMBERS: "garbage"}
 
 
+def _push_events(st: Any, data: bytes) -> None:
+    """`data` where the launcher reads the events: on a TCPStore the queue it takes them from (it keeps them
+    under `events`), on etcd the `events` log itself (phoenixft's etcd client, whose `log_push` appends)."""
+    if hasattr(st, "log_push"):
+        st.log_push(keys.EVENTS, data)
+    else:
+        st.queue_push(keys.EVENTS_QUEUE, data)
+
+
 def _stranger(st: Any, run_dir: Path, evil: Path, launcher: subprocess.Popen[str], did: dict[str, Any]) -> None:
     """Once training runs: forgeries of every key the job acts on, checked to change nothing; a forged
     journal, then the coordinator's restart (SIGKILL, as a crash would); then garbage and forged ends in a
@@ -251,8 +260,9 @@ def _stranger(st: Any, run_dir: Path, evil: Path, launcher: subprocess.Popen[str
     cfg, run_dir_value, genuine = st.get(keys.CONFIG), st.get(keys.RUN_DIR), st.get(keys.EVENTS).split(b"\n")[0]
     for k, v in _forgeries(e, evil, cfg).items():
         st.set(k, v)
-    # (the launcher takes the events from a queue, and keeps them under `events`: junk and copies go to the queue)
-    st.queue_push(keys.EVENTS_QUEUE, b"not json " + ESC.encode() + b"\n\xff\xfe\n" + (genuine + b"\n") * 3)
+    # junk and copies where the launcher reads the events: on a TCPStore the queue it takes them from (it keeps
+    # them under `events`), on etcd the `events` log itself (phoenixft's etcd client: `log_push` appends)
+    _push_events(st, b"not json " + ESC.encode() + b"\n\xff\xfe\n" + (genuine + b"\n") * 3)
     st.append(keys.HOST_HISTORY, json.dumps({"kind": "quarantine", "host": "anything", "t": time.time()}) + "\n")
     st.append(f"sdc/accused/{e}", json.dumps({"node": "n1", "step": 3, "verdict": "forged"}) + "\n")
     did["forged"] = True
@@ -272,7 +282,7 @@ def _stranger(st: Any, run_dir: Path, evil: Path, launcher: subprocess.Popen[str
     did["restarted"] = time.monotonic() < deadline
     while launcher.poll() is None and time.monotonic() < deadline:
         try:
-            st.queue_push(keys.EVENTS_QUEUE, "not json " + ESC + "\n{\"kind\": \"fault\"}\n[1]\n")
+            _push_events(st, ("not json " + ESC + "\n{\"kind\": \"fault\"}\n[1]\n").encode())
             for k in (keys.EXITS, keys.MEMBERS, keys.WORKER_EXITS, keys.START_FAILS, keys.ADMIT_POSTED, "step/999"):
                 st.set(k, "garbage" + ESC)
             st.set(keys.fence("n0"), "1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -372,3 +373,37 @@ def test_resume_with_another_precision_than_the_buffers_were_saved_in(tmp_path: 
                    "resume it with --precision fp32"), err
     gpt = run(tmp_path / "b", nodes=2, spares=0, steps=10, precision="bf16", resume=str(checkpoints))
     assert gpt["state"] == "done" and gpt["first_step"] == 9, gpt.get("error")
+
+
+def test_the_store_holds_the_records_of_checkpoints_in_flight_only(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks write 30 checkpoints (rank 1 skips one, which never completes): each manifest written deletes
+    the store records of the checkpoints before it, so the store holds the newest one's only, however many
+    were written."""
+    from phoenixft.controlplane import keys
+
+    class Disk:
+        def save(self, sd: dict[str, Any], checkpoint_id: str, no_dist: bool) -> None:
+            Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+
+    p0, store = _persister(tmp_path, monkeypatch, Disk())
+    p1 = Persister(str(tmp_path), 1, store)
+    two = {**_META, "shards": 2}
+    try:
+        for step in range(1, 31):
+            p0.stage(step, torch.zeros(3, 64), two, wait_s=10.0)
+            busy = p1._q
+            if step == 10:  # rank 1's writer still busy with two: it skips this one
+                p1._q = queue.Queue(maxsize=1)
+                p1._q.put(None)
+            p1.stage(step, torch.zeros(3, 64), {**two, "rank": 1}, wait_s=0.0 if step == 10 else 10.0)
+            p1._q = busy
+        _until(lambda: (latest_manifest(tmp_path) or {}).get("step") == 30, timeout_s=30.0)
+        assert latest_manifest(tmp_path)["step"] == 30  # type: ignore[index]
+        names = [n for s in range(1, 31) for n in (keys.persist_rank(0, s, 0), keys.persist_rank(0, s, 1),
+                                                   keys.persist_manifest(0, s))]
+        held = [n for n in names if store.check([n])]
+        assert held == [keys.persist_rank(0, 30, 0), keys.persist_rank(0, 30, 1), keys.persist_manifest(0, 30)]
+    finally:
+        p0.close(timeout_s=5.0)
+        p1.close(timeout_s=5.0)

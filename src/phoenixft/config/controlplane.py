@@ -60,6 +60,11 @@ class ControlPlaneConfig:
                                "store can grow it past this.", flag="--store-max-mb")
     store_max_keys: int = option(1_000_000, "The most keys the TCPStore holds (whoever wrote them): a write past it "
                                  "closes its writer's connection.", flag="--store-max-keys")
+    store_step_records: int = option(256, "Step records (`step/<n>`) the control-plane store keeps: the newest ones; "
+                                     "the launcher deletes older ones once it has written them to metrics.jsonl, "
+                                     "so the store's size does not grow with the run's length (the report takes "
+                                     "every step from metrics.jsonl). At least --spike-window + 2 (a recovery "
+                                     "rebuilds the spike guard's window from them).", flag="--store-step-records")
     tls_ca: str = option("", "The job CA's certificate (PEM): only peers presenting a certificate it signed are "
                          "let in.", flag="--tls-ca")
 
@@ -77,6 +82,10 @@ def validate_control_plane(cfg: RunConfig) -> None:
     real(c.join_timeout, c.join_timeout > 0, "--join-timeout", "> 0 seconds")
     need(64 <= c.store_max_mb <= 1 << 20, "--store-max-mb", c.store_max_mb, "must be in 64..1048576 (MiB)")
     need(10_000 <= c.store_max_keys <= 1 << 30, "--store-max-keys", c.store_max_keys, "must be in 10000..1073741824")
+    low = cfg.protection.spike_window + 2
+    need(low <= c.store_step_records <= 1 << 30, "--store-step-records", c.store_step_records,
+         f"must be in {low}..1073741824 (at least --spike-window + 2: a recovery rebuilds the spike guard's window of "
+         f"{cfg.protection.spike_window} steps from the step records before its resume step)")
     real(c.start_grace, 0 < c.start_grace <= MAX_FAILURE_TIMEOUT_S, "--start-grace",
          f"> 0 and at most {MAX_FAILURE_TIMEOUT_S:g} seconds (a day)")
     real(c.straggler_factor, c.straggler_factor == 0 or 1 < c.straggler_factor <= 1000, "--straggler-factor",

@@ -177,6 +177,7 @@ class RunConfig:
     tls_ca = _Flat[str]("control")
     store_max_mb = _Flat[int]("control")
     store_max_keys = _Flat[int]("control")
+    store_step_records = _Flat[int]("control")
     health_gate = _Flat[bool]("health")
     health_check = _Flat[str]("health")
     health_check_timeout = _Flat[float]("health")

@@ -113,6 +113,8 @@ def recovery_failed(epoch: int) -> str:
 
 
 def step(s: int) -> str:
+    """Rank 0's record of step s. The launcher deletes a record once it is in metrics.jsonl and the newest
+    --store-step-records steps are past it (observe/live.py): a reader looks up only steps the store keeps."""
     return f"step/{s}"
 
 

@@ -41,6 +41,12 @@ DRAIN_REQUEST = {"reason": "straggler", "source": "coordinator", "deadline": Non
 MAX_RECORDS = 512  # step records read per poll at most (a restarted coordinator starts near the progress)
 
 
+def kept_from(progress: int, kept: int) -> int:
+    """The oldest step whose record a reader that saw `progress` looks up without racing its deletion (`kept`:
+    --store-step-records; half of it is the margin for a progress read a moment before the look-up)."""
+    return max(1, progress - kept // 2 + 1)
+
+
 @dataclass(frozen=True)
 class Flag:
     """A node flagged as a straggler."""
@@ -153,7 +159,9 @@ class StragglerMonitor:
         progress = self.job.progress()
         if self.seen is None or progress < self.seen:  # (the first look, also of a restarted coordinator: every
             self.seen = 0 if self.seen is None else progress  # record so far, MAX_RECORDS at most; a replay)
-        first, self.seen = max(self.seen + 1, progress - MAX_RECORDS + 1), progress
+        # (never older than the store keeps: the launcher deletes records past --store-step-records)
+        first = max(self.seen + 1, progress - MAX_RECORDS + 1, kept_from(progress, self.cfg.store_step_records))
+        self.seen = progress
         for rec in self._records(first, progress):
             times, step = rec.get("nodes_compute_s"), rec.get("nodes_compute_step")
             if isinstance(times, dict) and isinstance(step, int):

@@ -5,6 +5,16 @@ Step records are read from the store in order, each once it exists and belongs t
 still write it: after a recovery resumed from step R in epoch E, steps past R are read again once
 their record is E's or later (the replay), and appended again. At the end the report makes
 `metrics.jsonl` hold each step's last execution once (`report.write_metrics`).
+
+The launcher is also the one process that deletes step records from the store (`prune`): a record leaves
+once it is in `metrics.jsonl` and `--store-step-records` newer steps were recorded, so the store holds a
+window of the newest steps whatever the run's length (the report takes the older ones from the file,
+`history`). The window covers what reads step records from the store: the latest one (the display, `phoenixft
+status`, a drain's or stop's step), the coordinator's straggler poll, and a join's spike-guard window up to
+its resume step. Only a record the current epoch keeps is deleted (a step at or before its resume step, or
+one the epoch wrote itself), and the epoch is read again after the deletes: a recovery published meanwhile
+may have replayed one of them, and such a step, once the new epoch is past it, is passed over (its earlier
+execution stays in the file) instead of being waited for.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from typing import IO, Any
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import Store, keys, sealed
 from phoenixft.controlplane.auth import read_topology
-from phoenixft.controlplane.values import parse_json
+from phoenixft.controlplane.values import parse_int, parse_json
 from phoenixft.observe.goodput import account
 from phoenixft.observe.report import STEP_BATCH, read_recoveries
 from phoenixft.observe.sinks import PrometheusSink, TensorBoardSink
@@ -28,6 +38,8 @@ __all__ = ["LiveMetrics"]
 
 GOODPUT_EVERY_S = 1.0  # the live goodput is recomputed at most this often
 GOODPUT_SHARE = 0.02  # and at most this share of the launcher's time (a long run's records take longer)
+PRUNE_EVERY_S = 0.2  # step records are deleted at most this often (each look: one epoch read, a topology, the deletes)
+PRUNE_MAX = 4096  # and at most this many per look (a launcher that fell behind catches up over several)
 
 
 class LiveMetrics:
@@ -55,6 +67,15 @@ class LiveMetrics:
             if cfg.metrics_port >= 0 else None
         self.tb: TensorBoardSink | None = TensorBoardSink(cfg.tensorboard) if cfg.tensorboard else None
         self._file: IO[str] | None = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._start = self._file.tell()  # where this run's lines begin (a reused run directory has older ones)
+        self.keep = cfg.store_step_records  # the newest step records left in the store
+        self.pruned = 0  # the step records up to this one were deleted from the store (each one is in the file)
+        self.pruned_epoch = -1  # the newest epoch under which records were deleted
+        self.newest_epoch = -1  # the newest epoch a step record recorded so far came from
+        self.spike_window = cfg.spike_window
+        self.claims: list[tuple[int, str]] = []  # (step, what): SDC records' once-a-run claims, deleted with the step
+        self.raced: dict[int, int] = {}  # a step deleted while epoch E began (E's resume step before it): E
+        self._prune_at = 0.0
         if self.prom is not None:
             (run_dir / "metrics.port").write_text(f"{self.prom.port}\n")
 
@@ -75,10 +96,7 @@ class LiveMetrics:
                 self.ongoing["times"]["decided"] = ev.get("t")
             r, e = int(ev["resume_step"]), int(ev.get("epoch") or 0)
             self.floor.append((r, e))
-            for s in [s for s in self.steps if s > r]:
-                del self.steps[s]
-            if self.next is not None:
-                self.next = min(self.next, r + 1)
+            self._rewind(r, e)
             self.pending = True
         elif kind == "classified":
             if self.ongoing is not None:
@@ -87,16 +105,37 @@ class LiveMetrics:
             if self.prom is not None:
                 self.prom.recovery(str(ev.get("class")), str(ev.get("action")))
             self._tb("recovery", self.n_recoveries, max(self.steps, default=0))
+        elif isinstance(ev.get("once"), str) and isinstance(ev.get("step"), int):  # (an SDC record logged once)
+            self.claims.append((int(ev["step"]), ev["once"]))
         elif kind in ("quarantined", "host_quarantined") and ev.get("host"):
             self.quarantined.add(str(ev["host"]))
             if self.prom is not None:
                 self.prom.quarantined.set(len(self.quarantined))
+
+    def _rewind(self, r: int, e: int) -> None:
+        """Epoch `e` resumes from step `r`: the steps past it recorded from an earlier epoch are read again once
+        `e` replays them (those recorded from `e` already, when its event came late, are not). A step deleted
+        from the store under `e` or a later epoch is final for that epoch: its recorded execution stands."""
+        stale = [s for s, (_, _, ep) in self.steps.items() if s > r and ep < e]
+        lo = max(r, self.pruned if e <= self.pruned_epoch else 0) + 1
+        for s in stale:
+            if s >= lo:
+                del self.steps[s]
+        if self.next is None:
+            return
+        # (a record without its times is not in `steps`: read again unless deleted already)
+        unknown = next((s for s in range(max(lo - 1, self.pruned) + 1, self.next) if s not in self.steps), None)
+        again = min([s for s in stale if s >= lo] + ([unknown] if unknown is not None else []), default=self.next)
+        if again < self.next:
+            self.next = again
+            self.pruned = min(self.pruned, again - 1)  # (the replay writes them again: deleted again once recorded)
 
     def advance(self, store: Store, progress: int) -> None:
         """Read the step records up to `progress` that are there (in order), record each."""
         if self.next is None:
             topo = read_topology(store, 0, self.token)
             self.next = topo.resume_step + 1 if topo is not None else 1
+            self.pruned = self.next - 1  # (a resumed run has no record before its checkpoint's step)
         while self.next <= progress:
             last = min(progress, self.next + STEP_BATCH - 1)
             names = [keys.step(s) for s in range(self.next, last + 1)]
@@ -104,6 +143,9 @@ class LiveMetrics:
                 raws = store.multi_get(names)
             elif store.check(names[:1]):  # (a later one missing: one at a time)
                 raws = [store.get(names[0])]
+            elif self._replayed_and_deleted(store, self.next, progress):
+                self.next += 1
+                continue
             else:
                 return
             for s, raw in zip(range(self.next, last + 1), raws, strict=False):
@@ -113,6 +155,7 @@ class LiveMetrics:
                     return  # (not written yet by the epoch that runs it now)
                 if rec is not None:  # (one that is not a JSON object is logged by parse_json, and passed)
                     self._record(rec)
+                self.raced.pop(s, None)
                 self.next = s + 1
         if self.pending and self.steps and self.floor and self.steps[max(self.steps)][2] >= self.floor[-1][1]:
             self.pending = False  # the recovery's first step is in: its entry is complete
@@ -121,12 +164,99 @@ class LiveMetrics:
             if self.recoveries:
                 self._tb("recovery", self.n_recoveries, max(self.steps), self.recoveries[-1])
 
+    def _replayed_and_deleted(self, store: Store, s: int, progress: int) -> bool:
+        """Whether step s was deleted while a recovery began whose epoch has gone past it since (its record of
+        that execution is gone for good: the one before it stays in the file). Said once."""
+        e = self.raced.get(s)
+        if e is None or progress <= s:
+            return False
+        rec = sealed.get_json(store, keys.step(progress)) if store.check([keys.step(progress)]) else None
+        epoch = rec.get("epoch") if isinstance(rec, dict) else None
+        if not isinstance(epoch, int) or epoch < e:
+            return False
+        del self.raced[s]
+        self.info(f"!! step {s}: its record as epoch {e} replayed it was deleted from the store as that epoch began; "
+                  "metrics.jsonl holds its earlier execution")
+        return True
+
+    def prune(self, store: Store, now: float | None = None) -> int:
+        """Delete the step records that are in metrics.jsonl and older than the newest --store-step-records
+        (at most every PRUNE_EVERY_S, PRUNE_MAX at a time); how many were deleted. Nothing is deleted once
+        the file could not be written (the store then keeps every record, for the report)."""
+        now = time.monotonic() if now is None else now
+        if self._file is None or self.next is None or now < self._prune_at:
+            return 0
+        self._prune_at = now + PRUNE_EVERY_S
+        upto = min(self.next - 1 - self.keep, self.pruned + PRUNE_MAX)
+        if upto <= self.pruned:
+            return 0
+        e0, r0 = self._current_epoch(store)
+        if e0 < 0:
+            return 0
+        first = self.pruned + 1
+        names = [keys.step(s) for s in range(first, upto + 1)]
+        raws = store.multi_get(names) if store.check(names) else [store.get_nowait(n) for n in names]
+        for s, raw in zip(range(first, upto + 1), raws, strict=True):
+            if not self._final(s, raw, e0, r0):
+                upto = s - 1
+                break
+        if upto < first:
+            return 0
+        for s in range(first, upto + 1):
+            store.delete_key(keys.step(s))
+        for _, what in [c for c in self.claims if c[0] <= upto]:  # (each names its epoch: never claimed again)
+            store.delete_key(keys.sdc_logged(what))
+        self.claims = [c for c in self.claims if c[0] > upto]
+        e1, r1 = self._current_epoch(store)
+        if e1 != e0:  # a recovery began meanwhile: a step past its resume step may have been replayed, then deleted
+            self.raced.update({s: e1 for s in range(max(first, r1 + 1), upto + 1)})
+        self.pruned, self.pruned_epoch = max(self.pruned, upto), max(self.pruned_epoch, e0)
+        return upto - first + 1
+
+    def _final(self, s: int, raw: bytes | None, e0: int, r0: int) -> bool:
+        """Whether the record of step s that this launcher recorded is the one the store holds (`raw`) and the
+        one epoch `e0` (resumed from step `r0`) keeps: a step at or before r0, or one `e0` wrote itself."""
+        rec = parse_json(sealed.unseal(keys.step(s), raw, note=False), keys.step(s)) if raw is not None else None
+        mine = self.steps.get(s)
+        if mine is None:  # (recorded without its times: anyone reaching the store can write one)
+            return not isinstance(rec, dict) or not isinstance(rec.get("t_end"), (int, float))
+        if not isinstance(rec, dict) or (rec.get("t_end"), rec.get("epoch", 0)) != (mine[0], mine[2]):
+            return False  # (another execution replaced it: read again once this launcher hears of its recovery)
+        if r0 - self.spike_window < s <= r0 and self.newest_epoch < e0:
+            return False  # (e0's members read the spike guard's window before its resume step as they join)
+        return s <= r0 or mine[2] == e0
+
+    def _current_epoch(self, store: Store) -> tuple[int, int]:
+        """The epoch now published and its resume step ((-1, 0): none that verifies yet)."""
+        e = parse_int(sealed.get(store, keys.EPOCH), keys.EPOCH, -1) if store.check([keys.EPOCH]) else -1
+        topo = read_topology(store, e, self.token) if e >= 0 else None
+        return (e, topo.resume_step) if topo is not None else (-1, 0)
+
+    def history(self) -> dict[int, dict[str, Any]]:
+        """Each step's last execution this run appended to metrics.jsonl (by step; a line that is not a JSON
+        object with an int `step` is passed over)."""
+        out: dict[int, dict[str, Any]] = {}
+        try:
+            with open(self.run_dir / "metrics.jsonl", "rb") as f:
+                f.seek(self._start)
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                        out[rec["step"]] = rec
+        except OSError as e:
+            self.info(f"!! metrics.jsonl: could not read it back ({e})")
+        return out
+
     def _min_epoch(self, s: int) -> int:
         return max((e for r, e in self.floor if s > r), default=0)
 
     def _record(self, rec: dict[str, Any]) -> None:
         try:  # (a record without its times is written out, not accounted: anyone reaching the store can write one)
             self.steps[int(rec["step"])] = (float(rec["t_end"]), float(rec["dt"]), int(rec.get("epoch", 0)))
+            self.newest_epoch = max(self.newest_epoch, int(rec.get("epoch", 0)))
         except (KeyError, TypeError, ValueError):
             pass
         if self._file is not None:

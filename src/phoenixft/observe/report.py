@@ -67,10 +67,13 @@ def _topo(store: Store, e: int, token: str | None) -> dict[str, Any]:
 
 def _step_record(raw: bytes | None, key: str) -> dict[str, Any] | None:
     rec = parse_json(raw, key)
-    if rec is None:
-        return None
+    return None if rec is None else _checked_step(rec, key)
+
+
+def _checked_step(rec: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """`rec` if it has a step record's numbers (logged and None if not)."""
     if not all(isinstance(rec.get(f), (int, float)) for f in ("step", "dt", "loss")):
-        note_bad(key, "not a step record", raw or b"")
+        note_bad(key, "not a step record", json.dumps(rec).encode())
         return None
     return rec
 
@@ -83,15 +86,39 @@ def _step_records(store: Store, first: int, last: int) -> list[dict[str, Any]]:
     range is the steps that ran (a resumed run starts after its checkpoint's step; an interrupted one
     ends at its progress), never all of --steps, which took one round trip per step of a 10^11-step
     run's report, with signals held."""
-    out: list[dict[str, Any]] = []
+    return [r for _, r in _numbered_records(store, first, last) if r is not None]
+
+
+def _numbered_records(store: Store, first: int, last: int) -> list[tuple[int, dict[str, Any] | None]]:
+    out: list[tuple[int, dict[str, Any] | None]] = []
     for lo in range(first, last + 1, STEP_BATCH):
-        names = [keys.step(s) for s in range(lo, min(last, lo + STEP_BATCH - 1) + 1)]
+        span = range(lo, min(last, lo + STEP_BATCH - 1) + 1)
+        names = [keys.step(s) for s in span]
         if store.check(names):  # (multi_get blocks on a missing key: only when all are there)
             raws = store.multi_get(names)
             recs = [_step_record(sealed.unseal(n, raw), n) for n, raw in zip(names, raws, strict=True)]
         else:
             recs = [_step_record(sealed.unseal(n, read_raw(store, n)), n) for n in names]
-        out.extend(r for r in recs if r is not None)
+        out.extend(zip(span, recs, strict=True))
+    return out
+
+
+def _run_steps(store: Store, first: int, last: int, seen: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each step's last execution, first..last: from the store where it still holds the record (`seen`
+    "steps_from" on: the launcher deletes older ones once they are in metrics.jsonl), else from the
+    launcher's durable copy (`seen` "steps": step -> record, as it read them into metrics.jsonl)."""
+    history = seen.get("steps")
+    if not isinstance(history, dict):
+        return _step_records(store, first, last)
+    lo = max(first, int(seen.get("steps_from") or first))
+    held = dict(_numbered_records(store, lo, last))
+    out = []
+    for s in range(first, last + 1):
+        rec = held.get(s)
+        if rec is None and s in history:
+            rec = _checked_step(history[s], f"metrics.jsonl step {s}")
+        if rec is not None:
+            out.append(rec)
     return out
 
 
@@ -328,12 +355,13 @@ def build_report(store: Store, cfg: RunConfig, state: str, run_dir: Path, run_id
     goodput window; None: its first event). `token`: the job token the topologies are checked with.
     `events`: the run's events as the caller read them (None: read from the store). `seen`: what the caller
     read as the run went ("progress", "recoveries"), kept where the store no longer holds it (something other
-    than the job overwrote a key since)."""
+    than the job overwrote a key since), and the step records it keeps durably ("steps": step -> record;
+    "steps_from": the first step whose record the store may still hold: the older ones were deleted)."""
     seen = seen or {}
     first_topo = read_topology(store, 0, token)
     start = first_topo.resume_step if first_topo is not None else 0
     progress = max(parse_int(sealed.get(store, keys.PROGRESS), keys.PROGRESS, 0), int(seen.get("progress") or 0))
-    steps = _step_records(store, start + 1, min(cfg.steps, progress))
+    steps = _run_steps(store, start + 1, min(cfg.steps, progress), seen)
     dts = [r["dt"] for r in steps[2:]] or [r["dt"] for r in steps]
     if final == "store":
         final = read_json(store, keys.FINAL)

@@ -21,6 +21,7 @@ into the full model, so a checkpoint written by one layout loads onto any other.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -47,6 +48,7 @@ from phoenixft.protect.snapshot import checksum
 __all__ = ["NOT_INSTALLED", "Persister", "latest_manifest", "verified_manifest", "check", "load_full", "load_into"]
 
 KEEP = 2  # complete checkpoints kept on disk
+STAGED_KEPT = 64  # checkpoints a rank remembers until a later manifest lets it delete their store records
 
 
 def _dcp() -> Any:
@@ -299,6 +301,9 @@ class Persister:
         _dcp()
         self._q: queue.Queue[tuple[int, torch.Tensor, dict[str, Any]] | None] = queue.Queue(maxsize=2)
         self.saved: list[float] = []
+        # the checkpoints staged or skipped (epoch, step, ranks): their store records are deleted by whichever
+        # rank writes a later manifest (every rank of its epoch has then finished them)
+        self._staged: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=STAGED_KEPT)
         self._t = threading.Thread(target=self._run, name="phoenixft-persist", daemon=True)
         self._t.start()
 
@@ -310,6 +315,7 @@ class Persister:
         """Copy the committed snapshot now (caller guarantees it is stable), write it later. Rank 0
         also passes the model's buffers of that step (every rank holds the same). `wait_s`: how long to wait
         for a place in the queue behind the checkpoints still being written (0: skip this one instead)."""
+        self._staged.append((int(meta["epoch"]), step, int(meta["shards"])))
         if buffers is not None and buffers.numel():
             meta = {**meta, "buffers": buffers.clone()}
         try:
@@ -392,3 +398,14 @@ class Persister:
             done = sorted(p.parent for p in self.root.glob("step_*/MANIFEST.json"))
             for old in done[:-KEEP]:
                 shutil.rmtree(old, ignore_errors=True)
+            self._forget_before(step)
+
+    def _forget_before(self, step: int) -> None:
+        """Delete the store records of the checkpoints staged before `step` (complete, skipped or failed): a
+        manifest of `step` means every rank of its epoch wrote `step`, so each finished the earlier ones (one
+        writer per rank, in order); the store then holds the records of the checkpoints in flight only."""
+        for e, s, n in [x for x in list(self._staged) if x[1] < step]:
+            for name in [keys.persist_rank(e, s, r) for r in range(n)] + [keys.persist_manifest(e, s)]:
+                self.store.delete_key(name)
+            with contextlib.suppress(ValueError):
+                self._staged.remove((e, s, n))

@@ -57,6 +57,11 @@ def final_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
                           token=job.token, events=job.events(), seen=job.seen())
     if report.get("error_node"):
         report["error_log"] = job.node_log(str(report["error_node"]))
+    # the control-plane store as the run left it (its teardown then removes the job's keys): how many keys, and
+    # the first step whose record it may still hold (older ones are only in metrics.jsonl)
+    report["store"] = {"keys": job.store.num_keys(),
+                       "step_records_from": job.live.pruned + 1 if job.live is not None else None,
+                       "step_records_kept": cfg.store_step_records}
     if job.store.check([keys.MEMBERS]):
         report["members"] = sealed.get_json(job.store, keys.MEMBERS, {})
     stop = next((ev for ev in reversed(job.events()) if ev.get("kind") == "run_stopped"), None)

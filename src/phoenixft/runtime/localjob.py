@@ -74,6 +74,9 @@ Proc = subprocess.Popen[bytes] | zygote.Child  # a process this launcher started
 AGENT_MODULE = "phoenixft.runtime.agent"  # what a local job's node runs (`python -m`)
 CONTROL_PLANE_TIMEOUT_S = 15.0  # a cluster: no answer for this long and the run is failed (agents' default too)
 ALL_GONE_GRACE_S = 5.0  # every node exited, no run state yet: how long the coordinator gets to decide (and record why)
+# a coordinator exits 0 only once it verified the run's end: how long this launcher looks for that end itself before
+# it takes the exit for a crash (whoever reaches the store can overwrite `run/state` until its writer puts it back)
+COORD_END_GRACE_S = 5.0
 
 
 def timeout_state(limit: float) -> str:
@@ -142,6 +145,7 @@ class LocalJob(JobTeardown):
         self.final: dict[str, Any] | None = None  # the final-state record, once one signed with the run key is seen
         self._exits_told = 0  # node exits told to the coordinator (the `exits` counter, written by this launcher only)
         self._coord_exits: list[float] = []  # when the coordinator exited: a crash loop is 5 within a minute
+        self._coord_ended: dict[int, float] = {}  # a coordinator that exited 0 -> when this launcher saw it
         self._reapers: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
         self.leaks: dict[str, list[Any]] = {"killed": [], "removed_segments": []}
@@ -349,8 +353,12 @@ class LocalJob(JobTeardown):
         return [json.loads(x) for x in self.events_seen]
 
     def seen(self) -> dict[str, Any]:
-        """What this launcher read as the run went that the report needs: the progress, the recoveries."""
-        return {"progress": self.last_step_shown, "recoveries": self.live.recoveries if self.live else []}
+        """What this launcher read as the run went that the report needs: the progress, the recoveries, the step
+        records (those deleted from the store are only in its metrics.jsonl)."""
+        if self.live is None:
+            return {"progress": self.last_step_shown, "recoveries": []}
+        return {"progress": self.last_step_shown, "recoveries": self.live.recoveries, "steps": self.live.history(),
+                "steps_from": self.live.pruned + 1}
 
     def _tell_exits(self) -> None:
         """Tell the coordinator of the nodes that exited: `exit/<node>`, then the `exits` counter."""
@@ -391,6 +399,7 @@ class LocalJob(JobTeardown):
         try:
             if self.live is not None:  # (every step record up to this one, in order: metrics.jsonl, the exports)
                 self.live.advance(self.store, int(rec["step"]))
+                self.live.prune(self.store)  # (records in metrics.jsonl past the store's window: deleted)
                 self.display.goodput = self.live.live_goodput()
             self.display.progress(rec)
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
@@ -442,24 +451,9 @@ class LocalJob(JobTeardown):
                 self._tell_exits()
                 if self.local:
                     self._start_repaired()
-                for i, cp in list(self.coords.items()):
-                    if cp.poll() is None or over or run_ended(self.store, self.run_id, self.token) is not None:
-                        continue
-                    now_m = time.monotonic()
-                    self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
-                    if len(self._coord_exits) > 5 * self.cfg.coordinators:
-                        return "failed: the coordinator keeps exiting (6 times within a minute)"
-                    # control-plane failure: restart it; it reloads its journal (a standby takes over meanwhile)
-                    self.coord_restarts += 1
-                    gone = sealed.seal(keys.COORDINATOR_PID, "")
-                    self.store.compare_set(keys.COORDINATOR_PID, sealed.seal(keys.COORDINATOR_PID, str(cp.pid)), gone)
-                    if get_nowait(self.store, keys.COORDINATOR_PID) == gone:
-                        self.store.delete_key(keys.COORDINATOR_PID)
-                    t = time.time()
-                    self._start_coordinator(i)
-                    sealed.append(self.store, keys.EVENTS, {"t": t, "kind": "coordinator_exited", "by": "launcher",
-                                                            "code": cp.returncode, "pid": cp.pid,
-                                                            "standbys": self.cfg.coordinators - 1})
+                crash_loop = self._restart_coordinators(over)
+                if crash_loop is not None:
+                    return crash_loop
                 raw_prog = sealed.get(self.store, keys.PROGRESS) if look else None
                 prog = parse_int(raw_prog, keys.PROGRESS, -1) if raw_prog is not None else -1
                 if prog >= 0:
@@ -502,6 +496,31 @@ class LocalJob(JobTeardown):
                                                f"{time.monotonic() - last_ok:.0f}s (last: {why[:200]})")
                     return f"failed: control plane lost: {self.control_plane_lost}"
                 time.sleep(0.25)
+
+    def _restart_coordinators(self, over: bool) -> str | None:
+        """Restart each coordinator that exited while the run goes on (it reloads its journal; a standby takes
+        over meanwhile); the run's failure if they keep exiting."""
+        for i, cp in list(self.coords.items()):
+            if cp.poll() is None or over or run_ended(self.store, self.run_id, self.token) is not None:
+                continue
+            now_m = time.monotonic()
+            if cp.returncode == 0 and now_m - self._coord_ended.setdefault(i, now_m) < COORD_END_GRACE_S:
+                continue  # (it saw the run end: this launcher will too, once the state is put back)
+            self._coord_ended.pop(i, None)
+            self._coord_exits = [t for t in self._coord_exits if now_m - t < 60.0] + [now_m]
+            if len(self._coord_exits) > 5 * self.cfg.coordinators:
+                return "failed: the coordinator keeps exiting (6 times within a minute)"
+            self.coord_restarts += 1
+            gone = sealed.seal(keys.COORDINATOR_PID, "")
+            self.store.compare_set(keys.COORDINATOR_PID, sealed.seal(keys.COORDINATOR_PID, str(cp.pid)), gone)
+            if get_nowait(self.store, keys.COORDINATOR_PID) == gone:
+                self.store.delete_key(keys.COORDINATOR_PID)
+            t = time.time()
+            self._start_coordinator(i)
+            sealed.append(self.store, keys.EVENTS, {"t": t, "kind": "coordinator_exited", "by": "launcher",
+                                                    "code": cp.returncode, "pid": cp.pid,
+                                                    "standbys": self.cfg.coordinators - 1})
+        return None
 
     def _start_repaired(self) -> None:
         """--repair-after: start the spares whose repair is due; the coordinator admits them."""

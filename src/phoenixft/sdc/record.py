@@ -59,4 +59,4 @@ def log_once(store: Store, what: str, kind: str, **fields: Any) -> None:
     """`log`, by the first rank that gets here for `what` (every rank of a group reaches the same
     decision, and any of them may be interrupted right after it by another's recovery request)."""
     if sealed.claim(store, keys.sdc_logged(what)):
-        log(store, kind, **fields)
+        log(store, kind, once=what, **fields)  # (`once`: the launcher deletes the claim once the step is past)
