@@ -37,6 +37,9 @@ class _Job:
     def posted(self, e: int, nodes: list[str]) -> bool:
         return False
 
+    def wids(self, node: str) -> list[str]:
+        return [f"{node}.{i}" for i in range(self.g)]
+
 
 class _Silent(FailureDetector):
     """Every node and spare silent from the start; nothing exits or restarts."""
