@@ -246,7 +246,7 @@ class Member:
         self.keeper.drop_prefix("desc/")
         self.keeper.put(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         sealed.hint(self.ctx.store, keys.desc_posted(e))  # the coordinator polls this one key, not every descriptor
-        if self.protection.repl is not None:  # (while the coordinator decides, not in the next epoch's join)
+        if self.protection.repl is not None:  # (closed once the next epoch is joined, not inside its join)
             self.protection.repl.release()
         if drain and self.ctx.topo is not None:
             self._await_peers_settled(e, self.ctx.topo)
@@ -454,6 +454,8 @@ class Member:
         self.ctx.bad_sources = []
         self._joined(topo, r)
         self.watcher.arm(topo.epoch)
+        if self.protection.repl is not None:  # (the ended epoch's routes: off the recovery's path, see `release`)
+            self.protection.repl.close_released()
         if self.ctx.scheme is not None:
             self.ctx.scheme.protect(r)
         if topo.epoch > 0:
