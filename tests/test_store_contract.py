@@ -307,3 +307,78 @@ def test_gloo_rendezvous_on_the_store(addr: str, tmp_path: Path) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     assert all("SUM 6.0" in o for o in outs), outs
+
+
+# ---------------------------------------------------------------------- waking on a key's arrival
+def test_a_key_arrival_wakes_its_waiter_when_every_key_is_there(store: Store, clients: Callable[..., Store]) -> None:
+    """`KeyArrival`: the event is set once every watched key exists (written through another client), not
+    before; a key that is there already sets it at once; its client is kept for the next watch."""
+    from phoenixft.controlplane.watcher import KeyArrival
+
+    arrival = KeyArrival(store)
+    writer = clients()
+    ev = arrival.watch("arrive/a", "arrive/b")
+    time.sleep(0.3)
+    assert not ev.is_set(), "set before any key was written"
+    writer.set("arrive/a", "1")
+    time.sleep(0.3)
+    assert not ev.is_set(), "set with one of the two keys missing"
+    writer.set("arrive/b", "1")
+    assert ev.wait(10), "not woken when the last key was written"
+    assert arrival.watch("arrive/a").wait(5), "a key there already: not set at once"
+    n = clients_opened()
+    assert arrival.watch("arrive/b").wait(5) and clients_opened() == n, "an idle client was not reused"
+
+
+def test_a_wait_for_a_key_wakes_on_its_arrival_not_at_its_next_look(store: Store, clients: Callable[..., Store],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's wait for a key (a spare's promotion, the next epoch's topology) returns as soon as the key
+    is written, not at its next look at the store: with the looks 5 s apart, a key written 0.3 s in is
+    returned well within them."""
+    from types import SimpleNamespace
+
+    from phoenixft.controlplane.watcher import KeyArrival
+    from phoenixft.core import member
+
+    monkeypatch.setattr(member, "WAIT_END_CHECK_S", 5.0)
+    monkeypatch.setattr(member, "WAIT_KEY_NAP_S", 5.0)
+    rank = SimpleNamespace(ctx=SimpleNamespace(store=store), _arrival=KeyArrival(store), _run_end=lambda: None)
+    writer = clients()
+    threading.Timer(0.3, lambda: writer.set("assign/s9", "7")).start()
+    t = time.monotonic()
+    assert member.Member._wait_key(rank, "assign/s9", 30.0) == b"7"  # type: ignore[arg-type]
+    took = time.monotonic() - t
+    assert took < 2.5, f"returned {took:.2f}s in: at a look, not on the key's arrival"
+
+
+def test_the_coordinator_wakes_when_the_launcher_reports_an_exit(tmp_path: Path) -> None:
+    """The coordinator's exit watch wakes its loop the moment the launcher's wake key appears, deletes the key,
+    and wakes again on the next one (in a process of its own: the watch blocks in the store for ever)."""
+    script = textwrap.dedent("""
+        import threading, time, os
+        from types import SimpleNamespace
+        from phoenixft.controlplane import keys
+        from phoenixft.controlplane.server import serve_store
+        from phoenixft.coordinator.lead import Coordinator
+        server = serve_store("127.0.0.1", 0)
+        store = server.as_store()
+        fake = SimpleNamespace(store=store, _wake=threading.Event())
+        threading.Thread(target=Coordinator._watch_exits, args=(fake,), daemon=True).start()
+        time.sleep(0.3)
+        assert not fake._wake.is_set()
+        for i in range(2):
+            t = time.monotonic()
+            store.set(keys.EXITS_WAKE, "1")
+            assert fake._wake.wait(10), f"exit {i}: not woken"
+            print(f"woken {time.monotonic() - t:.4f}", flush=True)
+            deadline = time.monotonic() + 10
+            while store.check([keys.EXITS_WAKE]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not store.check([keys.EXITS_WAKE]), "the wake key was not deleted"
+            fake._wake.clear()
+        print("ok", flush=True)
+        os._exit(0)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
+    assert all(float(x.split()[1]) < 2.0 for x in p.stdout.splitlines() if x.startswith("woken")), p.stdout
