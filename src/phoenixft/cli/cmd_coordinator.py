@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="signals that mean every node of the job goes (a scheduler's time limit or preemption, e.g. "
                         "SIGUSR1 from Slurm's --signal=B:USR1@120): the job stops at the next step boundary with that "
                         "step saved to --persist-dir, and this command exits 75 (resume with --resume); needs "
-                        "--persist-every (default: none; SIGTERM then stops the job at once)")
+                        "--persist-every (default: none). With --persist-every, SIGTERM (Slurm's scancel or time "
+                        "limit: no notice, SIGKILL after KillWait) stops the job so too, within 25 s")
     add_run_arguments(p, exclude=_LOCAL_ONLY)
     p.set_defaults(func=coordinator)
 

@@ -4,10 +4,10 @@ script, a Kubernetes restart policy) decides a job's next step by.
 | code | the run | what to do with the job |
 |---|---|---|
 | 0 | done: every step trained | nothing: do not requeue |
-| 75 (EX_TEMPFAIL) | stopped with its state saved (a stop signal: every node goes) | requeue, resume with `--resume` |
+| 75 (EX_TEMPFAIL) | stopped with its state saved (a stop signal, or SIGTERM with a persistent tier: every node goes) | requeue, resume with `--resume` |
 | 1 | failed: what went wrong would go wrong again (the workload, a broken guarantee, the flags...) | do not requeue |
 | 2 | refused: a flag or the environment is wrong (one line says which) | do not requeue |
-| 130 | interrupted: Ctrl-C, SIGTERM or SIGHUP (not a stop signal) | do not requeue (someone stopped it) |
+| 130 | interrupted: Ctrl-C, SIGHUP, or SIGTERM without a persistent tier (nothing to save) | do not requeue (someone stopped it) |
 """
 
 from __future__ import annotations
