@@ -327,6 +327,47 @@ def test_job_notice_stops_saved_requeues_and_resumes(slurm: SlurmCluster, tmp_pa
          notice_to_resumed_first_step_s=round(resumed - t_notice, 2))
 
 
+def test_job_ended_without_notice_saves_and_resumes(slurm: SlurmCluster, tmp_path: Path, reference: Any) -> None:
+    """`scancel JOB` with no --signal (as at the time limit without `--signal`): Slurm sends SIGTERM to every
+    process of the job at once - the batch script, the head, the store's front, every node's agent, workers and
+    TLS forwarder - and SIGKILL KillWait later (5 s on the tests' cluster). The relays keep relaying, the nodes
+    stay, the job stops at the next step boundary with that step written to the persistent tier (at or past the
+    step it had reached: --persist-every 1000 alone would have written none), the head exits 75 and the script
+    with it, before the SIGKILL; a job submitted again with that checkpoint (PHOENIXFT_CKPT) resumes from it and
+    ends COMPLETED, bitwise equal to the failure-free run. Nothing is left on any node."""
+    steps = STEPS
+    ref = _ref(reference, steps)
+    job, _ = _submit(slurm, tmp_path, steps, "--persist-every", "1000")
+    _wait_step(slurm, tmp_path, job, 5)
+    reached = max(m["step"] for m in _metrics(_run_dir(tmp_path, job)))
+    t_term = time.time()
+    slurm.cmd("scancel", str(job))
+    j = slurm.wait_job(job, JOB_S)
+    first = _report(tmp_path, job, 0)
+    term_to_report_s = round((_run_dir(tmp_path, job) / "report.json").stat().st_mtime - t_term, 2)
+    assert j["JobState"] == "CANCELLED" and j["Restarts"] == "0", (j, _out(tmp_path))
+    assert first["state"] == "stopped" and first["stopped"]["saved"] is True, (first.get("stopped"), _out(tmp_path))
+    assert first["stopped"]["reason"] == "SIGTERM received", first["stopped"]
+    saved = first["stopped"]["step"]
+    assert reached - 1 <= saved < steps and first["steps_completed"] == saved, (reached, first["stopped"])
+    ckpt = tmp_path / "jobs" / str(job) / "ckpt"
+    assert (ckpt / f"step_{saved:08d}" / "MANIFEST.json").is_file()
+    assert "the head exited 75 (attempt 0)" in _out(tmp_path) and "not requeued here" in \
+        _out(tmp_path), _out(tmp_path)
+    assert j["ExitCode"] == "75:0", j["ExitCode"]
+    assert _left_behind(slurm, first["run_id"]) == {"processes": {}, "segments": {}}
+    _say("job ended without notice", reached=reached, saved_step=saved, exit_code=j["ExitCode"],
+         notice_to_stopped_s=first["stopped"]["notice_to_stopped_s"], sigterm_to_report_s=term_to_report_s)
+
+    again, _ = _submit(slurm, tmp_path, steps, "--persist-every", "1000", PHOENIXFT_CKPT=str(ckpt))
+    j2 = slurm.wait_job(again, JOB_S)
+    assert j2["JobState"] == "COMPLETED" and j2["ExitCode"] == "0:0", (j2, _out(tmp_path))
+    second = _report(tmp_path, again, 0)
+    assert second["state"] == "done" and second["first_step"] == saved + 1, (second.get("first_step"), saved)
+    assert second["final_state_sha256"] == ref["final_state_sha256"], second.get("error")
+    assert _left_behind(slurm, second["run_id"]) == {"processes": {}, "segments": {}}
+
+
 @pytest.mark.slow
 def test_scheduler_requeue_resumes_from_the_last_checkpoint(slurm: SlurmCluster, tmp_path: Path,
                                                             reference: Any) -> None:
