@@ -91,7 +91,8 @@ class TaggedRun:
             self.p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--quiet", "--model", "tiny",
                                        "--run-dir", str(self.run_dir), "--timeout", "120", *args],
                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, env=dict(os.environ, **(env or {}), **{TAG_ENV: self.tag}),
+                                      start_new_session=True,
+                                      env=dict(os.environ, **(env or {}), **{TAG_ENV: self.tag}),
                                       preexec_fn=_as_a_shell_starts_it)
 
     def progress(self) -> int:

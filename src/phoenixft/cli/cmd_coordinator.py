@@ -75,7 +75,7 @@ def coordinator(args: argparse.Namespace) -> int:
     # from the command line as it is checked)
     cfg = None if args.token else config_from_args(args)
     from phoenixft.controlplane import auth
-    from phoenixft.runtime.exitcode import exit_code
+    from phoenixft.runtime.exitcode import command_exit
     from phoenixft.runtime.launcher import run_job
     from phoenixft.runtime.stopsignal import parse_stop_signals
 
@@ -85,7 +85,7 @@ def coordinator(args: argparse.Namespace) -> int:
     cfg = cfg or config_from_args(args)
     stop_signals = parse_stop_signals(args.stop_signal)
     report = run_job(cfg, host=args.host, port=args.port, token=token, local=False, stop_signals=stop_signals)
-    return exit_code(report)  # (0 done, 75 stopped with its state saved, 130 interrupted, else 1: runtime/exitcode.py)
+    return command_exit(report)  # (0 done, 75 stopped with its state saved, 130 interrupted, else 1: exitcode.py)
 
 
 def standby(url: str, token_flag: str, token_file: str = "") -> int:

@@ -68,7 +68,7 @@ def launch(args: argparse.Namespace) -> int:
     args.script, args.script_args = path, list(args.script_args)
     args.steps = SCRIPT_STEPS
     cfg = config_from_args(args)
-    from phoenixft.runtime.exitcode import exit_code
+    from phoenixft.runtime.exitcode import command_exit
     from phoenixft.runtime.launcher import run_job
 
     if args.head:
@@ -77,4 +77,4 @@ def launch(args: argparse.Namespace) -> int:
         report = run_job(cfg, host=args.host, port=args.port, token=token, local=False)
     else:
         report = run_job(cfg, token=token)
-    return exit_code(report)  # (0 done, 75 stopped with its state saved, 130 interrupted, else 1: runtime/exitcode.py)
+    return command_exit(report)  # (0 done, 75 stopped with its state saved, 130 interrupted, else 1: exitcode.py)

@@ -31,9 +31,10 @@ Both print `listening PORT` on stdout once they listen (and nothing else there),
 few per peer, then counted), and exit on STOP_SIGNAL (SIGQUIT): their parent's stop (`front.Relay.stop`), or the
 kernel's parent-death signal when their parent dies. They ignore SIGTERM: a scheduler ending a job (Slurm at
 `scancel` or at the time limit) sends it to every process of the job at once, and the job then saves its state
-through these relays before it exits (docs/hosts.md); their parent ends them once it has. One asyncio loop relays every connection. The script imports the standard library and the
-package's standard-library modules only (no torch): it starts in ~0.1 s. The TLS contexts every side of the
-job uses are made here (`server_context`, `client_context`).
+through these relays before it exits (docs/hosts.md); their parent ends them once it has. One asyncio loop
+relays every connection. The script imports the standard library and the package's standard-library modules
+only (no torch): it starts in ~0.1 s. The TLS contexts every side of the job uses are made here
+(`server_context`, `client_context`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ the control plane for `--control-plane-timeout` seconds - it kills its workers, 
 and unlinks the node's segments. A worker that dies while the agent lives is restarted in place and
 finds the segments it left.
 
+A SIGTERM, when the job has a persistent tier (and SIGTERM is not the agent's drain notice), may mean that the whole
+job is being ended (Slurm at `scancel` or at the time limit signals every process of it at once, SIGKILL following):
+the head then stops the job with its state saved, so the agent keeps its node (and its workers, which ignore SIGTERM)
+until the run ends, within the stop's window; with no stop of the job seen within TERM_DECIDE_S, the SIGTERM was
+this node's alone and the node stops as above (`_Node.on_sigterm`, `_Node.term_tick`).
+
 Joining: the agent proves to the coordinator that it holds the job token (HMAC challenge-response,
 `phoenixft.controlplane.auth`) before it is admitted; the coordinator names its node id (`n<i>` for an active
 slot, `s<k>` for a spare; a `--node` that already has that form is asked for as is) and the run id.
