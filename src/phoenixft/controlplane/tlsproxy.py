@@ -28,8 +28,9 @@ its own user (the same exact four-tuple check), and relays each through a new TL
 front, verifying its certificate against the job CA.
 
 Both print `listening PORT` on stdout once they listen (and nothing else there), log refusals to stderr (a
-few per peer, then counted), and exit on STOP_SIGNAL (SIGQUIT): their parent's stop (`front.Relay.stop`), or the
-kernel's parent-death signal when their parent dies. They ignore SIGTERM: a scheduler ending a job (Slurm at
+few per peer, then counted), and exit on STOP_SIGNAL (SIGALRM: nothing else sends it, and its default action ends
+the process without a core dump, also before its handler is in place): their parent's stop (`front.Relay.stop`), or
+the kernel's parent-death signal when their parent dies. They ignore SIGTERM: a scheduler ending a job (Slurm at
 `scancel` or at the time limit) sends it to every process of the job at once, and the job then saves its state
 through these relays before it exits (docs/hosts.md); their parent ends them once it has. One asyncio loop
 relays every connection. The script imports the standard library and the package's standard-library modules
@@ -65,7 +66,7 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake, and a client's first request, mus
 MAX_CONNECTIONS = 4096  # relayed connections at once (fewer where the open-file limit is lower: two files each)
 MAX_PER_ADDRESS = 512  # ... from one remote address
 PR_SET_PDEATHSIG = 1
-STOP_SIGNAL = signal.SIGQUIT  # a relay's end: its parent's stop, or the parent-death signal (never SIGTERM: see above)
+STOP_SIGNAL = signal.SIGALRM  # a relay's end: its parent's stop, or the parent-death signal (never SIGTERM: see above)
 CHUNK = 1 << 16
 LOG_PER_PEER = 3
 _logged: Counter[str] = Counter()
