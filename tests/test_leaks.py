@@ -81,14 +81,15 @@ def _as_a_shell_starts_it() -> None:
 
 
 class TaggedRun:
-    """`phoenixft run` in its own session, with TAG_ENV set to a tag of its own."""
+    """`phoenixft run` (or `command`: `launch`) in its own session, with TAG_ENV set to a tag of its own."""
 
-    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None, command: str = "run") -> None:
         self.tag = uuid.uuid4().hex
         self.run_dir, self.log = tmp / "run", tmp / "launcher.log"
         self.run_id = ""
         with open(self.log, "wb") as out:
-            self.p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--quiet", "--model", "tiny",
+            model = ["--model", "tiny"] if command == "run" else []  # (a launched script builds its own model)
+            self.p = subprocess.Popen([sys.executable, "-m", "phoenixft", command, "--quiet", *model,
                                        "--run-dir", str(self.run_dir), "--timeout", "120", *args],
                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True,
@@ -156,9 +157,9 @@ class TaggedRun:
 def tagged_run(tmp_path: Path) -> Iterator[Any]:
     made: list[TaggedRun] = []
 
-    def start(*args: str, at: str = "", env: dict[str, str] | None = None) -> TaggedRun:
+    def start(*args: str, at: str = "", env: dict[str, str] | None = None, command: str = "run") -> TaggedRun:
         (tmp_path / at).mkdir(exist_ok=True)
-        made.append(TaggedRun(tmp_path / at, *args, env=env))
+        made.append(TaggedRun(tmp_path / at, *args, env=env, command=command))
         return made[-1]
 
     yield start
@@ -358,3 +359,24 @@ def test_sigterm_to_one_agent_alone_is_a_lost_node(tagged_run: Any, reference: A
     assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and rec["promoted"] == ["s0"], rec
     ref = reference(nodes=2, steps=steps, microbatches=4, workload="user_workload:workload")
     assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"], rep.get("error")
+
+
+def test_sigterm_to_every_process_of_a_launched_script_saves_it(tagged_run: Any, tmp_path: Path) -> None:
+    """`phoenixft launch` takes the same path: SIGTERM to every process of a launched training script with a
+    persistent tier stops it at a step boundary past the step it had reached, that step written to the persistent
+    tier, exit 75, nothing left."""
+    ckpt = tmp_path / "ckpt"
+    script = Path(__file__).resolve().parents[1] / "examples" / "ddp_script_phoenixft.py"
+    r = tagged_run("--nodes", "2", "--spares", "1", "--persist-every", "1000", "--persist-dir", str(ckpt), str(script),
+                   "--steps", "3000", command="launch")
+    r.wait_training(step=3)
+    reached = r.progress()
+    for pid in tagged(r.tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    assert r.p.wait(timeout=60) == 75, r.log.read_text(errors="replace")[-3000:]
+    _assert_nothing_left(r)
+    rep = r.report()
+    assert rep["state"] == "stopped" and rep["stopped"]["saved"] is True, rep.get("stopped")
+    saved = rep["stopped"]["step"]
+    assert saved >= reached and (ckpt / f"step_{saved:08d}" / "MANIFEST.json").is_file(), (reached, saved)
