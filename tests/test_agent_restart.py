@@ -63,7 +63,7 @@ def node(monkeypatch: pytest.MonkeyPatch) -> Any:
     forks: list[tuple[int, int]] = []
 
     def fork(addr: str, node: str, lr: int, run_id: str, threads: int, incarnation: int = 0,
-             drain_signal: int = 0, script: tuple[str, list[str]] | None = None) -> int:
+             drain_signal: int = 0, script: tuple[str, list[str]] | None = None, term_ignored: bool = False) -> int:
         forks.append((lr, incarnation))
         return _child_exiting(0)  # (the restarted worker: ends at once, done)
 
@@ -74,6 +74,7 @@ def node(monkeypatch: pytest.MonkeyPatch) -> Any:
     n.cfg, n.node, n.run_id, n.script = RunConfig(nodes=2, workers_per_node=2), "n1", "run-agent", None
     n.store, n.children, n.restarts, n.undecided, n.worst = store, {}, {0: 0, 1: 0}, {}, 0
     n.notice, n.health, n.last_ok, n.last_look, n.look_every = _Notice(), _NoCheck(), 0.0, 0.0, 0.0
+    n.term_saves, n.term_at, n.term_stop_seen = False, None, False  # (no SIGTERM received)
     monkeypatch.setattr(n, "look", lambda store: True, raising=False)
     try:
         yield n, store, forks

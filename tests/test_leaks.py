@@ -81,17 +81,19 @@ def _as_a_shell_starts_it() -> None:
 
 
 class TaggedRun:
-    """`phoenixft run` in its own session, with TAG_ENV set to a tag of its own."""
+    """`phoenixft run` (or `command`: `launch`) in its own session, with TAG_ENV set to a tag of its own."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None, command: str = "run") -> None:
         self.tag = uuid.uuid4().hex
         self.run_dir, self.log = tmp / "run", tmp / "launcher.log"
         self.run_id = ""
         with open(self.log, "wb") as out:
-            self.p = subprocess.Popen([sys.executable, "-m", "phoenixft", "run", "--quiet", "--model", "tiny",
+            model = ["--model", "tiny"] if command == "run" else []  # (a launched script builds its own model)
+            self.p = subprocess.Popen([sys.executable, "-m", "phoenixft", command, "--quiet", *model,
                                        "--run-dir", str(self.run_dir), "--timeout", "120", *args],
                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, env=dict(os.environ, **{TAG_ENV: self.tag}),
+                                      start_new_session=True,
+                                      env=dict(os.environ, **(env or {}), **{TAG_ENV: self.tag}),
                                       preexec_fn=_as_a_shell_starts_it)
 
     def progress(self) -> int:
@@ -155,8 +157,9 @@ class TaggedRun:
 def tagged_run(tmp_path: Path) -> Iterator[Any]:
     made: list[TaggedRun] = []
 
-    def start(*args: str) -> TaggedRun:
-        made.append(TaggedRun(tmp_path, *args))
+    def start(*args: str, at: str = "", env: dict[str, str] | None = None, command: str = "run") -> TaggedRun:
+        (tmp_path / at).mkdir(exist_ok=True)
+        made.append(TaggedRun(tmp_path / at, *args, env=env, command=command))
         return made[-1]
 
     yield start
@@ -276,3 +279,104 @@ def test_sigkill_of_an_agent_or_a_worker_leaves_nothing(tagged_run: Any, who: st
         assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and rec["promoted"] == ["s0"], rec
     else:
         assert rec["action"] == "inplace" and rec["restarted"] == ["n1.0"] and rec["dead"] == [], rec
+
+
+# the paced workload (tests/user_workload.py): steps of >= 4 x 0.05 s, asleep, so that a signal falls mid-run
+PACED = {"PHOENIXFT_TEST_PACE_S": "0.05",
+         "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)}
+
+
+def _paced_flags(steps: int, ckpt: Path) -> list[str]:
+    return ["--nodes", "2", "--spares", "1", "--steps", str(steps), "--model", "nano", "--micro-batch", "2",
+            "--microbatches", "4", "--workload", "user_workload:paced_workload", "--persist-every", "1000",
+            "--persist-dir", str(ckpt)]
+
+
+def test_sigterm_to_every_process_saves_the_job_and_it_resumes_bitwise(tagged_run: Any, reference: Any,
+                                                                        tmp_path: Path) -> None:
+    """A scheduler ending the job with no notice (Slurm at `scancel` or at the time limit: SIGTERM to every process
+    of the job at once, SIGKILL KillWait later): with a persistent tier, every process of the run gets SIGTERM at
+    the same moment (launcher, zygote, store front, coordinator, agents, workers): the relays keep relaying, the
+    nodes stay, the job stops at a step boundary past the step it had reached with that step written to the
+    persistent tier (--persist-every alone would have written none), the launcher exits 75 within seconds and
+    nothing of the run is left; the same flags with --resume go on from that step and end bitwise equal to the
+    failure-free run."""
+    steps, ckpt = 40, tmp_path / "ckpt"
+    r = tagged_run(*_paced_flags(steps, ckpt), at="first", env=PACED)
+    r.wait_training(step=5)
+    procs = tagged(r.tag)
+    assert any("tlsproxy" in argv for argv in procs.values()), procs  # (the store's front is among them)
+    reached = r.progress()
+    t0 = time.monotonic()
+    for pid in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    code = r.p.wait(timeout=60)
+    term_to_exit_s = time.monotonic() - t0
+    assert code == 75, r.log.read_text(errors="replace")[-3000:]
+    _assert_nothing_left(r)
+    rep = r.report()
+    stopped = rep["stopped"]
+    assert rep["state"] == "stopped" and stopped["saved"] is True and stopped["reason"] == "SIGTERM received", stopped
+    assert reached <= stopped["step"] < steps and rep["steps_completed"] == stopped["step"], (reached, stopped)
+    assert (ckpt / f"step_{stopped['step']:08d}" / "MANIFEST.json").is_file()
+    assert rep["teardown"] == {"killed": [], "removed_segments": []}, rep["teardown"]
+    assert term_to_exit_s < 25.0, term_to_exit_s  # (within Slurm's default KillWait, 30 s, with its margin)
+    print(f"\n[sigterm] reached {reached}, saved {stopped['step']}, notice to stopped "
+          f"{stopped['notice_to_stopped_s']}s, SIGTERM to exit {term_to_exit_s:.2f}s")
+
+    again = tagged_run(*_paced_flags(steps, ckpt), "--resume", str(ckpt), at="second", env=PACED)
+    assert again.p.wait(timeout=120) == 0, again.log.read_text(errors="replace")[-3000:]
+    _assert_nothing_left(again)
+    rep2 = again.report()
+    ref = reference(nodes=2, steps=steps, microbatches=4, workload="user_workload:workload")
+    assert rep2["state"] == "done" and rep2["first_step"] == stopped["step"] + 1, (rep2["state"], rep2["first_step"])
+    assert rep2["final_state_sha256"] == ref["final_state_sha256"], rep2.get("error")
+
+
+def test_sigterm_to_one_agent_alone_is_a_lost_node(tagged_run: Any, reference: Any, tmp_path: Path) -> None:
+    """SIGTERM to one node's agent only, with a persistent tier: no stop of the job follows (the head got none),
+    so after the agent's wait (TERM_DECIDE_S) the node stops as a lost one, the spare takes its slot, and the run
+    ends done, bitwise equal to the failure-free run, with nothing left (its workers ignored the SIGTERM: their
+    agent decided)."""
+    from phoenixft.runtime.agent import TERM_DECIDE_S
+
+    steps, ckpt = 60, tmp_path / "ckpt"
+    r = tagged_run(*_paced_flags(steps, ckpt), env=PACED)
+    r.wait_training(step=3)
+    agent, workers = r.of_node("n1")
+    os.kill(agent, signal.SIGTERM)
+    for w in workers:
+        os.kill(w, signal.SIGTERM)
+    t0 = time.monotonic()
+    assert not _kill_and_gone([agent], TERM_DECIDE_S - 1.0), "the agent stopped before it waited for the job's stop"
+    assert _kill_and_gone([agent, *workers], 10.0), "the agent did not stop its node after its wait"
+    assert time.monotonic() - t0 >= TERM_DECIDE_S - 1.0
+    assert r.p.wait(timeout=120) == 0, r.log.read_text(errors="replace")[-3000:]
+    _assert_nothing_left(r)
+    rep = r.report()
+    (rec,) = rep["recoveries"]
+    assert rec["action"] == "hotswap" and rec["dead"] == ["n1"] and rec["promoted"] == ["s0"], rec
+    ref = reference(nodes=2, steps=steps, microbatches=4, workload="user_workload:workload")
+    assert rep["state"] == "done" and rep["final_state_sha256"] == ref["final_state_sha256"], rep.get("error")
+
+
+def test_sigterm_to_every_process_of_a_launched_script_saves_it(tagged_run: Any, tmp_path: Path) -> None:
+    """`phoenixft launch` takes the same path: SIGTERM to every process of a launched training script with a
+    persistent tier stops it at a step boundary past the step it had reached, that step written to the persistent
+    tier, exit 75, nothing left."""
+    ckpt = tmp_path / "ckpt"
+    script = Path(__file__).resolve().parents[1] / "examples" / "ddp_script_phoenixft.py"
+    r = tagged_run("--nodes", "2", "--spares", "1", "--persist-every", "1000", "--persist-dir", str(ckpt), str(script),
+                   "--steps", "3000", command="launch")
+    r.wait_training(step=3)
+    reached = r.progress()
+    for pid in tagged(r.tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    assert r.p.wait(timeout=60) == 75, r.log.read_text(errors="replace")[-3000:]
+    _assert_nothing_left(r)
+    rep = r.report()
+    assert rep["state"] == "stopped" and rep["stopped"]["saved"] is True, rep.get("stopped")
+    saved = rep["stopped"]["step"]
+    assert saved >= reached and (ckpt / f"step_{saved:08d}" / "MANIFEST.json").is_file(), (reached, saved)

@@ -5,8 +5,9 @@ Failures as Slurm delivers them: a node's step SIGKILLed, a node set DOWN with `
 the final state bitwise equal to the failure-free run); a node's notice (its step signalled SIGUSR1: a planned
 drain onto the spare, 0 steps lost); the job's notice (`--signal=B:USR1@T`, delivered as Slurm does, to the
 batch script: the job stops at a step boundary with that step saved, exits 75, the script requeues it and the
-requeued job resumes from the persistent tier, bitwise equal to the failure-free run); a requeue by the
-scheduler (SIGTERM to everything: the requeued job resumes from the last periodic checkpoint); a job refused at
+requeued job resumes from the persistent tier, bitwise equal to the failure-free run); the job ended with no
+notice (SIGTERM to every process: `scancel`, the time limit, a requeue by the scheduler): the same stop, within
+KillWait, exit 75, and a resumed job (resubmitted, or requeued) goes on from the step saved; a job refused at
 start (exit 2) and one that cannot continue (exit 1): failed, never requeued. The tests whose job ends by itself
 also check that no process is left in the node hosts but slurmd, and no memory of the run in their /dev/shm (each
 host has its own) but a SIGKILLed node's. The `slurm` marker: `make test` runs the ones not also marked `slow`.
@@ -60,14 +61,16 @@ def slurm(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     cluster.cmd("scancel", "--user=root", check=False)
 
 
-def _submit(c: SlurmCluster, tmp: Path, steps: int, *flags: str, **env: str) -> tuple[int, float]:
-    """Submit the users' batch script (3 nodes: 2 active, 1 spare) with the suite's model and the paced workload;
-    (job id, when)."""
+def _submit(c: SlurmCluster, tmp: Path, steps: int, *flags: str, sbatch_args: tuple[str, ...] = (),
+            **env: str) -> tuple[int, float]:
+    """Submit the users' batch script (3 nodes: 2 active, 1 spare) with the suite's model and the paced workload
+    (`sbatch_args`: sbatch's own options, over the script's #SBATCH lines); (job id, when)."""
     e = {**c.env, "PHOENIXFT": str(Path(sys.executable).parent / "phoenixft"), "PHOENIXFT_DIR": str(tmp / "jobs"),
          "PHOENIXFT_TEST_PACE_S": PACE_S,
          "PYTHONPATH": os.pathsep.join(q for q in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if q), **env}
     t = time.time()
-    job = c.sbatch(f"--nodes={len(NODES)}", f"--output={tmp / 'job.out'}", str(SBATCH), "--steps", str(steps),
+    job = c.sbatch(f"--nodes={len(NODES)}", f"--output={tmp / 'job.out'}", *sbatch_args, str(SBATCH), "--steps",
+                   str(steps),
                    "--model", "nano", "--micro-batch", "2", "--microbatches", MICRO,
                    "--workload", "user_workload:paced_workload", "--failure-timeout", "3", *flags, env=e)
     return job, t
@@ -327,28 +330,100 @@ def test_job_notice_stops_saved_requeues_and_resumes(slurm: SlurmCluster, tmp_pa
          notice_to_resumed_first_step_s=round(resumed - t_notice, 2))
 
 
+def test_job_ended_without_notice_saves_and_resumes(slurm: SlurmCluster, tmp_path: Path, reference: Any) -> None:
+    """`scancel JOB` with no --signal (as at the time limit without `--signal`): Slurm sends SIGTERM to every
+    process of the job at once - the batch script, the head, the store's front, every node's agent, workers and
+    TLS forwarder - and SIGKILL KillWait later (5 s on the tests' cluster). The relays keep relaying, the nodes
+    stay, the job stops at the next step boundary with that step written to the persistent tier (at or past the
+    step it had reached: --persist-every 1000 alone would have written none), the head exits 75 and the script
+    with it, before the SIGKILL; a job submitted again with that checkpoint (PHOENIXFT_CKPT) resumes from it and
+    ends COMPLETED, bitwise equal to the failure-free run. Nothing is left on any node."""
+    steps = STEPS
+    ref = _ref(reference, steps)
+    job, _ = _submit(slurm, tmp_path, steps, "--persist-every", "1000")
+    _wait_step(slurm, tmp_path, job, 5)
+    reached = max(m["step"] for m in _metrics(_run_dir(tmp_path, job)))
+    t_term = time.time()
+    slurm.cmd("scancel", str(job))
+    j = slurm.wait_job(job, JOB_S)
+    term_to_job_ended_s = round(time.time() - t_term, 2)  # (Slurm records the end once the batch script exited)
+    first = _report(tmp_path, job, 0)
+    term_to_report_s = round((_run_dir(tmp_path, job) / "report.json").stat().st_mtime - t_term, 2)
+    assert j["JobState"] == "CANCELLED" and j["Restarts"] == "0", (j, _out(tmp_path))
+    assert first["state"] == "stopped" and first["stopped"]["saved"] is True, (first.get("stopped"), _out(tmp_path))
+    assert first["stopped"]["reason"] == "SIGTERM received", first["stopped"]
+    saved = first["stopped"]["step"]
+    assert reached - 1 <= saved < steps and first["steps_completed"] == saved, (reached, first["stopped"])
+    ckpt = tmp_path / "jobs" / str(job) / "ckpt"
+    assert (ckpt / f"step_{saved:08d}" / "MANIFEST.json").is_file()
+    assert "the head exited 75 (attempt 0)" in _out(tmp_path) and "not requeued here" in \
+        _out(tmp_path), _out(tmp_path)
+    assert j["ExitCode"] == "75:0", j["ExitCode"]
+    assert _left_behind(slurm, first["run_id"]) == {"processes": {}, "segments": {}}
+    _say("job ended without notice", reached=reached, saved_step=saved, exit_code=j["ExitCode"],
+         notice_to_stopped_s=first["stopped"]["notice_to_stopped_s"], sigterm_to_report_s=term_to_report_s,
+         sigterm_to_job_ended_s=term_to_job_ended_s)
+
+    again, _ = _submit(slurm, tmp_path, steps, "--persist-every", "1000", PHOENIXFT_CKPT=str(ckpt))
+    j2 = slurm.wait_job(again, JOB_S)
+    assert j2["JobState"] == "COMPLETED" and j2["ExitCode"] == "0:0", (j2, _out(tmp_path))
+    second = _report(tmp_path, again, 0)
+    assert second["state"] == "done" and second["first_step"] == saved + 1, (second.get("first_step"), saved)
+    assert second["final_state_sha256"] == ref["final_state_sha256"], second.get("error")
+    assert _left_behind(slurm, second["run_id"]) == {"processes": {}, "segments": {}}
+
+
 @pytest.mark.slow
-def test_scheduler_requeue_resumes_from_the_last_checkpoint(slurm: SlurmCluster, tmp_path: Path,
-                                                            reference: Any) -> None:
+def test_time_limit_without_notice_saves_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path,
+                                                              reference: Any) -> None:
+    """A job that reaches its time limit (`--time=1`, no `--signal` notice): Slurm sends SIGTERM to every process of
+    it (SIGKILL KillWait later); the job stops at a step boundary with that step saved, the head exits 75, the script
+    requeues it (Reason=TimeLimit), and each attempt resumes from the step the one before saved (an attempt that
+    reaches the limit again is stopped and requeued the same way) until the job ends COMPLETED, bitwise equal to the
+    failure-free run. (Slurm looks at time limits every 30 s: an attempt lasts 60-90 s.)"""
+    steps = 500  # (paced: >= 100 s of steps, more than one attempt's 90 s)
+    ref = _ref(reference, steps)
+    # the script's notice (--signal=B:USR1@120, which a 1-minute job would get at once) replaced by a signal the batch
+    # shell ignores (sbatch cannot drop an #SBATCH --signal): no notice reaches the job before its SIGTERM
+    job, _ = _submit(slurm, tmp_path, steps, "--persist-every", "1000", sbatch_args=("--time=1", "--signal=B:URG@1"))
+    j = slurm.wait_job(job, 600)
+    assert j["JobState"] == "COMPLETED" and int(j["Restarts"]) >= 1, (j, _out(tmp_path))
+    attempts = int(j["Restarts"]) + 1
+    for a in range(attempts - 1):
+        rep = _report(tmp_path, job, a)
+        stopped = rep["stopped"]
+        assert rep["state"] == "stopped" and stopped["saved"] and stopped["reason"] == "SIGTERM received", stopped
+        assert f"the head exited 75 (attempt {a})" in _out(tmp_path), _out(tmp_path)
+        nxt = _report(tmp_path, job, a + 1)
+        assert nxt["first_step"] == stopped["step"] + 1, (a, nxt["first_step"], stopped["step"])
+        _say(f"time limit, attempt {a}", saved_step=stopped["step"], notice_to_stopped_s=stopped["notice_to_stopped_s"])
+    last = _report(tmp_path, job, attempts - 1)
+    assert last["state"] == "done" and last["final_state_sha256"] == ref["final_state_sha256"], last.get("error")
+    assert _left_behind(slurm, last["run_id"]) == {"processes": {}, "segments": {}}
+
+
+@pytest.mark.slow
+def test_scheduler_requeue_saves_and_resumes(slurm: SlurmCluster, tmp_path: Path, reference: Any) -> None:
     """A requeue by the scheduler (`scontrol requeue`, as a preemption with PreemptMode=REQUEUE: SIGTERM to every
-    process of the job, no notice first): the job ends at once (no step boundary to wait for), the requeued job
-    resumes from the last periodic checkpoint (--persist-every 4) and ends bitwise equal to the failure-free run:
-    the steps since that checkpoint are trained again."""
+    process of the job, no notice first): the job stops at a step boundary with that step saved (--persist-every 4
+    notwithstanding), the head exits 75 (the script leaves the requeue to Slurm, which does it), and the requeued
+    job resumes from that step, nothing lost, bitwise equal to the failure-free run."""
     steps = STEPS
     ref = _ref(reference, steps)
     job, _ = _submit(slurm, tmp_path, steps, "--persist-every", "4")
     _wait_step(slurm, tmp_path, job, 6)
+    reached = max(m["step"] for m in _metrics(_run_dir(tmp_path, job)))
     slurm.cmd("scontrol", "requeue", str(job))
     j = slurm.wait_job(job, JOB_S)
     assert j["JobState"] == "COMPLETED" and j["Restarts"] == "1", (j, _out(tmp_path))
-    reached = max(m["step"] for m in _metrics(_run_dir(tmp_path, job, 0)))
+    first = _report(tmp_path, job, 0)
+    assert first["state"] == "stopped" and first["stopped"]["saved"] is True, (first.get("stopped"), _out(tmp_path))
+    saved = first["stopped"]["step"]
+    assert reached <= saved < steps and "the head exited 75 (attempt 0)" in _out(tmp_path), (reached, saved)
     second = _report(tmp_path, job, 1)
-    assert second["state"] == "done" and reached < steps, (second["state"], reached)
-    # resumed from the newest periodic checkpoint the first attempt completed (every 4 steps, at most its last)
-    assert (second["first_step"] - 1) % 4 == 0 and 5 <= second["first_step"] <= reached + 1, (second["first_step"],
-                                                                                                 reached)
+    assert second["state"] == "done" and second["first_step"] == saved + 1, (second["first_step"], saved)
     assert second["final_state_sha256"] == ref["final_state_sha256"], second.get("error")
-    _say("scheduler requeue", resumed_at_step=second["first_step"])
+    _say("scheduler requeue", reached=reached, saved_step=saved, resumed_at_step=second["first_step"])
 
 
 def test_refused_job_exits_2_and_is_not_requeued(slurm: SlurmCluster, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from phoenixft.controlplane import sealed
 from phoenixft.controlplane.values import parse_drain_request
 from phoenixft.errors import UserError
 from phoenixft.runtime.exitcode import DONE, FAILED, INTERRUPTED_CODE, RESUMABLE, exit_code
-from phoenixft.runtime.stopsignal import StopOnSignal, parse_stop_signals
+from phoenixft.runtime.stopsignal import TERM_OVERDUE_S, TERM_WINDOW_S, StopOnSignal, parse_stop_signals, term_stops
 
 
 def test_stop_signals_parse_by_name_or_number_once_each() -> None:
@@ -76,3 +76,40 @@ def test_the_head_refuses_a_stop_signal_without_a_persistent_tier(tmp_path: Path
         "phoenixft coordinator: error: --stop-signal saves the job's state to the persistent tier when it stops: "
         "give --persist-every K and --persist-dir DIR (storage every host mounts)"), p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_stops_the_job_only_where_there_is_a_persistent_tier() -> None:
+    assert term_stops(0, []) == [] and term_stops(0, [signal.SIGUSR1]) == [signal.SIGUSR1]
+    assert term_stops(100, []) == [signal.SIGTERM]
+    assert term_stops(100, [signal.SIGUSR1]) == [signal.SIGUSR1, signal.SIGTERM]
+    assert term_stops(100, [signal.SIGTERM, signal.SIGUSR2]) == [signal.SIGTERM, signal.SIGUSR2]
+
+
+def test_a_sigterm_stop_carries_its_deadline_and_ends_the_head_once_overdue() -> None:
+    """SIGTERM has no notice before it and SIGKILL follows: its request carries the deadline the coordinator bounds
+    its waits by; later SIGTERMs change nothing; a stop still going TERM_OVERDUE_S past it ends the head as Ctrl-C."""
+    writes: list[bytes] = []
+
+    class _Store:
+        def set(self, key: str, value: bytes | str) -> None:
+            writes.append(value if isinstance(value, bytes) else value.encode())
+
+    said: list[str] = []
+    sealed.bind("Aq3-Zt9_pL0wYv2s" * 2, "run-stop")
+    s = StopOnSignal([signal.SIGUSR1, signal.SIGTERM])
+    s.on_signal(signal.SIGTERM, None)
+    t = s.pending[1] if s.pending else 0.0
+    s.tick(_Store(), said.append)  # type: ignore[arg-type]
+    s.on_signal(signal.SIGTERM, None)
+    s.on_signal(signal.SIGUSR1, None)
+    s.tick(_Store(), said.append)  # type: ignore[arg-type]
+    rec = parse_drain_request(sealed.unseal("stop/request", writes[0]), "stop/request")
+    sealed.unbind()
+    assert len(writes) == 1 and rec is not None and rec["reason"] == "SIGTERM received", (writes, rec)
+    assert rec["deadline"] == t + TERM_WINDOW_S and rec["t"] == t, rec
+    assert said == [f"== SIGTERM received: the job stops at the next step boundary with its state saved (within "
+                    f"{TERM_WINDOW_S:g}s)"]
+    assert s.deadline is not None
+    s.deadline -= TERM_WINDOW_S + TERM_OVERDUE_S + 1.0  # (as if that long had passed)
+    with pytest.raises(KeyboardInterrupt):
+        s.tick(_Store(), said.append)  # type: ignore[arg-type]

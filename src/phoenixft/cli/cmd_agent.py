@@ -27,6 +27,10 @@ def _run(args: argparse.Namespace) -> int:
     import sys
 
     from phoenixft.runtime.agent import run_agent
+    from phoenixft.runtime.procs import exit_now
 
     flag = "--store" if any(a.startswith("--store") for a in sys.argv[1:]) else "--coordinator"  # errors name it
-    return run_agent(args, flag)
+    # the node is cleaned up (workers reaped, its memory freed, its leaving told): exit without the interpreter's
+    # finalization, seconds with torch imported on a busy host (a scheduler ending the job SIGKILLs what is left)
+    exit_now(run_agent(args, flag))
+    return 0  # (not reached)

@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="signals that mean every node of the job goes (a scheduler's time limit or preemption, e.g. "
                         "SIGUSR1 from Slurm's --signal=B:USR1@120): the job stops at the next step boundary with that "
                         "step saved to --persist-dir, and this command exits 75 (resume with --resume); needs "
-                        "--persist-every (default: none; SIGTERM then stops the job at once)")
+                        "--persist-every (default: none). With --persist-every, SIGTERM (Slurm's scancel or time "
+                        "limit: no notice, SIGKILL after KillWait) stops the job so too, within 25 s")
     add_run_arguments(p, exclude=_LOCAL_ONLY)
     p.set_defaults(func=coordinator)
 
@@ -74,7 +75,7 @@ def coordinator(args: argparse.Namespace) -> int:
     # from the command line as it is checked)
     cfg = None if args.token else config_from_args(args)
     from phoenixft.controlplane import auth
-    from phoenixft.runtime.exitcode import exit_code
+    from phoenixft.runtime.exitcode import command_exit
     from phoenixft.runtime.launcher import run_job
     from phoenixft.runtime.stopsignal import parse_stop_signals
 
@@ -84,7 +85,7 @@ def coordinator(args: argparse.Namespace) -> int:
     cfg = cfg or config_from_args(args)
     stop_signals = parse_stop_signals(args.stop_signal)
     report = run_job(cfg, host=args.host, port=args.port, token=token, local=False, stop_signals=stop_signals)
-    return exit_code(report)  # (0 done, 75 stopped with its state saved, 130 interrupted, else 1: runtime/exitcode.py)
+    return command_exit(report)  # (0 done, 75 stopped with its state saved, 130 interrupted, else 1: exitcode.py)
 
 
 def standby(url: str, token_flag: str, token_file: str = "") -> int:

@@ -68,7 +68,8 @@ def launch(args: argparse.Namespace) -> int:
     args.script, args.script_args = path, list(args.script_args)
     args.steps = SCRIPT_STEPS
     cfg = config_from_args(args)
-    from phoenixft.runtime.launcher import INTERRUPTED, run_job
+    from phoenixft.runtime.exitcode import command_exit
+    from phoenixft.runtime.launcher import run_job
 
     if args.head:
         if not args.host:
@@ -76,6 +77,4 @@ def launch(args: argparse.Namespace) -> int:
         report = run_job(cfg, host=args.host, port=args.port, token=token, local=False)
     else:
         report = run_job(cfg, token=token)
-    if report.get("state") == INTERRUPTED:
-        return 130
-    return 0 if report.get("state") == "done" else 1
+    return command_exit(report)  # (0 done, 75 stopped with its state saved, 130 interrupted, else 1: exitcode.py)

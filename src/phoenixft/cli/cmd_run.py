@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_estimate(estimate_config(cfg), cfg))
         return 0
-    from phoenixft.runtime.exitcode import exit_code
+    from phoenixft.runtime.exitcode import command_exit
     from phoenixft.runtime.launcher import run_job
 
     report = run_job(cfg, token=token)
-    return exit_code(report)  # (130: stopped by Ctrl-C, SIGTERM or SIGHUP, as the shell says it; runtime/exitcode.py)
+    return command_exit(report)  # (0, 75, 1, 130 as runtime/exitcode.py says: what a scheduler decides by)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from phoenixft.controlplane import netns
 from phoenixft.controlplane.server import StoreServer, format_addr, listen_on
 from phoenixft.controlplane.storewire import Limits
+from phoenixft.controlplane.tlsproxy import STOP_SIGNAL
 from phoenixft.errors import UserError
 
 __all__ = ["Relay", "start_relay", "StoreFront", "serve_job_store", "is_loopback", "START_TIMEOUT_S"]
@@ -57,7 +58,7 @@ class Relay:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(STOP_SIGNAL)  # (it ignores SIGTERM: see controlplane/tlsproxy.py)
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

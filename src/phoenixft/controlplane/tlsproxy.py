@@ -28,10 +28,14 @@ its own user (the same exact four-tuple check), and relays each through a new TL
 front, verifying its certificate against the job CA.
 
 Both print `listening PORT` on stdout once they listen (and nothing else there), log refusals to stderr (a
-few per peer, then counted), and exit when their parent dies (the kernel's parent-death signal) or on
-SIGTERM. One asyncio loop relays every connection. The script imports the standard library and the
-package's standard-library modules only (no torch): it starts in ~0.1 s. The TLS contexts every side of the
-job uses are made here (`server_context`, `client_context`).
+few per peer, then counted), and exit on STOP_SIGNAL (SIGALRM: nothing else sends it, and its default action ends
+the process without a core dump, also before its handler is in place): their parent's stop (`front.Relay.stop`), or
+the kernel's parent-death signal when their parent dies. They ignore SIGTERM: a scheduler ending a job (Slurm at
+`scancel` or at the time limit) sends it to every process of the job at once, and the job then saves its state
+through these relays before it exits (docs/hosts.md); their parent ends them once it has. One asyncio loop
+relays every connection. The script imports the standard library and the package's standard-library modules
+only (no torch): it starts in ~0.1 s. The TLS contexts every side of the job uses are made here
+(`server_context`, `client_context`).
 """
 
 from __future__ import annotations
@@ -55,13 +59,14 @@ from phoenixft.controlplane import netns, storewire  # noqa: E402
 from phoenixft.controlplane.peers import Identity  # noqa: E402
 
 __all__ = ["main", "server_context", "client_context", "TLS_ENV", "HANDSHAKE_TIMEOUT_S", "MAX_CONNECTIONS",
-           "MAX_PER_ADDRESS"]
+           "MAX_PER_ADDRESS", "STOP_SIGNAL"]
 
 TLS_ENV = ("PHOENIXFT_TLS_CERT", "PHOENIXFT_TLS_KEY", "PHOENIXFT_TLS_CA")
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake, and a client's first request, must come within this
 MAX_CONNECTIONS = 4096  # relayed connections at once (fewer where the open-file limit is lower: two files each)
 MAX_PER_ADDRESS = 512  # ... from one remote address
 PR_SET_PDEATHSIG = 1
+STOP_SIGNAL = signal.SIGALRM  # a relay's end: its parent's stop, or the parent-death signal (never SIGTERM: see above)
 CHUNK = 1 << 16
 LOG_PER_PEER = 3
 _logged: Counter[str] = Counter()
@@ -374,14 +379,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(STOP_SIGNAL), 0, 0, 0)
     if os.getppid() != a.parent:  # it died before the line above
         return 1
     # Ctrl-C and a terminal's hangup reach every process of the foreground group: the parent stops on them, and it
-    # still reads the store through this relay for its report and teardown; it ends the relay itself (SIGTERM), or
-    # the kernel does when it dies. A drain or stop notice sent to every process of a node (as Slurm signals a
-    # step's) is its agent's or head's, never the relay's end.
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    # still reads the store through this relay for its report and teardown; it ends the relay itself (STOP_SIGNAL),
+    # or the kernel does when it dies. A drain or stop notice sent to every process of a node (as Slurm signals a
+    # step's), and the SIGTERM of a job being ended (the job saves its state through this relay first), are its
+    # agent's or head's, never the relay's end.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     files = [os.environ.get(k, "") for k in TLS_ENV]
     if (a.mode == "forwarder" or a.public_tls) and not all(files):
@@ -393,12 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         coro = _front(a, server_context(*files) if a.public_tls else None)
     else:
         coro = _forwarder(_hostport(a.target), client_context(*files))
-    loop.add_signal_handler(signal.SIGTERM, loop.stop)
+    loop.add_signal_handler(STOP_SIGNAL, loop.stop)
     try:
         loop.run_until_complete(coro)
     except KeyboardInterrupt:
         return 130
-    except RuntimeError:  # (stopped by SIGTERM)
+    except RuntimeError:  # (stopped by STOP_SIGNAL)
         pass
     finally:
         _write_stats()

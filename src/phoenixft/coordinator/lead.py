@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import sys
 import threading
 import time
@@ -361,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--announce", default="", help="a line to print once this coordinator stands by (a "
                     "control plane with leases)")
     a = ap.parse_args(argv)
+    # a job's SIGTERM is its launcher's to act on (a scheduler ending the job signals every process at once: the
+    # launcher then has the job stop with its state saved, which this process carries out); the launcher ends this
+    # process itself, and the kernel does when the launcher dies (a standby, `phoenixft coordinator --standby`, has no
+    # launcher: SIGTERM ends it)
+    if not a.announce:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     token = os.environ.get(auth.TOKEN_ENV, "")
     if not token:
         print(f"phoenixft coordinator: error: no job token in ${auth.TOKEN_ENV} (it signs what the coordinator "

@@ -17,6 +17,12 @@ the control plane for `--control-plane-timeout` seconds - it kills its workers, 
 and unlinks the node's segments. A worker that dies while the agent lives is restarted in place and
 finds the segments it left.
 
+A SIGTERM, when the job has a persistent tier (and SIGTERM is not the agent's drain notice), may mean that the whole
+job is being ended (Slurm at `scancel` or at the time limit signals every process of it at once, SIGKILL following):
+the head then stops the job with its state saved, so the agent keeps its node (and its workers, which ignore SIGTERM)
+until the run ends, within the stop's window; with no stop of the job seen within TERM_DECIDE_S, the SIGTERM was
+this node's alone and the node stops as above (`_Node.on_sigterm`, `_Node.term_tick`).
+
 Joining: the agent proves to the coordinator that it holds the job token (HMAC challenge-response,
 `phoenixft.controlplane.auth`) before it is admitted; the coordinator names its node id (`n<i>` for an active
 slot, `s<k>` for a spare; a `--node` that already has that form is asked for as is) and the run id.
@@ -62,6 +68,7 @@ MAX_RESTARTS = 3
 RUN_ID_SETTLE_S = 3.0  # a run id in the store that is not --run-id: looked at again this long (put back?) first
 MAX_AGENT_WAIT_S = MAX_FAILURE_TIMEOUT_S  # --connect-timeout, --join-timeout, --control-plane-timeout: a day
 CALL_TIMEOUT_S = 5.0  # the agent's own store calls: a partitioned host notices within this, then reconnects
+TERM_DECIDE_S = 5.0  # after a SIGTERM (with a persistent tier): no stop of the job within this, and the node stops
 _ID = re.compile(r"^[ns]\d+$")
 
 
@@ -92,9 +99,10 @@ class StoppedWorkers:
 
 
 def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: int, incarnation: int = 0,
-                 drain_signal: int = 0, script: tuple[str, list[str]] | None = None) -> int:
+                 drain_signal: int = 0, script: tuple[str, list[str]] | None = None, term_ignored: bool = False) -> int:
     """A worker forked from this agent's image: the built-in trainer's, or (`script`: its path and arguments) a
-    user's training script run as `__main__` (runtime/script.py)."""
+    user's training script run as `__main__` (runtime/script.py). `term_ignored`: the worker ignores SIGTERM (its
+    agent decides what one means for the node: `_Node.on_sigterm`)."""
     from phoenixft.runtime.procs import fork
 
     parent = os.getpid()
@@ -104,6 +112,8 @@ def _fork_worker(store: str, node: str, local_rank: int, run_id: str, threads: i
         try:
             for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
                 signal.signal(s, signal.SIG_DFL)
+            if term_ignored:  # (a scheduler ending the job signals every process: the job saves its state first)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if drain_signal not in (0, signal.SIGTERM):  # a notice sent to the node's whole process group (Slurm
                 signal.signal(drain_signal, signal.SIG_IGN)  # signals every process of a step) is the agent's
             die_with_parent(signal.SIGKILL, parent)  # never outlive the agent that owns the node's memory
@@ -439,6 +449,11 @@ class _Node:
         # a spare's health checks: when it joins, and whenever the coordinator asks (a re-check, a promotion)
         host = os.environ.get(HOST_ID_ENV, "") or f"{socket.gethostname()}@{bind}"
         self.health = SpareHealth(cfg, node, run_id, host, self.notice.drain_signal, a.workers)
+        # SIGTERM with a persistent tier and no --drain-on-sigterm: the job may be being ended (a scheduler signals
+        # every process of it at once), and then it saves its state first (`on_sigterm`, `term_tick`)
+        self.term_saves = bool(cfg.persist_every) and not self.notice.on_sigterm
+        self.term_at: float | None = None  # when the first such SIGTERM came (this clock)
+        self.term_stop_seen = False  # ... and whether the job's stop has been seen since
 
     def run(self) -> int:
         """Own the node's memory, fork the workers, supervise them until they are done, then leave."""
@@ -472,7 +487,7 @@ class _Node:
                       file=sys.stderr, flush=True)
         for i in range(self.a.workers):
             self.children[_fork_worker(self.a.store, self.node, i, self.run_id, self.a.threads, script=self.script,
-                                       drain_signal=self.notice.drain_signal)] = i
+                                       drain_signal=self.notice.drain_signal, term_ignored=self.term_saves)] = i
         stopped_early = self.supervise()
         if stopped_early is not None:
             return stopped_early
@@ -519,6 +534,7 @@ class _Node:
                 self.store = _reconnect(self.a.store)  # never reuse a failed connection: its answer may come late
                 if self.store is None:
                     time.sleep(0.2)
+            self.term_tick()
             if self.notice.expired():  # a preemption's notice ran out before the node left: it goes now
                 print(f"phoenixft agent {self.node}: preemption notice ran out; SIGKILL of the node", flush=True)
                 signal_node(os.getpid(), signal.SIGKILL)  # (this node only: never the script that started it)
@@ -529,7 +545,8 @@ class _Node:
         return None
 
     def on_sigterm(self, signum: int, frame: object) -> None:
-        """SIGTERM: a drain notice with --drain-on-sigterm (the first one, the launcher alive), else stop."""
+        """SIGTERM: a drain notice with --drain-on-sigterm (the first one, the launcher alive); with a persistent tier,
+        the job being ended, maybe (`term_tick` decides; this one, and any that follow, only recorded); else stop."""
         parent_gone = False
         if self.a.parent_pid:
             try:
@@ -541,7 +558,42 @@ class _Node:
         if self.notice.takes_sigterm() and not parent_gone:
             self.notice.on_signal(signum, frame)
             return
+        if self.term_saves and not parent_gone:
+            if self.term_at is None:
+                self.term_at = time.monotonic()
+            return
         self.stop(signum, frame)
+
+    def term_tick(self) -> None:
+        """After a SIGTERM with a persistent tier (`on_sigterm`): the node stays while the job stops with its state
+        saved (the head got the SIGTERM too and asked for that stop: its workers train to the step boundary and save
+        it, then the run ends and the node leaves as after any run), bounded by the stop's window; when no stop of
+        the job is seen within TERM_DECIDE_S, the SIGTERM was this node's alone and the node stops (a lost node)."""
+        from phoenixft.runtime.stopsignal import TERM_OVERDUE_S, TERM_WINDOW_S
+
+        if self.term_at is None:
+            return
+        if not self.term_stop_seen and self.store is not None:
+            try:
+                self.term_stop_seen = self.job_stopping(self.store)
+            except Exception:  # noqa: BLE001 - no answer now: the supervision loop reconnects, the window runs on
+                pass
+        waited = time.monotonic() - self.term_at
+        if waited > (TERM_WINDOW_S + TERM_OVERDUE_S if self.term_stop_seen else TERM_DECIDE_S):
+            print(f"phoenixft agent {self.node}: SIGTERM "
+                  + (f"and the job did not end within {waited:.0f}s" if self.term_stop_seen else
+                     f"and no stop of the job within {TERM_DECIDE_S:g}s (the signal was this node's)")
+                  + "; stopping the node", flush=True)
+            self.stop(signal.SIGTERM, None)
+
+    def job_stopping(self, store: Store) -> bool:
+        """The job is stopping with its state saved (its stop request, sealed with the run key), or has ended."""
+        from phoenixft.controlplane import keys, sealed
+        from phoenixft.controlplane.signed import run_ended
+
+        if sealed.has(store, keys.STOP_REQUEST):
+            return True
+        return store.check([keys.RUN_STATE]) and run_ended(store, self.run_id) is not None
 
     def look(self, store: Store) -> bool:
         """One look at the control plane: stop if fenced, heartbeat unless a worker has been stopped too long,
@@ -653,7 +705,8 @@ class _Node:
         self.restarts[lr] = n
         try:
             self.children[_fork_worker(self.a.store, self.node, lr, self.run_id, self.a.threads, n,
-                                       self.notice.drain_signal, script=self.script)] = lr
+                                       self.notice.drain_signal, script=self.script,
+                                       term_ignored=self.term_saves)] = lr
         except OSError as e:  # (no memory or process left on the host: this node cannot go on whole)
             print(f"phoenixft agent {self.node}: worker {wid} exited ({code}) and could not be restarted: {e}",
                   flush=True)

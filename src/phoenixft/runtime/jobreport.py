@@ -105,13 +105,15 @@ def lost_report(job: LocalJob, cfg: RunConfig, state: str) -> dict[str, Any]:
             "report_partial": "the control plane was lost: this report holds only what the launcher had seen"}
 
 
-def resume_point(persist_dir: str) -> dict[str, Any] | None:
+def resume_point(persist_dir: str, verify: bool = True) -> dict[str, Any] | None:
     """The newest complete checkpoint of the persistent tier once the run's processes are gone (every write
-    they had begun finished or given up): {"dir", "step"}, or None if there is none that verifies."""
-    from phoenixft.protect.persist import verified_manifest
+    they had begun finished or given up): {"dir", "step"}, or None if there is none that verifies. `verify`
+    False: the newest complete one, its files not read (a job being ended by SIGTERM has until the SIGKILL; reading
+    a large checkpoint back could take longer, and `--resume` verifies it anyway)."""
+    from phoenixft.protect.persist import latest_manifest, verified_manifest
 
     try:
-        man, _ = verified_manifest(persist_dir)
+        man = verified_manifest(persist_dir)[0] if verify else latest_manifest(persist_dir)
     except Exception:  # noqa: BLE001 - an unreadable directory: nothing to resume from, said so
         return None
     return {"dir": persist_dir, "step": int(man["step"])} if man is not None else None
@@ -137,7 +139,8 @@ def write_report(job: LocalJob, cfg: RunConfig, state: str, report: dict[str, An
                          "took over while this host was cut off from the control plane); its keys are left to it")
     report["teardown_stopped_while_starting"] = job.stopped_starting
     if state != "done" and cfg.persist_dir:
-        report["resume_from"] = resume_point(cfg.persist_dir)
+        ending = getattr(job.stop_notice, "deadline", None) is not None  # (a SIGTERM's stop: SIGKILL follows)
+        report["resume_from"] = resume_point(cfg.persist_dir, verify=not ending)
         job.display.info(resume_line(cfg.persist_dir, report["resume_from"]))
     (job.run_dir / "report.json").write_text(json.dumps(report, indent=2))
     if cfg.report:

@@ -5,8 +5,8 @@ It checks what the mode can do (`check_mode`), then puts three parts together: t
 this host (`phoenixft.runtime.localjob.LocalJob`: the store, the coordinators, the agents, supervising
 them, the run directory), their teardown (`phoenixft.runtime.teardown`, on every exit path) and the
 report (`phoenixft.runtime.jobreport`). Ctrl-C, SIGTERM and SIGHUP stop the run (`failed: interrupted`)
-with a report and a full teardown, never an orphaned job; the head's `--stop-signal`s stop it at a step boundary
-with its state saved instead (`phoenixft.runtime.stopsignal`).
+with a report and a full teardown, never an orphaned job; the head's `--stop-signal`s, and SIGTERM when the job has a
+persistent tier, stop it at a step boundary with its state saved instead (`phoenixft.runtime.stopsignal`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from phoenixft.runtime.jobreport import (
     write_report,
 )
 from phoenixft.runtime.localjob import LocalJob
-from phoenixft.runtime.stopsignal import StopOnSignal
+from phoenixft.runtime.stopsignal import StopOnSignal, term_stops
 from phoenixft.runtime.teardown import STOP_GRACE_S
 
 __all__ = ["LocalJob", "run_job", "check_mode", "check_local_size", "STOP_GRACE_S", "INTERRUPTED"]
@@ -121,8 +121,9 @@ def run_job(cfg: RunConfig, display: Display | None = None, *, host: str = "127.
             # and so must SIGHUP (the terminal closed)
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
-            if stop_signals:  # (after SIGTERM's: a stop signal's handler replaces it)
-                job.stop_notice = StopOnSignal(stop_signals)
+            signals = term_stops(cfg.persist_every, stop_signals or [])  # (SIGTERM too, with a persistent tier)
+            if signals:  # (after SIGTERM's: a stop signal's handler replaces it)
+                job.stop_notice = StopOnSignal(signals)
                 job.stop_notice.install()
         try:
             state = _run(job, cfg)

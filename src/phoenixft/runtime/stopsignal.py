@@ -6,8 +6,14 @@ persistent tier (`controlplane.drain.request_stop`; coordinator/stop.py); the ru
 exits with code 75 (runtime/exitcode.py). The handler only records the signal (a handler may run anywhere in the
 launcher's loop, whose store client must not be used from it); `tick`, called from the launcher's look at the store,
 writes the request. A stop signal that comes again while the job stops changes nothing (Slurm may send its notice
-to the batch script and its processes alike); Ctrl-C and SIGHUP still stop the head at once, and so does SIGTERM
-when it is not one of the stop signals.
+to the batch script and its processes alike); Ctrl-C and SIGHUP still stop the head at once.
+
+SIGTERM with no notice before it (Slurm at `scancel` or at the time limit, a preemption without
+`send_user_signal`, `kill`) is a stop signal too whenever the job has a persistent tier (`term_stops`): the job is
+being ended, so it stops at the next step boundary with that step saved, as after a notice, but within
+TERM_WINDOW_S (Slurm sends SIGKILL KillWait after its SIGTERM: 30 s by default). The request carries that deadline
+(coordinator/stop.py bounds its waits by it), and a stop not over TERM_OVERDUE_S after it ends the head as Ctrl-C
+does. Without a persistent tier there is nothing to save: SIGTERM stops the head at once (exit 130).
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from typing import Any
 from phoenixft.controlplane import Store
 from phoenixft.errors import UserError
 
-__all__ = ["StopOnSignal", "parse_stop_signals"]
+__all__ = ["StopOnSignal", "parse_stop_signals", "term_stops", "TERM_WINDOW_S", "TERM_OVERDUE_S"]
+
+TERM_WINDOW_S = 25.0  # a SIGTERM's stop is over within this (Slurm's default KillWait, 30 s, less a margin)
+TERM_OVERDUE_S = 5.0  # ... and one still going this long after that ends the head at once (as Ctrl-C)
 
 _REFUSED = (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP)
 
@@ -45,6 +54,13 @@ def parse_stop_signals(text: str) -> list[int]:
     return out
 
 
+def term_stops(persist_every: int, stop_signals: list[int]) -> list[int]:
+    """The head's stop signals: `stop_signals`, and SIGTERM when the job has a persistent tier to save to."""
+    if persist_every and signal.SIGTERM not in stop_signals:
+        return [*stop_signals, signal.SIGTERM]
+    return list(stop_signals)
+
+
 class StopOnSignal:
     """Records the first of `signals` and, at the launcher's next look, asks the coordinator to stop the job."""
 
@@ -52,6 +68,7 @@ class StopOnSignal:
         self.signals = signals
         self.pending: tuple[int, float] | None = None  # (signal, when) of the notice, not yet written
         self.sent = False
+        self.deadline: float | None = None  # (a SIGTERM's: when the stop must be over, wall clock)
 
     def install(self) -> None:
         """Main thread only (as every signal handler)."""
@@ -63,14 +80,20 @@ class StopOnSignal:
             self.pending = (signum, time.time())
 
     def tick(self, store: Store, say: Any = None) -> None:
-        """Write the stop request of a notice received (once); `say(text)` tells the person watching."""
+        """Write the stop request of a notice received (once); `say(text)` tells the person watching.
+        KeyboardInterrupt when a SIGTERM's stop is overdue (the head then ends as at Ctrl-C)."""
+        if self.sent and self.deadline is not None and time.time() > self.deadline + TERM_OVERDUE_S:
+            raise KeyboardInterrupt
         if self.pending is None or self.sent:
             return
         from phoenixft.controlplane.drain import request_stop
 
         signum, t = self.pending
         name = signal.Signals(signum).name
-        request_stop(store, f"{name} received", "signal", t=t)
+        if signum == signal.SIGTERM:  # the job is being ended: no notice, SIGKILL follows
+            self.deadline = t + TERM_WINDOW_S
+        request_stop(store, f"{name} received", "signal", deadline=self.deadline, t=t)
         self.sent = True
         if say is not None:
-            say(f"== {name} received: the job stops at the next step boundary with its state saved")
+            within = f" (within {TERM_WINDOW_S:g}s)" if self.deadline is not None else ""
+            say(f"== {name} received: the job stops at the next step boundary with its state saved{within}")
