@@ -458,7 +458,12 @@ def test_planner_with_parity_groups_against_generated_schedules() -> None:
         seen["decode" if jobs else "in-memory"] = seen.get("decode" if jobs else "in-memory", 0) + 1
         for t in topo.transfers:
             name = shard_name(t["shard"], topo.world)
-            if t["opt_src"] < 0:
+            w = f"{topo.node_of_rank(t['dst'])}.0"
+            assert t["opt_src"] != t["dst"], f"{w} is its own source"
+            if t["opt_src"] < 0 and "decode" not in t:  # it keeps its own shard, or installs the copy it holds itself
+                held = copies.get(name, {}).get(r, {})
+                assert held.get(w) == t["crc"] and (bool(t.get("local")) == (r not in pi.descs[w].own.get(name, {})))
+            elif t["opt_src"] < 0:
                 job = jobs[t["decode"]]
                 pos = job["shards"].index(t["shard"])
                 assert job["to"][str(pos)] == t["dst"] and t["crc"] == job["mcrc"][pos]
