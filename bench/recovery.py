@@ -3,9 +3,6 @@
     python bench/recovery.py            # full: headline on `small` at DP=2 (K = 10 and 50),
                                         #       plus `tiny` at DP=2 and 4 for the simulator
     python bench/recovery.py --quick    # `tiny` at DP=2 only
-    python bench/recovery.py --phoenix-only --reps 5 --out DIR
-                                        # the phoenixft hot-swap alone, R runs: its stage breakdown
-                                        # (medians and ranges), written to DIR/recovery_stages.json
 
 phoenixft: `phoenixft run --nodes 2 --spares 1 --model M --steps T --protect phoenix
 --inject kill:node=1@step=S,phase=backward` (node 1's agent and workers SIGKILLed after the
@@ -28,21 +25,13 @@ SIGKILL; P = S-1 = the last step completed before the fault):
   one step of compute after the resume),
 - steps_replayed: P minus the step the job resumed from.
 
-Stages of a hot-swap (the report's `stages`; each the slowest member's): detect (fault -> first survivor's
-report), decide = gather (every survivor's descriptor in) + plan (health verdicts, planner, publication), join
-(decision -> every member joined) = notice (the new epoch seen by its last member) + reconfigure (the epoch's
-process groups) + restore_params + restore_optimizer + configure (protection) + verify (what was installed
-hashed against the plan's evidence) + invariants (I1-I4 checked with every member), up to scheduling gaps.
-
-Prints a table (and the stages of every phoenixft run, with the load average when it started), writes
-bench/results/recovery.json and bench/results/recovery.png.
+Prints a table, writes bench/results/recovery.json and bench/results/recovery.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -66,10 +55,6 @@ from benchlib import (
     write_json,
 )
 
-# the hot-swap's stages as the report gives them, in their order on the critical path
-STAGES = ("detect_s", "gather_s", "plan_s", "decide_s", "notice_s", "reconfigure_s", "restore_params_s",
-          "restore_optimizer_s", "configure_s", "verify_s", "invariants_s", "join_s")
-
 
 def phoenix_recovery(
     work: Path,
@@ -88,7 +73,6 @@ def phoenix_recovery(
     `wait_s` > 0: the fault waits (at most that long) until the spare is warm (large models); `cfg_kw`: more
     of the run's configuration (e.g. the health gate's, for bench/health_gate.py)."""
     steps = kill_step + extra_steps
-    load = os.getloadavg()[0]
     spec = f"kill:node=1@step={kill_step},phase=backward" + (f",wait={wait_s:g}" if wait_s > 0 else "")
     rep = phoenix_run(
         work,
@@ -142,7 +126,6 @@ def phoenix_recovery(
         "action": rec["action"],
         "promoted": rec.get("promoted"),
         "health": rep.get("health"),
-        "loadavg_at_start": round(load, 2),
         "command": (
             f"phoenixft run --nodes {nodes} --workers-per-node {workers_per_node} --spares 1 "
             f"--steps {steps} --model {model} --micro-batch {micro_batch} --protect phoenix "
@@ -229,32 +212,20 @@ def ckpt_restart(work: Path, *, model: str, world: int, k: int, timeout_s: float
     }
 
 
-def stage_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Per stage: the median over `runs` and the range (min, max), in seconds."""
-    out: dict[str, dict[str, float | None]] = {}
-    for k in STAGES:
-        xs = [e["stages"][k] for e in runs if e["stages"].get(k) is not None]
-        out[k] = {"median": median(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None}
-    return out
-
-
-def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS, reps: int | None = None,
-        phoenix_only: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS) -> dict[str, Any]:
     t_start = time.time()
     machine = machine_info()
     model = model or ("tiny" if quick else "small")
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     cases: list[tuple[str, int]] = [(model, 2)]
-    if phoenix_only:
-        pass
-    elif not quick and model != "tiny":
+    if not quick and model != "tiny":
         cases += [("tiny", 2), ("tiny", 4)]
     elif not quick:
         cases += [("tiny", 4)]
     # 3 runs of the headline case: a kill that lands before the previous step's replicas have landed
     # resumes one step earlier and replays it (~1 run in 8 here): the median is the usual case, and
     # every run's time and replayed steps are kept in the headline
-    reps = reps or (1 if quick else 3)
+    reps = 1 if quick else 3
     phoenix: list[dict[str, Any]] = []
     cr: list[dict[str, Any]] = []
     for m, w in cases:
@@ -262,7 +233,7 @@ def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS, r
         n_ph = reps if (m, w) == (model, 2) else 1
         log(f"recovery: phoenixft hot-swap, {m}, world {w}, rep 1")
         phoenix.append(phoenix_recovery(work / f"ph-{m}-{w}-0", model=m, nodes=w))
-        for k in () if phoenix_only else (10, 50):
+        for k in (10, 50):
             log(f"recovery: checkpoint-restart K={k}, {m}, world {w}")
             cr.append(ckpt_restart(work / f"cr-{m}-{w}-{k}", model=m, world=w, k=k))
         for i in range(1, n_ph):
@@ -286,20 +257,7 @@ def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS, r
         "phoenix_bytes_moved": median([e["bytes_moved"] for e in head_ph if e.get("bytes_moved")]),
         "phoenix_transfer_s": median([(e["stages"].get("restore_params_s") or 0)
                                       + (e["stages"].get("restore_optimizer_s") or 0) for e in head_ph]),
-        "phoenix_time_to_resume_range_s": [min(e["time_to_resume_s"] for e in head_ph),
-                                           max(e["time_to_resume_s"] for e in head_ph)],
-        "phoenix_stages_s": stage_summary(head_ph),
     }
-    if phoenix_only:
-        res_ph: dict[str, Any] = {
-            "part": "recovery_stages", "model": model, "machine": machine, "headline": headline, "phoenix": phoenix,
-            "commands": {"harness": f"python bench/recovery.py --phoenix-only --reps {reps}"
-                         + (f" --model {model}" if model != "small" else "")},
-            "elapsed_s": round(time.time() - t_start, 1), "loadavg_at_end": machine_info()["loadavg_at_start"]}
-        shutil.rmtree(work, ignore_errors=True)
-        stage_table(head_ph)
-        write_json(out / "recovery_stages.json", res_ph)
-        return res_ph
     for k in (10, 50):
         e = next(c for c in cr if c["model"] == model and c["world_size"] == 2 and c["k"] == k)
         headline[f"ckpt_restart_k{k}_time_to_resume_s"] = e["time_to_resume_s"]
@@ -327,24 +285,7 @@ def run(quick: bool = False, *, model: str | None = None, out: Path = RESULTS, r
     return res
 
 
-def stage_table(runs: list[dict[str, Any]]) -> None:
-    """Each phoenixft run's stages in milliseconds (and the load average when it started), then their medians."""
-    if not runs:
-        return
-    names = [k.removesuffix("_s") for k in STAGES]
-    rows = [[i + 1, e.get("loadavg_at_start"), round(e["time_to_resume_s"] * 1000, 1),
-             *(round(e["stages"][k] * 1000, 1) if e["stages"].get(k) is not None else None for k in STAGES)]
-            for i, e in enumerate(runs)]
-    summ = stage_summary(runs)
-    rows.append(["median", None, round(median([e["time_to_resume_s"] for e in runs]) * 1000, 1),
-                 *(round(summ[k]["median"] * 1000, 1) if summ[k]["median"] is not None else None
-                   for k in STAGES)])
-    table(f"phoenixft hot-swap stages, ms ({runs[0]['model']}, DP={runs[0]['world_size']})",
-          ["run", "load", "resume", *names], rows)
-
-
 def report(res: dict[str, Any], out: Path) -> None:
-    stage_table([e for e in res["phoenix"] if e["model"] == res["headline"]["model"] and e["world_size"] == 2])
     rows = []
     for e in res["phoenix"] + res["checkpoint_restart"]:
         rows.append(
@@ -439,15 +380,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--reps", type=int, default=None,
-                    help="phoenixft runs of the headline case (default: 3; 1 with --quick)")
-    ap.add_argument("--phoenix-only", action="store_true",
-                    help="only the phoenixft hot-swap of the headline case (no checkpoint-restart, no `tiny` cases): "
-                         "its stage breakdown, to OUT/recovery_stages.json (recovery.json is left alone)")
     a = ap.parse_args()
-    if a.reps is not None and a.reps < 1:
-        ap.error(f"--reps {a.reps}: must be at least 1")
-    run(a.quick, model=a.model, out=Path(a.out), reps=a.reps, phoenix_only=a.phoenix_only)
+    run(a.quick, model=a.model, out=Path(a.out))
     return 0
 
 

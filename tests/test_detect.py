@@ -37,9 +37,6 @@ class _Job:
     def posted(self, e: int, nodes: list[str]) -> bool:
         return False
 
-    def wids(self, node: str) -> list[str]:
-        return [f"{node}.{i}" for i in range(self.g)]
-
 
 class _Silent(FailureDetector):
     """Every node and spare silent from the start; nothing exits or restarts."""
@@ -203,37 +200,3 @@ def test_restarts_look_only_at_the_workers_of_nodes_whose_agent_restarted_one() 
     finally:
         sealed.unbind()
         values._noted.clear()
-
-
-def test_the_gather_wakes_when_the_last_descriptor_is_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a real store: the gather returns as soon as every live worker has posted its descriptor, not at its
-    next look (here 5 s apart); a node whose exit was reported is not waited for."""
-    import threading
-
-    from phoenixft.controlplane import connect, keys, sealed
-    from phoenixft.controlplane.server import serve_store
-    from phoenixft.coordinator.shared import Job
-
-    server = serve_store("127.0.0.1", 0)
-    store = connect(server.addr, timeout_s=10.0)
-    sealed.bind("t" * 32, "rid-gather")
-    job = Job(store, 2)
-    det = FailureDetector(job, RunConfig(nodes=3, workers_per_node=2, failure_timeout=60.0), Membership(),
-                          admission=None, gather_poll_s=5.0)  # type: ignore[arg-type]
-    det.arrival.connect()
-    sealed.put(store, keys.node_exit("n2"), "1")  # (n2's exit, reported by the launcher)
-    sealed.hint(store, keys.EXITS)
-    writer = connect(server.addr, timeout_s=10.0)
-
-    def post() -> None:
-        for w in ("n0.0", "n0.1", "n1.0", "n1.1"):
-            time.sleep(0.1)
-            sealed.put(writer, keys.desc(3, w), "{}")
-            sealed.hint(writer, keys.desc_posted(3))
-
-    threading.Thread(target=post, daemon=True).start()
-    t = time.monotonic()
-    dead, fenced, restarted = det.gather(3, ["n0", "n1", "n2"])
-    took = time.monotonic() - t
-    assert dead == {"n2"} and fenced == set() and restarted == set()
-    assert took < 2.5, f"gathered {took:.2f}s in: at a look, not when the last descriptor came"

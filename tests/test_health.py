@@ -216,33 +216,6 @@ def test_the_gate_takes_fresh_verdicts_waits_for_running_checks_and_asks_stale_o
     assert _ask(store)["nodes"] == ["s0"]
 
 
-def test_a_recovery_reads_the_spares_verdicts_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A recovery's decision vets the pool `healthy` chose a moment before on that reading (no second store
-    read: the gate costs the decision one round trip, not two); a fresh verdict is taken at once, a spare with
-    none of its own in that reading is read again, and a reading is used once."""
-    from phoenixft.config import RunConfig
-    from phoenixft.coordinator.shared import Job, Membership
-    from phoenixft.health import gate as gate_mod
-
-    _master, store = _store()
-    sealed.bind("t" * 32, "rid")
-    spares = ["s0", "s1"]
-    state = Membership(members={s: {"hostid": f"h/{s}"} for s in spares}, spare_pool=list(spares))
-    g = gate_mod.HealthGate(Job(store, 1), RunConfig(health_max_age=10.0), state)
-    _post(store, "s0", 1, ok=True, age=1.0)
-    _post(store, "s1", 1, ok=True, age=1.0)
-    reads = []
-    real = store.exists_many
-    monkeypatch.setattr(store, "exists_many", lambda ks, **kw: reads.append(ks) or real(ks, **kw))
-    pool = g.healthy(spares, pending=True)
-    assert pool == spares and len(reads) == 1
-    assert g.vet(pool, 1, reuse_read=True) == ["s0"] and len(reads) == 1  # taken on healthy's reading
-    assert g.vet(pool, 1, reuse_read=True) == ["s0"] and len(reads) == 2  # (used once: read again)
-    g.healthy(["s0"], pending=True)
-    assert g.vet(spares, 2, reuse_read=True) == spares and len(reads) == 4  # s1 not in that reading: read
-    assert g.vet(spares, 2) == spares and len(reads) == 5  # (without reuse_read: always read)
-
-
 def test_a_spare_checks_in_the_background_and_a_running_check_answers_an_ask(tmp_path: Path) -> None:
     from phoenixft.config import RunConfig
     from phoenixft.health.spare import SpareHealth

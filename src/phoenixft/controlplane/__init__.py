@@ -20,17 +20,15 @@ Store clients per process (`clients_opened()` counts them). A TCPStore client is
 calls the torch client serializes: a blocking `wait` on one thread holds every other thread's call on
 it. So, on a TCPStore:
 
-- a worker opens 5 (4 before it first builds process groups, 4 without protection): its own (the
+- a worker opens 4 (3 before it first builds process groups, 3 without protection): its own (the
   training thread's polls and writes, and the rendezvous of its process groups), the failure
-  watcher's (one blocking `wait` on the epoch's failure flag, for ever), its key-arrival watch's (a
-  blocking `wait` on the key it waits for: a spare's promotion, the next epoch's topology), a side client (the
+  watcher's (one blocking `wait` on the epoch's failure flag, for ever), a side client (the
   epoch-flag polls while the rendezvous blocks its own; after an abort it becomes the worker's own,
   the blocked one staying with the abandoned build, so it cannot be shared with a thread that must
   never block) and one shared by its replication and persistent-tier threads (short non-blocking
   calls only: `check`, `append`);
 - an agent opens 1 (a new one after a failed call; the workers it forks open their own); the
-  coordinator 4 (its loop's, and the blocking watches of the failure flags, of the launcher's exit wake
-  and of a recovery's descriptors); the launcher 1;
+  coordinator 2 (its loop's, and the blocking watch of the failure flags); the launcher 1;
   `phoenixft status` 1.
 
 An `EtcdStore` serves every thread of its process on that thread's own connection (a blocking wait

@@ -22,9 +22,6 @@ EPOCH = "epoch"
 JOURNAL = "coordinator/journal"  # the coordinator's last decision (topology, spare pool, dead nodes), write-ahead
 COORDINATOR_PID = "coordinator/pid"  # the running coordinator (cleared by the launcher when it exits)
 EXITS = "exits"  # node exits the launcher told (it alone writes it, with `set`): `exit/<node>` keys to look at
-# set by the launcher after each told exit, deleted by the coordinator's watch of it: wakes the coordinator's loop at
-# once (any value; a stranger's only wakes it early, what counts is `exit/<node>`, sealed)
-EXITS_WAKE = "exits/wake"
 WORKER_EXITS = "wexits"  # hint an agent sets after writing `wexit/<wid>` (a worker restarted in place)
 START_FAILS = "startfails"  # hint a worker sets after writing `startfail/<wid>` (it failed before any step)
 RUN_DIR = "run/dir"  # where rank 0 writes the final state (the launcher's run directory)

@@ -23,7 +23,7 @@ from phoenixft.controlplane.store import Store
 from phoenixft.controlplane.values import parse_json
 from phoenixft.errors import PeerFailure
 
-__all__ = ["FailureWatcher", "KeyArrival", "drain_step", "drain_persists"]
+__all__ = ["FailureWatcher", "drain_step", "drain_persists"]
 
 WAKE_S = 600.0  # a timed-out wait logs a c10d warning: wake rarely (the epoch always changes by its flag)
 FORGED_POLL_S = 0.02  # a flag that is there and does not verify (a wait would return at once): polled this often
@@ -125,52 +125,3 @@ def drain_step(raw: bytes) -> int:
 def drain_persists(raw: bytes) -> bool:
     """The drain notice stops the whole job: its step is written to the persistent tier as well."""
     return parse_json(raw, "drain_notice", {}).get("persist") is True
-
-
-class KeyArrival:
-    """Wakes a waiter the moment a key appears in the store, with no polling: each `watch` starts a daemon
-    thread blocked in the store's server-side `wait` on the key, on a client of its own (a blocking wait
-    holds up the client's other callers: `Store.independent()`), connected once and kept for the next
-    watch. A spare waits like this for its promotion and a survivor for the next epoch's topology: a poll
-    that backs off to tens of milliseconds (so that a whole run of waiting costs the store little) would
-    delay every recovery by as much."""
-
-    def __init__(self, store: Store) -> None:
-        self._base = store
-        self._client: Store | None = None
-        self._last: threading.Thread | None = None
-
-    def connect(self) -> None:
-        """Open the client now, off the recovery's path (the first `watch` would otherwise)."""
-        if self._client is None:
-            self._client = self._base.independent()
-
-    def watch(self, *names: str) -> threading.Event:
-        """An event set once every key of `names` exists (whatever their values: the caller verifies them), or
-        once the watch cannot go on (the store broke off: the caller falls back to polling)."""
-        arrived = threading.Event()
-        if self._last is not None and self._last.is_alive():  # an earlier watch still blocks its client
-            self._client = None
-        try:
-            self.connect()
-        except Exception:  # noqa: BLE001 - no client of its own now (the store is away): the caller polls
-            arrived.set()
-            return arrived
-        assert self._client is not None
-        t = threading.Thread(target=self._run, args=(self._client, list(names), arrived),
-                             name="phoenixft-key-arrival", daemon=True)
-        t.start()
-        self._last = t
-        return arrived
-
-    def _run(self, client: Store, names: list[str], arrived: threading.Event) -> None:
-        while True:
-            try:
-                if names and not client.check(names):
-                    client.wait(names, timedelta(seconds=client.wait_slice_s))
-                break
-            except Exception as e:  # noqa: BLE001 - a slice that ran out is renewed; anything else ends the watch
-                if "timeout" not in str(e).lower():
-                    self._client = None  # (a client that broke is not handed to the next watch)
-                    break
-        arrived.set()

@@ -163,7 +163,6 @@ class Decider:
         self._stuck: list[int] = []  # progress seen at each recovery since a step last completed
         self._refused: dict[str, str] = {}  # checkpoint path -> why: refused by the workers, never chosen again
         self._sdc: dict[str, dict[str, Any]] = {}  # nodes convicted of silent data corruption in this recovery
-        self._t_gathered: float | None = None  # when this recovery's gather ended (every descriptor in, or timed out)
         if cfg.persist_dir or cfg.resume:  # the persistent tier's reader imports torch (seconds of CPU): now, not
             import phoenixft.protect.persist  # noqa: F401  (during a recovery; without a tier, never)
 
@@ -179,7 +178,6 @@ class Decider:
             self.job.keeper.put(keys.drain_abort(e), "1")  # every rank leaves its step now, as on any failure
         self.admission.health.begin(self.admission.ready_spares(pending=True))  # (stale ones check meanwhile)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
-        self._t_gathered = time.time()
         self._sdc = self._convicted(e, old, dead, fenced)
         with gc_paused():
             self.decide(old, t_start, dead, fenced, restarted)
@@ -203,7 +201,6 @@ class Decider:
         desk.await_stopped(e, old.world, req)
         self.job.keeper.put(keys.drain_abort(e), "1")  # (whoever is still inside a step of e leaves it now)
         dead, fenced, restarted = self.detector.gather(e, old.nodes)
-        self._t_gathered = time.time()
         self._sdc = self._convicted(e, old, dead, fenced)
         if req.node in dead:
             self.job.event("drain_failed", epoch=e, node=req.node, why="the node was lost before its drain was "
@@ -247,8 +244,7 @@ class Decider:
         t_first = self._failures_reported(e, t_start, descs)
         self.admission.refresh_pool()
         need = len(dead) + len(leaving) + max(0, self.cfg.nodes - len(old.nodes))
-        pool = self.admission.health.vet(self.admission.ready_spares(pending=True), need,  # (a fresh verdict each)
-                                         reuse_read=True)
+        pool = self.admission.health.vet(self.admission.ready_spares(pending=True), need)  # (a fresh verdict each)
         grow_only = (not dead and not leaving and not restarted and len(old.nodes) < self.cfg.nodes
                      and not sealed.has(self.store, keys.failflag_by_worker(e)))
         tiers, refused = self._persistent_tiers(old, descs)
@@ -381,8 +377,7 @@ class Decider:
                        **{"class": klass}, action=plan.action, drained=topo.meta.get("drained", []))
         t_decided = time.time()
         rec: dict[str, Any] = {"epoch": e + 1, "failed_epoch": e, "t_start": t_start, "t_first_report": t_first,
-               "t_gathered": self._t_gathered, "t_decided": t_decided,
-               "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
+               "t_decided": t_decided, "dead": sorted(dead), "fenced": sorted(dead), "unresponsive": sorted(fenced),
                "promoted": plan.promoted,
                "resume_step": plan.resume_step, "max_committed": max(max_committed, progress, old.resume_step),
                "class": klass, "sdc": self._sdc,
@@ -395,7 +390,6 @@ class Decider:
         if drain is not None:  # the drain it answers: whether it completed as one, or fell back to a failure
             rec["drain"] = {**drain.record(), "completed": drain.node in topo.meta.get("drained", [])}
             rec["drained"] = list(topo.meta.get("drained", []))
-        self._t_gathered = None
         self.job.keeper.put(keys.recovery(e + 1), json.dumps(rec))
         self.publisher.publish(topo)
         self.job.event("recovery_planned", epoch=e + 1, resume_step=plan.resume_step, promoted=plan.promoted,

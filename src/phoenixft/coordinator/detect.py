@@ -23,7 +23,6 @@ import time
 
 from phoenixft.config import RunConfig
 from phoenixft.controlplane import keys, multi_get_nowait, sealed
-from phoenixft.controlplane.watcher import KeyArrival
 from phoenixft.coordinator.admission import Admission
 from phoenixft.coordinator.shared import Job, Membership, hint_moved
 
@@ -61,7 +60,6 @@ class FailureDetector:
         # agent's node whose workers answered is not judged stale again before another --failure-timeout)
         self._answered: dict[str, float] = {}
         self._read_at: float | None = None  # when this process last read the heartbeats (its monotonic clock)
-        self.arrival = KeyArrival(self.store)  # (the gather's wait for the descriptors; connected by the loop)
 
     def exited(self, nodes: list[str]) -> set[str]:
         """Those of `nodes` whose exit the launcher reported (`exit/<node>`, sealed). A node's exit key is
@@ -173,10 +171,6 @@ class FailureDetector:
         said = silent = False
         last_hb, checked_live = 0.0, None
         posts = sealed.Hint(keys.desc_posted(e), HB_CHECK_S)  # (set by each worker after its descriptor)
-        # woken the moment the last descriptor of the nodes not known dead is there (else polled): a blocking
-        # wait on all of them, on a client of its own
-        gone = self.exited(nodes)
-        arrived = self.arrival.watch(*[keys.desc(e, w) for n in nodes if n not in gone for w in self.job.wids(n)])
         while True:
             dead |= self.exited(nodes)
             live = [n for n in nodes if n not in dead]
@@ -218,10 +212,7 @@ class FailureDetector:
                 fenced |= unresponsive  # fence the whole node
                 dead |= unresponsive
                 break
-            if arrived.is_set():  # (every one there, or the watch broke off: polled)
-                time.sleep(self.gather_poll_s)
-            else:
-                arrived.wait(self.gather_poll_s)
+            time.sleep(self.gather_poll_s)
         now = time.monotonic()
         self._answered.update((n, now) for n in nodes if n not in dead)  # every live node's workers posted
         return dead, fenced, restarted

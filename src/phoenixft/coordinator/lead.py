@@ -46,7 +46,6 @@ __all__ = ["ControlPlaneLost", "Coordinator", "WrongToken", "main"]
 
 FORGED_FLAG_POLL_S = 0.02  # a failure flag not sealed with the run key is polled this often until replaced
 POLL_S = 0.025  # steady state: a flag-watch thread wakes the loop at once on a failure (see _watch_flags)
-EXIT_WAKE_MIN_S = 0.005  # the exit watch wakes the loop at most this often
 JOIN_NAP_S = 0.05  # the longest the loop waiting for the nodes to join sleeps between two looks
 STANDBY_GIVE_UP_S = 60.0  # a standby whose store has had no quorum for this long stops (no job outlives that)
 
@@ -227,8 +226,6 @@ class Coordinator:
         # poll slowly (every poll takes CPU from training on the same machines), but wake at once when
         # the epoch's failure flag is set
         threading.Thread(target=self._watch_flags, name="phoenixft-flag-watch", daemon=True).start()
-        threading.Thread(target=self._watch_exits, name="phoenixft-exit-watch", daemon=True).start()
-        self.detector.arrival.connect()  # (now: a recovery's gather opens no connection)
         while True:
             assert self.state.topo is not None
             # one request:
@@ -311,25 +308,6 @@ class Coordinator:
             self._wake.set()
             while self.state.topo is topo:  # until the recovery has published the next epoch
                 time.sleep(0.02)
-
-    def _watch_exits(self) -> None:
-        """Block on the launcher's wake key (`keys.EXITS_WAKE`, set after each node exit it tells) on a client of
-        its own, and wake the loop when it appears: a killed node's recovery then starts as soon as the launcher
-        saw the exit, not up to a slow poll later. The key is deleted before the loop looks, so a later exit
-        sets it again; the loop reads the exits themselves (sealed), never this key's value. At most one wake
-        per EXIT_WAKE_MIN_S (a stranger setting the key again and again cannot spin the loop)."""
-        from datetime import timedelta
-
-        store, slice_s = self.store.independent(), self.store.wait_slice_s
-        while True:
-            try:
-                store.wait([keys.EXITS_WAKE], timedelta(seconds=slice_s))
-                store.delete_key(keys.EXITS_WAKE)
-            except Exception:  # noqa: BLE001 - not set within the slice, or the cluster is briefly away
-                time.sleep(EXIT_WAKE_MIN_S)
-                continue
-            self._wake.set()
-            time.sleep(EXIT_WAKE_MIN_S)
 
     def _publish_whole(self) -> None:
         """`job/whole`: the job has its full size and, if it was given spares, at least one warm spare

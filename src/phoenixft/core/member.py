@@ -27,7 +27,7 @@ from phoenixft.controlplane import Store, auth, exists_many, keys, poll_interval
 from phoenixft.controlplane.keeper import Keeper
 from phoenixft.controlplane.signed import CONFIG_WAIT_S, end_record, env_token, run_ended, set_signed, wait_verified
 from phoenixft.controlplane.values import parse_int
-from phoenixft.controlplane.watcher import FailureWatcher, KeyArrival
+from phoenixft.controlplane.watcher import FailureWatcher
 from phoenixft.core.context import RankContext
 from phoenixft.distributed import device
 from phoenixft.distributed.comm import EpochComm, connect_store
@@ -96,7 +96,6 @@ class Member:
         self.incarnation = start.incarnation
         self.restarted = start.incarnation > 0
         self.watcher = FailureWatcher(start.store.independent())  # (its wait blocks)
-        self._arrival = KeyArrival(start.store)  # (the next epoch's topology, a spare's promotion: `_wait_key`)
         # what protection, recovery and fault injection see of this rank: its state, epoch, communicators
         self.ctx = RankContext(self.cfg, run_id, self.wid, node_id, start.store, self.watcher)
         self._side_store: Store | None = None  # for polls while the rendezvous blocks ctx.store (_build_comm)
@@ -125,7 +124,6 @@ class Member:
 
     def announce(self) -> None:
         """This rank is ready for its epoch (the coordinator starts the run once every active rank is)."""
-        self._arrival.connect()  # (before the run starts: a recovery's wait for its next epoch opens no connection)
         self.keeper.put(keys.ready(self.wid), str(time.time()))
         if self.restarted:  # its earlier failure before the first step did not repeat (a transient one)
             self.ctx.store.delete_key(keys.start_failed(self.wid))
@@ -180,13 +178,10 @@ class Member:
 
     def _wait_key(self, key: str, timeout_s: float, is_sealed: bool = False) -> bytes:
         """The value of `key` once it is there (`is_sealed`: and verifies); RunAborted if the run ends first or
-        after `timeout_s`. Woken the moment the key appears (`KeyArrival`: a server-side wait on a thread of its
-        own), the run's end looked at every WAIT_END_CHECK_S meanwhile: a spare waits like this for its
-        assignment the whole run, and must neither cost the control plane hundreds of requests a second nor
-        learn of its promotion late. A key that is there and does not verify is looked at every 5 ms at first,
-        backing off to every WAIT_KEY_NAP_S (or the store's `poll_s`), until the job's own value replaces it."""
+        after `timeout_s`. Looked for every 5 ms at first, backing off to every WAIT_KEY_NAP_S (or the store's
+        `poll_s`), and the run's end every WAIT_END_CHECK_S: a spare waits like this for its assignment the whole
+        run, and must not cost the control plane hundreds of requests a second while it does."""
         deadline = time.monotonic() + timeout_s
-        arrived = self._arrival.watch(key)
         nap, cap, end_checked = 0.005, poll_interval(self.ctx.store, WAIT_KEY_NAP_S), 0.0
         while True:
             if self.ctx.store.check([key]):
@@ -201,11 +196,8 @@ class Member:
                     raise RunAborted(f"run ended ({ended})")
             if now > deadline:
                 raise RunAborted(f"no answer from the control plane for {key!r} after {timeout_s:.0f}s")
-            if arrived.is_set():  # there and not verifying yet (or the watch broke off): polled, backing off
-                time.sleep(nap)
-                nap = min(nap * 1.5, cap)
-            else:  # woken the moment it appears; the run's end looked at meanwhile
-                arrived.wait(max(0.0, min(WAIT_END_CHECK_S - (now - end_checked), deadline - now)))
+            time.sleep(nap)
+            nap = min(nap * 1.5, cap)
 
     def await_membership(self) -> Topology:
         if self.node_id.startswith("s"):  # spare: wait, warm, to be promoted
@@ -246,8 +238,6 @@ class Member:
         self.keeper.drop_prefix("desc/")
         self.keeper.put(keys.desc(e, self.wid), json.dumps(desc.to_json()))
         sealed.hint(self.ctx.store, keys.desc_posted(e))  # the coordinator polls this one key, not every descriptor
-        if self.protection.repl is not None:  # (closed once the next epoch is joined, not inside its join)
-            self.protection.repl.release()
         if drain and self.ctx.topo is not None:
             self._await_peers_settled(e, self.ctx.topo)
         # only now the old epoch's groups are aborted: an NCCL abort can block up to the group's timeout,
@@ -292,8 +282,8 @@ class Member:
         """This rank's join record of `topo`'s epoch: its invariants, what failed verification, its timings."""
         timings["join_s"] = time.time() - t0
         sealed.put(self.ctx.store, keys.join(topo.epoch, self.wid),
-                   json.dumps({"t": time.time(), "t_start": t0, "rank": self.ctx.rank, "invariants": inv,
-                               "i3_failures": bad, **timings}))
+                   json.dumps({"t": time.time(), "rank": self.ctx.rank, "invariants": inv, "i3_failures": bad,
+                               **timings}))
 
     def _stop_for_drain(self, done: int) -> None:
         """At the step boundary after step `done`: a planned drain of this epoch stops every rank here, once
@@ -420,9 +410,7 @@ class Member:
         bad: list[str] = []  # I3: what failed verification on this rank
         self._restore(topo, r, old_rank, timings, bad)
         tr = self.ctx.trainer
-        t_cfg = time.time()
         self.protection.configure(topo, self.ctx.rank, r)
-        timings["configure_s"] = time.time() - t_cfg
         half = tr.state.half_with(r)
         held = tr.state.shard_of(half) if half is not None else (-1, 0)
         store, e = self.ctx.store, topo.epoch
@@ -431,8 +419,6 @@ class Member:
             if "evidence_step" in topo.meta else None
         seen = installed_seen(tr, topo, self.ctx.rank, r, part,
                               lambda: sealed.wait_json(store, keys.evidence(e), EVIDENCE_WAIT_S))
-        t_inv = time.time()
-        timings["verify_s"] = t_inv - t_cfg - timings["configure_s"]  # (the evidence read, what it installed hashed)
         try:
             inv, detail = check_invariants(self.ctx.comm.train, topo, self.ctx.rank, r, tr.flat.step,
                                            tr.state.steps(), held, not bad, self.ctx.wait, seen)
@@ -441,7 +427,6 @@ class Member:
                 # verification here still reaches the report, or the recovery would say I3 failed on no rank
                 self._post_join(topo, t0, dict.fromkeys(("I1", "I2", "I3", "I4"), False), bad, timings)
             raise
-        timings["invariants_s"] = time.time() - t_inv
         self._post_join(topo, t0, inv, bad, timings)
         if not inv["I3"]:
             # a copy failed verification: recover again without that source (or stop, if none is left)
@@ -454,8 +439,6 @@ class Member:
         self.ctx.bad_sources = []
         self._joined(topo, r)
         self.watcher.arm(topo.epoch)
-        if self.protection.repl is not None:  # (the ended epoch's routes: off the recovery's path, see `release`)
-            self.protection.repl.close_released()
         if self.ctx.scheme is not None:
             self.ctx.scheme.protect(r)
         if topo.epoch > 0:

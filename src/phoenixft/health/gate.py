@@ -59,7 +59,6 @@ class HealthGate:
         self.asked: dict[str, int] = {}  # spare -> the ask its next answer must carry
         self._rechecks: set[str] = set()  # of `asked`: those asked for a background re-check
         self._seen: dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None]] = {}  # the last records read
-        self._healthy_read: dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None]] = {}  # `healthy`'s last
 
     def publish_reference(self) -> None:
         """The matrix product's reference checksum, for every spare's check (once per job)."""
@@ -175,7 +174,6 @@ class HealthGate:
         if not self.on:
             return nodes
         states = self.states(nodes)
-        self._healthy_read = states  # (a recovery's `vet` of the pool chosen here takes it: `reuse_read`)
         out = []
         for n in nodes:
             v, r = states[n]
@@ -248,15 +246,13 @@ class HealthGate:
                                                     "recheck": sorted(self._rechecks & set(self.asked)),
                                                     "t": time.time()}))
 
-    def vet(self, pool: list[str], need: int, reuse_read: bool = False) -> list[str]:
+    def vet(self, pool: list[str], need: int) -> list[str]:
         """The first `need` spares of `pool` whose verdict passed: a fresh one at once, a running check's or an
         ask's once posted (at most the check's bound and a margin), an older one's after asking it again now;
-        all of `pool` when none is needed or the gate is off. `reuse_read`: `pool` is what `healthy` chose just
-        before, and its reading of their states stands (a recovery's decision reads them once, not twice)."""
+        all of `pool` when none is needed or the gate is off."""
         if not self.on or need <= 0 or not pool:
             return pool
-        read, self._healthy_read = self._healthy_read, {}
-        states = {n: read[n] for n in pool} if reuse_read and all(n in read for n in pool) else self.states(pool)
+        states = self.states(pool)
         deadline = time.monotonic() + check_bound_s(self.cfg) + ANSWER_MARGIN_S
         out: list[str] = []
         failed: list[str] = []

@@ -165,8 +165,7 @@ def _failed_recovery(rec: dict[str, Any], answered: list[dict[str, Any]], cfg: R
         "last_committed_step": rec.get("max_committed"),
         "stages": {"detect_s": rec["t_first_report"] - t0, "decide_s": rec["t_decided"] - rec["t_first_report"],
                    "reconfigure_s": None, "restore_params_s": None, "restore_optimizer_s": None, "join_s": None,
-                   "first_step_s": None, "gather_s": None, "plan_s": None, "notice_s": None, "configure_s": None,
-                   "verify_s": None, "invariants_s": None},
+                   "first_step_s": None},
         "bytes_moved": 0, "per_rank": {}, "redundancy": cfg.redundancy, "decoded": [], "bytes_decoded_from": 0,
         "decode_s": 0.0, "invariants": {k: False for k in ("I1", "I2", "I3", "I4")}, "errors": rec.get("errors", []),
         "replicas_rejected": [], "fenced": rec.get("fenced", []), "unresponsive": rec.get("unresponsive", []),
@@ -233,17 +232,6 @@ def _recovery(store: Store, cfg: RunConfig, e: int, rec: dict[str, Any], faults:
             "restore_optimizer_s": max((j.get("restore_opt_s", 0.0) for j in joins), default=None),
             "join_s": joined_at - rec["t_decided"],
             "first_step_s": (first["t"] - joined_at) if first else None,
-            # the decision's two parts: every survivor's descriptor in (their reports, the coordinator's gather),
-            # then the plan (the spares' health verdicts, the planner, the publication)
-            "gather_s": _since(rec.get("t_gathered"), rec["t_first_report"]),
-            "plan_s": _since(rec["t_decided"], rec.get("t_gathered")),
-            # the join's parts (the slowest member's): the new epoch's topology seen by its last member, its
-            # protection configured, what it installed verified against the plan's evidence, the invariants
-            "notice_s": max((j["t_start"] - rec["t_decided"] for j in joins if _num(j.get("t_start"))),
-                            default=None),
-            "configure_s": max((j["configure_s"] for j in joins if _num(j.get("configure_s"))), default=None),
-            "verify_s": max((j["verify_s"] for j in joins if _num(j.get("verify_s"))), default=None),
-            "invariants_s": max((j["invariants_s"] for j in joins if _num(j.get("invariants_s"))), default=None),
         },
         "bytes_moved": sum(j.get("bytes_params", 0) + j.get("bytes_opt", 0) + j.get("bytes_ec", 0) for j in joins),
         # each member's own stage timings (the stages above are the slowest member's)
@@ -270,15 +258,6 @@ def _recovery(store: Store, cfg: RunConfig, e: int, rec: dict[str, Any], faults:
         "drain": _drain(rec, first),
         "sdc": rec.get("sdc", {}),  # class sdc: the node convicted of silent data corruption, and why
     }
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _since(t: Any, t0: Any) -> float | None:
-    """t - t0, or None where either is missing (a record written before the time was kept)."""
-    return float(t) - float(t0) if _num(t) and _num(t0) else None
 
 
 def _drain(rec: dict[str, Any], first: dict[str, Any] | None) -> dict[str, Any] | None:

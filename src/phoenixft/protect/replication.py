@@ -82,7 +82,6 @@ class Replicator:
         self.state = state
         self.transport = TransportMode.parse(transport)  # which backends each pair may use (transport/)
         self._routes: Routes | None = None  # this epoch's, made by the first job
-        self._released: list[Routes] = []  # ended epochs' routes, closed once the next epoch is joined
         self.holdings: dict[int, Holding] = {}
         self._holding_factory = holding_factory
         self.chunk = max(1, chunk_numel)
@@ -157,24 +156,6 @@ class Replicator:
         with self._cv:
             self._cv.wait_for(lambda: self._job is None, timeout=timeout_s)
 
-    def release(self) -> None:
-        """The epoch ended (its groups retire): its routes are set aside, if no job uses them, to be closed once
-        the next epoch is joined (`close_released`). Closing a holder's last handle of a lost owner's shard file
-        frees that file's memory: tens of milliseconds of CPU, spent inside the next epoch's join when
-        `configure` closed them, and competing with the survivors' reports and the decision if closed at once."""
-        with self._cv:
-            if self._job is not None or self._routes is None:
-                return
-            self._released.append(self._routes)
-            self._routes = None
-
-    def close_released(self) -> None:
-        """Close the routes `release` set aside, on a thread of their own (the next epoch is joined)."""
-        with self._cv:
-            done, self._released = self._released, []
-        if done:
-            threading.Thread(target=_close_all, args=(done,), name="phoenixft-routes-close", daemon=True).start()
-
     def close(self) -> None:
         with self._cv:
             self._stop = True
@@ -182,9 +163,6 @@ class Replicator:
             self._cv.notify_all()
             if self._job is None:
                 self._drop_routes()
-            done, self._released = self._released, []
-        for r in done:
-            r.close()
 
     def _drop_routes(self) -> None:
         if self._routes is not None:
@@ -375,8 +353,3 @@ class Replicator:
             # a recovery epoch re-forms the groups and the next step replicates afresh
             raise PeerFailure(f"replica of shard {shard} (step {r_step}): its header says shard {r_shard} "
                               f"of {r_numel} elements (half {r_half}), the holding is for shard {shard} of {n}")
-
-
-def _close_all(routes: list[Routes]) -> None:
-    for r in routes:
-        r.close()

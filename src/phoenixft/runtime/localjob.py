@@ -366,7 +366,6 @@ class LocalJob(JobTeardown):
             self.keeper.put(keys.node_exit(self._unreported[0]), str(time.time()))
             self._exits_told += 1
             sealed.hint(self.store, keys.EXITS)  # (a hint, never an `add`: see controlplane.sealed)
-            self.store.set(keys.EXITS_WAKE, "1")  # (the coordinator's watch wakes its loop at once)
             self._unreported.pop(0)
 
     def _look_final(self) -> None:
